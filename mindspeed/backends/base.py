@@ -1,0 +1,230 @@
+"""The small interface every feature is written against.
+
+A backend bundles five parts: device, comm, kernels, autograd, memory. Features never import a
+framework or device API; they call `get_backend()` and use these parts. Tensors are the
+backend's own tensor type; groups are opaque handles the backend hands out.
+Capabilities are declared by name with a level, so the support matrix can be computed without
+importing the framework behind a backend.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Sequence
+
+
+class Level(str, enum.Enum):
+    NATIVE = "native"      # implemented by the device / framework directly
+    EMULATED = "emulated"  # works, built from other primitives (slower, same semantics)
+    ABSENT = "absent"      # not available: features that require it are refused
+
+    @property
+    def rank(self) -> int:
+        return {"absent": 0, "emulated": 1, "native": 2}[self.value]
+
+
+class Cap:
+    """Capability names: one name per concept across flags, features, matrix and tests."""
+    # device
+    RNG_STATE = "device.rng_state"
+    # collectives
+    ALL_REDUCE = "comm.all_reduce"
+    ALL_GATHER = "comm.all_gather"
+    REDUCE_SCATTER = "comm.reduce_scatter"
+    ALL_TO_ALL = "comm.all_to_all"
+    SEND_RECV = "comm.send_recv"
+    BROADCAST = "comm.broadcast"
+    SUBGROUPS = "comm.subgroups"
+    # kernels (KERNELS.md)
+    RMS_NORM = "kernel.rms_norm"
+    SWIGLU = "kernel.swiglu"
+    ROPE = "kernel.rope"
+    FLASH_ATTENTION = "kernel.flash_attention"
+    RING_ATTENTION_UPDATE = "kernel.ring_attention_update"
+    GMM = "kernel.gmm"
+    MATMUL_ADD_FP32 = "kernel.matmul_add_fp32"
+    MOE_PERMUTE = "kernel.moe_permute"
+    DROPOUT_ADD_LAYER_NORM = "kernel.dropout_add_layer_norm"
+    COC = "kernel.coc"                      # matmul + collective overlap (Ascend only)
+    # autograd and memory
+    CUSTOM_OP = "autograd.custom_op"
+    RECOMPUTE = "memory.recompute"
+    HOST_OFFLOAD = "memory.host_offload"
+    PEAK_MEMORY = "memory.peak_stats"
+    # host model the features hook into
+    MEGATRON_CORE = "host.megatron_core"      # torch backend: Megatron-Core modules
+    NATIVE_TRAINER = "host.native_trainer"    # mindspore backend: MindSpeed's MindSpore GPT
+    PIPELINE_PARALLEL = "host.pipeline_parallel"
+    DISTRIBUTED_OPTIMIZER = "host.distributed_optimizer"
+    MOE = "host.moe"
+    PROFILER = "host.profiler"
+
+    @classmethod
+    def all(cls) -> list[str]:
+        return [v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str)]
+
+
+Capabilities = dict  # name -> Level
+
+
+class DeviceAPI(ABC):
+    name: str  # "cpu", "cuda", "npu", "ascend", ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    @abstractmethod
+    def manual_seed(self, seed: int) -> None: ...
+
+    @abstractmethod
+    def get_rng_state(self) -> Any: ...
+
+    @abstractmethod
+    def set_rng_state(self, state: Any) -> None: ...
+
+
+class CommAPI(ABC):
+    """Collectives over the backend's process groups. `group=None` means the world."""
+
+    @abstractmethod
+    def rank(self, group=None) -> int: ...
+
+    @abstractmethod
+    def world_size(self, group=None) -> int: ...
+
+    @abstractmethod
+    def new_group(self, ranks: Sequence[int]): ...
+
+    @abstractmethod
+    def all_reduce(self, tensor, op: str = "sum", group=None):
+        """Returns the reduced tensor (op: sum | max | min | avg)."""
+
+    @abstractmethod
+    def all_gather(self, tensor, dim: int = 0, group=None):
+        """Concatenates every rank's tensor along `dim`."""
+
+    @abstractmethod
+    def reduce_scatter(self, tensor, dim: int = 0, group=None):
+        """Sums across ranks, then keeps this rank's slice of `dim`."""
+
+    @abstractmethod
+    def all_to_all(self, tensor, scatter_dim: int, gather_dim: int, group=None):
+        """Splits `scatter_dim` into world chunks, sends chunk i to rank i, concatenates received
+        chunks along `gather_dim`."""
+
+    @abstractmethod
+    def send_recv(self, send_tensor, dst: int, src: int, group=None):
+        """Sends to `dst` and receives a tensor shaped like `send_tensor` from `src` (group ranks).
+        Returns (received, handle) where handle.wait() completes the exchange; a synchronous
+        backend returns a completed handle."""
+
+    @abstractmethod
+    def broadcast(self, tensor, src: int = 0, group=None): ...
+
+    @abstractmethod
+    def barrier(self, group=None) -> None: ...
+
+    # differentiable variants, used inside models (backward = the adjoint collective)
+    @abstractmethod
+    def all_to_all_autograd(self, tensor, scatter_dim: int, gather_dim: int, group=None): ...
+
+    @abstractmethod
+    def all_gather_autograd(self, tensor, dim: int = 0, group=None): ...
+
+    @abstractmethod
+    def reduce_scatter_autograd(self, tensor, dim: int = 0, group=None): ...
+
+
+class KernelsAPI(ABC):
+    """KERNELS.md. Every backend provides each kernel (fast where it can, the reference where
+    it cannot) and exposes its reference implementation under `reference`."""
+
+    reference: "KernelsAPI"
+
+    @abstractmethod
+    def rms_norm(self, x, gamma, eps: float = 1e-6):
+        """-> (y, rstd). y = cast(x * rsqrt(mean(x^2) + eps), x.dtype) * gamma; rstd fp32."""
+
+    @abstractmethod
+    def swiglu(self, x, dim: int = -1):
+        """silu(first half) * second half along `dim`."""
+
+    @abstractmethod
+    def rope(self, x, cos, sin, mode: int = 0):
+        """Rotary embedding; mode 0 rotate-half, 1 interleaved. Only the first cos.shape[-1]
+        channels rotate; the rest pass through."""
+
+    @abstractmethod
+    def attention(self, q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale: float | None = None,
+                  dropout_p: float = 0.0, pre_tokens: int = 2**31 - 1, next_tokens: int = 2**31 - 1,
+                  causal: bool = False, actual_seq_qlen=None, actual_seq_kvlen=None, alibi=None):
+        """-> (out, softmax_max, softmax_sum); stats fp32 shaped [b, n, sq] (TND: [t, n])."""
+
+    @abstractmethod
+    def ring_attention_update(self, prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum):
+        """-> (out, max, sum) merged with the online-softmax rule."""
+
+    @abstractmethod
+    def gmm(self, x, weight, group_list, group_list_type: int = 0):
+        """Grouped matmul; group_list cumulative ends (type 0) or sizes (type 1)."""
+
+    @abstractmethod
+    def matmul_add_fp32(self, x, dy, main_grad):
+        """In place main_grad += dy^T @ x in fp32; returns main_grad."""
+
+    @abstractmethod
+    def moe_permute(self, tokens, routing_map):
+        """-> (permuted_tokens, sorted_indices); routing_map [T, E] bool, expert-major order."""
+
+    @abstractmethod
+    def moe_unpermute(self, permuted_tokens, sorted_indices, probs, restore_shape):
+        """Scatter-add back to [T, H], each row weighted by its routing prob."""
+
+
+class AutogradAPI(ABC):
+    @abstractmethod
+    def custom_op(self, forward: Callable, backward: Callable) -> Callable:
+        """Build a differentiable op. forward(ctx, *inputs) -> outputs; backward(ctx, *grads)
+        -> input grads. `ctx.save(*tensors)` / `ctx.saved` keep what backward needs."""
+
+
+class MemoryAPI(ABC):
+    @abstractmethod
+    def recompute(self, fn: Callable, *args):
+        """Run fn(*args) without keeping its activations; recompute them in backward."""
+
+    @abstractmethod
+    def offload_to_host(self, tensor): ...
+
+    @abstractmethod
+    def reload_to_device(self, tensor): ...
+
+    @abstractmethod
+    def peak_memory_bytes(self) -> int: ...
+
+    @abstractmethod
+    def reset_peak_memory(self) -> None: ...
+
+
+class Backend(ABC):
+    """A framework on a device. Construct via mindspeed.backends.get_backend()."""
+
+    name: str  # "torch" | "mindspore"
+    device: DeviceAPI
+    comm: CommAPI
+    kernels: KernelsAPI
+    autograd: AutogradAPI
+    memory: MemoryAPI
+
+    @classmethod
+    @abstractmethod
+    def declared_capabilities(cls, device: str) -> Capabilities:
+        """What this backend provides on `device`, without importing its framework."""
+
+    @classmethod
+    @abstractmethod
+    def devices(cls) -> list[str]:
+        """Devices this backend can run on, in the support matrix's column order."""
+
+    def capabilities(self) -> Capabilities:
+        return self.declared_capabilities(self.device.name)

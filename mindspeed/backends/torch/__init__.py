@@ -1,0 +1,1 @@
+"""torch backend. Submodules import torch; capabilities.py does not."""

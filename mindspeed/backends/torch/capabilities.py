@@ -1,0 +1,36 @@
+"""Capabilities of the torch backend per device, declared without importing torch."""
+from mindspeed.backends.base import Cap, Level
+from mindspeed.backends.torch.kernels.catalog import FAST_PATHS
+
+DEVICES = ["cpu", "cuda", "npu"]
+
+_KERNEL_CAPS = {
+    Cap.RMS_NORM: ("rms_norm",),
+    Cap.SWIGLU: ("swiglu",),
+    Cap.ROPE: ("rope",),
+    Cap.FLASH_ATTENTION: ("attention",),
+    Cap.RING_ATTENTION_UPDATE: ("ring_attention_update",),
+    Cap.GMM: ("gmm",),
+    Cap.MATMUL_ADD_FP32: ("matmul_add_fp32",),
+    Cap.MOE_PERMUTE: ("moe_permute", "moe_unpermute"),
+    Cap.DROPOUT_ADD_LAYER_NORM: ("dropout_add_layer_norm",),
+}
+
+
+def declared(device: str) -> dict:
+    if device not in DEVICES:
+        raise ValueError(f"torch backend has no device {device!r}; known: {', '.join(DEVICES)}")
+    native, N, E, A = FAST_PATHS[device], Level.NATIVE, Level.EMULATED, Level.ABSENT
+    caps = {cap: (N if all(k in native for k in kernels) else E) for cap, kernels in _KERNEL_CAPS.items()}
+    caps.update({
+        # gloo / nccl / hccl all provide these collectives natively
+        Cap.ALL_REDUCE: N, Cap.ALL_GATHER: N, Cap.REDUCE_SCATTER: N, Cap.ALL_TO_ALL: N,
+        Cap.SEND_RECV: N, Cap.BROADCAST: N, Cap.SUBGROUPS: N,
+        Cap.RNG_STATE: N, Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.PEAK_MEMORY: N,
+        # on cpu "host" memory is the same memory: offload is a copy, honest but no saving
+        Cap.HOST_OFFLOAD: E if device == "cpu" else N,
+        Cap.COC: N if device == "npu" else A,
+        Cap.MEGATRON_CORE: N, Cap.NATIVE_TRAINER: A,
+        Cap.PIPELINE_PARALLEL: N, Cap.DISTRIBUTED_OPTIMIZER: N, Cap.MOE: N, Cap.PROFILER: N,
+    })
+    return caps

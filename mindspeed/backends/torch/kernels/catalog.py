@@ -1,0 +1,13 @@
+"""Which kernels have a fast path on which device (framework-free, read by the support matrix).
+
+A kernel without a fast path on a device still runs, through its reference implementation:
+the matrix shows it as `emulated` there.
+"""
+KERNELS = ("rms_norm", "swiglu", "rope", "attention", "ring_attention_update", "gmm",
+           "matmul_add_fp32", "moe_permute", "moe_unpermute", "dropout_add_layer_norm")
+
+FAST_PATHS = {
+    "npu": set(KERNELS),   # torch_npu ops
+    "cuda": set(),
+    "cpu": set(),
+}

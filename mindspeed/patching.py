@@ -1,0 +1,161 @@
+"""One patch manager for every change MindSpeed makes to Megatron-Core, torch or MindSpore.
+
+Rules (ARCHITECTURE.md): a patch is an explicit `replace` or `wrap`; a target that does not
+exist is an error, never a silent no-op; every applied patch is listed; all can be removed.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+_MISSING = object()
+
+
+class PatchError(RuntimeError):
+    """A patch target cannot be resolved, or a patch is applied twice."""
+
+
+@dataclass
+class AppliedPatch:
+    target: str            # dotted path as the caller wrote it
+    kind: str              # "replace" or "wrap"
+    owner: Any             # module or class that holds the attribute
+    attr: str
+    original: Any          # the raw attribute (descriptor kept for class attributes)
+    new: Any
+    reason: str = ""
+    aliases: list = field(default_factory=list)  # (owner, attr, original) also rebound
+    inherited: bool = False  # class attribute that lived on a base class before patching
+
+    def describe(self) -> str:
+        extra = f" (+{len(self.aliases)} alias{'es' if len(self.aliases) != 1 else ''})" if self.aliases else ""
+        why = f" - {self.reason}" if self.reason else ""
+        return f"{self.kind:7s} {self.target}{extra}{why}"
+
+
+def resolve(target: str) -> tuple[Any, str]:
+    """Split 'pkg.mod.Class.attr' into (owner object, 'attr'); raise PatchError if absent."""
+    parts = target.split(".")
+    if len(parts) < 2:
+        raise PatchError(f"patch target {target!r} must be a dotted path 'module.attr'")
+    owner, index = None, 0
+    # import the longest importable module prefix
+    for i in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            owner = importlib.import_module(name)
+            index = i
+            break
+        except ImportError:
+            continue
+    if owner is None:
+        raise PatchError(f"patch target {target!r}: no importable module in its path")
+    for part in parts[index:-1]:
+        if not hasattr(owner, part):
+            raise PatchError(f"patch target {target!r}: {owner!r} has no attribute {part!r}")
+        owner = getattr(owner, part)
+    attr = parts[-1]
+    if _raw_get(owner, attr) is _MISSING:
+        raise PatchError(f"patch target {target!r} does not exist (no attribute {attr!r} on {owner!r})")
+    return owner, attr
+
+
+def _raw_get(owner: Any, attr: str) -> Any:
+    """The attribute as stored (keeps staticmethod/classmethod descriptors on classes)."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if attr in vars(klass):
+                return vars(klass)[attr]
+        return _MISSING
+    return getattr(owner, attr, _MISSING)
+
+
+def _unwrap_descriptor(value: Any) -> Any:
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+
+
+class PatchManager:
+    """Applies, lists and removes patches. Not thread-safe: patch at start-up."""
+
+    def __init__(self) -> None:
+        self._applied: list[AppliedPatch] = []
+
+    # -- applying -------------------------------------------------------------------------
+    def replace(self, target: str, new: Any, *, reason: str = "", aliases: str | None = None) -> AppliedPatch:
+        """Rebind `target` to `new`.
+
+        aliases: a module-name prefix (e.g. "megatron") whose already-imported modules hold
+        the same object under the same name (`from x import f`); those bindings are rebound too.
+        """
+        return self._apply(target, "replace", lambda original: new, reason, aliases)
+
+    def wrap(self, target: str, wrapper: Callable[[Any], Any], *, reason: str = "",
+             aliases: str | None = None) -> AppliedPatch:
+        """Rebind `target` to `wrapper(original)`; the wrapper decides when to call the original."""
+        return self._apply(target, "wrap", wrapper, reason, aliases)
+
+    def _apply(self, target, kind, make_new, reason, aliases) -> AppliedPatch:
+        owner, attr = resolve(target)
+        if self.find(target) is not None:
+            raise PatchError(f"patch target {target!r} is already patched; remove it first")
+        raw = _raw_get(owner, attr)
+        original = _unwrap_descriptor(raw)
+        new = make_new(original)
+        if isinstance(owner, type) and isinstance(raw, (staticmethod, classmethod)) \
+                and not isinstance(new, (staticmethod, classmethod)):
+            new = type(raw)(new)   # keep the descriptor kind of the original
+        inherited = isinstance(owner, type) and attr not in vars(owner)
+        record = AppliedPatch(target, kind, owner, attr, raw, new, reason, inherited=inherited)
+        setattr(owner, attr, new)
+        if aliases:
+            record.aliases = self._rebind_aliases(original, attr, new, aliases, owner)
+        self._applied.append(record)
+        return record
+
+    @staticmethod
+    def _rebind_aliases(original, attr, new, prefix, owner) -> list:
+        rebound = []
+        for name, module in list(sys.modules.items()):
+            if module is None or module is owner or not (name == prefix or name.startswith(prefix + ".")):
+                continue
+            if getattr(module, attr, _MISSING) is original:
+                setattr(module, attr, new)
+                rebound.append((module, attr, original))
+        return rebound
+
+    # -- listing and removing ---------------------------------------------------------------
+    def applied(self) -> list[AppliedPatch]:
+        return list(self._applied)
+
+    def find(self, target: str) -> AppliedPatch | None:
+        return next((p for p in self._applied if p.target == target), None)
+
+    def describe(self) -> str:
+        return "\n".join(p.describe() for p in self._applied) or "(no patches applied)"
+
+    def remove(self, target: str) -> None:
+        record = self.find(target)
+        if record is None:
+            raise PatchError(f"patch target {target!r} is not patched")
+        self._restore(record)
+        self._applied.remove(record)
+
+    def remove_all(self) -> None:
+        """Undo every patch, newest first, so stacked patches unwind correctly."""
+        while self._applied:
+            self._restore(self._applied.pop())
+
+    @staticmethod
+    def _restore(record: AppliedPatch) -> None:
+        for module, attr, original in record.aliases:
+            setattr(module, attr, original)
+        if record.inherited:
+            delattr(record.owner, record.attr)   # the original lives on a base class
+        else:
+            setattr(record.owner, record.attr, record.original)
+
+
+#: the process-wide manager used by mindspeed.adapt()
+GLOBAL_PATCHES = PatchManager()
