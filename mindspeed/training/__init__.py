@@ -1,0 +1,1 @@
+"""GPT pretraining on Megatron-Core (torch) and the shared command line."""

@@ -1,0 +1,281 @@
+"""Megatron-style command line for GPT pretraining (shared by the torch and mindspore trainers).
+
+Megatron-LM's own `megatron/training/arguments.py` is not on PyPI, so this parser carries the
+subset of its flags the trainers use, with Megatron's names and defaults. MindSpeed's own flags are
+added by `mindspeed.arguments.add_mindspeed_args` (it skips options defined here).
+
+`build_parser()` never reads sys.argv; `parse_args(argv)` parses, fills derived values and
+validates the values that can be checked without a process group (`validate_args`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Sequence
+
+
+class ArgumentError(ValueError):
+    """A flag value or combination that cannot work; raised before any work starts."""
+
+
+def _network(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default: 4*hidden, or 8/3*hidden rounded to 64 with --swiglu")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", default="rope", choices=["rope", "learned_absolute", "none"])
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron alias for --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--normalization", default="RMSNorm", choices=["RMSNorm", "LayerNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", default=True,
+                   help="SwiGLU MLP (default on; --no-swiglu for GELU)")
+    g.add_argument("--no-swiglu", action="store_false", dest="swiglu")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="no bias in linear layers (default)")
+    g.add_argument("--add-bias-linear", action="store_true", dest="add_bias_linear", default=False)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer (None = dense)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+
+
+def _training(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch-size * data-parallel size")
+    g.add_argument("--train-iters", type=int, default=600)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "WSD"])
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="deterministic algorithms, fixed thread count: bitwise-repeatable runs")
+    g.add_argument("--exit-interval", type=int, default=None, help="stop after this many iterations")
+
+
+def _parallel(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl", "hccl"],
+                   help="default: gloo on cpu, nccl on cuda, hccl on npu")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "npu"],
+                   help="default: npu > cuda > cpu (or MINDSPEED_DEVICE)")
+    g.add_argument("--backend", default=None, choices=["torch", "mindspore"],
+                   help="framework that runs the model (default torch)")
+    g.add_argument("--ai-framework", default=None, choices=["pytorch", "torch", "mindspore"],
+                   help="alias of --backend (MindSpeed's spelling)")
+
+
+def _data(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="indexed-dataset prefix(es), optionally weighted: 'w1 p1 w2 p2'. "
+                        "Default: the bundled Shakespeare dataset (built on first use)")
+    g.add_argument("--split", default="949,50,1")
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--tokenizer-type", default=None, choices=["CharLevel", "HuggingFaceTokenizer"],
+                   help="default: the tokenizer saved next to the dataset")
+    g.add_argument("--tokenizer-model", default=None, help="HF tokenizer name or path (offline)")
+    g.add_argument("--vocab-size", type=int, default=None, help="set from the tokenizer")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--mock-data", action="store_true", help="random tokens (no files needed)")
+
+
+def _checkpointing(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only, start at iteration 0")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"])
+
+
+def _logging(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-throughput", action="store_true", default=True)
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    """Megatron's flags only (no MindSpeed flags; see mindspeed.arguments.add_mindspeed_args)."""
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                                     description="GPT pretraining on Megatron-Core with MindSpeed")
+    for add in (_network, _training, _parallel, _data, _checkpointing, _logging):
+        add(parser)
+    return parser
+
+
+def _full_parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    try:
+        from mindspeed.arguments import add_mindspeed_args
+    except ImportError:      # the lead's module not present yet: Megatron flags only
+        return parser
+    add_mindspeed_args(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, *, with_mindspeed: bool = True,
+               world_size: int | None = None) -> argparse.Namespace:
+    """Parse argv (sys.argv[1:] when None), derive defaults and validate."""
+    parser = _full_parser() if with_mindspeed else build_parser()
+    args = parser.parse_args(argv)
+    derive_args(args, world_size)
+    validate_args(args)
+    return args
+
+
+def backend_name(args) -> str:
+    if args.ai_framework is not None:
+        wanted = "mindspore" if args.ai_framework == "mindspore" else "torch"
+        if args.backend is not None and args.backend != wanted:
+            raise ArgumentError(f"--backend {args.backend} contradicts --ai-framework {args.ai_framework}")
+        return wanted
+    return args.backend or os.environ.get("MINDSPEED_BACKEND", "torch")
+
+
+def derive_args(args, world_size: int | None = None) -> None:
+    """Fill values Megatron derives from others (world size from WORLD_SIZE when not given)."""
+    args.backend = backend_name(args)
+    args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.ffn_hidden_size is None:
+        if args.swiglu:   # keep the MLP parameter count of a 4h GELU MLP, rounded to 64
+            args.ffn_hidden_size = max(64, int(round(8 * args.hidden_size / 3 / 64)) * 64)
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None and args.num_attention_heads:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention or args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads if not args.group_query_attention \
+            else (args.num_query_groups or args.num_attention_heads)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size \
+        * args.context_parallel_size
+    args.data_parallel_size = args.world_size // model_parallel if model_parallel > 0 else 0
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * max(args.data_parallel_size, 1)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+
+
+def _positive(args, names) -> list[str]:
+    return [f"--{n.replace('_', '-')} must be a positive integer (got {getattr(args, n)})"
+            for n in names if getattr(args, n) is None or getattr(args, n) < 1]
+
+
+def validate_args(args) -> None:
+    """Every check that needs no process group; raise ArgumentError listing all problems."""
+    problems = _positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                                "micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                                "pipeline_model_parallel_size", "context_parallel_size",
+                                "expert_model_parallel_size", "log_interval", "eval_interval"])
+    if problems:
+        raise ArgumentError("; ".join(problems))
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    ws = args.world_size
+    if ws % (tp * pp * cp):
+        problems.append(f"world size {ws} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
+                        f"context ({cp}) parallel sizes = {tp * pp * cp}")
+    if args.hidden_size % args.num_attention_heads:
+        problems.append(f"--hidden-size {args.hidden_size} is not divisible by "
+                        f"--num-attention-heads {args.num_attention_heads}")
+    if args.num_attention_heads % tp:
+        problems.append(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    if args.num_query_groups % tp:
+        problems.append(f"--num-query-groups {args.num_query_groups} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    if args.ffn_hidden_size % tp:
+        problems.append(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    if args.num_layers % pp:
+        problems.append(f"--num-layers {args.num_layers} is not divisible by "
+                        f"--pipeline-model-parallel-size {pp}")
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        if pp < 2 or (args.num_layers // pp) % args.num_layers_per_virtual_pipeline_stage:
+            problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline size >= 2 and "
+                            "must divide the layers of each pipeline stage")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False   # Megatron silently turns it off for TP=1 as well
+    if args.sequence_parallel and args.seq_length % tp:
+        problems.append(f"--seq-length {args.seq_length} is not divisible by "
+                        f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel)")
+    if args.seq_length % (2 * cp) and cp > 1:
+        problems.append(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp}")
+    if args.data_parallel_size >= 1 and \
+            args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+        problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                        f"micro-batch-size x data-parallel size = "
+                        f"{args.micro_batch_size} x {args.data_parallel_size}")
+    if args.bf16 and args.fp16:
+        problems.append("--bf16 and --fp16 cannot both be set")
+    if args.num_experts is not None and args.num_experts % args.expert_model_parallel_size:
+        problems.append(f"--num-experts {args.num_experts} is not divisible by "
+                        f"--expert-model-parallel-size {args.expert_model_parallel_size}")
+    if args.num_experts is None and args.expert_model_parallel_size > 1:
+        problems.append("--expert-model-parallel-size > 1 needs --num-experts")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        problems.append("--recompute-method needs --recompute-granularity full")
+    if args.load is not None and not os.path.exists(args.load):
+        problems.append(f"--load path {args.load!r} does not exist")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        problems.append("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.save_interval is not None and args.save_interval < 1:
+        problems.append("--save-interval must be positive")
+    if problems:
+        raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
