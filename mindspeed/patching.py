@@ -20,7 +20,7 @@ class PatchError(RuntimeError):
 @dataclass
 class AppliedPatch:
     target: str            # dotted path as the caller wrote it
-    kind: str              # "replace" or "wrap"
+    kind: str              # "replace", "wrap", "define" or "context"
     owner: Any             # module or class that holds the attribute
     attr: str
     original: Any          # the raw attribute (descriptor kept for class attributes)
@@ -62,6 +62,15 @@ def resolve(target: str) -> tuple[Any, str]:
     return owner, attr
 
 
+def _resolve_object(path: str) -> Any:
+    """A module or an attribute path such as 'pkg.mod.Class'."""
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        owner, attr = resolve(path)
+        return getattr(owner, attr)
+
+
 def _raw_get(owner: Any, attr: str) -> Any:
     """The attribute as stored (keeps staticmethod/classmethod descriptors on classes)."""
     if isinstance(owner, type):
@@ -95,6 +104,29 @@ class PatchManager:
              aliases: str | None = None) -> AppliedPatch:
         """Rebind `target` to `wrapper(original)`; the wrapper decides when to call the original."""
         return self._apply(target, "wrap", wrapper, reason, aliases)
+
+    def define(self, target: str, value: Any, *, reason: str = "") -> AppliedPatch:
+        """Create an attribute that does not exist yet (e.g. a name a module forgot to bind when
+        an optional dependency is missing). Defining an existing attribute is an error."""
+        owner_path, _, attr = target.rpartition(".")
+        owner = _resolve_object(owner_path)
+        if _raw_get(owner, attr) is not _MISSING:
+            raise PatchError(f"cannot define {target!r}: it already exists (use replace or wrap)")
+        if self.find(target) is not None:
+            raise PatchError(f"patch target {target!r} is already patched; remove it first")
+        record = AppliedPatch(target, "define", owner, attr, _MISSING, value, reason)
+        setattr(owner, attr, value)
+        self._applied.append(record)
+        return record
+
+    def enter(self, name: str, context_manager: Any, *, reason: str = "") -> AppliedPatch:
+        """Enter a process-wide context (e.g. a TorchFunctionMode); removal exits it."""
+        if self.find(name) is not None:
+            raise PatchError(f"context {name!r} is already entered")
+        context_manager.__enter__()
+        record = AppliedPatch(name, "context", None, "", context_manager, context_manager, reason)
+        self._applied.append(record)
+        return record
 
     def _apply(self, target, kind, make_new, reason, aliases) -> AppliedPatch:
         owner, attr = resolve(target)
@@ -149,6 +181,12 @@ class PatchManager:
 
     @staticmethod
     def _restore(record: AppliedPatch) -> None:
+        if record.kind == "context":
+            record.original.__exit__(None, None, None)
+            return
+        if record.kind == "define":
+            delattr(record.owner, record.attr)
+            return
         for module, attr, original in record.aliases:
             setattr(module, attr, original)
         if record.inherited:

@@ -1,0 +1,17 @@
+"""MindSpeed: acceleration and portability layer for Megatron-Core training.
+
+`mindspeed.adapt(args)` applies the device shim and the features enabled in `args` (an argv
+list, an argparse Namespace such as Megatron's args, or None for defaults) and returns the
+active state; `import mindspeed.megatron_adaptor` does the same from sys.argv.
+"""
+__version__ = "0.1.0"
+
+
+def adapt(args=None):
+    from mindspeed.adaptor_core import apply_plan, plan
+    return apply_plan(plan(args))
+
+
+def unadapt() -> None:
+    from mindspeed.adaptor_core import unadapt as _unadapt
+    _unadapt()

@@ -1,0 +1,34 @@
+"""`python -m mindspeed matrix [--markdown|--json]`: print the support matrix.
+`python -m mindspeed check [flags...]`: exit non-zero when the flags ask for something the chosen
+backend cannot run (the same gate training runs before it starts)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m mindspeed")
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("matrix", help="print the support matrix")
+    m.add_argument("--json", action="store_true", help="JSON instead of markdown")
+    m.add_argument("--markdown", action="store_true", help="markdown table (default)")
+    sub.add_parser("check", help="validate MindSpeed flags against the support matrix", add_help=False)
+    ns, rest = parser.parse_known_args(argv)
+    if ns.command == "matrix":
+        from mindspeed import support_matrix
+        print(support_matrix.to_json() if ns.json else support_matrix.to_markdown())
+        return 0
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    try:
+        result = plan(rest)
+    except MindSpeedConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(result.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Planning and applying MindSpeed: flags -> backend + device -> enabled features -> gate ->
+device shim + feature hooks. Shared by `import mindspeed.megatron_adaptor`, `mindspeed.adapt()`
+and `python -m mindspeed check`."""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+
+from mindspeed.arguments import defaults, parse_mindspeed_args, resolve_backend_name
+from mindspeed.features.base import ApplyContext, Feature, FeatureConfigError
+from mindspeed.features.registry import all_features, enabled_features
+from mindspeed.patching import GLOBAL_PATCHES, PatchManager
+from mindspeed.support_matrix import UnsupportedFeatureError, check
+
+log = logging.getLogger("mindspeed")
+_DEVICE_ALIASES = {"torch": {"ascend": "npu"}, "mindspore": {"npu": "ascend"}}
+
+
+class MindSpeedConfigError(RuntimeError):
+    """Anything that makes a requested run impossible, found before work starts."""
+
+
+@dataclass
+class Plan:
+    args: argparse.Namespace
+    backend: str
+    device: str
+    features: list[Feature]
+    dropped: list[Feature] = field(default_factory=list)   # above --optimization-level
+    msadapter: bool = False
+
+    def describe(self) -> str:
+        lines = [f"backend: {self.backend} (device {self.device})"
+                 + (" via MSAdapter" if self.msadapter else ""),
+                 f"optimization level: {self.args.optimization_level}",
+                 "features: " + (", ".join(f.id for f in self.features) or "(none)")]
+        if self.dropped:
+            lines.append("dropped by --optimization-level: " + ", ".join(f.id for f in self.dropped))
+        return "\n".join(lines)
+
+
+def _as_namespace(args) -> argparse.Namespace:
+    """Accept an argv list, a Namespace (e.g. Megatron's args), or None (defaults)."""
+    if args is None:
+        return defaults()
+    if isinstance(args, (list, tuple)):
+        return parse_mindspeed_args(list(args))
+    merged = defaults()
+    merged.backend = None
+    for key, value in vars(args).items():
+        setattr(merged, key, value)
+    merged.backend = resolve_backend_name(merged)
+    return merged
+
+
+def _msadapter_active() -> bool:
+    try:
+        from mindspeed.backends.mindspore.msadapter import msadapter_active
+    except ImportError:
+        return False
+    return msadapter_active()
+
+
+def _user_chose_backend(args) -> bool:
+    if isinstance(args, (list, tuple)):
+        return any(a.split("=")[0] in ("--backend", "--ai-framework") for a in args)
+    return args is not None and bool(getattr(args, "backend", None) or getattr(args, "ai_framework", None))
+
+
+def _resolve_device(backend: str, requested: str) -> str:
+    requested = _DEVICE_ALIASES[backend].get(requested, requested)
+    if backend == "torch":
+        from mindspeed.backends.torch.device import select_device
+        return select_device(requested)
+    from mindspeed.backends.mindspore.device_select import select_device as ms_select
+    return ms_select(requested)
+
+
+def plan(args=None) -> Plan:
+    ns = _as_namespace(args)
+    msadapter = _msadapter_active()
+    if msadapter and not _user_chose_backend(args):
+        ns.backend = "mindspore"   # `import torch` is MindSpore underneath: it must serve kernels/comm
+    try:
+        device = _resolve_device(ns.backend, getattr(ns, "mindspeed_device", "auto") or "auto")
+        on = enabled_features(ns)
+        for f in on:
+            f.validate(ns)
+    except (FeatureConfigError, ValueError, RuntimeError, ImportError) as exc:
+        raise MindSpeedConfigError(f"MindSpeed: {exc}") from exc
+    level = ns.optimization_level
+    kept = [f for f in on if f.optimization_level <= level]
+    dropped = [f for f in on if f.optimization_level > level]
+    for f in dropped:
+        log.warning("MindSpeed: %s is above --optimization-level %d and is not applied", f.id, level)
+    try:
+        check(kept, ns.backend, device)
+    except UnsupportedFeatureError as exc:
+        raise MindSpeedConfigError(str(exc)) from exc
+    return Plan(ns, ns.backend, device, kept, dropped, msadapter)
+
+
+@dataclass
+class AdaptState:
+    plan: Plan
+    context: ApplyContext
+    patcher: PatchManager
+
+
+_state: AdaptState | None = None
+
+
+def apply_plan(p: Plan, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptState:
+    """Create the backend, apply its device shim, then each feature's hook, in order."""
+    global _state
+    if _state is not None:
+        unadapt()
+    from mindspeed.backends import set_backend
+    try:
+        backend = set_backend(p.backend, p.device)
+    except ImportError as exc:
+        raise MindSpeedConfigError(f"MindSpeed: backend '{p.backend}' is unavailable: {exc}") from exc
+    ctx = ApplyContext(p.backend, p.device, patcher, backend)
+    try:
+        if p.backend == "torch":
+            from mindspeed.backends.torch.megatron_shim import apply_device_shim
+            apply_device_shim(patcher, p.device)
+        for f in p.features:
+            f.apply(ctx, p.args)
+    except Exception:
+        patcher.remove_all()   # never leave a half-patched process behind
+        raise
+    _state = AdaptState(p, ctx, patcher)
+    return _state
+
+
+def unadapt() -> None:
+    """Remove every patch MindSpeed applied and forget the active plan."""
+    global _state
+    if _state is not None:
+        _state.patcher.remove_all()
+    _state = None
+    from mindspeed.backends import reset_backend
+    reset_backend()
+
+
+def current() -> AdaptState | None:
+    return _state
+
+
+def feature_ids() -> list[str]:
+    return [f.id for f in all_features()]

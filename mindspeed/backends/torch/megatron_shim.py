@@ -1,0 +1,228 @@
+"""Device shims that let an unmodified Megatron-Core (0.16.x) run on the chosen torch device.
+
+cpu: Megatron-Core assumes CUDA everywhere (RNG tracker, current_device, streams, literal
+'cuda' devices). Each mismatch is one listed patch through the PatchManager, so
+`mindspeed.unadapt()` restores every original. npu: torch_npu's own cuda->npu transfer.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger("mindspeed")
+
+
+# --- cpu stand-ins for torch.cuda ----------------------------------------------------------------
+class _CpuStream:
+    """Stands in for torch.cuda.Stream: cpu work is synchronous, so every wait is complete."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _CpuEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _stream_context(stream=None):
+    return contextlib.nullcontext()
+
+
+def _current_device():
+    return "cpu"
+
+
+def _manual_seed(seed):
+    # the cpu generator plays the role of the cuda default generator
+    # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly)
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _get_rng_state(device="cuda", *args, **kwargs):
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state, device=-1, *args, **kwargs):
+    torch.set_rng_state(new_state)
+
+
+def _memory_stat(*args, **kwargs):
+    return 0
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites device='cuda' (and Tensor.cuda()) to cpu inside Megatron-Core's calls."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CpuRNGTrackerMixin:
+    """Megatron's fork() swaps the 'cuda' generator state; on cpu that generator is the cpu one,
+    so its 'cpu state changed inside a GPU RNG context' warning would fire on every fork."""
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        from megatron.core.tensor_parallel import random as mrandom
+        name = name or mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        orig_state = torch.get_rng_state()
+        orig_name = self._current_state_name
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if orig_name != "default-rng":
+                orig_state = self.states_[orig_name]
+            torch.set_rng_state(orig_state)
+            self._current_state_name = orig_name
+
+
+def _wrap_torch_norm_new(original_new):
+    """torch's own norms are fine under sequence parallelism: the weights are replicated across
+    TP and their grads all-reduced when marked `sequence_parallel` (what Apex/TE norms do)."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        sp = config.sequence_parallel
+        if sp:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        norm = original_new(cls, config, hidden_size, eps, *args, **kwargs)
+        if sp:
+            for p in norm.parameters():
+                p.sequence_parallel = True
+        return norm
+
+    return __new__
+
+
+def _wrap_all_to_all(original):
+    """gloo's all_to_all needs python lists for split sizes; Megatron passes tensors."""
+
+    def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+        def as_list(sizes):
+            return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+        return original(group, input_, as_list(output_split_sizes_), as_list(input_split_sizes))
+
+    return all_to_all
+
+
+CPU_CUDA_REPLACEMENTS = {
+    "torch.cuda.current_device": _current_device,
+    "torch.cuda.synchronize": lambda *a, **k: None,
+    "torch.cuda.Stream": _CpuStream,
+    "torch.cuda.Event": _CpuEvent,
+    "torch.cuda.current_stream": lambda *a, **k: _CPU_STREAM,
+    "torch.cuda.default_stream": lambda *a, **k: _CPU_STREAM,
+    "torch.cuda.stream": _stream_context,
+    "torch.cuda.manual_seed": _manual_seed,
+    "torch.cuda.get_rng_state": _get_rng_state,
+    "torch.cuda.set_rng_state": _set_rng_state,
+    "torch.cuda.max_memory_allocated": _memory_stat,
+    "torch.cuda.memory_allocated": _memory_stat,
+    "torch.cuda.max_memory_reserved": _memory_stat,
+    "torch.cuda.memory_reserved": _memory_stat,
+    "torch.cuda.reset_peak_memory_stats": lambda *a, **k: None,
+    "torch.cuda.empty_cache": lambda *a, **k: None,
+}
+
+
+def apply_cpu_shim(patcher) -> None:
+    for target, replacement in CPU_CUDA_REPLACEMENTS.items():
+        patcher.replace(target, replacement, reason="cpu stands in for cuda")
+    import megatron.core.tensor_parallel.random as mrandom
+    patcher.replace("megatron.core.tensor_parallel.random._get_cuda_rng_state", _get_rng_state,
+                    reason="cpu generator is the device generator", aliases="megatron")
+    patcher.replace("megatron.core.tensor_parallel.random._set_cuda_rng_state", _set_rng_state,
+                    reason="cpu generator is the device generator", aliases="megatron")
+    cpu_tracker = type("CpuRNGStatesTracker", (_CpuRNGTrackerMixin, mrandom.CudaRNGStatesTracker), {})
+    patcher.replace("megatron.core.tensor_parallel.random.CudaRNGStatesTracker", cpu_tracker,
+                    reason="fork without the cuda/cpu state warning", aliases="megatron")
+    patcher.wrap("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", _wrap_torch_norm_new,
+                 reason="allow torch norms under sequence parallelism (no Apex/TE)")
+    patcher.wrap("megatron.core.tensor_parallel.mappings.all_to_all", _wrap_all_to_all,
+                 reason="gloo all_to_all needs list split sizes", aliases="megatron")
+    _define_missing_te_names(patcher)
+    patcher.enter("torch.overrides.TorchFunctionMode[CudaToCpuMode]", CudaToCpuMode(),
+                  reason="device='cuda' / .cuda() -> cpu")
+
+
+def _define_missing_te_names(patcher) -> None:
+    """moe_utils reads `te_general_gemm` even when Transformer Engine failed to import."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        patcher.define("megatron.core.transformer.moe.moe_utils.te_general_gemm", None,
+                       reason="Transformer Engine absent")
+
+
+def apply_npu_shim(patcher) -> None:
+    """On Ascend, torch_npu maps torch.cuda.* and 'cuda' devices to the NPU itself."""
+    import torch_npu  # noqa: F401  (only reached when device == 'npu')
+    from torch_npu.contrib import transfer_to_npu  # noqa: F401
+    log.info("MindSpeed: torch_npu transfer_to_npu active")
+
+
+def apply_device_shim(patcher, device: str) -> None:
+    if device == "cpu":
+        apply_cpu_shim(patcher)
+    elif device == "npu":
+        apply_npu_shim(patcher)

@@ -1,0 +1,106 @@
+"""Megatron's own parallelism and memory features, listed so the support matrix covers them and
+so a backend that cannot run one refuses it up front. On the torch backend Megatron-Core does
+the work itself (no hook needed); on the mindspore backend the native trainer implements them."""
+from __future__ import annotations
+
+from mindspeed.backends.base import Cap
+from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.registry import register
+
+
+def _size_flag(name, help):
+    return Flag(name, dict(type=int, default=1, help=help), megatron=True)
+
+
+class _SizeFeature(Feature):
+    """A feature that is on when its parallel size flag is above 1."""
+    category = "parallel"
+    optimization_level = 0
+
+    def enabled(self, args) -> bool:
+        return (getattr(args, self.flags[0].dest, 1) or 1) > 1
+
+    def validate(self, args) -> None:
+        size = getattr(args, self.flags[0].dest, 1)
+        if size is not None and size < 1:
+            raise FeatureConfigError(f"{self.flags[0].name} must be >= 1, got {size}")
+
+
+@register
+class TensorParallel(_SizeFeature):
+    id = "tensor-parallel"
+    description = "Megatron tensor parallelism"
+    flags = (_size_flag("--tensor-model-parallel-size", "tensor-parallel size"),)
+    requires = (Cap.ALL_REDUCE, Cap.ALL_GATHER, Cap.SUBGROUPS)
+
+
+@register
+class PipelineParallel(_SizeFeature):
+    id = "pipeline-parallel"
+    description = "Megatron pipeline parallelism (1F1B)"
+    flags = (_size_flag("--pipeline-model-parallel-size", "pipeline-parallel size"),)
+    requires = (Cap.SEND_RECV, Cap.PIPELINE_PARALLEL)
+    backends = ("torch",)
+    alternatives = "use --tensor-model-parallel-size or data parallelism instead"
+
+
+@register
+class ExpertParallel(_SizeFeature):
+    id = "expert-parallel"
+    description = "Megatron-Core MoE expert parallelism"
+    flags = (_size_flag("--expert-model-parallel-size", "expert-parallel size"),)
+    requires = (Cap.ALL_TO_ALL, Cap.MOE)
+    backends = ("torch",)
+    alternatives = "use the torch backend for MoE models"
+
+
+@register
+class SequenceParallel(Feature):
+    id = "sequence-parallel"
+    category = "parallel"
+    optimization_level = 0
+    description = "Megatron sequence parallelism (norms/dropout sharded along the sequence)"
+    flags = (Flag("--sequence-parallel", dict(action="store_true", default=False,
+                                             help="shard activations along the sequence inside TP"),
+                  megatron=True),)
+    requires = (Cap.ALL_GATHER, Cap.REDUCE_SCATTER)
+
+    def validate(self, args) -> None:
+        if getattr(args, "sequence_parallel", False) and (getattr(args, "tensor_model_parallel_size", 1) or 1) < 2:
+            raise FeatureConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+
+
+@register
+class DistributedOptimizer(Feature):
+    id = "distributed-optimizer"
+    category = "parallel"
+    optimization_level = 0
+    description = "ZeRO-1 style optimizer-state sharding across data-parallel ranks"
+    flags = (Flag("--use-distributed-optimizer", dict(action="store_true", default=False,
+                                                     help="shard optimizer state over DP"),
+                  megatron=True),)
+    requires = (Cap.REDUCE_SCATTER, Cap.ALL_GATHER, Cap.DISTRIBUTED_OPTIMIZER)
+    backends = ("torch",)
+    alternatives = "drop --use-distributed-optimizer (plain data parallelism works on every backend)"
+
+
+@register
+class Recompute(Feature):
+    id = "recompute"
+    category = "memory"
+    optimization_level = 0
+    description = "Megatron activation recompute (full or selective)"
+    flags = (Flag("--recompute-granularity", dict(choices=["full", "selective"], default=None,
+                                                 help="recompute activations in backward"), megatron=True),
+             Flag("--recompute-method", dict(choices=["uniform", "block"], default=None,
+                                            help="how layers are grouped for full recompute"), megatron=True),
+             Flag("--recompute-num-layers", dict(type=int, default=None,
+                                                help="layers per recompute group / block"), megatron=True))
+    requires = (Cap.RECOMPUTE,)
+
+    def enabled(self, args) -> bool:
+        return getattr(args, "recompute_granularity", None) is not None
+
+    def validate(self, args) -> None:
+        if getattr(args, "recompute_granularity", None) == "full" and not getattr(args, "recompute_method", None):
+            raise FeatureConfigError("--recompute-granularity full needs --recompute-method uniform|block")
