@@ -1,0 +1,9 @@
+"""Data preparation: text/JSONL -> Megatron indexed datasets, tokenizers, the default corpus.
+
+`python -m mindspeed.data --help` is the command line.
+"""
+from mindspeed.data.indexed import DataError, check_dataset
+from mindspeed.data.tokenizer import CharLevelTokenizer, HuggingFaceTokenizer, TokenizerError, load_tokenizer
+
+__all__ = ["DataError", "TokenizerError", "check_dataset", "load_tokenizer", "CharLevelTokenizer",
+           "HuggingFaceTokenizer"]
