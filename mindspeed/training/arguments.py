@@ -4,7 +4,8 @@ Megatron-LM's own `megatron/training/arguments.py` is not on PyPI, so this parse
 subset of its flags the trainers use, with Megatron's names and defaults. MindSpeed's own flags are
 added by `mindspeed.arguments.add_mindspeed_args` (it skips options defined here).
 
-`build_parser()` never reads sys.argv; `parse_args(argv)` parses, fills derived values and
+--backend/--ai-framework/--device/--optimization-level are MindSpeed's flags (dest of --device:
+`mindspeed_device`). `build_parser()` never reads sys.argv; `parse_args(argv)` parses, fills derived values and
 validates the values that can be checked without a process group (`validate_args`).
 """
 from __future__ import annotations
@@ -98,12 +99,6 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl", "hccl"],
                    help="default: gloo on cpu, nccl on cuda, hccl on npu")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
-    g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "npu"],
-                   help="default: npu > cuda > cpu (or MINDSPEED_DEVICE)")
-    g.add_argument("--backend", default=None, choices=["torch", "mindspore"],
-                   help="framework that runs the model (default torch)")
-    g.add_argument("--ai-framework", default=None, choices=["pytorch", "torch", "mindspore"],
-                   help="alias of --backend (MindSpeed's spelling)")
 
 
 def _data(parser: argparse.ArgumentParser) -> None:
@@ -175,12 +170,15 @@ def parse_args(argv: Sequence[str] | None = None, *, with_mindspeed: bool = True
 
 
 def backend_name(args) -> str:
-    if args.ai_framework is not None:
-        wanted = "mindspore" if args.ai_framework == "mindspore" else "torch"
-        if args.backend is not None and args.backend != wanted:
-            raise ArgumentError(f"--backend {args.backend} contradicts --ai-framework {args.ai_framework}")
-        return wanted
-    return args.backend or os.environ.get("MINDSPEED_BACKEND", "torch")
+    """--backend / --ai-framework come from MindSpeed's flags (mindspeed.arguments)."""
+    try:
+        from mindspeed.arguments import resolve_backend_name
+    except ImportError:
+        return getattr(args, "backend", None) or os.environ.get("MINDSPEED_BACKEND", "torch")
+    try:
+        return resolve_backend_name(args)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from err
 
 
 def derive_args(args, world_size: int | None = None) -> None:
