@@ -1,0 +1,81 @@
+"""Run a test body in N real processes (torch.distributed over gloo on CPU), with a timeout so a
+hung collective fails the test instead of hanging CI.
+
+    def body(rank, world_size, *args): ...         # a module-level function
+    results = run_distributed(body, world_size=2, args=(...,), timeout=120)
+
+Each process gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, an initialised gloo process group,
+and returns a picklable value; `results[rank]` holds it. Any exception in any rank fails the
+call with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, env, queue):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report everything, including assertion failures
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180,
+                    env: dict | None = None) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, dict(env or {}), queue),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    import queue as queue_mod
+    import time
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world_size:
+        remaining = deadline - time.monotonic()
+        try:
+            rank, status, payload = queue.get(timeout=max(remaining, 0.01))
+        except queue_mod.Empty:
+            break
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"--- rank {rank} ---\n{payload}")
+            break   # the other ranks may now hang in a collective: stop them
+    for p in procs:
+        p.join(timeout=1 if errors or len(results) < world_size else 10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise DistributedTestError("distributed test failed:\n" + "\n".join(errors))
+    if len(results) < world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise DistributedTestError(f"distributed test timed out after {timeout}s; ranks {missing} "
+                                   f"did not finish (hung collective?)")
+    return [results[r] for r in range(world_size)]
