@@ -1,0 +1,78 @@
+"""Capabilities of the mindspore backend per device, declared without importing mindspore.
+
+Measured on mindspore 2.10.0 / CPU: AllReduce(sum), AllGather and Broadcast on the world group
+work; AllReduce(max/min), ReduceScatter, AlltoAll, Send/Receive, and AllGather/Broadcast on a
+sub-group do not, so comm.py builds them from AllReduce(sum) and marks them emulated here. The fused ops
+(ops.rms_norm, swiglu, rotary_position_embedding, flash_attention_score, ring_attention_update,
+moe_token_permute/unpermute) are Ascend-only: on CPU every kernel runs the MindSpore reference.
+
+The "ascend" column is declared from MindSpore's documentation and is not run here:
+VERIFIED_DEVICES lists the columns the test suite runs on this machine.
+"""
+from mindspeed.backends.base import Cap, Level
+
+DEVICES = ["cpu", "ascend"]
+VERIFIED_DEVICES = ("cpu",)
+
+# kernels with a MindSpore fused op per device (KernelsAPI method names, as in the torch catalog)
+FAST_KERNELS = {
+    # moe_token_permute takes top-k indices, not a routing map: the reference serves moe_permute
+    "ascend": {"rms_norm", "swiglu", "rope", "attention", "ring_attention_update", "gmm"},
+    "cpu": set(),
+}
+
+_KERNEL_CAPS = {
+    Cap.RMS_NORM: ("rms_norm",),
+    Cap.SWIGLU: ("swiglu",),
+    Cap.ROPE: ("rope",),
+    Cap.FLASH_ATTENTION: ("attention",),
+    Cap.RING_ATTENTION_UPDATE: ("ring_attention_update",),
+    Cap.GMM: ("gmm",),
+    Cap.MATMUL_ADD_FP32: ("matmul_add_fp32",),
+    Cap.MOE_PERMUTE: ("moe_permute", "moe_unpermute"),
+    Cap.DROPOUT_ADD_LAYER_NORM: ("dropout_add_layer_norm",),
+}
+
+# why a cell is what it is (shown by tests and docs; the matrix only needs the level)
+NOTES = {
+    "cpu": {
+        Cap.ALL_REDUCE: "sum native; max/min/avg emulated (gather via AllReduce, then reduce)",
+        Cap.ALL_GATHER: "world group native; sub-groups emulated via AllReduce of a zero-padded buffer",
+        Cap.BROADCAST: "world group native; sub-groups emulated via AllReduce",
+        Cap.REDUCE_SCATTER: "emulated: AllReduce(sum) then keep this rank's slice",
+        Cap.ALL_TO_ALL: "emulated: every rank's tensor gathered via AllReduce, own chunks kept",
+        Cap.SEND_RECV: "emulated: collective exchange via AllReduce; all group ranks must call it together",
+        Cap.HOST_OFFLOAD: "host and device memory are the same: a copy, no saving",
+    },
+    "ascend": {},
+}
+
+
+def verified(device: str) -> bool:
+    """True when the test suite runs this device's column on the CPU-only CI machine."""
+    return device in VERIFIED_DEVICES
+
+
+def declared(device: str) -> dict:
+    if device not in DEVICES:
+        raise ValueError(f"mindspore backend has no device {device!r}; known: {', '.join(DEVICES)}")
+    N, E, A = Level.NATIVE, Level.EMULATED, Level.ABSENT
+    fast = FAST_KERNELS[device]
+    caps = {cap: (N if all(k in fast for k in kernels) else E) for cap, kernels in _KERNEL_CAPS.items()}
+    on_cpu = device == "cpu"
+    caps.update({
+        Cap.ALL_REDUCE: N, Cap.SUBGROUPS: N,
+        # HCCL has these natively; the CPU collective library lacks them
+        Cap.ALL_GATHER: E if on_cpu else N,
+        Cap.BROADCAST: E if on_cpu else N,
+        Cap.REDUCE_SCATTER: E if on_cpu else N,
+        Cap.ALL_TO_ALL: E if on_cpu else N,
+        Cap.SEND_RECV: E if on_cpu else N,
+        Cap.RNG_STATE: N, Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.PEAK_MEMORY: N,
+        Cap.HOST_OFFLOAD: E,
+        Cap.COC: A,                      # no MindSpore matmul+collective overlap op wired in
+        Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend
+        Cap.NATIVE_TRAINER: N,
+        Cap.PIPELINE_PARALLEL: A, Cap.DISTRIBUTED_OPTIMIZER: A, Cap.MOE: A, Cap.PROFILER: A,
+    })
+    return caps

@@ -1,0 +1,239 @@
+"""Collectives over mindspore.communication, with the ones a device lacks built from AllReduce.
+
+On CPU MindSpore 2.10 offers AllReduce(sum) on any group and AllGather/Broadcast on the world
+group only. Everything else is emulated from AllReduce(sum) of a zero-padded buffer: each rank
+writes its tensor into its own slot of a [n, ...] buffer of zeros, the sum is every rank's tensor
+(adding zeros is exact), and the wanted collective is a local reduction or slice of it. That costs
+n times the bandwidth of the native op and keeps the same semantics (capabilities.py says
+`emulated`). On Ascend, HCCL has every op natively.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mindspore as ms
+from mindspore import ops
+
+from mindspeed.backends.base import CommAPI
+from mindspeed.backends.mindspore.autograd import MsAutograd
+
+
+@dataclass(frozen=True)
+class MsGroup:
+    """A process group: MindSpore's group name plus its global ranks in group-rank order."""
+    name: str
+    ranks: tuple
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+def launched_by_msrun() -> bool:
+    return os.environ.get("MS_ROLE") == "MS_WORKER" and int(os.environ.get("MS_WORKER_NUM", "1")) > 1
+
+
+class MsComm(CommAPI):
+    def __init__(self, device: str):
+        self.device = device
+        self.native_all = device != "cpu"    # HCCL: every collective on every group
+        self._autograd = MsAutograd()
+        self._ops = {}
+        self._world = None
+        self._initialized = False
+        if launched_by_msrun():
+            self.init()
+
+    # process groups ------------------------------------------------------------------------
+    def init(self) -> None:
+        """Join the job msrun started (idempotent)."""
+        from mindspore.communication import GlobalComm, get_group_size, init
+        if not GlobalComm.INITED:
+            init()
+        self._initialized = True
+        self._world = MsGroup(GlobalComm.WORLD_COMM_GROUP, tuple(range(get_group_size())))
+
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
+    def world(self) -> MsGroup:
+        return self._world if self._world is not None else MsGroup("world", (0,))
+
+    def _group(self, group) -> MsGroup:
+        return self.world() if group is None else group
+
+    def rank(self, group=None) -> int:
+        if not self._initialized:
+            return 0
+        from mindspore.communication import get_rank
+        g = self._group(group)
+        return get_rank() if g.name == self._world.name else g.ranks.index(get_rank())
+
+    def world_size(self, group=None) -> int:
+        return len(self._group(group).ranks) if self._initialized else 1
+
+    def new_group(self, ranks) -> MsGroup:
+        ranks = tuple(sorted(int(r) for r in ranks))
+        if not self._initialized:
+            if ranks != (0,):
+                raise RuntimeError(f"new_group({list(ranks)}) needs a multi-process job (launch with msrun)")
+            return self.world()
+        if ranks == self._world.ranks:
+            return self._world
+        from mindspore.communication import create_group
+        name = "mindspeed_g_" + "_".join(map(str, ranks))
+        if not any(k == ("group", name) for k in self._ops):
+            if self.rank() in ranks:
+                create_group(name, list(ranks))
+            self._ops[("group", name)] = True
+        return MsGroup(name, ranks)
+
+    def global_rank(self, group, group_rank: int) -> int:
+        return self._group(group).ranks[group_rank]
+
+    def _is_world(self, g: MsGroup) -> bool:
+        return g.name == self.world().name
+
+    def _op(self, kind, *key):
+        if (kind, *key) not in self._ops:
+            build = {"all_reduce_sum": lambda g: ops.AllReduce(ops.ReduceOp.SUM, g),
+                     "all_reduce_max": lambda g: ops.AllReduce(ops.ReduceOp.MAX, g),
+                     "all_reduce_min": lambda g: ops.AllReduce(ops.ReduceOp.MIN, g),
+                     "all_gather": lambda g: ops.AllGather(g),
+                     "reduce_scatter": lambda g: ops.ReduceScatter(ops.ReduceOp.SUM, g),
+                     "broadcast": lambda g, root: ops.Broadcast(root, g)}[kind]
+            self._ops[(kind, *key)] = build(*key)
+        return self._ops[(kind, *key)]
+
+    # building blocks -------------------------------------------------------------------------
+    def _sum(self, tensor, g: MsGroup):
+        return self._op("all_reduce_sum", g.name)(tensor)
+
+    def _stack(self, tensor, g: MsGroup):
+        """[n, *tensor.shape]: every group rank's tensor, in group-rank order."""
+        n = len(g.ranks)
+        if self.native_all or self._is_world(g):
+            return self._op("all_gather", g.name)(tensor.contiguous()).reshape((n,) + tuple(tensor.shape))
+        me, zero = self.rank(g), ops.zeros_like(tensor)
+        padded = ops.stack([tensor if i == me else zero for i in range(n)])
+        return self._sum(padded, g)
+
+    @staticmethod
+    def _check_divisible(name, tensor, dim, n):
+        if tensor.shape[dim] % n:
+            raise ValueError(f"{name}: dim {dim} of size {tensor.shape[dim]} does not divide by the group size {n}")
+
+    # CommAPI -------------------------------------------------------------------------------------
+    def all_reduce(self, tensor, op="sum", group=None):
+        if op not in ("sum", "avg", "max", "min"):
+            raise ValueError(f"all_reduce: unknown op {op!r}; choose sum, avg, max or min")
+        g = self._group(group)
+        n = self.world_size(g)
+        if n == 1:
+            return tensor.copy()
+        if op in ("sum", "avg"):
+            out = self._sum(tensor, g)
+            return out / n if op == "avg" else out
+        if self.native_all:
+            return self._op(f"all_reduce_{op}", g.name)(tensor)
+        stacked = self._stack(tensor, g)
+        return stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
+
+    def all_gather(self, tensor, dim=0, group=None):
+        g = self._group(group)
+        n = self.world_size(g)
+        if n == 1:
+            return tensor
+        return ops.cat(list(ops.unbind(self._stack(tensor, g), 0)), axis=dim)
+
+    def reduce_scatter(self, tensor, dim=0, group=None):
+        g = self._group(group)
+        n = self.world_size(g)
+        if n == 1:
+            return tensor
+        self._check_divisible("reduce_scatter", tensor, dim, n)
+        if self.native_all:
+            moved = ops.moveaxis(tensor, dim, 0).contiguous()
+            return ops.moveaxis(self._op("reduce_scatter", g.name)(moved), 0, dim)
+        return ops.chunk(self._sum(tensor, g), n, axis=dim)[self.rank(g)]
+
+    def all_to_all(self, tensor, scatter_dim, gather_dim, group=None):
+        g = self._group(group)
+        n = self.world_size(g)
+        if n == 1:
+            return tensor
+        self._check_divisible("all_to_all", tensor, scatter_dim, n)
+        if self.native_all:
+            return ops.AlltoAll(n, scatter_dim, gather_dim, g.name)(tensor)
+        me = self.rank(g)
+        every = ops.unbind(self._stack(tensor, g), 0)
+        return ops.cat([ops.chunk(src, n, axis=scatter_dim)[me] for src in every], axis=gather_dim)
+
+    def send_recv(self, send_tensor, dst, src, group=None):
+        """Emulated on CPU as a collective: every rank of the group must call it together (the
+        ring pattern of context parallelism does)."""
+        g = self._group(group)
+        if self.world_size(g) == 1:
+            return send_tensor, _Done()
+        if self.native_all:
+            from mindspore.communication import comm_func
+            send = comm_func.isend(send_tensor, dst=self.global_rank(g, dst), group=g.name)
+            recv = comm_func.irecv(ops.zeros_like(send_tensor), src=self.global_rank(g, src), group=g.name)
+            return recv[0], _Both(send, recv[1])
+        return self._stack(send_tensor, g)[src], _Done()
+
+    def broadcast(self, tensor, src=0, group=None):
+        g = self._group(group)
+        if self.world_size(g) == 1:
+            return tensor.copy()
+        if self.native_all or self._is_world(g):
+            return self._op("broadcast", g.name, self.global_rank(g, src))((tensor,))[0]
+        return self._stack(tensor, g)[src]
+
+    def barrier(self, group=None) -> None:
+        if self._initialized:
+            self._sum(ms.Tensor([1.0], ms.float32), self._group(group)).asnumpy()
+
+    # differentiable variants: backward is the adjoint collective ----------------------------------
+    def all_to_all_autograd(self, tensor, scatter_dim, gather_dim, group=None):
+        op = self._autograd.custom_op(
+            lambda ctx, x: self.all_to_all(x, scatter_dim, gather_dim, group),
+            lambda ctx, dy: (self.all_to_all(dy, gather_dim, scatter_dim, group),))
+        return op(tensor)
+
+    def all_gather_autograd(self, tensor, dim=0, group=None):
+        op = self._autograd.custom_op(lambda ctx, x: self.all_gather(x, dim, group),
+                                      lambda ctx, dy: (self.reduce_scatter(dy, dim, group),))
+        return op(tensor)
+
+    def reduce_scatter_autograd(self, tensor, dim=0, group=None):
+        op = self._autograd.custom_op(lambda ctx, x: self.reduce_scatter(x, dim, group),
+                                      lambda ctx, dy: (self.all_gather(dy, dim, group),))
+        return op(tensor)
+
+    # tensor-parallel region markers (Megatron's copy_to / reduce_from), used by the trainer
+    def copy_to_region(self, tensor, group=None):
+        """Forward identity; backward sums the gradient over the group."""
+        op = self._autograd.custom_op(lambda ctx, x: x * 1,
+                                      lambda ctx, dy: (self.all_reduce(dy, "sum", group),))
+        return op(tensor)
+
+    def reduce_from_region(self, tensor, group=None):
+        """Forward sums over the group; backward identity (MindSpore's own AllReduce backward
+        would sum again, doubling TP gradients)."""
+        op = self._autograd.custom_op(lambda ctx, x: self.all_reduce(x, "sum", group),
+                                      lambda ctx, dy: (dy,))
+        return op(tensor)
+
+
+class _Both:
+    def __init__(self, *handles):
+        self.handles = handles
+
+    def wait(self):
+        for h in self.handles:
+            if h is not None:
+                h.wait()

@@ -1,0 +1,43 @@
+"""Device and RNG for the mindspore backend.
+
+MindSpore has two random sources: the default Generator (mint ops) and the global seed plus
+per-op counters that the classic ops (ops.rand, ops.dropout) draw from. A saved RNG state holds
+both, so restoring it replays the same random numbers from either kind of op.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+
+import mindspore as ms
+
+from mindspeed.backends.base import DeviceAPI
+from mindspeed.backends.mindspore.device_select import mindspore_target
+
+# the module, not the `seed` function mindspore.common re-exports under the same name
+ms_seed = importlib.import_module("mindspore.common.seed")
+
+
+class MsDevice(DeviceAPI):
+    def __init__(self, name: str):
+        self.name = name
+        ms.set_device(mindspore_target(name))
+
+    def synchronize(self) -> None:
+        ms.runtime.synchronize()
+
+    def manual_seed(self, seed: int) -> None:
+        ms.set_seed(seed)
+        ms.manual_seed(seed)
+
+    def get_rng_state(self):
+        return {"generator": ms.get_rng_state(), "global_seed": ms_seed.get_seed(),
+                "op_seeds": copy.deepcopy(ms_seed._KERNEL_SEED)}  # pylint: disable=protected-access
+
+    def set_rng_state(self, state) -> None:
+        if state["global_seed"] is not None:
+            ms_seed._GLOBAL_SEED = state["global_seed"]        # pylint: disable=protected-access
+        ms_seed._KERNEL_SEED.clear()                            # pylint: disable=protected-access
+        ms_seed._KERNEL_SEED.update(copy.deepcopy(state["op_seeds"]))  # pylint: disable=protected-access
+        if self.name != "cpu":    # the CPU generator's set_state kernel is not registered in 2.10
+            ms.set_rng_state(state["generator"])
