@@ -1,0 +1,17 @@
+"""Pinned versions, in one place (setup.py, .ci/run and auto_convert_llm.sh read this file).
+torch must stay pinned: an unpinned `torch` pulls a multi-GB CUDA build on CPU machines."""
+MINDSPEED = "0.1.0"
+TORCH = "torch==2.13.0"
+MEGATRON_CORE = "megatron-core==0.16.1"
+NUMPY = "numpy<2"           # mindspore 2.10 is built against numpy 1.x
+MINDSPORE = "mindspore==2.10.0"
+
+CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors==0.8.0"]
+MINDSPORE_REQUIREMENTS = [MINDSPORE, NUMPY]
+TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1"]
+
+if __name__ == "__main__":   # `python mindspeed/versions.py [extra...]` prints pip requirement lines
+    import sys
+    groups = {"core": CORE_REQUIREMENTS, "mindspore": MINDSPORE_REQUIREMENTS, "test": TEST_REQUIREMENTS}
+    for name in sys.argv[1:] or ["core"]:
+        print("\n".join(groups[name]))

@@ -1,0 +1,99 @@
+import types
+import sys
+
+import pytest
+
+from mindspeed.patching import PatchError, PatchManager
+
+
+@pytest.fixture
+def target_module():
+    mod = types.ModuleType("ms_patch_target")
+
+    def greet(name):
+        return f"hello {name}"
+
+    class Base:
+        def method(self):
+            return "base"
+
+        @staticmethod
+        def static():
+            return "static"
+
+    class Child(Base):
+        pass
+
+    mod.greet, mod.Base, mod.Child = greet, Base, Child
+    alias = types.ModuleType("ms_patch_target.user")
+    alias.greet = greet            # as after `from ms_patch_target import greet`
+    sys.modules["ms_patch_target"], sys.modules["ms_patch_target.user"] = mod, alias
+    yield mod, alias
+    del sys.modules["ms_patch_target"], sys.modules["ms_patch_target.user"]
+
+
+def test_replace_and_wrap_are_listed_and_removable(target_module):
+    mod, alias = target_module
+    original = mod.greet
+    pm = PatchManager()
+    pm.wrap("ms_patch_target.greet", lambda orig: lambda name: orig(name).upper(), reason="shout",
+            aliases="ms_patch_target")
+    assert mod.greet("a") == "HELLO A" and alias.greet("a") == "HELLO A"
+    pm.replace("ms_patch_target.Base.method", lambda self: "patched")
+    assert mod.Child().method() == "patched"
+    assert [p.kind for p in pm.applied()] == ["wrap", "replace"]
+    assert "shout" in pm.describe()
+    pm.remove_all()
+    assert mod.greet is original and alias.greet is original
+    assert mod.Child().method() == "base" and pm.applied() == []
+
+
+def test_missing_target_is_an_error(target_module):
+    pm = PatchManager()
+    with pytest.raises(PatchError, match="does not exist"):
+        pm.replace("ms_patch_target.no_such_function", lambda: None)
+    with pytest.raises(PatchError, match="no importable module"):
+        pm.replace("no_such_package_xyz.f", lambda: None)
+    assert pm.applied() == []
+
+
+def test_double_patch_is_an_error(target_module):
+    pm = PatchManager()
+    pm.replace("ms_patch_target.greet", lambda n: n)
+    with pytest.raises(PatchError, match="already patched"):
+        pm.replace("ms_patch_target.greet", lambda n: n)
+    pm.remove_all()
+
+
+def test_inherited_and_static_attributes_restore_exactly(target_module):
+    mod, _ = target_module
+    pm = PatchManager()
+    pm.replace("ms_patch_target.Child.method", lambda self: "child")
+    pm.replace("ms_patch_target.Base.static", lambda: "new static")
+    assert mod.Child().method() == "child" and mod.Base().method() == "base"
+    assert mod.Base.static() == "new static"
+    pm.remove_all()
+    assert "method" not in vars(mod.Child)            # lived on the base class before
+    assert isinstance(vars(mod.Base)["static"], staticmethod)
+    assert mod.Base.static() == "static"
+
+
+def test_define_and_context(target_module):
+    mod, _ = target_module
+    pm = PatchManager()
+    pm.define("ms_patch_target.new_name", 42)
+    with pytest.raises(PatchError, match="already exists"):
+        pm.define("ms_patch_target.greet", 1)
+    events = []
+
+    class Ctx:
+        def __enter__(self):
+            events.append("enter")
+
+        def __exit__(self, *exc):
+            events.append("exit")
+
+    pm.enter("test-context", Ctx())
+    assert mod.new_name == 42 and events == ["enter"]
+    pm.remove_all()
+    assert not hasattr(mod, "new_name") and events == ["enter", "exit"]
