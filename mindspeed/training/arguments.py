@@ -138,6 +138,8 @@ def _logging(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-throughput", action="store_true", default=True)
+    g.add_argument("--log-loss-file", default=None,
+                   help="also write every iteration's loss (full precision) as JSON lines here")
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:

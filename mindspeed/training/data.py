@@ -1,0 +1,143 @@
+"""Datasets and batches for GPT pretraining: Megatron-Core GPTDataset over indexed datasets.
+
+Every rank reads the (deterministic) dataset itself: no broadcast across tensor/pipeline ranks is
+needed, and the order of samples is Megatron's pretraining-sampler order, so a run resumed at
+iteration N sees exactly the batches the uninterrupted run saw.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import get_bin_path
+from megatron.core.datasets.utils import get_blend_from_list
+
+from mindspeed.data.indexed import DataError, check_dataset
+from mindspeed.data.tokenizer import load_tokenizer
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def dataset_prefixes(data_path) -> list[str]:
+    """'w1 p1 w2 p2' or 'p1 p2' -> [p1, p2]."""
+    blend, _weights = get_blend_from_list(data_path)
+    return blend
+
+
+def resolve_data(args, log=print):
+    """Fill args.data_path (default corpus) and return the tokenizer; check every dataset file."""
+    if args.mock_data:
+        from mindspeed.data.tokenizer import CharLevelTokenizer
+        import string
+        return CharLevelTokenizer(string.printable)
+    if not args.data_path:
+        from mindspeed.data.shakespeare import ensure_dataset
+        args.data_path = [ensure_dataset(log=log)]
+    prefixes = dataset_prefixes(args.data_path)
+    tokenizer = load_tokenizer(prefixes[0], args.tokenizer_type, args.tokenizer_model)
+    for prefix in prefixes:
+        check_dataset(prefix, tokenizer.vocab_size)
+    return tokenizer
+
+
+def unigram_entropy(prefixes: list[str], vocab_size: int) -> float:
+    """Loss (nats/token) of the best context-free model: the entropy of token frequencies."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for prefix in prefixes:
+        index_dtype = check_dataset(prefix).index.dtype
+        tokens = np.memmap(get_bin_path(prefix), dtype=index_dtype, mode="r")
+        counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if args.mock_data else get_blend_from_list(args.data_path),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=True,
+        mid_level_dataset_surplus=0.005,
+    )
+
+
+def eval_runs(args) -> int:
+    return args.train_iters // args.eval_interval + 1
+
+
+def build_datasets(args, tokenizer):
+    """(train, valid, test) GPTDatasets sized for the whole run."""
+    gbs = args.global_batch_size
+    sizes = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    cfg = _dataset_config(args, tokenizer)
+    if args.mock_data:
+        cfg.mock = True
+    try:
+        train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, cfg).build()
+    except (AssertionError, ValueError, IndexError) as err:
+        raise DataError(f"cannot build train/valid/test splits {args.split!r} from {args.data_path}: "
+                        f"{err}") from err
+    if train is None or len(train) == 0:
+        raise DataError(f"the training split of {args.data_path} is empty (--split {args.split})")
+    return train, valid, test
+
+
+def microbatches(dataset, consumed_samples: int, args) -> Iterator[dict]:
+    """Megatron's pretraining-sampler order: each global batch is consecutive samples, and data
+    parallel rank r takes micro-batch slice r of it."""
+    if dataset is None:
+        return
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    mbs = args.micro_batch_size
+    position = consumed_samples
+    while True:
+        start = position + dp_rank * mbs
+        samples = [dataset[(start + i) % len(dataset)] for i in range(mbs)]
+        yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]
+               if key in BATCH_KEYS}
+        position += mbs * dp_size
+
+
+def shard_for_context_parallel(batch: dict) -> dict:
+    """THE place where a batch is cut for context parallelism (identity when cp size is 1).
+
+    A CP feature registers its sharding as the `shard_batch` hook (ApplyContext.add_hook); without
+    one, Megatron-Core's own load-balanced split (2*cp chunks, rank r keeps r and 2cp-1-r) is used.
+    """
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    from mindspeed.adaptor_core import current
+    state = current()
+    hooks = state.context.hooks.get("shard_batch", []) if state is not None else []
+    if hooks:
+        return hooks[-1](batch)
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    return get_batch_on_this_cp_rank(batch)
+
+
+def get_batch(data_iterator, device: str) -> dict:
+    batch = next(data_iterator)
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return shard_for_context_parallel(batch)
+
+
+def samples_per_epoch_note(dataset, args) -> str:
+    if dataset is None:
+        return ""
+    iters = len(dataset) / args.global_batch_size
+    return f"{len(dataset)} samples (~{math.floor(iters)} iterations)"

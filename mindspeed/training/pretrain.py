@@ -1,0 +1,319 @@
+"""GPT pretraining loop on Megatron-Core (torch backend): the thing train_distributed.sh runs.
+
+run(args): check inputs -> process groups -> model/DDP/optimizer/scheduler -> (load) -> train
+with periodic validation and checkpoints -> final validation. Returns a summary dict.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+from functools import partial
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                       init_num_microbatches_calculator)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from mindspeed.training import checkpointing, data
+from mindspeed.training.logger import TrainingLogger
+from mindspeed.training.model import build_model_chunks, count_parameters, padded_vocab_size, transformer_config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_distributed(args, device: str) -> None:
+    if "RANK" not in os.environ:            # plain `python pretrain_gpt.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if device in ("cuda", "npu"):
+        getattr(torch, device).set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not torch.distributed.is_initialized():
+        from mindspeed.backends.torch.device import dist_backend_for
+        torch.distributed.init_process_group(
+            backend=args.distributed_backend or dist_backend_for(device),
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=None if args.num_layers_per_virtual_pipeline_stage is None
+        else args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size)
+
+
+def _set_seeds(args) -> None:
+    if args.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
+    # different seed per pipeline stage, as Megatron does; TP ranks share it (tracker forks TP)
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _adapt(args):
+    from mindspeed.adaptor_core import current
+    state = current()
+    if state is None:
+        import mindspeed
+        state = mindspeed.adapt(args)
+    if state.plan.device == "cpu":
+        from mindspeed.backends.torch.megatron_shim_training import apply_training_cpu_shim
+        apply_training_cpu_shim(state.patcher)
+    return state
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss of this micro-batch; with CP the token count is the whole sequence's."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    local_sum = torch.sum(losses * mask)
+    count = mask.sum()
+    total = count.detach().clone()
+    if parallel_state.get_context_parallel_world_size() > 1:
+        torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    loss = local_sum / total.clamp(min=1.0)
+    return loss, {"lm loss": torch.stack([local_sum.detach(), count.detach()])}
+
+
+def forward_step(device: str, data_iterator, model):
+    batch = data.get_batch(data_iterator, device)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _reduce_loss(losses_reduced: list, device: str) -> float:
+    """Mean token loss of a step over all micro-batches, data- and context-parallel ranks."""
+    pair = torch.zeros(2, dtype=torch.float64, device=device)
+    counts_here = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                   and parallel_state.get_tensor_model_parallel_rank() == 0)
+    if counts_here:
+        for item in losses_reduced:
+            pair += item["lm loss"].to(torch.float64)
+    torch.distributed.all_reduce(pair)
+    return float(pair[0] / pair[1].clamp(min=1.0))
+
+
+class Trainer:
+    def __init__(self, args, logger: TrainingLogger):
+        self.args, self.log = args, logger
+        self.device = args.device_name
+        self.config = transformer_config(args)
+        self.model = self._build_model()
+        self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler()
+        self.forward_backward = get_forward_backward_func()
+        self.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+
+    def _build_model(self):
+        a = self.args
+        chunks = build_model_chunks(a, self.config)
+        for chunk in chunks:
+            chunk.to(self.device)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=a.overlap_grad_reduce,
+            overlap_param_gather=a.overlap_param_gather, use_distributed_optimizer=a.use_distributed_optimizer,
+            check_for_nan_in_grad=True, bucket_size=None if not a.overlap_grad_reduce else 40_000_000)
+        wrapped = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk,
+                                           disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+        for model_chunk in wrapped:
+            model_chunk.broadcast_params()   # every data-parallel replica starts identical
+        return wrapped
+
+    def _build_optimizer(self):
+        a = self.args
+        opt_config = OptimizerConfig(
+            optimizer=a.optimizer, lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
+            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, sgd_momentum=a.sgd_momentum,
+            clip_grad=a.clip_grad, bf16=a.bf16, fp16=a.fp16, params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=a.use_distributed_optimizer, overlap_param_gather=a.overlap_param_gather)
+        optimizer = get_megatron_optimizer(opt_config, self.model)
+        # what Megatron-LM's setup wires into the config for the schedules
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = optimizer.scale_loss
+        if a.overlap_grad_reduce:
+            self.config.no_sync_func = [m.no_sync for m in self.model]
+            if len(self.model) == 1:
+                self.config.no_sync_func = self.config.no_sync_func[0]
+            self.config.grad_sync_func = [m.start_grad_sync for m in self.model]
+            if len(self.model) == 1:
+                self.config.grad_sync_func = self.config.grad_sync_func[0]
+        if a.overlap_param_gather:
+            self.config.param_sync_func = [m.start_param_sync for m in self.model]
+            if len(self.model) == 1:
+                self.config.param_sync_func = self.config.param_sync_func[0]
+        return optimizer
+
+    def _build_scheduler(self):
+        a = self.args
+        gbs = a.global_batch_size
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if a.lr_warmup_iters else a.lr, max_lr=a.lr, min_lr=a.min_lr,
+            lr_warmup_steps=a.lr_warmup_iters * gbs, lr_decay_steps=a.lr_decay_iters * gbs,
+            lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay, end_wd=a.weight_decay,
+            wd_incr_steps=a.train_iters * gbs, wd_incr_style="constant",
+            wsd_decay_steps=(a.lr_decay_iters * gbs) // 10 if a.lr_decay_style == "WSD" else None,
+            lr_wsd_decay_style="linear" if a.lr_decay_style == "WSD" else None)
+
+    def _iterators(self, dataset, consumed: int):
+        return [data.microbatches(dataset, consumed, self.args) for _ in self.model] \
+            if len(self.model) > 1 else data.microbatches(dataset, consumed, self.args)
+
+    def _run_schedule(self, iterator, forward_only: bool):
+        a = self.args
+        return self.forward_backward(
+            forward_step_func=partial(forward_step, self.device), data_iterator=iterator,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.num_microbatches, seq_length=a.seq_length // a.context_parallel_size,
+            micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=forward_only)
+
+    def train_step(self, iterator):
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_schedule(iterator, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=self.args.global_batch_size)
+        return _reduce_loss(losses, self.device), grad_norm, ok
+
+    def evaluate(self, dataset) -> float | None:
+        """Mean loss over --eval-iters batches; the same batches every time (comparable numbers)."""
+        if dataset is None or self.args.eval_iters < 1:
+            return None
+        for chunk in self.model:
+            chunk.eval()
+        iterator = self._iterators(dataset, 0)
+        pair = []
+        with torch.no_grad():
+            for _ in range(self.args.eval_iters):
+                pair.append(_reduce_loss(self._run_schedule(iterator, forward_only=True), self.device))
+        for chunk in self.model:
+            chunk.train()
+        return sum(pair) / len(pair)
+
+
+def _peak_memory_mb() -> float:
+    from mindspeed.backends import get_backend
+    return get_backend().memory.peak_memory_bytes() / 2**20
+
+
+def run(args) -> dict:
+    os.umask(0o027)   # checkpoints, logs, TensorBoard files: 0640 / 0750
+    state = _adapt(args)
+    args.device_name = state.plan.device
+    rank = int(os.environ.get("RANK", "0"))
+    say = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
+
+    # --- everything that can be wrong with the inputs is found before any work -------------
+    tokenizer = data.resolve_data(args, log=say)
+    args.vocab_size = tokenizer.vocab_size
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    if args.load:
+        checkpointing.read_tracker(args.load)
+
+    _init_distributed(args, args.device_name)
+    _set_seeds(args)
+    init_num_microbatches_calculator(rank, None, args.global_batch_size, args.micro_batch_size,
+                                     args.data_parallel_size)
+    logger = TrainingLogger(args, is_writer=rank == 0)
+    try:
+        return _train(args, tokenizer, logger, state)
+    finally:
+        logger.close()
+        destroy_num_microbatches_calculator()
+        parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
+    a = args
+    baseline = None if a.mock_data else data.unigram_entropy(data.dataset_prefixes(a.data_path), tokenizer.vocab_size)
+    train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer)
+    trainer = Trainer(a, logger)
+    n_params = count_parameters(trainer.model)
+    logger.print(f"> MindSpeed {state.plan.describe()}".replace("\n", "; "))
+    logger.print(f"> world {a.world_size} = TP {a.tensor_model_parallel_size} x PP {a.pipeline_model_parallel_size}"
+                 f" x CP {a.context_parallel_size} x DP {a.data_parallel_size}; micro-batches per step "
+                 f"{trainer.num_microbatches}; parameters on rank 0: {n_params}")
+    logger.print(f"> data {a.data_path}: vocab {tokenizer.vocab_size} (padded {a.padded_vocab_size}), "
+                 f"train {data.samples_per_epoch_note(train_ds, a)}")
+    if baseline is not None:
+        logger.print(f"> unigram baseline (entropy of token frequencies): {baseline:.4f} nats/token")
+
+    iteration, consumed = 0, 0
+    if a.load:
+        iteration, consumed = checkpointing.load_checkpoint(a.load, trainer.model, trainer.optimizer,
+                                                            trainer.scheduler, load_optim=not a.no_load_optim,
+                                                            finetune=a.finetune)
+        logger.print(f"> loaded checkpoint {a.load} at iteration {iteration}")
+    train_iter = trainer._iterators(train_ds, consumed)
+    tokens_per_step = a.global_batch_size * a.seq_length
+    loss_file = open(a.log_loss_file, "a") if a.log_loss_file and torch.distributed.get_rank() == 0 else None
+
+    interval_losses, interval_time, total_time, total_steps, skipped = [], 0.0, 0.0, 0, 0
+    valid_loss, last_saved = None, None
+    stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
+    logger.print(f"> training from iteration {iteration} to {stop_at}")
+    while iteration < stop_at:
+        start = time.perf_counter()
+        loss, grad_norm, ok = trainer.train_step(train_iter)
+        elapsed = time.perf_counter() - start
+        iteration += 1
+        consumed += a.global_batch_size
+        skipped += 0 if ok else 1
+        interval_losses.append(loss)
+        interval_time += elapsed
+        if iteration > 1 or a.load:   # the first step includes one-off setup; keep it out of speed
+            total_time += elapsed
+            total_steps += 1
+        if loss_file is not None:
+            loss_file.write(json.dumps({"iteration": iteration, "lm_loss": loss}) + "\n")
+            loss_file.flush()
+        if iteration % a.log_interval == 0 or iteration == stop_at:
+            steps = len(interval_losses)
+            step_s = interval_time / steps
+            logger.iteration(iteration, consumed=consumed, step_ms=1000 * step_s,
+                             lr=trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
+                             loss=sum(interval_losses) / steps, grad_norm=grad_norm,
+                             tokens_per_s=tokens_per_step / step_s, peak_mem_mb=_peak_memory_mb(),
+                             skipped=skipped, eta_s=step_s * (stop_at - iteration))
+            interval_losses, interval_time = [], 0.0
+        if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at:
+            valid_loss = trainer.evaluate(valid_ds)
+            if valid_loss is not None:
+                logger.validation(iteration, valid_loss)
+        if a.save and a.save_interval and iteration % a.save_interval == 0:
+            last_saved = checkpointing.save_checkpoint(a.save, iteration, trainer.model, trainer.optimizer,
+                                                       trainer.scheduler, consumed)
+            logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
+    if loss_file is not None:
+        loss_file.close()
+    if a.save and last_saved != checkpointing.iteration_dir(a.save, iteration):
+        checkpointing.save_checkpoint(a.save, iteration, trainer.model, trainer.optimizer, trainer.scheduler,
+                                      consumed)
+        logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
+    valid_loss = trainer.evaluate(valid_ds)
+    tokens_per_s = tokens_per_step * total_steps / total_time if total_time else 0.0
+    if valid_loss is not None:
+        logger.validation(iteration, valid_loss, label="final validation")
+    summary = {"iteration": iteration, "final_valid_loss": valid_loss, "unigram_baseline": baseline,
+               "tokens_per_s": tokens_per_s, "parameters": n_params}
+    base = f" (unigram baseline {baseline:.4f})" if baseline is not None else ""
+    vl = f"{valid_loss:.4f}" if valid_loss is not None else "n/a"
+    logger.print(f"> done: {iteration} iterations | final validation loss {vl}{base} | "
+                 f"throughput {tokens_per_s:.0f} tokens/s")
+    return summary

@@ -1,0 +1,38 @@
+"""Pretrain a GPT with MindSpeed on Megatron-Core (or on MindSpore with --backend mindspore).
+
+    torchrun --nproc_per_node 2 tests_extend/example/pretrain_gpt.py --tensor-model-parallel-size 2 ...
+    (see train_distributed.sh; without --data-path the bundled Shakespeare dataset is built and used)
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # run from source
+
+
+def main(argv=None) -> int:
+    from mindspeed.training.arguments import ArgumentError, parse_args
+    try:
+        args = parse_args(argv)
+    except ArgumentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.backend == "mindspore":
+        from mindspeed.training import mindspore as ms_trainer   # imported only when asked for
+        ms_trainer.run(args)
+        return 0
+    import mindspeed
+    from mindspeed.adaptor_core import MindSpeedConfigError
+    from mindspeed.data import DataError, TokenizerError
+    from mindspeed.training.checkpointing import CheckpointError
+    try:
+        mindspeed.adapt(args)          # device shim + enabled features, before the model exists
+        from mindspeed.training.pretrain import run
+        run(args)
+    except (MindSpeedConfigError, DataError, TokenizerError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
