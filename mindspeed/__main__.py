@@ -14,11 +14,21 @@ def main(argv=None) -> int:
     m = sub.add_parser("matrix", help="print the support matrix")
     m.add_argument("--json", action="store_true", help="JSON instead of markdown")
     m.add_argument("--markdown", action="store_true", help="markdown table (default)")
+    sub.add_parser("flags", help="print every MindSpeed flag as a markdown table")
+    sub.add_parser("readme", help="rewrite the generated sections of README.md in place")
     sub.add_parser("check", help="validate MindSpeed flags against the support matrix", add_help=False)
     ns, rest = parser.parse_known_args(argv)
     if ns.command == "matrix":
         from mindspeed import support_matrix
         print(support_matrix.to_json() if ns.json else support_matrix.to_markdown())
+        return 0
+    if ns.command == "flags":
+        from mindspeed import support_matrix
+        print(support_matrix.flags_markdown())
+        return 0
+    if ns.command == "readme":
+        from mindspeed.readme import update_readme
+        print(update_readme())
         return 0
     from mindspeed.adaptor_core import MindSpeedConfigError, plan
     try:

@@ -78,11 +78,11 @@ def _resolve_device(backend: str, requested: str) -> str:
 
 
 def plan(args=None) -> Plan:
-    ns = _as_namespace(args)
     msadapter = _msadapter_active()
-    if msadapter and not _user_chose_backend(args):
-        ns.backend = "mindspore"   # `import torch` is MindSpore underneath: it must serve kernels/comm
     try:
+        ns = _as_namespace(args)
+        if msadapter and not _user_chose_backend(args):
+            ns.backend = "mindspore"   # `import torch` is MindSpore underneath: it must serve kernels/comm
         device = _resolve_device(ns.backend, getattr(ns, "mindspeed_device", "auto") or "auto")
         on = enabled_features(ns)
         for f in on:

@@ -1,0 +1,74 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+import mindspeed
+from mindspeed.adaptor_core import MindSpeedConfigError, plan
+from mindspeed.patching import _raw_get
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_unadapt_restores_every_patched_attribute():
+    import megatron.core.tensor_parallel.random as mrandom  # noqa: F401  (import before snapshot)
+    import megatron.core.transformer.moe.moe_utils  # noqa: F401
+    state = mindspeed.adapt([])
+    records = state.patcher.applied()
+    assert len(records) >= 8, state.patcher.describe()
+    before = [(r.owner, r.attr, r.original, [(m, a, o) for m, a, o in r.aliases]) for r in records
+              if r.kind in ("replace", "wrap")]
+    assert any(r.target.startswith("megatron.") for r in records)
+    mindspeed.unadapt()
+    for owner, attr, original, aliases in before:
+        assert _raw_get(owner, attr) is original, f"{owner}.{attr} not restored"
+        for module, name, alias_original in aliases:
+            assert getattr(module, name) is alias_original
+    assert not hasattr(megatron.core.transformer.moe.moe_utils, "te_general_gemm") or \
+        megatron.core.transformer.moe.moe_utils.te_general_gemm is not None
+    import torch
+    assert torch.cuda.current_device is not None and state.patcher.applied() == []
+
+
+def test_adapt_twice_does_not_stack_patches():
+    first = len(mindspeed.adapt([]).patcher.applied())
+    second = len(mindspeed.adapt([]).patcher.applied())
+    mindspeed.unadapt()
+    assert first == second
+
+
+def test_import_hook_reads_only_mindspeed_flags():
+    code = "import mindspeed.megatron_adaptor as m; print(m.STATE.plan.backend, m.STATE.plan.device, len(m.STATE.patcher.applied()))"
+    out = subprocess.run([sys.executable, "-c", code, "--num-layers", "2", "--optimization-level", "1",
+                          "--tensor-model-parallel-size", "1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    backend, device, patches = out.stdout.split()
+    assert (backend, device) == ("torch", "cpu") and int(patches) >= 8
+
+
+def test_import_hook_refuses_unsupported_before_work():
+    code = "import mindspeed.megatron_adaptor; print('SHOULD NOT RUN')"
+    out = subprocess.run([sys.executable, "-c", code, "--backend", "mindspore",
+                          "--use-distributed-optimizer"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "SHOULD NOT RUN" not in out.stdout
+    assert "distributed-optimizer" in out.stderr and "mindspore" in out.stderr
+
+
+def test_bad_values_are_reported():
+    with pytest.raises(MindSpeedConfigError, match="--sequence-parallel needs"):
+        plan(["--sequence-parallel"])
+    with pytest.raises(MindSpeedConfigError, match="disagree"):
+        plan(["--backend", "torch", "--ai-framework", "mindspore"])
+    with pytest.raises(MindSpeedConfigError, match="not available"):
+        plan(["--device", "cuda"])
+
+
+def test_ai_framework_alias_and_namespace_input():
+    import argparse
+    assert plan(["--ai-framework", "pytorch"]).backend == "torch"
+    ns = argparse.Namespace(tensor_model_parallel_size=2, num_layers=4)   # e.g. Megatron's args
+    p = plan(ns)
+    assert [f.id for f in p.features] == ["tensor-parallel"]
+    assert p.args.num_layers == 4
