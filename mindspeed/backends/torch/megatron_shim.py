@@ -166,6 +166,21 @@ def _wrap_all_to_all(original):
     return all_to_all
 
 
+def _wrap_tensor_type(original):
+    """Megatron's optimizers and grad clipping check `t.type() == 'torch.cuda.FloatTensor'`:
+    report cpu tensors under the cuda type name (conversions with a dtype argument are untouched)."""
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type_
+
+
 CPU_CUDA_REPLACEMENTS = {
     "torch.cuda.current_device": _current_device,
     "torch.cuda.synchronize": lambda *a, **k: None,
@@ -201,6 +216,8 @@ def apply_cpu_shim(patcher) -> None:
                  reason="allow torch norms under sequence parallelism (no Apex/TE)")
     patcher.wrap("megatron.core.tensor_parallel.mappings.all_to_all", _wrap_all_to_all,
                  reason="gloo all_to_all needs list split sizes", aliases="megatron")
+    patcher.wrap("torch.Tensor.type", _wrap_tensor_type,
+                 reason="Megatron optimizers check tensor.type() == 'torch.cuda.FloatTensor'")
     _define_missing_te_names(patcher)
     patcher.enter("torch.overrides.TorchFunctionMode[CudaToCpuMode]", CudaToCpuMode(),
                   reason="device='cuda' / .cuda() -> cpu")
