@@ -1,0 +1,87 @@
+"""Context-parallel test bodies shared by the torch and mindspore backends.
+
+A body builds the same global q/k/v/mask on every rank (numpy, seeded), runs single-process
+attention on the whole sequence, then this rank's shard through the CP feature, and checks
+output and q/k/v gradients at this rank's positions. Only `kit` (tensor creation and autograd,
+one per framework) differs between backends; the feature code and the checks are the same.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from mindspeed.backends import get_backend
+from mindspeed.features.context_parallel import build_cp_groups, context_parallel_attention, local_positions
+
+# (rtol, atol) per dtype; bf16 from KERNELS.md (CP attention vs single device; GQA looser)
+TOLERANCE = {"float32": (1e-5, 2e-5), "bfloat16": (2.5e-2, 2.5e-2), "bfloat16-gqa": (3.5e-2, 3.5e-2)}
+
+
+def make_case(seed, b=2, s=16, n=4, nkv=4, d=8, mask_type="causal"):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((s, b, n * d)).astype(np.float32)
+    k = rng.standard_normal((s, b, nkv * d)).astype(np.float32)
+    v = rng.standard_normal((s, b, nkv * d)).astype(np.float32)
+    dout = rng.standard_normal((s, b, n * d)).astype(np.float32)
+    mask = None
+    if mask_type == "general":   # a random pattern (not causal), the diagonal always visible
+        mask = rng.random((b, 1, s, s)) < 0.4
+        mask[..., np.arange(s), np.arange(s)] = False
+    return dict(q=q, k=k, v=v, dout=dout, mask=mask, n=n)
+
+
+def check_case(kit, cp, case, dtype="float32", tol_key=None):
+    """Returns the max abs error of (out, dq, dk, dv) after asserting closeness."""
+    kernels = get_backend().kernels
+    s = case["q"].shape[0]
+    causal = case["mask"] is None
+    mask = None if causal else kit.tensor(case["mask"], "bool")
+    full = [kit.tensor(case[x], dtype) for x in ("q", "k", "v")]
+
+    def single(q, k, v):
+        return kernels.attention(q, k, v, layout="SBH", head_num=case["n"], causal=causal, mask=mask)[0]
+
+    ref_out, ref_grads = kit.run_with_grads(single, full, kit.tensor(case["dout"], dtype))
+    pos = local_positions(s, cp.algo, cp.size, cp.rank, cp.ulysses_degree)
+    local = [kit.tensor(case[x][pos], dtype) for x in ("q", "k", "v")]
+
+    def sharded(q, k, v):
+        return context_parallel_attention(q, k, v, cp, head_num=case["n"], causal=causal, mask=mask)
+
+    out, grads = kit.run_with_grads(sharded, local, kit.tensor(case["dout"][pos], dtype))
+    rtol, atol = TOLERANCE[tol_key or dtype]
+    errors = []
+    for name, got, want in zip(("out", "dq", "dk", "dv"), [out] + grads, [ref_out] + ref_grads):
+        want = want[pos]
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol,
+                                   err_msg=f"{name} differs ({cp.algo}, rank {cp.rank}, {dtype})")
+        errors.append(float(np.abs(got - want).max()))
+    return errors
+
+
+def cases_for(world_size):
+    """(label, algo, options) per CP configuration exercised at this world size."""
+    configs = [("ulysses", "ulysses_cp_algo", {}),
+               ("ring", "megatron_cp_algo", {}),
+               ("ring-overlap", "megatron_cp_algo", {"overlap": True})]
+    if world_size == 4:
+        configs += [("double-ring", "megatron_cp_algo", {"window_size": 2, "overlap": True}),
+                    ("hybrid", "hybrid_cp_algo", {"ulysses_degree": 2}),
+                    ("hybrid-window", "hybrid_cp_algo", {"ulysses_degree": 2, "window_size": 2})]
+    return configs
+
+
+def run_all(kit, world_size, dtypes=("float32", "bfloat16")):
+    """Every algorithm x {causal, general} x {MHA, GQA} x dtypes; returns {label: max error}."""
+    results = {}
+    for label, algo, options in cases_for(world_size):
+        cp = build_cp_groups(algo, **options)
+        for mask_type in ("causal", "general"):
+            for nkv in (4, 2 if world_size == 2 else 1):
+                for dtype in dtypes:
+                    case = make_case(seed=zlib.crc32(f"{label}/{mask_type}/{nkv}".encode()), nkv=nkv, mask_type=mask_type)
+                    tol = "bfloat16-gqa" if dtype == "bfloat16" and nkv < 4 else dtype
+                    errs = check_case(kit, cp, case, dtype, tol)
+                    results[f"{label}/{mask_type}/nkv{nkv}/{dtype}"] = max(errs)
+    return results
