@@ -262,6 +262,9 @@ def validate_args(args) -> None:
         problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by "
                         f"micro-batch-size x data-parallel size = "
                         f"{args.micro_batch_size} x {args.data_parallel_size}")
+    if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
+        problems.append(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay iterations "
+                        f"({args.lr_decay_iters}, from --lr-decay-iters or --train-iters)")
     if args.bf16 and args.fp16:
         problems.append("--bf16 and --fp16 cannot both be set")
     if args.num_experts is not None and args.num_experts % args.expert_model_parallel_size:

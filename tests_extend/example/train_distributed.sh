@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# GPT pretraining with MindSpeed on Megatron-Core, launched with torchrun.
+# Every setting below can be overridden from the environment, e.g.
+#   TRAIN_ITERS=40 bash tests_extend/example/train_distributed.sh
+#   TP=1 PP=2 bash tests_extend/example/train_distributed.sh --use-distributed-optimizer
+# Extra arguments are passed to pretrain_gpt.py (later flags win).
+set -euo pipefail
+
+# --- launch --------------------------------------------------------------------------------
+NPUS_PER_NODE=${NPUS_PER_NODE:-2}        # processes per node (cpu: 2 on a 2-core machine)
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+PYTHON=${PYTHON:-python}
+
+# --- parallelism -----------------------------------------------------------------------------
+TP=${TP:-2}                               # tensor model parallel
+PP=${PP:-1}                               # pipeline model parallel
+CP=${CP:-1}                               # context parallel
+EP=${EP:-1}                               # expert parallel (needs NUM_EXPERTS)
+NUM_EXPERTS=${NUM_EXPERTS:-}
+
+# --- model (a small GPT that learns char-level Shakespeare in minutes on 2 cpu cores) --------
+NUM_LAYERS=${NUM_LAYERS:-4}
+HIDDEN_SIZE=${HIDDEN_SIZE:-128}
+NUM_HEADS=${NUM_HEADS:-4}
+SEQ_LENGTH=${SEQ_LENGTH:-128}
+
+# --- training ----------------------------------------------------------------------------------
+MICRO_BATCH=${MICRO_BATCH:-16}
+GLOBAL_BATCH=${GLOBAL_BATCH:-32}
+TRAIN_ITERS=${TRAIN_ITERS:-600}
+LR=${LR:-3e-3}
+MIN_LR=${MIN_LR:-3e-4}
+WARMUP_ITERS=${WARMUP_ITERS:-$(( TRAIN_ITERS / 10 < 20 ? TRAIN_ITERS / 10 : 20 ))}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+EVAL_INTERVAL=${EVAL_INTERVAL:-200}
+EVAL_ITERS=${EVAL_ITERS:-10}
+OPTIMIZATION_LEVEL=${OPTIMIZATION_LEVEL:-2}
+
+# --- data and checkpoints ----------------------------------------------------------------------
+DATA_PATH=${DATA_PATH:-}                  # empty: the bundled Shakespeare dataset (built on first run)
+SPLIT=${SPLIT:-949,50,1}
+CKPT_DIR=${CKPT_DIR:-}                    # empty: no checkpoints
+SAVE_INTERVAL=${SAVE_INTERVAL:-}
+LOAD_DIR=${LOAD_DIR:-}
+TENSORBOARD_DIR=${TENSORBOARD_DIR:-}
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # one compute thread per process
+
+ARGS=(
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+  --context-parallel-size "$CP" --expert-model-parallel-size "$EP"
+  --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
+  --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+  --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
+  --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
+  --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
+  --lr-warmup-iters "$WARMUP_ITERS" --weight-decay 0.1 --clip-grad 1.0
+  --split "$SPLIT" --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
+  --optimization-level "$OPTIMIZATION_LEVEL"
+)
+[ -n "$DATA_PATH" ] && ARGS+=(--data-path $DATA_PATH)
+[ -n "$NUM_EXPERTS" ] && ARGS+=(--num-experts "$NUM_EXPERTS")
+[ -n "$CKPT_DIR" ] && ARGS+=(--save "$CKPT_DIR")
+[ -n "$SAVE_INTERVAL" ] && ARGS+=(--save-interval "$SAVE_INTERVAL")
+[ -n "$LOAD_DIR" ] && ARGS+=(--load "$LOAD_DIR")
+[ -n "$TENSORBOARD_DIR" ] && ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
+
+exec "$PYTHON" -m torch.distributed.run \
+  --nproc_per_node "$NPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  "$HERE/pretrain_gpt.py" "${ARGS[@]}" "$@"
