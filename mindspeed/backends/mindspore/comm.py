@@ -83,6 +83,8 @@ class MsComm(CommAPI):
             return self.world()
         if ranks == self._world.ranks:
             return self._world
+        if len(ranks) == 1:          # a group of one needs no communicator: collectives are identity
+            return MsGroup(f"mindspeed_self_{ranks[0]}", ranks)
         from mindspore.communication import create_group
         name = "mindspeed_g_" + "_".join(map(str, ranks))
         if not any(k == ("group", name) for k in self._ops):

@@ -7,7 +7,10 @@ Internals compute in fp32 and cast back to the input dtype.
 """
 from __future__ import annotations
 
+import functools
+
 import mindspore as ms
+import numpy as np
 from mindspore import ops
 
 from mindspeed.backends.mindspore.kernels.layouts import (check_layout, from_bnsd, head_dim_of, heads_of,
@@ -66,10 +69,16 @@ def band_mask(sq: int, skv: int, *, causal: bool, pre_tokens: int, next_tokens: 
     """Bool [sq, skv], True = masked out; None when nothing is masked."""
     if not causal and pre_tokens >= skv and next_tokens >= skv:
         return None
-    i = ops.arange(sq).reshape(sq, 1)
-    j = ops.arange(skv).reshape(1, skv)
+    return _band_mask_cached(sq, skv, causal, pre_tokens, next_tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def _band_mask_cached(sq, skv, causal, pre_tokens, next_tokens):
+    # built once per shape in numpy: every layer of every step asks for the same mask
+    i = np.arange(sq).reshape(sq, 1)
+    j = np.arange(skv).reshape(1, skv)
     nxt = min(next_tokens, 0) if causal else next_tokens
-    return ops.logical_or(j > i + nxt, j < i - pre_tokens)
+    return ms.Tensor((j > i + nxt) | (j < i - pre_tokens))
 
 
 def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dropout_p, alibi):

@@ -1,0 +1,16 @@
+"""MindSpeed's native MindSpore GPT trainer: `--backend mindspore` (launch with msrun).
+
+`run(args)` takes the namespace of mindspeed.training.arguments.parse_args. Importing this
+package does not import MindSpore; run() does (and names the install command if it is missing).
+"""
+from __future__ import annotations
+
+
+def run(args) -> dict:
+    from mindspeed.backends.mindspore.device_select import import_mindspore
+    import_mindspore()
+    from mindspeed.training.mindspore.trainer import run as _run
+    return _run(args)
+
+
+__all__ = ["run"]

@@ -1,0 +1,18 @@
+"""python -m mindspeed.training.mindspore [Megatron-style flags]: the MindSpore trainer directly."""
+import sys
+
+
+def main(argv=None) -> int:
+    from mindspeed.training.arguments import ArgumentError, parse_args
+    try:
+        args = parse_args(argv)
+    except ArgumentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from mindspeed.training.mindspore import run
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Save/load the MindSpore trainer's state as a neutral checkpoint (see neutral_format).
+
+Tensor-parallel shards are gathered into whole tensors before rank 0 writes, and cut again on
+load, so a checkpoint written at one TP size loads at another, and on the torch side.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mindspore import ops
+
+from mindspeed.training.mindspore import neutral_format as nf
+
+
+def _gather_tp(backend, ps, arrays: dict) -> dict:
+    """Whole tensors from this TP group's shards (one collective for all of them)."""
+    if ps.tp_size == 1:
+        return dict(arrays)
+    import mindspore as ms
+    names = list(arrays)
+    flat = ops.cat([ms.Tensor(arrays[n]).reshape(-1) for n in names]).expand_dims(0)
+    every = backend.comm.all_gather(flat, 0, ps.tp_group).asnumpy()        # [tp, total]
+    out, start = {}, 0
+    for n in names:
+        size = arrays[n].size
+        out[n] = nf.unshard(n, [every[r, start:start + size].reshape(arrays[n].shape) for r in range(ps.tp_size)])
+        start += size
+    return out
+
+
+def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -> None:
+    params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.params.items()})
+    moments = _gather_tp(backend, ps, optimizer.state_arrays())
+    if backend.comm.rank() == 0:
+        nf.save(root, iteration, params, moments, dict(meta, optimizer_steps=optimizer.step_count))
+    backend.comm.barrier()
+
+
+def load(path: str, model, optimizer=None, *, load_optimizer: bool = True) -> dict:
+    """Load weights (and the optimizer moments when present and wanted); returns meta."""
+    full, moments, meta = nf.load(path)
+    model.load_full(full)
+    if optimizer is not None and load_optimizer and moments is not None:
+        ps = model.ps
+        shards = {k: np.ascontiguousarray(nf.shard_for_rank(k, v, ps.tp_rank, ps.tp_size))
+                  for k, v in moments.items()}
+        optimizer.load_state_arrays(shards, int(meta.get("optimizer_steps", meta["iteration"])))
+    return meta

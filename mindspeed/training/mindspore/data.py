@@ -1,0 +1,173 @@
+"""Megatron indexed datasets (.bin/.idx) read with numpy, and the trainer's batches.
+
+Reads the files mindspeed.data writes (Megatron's MMIDIDX format) without torch or Megatron.
+Documents are split into train/valid/test by --split (contiguous document ranges, as Megatron
+does); each split's tokens form one stream cut into samples of seq_length+1 tokens, visited in a
+seeded random order per epoch. Global batch k is samples [k*gbs, (k+1)*gbs); data-parallel rank r
+takes micro-batch slice r of it (Megatron's pretraining sampler order).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+
+_HEADER = b"MMIDIDX\x00\x00"
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+           8: np.uint16}
+
+
+class DataError(ValueError):
+    pass
+
+
+class IndexedTokens:
+    """The token stream of a Megatron indexed dataset (memory-mapped)."""
+
+    def __init__(self, prefix: str):
+        idx, binf = prefix + ".idx", prefix + ".bin"
+        missing = [p for p in (idx, binf) if not os.path.isfile(p)]
+        if missing:
+            raise DataError(f"dataset {prefix!r} is missing {', '.join(missing)}; build it with "
+                            "`python -m mindspeed.data --input FILE... --output-prefix PREFIX`")
+        with open(idx, "rb") as f:
+            head = f.read(len(_HEADER) + 8 + 1 + 8 + 8)
+        if len(head) < 34 or head[:9] != _HEADER:
+            raise DataError(f"{idx!r} is not a Megatron indexed-dataset index (bad header)")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
+        if version != 1 or code not in _DTYPES:
+            raise DataError(f"{idx!r}: unsupported index version {version} or dtype code {code}")
+        self.dtype = np.dtype(_DTYPES[code])
+        offset = 34
+        self.seq_lengths = np.memmap(idx, np.int32, "r", offset, n_seq)
+        offset += n_seq * 4
+        self.seq_pointers = np.memmap(idx, np.int64, "r", offset, n_seq)
+        offset += n_seq * 8
+        self.doc_index = np.memmap(idx, np.int64, "r", offset, n_doc)
+        expected = int(self.seq_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        if os.path.getsize(binf) != expected:
+            raise DataError(f"{binf!r} has {os.path.getsize(binf)} bytes but its index describes {expected}: "
+                            "truncated or mismatched files; rebuild them")
+        self.tokens = np.memmap(binf, self.dtype, "r")
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_index) - 1
+
+    def document_range_tokens(self, first_doc: int, end_doc: int) -> np.ndarray:
+        """Tokens of documents [first_doc, end_doc) (contiguous in the .bin file)."""
+        if end_doc <= first_doc:
+            return np.zeros(0, np.int64)
+        first_seq, end_seq = int(self.doc_index[first_doc]), int(self.doc_index[end_doc])
+        start = int(self.seq_pointers[first_seq]) // self.dtype.itemsize
+        stop = int(self.seq_pointers[end_seq - 1]) // self.dtype.itemsize + int(self.seq_lengths[end_seq - 1])
+        return np.asarray(self.tokens[start:stop], dtype=np.int64)
+
+
+def split_bounds(split: str, num_docs: int) -> list[tuple[int, int]]:
+    """Megatron's split string ("949,50,1") -> document ranges for train, valid, test."""
+    try:
+        weights = [float(w) for w in split.replace("/", ",").split(",")]
+    except ValueError as err:
+        raise DataError(f"--split {split!r} must be comma-separated numbers") from err
+    weights = (weights + [0.0, 0.0, 0.0])[:3]
+    if sum(weights) <= 0 or any(w < 0 for w in weights):
+        raise DataError(f"--split {split!r} needs non-negative weights with a positive sum")
+    total = sum(weights)
+    ends, acc = [0], 0.0
+    for w in weights:
+        acc += w / total
+        ends.append(int(round(acc * num_docs)))
+    ends[-1] = num_docs
+    return [(ends[i], ends[i + 1]) for i in range(3)]
+
+
+def vocab_size_of(prefix: str, args) -> int:
+    """Vocabulary size from the tokenizer file beside the dataset (or --vocab-size)."""
+    if getattr(args, "vocab_size", None):
+        return int(args.vocab_size)
+    path = prefix + ".tokenizer.json"
+    if not os.path.isfile(path):
+        raise DataError(f"no tokenizer file {path!r} next to the dataset (pass --vocab-size or preprocess "
+                        "with `python -m mindspeed.data`)")
+    with open(path, encoding="utf-8") as f:
+        desc = json.load(f)
+    if desc.get("type") == "CharLevel":
+        return len(desc["chars"]) + 2
+    from mindspeed.data.tokenizer import load_tokenizer    # HF tokenizers need their library
+    return int(load_tokenizer(prefix).vocab_size)
+
+
+class SampleStream:
+    """Samples of seq_length+1 tokens from one split, in a seeded order, endlessly."""
+
+    def __init__(self, tokens: np.ndarray, seq_length: int, seed: int, name: str):
+        self.tokens, self.seq_length, self.seed = tokens, seq_length, seed
+        self.num_samples = (len(tokens) - 1) // seq_length if len(tokens) > 1 else 0
+        if self.num_samples == 0:
+            raise DataError(f"the {name} split has {len(tokens)} tokens, fewer than one sample of "
+                            f"{seq_length + 1}; use more data, a shorter --seq-length or another --split")
+        self._orders = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.RandomState(self.seed + epoch).permutation(self.num_samples)}
+        return self._orders[epoch]
+
+    def sample(self, index: int) -> np.ndarray:
+        epoch, pos = divmod(index, self.num_samples)
+        start = int(self._order(epoch)[pos]) * self.seq_length
+        return self.tokens[start:start + self.seq_length + 1]
+
+
+def micro_batch(stream: SampleStream, first_sample: int, mbs: int, eod_mask: int | None = None) -> dict:
+    rows = np.stack([stream.sample(first_sample + i) for i in range(mbs)])
+    tokens, labels = rows[:, :-1], rows[:, 1:]
+    loss_mask = np.ones(tokens.shape, np.float32)
+    if eod_mask is not None:
+        loss_mask[tokens == eod_mask] = 0.0
+    return {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32), "loss_mask": loss_mask}
+
+
+def micro_batches_for_step(stream, consumed: int, args, dp_rank: int, dp_size: int, eod_mask=None) -> list:
+    """This rank's micro-batches of the global batch starting at sample `consumed`."""
+    mbs, per_step = args.micro_batch_size, args.micro_batch_size * dp_size
+    n_micro = args.global_batch_size // per_step
+    return [micro_batch(stream, consumed + m * per_step + dp_rank * mbs, mbs, eod_mask) for m in range(n_micro)]
+
+
+class MockStream(SampleStream):
+    """--mock-data: random tokens (no files)."""
+
+    def __init__(self, vocab: int, seq_length: int, seed: int, num_tokens: int = 1 << 16):
+        super().__init__(np.random.RandomState(seed).randint(0, vocab, num_tokens).astype(np.int64),
+                         seq_length, seed, "mock")
+
+
+def build_streams(args, log=print):
+    """(vocab_size, train, valid) streams for the trainer's flags."""
+    if args.reset_position_ids or args.reset_attention_mask:
+        raise DataError("--reset-position-ids/--reset-attention-mask are not supported by the mindspore trainer")
+    if args.mock_data:
+        vocab = int(args.vocab_size or 256)
+        return vocab, MockStream(vocab, args.seq_length, args.seed), MockStream(vocab, args.seq_length, args.seed + 1)
+    paths = list(args.data_path or [])
+    if not paths:
+        from mindspeed.data.shakespeare import ensure_dataset
+        paths = [ensure_dataset(log=log)]
+    if len(paths) != 1:
+        raise DataError("the mindspore trainer reads one dataset prefix (blends of several are not supported)")
+    prefix = paths[0]
+    ds = IndexedTokens(prefix)
+    vocab = vocab_size_of(prefix, args)
+    (t0, t1), (v0, v1), _ = split_bounds(args.split, ds.num_documents)
+    train = SampleStream(ds.document_range_tokens(t0, t1), args.seq_length, args.seed, "train")
+    valid = None
+    if v1 > v0:
+        try:
+            valid = SampleStream(ds.document_range_tokens(v0, v1), args.seq_length, args.seed + 1, "validation")
+        except DataError:
+            valid = None
+    return vocab, train, valid

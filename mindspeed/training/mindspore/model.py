@@ -1,0 +1,200 @@
+"""The GPT of the torch main job (Megatron-Core GPTModel, local spec) in MindSpore.
+
+embedding -> L x [RMSNorm -> QKV (column) -> RoPE -> causal attention -> proj (row) -> residual
+-> RMSNorm -> fc1 (column) -> SwiGLU -> fc2 (row) -> residual] -> RMSNorm -> output layer (tied or
+untied); linear biases optional (--add-bias-linear) -> vocab-parallel cross-entropy. Parameters carry Megatron-Core's state-dict names and
+per-TP-rank shapes (see neutral_format for the sharding), so checkpoints move between backends.
+Norm, SwiGLU, RoPE and attention run through the backend's kernels (features reach the model via
+the interface only).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+
+from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
+                                                 vocab_parallel_embedding)
+from mindspeed.training.mindspore.parallel import ParallelState
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int              # padded
+    seq_length: int
+    norm_epsilon: float = 1e-5
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    tied_embeddings: bool = True
+    init_method_std: float = 0.02
+    recompute: bool = False
+    add_bias_linear: bool = False
+
+    @classmethod
+    def from_args(cls, args, padded_vocab: int) -> "GPTConfig":
+        unsupported = []
+        if args.normalization != "RMSNorm":
+            unsupported.append(f"--normalization {args.normalization}")
+        if not args.swiglu:
+            unsupported.append("--no-swiglu")
+        if args.position_embedding_type != "rope":
+            unsupported.append(f"--position-embedding-type {args.position_embedding_type}")
+        if args.hidden_dropout or args.attention_dropout:
+            unsupported.append("--hidden-dropout/--attention-dropout > 0")
+        if unsupported:
+            raise ValueError("the mindspore trainer builds the main job's GPT (RMSNorm, SwiGLU, RoPE, "
+                             "no dropout); not supported: " + ", ".join(unsupported))
+        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                   num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                   kv_channels=args.kv_channels, vocab_size=padded_vocab, seq_length=args.seq_length,
+                   norm_epsilon=args.norm_epsilon, rotary_base=args.rotary_base,
+                   rotary_percent=args.rotary_percent,
+                   tied_embeddings=not args.untie_embeddings_and_output_weights,
+                   init_method_std=args.init_method_std, recompute=args.recompute_granularity == "full",
+                   add_bias_linear=bool(args.add_bias_linear))
+
+    def full_shapes(self) -> dict:
+        h, d = self.hidden_size, self.kv_channels
+        qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
+        shapes = {"embedding.word_embeddings.weight": (self.vocab_size, h)}
+        for i in range(self.num_layers):
+            shapes.update({nf.layer_name(i, "input_layernorm.weight"): (h,),
+                           nf.layer_name(i, "self_attention.linear_qkv.weight"): (qkv, h),
+                           nf.layer_name(i, "self_attention.linear_proj.weight"): (h, self.num_attention_heads * d),
+                           nf.layer_name(i, "pre_mlp_layernorm.weight"): (h,),
+                           nf.layer_name(i, "mlp.linear_fc1.weight"): (2 * self.ffn_hidden_size, h),
+                           nf.layer_name(i, "mlp.linear_fc2.weight"): (h, self.ffn_hidden_size)})
+            if self.add_bias_linear:
+                shapes.update({nf.layer_name(i, "self_attention.linear_qkv.bias"): (qkv,),
+                               nf.layer_name(i, "self_attention.linear_proj.bias"): (h,),
+                               nf.layer_name(i, "mlp.linear_fc1.bias"): (2 * self.ffn_hidden_size,),
+                               nf.layer_name(i, "mlp.linear_fc2.bias"): (h,)})
+        shapes["decoder.final_layernorm.weight"] = (h,)
+        if not self.tied_embeddings:
+            shapes["output_layer.weight"] = (self.vocab_size, h)
+        return shapes
+
+
+def init_full_weights(cfg: GPTConfig, seed: int) -> dict:
+    """Megatron's init on whole tensors (TP-independent, like use_cpu_initialization): normal(0, std),
+    output projections std/sqrt(2L), norms ones."""
+    rng = np.random.RandomState(seed)
+    scaled = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+    weights = {}
+    for name, shape in cfg.full_shapes().items():
+        if name.endswith("layernorm.weight"):
+            weights[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias"):
+            weights[name] = np.zeros(shape, np.float32)
+        else:
+            std = scaled if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else cfg.init_method_std
+            weights[name] = rng.normal(0.0, std, shape).astype(np.float32)
+    return weights
+
+
+class GPTModel:
+    def __init__(self, cfg: GPTConfig, backend, ps: ParallelState):
+        tp = ps.tp_size
+        for what, value in (("attention heads", cfg.num_attention_heads), ("query groups", cfg.num_query_groups),
+                            ("ffn hidden size", cfg.ffn_hidden_size), ("padded vocab", cfg.vocab_size)):
+            if value % tp:
+                raise ValueError(f"{what} {value} is not divisible by tensor parallel size {tp}")
+        if cfg.num_attention_heads % cfg.num_query_groups:
+            raise ValueError(f"{cfg.num_attention_heads} heads are not a multiple of {cfg.num_query_groups} query groups")
+        self.cfg, self.backend, self.ps = cfg, backend, ps
+        self.params = {}
+        self.heads_local = cfg.num_attention_heads // tp
+        self.groups_local = cfg.num_query_groups // tp
+        self._rope_tables()
+
+    # parameters -----------------------------------------------------------------------------------
+    def load_full(self, full: dict) -> None:
+        """Set parameters from whole tensors (Megatron names), keeping this TP rank's shard."""
+        expected = self.cfg.full_shapes()
+        missing = sorted(set(expected) - set(full))
+        wrong = [f"{k}: {tuple(full[k].shape)} != {expected[k]}" for k in expected
+                 if k in full and tuple(full[k].shape) != tuple(expected[k])]
+        if missing or wrong:
+            raise ValueError("checkpoint does not fit this model: "
+                             + "; ".join(([f"missing {', '.join(missing)}"] if missing else []) + wrong))
+        for name in expected:
+            shard = nf.shard_for_rank(name, np.asarray(full[name], np.float32), self.ps.tp_rank, self.ps.tp_size)
+            if name in self.params:
+                self.params[name].set_data(ms.Tensor(shard))
+            else:
+                self.params[name] = ms.Parameter(ms.Tensor(shard), name=name)
+
+    def parameters(self) -> list:
+        return list(self.params.values())
+
+    def is_tp_sharded(self, name: str) -> bool:
+        return nf.split_kind(name) != "replicated"
+
+    # forward ---------------------------------------------------------------------------------------
+    def _rope_tables(self):
+        cfg = self.cfg
+        dim = int(cfg.kv_channels * cfg.rotary_percent)
+        inv_freq = 1.0 / (cfg.rotary_base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+        freqs = np.outer(np.arange(cfg.seq_length, dtype=np.float32), inv_freq)
+        emb = np.concatenate([freqs, freqs], -1)[:, None, None, :]        # [s, 1, 1, dim], rotate-half
+        self.cos, self.sin = ms.Tensor(np.cos(emb)), ms.Tensor(np.sin(emb))
+
+    def _norm(self, x, name):
+        return self.backend.kernels.rms_norm(x, self.params[name], self.cfg.norm_epsilon)[0]
+
+    def _attention(self, i, x):
+        cfg, kernels = self.cfg, self.backend.kernels
+        p = lambda s: self.params[nf.layer_name(i, s)]
+        qkv = column_parallel(self.backend, self.ps, x, p("self_attention.linear_qkv.weight"),
+                              self._bias(i, "self_attention.linear_qkv.bias"))
+        s, b = qkv.shape[0], qkv.shape[1]
+        d, per_group = cfg.kv_channels, self.heads_local // self.groups_local
+        qkv = qkv.reshape(s, b, self.groups_local, (per_group + 2) * d)
+        q, k, v = ops.split(qkv, [per_group * d, d, d], axis=-1)
+        q = kernels.rope(q.reshape(s, b, self.heads_local, d), self.cos[:s], self.sin[:s], 0)
+        k = kernels.rope(k, self.cos[:s], self.sin[:s], 0)
+        out = kernels.attention(q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1), layout="SBH",
+                                head_num=self.heads_local, causal=True)[0]
+        return row_parallel(self.backend, self.ps, out, p("self_attention.linear_proj.weight"),
+                            self._bias(i, "self_attention.linear_proj.bias"))
+
+    def _mlp(self, i, x):
+        p = lambda s: self.params[nf.layer_name(i, s)]
+        h = column_parallel(self.backend, self.ps, x, p("mlp.linear_fc1.weight"), self._bias(i, "mlp.linear_fc1.bias"))
+        return row_parallel(self.backend, self.ps, self.backend.kernels.swiglu(h, -1), p("mlp.linear_fc2.weight"),
+                            self._bias(i, "mlp.linear_fc2.bias"))
+
+    def _bias(self, i, suffix):
+        return self.params.get(nf.layer_name(i, suffix)) if self.cfg.add_bias_linear else None
+
+    def _layer(self, i, x):
+        x = x + self._attention(i, self._norm(x, nf.layer_name(i, "input_layernorm.weight")))
+        return x + self._mlp(i, self._norm(x, nf.layer_name(i, "pre_mlp_layernorm.weight")))
+
+    def logits(self, tokens):
+        """tokens [b, s] -> this rank's vocab shard of the logits [s, b, V/tp]."""
+        x = vocab_parallel_embedding(self.backend, self.ps, tokens, self.params["embedding.word_embeddings.weight"])
+        for i in range(self.cfg.num_layers):
+            if self.cfg.recompute:
+                x = self.backend.memory.recompute(lambda h, i=i: self._layer(i, h), x)
+            else:
+                x = self._layer(i, x)
+        x = self._norm(x, "decoder.final_layernorm.weight")
+        out_w = self.params["embedding.word_embeddings.weight" if self.cfg.tied_embeddings else "output_layer.weight"]
+        return column_parallel(self.backend, self.ps, x, out_w)
+
+    def loss(self, tokens, labels, loss_mask):
+        """Mean cross-entropy over the tokens loss_mask keeps (Megatron's lm loss)."""
+        per_token = vocab_parallel_cross_entropy(self.backend, self.ps, self.logits(tokens), labels.T)   # [s, b]
+        mask = loss_mask.T.astype(ms.float32)
+        return (per_token * mask).sum() / mask.sum()

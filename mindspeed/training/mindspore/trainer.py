@@ -1,0 +1,210 @@
+"""The MindSpore GPT training loop: same flags, data files, log lines and summary as the torch
+main job (mindspeed/training/pretrain.py)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import mindspore as ms
+import numpy as np
+
+from mindspeed.training.mindspore import checkpoint, data, neutral_format, schedule
+from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
+from mindspeed.training.mindspore.optimizer import Adam, clip_gradients, reduce_gradients
+from mindspeed.training.mindspore.parallel import build_parallel_state
+
+
+class TrainerConfigError(ValueError):
+    """A flag the mindspore trainer cannot honour; raised before any work starts."""
+
+
+def check_supported(args) -> None:
+    problems = []
+    if args.pipeline_model_parallel_size != 1:
+        problems.append("pipeline parallelism (--pipeline-model-parallel-size > 1)")
+    if args.context_parallel_size != 1:
+        problems.append("context parallelism (--context-parallel-size > 1)")
+    if args.num_experts:
+        problems.append("MoE (--num-experts)")
+    if args.use_distributed_optimizer:
+        problems.append("--use-distributed-optimizer")
+    if args.bf16 or args.fp16:
+        problems.append("--bf16/--fp16 (the mindspore trainer trains in fp32)")
+    if args.optimizer != "adam":
+        problems.append(f"--optimizer {args.optimizer}")
+    if args.recompute_granularity == "selective":
+        problems.append("--recompute-granularity selective (full is supported)")
+    if problems:
+        raise TrainerConfigError("the mindspore trainer does not support: " + "; ".join(problems)
+                                 + ". Use --backend torch for these.")
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return ((vocab + multiple - 1) // multiple) * multiple
+
+
+def to_tensors(batch: dict) -> tuple:
+    return ms.Tensor(batch["tokens"]), ms.Tensor(batch["labels"]), ms.Tensor(batch["loss_mask"])
+
+
+class Trainer:
+    """Model + optimizer + one training step; usable without the data pipeline (parity tests)."""
+
+    def __init__(self, args, backend, ps, cfg: GPTConfig):
+        self.args, self.backend, self.ps, self.cfg = args, backend, ps, cfg
+        self.model = GPTModel(cfg, backend, ps)
+        self.model.load_full(init_full_weights(cfg, args.seed))
+        self.optimizer = Adam(self.model, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
+                              weight_decay=args.weight_decay)
+        self.lr_at = schedule.from_args(args)
+        self._grad_fn = ms.value_and_grad(self.model.loss, None, weights=self.model.parameters())
+
+    def train_step(self, micro_batches: list, iteration: int) -> tuple[float, float, float]:
+        """One optimizer step over this rank's micro-batches -> (loss, grad norm, lr); `iteration`
+        is 1-based (the lr of step iteration-1 is used, as Megatron's scheduler does)."""
+        names = list(self.model.params)
+        grads, loss_sum = None, 0.0
+        n = len(micro_batches)
+        for mb in micro_batches:
+            loss, g = self._grad_fn(*to_tensors(mb))
+            loss_sum += float(loss.asnumpy())
+            g = [x.asnumpy() / np.float32(n) if n > 1 else x.asnumpy() for x in g]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        grads = reduce_gradients(self.backend, self.ps, self.model, dict(zip(names, grads)))
+        norm = clip_gradients(self.backend, self.ps, self.model, grads, self.args.clip_grad)
+        lr = self.lr_at(iteration - 1)
+        self.optimizer.step(grads, lr)
+        return self._dp_mean(loss_sum / n), norm, lr
+
+    def evaluate(self, micro_batches: list) -> float:
+        losses = [float(self.model.loss(*to_tensors(mb)).asnumpy()) for mb in micro_batches]
+        return self._dp_mean(sum(losses) / len(losses))
+
+    def _dp_mean(self, value: float) -> float:
+        if self.ps.dp_size == 1:
+            return value
+        t = self.backend.comm.all_reduce(ms.Tensor([value], ms.float32), "avg", self.ps.dp_group)
+        return float(t.asnumpy()[0])
+
+
+def _device_arg(args):
+    return getattr(args, "mindspeed_device", None) or getattr(args, "device", None)
+
+
+def setup(args):
+    """Backend, process groups and fixed-up sizes for a run (no data, no model)."""
+    from mindspeed.backends import set_backend
+    check_supported(args)
+    backend = set_backend("mindspore", device=_device_arg(args))
+    world = backend.comm.world_size()
+    ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel)
+    if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
+        args.world_size, args.data_parallel_size = world, ps.dp_size
+    if args.global_batch_size % (args.micro_batch_size * ps.dp_size):
+        raise TrainerConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                                 f"micro-batch-size x data-parallel size = {args.micro_batch_size} x {ps.dp_size}")
+    backend.device.manual_seed(args.seed)
+    return backend, ps
+
+
+def run(args) -> dict:
+    os.umask(0o027)
+    backend, ps = setup(args)
+    rank = backend.comm.rank()
+    from mindspeed.backends.mindspore.msadapter import describe
+    from mindspeed.training.logger import TrainingLogger
+    logger = TrainingLogger(args, is_writer=rank == 0)
+    try:
+        return _train(args, backend, ps, logger)
+    finally:
+        logger.close()
+
+
+def _train(args, backend, ps, logger) -> dict:
+    from mindspeed.backends.mindspore.msadapter import describe
+    a = args
+    vocab, train, valid = data.build_streams(a, log=logger.print)
+    a.vocab_size = vocab
+    a.padded_vocab_size = padded_vocab_size(vocab, a.make_vocab_size_divisible_by, ps.tp_size)
+    cfg = GPTConfig.from_args(a, a.padded_vocab_size)
+    trainer = Trainer(a, backend, ps, cfg)
+    n_params = sum(int(np.prod(p.shape)) for p in trainer.model.parameters())
+    logger.print(f"> MindSpeed backend mindspore on {backend.device.name} (MindSpore {ms.__version__}, "
+                 f"PyNative); {describe()}")
+    logger.print(f"> world {ps.tp_size * ps.dp_size} = TP {ps.tp_size} x DP {ps.dp_size}"
+                 f"{' (sequence parallel)' if ps.sequence_parallel else ''}; micro-batches per step "
+                 f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
+    logger.print(f"> data {a.data_path or 'default'}: vocab {vocab} (padded {a.padded_vocab_size}), "
+                 f"train {train.num_samples} samples of {a.seq_length + 1} tokens")
+
+    iteration, consumed = 0, 0
+    if a.load:
+        meta = checkpoint.load(a.load, trainer.model, trainer.optimizer,
+                               load_optimizer=not (a.no_load_optim or a.finetune))
+        if not a.finetune:
+            iteration, consumed = int(meta["iteration"]), int(meta.get("consumed_samples", 0))
+        logger.print(f"> loaded checkpoint {neutral_format.resolve(a.load)} at iteration {iteration}")
+
+    tokens_per_step = a.global_batch_size * a.seq_length
+    loss_file = open(a.log_loss_file, "a") if getattr(a, "log_loss_file", None) and rank_is_zero(backend) else None
+    eval_batches = lambda: [mb for k in range(a.eval_iters) for mb in data.micro_batches_for_step(
+        valid, k * a.global_batch_size, a, ps.dp_rank, ps.dp_size)] if valid is not None else None
+
+    losses, interval_losses, interval_time, total_time, total_steps = [], [], 0.0, 0.0, 0
+    valid_loss, last_saved = None, None
+    stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
+    logger.print(f"> training from iteration {iteration} to {stop_at}")
+    save_meta = lambda: {"consumed_samples": consumed, "backend": "mindspore", "tp": ps.tp_size,
+                         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size}
+    while iteration < stop_at:
+        start = time.perf_counter()
+        batches = data.micro_batches_for_step(train, consumed, a, ps.dp_rank, ps.dp_size)
+        loss, grad_norm, lr = trainer.train_step(batches, iteration + 1)
+        elapsed = time.perf_counter() - start
+        iteration += 1
+        consumed += a.global_batch_size
+        losses.append(loss)
+        interval_losses.append(loss)
+        interval_time += elapsed
+        if iteration > 1 or a.load:
+            total_time += elapsed
+            total_steps += 1
+        if loss_file is not None:
+            loss_file.write(json.dumps({"iteration": iteration, "lm_loss": loss}) + "\n")
+            loss_file.flush()
+        if iteration % a.log_interval == 0 or iteration == stop_at:
+            steps = len(interval_losses)
+            step_s = interval_time / steps
+            logger.iteration(iteration, consumed=consumed, step_ms=1000 * step_s, lr=lr,
+                             loss=sum(interval_losses) / steps, grad_norm=grad_norm,
+                             tokens_per_s=tokens_per_step / step_s,
+                             peak_mem_mb=backend.memory.peak_memory_bytes() / 2**20, skipped=0,
+                             eta_s=step_s * (stop_at - iteration))
+            interval_losses, interval_time = [], 0.0
+        if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at and valid is not None:
+            valid_loss = trainer.evaluate(eval_batches())
+            logger.validation(iteration, valid_loss)
+        if a.save and a.save_interval and iteration % a.save_interval == 0:
+            checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, save_meta())
+            last_saved = iteration
+            logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
+    if loss_file is not None:
+        loss_file.close()
+    if a.save and last_saved != iteration:
+        checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, save_meta())
+        logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
+    if valid is not None:
+        valid_loss = trainer.evaluate(eval_batches())
+        logger.validation(iteration, valid_loss, label="final validation")
+    tokens_per_s = tokens_per_step * total_steps / total_time if total_time else 0.0
+    vl = f"{valid_loss:.4f}" if valid_loss is not None else "n/a"
+    logger.print(f"> done: {iteration} iterations | final validation loss {vl} | throughput {tokens_per_s:.0f} tokens/s")
+    return {"iteration": iteration, "final_valid_loss": valid_loss, "tokens_per_s": tokens_per_s,
+            "parameters": n_params, "losses": losses,
+            "step_time_s": total_time / total_steps if total_steps else None}
+
+
+def rank_is_zero(backend) -> bool:
+    return backend.comm.rank() == 0
