@@ -206,6 +206,16 @@ class MemoryAPI(ABC):
     def reset_peak_memory(self) -> None: ...
 
 
+class ProfilerAPI(ABC):
+    """One profiling window: start() ... stop(); stop() writes the trace and returns its paths."""
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def stop(self) -> list[str]: ...
+
+
 class Backend(ABC):
     """A framework on a device. Construct via mindspeed.backends.get_backend()."""
 
@@ -228,3 +238,9 @@ class Backend(ABC):
 
     def capabilities(self) -> Capabilities:
         return self.declared_capabilities(self.device.name)
+
+    def profiler(self, save_path: str, *, level: str = "level0", with_cpu: bool = True,
+                 with_stack: bool = False, with_memory: bool = False, record_shapes: bool = False,
+                 tag: str = "") -> ProfilerAPI:
+        """A profiler for one window of steps (Cap.PROFILER). Backends without one refuse."""
+        raise NotImplementedError(f"backend {self.name!r} has no profiler ({Cap.PROFILER})")

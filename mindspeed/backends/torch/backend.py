@@ -20,6 +20,10 @@ class TorchBackend(Backend):
         self.autograd = TorchAutograd()
         self.memory = TorchMemory(device_name)
 
+    def profiler(self, save_path, **options):
+        from mindspeed.backends.torch.profiler import TorchProfiler
+        return TorchProfiler(self.device.name, save_path, **options)
+
     @classmethod
     def declared_capabilities(cls, device: str):
         return capabilities.declared(device)
