@@ -1,0 +1,216 @@
+"""Fast CPU paths (catalog.FAST_PATHS["cpu"] lists which kernels use them).
+
+- rms_norm, swiglu, rope: fused C++ forward and backward (csrc/fused_cpu.cpp, built just in time),
+  each one pass over memory instead of the reference's chain of elementwise ops; the reference
+  runs when the build is unavailable or an input is outside what the C++ kernel handles.
+- attention: torch's CPU flash-attention kernel (O(s) memory, returns logsumexp) behind a custom
+  autograd.Function whose backward also carries the gradient of the softmax statistics, so ring
+  attention can differentiate through ring_attention_update.
+- matmul_add_fp32: one in-place addmm into main_grad (no dy^T @ x temporary).
+Semantics are those of reference.py; tests compare both, forward and backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from mindspeed.backends.torch.kernels import reference
+from mindspeed.backends.torch.kernels.csrc import fused_ops
+from mindspeed.backends.torch.kernels.layouts import from_bnsd, to_bnsd
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+# -- rms_norm --------------------------------------------------------------------------------------
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, eps):
+        y, rstd = fused_ops().rms_norm_fwd(x, gamma, eps)
+        ctx.save_for_backward(x, gamma, rstd)
+        ctx.mark_non_differentiable(rstd)
+        return y, rstd
+
+    @staticmethod
+    def backward(ctx, dy, _drstd):
+        x, gamma, rstd = ctx.saved_tensors
+        dx, dgamma = fused_ops().rms_norm_bwd(dy, x, gamma, rstd)
+        return dx, dgamma, None
+
+
+def rms_norm(x, gamma, eps: float = 1e-6):
+    if fused_ops() is None or x.dtype != gamma.dtype or x.dtype not in _FUSED_DTYPES or x.device.type != "cpu":
+        return reference.rms_norm(x, gamma, eps)
+    if gamma.shape[-1] != x.shape[-1] or gamma.dim() != 1:
+        return reference.rms_norm(x, gamma, eps)   # raises the reference's clear error
+    return _RmsNorm.apply(x, gamma, float(eps))
+
+
+# -- swiglu ----------------------------------------------------------------------------------------
+class _Swiglu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return fused_ops().swiglu_fwd(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return fused_ops().swiglu_bwd(dy, x)
+
+
+def swiglu(x, dim: int = -1):
+    last = dim in (-1, x.dim() - 1)
+    if fused_ops() is None or not last or x.dtype not in _FUSED_DTYPES or x.shape[-1] % 2 or x.device.type != "cpu":
+        return reference.swiglu(x, dim)
+    return _Swiglu.apply(x)
+
+
+# -- rope ------------------------------------------------------------------------------------------
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, mode):
+        ctx.save_for_backward(cos, sin)
+        ctx.mode = mode
+        return fused_ops().rope_apply(x, cos, sin, mode, False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return fused_ops().rope_apply(dy, cos, sin, ctx.mode, True), None, None, None
+
+
+def rope(x, cos, sin, mode: int = 0):
+    rot = cos.shape[-1]
+    simple = (mode in (0, 1) and rot % 2 == 0 and 0 < rot <= x.shape[-1] and sin.shape == cos.shape
+              and cos.dim() <= x.dim() and x.dtype in _FUSED_DTYPES and x.device.type == "cpu")
+    if fused_ops() is None or not simple or cos.requires_grad or sin.requires_grad:
+        return reference.rope(x, cos, sin, mode)
+    try:
+        torch.broadcast_shapes(cos.shape[:-1], x.shape[:-1])
+    except RuntimeError:
+        return reference.rope(x, cos, sin, mode)    # raises the reference's error
+    return _Rope.apply(x, cos, sin, mode)
+
+
+# -- attention -------------------------------------------------------------------------------------
+_flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _pad_channel(t, value):
+    """Append one channel (a constant or a per-row tensor) to the last dim."""
+    extra = value.unsqueeze(-1).to(t.dtype) if torch.is_tensor(value) else torch.full_like(t[..., :1], value)
+    return torch.cat((t, extra), -1)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """[b, n, s, d] attention with an additive float mask (or is_causal); outputs (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, float_mask, causal, scale, groups):
+        if groups > 1:   # GQA: the CPU kernel wants equal head counts
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        out, lse = _flash_fwd(q, k, v, 0.0, causal, attn_mask=float_mask, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, float_mask)
+        ctx.causal, ctx.scale, ctx.groups = causal, scale, groups
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, float_mask = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if dlse is None or not torch.any(dlse):
+            dq, dk, dv = _flash_bwd(dout.contiguous(), q, k, v, out, lse, 0.0, ctx.causal,
+                                    attn_mask=float_mask, scale=ctx.scale)
+        else:
+            # d lse / d scores = softmax: fold it into the kernel's row term D = rowsum(dO*O) by one
+            # extra channel (q, k, v: 0, dO: 1, O: -dlse), so D' = D - dlse and
+            # dS = P (dP - D + dlse). Costs O(s*d) copies, not another pass over s^2.
+            d = q.shape[-1]
+            dq, dk, dv = _flash_bwd(_pad_channel(dout, 1.0), _pad_channel(q, 0.0), _pad_channel(k, 0.0),
+                                    _pad_channel(v, 0.0), _pad_channel(out, -dlse), lse, 0.0, ctx.causal,
+                                    attn_mask=float_mask, scale=ctx.scale)
+            dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
+        if ctx.groups > 1:
+            b, n, s, d = dk.shape
+            dk = dk.view(b, n // ctx.groups, ctx.groups, s, d).sum(2)
+            dv = dv.view(b, n // ctx.groups, ctx.groups, s, d).sum(2)
+        return dq, dk, dv, None, None, None, None
+
+
+def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, alibi):
+    sq, skv = q.shape[2], k.shape[2]
+    masked = reference.band_mask(sq, skv, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens,
+                                 device=q.device)
+    plain_causal = causal and masked is not None and mask is None and alibi is None and \
+        pre_tokens >= sq and next_tokens >= 0
+    float_mask, fully_masked = None, None
+    if not plain_causal:
+        if mask is not None:
+            masked = mask.bool() if masked is None else (masked | mask.bool())
+        if masked is not None or alibi is not None:
+            float_mask = torch.zeros((), dtype=q.dtype, device=q.device)
+            if alibi is not None:
+                float_mask = float_mask + alibi.to(q.dtype)
+            if masked is not None:
+                float_mask = torch.where(masked, float("-inf"), float_mask)
+                fully_masked = masked.all(-1)
+            while float_mask.dim() < 2:
+                float_mask = float_mask.unsqueeze(0)
+    out, lse = _FlashAttention.apply(q, k, v, float_mask, plain_causal, scale, q.shape[1] // k.shape[1])
+    # stats as (max, sum) with max = logsumexp and sum = 1: logsumexp = max + log(sum) holds
+    row_max, row_sum = lse, torch.ones_like(lse)
+    if fully_masked is not None and bool(fully_masked.any()):   # the kernel reports lse 0 there
+        fully = fully_masked.expand(lse.shape)
+        row_max = row_max.masked_fill(fully, float("-inf"))
+        row_sum = row_sum.masked_fill(fully, 0.0)
+    return out, row_max, row_sum
+
+
+def attention(q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale=None, dropout_p: float = 0.0,
+              pre_tokens: int = reference.NO_LIMIT, next_tokens: int = reference.NO_LIMIT, causal: bool = False,
+              actual_seq_qlen=None, actual_seq_kvlen=None, alibi=None):
+    """The reference's contract, except that the stats come back as (logsumexp, 1) — the same
+    logsumexp = max + log(sum). Dropout (unsupported by the CPU kernel) uses the reference."""
+    d, scale = reference.check_attention_args(q, k, v, layout, head_num, dropout_p, scale)
+    if dropout_p > 0 or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return reference.attention(q, k, v, layout=layout, head_num=head_num, mask=mask, scale=scale,
+                                   dropout_p=dropout_p, pre_tokens=pre_tokens, next_tokens=next_tokens,
+                                   causal=causal, actual_seq_qlen=actual_seq_qlen,
+                                   actual_seq_kvlen=actual_seq_kvlen, alibi=alibi)
+    common = dict(scale=scale, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens)
+    if layout == "TND":
+        return _attention_tnd(q, k, v, mask=mask, alibi=alibi, actual_seq_qlen=actual_seq_qlen,
+                              actual_seq_kvlen=actual_seq_kvlen, **common)
+    out, mx, sm = _attention_bnsd(to_bnsd(q, layout, d), to_bnsd(k, layout, d), to_bnsd(v, layout, d),
+                                  mask=mask, alibi=alibi, **common)
+    return from_bnsd(out, layout), mx, sm
+
+
+def _attention_tnd(q, k, v, *, mask, alibi, actual_seq_qlen, actual_seq_kvlen, **common):
+    q_bounds = reference.seq_bounds(actual_seq_qlen, q.shape[0], "actual_seq_qlen")
+    kv_bounds = reference.seq_bounds(actual_seq_kvlen, k.shape[0], "actual_seq_kvlen")
+    if len(q_bounds) != len(kv_bounds):
+        raise ValueError("attention TND: actual_seq_qlen and actual_seq_kvlen name different sequence counts")
+    outs, maxes, sums = [], [], []
+    for (qs, qe), (ks, ke) in zip(q_bounds, kv_bounds):
+        as_bnsd = lambda t, s, e: t[s:e].transpose(0, 1).unsqueeze(0)
+        o, mx, sm = _attention_bnsd(
+            as_bnsd(q, qs, qe), as_bnsd(k, ks, ke), as_bnsd(v, ks, ke),
+            mask=None if mask is None else mask[..., :qe - qs, :ke - ks],
+            alibi=None if alibi is None else alibi[..., :qe - qs, :ke - ks], **common)
+        outs.append(o[0].transpose(0, 1))
+        maxes.append(mx[0].transpose(0, 1))
+        sums.append(sm[0].transpose(0, 1))
+    return torch.cat(outs), torch.cat(maxes), torch.cat(sums)
+
+
+# -- matmul_add_fp32 -----------------------------------------------------------------------------
+def matmul_add_fp32(x, dy, main_grad):
+    if main_grad.dtype != torch.float32 or x.dtype != torch.float32 or dy.dtype != torch.float32:
+        return reference.matmul_add_fp32(x, dy, main_grad)
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    if main_grad.shape != (dy2.shape[1], x2.shape[1]) or x2.shape[0] != dy2.shape[0]:
+        return reference.matmul_add_fp32(x, dy, main_grad)   # raises the reference's error
+    return main_grad.addmm_(dy2.t(), x2)

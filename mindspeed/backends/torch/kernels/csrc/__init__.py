@@ -1,0 +1,63 @@
+"""Just-in-time build of the fused C++ CPU kernels (fused_cpu.cpp) with ninja.
+
+Built once per (torch version, source) into a user cache dir (MINDSPEED_KERNEL_CACHE overrides
+it, default ~/.cache/mindspeed/torch_extensions/torch-<version>). When no compiler or ninja is
+available the build is skipped, one log line says so, and callers use the pure-PyTorch kernels.
+MINDSPEED_DISABLE_CPP_KERNELS=1 skips the build on purpose.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("mindspeed.kernels")
+_SOURCE = Path(__file__).with_name("fused_cpu.cpp")
+_LIB_NAME = "mindspeed_fused_cpu"
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MINDSPEED_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mindspeed", "torch_extensions")
+    path = Path(root) / f"torch-{torch.__version__.split('+')[0]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _build():
+    from torch.utils import cpp_extension
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not installed")
+    flags = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]  # fast-math: lets exp and reductions vectorize
+    if os.environ.get("MINDSPEED_CPP_NATIVE", "1") == "1":
+        flags.append("-march=native")   # the cache is per machine; set 0 for a portable build
+    cpp_extension.load(name=_LIB_NAME, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       build_directory=str(cache_dir()), is_python_module=False, verbose=False)
+    return torch.ops.mindspeed_cpu
+
+
+def fused_ops():
+    """torch.ops.mindspeed_cpu once built, or None (with one log line) when it cannot be."""
+    with _lock:
+        if "ops" not in _state:
+            if os.environ.get("MINDSPEED_DISABLE_CPP_KERNELS") == "1":
+                _state["ops"], _state["why"] = None, "disabled by MINDSPEED_DISABLE_CPP_KERNELS=1"
+            else:
+                try:
+                    _state["ops"], _state["why"] = _build(), ""
+                except Exception as exc:   # no compiler / ninja / headers: degrade, never fail
+                    _state["ops"], _state["why"] = None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if _state["ops"] is None:
+                log.warning("mindspeed: fused C++ CPU kernels unavailable (%s); using the pure-PyTorch "
+                            "rms_norm/swiglu/rope", _state["why"])
+        return _state["ops"]
+
+
+def unavailable_reason() -> str:
+    fused_ops()
+    return _state["why"]

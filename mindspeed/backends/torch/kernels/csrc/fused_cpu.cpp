@@ -1,0 +1,307 @@
+// Fused CPU kernels for MindSpeed (forward and backward): rms_norm, swiglu, rope.
+// One pass over each row, fp32 (double for fp64) arithmetic, rows split across threads.
+// Semantics match mindspeed/backends/torch/kernels/reference.py (KERNELS.md).
+// Registered as torch.ops.mindspeed_cpu.* (no pybind: cheaper to build).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowGrain = 8;
+
+// Loads/stores in the arithmetic type. bf16 <-> fp32 by bit operations (round to nearest even,
+// NaN kept) so loops vectorize; c10's conversion has a branch the vectorizer rejects.
+template <typename T>
+inline at::opmath_type<T> ld(T v) { return static_cast<at::opmath_type<T>>(v); }
+inline float ld(c10::BFloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T st(at::opmath_type<T> v) { return static_cast<T>(v); }
+template <>
+inline c10::BFloat16 st<c10::BFloat16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  u = (f != f) ? 0x7FC00000u : u + 0x7FFFu + ((u >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
+}
+
+// ---------------------------------------------------------------- rms_norm
+// y = cast(x * rstd, T) * gamma  (rounded before the gamma multiply, like Megatron/HF)
+template <typename T>
+void rms_norm_fwd_kernel(const T* x, const T* gamma, T* y, float* rstd, int64_t rows, int64_t h, double eps) {
+  using acc = at::opmath_type<T>;
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * h;
+      T* yr = y + r * h;
+      acc ss = 0;
+      for (int64_t j = 0; j < h; ++j) {
+        acc v = ld(xr[j]);
+        ss += v * v;
+      }
+      acc rs = acc(1) / std::sqrt(ss / acc(h) + acc(eps));
+      rstd[r] = static_cast<float>(rs);
+      for (int64_t j = 0; j < h; ++j) {
+        acc n = ld(st<T>(ld(xr[j]) * rs));
+        yr[j] = st<T>(n * ld(gamma[j]));
+      }
+    }
+  });
+}
+
+// dx = rstd * (dy*g - xhat * mean(dy*g*xhat)); dgamma = sum_rows dy * cast(xhat, T)
+template <typename T>
+void rms_norm_bwd_kernel(const T* dy, const T* x, const T* gamma, const float* rstd, T* dx, float* dgamma,
+                         int64_t rows, int64_t h) {
+  using acc = at::opmath_type<T>;
+  const int threads = at::get_num_threads();
+  std::vector<acc> partial(static_cast<size_t>(threads) * h, acc(0));
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    acc* dg = partial.data() + static_cast<size_t>(at::get_thread_num()) * h;
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * h;
+      const T* dyr = dy + r * h;
+      T* dxr = dx + r * h;
+      const acc rs = ld(rstd[r]);
+      acc dot = 0;
+      for (int64_t j = 0; j < h; ++j) {
+        acc xhat = ld(xr[j]) * rs;
+        acc g = ld(dyr[j]);
+        dot += g * ld(gamma[j]) * xhat;
+        dg[j] += g * ld(st<T>(xhat));
+      }
+      const acc mean_dot = dot / acc(h);
+      for (int64_t j = 0; j < h; ++j) {
+        acc xhat = ld(xr[j]) * rs;
+        acc g = ld(dyr[j]) * ld(gamma[j]);
+        dxr[j] = st<T>(rs * (g - xhat * mean_dot));
+      }
+    }
+  });
+  for (int64_t j = 0; j < h; ++j) {
+    acc s = 0;
+    for (int t = 0; t < threads; ++t) s += partial[static_cast<size_t>(t) * h + j];
+    dgamma[j] = static_cast<float>(s);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at::Tensor& gamma_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == gamma_in.scalar_type(), "rms_norm: x and gamma dtypes differ");
+  TORCH_CHECK(gamma_in.numel() == x_in.size(-1), "rms_norm: gamma size != last dim of x");
+  auto x = x_in.contiguous();
+  auto gamma = gamma_in.contiguous();
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  auto y = at::empty_like(x);
+  auto rstd_shape = x.sizes().vec();
+  rstd_shape.back() = 1;
+  auto rstd = at::empty(rstd_shape, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_fwd", [&] {
+    rms_norm_fwd_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), gamma.const_data_ptr<scalar_t>(),
+                                  y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<float>(), rows, h, eps);
+  });
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
+                                                const at::Tensor& gamma_in, const at::Tensor& rstd_in) {
+  auto dy = dy_in.contiguous().to(x_in.scalar_type());
+  auto x = x_in.contiguous();
+  auto gamma = gamma_in.contiguous();
+  auto rstd = rstd_in.contiguous();
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  auto dx = at::empty_like(x);
+  auto dgamma = at::empty({h}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_bwd", [&] {
+    rms_norm_bwd_kernel<scalar_t>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                                  gamma.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(),
+                                  dx.mutable_data_ptr<scalar_t>(), dgamma.mutable_data_ptr<float>(), rows, h);
+  });
+  return {dx, dgamma.to(gamma_in.scalar_type()).view(gamma_in.sizes())};
+}
+
+// ---------------------------------------------------------------- swiglu (last dim)
+// expf by range reduction + Cephes polynomial (about 1 ulp), written so the compiler vectorizes
+// it (libm's expf is a scalar call and dominates swiglu otherwise).
+inline float vec_exp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+inline double vec_exp(double x) { return std::exp(x); }
+
+template <typename acc>
+inline acc sigmoid(acc a) { return acc(1) / (acc(1) + vec_exp(-a)); }
+
+// Row kernels take __restrict pointers so the compiler vectorizes them.
+template <typename T>
+void swiglu_row_fwd(const T* __restrict a, const T* __restrict b, T* __restrict y, int64_t h) {
+  using acc = at::opmath_type<T>;
+  for (int64_t j = 0; j < h; ++j) {
+    acc av = ld(a[j]);
+    y[j] = st<T>(av * sigmoid(av) * ld(b[j]));
+  }
+}
+
+template <typename T>
+void swiglu_row_bwd(const T* __restrict a, const T* __restrict b, const T* __restrict g, T* __restrict da,
+                    T* __restrict db, int64_t h) {
+  using acc = at::opmath_type<T>;
+  for (int64_t j = 0; j < h; ++j) {
+    acc av = ld(a[j]), bv = ld(b[j]), gv = ld(g[j]);
+    acc s = sigmoid(av);
+    da[j] = st<T>(gv * bv * s * (acc(1) + av * (acc(1) - s)));
+    db[j] = st<T>(gv * av * s);
+  }
+}
+
+at::Tensor swiglu_fwd(const at::Tensor& x_in) {
+  auto x = x_in.contiguous();
+  const int64_t two_h = x.size(-1), h = two_h / 2, rows = x.numel() / two_h;
+  TORCH_CHECK(two_h % 2 == 0, "swiglu: last dim must be even");
+  auto shape = x.sizes().vec();
+  shape.back() = h;
+  auto y = at::empty(shape, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "swiglu_fwd", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        swiglu_row_fwd<scalar_t>(xp + r * two_h, xp + r * two_h + h, yp + r * h, h);
+    });
+  });
+  return y;
+}
+
+// d/da silu(a)*b = g*b*s*(1 + a*(1-s)); d/db = g*silu(a)
+at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in) {
+  auto x = x_in.contiguous();
+  auto dy = dy_in.contiguous().to(x.scalar_type());
+  const int64_t two_h = x.size(-1), h = two_h / 2, rows = x.numel() / two_h;
+  auto dx = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "swiglu_bwd", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* gp = dy.const_data_ptr<scalar_t>();
+    scalar_t* dxp = dx.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        swiglu_row_bwd<scalar_t>(xp + r * two_h, xp + r * two_h + h, gp + r * h, dxp + r * two_h,
+                                 dxp + r * two_h + h, h);
+    });
+  });
+  return dx;
+}
+
+// ---------------------------------------------------------------- rope
+// Forward: out = x*cos + rotate(x)*sin on the first `rot` channels; the rest are copied.
+// Backward is the transpose: dx = g*cos + rotate^T(g*sin), selected by `backward`.
+// cos/sin arrive expanded (zero strides allowed) to x.shape[:-1] + [rot]; a row's offset into
+// them comes from its multi-index over the leading dims.
+template <typename T>
+void rope_kernel(const T* x, const at::opmath_type<T>* cs, const at::opmath_type<T>* sn, T* out, const std::vector<int64_t>& lead_sizes,
+                 const std::vector<int64_t>& lead_strides, int64_t last_stride, int64_t rows, int64_t d, int64_t rot,
+                 int64_t mode, bool backward) {
+  using acc = at::opmath_type<T>;
+  const int64_t nd = static_cast<int64_t>(lead_sizes.size());
+  const int64_t half = rot / 2;
+  const acc sgn = backward ? acc(-1) : acc(1);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<acc> c(rot), s(rot);
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t off = 0, rem = r;
+      for (int64_t k = nd - 1; k >= 0; --k) {
+        off += (rem % lead_sizes[k]) * lead_strides[k];
+        rem /= lead_sizes[k];
+      }
+      for (int64_t j = 0; j < rot; ++j) {
+        c[j] = cs[off + j * last_stride];
+        s[j] = sn[off + j * last_stride];
+      }
+      const T* xr = x + r * d;
+      T* yr = out + r * d;
+      if (mode == 0) {
+        // forward: y1 = x1*c1 - x2*s1, y2 = x2*c2 + x1*s2
+        // backward: dx1 = g1*c1 + g2*s2, dx2 = g2*c2 - g1*s1
+        for (int64_t j = 0; j < half; ++j) {
+          acc x1 = ld(xr[j]), x2 = ld(xr[j + half]);
+          acc s1 = backward ? s[j + half] : s[j];
+          acc s2 = backward ? s[j] : s[j + half];
+          yr[j] = st<T>(x1 * c[j] - sgn * x2 * s1);
+          yr[j + half] = st<T>(x2 * c[j + half] + sgn * x1 * s2);
+        }
+      } else {
+        // pairs (e, o): forward y_e = x_e*c_e - x_o*s_e, y_o = x_o*c_o + x_e*s_o
+        for (int64_t j = 0; j < rot; j += 2) {
+          acc xe = ld(xr[j]), xo = ld(xr[j + 1]);
+          acc se = backward ? s[j + 1] : s[j];
+          acc so = backward ? s[j] : s[j + 1];
+          yr[j] = st<T>(xe * c[j] - sgn * xo * se);
+          yr[j + 1] = st<T>(xo * c[j + 1] + sgn * xe * so);
+        }
+      }
+      for (int64_t j = rot; j < d; ++j) yr[j] = xr[j];
+    }
+  });
+}
+
+at::Tensor rope_apply(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t mode,
+                      bool backward) {
+  TORCH_CHECK(mode == 0 || mode == 1, "rope: mode must be 0 or 1");
+  auto x = x_in.contiguous();
+  const int64_t d = x.size(-1), rot = cos_in.size(-1), rows = x.numel() / d;
+  TORCH_CHECK(rot % 2 == 0 && rot <= d, "rope: bad rotary dim");
+  auto target = x.sizes().vec();
+  target.back() = rot;
+  // cos and sin must share strides for one offset computation; make them so.
+  // cos/sin stay in the arithmetic type (fp32 for bf16/fp16 x), as the reference does
+  const auto acc_type = at::toOpMathType(x.scalar_type());
+  auto cs = cos_in.to(acc_type).expand(target);
+  auto sn = sin_in.to(acc_type).expand(target);
+  if (cs.strides() != sn.strides()) {
+    cs = cs.contiguous();
+    sn = sn.contiguous();
+  }
+  std::vector<int64_t> lead_sizes(target.begin(), target.end() - 1);
+  std::vector<int64_t> lead_strides(cs.strides().begin(), cs.strides().end() - 1);
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_apply", [&] {
+    using acc = at::opmath_type<scalar_t>;
+    rope_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), cs.const_data_ptr<acc>(), sn.const_data_ptr<acc>(),
+                          out.mutable_data_ptr<scalar_t>(), lead_sizes, lead_strides, cs.stride(-1), rows, d, rot,
+                          mode, backward);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mindspeed_cpu, m) {
+  m.def("rms_norm_fwd", &rms_norm_fwd);
+  m.def("rms_norm_bwd", &rms_norm_bwd);
+  m.def("swiglu_fwd", &swiglu_fwd);
+  m.def("swiglu_bwd", &swiglu_bwd);
+  m.def("rope_apply", &rope_apply);
+}
