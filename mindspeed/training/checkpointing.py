@@ -56,10 +56,42 @@ def _model_keys(chunks) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
+def _init_empty_distributed_optimizer_state(optimizer) -> None:
+    """Without Apex/TE, DistributedOptimizer.state_dict() needs Adam's 'step' to exist before a
+    load; a dummy zero-grad step creates the state that the checkpoint then overwrites."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Without Apex/TE, Megatron's DistributedOptimizer keeps Adam's 'step' in the checkpoint's
+    param_groups, but its load leaves the per-parameter torch 'step' at the value of the dummy
+    state (and, where it does set it, shares one tensor among all parameters, which torch then
+    advances once per parameter). Give every parameter its own step from its group."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        for group in opt.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = opt.optimizer.state.get(param)
+                if state and isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+
+
 def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
     state = {key: _unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+        if is_loading:
+            _init_empty_distributed_optimizer_state(optimizer)
+        # dp_reshardable: Megatron-LM's default (the flattened 'fully_sharded_model_space' format
+        # is rejected by dist_checkpointing 0.16)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     return state
 
 
@@ -97,10 +129,12 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
         loaded = dist_checkpointing.load(state, path)
     except Exception as err:   # a mismatch surfaces as many different exception types
         raise CheckpointError(f"cannot load checkpoint {path}: {type(err).__name__}: {err}") from err
-    for key, chunk in zip(_model_keys(chunks), chunks):
-        _unwrap(chunk).load_state_dict(loaded[key])
-    if use_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():   # main params are views of the model's parameters
+        for key, chunk in zip(_model_keys(chunks), chunks):
+            _unwrap(chunk).load_state_dict(loaded[key])
+        if use_optim:
+            optimizer.load_state_dict(loaded["optimizer"])
+            _restore_adam_steps(optimizer)
     if finetune:
         return 0, 0
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
