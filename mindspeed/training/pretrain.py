@@ -22,6 +22,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from mindspeed import hooks
 from mindspeed.training import checkpointing, data
 from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, padded_vocab_size, transformer_config
@@ -269,10 +270,12 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
     logger.print(f"> training from iteration {iteration} to {stop_at}")
     while iteration < stop_at:
+        hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
         start = time.perf_counter()
         loss, grad_norm, ok = trainer.train_step(train_iter)
         elapsed = time.perf_counter() - start
         iteration += 1
+        hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
         consumed += a.global_batch_size
         skipped += 0 if ok else 1
         interval_losses.append(loss)
@@ -300,6 +303,7 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
             last_saved = checkpointing.save_checkpoint(a.save, iteration, trainer.model, trainer.optimizer,
                                                        trainer.scheduler, consumed)
             logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
+    hooks.fire(hooks.TRAIN_END, iteration=iteration)
     if loss_file is not None:
         loss_file.close()
     if a.save and last_saved != checkpointing.iteration_dir(a.save, iteration):
