@@ -23,10 +23,15 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def read_tracker(root: str) -> int:
-    """The iteration recorded in <root>/latest_checkpointed_iteration.txt; clear errors otherwise."""
+def read_tracker(root: str, step: int | None = None) -> int:
+    """The iteration to load: `step` when given, else the one recorded in
+    <root>/latest_checkpointed_iteration.txt; clear errors otherwise."""
     if not os.path.isdir(root):
         raise CheckpointError(f"--load path {root!r} does not exist or is not a directory")
+    if step is not None:
+        if not os.path.isdir(iteration_dir(root, step)):
+            raise CheckpointError(f"--ckpt-step {step}: {iteration_dir(root, step)} does not exist")
+        return step
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         raise CheckpointError(f"--load path {root!r} holds no {TRACKER}: not a checkpoint directory "
@@ -117,9 +122,9 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool = True,
-                    finetune: bool = False) -> tuple[int, int]:
+                    finetune: bool = False, step: int | None = None) -> tuple[int, int]:
     """Load into chunks/optimizer/scheduler in place; return (iteration, consumed samples)."""
-    iteration = read_tracker(root)
+    iteration = read_tracker(root, step)
     path = iteration_dir(root, iteration)
     use_optim = load_optim and not finetune
     state = _sharded_state(chunks, optimizer if use_optim else None, is_loading=True)

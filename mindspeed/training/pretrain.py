@@ -223,7 +223,7 @@ def run(args) -> dict:
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     if args.load:
-        checkpointing.read_tracker(args.load)
+        checkpointing.read_tracker(args.load, args.ckpt_step)
 
     _init_distributed(args, args.device_name)
     _set_seeds(args)
@@ -259,7 +259,7 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     if a.load:
         iteration, consumed = checkpointing.load_checkpoint(a.load, trainer.model, trainer.optimizer,
                                                             trainer.scheduler, load_optim=not a.no_load_optim,
-                                                            finetune=a.finetune)
+                                                            finetune=a.finetune, step=a.ckpt_step)
         logger.print(f"> loaded checkpoint {a.load} at iteration {iteration}")
     train_iter = trainer._iterators(train_ds, consumed)
     tokens_per_step = a.global_batch_size * a.seq_length
