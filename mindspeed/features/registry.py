@@ -11,6 +11,7 @@ from mindspeed.features.base import Feature, FeatureConfigError
 
 FEATURE_MODULES = [
     "mindspeed.features.parallel.megatron_parallel",
+    "mindspeed.features.context_parallel.feature",
 ]
 _REGISTRY: dict[str, Feature] = {}
 _loaded = False

@@ -1,0 +1,106 @@
+"""Context-parallel features: flags, requirements, validation and the host-model hooks.
+
+One feature per algorithm (so the support matrix shows what each needs); they share the CP
+flags. `--context-parallel-size` is Megatron's own flag.
+"""
+from __future__ import annotations
+
+import os
+
+from mindspeed.backends.base import Cap
+from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.context_parallel import sharding
+from mindspeed.features.context_parallel.groups import ALGOS, MASK_TYPES, check_options
+from mindspeed.features.context_parallel.ulysses import kv_repeats
+from mindspeed.features.registry import register
+
+CP_SIZE = Flag("--context-parallel-size", dict(type=int, default=1, help="context-parallel size"), megatron=True)
+CP_ALGO = Flag("--context-parallel-algo", dict(choices=list(ALGOS), default="ulysses_cp_algo",
+                                               help="how attention is split across CP ranks"))
+MASK_TYPE = Flag("--attention-mask-type", dict(choices=list(MASK_TYPES), default="causal",
+                                               help="causal (implicit mask) or general (the batch's mask)"))
+OVERLAP = switch("--use-cp-send-recv-overlap", "ring CP: send the next K/V block while computing this one")
+WINDOW = Flag("--cp-window-size", dict(type=int, default=1,
+                                       help="ring CP: inner ring size of the double ring (1 = one ring)"))
+ULYSSES_DEGREE = Flag("--ulysses-degree-in-cp", dict(type=int, default=None,
+                                                     help="hybrid CP: Ulysses group size inside the CP group"))
+
+
+class _ContextParallel(Feature):
+    category = "context_parallel"
+    optimization_level = 2
+    algo = ""
+
+    def enabled(self, args) -> bool:
+        return ((getattr(args, "context_parallel_size", 1) or 1) > 1
+                and getattr(args, "context_parallel_algo", "ulysses_cp_algo") == self.algo)
+
+    def validate(self, args) -> None:
+        size = args.context_parallel_size
+        try:
+            u = check_options(self.algo, size, getattr(args, "ulysses_degree_in_cp", None),
+                              getattr(args, "cp_window_size", 1) or 1)
+            world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "0") or 0)
+            tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+            pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+            if world and world % (size * tp * pp):
+                raise ValueError(f"--context-parallel-size {size} x TP {tp} x PP {pp} does not divide the "
+                                 f"world size {world}")
+            seq = getattr(args, "seq_length", None)
+            if seq:
+                sharding.check_seq_len(seq, self.algo, size, u)
+            heads = getattr(args, "num_attention_heads", None)
+            if heads and u > 1:
+                if heads % tp:
+                    raise ValueError(f"{heads} attention heads do not divide by TP {tp}")
+                groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+                kv_repeats(heads // tp, max((groups or heads) // tp, 1), u)
+        except ValueError as exc:
+            raise FeatureConfigError(f"{self.flags[0].name} {self.algo}: {exc}") from exc
+        if getattr(args, "use_cp_send_recv_overlap", False) and self.algo == "ulysses_cp_algo":
+            raise FeatureConfigError("--use-cp-send-recv-overlap applies to ring attention "
+                                     "(megatron_cp_algo / hybrid_cp_algo), not ulysses_cp_algo")
+
+    def apply(self, ctx, args) -> None:
+        from mindspeed.features.context_parallel.attention import context_parallel_attention
+        u = getattr(args, "ulysses_degree_in_cp", None)
+        provider = None
+        if ctx.backend_name == "torch":
+            from mindspeed.features.context_parallel import megatron_hook
+            megatron_hook.install(ctx.patcher, megatron_hook.CPOptions(args))
+            from megatron.core import parallel_state
+            provider = parallel_state.get_context_parallel_group
+        sharding.set_options(self.algo, u, provider)
+        ctx.add_hook("shard_batch", sharding.get_batch_on_this_cp_rank)
+        ctx.add_hook("context_parallel_attention", context_parallel_attention)
+
+
+@register
+class UlyssesContextParallel(_ContextParallel):
+    id = "ulysses-cp-algo"
+    algo = "ulysses_cp_algo"
+    description = "Ulysses context parallelism: all_to_all of sequence and heads around attention"
+    flags = (CP_ALGO, CP_SIZE, MASK_TYPE)
+    requires = (Cap.ALL_TO_ALL, Cap.FLASH_ATTENTION)
+    alternatives = "use --context-parallel-algo megatron_cp_algo (ring attention needs only send/recv)"
+
+
+@register
+class RingContextParallel(_ContextParallel):
+    id = "megatron-cp-algo"
+    algo = "megatron_cp_algo"
+    description = "ring attention context parallelism (load balanced causal), overlap, double ring"
+    flags = (CP_ALGO, CP_SIZE, MASK_TYPE, OVERLAP, WINDOW)
+    requires = (Cap.SEND_RECV, Cap.FLASH_ATTENTION, Cap.RING_ATTENTION_UPDATE, Cap.CUSTOM_OP)
+    alternatives = "use --context-parallel-algo ulysses_cp_algo"
+
+
+@register
+class HybridContextParallel(_ContextParallel):
+    id = "hybrid-cp-algo"
+    algo = "hybrid_cp_algo"
+    description = "hybrid context parallelism: Ulysses inside groups of --ulysses-degree-in-cp, ring across"
+    flags = (CP_ALGO, CP_SIZE, MASK_TYPE, OVERLAP, WINDOW, ULYSSES_DEGREE)
+    requires = (Cap.ALL_TO_ALL, Cap.SEND_RECV, Cap.SUBGROUPS, Cap.FLASH_ATTENTION,
+                Cap.RING_ATTENTION_UPDATE, Cap.CUSTOM_OP)
+    alternatives = "use --context-parallel-algo ulysses_cp_algo or megatron_cp_algo"
