@@ -12,6 +12,8 @@ from mindspeed.features.base import Feature, FeatureConfigError
 FEATURE_MODULES = [
     "mindspeed.features.parallel.megatron_parallel",
     "mindspeed.features.context_parallel.feature",
+    "mindspeed.features.observability.profiling",
+    "mindspeed.features.fused.features",
 ]
 _REGISTRY: dict[str, Feature] = {}
 _loaded = False

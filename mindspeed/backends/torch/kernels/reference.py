@@ -231,12 +231,12 @@ def moe_unpermute(permuted_tokens, sorted_indices, probs, restore_shape, *, rout
             raise ValueError("moe_unpermute: [T, E] probs need the routing_map that made the permutation")
         probs = probs.t().masked_select(routing_map.bool().t())
     rows = permuted_tokens
-    if probs is not None:
+    if probs is not None:   # weighted rows are summed in fp32 (as Megatron's unpermute), then cast
         if probs.shape[0] != permuted_tokens.shape[0]:
             raise ValueError(f"moe_unpermute: {probs.shape[0]} probs for {permuted_tokens.shape[0]} rows")
-        rows = (permuted_tokens.float() * probs.float().unsqueeze(-1)).to(permuted_tokens.dtype)
-    out = permuted_tokens.new_zeros(restore_shape)
-    return out.index_add(0, sorted_indices, rows)
+        rows = _wide(permuted_tokens) * _wide(probs).unsqueeze(-1)
+    out = rows.new_zeros(restore_shape)
+    return out.index_add(0, sorted_indices, rows).to(permuted_tokens.dtype)
 
 
 # -- dropout + add + layer norm -------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""The fused-kernel features (optimization level 1), one per flag. Framework-free: each
+feature's Megatron-Core hook lives in its own module, imported only when the feature is applied
+on the torch backend (the mindspore backend's native trainer reads the same flags itself)."""
+from __future__ import annotations
+
+import importlib
+
+from mindspeed.backends.base import Cap
+from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.registry import register
+
+SPARSE_MODES = (0, 1, 2, 3, 4)   # as flash_attention.band_arguments
+
+
+class _FusedFeature(Feature):
+    category = "fused"
+    optimization_level = 1
+    hook_module = ""   # mindspeed.features.fused.<module> with install(patcher, args)
+
+    def apply(self, ctx, args) -> None:
+        if ctx.backend_name == "torch":
+            importlib.import_module(f"mindspeed.features.fused.{self.hook_module}").install(ctx.patcher, args)
+
+
+@register
+class FusedRmsNorm(_FusedFeature):
+    id = "fused-rmsnorm"
+    description = "RMSNorm through the fused rms_norm kernel (npu_rms_norm; fused C++ on cpu)"
+    flags = (switch("--use-fused-rmsnorm", "use the fused RMSNorm kernel"),)
+    requires = (Cap.RMS_NORM,)
+    hook_module = "rms_norm"
+
+
+@register
+class FusedSwiglu(_FusedFeature):
+    id = "fused-swiglu"
+    description = "SwiGLU activation through the fused swiglu kernel (npu_swiglu; fused C++ on cpu)"
+    flags = (switch("--use-fused-swiglu", "use the fused SwiGLU kernel"),)
+    requires = (Cap.SWIGLU,)
+    hook_module = "swiglu"
+
+
+@register
+class FusedRotaryPosEmb(_FusedFeature):
+    id = "fused-rotary-pos-emb"
+    description = "rotary position embedding through the fused rope kernel (npu_rotary_position_embedding)"
+    flags = (switch("--use-fused-rotary-pos-emb", "use the fused rotary position embedding kernel"),)
+    requires = (Cap.ROPE,)
+    hook_module = "rotary_pos_emb"
+
+
+@register
+class FlashAttention(_FusedFeature):
+    id = "flash-attn"
+    description = ("attention through the fused flash-attention kernel (npu_fusion_attention; torch's CPU "
+                   "flash kernel): O(s) memory, sparse modes, band, general masks, GQA")
+    flags = (
+        switch("--use-flash-attn", "use the fused flash-attention kernel"),
+        Flag("--sparse-mode", dict(type=int, default=0,
+                                   help="0 layer mask, 1 given mask only, 2 causal, 3 bottom-right causal, 4 band")),
+        Flag("--pre-tockens", dict(type=int, default=65536, help="band (sparse mode 4): keys before the query")),
+        Flag("--next-tockens", dict(type=int, default=0, help="band (sparse mode 4): keys after the query")),
+    )
+    requires = (Cap.FLASH_ATTENTION,)
+    hook_module = "flash_attention"
+
+    def validate(self, args) -> None:
+        mode = getattr(args, "sparse_mode", 0)
+        if mode not in SPARSE_MODES:
+            raise FeatureConfigError(f"--sparse-mode {mode} is not supported; choose one of "
+                                     f"{', '.join(map(str, SPARSE_MODES))}")
+        pre, nxt = getattr(args, "pre_tockens", 65536), getattr(args, "next_tockens", 0)
+        if mode == 4 and pre + nxt < 0:
+            raise FeatureConfigError(f"--pre-tockens {pre} and --next-tockens {nxt} leave an empty band "
+                                     "(need pre + next >= 0)")
+
+
+@register
+class FusedRingAttentionUpdate(_FusedFeature):
+    id = "fused-ring-attention-update"
+    description = "ring attention's online-softmax merge through the fused ring_attention_update kernel"
+    flags = (switch("--use-fused-ring-attention-update", "use the fused ring-attention update kernel"),)
+    requires = (Cap.RING_ATTENTION_UPDATE,)
+    hook_module = "ring_attention_update"
+
+
+@register
+class GradientAccumulationFusion(_FusedFeature):
+    id = "gradient-accumulation-fusion"
+    description = "weight gradients added into fp32 main_grad by the fused matmul_add_fp32 kernel"
+    flags = (Flag("--gradient-accumulation-fusion", dict(action="store_true", default=False,
+                                                         help="fuse the wgrad GEMM with main_grad accumulation"),
+                  megatron=True),)
+    requires = (Cap.MATMUL_ADD_FP32, Cap.MEGATRON_CORE)
+    backends = ("torch",)
+    alternatives = "leave it off: weight gradients are then accumulated by Megatron's DDP"
+    hook_module = "gradient_accumulation_fusion"
+
+
+@register
+class MoeGroupedGemm(_FusedFeature):
+    id = "moe-grouped-gemm"
+    description = "MoE experts as one grouped GEMM through the gmm kernel (npu_gmm)"
+    flags = (Flag("--moe-grouped-gemm", dict(action="store_true", default=False,
+                                             help="run MoE experts with grouped GEMM"), megatron=True),
+             switch("--gemm-gradient-accumulation-fusion",
+                    "with --moe-grouped-gemm: add expert weight gradients straight into main_grad"))
+    requires = (Cap.GMM, Cap.MOE)
+    backends = ("torch",)
+    alternatives = "leave it off: experts then run as separate MLPs"
+    hook_module = "grouped_gemm"
+
+    def validate(self, args) -> None:
+        if not getattr(args, "num_experts", None):
+            raise FeatureConfigError("--moe-grouped-gemm needs an MoE model (--num-experts)")
+
+
+@register
+class FusedMoeTokenPermute(_FusedFeature):
+    id = "fused-moe-token-permute-and-unpermute"
+    description = "MoE token permute/unpermute through the fused moe_permute/moe_unpermute kernels"
+    flags = (switch("--use-fused-moe-token-permute-and-unpermute", "use the fused MoE token permutation kernels"),)
+    requires = (Cap.MOE_PERMUTE, Cap.MOE)
+    backends = ("torch",)
+    alternatives = "leave it off: Megatron's own permutation runs"
+    hook_module = "moe_token_permute"

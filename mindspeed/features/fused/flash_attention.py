@@ -1,0 +1,101 @@
+"""--use-flash-attn (+ --sparse-mode, --pre-tockens, --next-tockens): Megatron-Core's core
+attention calls kernels.attention (npu_fusion_attention; torch's CPU flash kernel on cpu).
+
+Hook: the local spec provider's core_attention becomes a ModuleSpec of FlashDotProductAttention
+with the sparse settings as params. It subclasses DotProductAttention, so whatever wraps that
+class (context parallelism) still runs: with CP, or for inputs the kernel path does not take
+(attention bias, packed sequences, sliding windows, softmax offsets), it defers to it.
+
+sparse modes (as npu_fusion_attention): 0 the layer's mask (causal layers stay causal);
+1 the given mask only; 2 causal top-left; 3 causal bottom-right; 4 band
+i - pre_tockens <= j <= i + next_tockens (also causal in a causal layer).
+"""
+from __future__ import annotations
+
+from mindspeed.backends import get_backend
+
+SPARSE_MODES = (0, 1, 2, 3, 4)   # features.py lists the same modes
+NO_LIMIT = 2**31 - 1
+
+
+def band_arguments(sparse_mode: int, causal_layer: bool, sq: int, skv: int, pre: int, nxt: int) -> dict:
+    """Kernel keyword arguments (causal, pre_tokens, next_tokens) for a sparse mode."""
+    if sparse_mode == 0:
+        return dict(causal=causal_layer)
+    if sparse_mode == 1:
+        return dict(causal=False)
+    if sparse_mode == 2:
+        return dict(causal=True)
+    if sparse_mode == 3:   # bottom-right aligned causal: row i sees keys j <= i + (skv - sq)
+        return dict(causal=False, next_tokens=skv - sq)
+    if sparse_mode == 4:
+        return dict(causal=causal_layer, pre_tokens=pre, next_tokens=nxt)
+    raise ValueError(f"sparse_mode {sparse_mode} is not one of {SPARSE_MODES}")
+
+
+def _flash_class():
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class FlashDotProductAttention(DotProductAttention):
+        def __init__(self, *args, sparse_mode: int = 0, pre_tokens: int = NO_LIMIT, next_tokens: int = NO_LIMIT,
+                     **kwargs):
+            super().__init__(*args, **kwargs)
+            self.sparse_mode, self.pre_tokens, self.next_tokens = sparse_mode, pre_tokens, next_tokens
+
+        def _defer(self, attention_bias, packed_seq_params) -> bool:
+            return (self.config.context_parallel_size > 1 or attention_bias is not None
+                    or packed_seq_params is not None or getattr(self, "softmax_offset", None) is not None
+                    or self.scale_mask_softmax.window_size is not None)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if self._defer(attention_bias, packed_seq_params):
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params)
+            sq, b, heads, head_dim = query.shape
+            skv, _, kv_heads, _ = key.shape
+            causal_layer = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            band = band_arguments(self.sparse_mode, causal_layer, sq, skv, self.pre_tokens, self.next_tokens)
+            # Megatron folds 1/layer_number into softmax_scale when it rescales in the softmax
+            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+            dropout_p = self.attention_dropout.p if self.training else 0.0
+
+            def run():
+                return get_backend().kernels.attention(
+                    query.reshape(sq, b, heads * head_dim), key.reshape(skv, b, kv_heads * head_dim),
+                    value.reshape(skv, b, kv_heads * head_dim), layout="SBH", head_num=heads,
+                    mask=attention_mask, scale=scale, dropout_p=dropout_p, **band)[0]
+
+            if dropout_p > 0 and not self.config.sequence_parallel:
+                with tensor_parallel.get_cuda_rng_tracker().fork():   # as Megatron's attention dropout
+                    return run()
+            return run()
+
+    return FlashDotProductAttention
+
+
+_cls = None
+
+
+def flash_attention_class():
+    global _cls
+    if _cls is None:
+        _cls = _flash_class()
+    return _cls
+
+
+def _core_attention_spec(settings: dict):
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    def core_attention(self):
+        return ModuleSpec(module=flash_attention_class(), params=dict(settings))
+    return core_attention
+
+
+def install(patcher, args) -> None:
+    settings = dict(sparse_mode=getattr(args, "sparse_mode", 0), pre_tokens=getattr(args, "pre_tockens", 65536),
+                    next_tokens=getattr(args, "next_tockens", 0))
+    patcher.replace("megatron.core.models.backends.LocalSpecProvider.core_attention",
+                    _core_attention_spec(settings), reason="--use-flash-attn")

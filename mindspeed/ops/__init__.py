@@ -1,0 +1,118 @@
+"""MindSpeed's custom-op API (the names MindSpeed users call directly), each dispatching to the
+active backend's kernels: npu ops on Ascend, fast CPU paths, or the reference implementation.
+
+    from mindspeed.ops import rms_norm, swiglu, fusion_attention
+"""
+from __future__ import annotations
+
+from mindspeed.backends import get_backend
+
+__all__ = ["rms_norm", "swiglu", "npu_rotary_position_embedding", "fusion_attention", "npu_fusion_attention",
+           "npu_gmm", "npu_matmul_add_fp32", "npu_moe_token_permute", "npu_moe_token_unpermute",
+           "npu_ring_attention_update", "npu_dropout_add_layer_norm"]
+
+
+
+def _kernels():
+    return get_backend().kernels
+
+
+def rms_norm(x, gamma, epsilon: float = 1e-6):
+    """-> (y, rstd): y = cast(x * rsqrt(mean(x^2) + eps)) * gamma; rstd fp32."""
+    return _kernels().rms_norm(x, gamma, epsilon)
+
+
+def swiglu(x, dim: int = -1):
+    """silu(first half of x along dim) * second half."""
+    return _kernels().swiglu(x, dim)
+
+
+def npu_rotary_position_embedding(x, cos, sin, mode: int = 0):
+    """Rotary embedding: mode 0 rotate-half, 1 interleaved; the first cos.shape[-1] channels rotate."""
+    return _kernels().rope(x, cos, sin, mode)
+
+
+def fusion_attention(query, key, value, head_num: int, input_layout: str, *, pse=None, atten_mask=None,
+                     scale: float | None = None, keep_prob: float = 1.0, pre_tokens: int = 2**31 - 1,
+                     next_tokens: int = 2**31 - 1, sparse_mode: int = 0, actual_seq_qlen=None,
+                     actual_seq_kvlen=None):
+    """npu_fusion_attention's calling convention -> (out, softmax_max, softmax_sum).
+    atten_mask True = masked out; pse an additive bias (e.g. alibi) on the scaled scores;
+    sparse_mode 0 mask + band, 1 mask only, 2 causal, 3 bottom-right causal, 4 band."""
+    if not 0.0 < keep_prob <= 1.0:
+        raise ValueError(f"fusion_attention: keep_prob must be in (0, 1], got {keep_prob}")
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        raise ValueError(f"fusion_attention: sparse_mode {sparse_mode} is not supported (0-4)")
+    sq = query.shape[0 if input_layout in ("SBH", "TND") else (2 if input_layout == "BNSD" else 1)]
+    skv = key.shape[0 if input_layout in ("SBH", "TND") else (2 if input_layout == "BNSD" else 1)]
+    band = {0: dict(pre_tokens=pre_tokens, next_tokens=next_tokens), 1: {}, 2: dict(causal=True),
+            3: dict(next_tokens=skv - sq), 4: dict(pre_tokens=pre_tokens, next_tokens=next_tokens)}[sparse_mode]
+    return _kernels().attention(query, key, value, layout=input_layout, head_num=head_num, mask=atten_mask,
+                                scale=scale, dropout_p=1.0 - keep_prob, actual_seq_qlen=actual_seq_qlen,
+                                actual_seq_kvlen=actual_seq_kvlen, alibi=pse, **band)
+
+
+npu_fusion_attention = fusion_attention
+
+
+def npu_gmm(x, weight, *, bias=None, group_list=None, group_type: int = 0, group_list_type: int = 0):
+    """Grouped matmul: x [M, K] rows sorted by group, weight [G, K, N]; group_list cumulative
+    ends (group_list_type 0) or sizes (1). Only group_type 0 (split M) is supported."""
+    if group_type != 0:
+        raise ValueError(f"npu_gmm: only group_type 0 (groups along M) is supported, got {group_type}")
+    if group_list is None:
+        raise ValueError("npu_gmm: group_list is required")
+    out = _kernels().gmm(x, weight, group_list, group_list_type)
+    if bias is not None:
+        sizes = get_sizes(group_list, group_list_type)
+        out = out + bias.repeat_interleave(_as_tensor(sizes, out.device), dim=0, output_size=out.shape[0])
+    return out
+
+
+def get_sizes(group_list, group_list_type: int) -> list[int]:
+    values = [int(v) for v in (group_list.tolist() if hasattr(group_list, "tolist") else group_list)]
+    return values if group_list_type == 1 else [e - s for s, e in zip([0] + values[:-1], values)]
+
+
+def _as_tensor(values, device):
+    import torch
+    return torch.tensor(values, device=device)
+
+
+def npu_matmul_add_fp32(total_input, grad_output, main_grad):
+    """In place main_grad += grad_output^T @ total_input, in fp32."""
+    return _kernels().matmul_add_fp32(total_input, grad_output, main_grad)
+
+
+def npu_moe_token_permute(tokens, routing_map):
+    """-> (permuted_tokens, sorted_indices); routing_map [T, E] bool, expert-major order."""
+    return _kernels().moe_permute(tokens, routing_map)
+
+
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, restore_shape=None, routing_map=None):
+    """Scatter-add permuted rows back to restore_shape (default [T, H] from probs or indices)."""
+    if restore_shape is None:
+        rows = int(sorted_indices.max()) + 1 if sorted_indices.numel() else 0
+        restore_shape = (probs.shape[0] if probs is not None and probs.dim() == 2 else rows, permuted_tokens.shape[-1])
+    return _kernels().moe_unpermute(permuted_tokens, sorted_indices, probs, restore_shape, routing_map=routing_map)
+
+
+def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out, cur_softmax_max,
+                              cur_softmax_sum, actual_seq_qlen=None, layout: str = "SBH"):
+    """Online-softmax merge of two partial attention results -> (out, max, sum)."""
+    if actual_seq_qlen is not None and layout != "TND":
+        raise ValueError("npu_ring_attention_update: actual_seq_qlen is only meaningful with layout TND")
+    return _kernels().ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out,
+                                            cur_softmax_max, cur_softmax_sum, layout=layout)
+
+
+def npu_dropout_add_layer_norm(x0, residual, weight, bias, dropout_p: float, epsilon: float, rowscale=None,
+                               layerscale=None, prenorm: bool = False, residual_in_fp32: bool = False,
+                               return_dropout_mask: bool = False):
+    """layer_norm(dropout(x0 * rowscale * layerscale) + residual) -> (out, mask) or (out, z, mask)."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"npu_dropout_add_layer_norm: dropout_p must be in [0, 1), got {dropout_p}")
+    return _kernels().dropout_add_layer_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscale=rowscale,
+                                             layerscale=layerscale, prenorm=prenorm,
+                                             residual_in_fp32=residual_in_fp32,
+                                             return_dropout_mask=return_dropout_mask)
