@@ -41,6 +41,8 @@ def resolve_data(args, log=print):
         from mindspeed.data.shakespeare import ensure_dataset
         args.data_path = [ensure_dataset(log=log)]
     prefixes = dataset_prefixes(args.data_path)
+    for prefix in prefixes:
+        check_dataset(prefix)       # missing / truncated / corrupt files first
     tokenizer = load_tokenizer(prefixes[0], args.tokenizer_type, args.tokenizer_model)
     for prefix in prefixes:
         check_dataset(prefix, tokenizer.vocab_size)

@@ -1,0 +1,142 @@
+"""The example end to end: train_distributed.sh -> torchrun -> pretrain_gpt.py on 2 processes,
+with a tiny GPT and a tiny dataset (shortened run). Every launch has a timeout, so a hang fails."""
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
+PRETRAIN = os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py")
+LAUNCH_TIMEOUT = 240
+
+TINY = dict(NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="32", MICRO_BATCH="4",
+            GLOBAL_BATCH="8", TRAIN_ITERS="12", LR="1e-2", MIN_LR="1e-3", WARMUP_ITERS="1",
+            LOG_INTERVAL="1", EVAL_INTERVAL="6", EVAL_ITERS="2", SPLIT="90,10,0")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def tiny_dataset(tmp_path_factory):
+    """~60k characters of simple, learnable text -> char-level indexed dataset."""
+    rng = random.Random(0)
+    subjects, verbs, objects = ["the king", "a fool", "my lord", "the queen"], ["loves", "fears", "sees"], \
+        ["the crown", "his horse", "the sea", "a ghost"]
+    lines = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}." for _ in range(2500)]
+    root = tmp_path_factory.mktemp("data")
+    texts = []
+    for i in range(20):   # 20 documents so the 90/10 split has whole validation documents
+        path = root / f"part{i}.txt"
+        path.write_text("\n".join(lines[i * 125:(i + 1) * 125]) + "\n")
+        texts.append(str(path))
+    prefix = str(root / "tiny")
+    result = subprocess.run([sys.executable, "-m", "mindspeed.data", "--input", *texts, "--output-prefix", prefix],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return prefix
+
+
+def run_example(env_overrides, args=(), timeout=LAUNCH_TIMEOUT):
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), **TINY)
+    env.update(env_overrides)
+    result = subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    return output
+
+
+def read_losses(path):
+    with open(path) as f:
+        return {rec["iteration"]: rec["lm_loss"] for rec in map(json.loads, f)}
+
+
+def assert_learns(losses, output):
+    first = sum(losses[i] for i in (1, 2, 3)) / 3
+    last = sum(losses[i] for i in (10, 11, 12)) / 3
+    assert last < first - 0.3, f"loss did not decrease: first {first:.3f}, last {last:.3f}"
+    assert "final validation loss at iteration 12" in output
+    assert "iteration       12/      12 |" in output and "lm loss:" in output and "grad norm:" in output
+
+
+@pytest.mark.parametrize("name, env, extra", [
+    ("tensor-parallel-2 + sequence-parallel", dict(TP="2", PP="1"), ["--sequence-parallel"]),
+    ("pipeline-parallel-2", dict(TP="1", PP="2"), []),
+    ("data-parallel-2 + distributed optimizer", dict(TP="1", PP="1"), ["--use-distributed-optimizer"]),
+])
+def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extra):
+    loss_file = str(tmp_path / "losses.jsonl")
+    output = run_example(dict(env, DATA_PATH=tiny_dataset), [*extra, "--log-loss-file", loss_file])
+    tp, pp = env["TP"], env["PP"]
+    assert f"TP {tp} x PP {pp} x CP 1 x DP {2 // (int(tp) * int(pp))}" in output
+    assert_learns(read_losses(loss_file), output)
+
+
+def test_resume_reproduces_the_uninterrupted_losses(tiny_dataset, tmp_path):
+    """Train 8 steps saving at 4; a second run loading step 4 reproduces steps 5..8."""
+    ckpt = str(tmp_path / "ckpt")
+    common = dict(TP="1", PP="1", DATA_PATH=tiny_dataset, TRAIN_ITERS="8", EVAL_INTERVAL="100")
+    flags = ["--use-distributed-optimizer", "--deterministic-mode"]
+    full, resumed = str(tmp_path / "full.jsonl"), str(tmp_path / "resumed.jsonl")
+    run_example(common, [*flags, "--save", ckpt, "--save-interval", "4", "--log-loss-file", full])
+    for dirpath, _dirs, files in os.walk(ckpt):
+        assert oct(os.stat(dirpath).st_mode & 0o777) == oct(0o750), dirpath
+        for name in files:
+            assert oct(os.stat(os.path.join(dirpath, name)).st_mode & 0o777) == oct(0o640), name
+    output = run_example(common, [*flags, "--load", ckpt, "--ckpt-step", "4", "--log-loss-file", resumed])
+    assert "loaded checkpoint" in output and "at iteration 4" in output
+    a, b = read_losses(full), read_losses(resumed)
+    assert sorted(b) == [5, 6, 7, 8]
+    for it in (5, 6, 7, 8):
+        assert abs(a[it] - b[it]) <= 1e-6, (it, a[it], b[it])
+
+
+def _pretrain_single(args, env=None, timeout=180):
+    result = subprocess.run([sys.executable, PRETRAIN, "--num-layers", "2", "--hidden-size", "64",
+                             "--num-attention-heads", "4", "--seq-length", "32", "--train-iters", "2", *args],
+                            cwd=ROOT, env=dict(os.environ, **(env or {})), capture_output=True, text=True,
+                            timeout=timeout)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_bad_inputs_fail_before_training(tiny_dataset, tmp_path):
+    # a dataset prefix that does not exist
+    rc, out = _pretrain_single(["--data-path", str(tmp_path / "missing")])
+    assert rc == 2 and "is missing" in out and "training from iteration" not in out
+    # a truncated .bin
+    broken = str(tmp_path / "broken")
+    for suffix in (".idx", ".tokenizer.json"):
+        with open(tiny_dataset + suffix, "rb") as src, open(broken + suffix, "wb") as dst:
+            dst.write(src.read())
+    with open(tiny_dataset + ".bin", "rb") as src, open(broken + ".bin", "wb") as dst:
+        dst.write(src.read()[:-100])
+    rc, out = _pretrain_single(["--data-path", broken])
+    assert rc == 2 and "truncated" in out and "training from iteration" not in out
+    # a --load directory that holds no checkpoint
+    empty = tmp_path / "not_a_checkpoint"
+    empty.mkdir()
+    rc, out = _pretrain_single(["--data-path", tiny_dataset, "--load", str(empty)])
+    assert rc == 2 and "latest_checkpointed_iteration.txt" in out and "training from iteration" not in out
+
+
+def test_bad_parallel_sizes_and_load_path_are_refused(tiny_dataset, capsys, monkeypatch):
+    """Argument errors are reported by pretrain_gpt.main before torch or Megatron do any work."""
+    monkeypatch.syspath_prepend(os.path.dirname(PRETRAIN))
+    import pretrain_gpt
+    cases = [(["--tensor-model-parallel-size", "3"], "2", "world size 2 is not divisible"),
+             (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "2", "--num-layers 3 is not divisible"),
+             (["--load", "/nonexistent/ckpt"], "1", "--load path")]
+    for argv, world, message in cases:
+        monkeypatch.setenv("WORLD_SIZE", world)
+        rc = pretrain_gpt.main(["--data-path", tiny_dataset, *argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err, (argv, err)
