@@ -1,0 +1,60 @@
+import json
+import os
+
+import pytest
+import torch
+
+import mindspeed
+from mindspeed import hooks
+from mindspeed.adaptor_core import MindSpeedConfigError, plan
+
+
+def _train(steps):
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for it in range(steps):
+        hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=it)
+        loss = model(torch.randn(4, 16)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        hooks.fire(hooks.TRAIN_STEP_END, iteration=it)
+    hooks.fire(hooks.TRAIN_END)
+
+
+def test_profile_window_writes_a_trace_per_rank(tmp_path):
+    state = mindspeed.adapt(["--profile", "--profile-step-start", "2", "--profile-step-end", "4",
+                             "--profile-level", "level1", "--profile-save-path", str(tmp_path)])
+    try:
+        _train(6)
+        (profiler,) = state.context.hooks["profilers"]
+    finally:
+        mindspeed.unadapt()
+    trace, summary = profiler.paths
+    assert trace.startswith(str(tmp_path / "rank0")) and "steps2-4" in trace
+    events = json.load(open(trace))["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert any("addmm" in (n or "") for n in names)          # the profiled steps' matmuls
+    assert oct(os.stat(trace).st_mode & 0o777) == "0o640"
+    assert "Name" in open(summary).read()
+
+
+def test_profile_other_ranks_only_writes_nothing(tmp_path):
+    state = mindspeed.adapt(["--profile", "--profile-step-start", "0", "--profile-step-end", "1",
+                             "--profile-ranks", "3", "--profile-save-path", str(tmp_path)])
+    try:
+        _train(2)
+        (profiler,) = state.context.hooks["profilers"]
+    finally:
+        mindspeed.unadapt()
+    assert profiler.paths == [] and not os.listdir(tmp_path)
+
+
+def test_bad_profile_window_is_refused():
+    with pytest.raises(MindSpeedConfigError, match="--profile-step-end"):
+        plan(["--profile", "--profile-step-start", "5", "--profile-step-end", "5"])
+
+
+def test_profile_refused_on_mindspore_backend():
+    with pytest.raises(MindSpeedConfigError, match="host.profiler"):
+        plan(["--backend", "mindspore", "--profile"])
