@@ -1,0 +1,156 @@
+"""CPU fast paths (fused C++ rms_norm/swiglu/rope, flash attention, matmul_add_fp32) against the
+reference, forward and backward, fp32 and bf16, at KERNELS.md tolerances."""
+import logging
+
+import pytest
+import torch
+
+from mindspeed.backends.torch.kernels import cpu as C
+from mindspeed.backends.torch.kernels import csrc
+from mindspeed.backends.torch.kernels import reference as R
+from mindspeed.backends.torch.kernels import TorchKernels
+from tests_extend.unit.kernel_checks import assert_close_fp32, assert_low_precision_ok, run
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def compare(fast, ref, inputs, dtype, n_out=1, floor=2e-2, atol=1e-5, rtol=1.3e-6):
+    """fast vs reference: fp32 directly; bf16 by error against the reference run in fp64."""
+    f_out, f_grad = run(fast, inputs, n_out=n_out)
+    r_out, r_grad = run(ref, inputs, n_out=n_out)
+    if dtype == torch.float32:
+        assert_close_fp32(f_out[:n_out] + f_grad, r_out[:n_out] + r_grad, atol=atol, rtol=rtol)
+    else:
+        t_out, t_grad = run(ref, [t.double() if t.is_floating_point() else t for t in inputs], n_out=n_out)
+        assert_low_precision_ok(f_out[:n_out] + f_grad, r_out[:n_out] + r_grad, t_out[:n_out] + t_grad, floor)
+
+
+def test_fused_cpp_kernels_build_here_and_serve_the_cpu_backend():
+    assert csrc.fused_ops() is not None, csrc.unavailable_reason()
+    kernels = TorchKernels("cpu")
+    assert kernels.implementation("rms_norm") is C.rms_norm
+    assert kernels.implementation("attention") is C.attention
+    assert kernels.implementation("gmm") is R.gmm          # no cpu fast path: the reference serves it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 64), (7, 130)])
+def test_rms_norm(dtype, shape):
+    x, g = _rand(*shape, dtype=dtype), _rand(shape[-1], seed=1, dtype=dtype)
+    compare(lambda x, g: C.rms_norm(x, g, 1e-6), lambda x, g: R.rms_norm(x, g, 1e-6), [x, g], dtype,
+            atol=1e-4, rtol=1e-6)
+    assert C.rms_norm(x, g)[1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim", [((4, 6, 96), -1), ((3, 130), -1), ((8, 5), 0)])
+def test_swiglu(dtype, shape, dim):
+    compare(lambda x: C.swiglu(x, dim), lambda x: R.swiglu(x, dim), [_rand(*shape, dtype=dtype)], dtype)
+
+
+ROPE_CASES = {   # layout: (x shape, cos shape) with partial rotary (rot 8 of 12)
+    "SBND": ((6, 2, 3, 12), (6, 1, 1, 8)),
+    "BSND": ((2, 6, 3, 12), (1, 6, 1, 8)),
+    "BNSD": ((2, 3, 6, 12), (1, 1, 6, 8)),
+    "full": ((6, 2, 3, 8), (6, 2, 1, 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope(dtype, mode, case):
+    x_shape, cos_shape = ROPE_CASES[case]
+    theta = _rand(*cos_shape, seed=2)
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    compare(lambda x: C.rope(x, cos, sin, mode), lambda x: R.rope(x, cos, sin, mode),
+            [_rand(*x_shape, dtype=dtype)], dtype)
+
+
+def _qkv(layout, b, n, nkv, sq, skv, d, dtype):
+    shapes = {"SBH": lambda s, h: (s, b, h * d), "BSH": lambda s, h: (b, s, h * d),
+              "BSND": lambda s, h: (b, s, h, d), "BNSD": lambda s, h: (b, h, s, d)}[layout]
+    return [_rand(*shapes(sq, n), dtype=dtype), _rand(*shapes(skv, nkv), seed=1, dtype=dtype),
+            _rand(*shapes(skv, nkv), seed=2, dtype=dtype)]
+
+
+def _attention_pair(**kw):
+    """fast and reference returning (out, logsumexp): the fast path's stats are (lse, 1)."""
+    def wrap(fn):
+        def call(q, k, v):
+            out, mx, sm = fn(q, k, v, **kw)
+            return out, mx + torch.log(sm)
+        return call
+    return wrap(C.attention), wrap(R.attention)
+
+
+ATTN_CASES = {
+    "causal": dict(causal=True),
+    "full": dict(),
+    "band": dict(pre_tokens=3, next_tokens=1),
+    "causal_band": dict(causal=True, pre_tokens=2),
+    "mask": "mask",
+    "alibi": "alibi",
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["SBH", "BSH", "BSND", "BNSD"])
+@pytest.mark.parametrize("case", sorted(ATTN_CASES))
+def test_attention(dtype, layout, case):
+    b, n, nkv, s, d = 2, 4, 2, 12, 8                      # GQA 4:2
+    kw = ATTN_CASES[case]
+    if kw == "mask":
+        mask = _rand(b, 1, s, s, seed=7) > 0.6
+        mask[..., 3, :] = True                            # a fully masked row
+        kw = dict(mask=mask)
+    elif kw == "alibi":
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(1, n, 1, 1)
+        kw = dict(alibi=slopes * (torch.arange(s)[None] - torch.arange(s)[:, None]).float(), causal=True)
+    fast, ref = _attention_pair(layout=layout, head_num=n, **kw)
+    compare(fast, ref, _qkv(layout, b, n, nkv, s, s, d, dtype), dtype, n_out=2, floor=3e-2)
+
+
+def test_attention_tnd_and_cross_lengths():
+    n, d = 2, 8
+    t = [_rand(11, n, d, seed=i) for i in range(3)]
+    fast, ref = _attention_pair(layout="TND", head_num=n, causal=True, actual_seq_qlen=[4, 11],
+                                actual_seq_kvlen=[4, 11])
+    compare(fast, ref, t, torch.float32, n_out=2)
+    fast, ref = _attention_pair(layout="BNSD", head_num=4, causal=True)   # sq < skv, top-left
+    compare(fast, ref, _qkv("BNSD", 1, 4, 4, 5, 9, d, torch.float32), torch.float32, n_out=2)
+
+
+def test_attention_dropout_uses_the_reference_path():
+    q = _rand(4, 1, 16)
+    torch.manual_seed(0)
+    a = C.attention(q, q, q, layout="SBH", head_num=2, dropout_p=0.5)[0]
+    torch.manual_seed(0)
+    b = R.attention(q, q, q, layout="SBH", head_num=2, dropout_p=0.5)[0]
+    assert torch.equal(a, b)
+
+
+def test_matmul_add_fp32_fast_path_accumulates_in_place():
+    x, dy = _rand(3, 4, 16), _rand(3, 4, 8, seed=1)
+    a, b = torch.ones(8, 16), torch.ones(8, 16)
+    assert C.matmul_add_fp32(x, dy, a) is a
+    R.matmul_add_fp32(x, dy, b)
+    torch.testing.assert_close(a, b)
+
+
+def test_missing_build_falls_back_to_pytorch_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setenv("MINDSPEED_DISABLE_CPP_KERNELS", "1")
+    monkeypatch.setattr(csrc, "_state", {})
+    x, g = _rand(4, 8), _rand(8, seed=1)
+    with caplog.at_level(logging.WARNING, logger="mindspeed.kernels"):
+        y1, _ = C.rms_norm(x, g)
+        y2 = C.swiglu(x)
+    assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == [
+        "mindspeed: fused C++ CPU kernels unavailable (disabled by MINDSPEED_DISABLE_CPP_KERNELS=1); "
+        "using the pure-PyTorch rms_norm/swiglu/rope"]
+    torch.testing.assert_close(y1, R.rms_norm(x, g)[0])
+    torch.testing.assert_close(y2, R.swiglu(x))
