@@ -10,6 +10,7 @@ n times the bandwidth of the native op and keeps the same semantics (capabilitie
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import mindspore as ms
@@ -32,7 +33,9 @@ class _Done:
 
 
 def launched_by_msrun() -> bool:
-    return os.environ.get("MS_ROLE") == "MS_WORKER" and int(os.environ.get("MS_WORKER_NUM", "1")) > 1
+    """msrun starts a scheduler (MS_ROLE=MS_SCHED) and the workers (MS_WORKER), all running the
+    same script; each must join the cluster."""
+    return os.environ.get("MS_ROLE") in ("MS_WORKER", "MS_SCHED")
 
 
 class MsComm(CommAPI):
@@ -52,6 +55,9 @@ class MsComm(CommAPI):
         from mindspore.communication import GlobalComm, get_group_size, init
         if not GlobalComm.INITED:
             init()
+        if os.environ.get("MS_ROLE") == "MS_SCHED":
+            # the scheduler process only coordinates: once the workers are done, it is too
+            sys.exit(0)
         self._initialized = True
         self._world = MsGroup(GlobalComm.WORLD_COMM_GROUP, tuple(range(get_group_size())))
 
