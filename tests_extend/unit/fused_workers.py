@@ -1,0 +1,89 @@
+"""Bodies run in a fresh process (tests_extend.distributed.harness) for the fused-wiring tests:
+each applies MindSpeed with some flags, builds a tiny Megatron-Core GPT and reports back."""
+from __future__ import annotations
+
+import torch
+
+DENSE_FLAGS = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn",
+               "--gradient-accumulation-fusion"]
+COUNTED = ("rms_norm", "swiglu", "rope", "attention", "matmul_add_fp32")
+
+
+def _count_kernel_calls(kernels, names):
+    """Wrap the live backend's kernels so each call is counted (the real kernel still runs)."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        impl = kernels._impl[name]
+
+        def counted(*args, _impl=impl, _name=name, **kwargs):
+            counts[_name] += 1
+            return _impl(*args, **kwargs)
+        kernels._impl[name] = counted
+    return counts
+
+
+def _ddp(model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    return DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+
+
+def _with_flags(flags):
+    import mindspeed
+    from mindspeed.backends import get_backend
+    mindspeed.unadapt()
+    mindspeed.adapt(list(flags))
+    return get_backend()
+
+
+def layer_wiring(rank, world_size):
+    """With and without the flags: module classes and kernel calls in one forward+backward."""
+    from tests_extend import megatron_tiny
+    report = {}
+    for name, flags in (("on", DENSE_FLAGS), ("off", [])):
+        backend = _with_flags(flags)
+        counts = _count_kernel_calls(backend.kernels, COUNTED)
+        megatron_tiny.init_parallel()
+        model = _ddp(megatron_tiny.build_gpt(layers=1))
+        layer = model.module.decoder.layers[0]
+        tokens, position_ids, labels = megatron_tiny.batch()
+        model(tokens, position_ids, None, labels=labels).float().mean().backward()
+        report[name] = dict(
+            counts=dict(counts),
+            norm=type(layer.input_layernorm).__name__,
+            final_norm=type(model.module.decoder.final_layernorm).__name__,
+            attention=type(layer.self_attention.core_attention).__name__,
+            swiglu_fusion=layer.mlp.config.bias_activation_fusion,
+            grad_fusion=layer.mlp.config.gradient_accumulation_fusion)
+    import mindspeed
+    mindspeed.unadapt()
+    return report
+
+
+def train_losses(rank, world_size, steps: int = 20):
+    """Loss curve of a tiny GPT (DDP main_grad + Adam) with the fused flags on and off."""
+    from tests_extend import megatron_tiny
+    curves = {}
+    for name, flags in (("on", DENSE_FLAGS), ("off", [])):
+        _with_flags(flags)
+        megatron_tiny.init_parallel(seed=7)
+        torch.manual_seed(7)
+        model = _ddp(megatron_tiny.build_gpt(layers=1))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.Adam(params, lr=3e-3)
+        losses = []
+        for step in range(steps):
+            model.zero_grad_buffer()
+            tokens, position_ids, labels = megatron_tiny.batch(seed=step % 4)
+            loss = model(tokens, position_ids, None, labels=labels).float().mean()
+            loss.backward()
+            model.finish_grad_sync()
+            for p in params:
+                p.grad = p.main_grad.to(p.dtype)
+            opt.step()
+            for p in params:
+                p.grad = None            # main_grad is DDP's buffer: do not let autograd accumulate into it
+            losses.append(loss.item())
+        curves[name] = losses
+    import mindspeed
+    mindspeed.unadapt()
+    return curves

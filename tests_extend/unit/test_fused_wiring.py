@@ -1,0 +1,54 @@
+"""Fused features wired into Megatron-Core: a GPT layer with the flags calls the kernels and one
+without does not; a tiny GPT trains to the same losses fused and unfused; bad flags are refused."""
+import pytest
+
+import mindspeed
+from mindspeed.adaptor_core import MindSpeedConfigError, plan
+from tests_extend.distributed.harness import run_distributed
+from tests_extend.unit import fused_workers
+
+
+def test_gpt_layer_with_flags_uses_the_kernels_and_without_does_not():
+    (report,) = run_distributed(fused_workers.layer_wiring, world_size=1, timeout=300)
+    on, off = report["on"], report["off"]
+    assert all(on["counts"][k] > 0 for k in fused_workers.COUNTED), on["counts"]
+    assert all(v == 0 for v in off["counts"].values()), off["counts"]
+    assert (on["norm"], on["final_norm"], on["attention"]) == ("FusedRMSNorm", "FusedRMSNorm",
+                                                               "FlashDotProductAttention")
+    assert (off["norm"], off["final_norm"], off["attention"]) == ("RMSNorm", "RMSNorm", "DotProductAttention")
+    assert on["swiglu_fusion"] and on["grad_fusion"] and not off["swiglu_fusion"] and not off["grad_fusion"]
+
+
+def test_tiny_gpt_trains_to_the_same_losses_with_all_fused_flags():
+    (curves,) = run_distributed(fused_workers.train_losses, world_size=1, timeout=300)
+    on, off = curves["on"], curves["off"]
+    assert len(on) == len(off) == 20
+    assert on[-1] < on[0] - 0.5                           # it learns
+    for a, b in zip(on, off):
+        assert a == pytest.approx(b, abs=2e-3, rel=1e-3)  # fp32: same trajectory
+
+
+def test_bad_sparse_mode_and_empty_band_are_refused_before_work():
+    with pytest.raises(MindSpeedConfigError, match="--sparse-mode 7 is not supported"):
+        plan(["--use-flash-attn", "--sparse-mode", "7"])
+    with pytest.raises(MindSpeedConfigError, match="empty band"):
+        plan(["--use-flash-attn", "--sparse-mode", "4", "--pre-tockens", "-5", "--next-tockens", "2"])
+    with pytest.raises(MindSpeedConfigError, match="needs an MoE model"):
+        plan(["--moe-grouped-gemm"])
+
+
+def test_optimization_level_0_drops_the_fused_features():
+    ids = {f.id for f in plan(["--use-fused-rmsnorm", "--use-flash-attn"]).features}
+    assert {"fused-rmsnorm", "flash-attn"} <= ids
+    kept = {f.id for f in plan(["--use-fused-rmsnorm", "--use-flash-attn", "--optimization-level", "0"]).features}
+    assert not kept & {"fused-rmsnorm", "flash-attn"}
+
+
+def test_unadapt_removes_the_fused_hooks():
+    from megatron.core.models.backends import LocalSpecProvider
+    before = LocalSpecProvider.core_attention
+    mindspeed.adapt(["--use-flash-attn", "--use-fused-ring-attention-update"])
+    from mindspeed.features.fused import ring_attention_update
+    assert LocalSpecProvider.core_attention is not before and ring_attention_update._state["fused"]
+    mindspeed.unadapt()
+    assert LocalSpecProvider.core_attention is before and not ring_attention_update._state["fused"]
