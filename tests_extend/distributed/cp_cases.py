@@ -60,28 +60,43 @@ def check_case(kit, cp, case, dtype="float32", tol_key=None):
     return errors
 
 
-def cases_for(world_size):
+def cases_for(cp_size):
     """(label, algo, options) per CP configuration exercised at this world size."""
     configs = [("ulysses", "ulysses_cp_algo", {}),
                ("ring", "megatron_cp_algo", {}),
                ("ring-overlap", "megatron_cp_algo", {"overlap": True})]
-    if world_size == 4:
+    if cp_size == 4:
         configs += [("double-ring", "megatron_cp_algo", {"window_size": 2, "overlap": True}),
                     ("hybrid", "hybrid_cp_algo", {"ulysses_degree": 2}),
                     ("hybrid-window", "hybrid_cp_algo", {"ulysses_degree": 2, "window_size": 2})]
     return configs
 
 
-def run_all(kit, world_size, dtypes=("float32", "bfloat16")):
-    """Every algorithm x {causal, general} x {MHA, GQA} x dtypes; returns {label: max error}."""
+def cp_subgroups(world_size, cp_size):
+    """(this rank's CP group, every CP group's ranks): consecutive blocks of cp_size ranks (the
+    world itself when they are equal); every rank creates every group, in the same order."""
+    if cp_size == world_size:
+        return None, None
+    comm = get_backend().comm
+    blocks = [list(range(s, s + cp_size)) for s in range(0, world_size, cp_size)]
+    groups = [comm.new_group(b) for b in blocks]
+    return groups[comm.rank() // cp_size], blocks
+
+
+def run_all(kit, world_size, dtypes=("float32", "bfloat16"), cp_size=None):
+    """Every algorithm x {causal, general} x {MHA, GQA} x dtypes on CP groups of cp_size ranks
+    (default: the world); returns {label: max error}."""
+    cp_size = cp_size or world_size
+    group, blocks = cp_subgroups(world_size, cp_size)
     results = {}
-    for label, algo, options in cases_for(world_size):
-        cp = build_cp_groups(algo, **options)
+    for label, algo, options in cases_for(cp_size):
+        cp = build_cp_groups(algo, group=group, all_cp_ranks=blocks, **options)
         for mask_type in ("causal", "general"):
-            for nkv in (4, 2 if world_size == 2 else 1):
+            for nkv in (4, 2 if cp_size == 2 else 1):
                 for dtype in dtypes:
-                    case = make_case(seed=zlib.crc32(f"{label}/{mask_type}/{nkv}".encode()), nkv=nkv, mask_type=mask_type)
+                    case = make_case(seed=zlib.crc32(f"{label}/{mask_type}/{nkv}".encode()), nkv=nkv,
+                                     mask_type=mask_type)
                     tol = "bfloat16-gqa" if dtype == "bfloat16" and nkv < 4 else dtype
                     errs = check_case(kit, cp, case, dtype, tol)
-                    results[f"{label}/{mask_type}/nkv{nkv}/{dtype}"] = max(errs)
+                    results[f"cp{cp_size}/{label}/{mask_type}/nkv{nkv}/{dtype}"] = max(errs)
     return results

@@ -1,20 +1,23 @@
-"""Context parallelism on the torch backend, 2 and 4 gloo processes: every algorithm's output and
-q/k/v gradients equal single-process attention on the whole sequence."""
-import pytest
-
+"""Context parallelism on the torch backend in one 4-process gloo job: CP groups of 4 (the world)
+and of 2 (two groups side by side, as with data parallelism). For every algorithm, output and
+q/k/v gradients equal single-process attention on the whole sequence (causal and general masks,
+MHA and GQA, fp32 and bf16)."""
+from tests_extend.distributed import cp_cases
 from tests_extend.distributed.harness import run_distributed
 
 
 def _body(rank, world_size):
-    from tests_extend.distributed import cp_cases, torch_kit
-    return cp_cases.run_all(torch_kit, world_size)
+    import torch
+    torch.set_num_threads(1)      # 4 processes share 2 cores
+    from tests_extend.distributed import torch_kit
+    results = cp_cases.run_all(torch_kit, world_size, cp_size=4)
+    results.update(cp_cases.run_all(torch_kit, world_size, cp_size=2))
+    return results
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_cp_attention_matches_single_process(world_size):
-    results = run_distributed(_body, world_size=world_size, timeout=240)
-    labels = {label for label, _, _ in __import__("tests_extend.distributed.cp_cases",
-                                                    fromlist=["x"]).cases_for(world_size)}
+def test_cp_attention_matches_single_process():
+    results = run_distributed(_body, world_size=4, timeout=300)
+    expected = {f"cp{size}/{label}" for size in (2, 4) for label, _, _ in cp_cases.cases_for(size)}
     for per_rank in results:
-        assert {k.split("/")[0] for k in per_rank} == labels
-        assert len(per_rank) == len(labels) * 8
+        assert {"/".join(k.split("/")[:2]) for k in per_rank} == expected
+        assert len(per_rank) == 8 * len(expected)        # 2 masks x 2 kv-head counts x 2 dtypes
