@@ -3,7 +3,8 @@
 The group's sequence is cut into 2N chunks of c tokens; ring rank r holds chunks r and 2N-1-r as
 one local sequence of 2c tokens, so every rank does the same causal work. K/V blocks travel
 round the ring with comm.send_recv; each block's partial attention (kernels.attention, which
-returns the softmax max and sum) is merged with kernels.ring_attention_update, in fp32.
+returns the softmax max and sum) is merged with ring_attention_update (the reference, or the fused kernel under
+--use-fused-ring-attention-update), in fp32.
 
 Causal blocks from the rank that owns K/V (`owner`):
   owner == r: the local causal triangle;
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from mindspeed.backends import get_backend
 from mindspeed.features.context_parallel.tensor_ops import join_seq
+from mindspeed.features.fused.ring_attention_update import merge_function
 
 
 def ring_schedule(rank: int, size: int, window: int = 1) -> list[tuple[int, tuple[int, int] | None]]:
@@ -88,10 +90,10 @@ class _Rotation:
         return gk, gv
 
 
-def _merge(kernels, acc, out, mx, sm):
+def _merge(merge, acc, out, mx, sm):
     if acc is None:
         return out.float(), mx, sm
-    return kernels.ring_attention_update(acc[0], acc[1], acc[2], out.float(), mx, sm)
+    return merge(acc[0], acc[1], acc[2], out.float(), mx, sm)
 
 
 def _halves(out, mx, sm, c):
@@ -119,6 +121,7 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
         raise ValueError(f"ring attention: mask covers {mask.shape[-1]} tokens, the ring's sequence "
                          f"has {2 * size * c}")
     rows = chunk_positions(rank, size, c) if mask is not None else None
+    merge = merge_function()       # the fused kernel under --use-fused-ring-attention-update
     first = second = None
     for owner, rotation in ring_schedule(rank, size, window_size):
         hop = _Rotation(rotation[0], rotation[1], group) if rotation else None
@@ -135,8 +138,8 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
         else:
             a, b = None, kernels.attention(q[c:], k, v, **kw)
         if a is not None:
-            first = _merge(kernels, first, *a)
-        second = _merge(kernels, second, *b)
+            first = _merge(merge, first, *a)
+        second = _merge(merge, second, *b)
         if hop:
             if incoming is None:
                 incoming = hop.start(k, v)
