@@ -1,0 +1,148 @@
+"""The parity experiment shared by test_mindspore_parity.py and its msrun worker: one GPT config,
+one set of batches, trained by Megatron-Core's GPTModel on torch and by the MindSpore trainer.
+
+Both sides use Megatron's optimizer semantics: AdamW with no decay on 1-D params, global-norm
+clipping (coeff = max / (norm + 1e-6)), and the Megatron LR schedule (schedule.learning_rate).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.training.mindspore.schedule import learning_rate
+
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, MBS = 2, 32, 4, 2, 64, 64, 16, 2
+STEPS = 20
+OPT = dict(lr=5e-3, min_lr=5e-4, warmup=3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, clip=1.0)
+EVAL_SEED = 1000
+
+
+def batch(step: int):
+    """Four batches in turn (so the loss can fall); EVAL_SEED gives a held-out one."""
+    rng = np.random.RandomState(step if step == EVAL_SEED else step % 4)
+    tokens = rng.randint(0, VOCAB, (MBS, SEQ + 1))
+    mask = np.ones((MBS, SEQ), np.float32)
+    mask[0, :3] = 0.0       # a masked prefix: the loss must honour loss_mask on both sides
+    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32), mask
+
+
+def lr_at(step: int) -> float:
+    return learning_rate(step, max_lr=OPT["lr"], min_lr=OPT["min_lr"], warmup_steps=OPT["warmup"],
+                         decay_steps=STEPS, decay_style="cosine")
+
+
+def trainer_argv(tp: int, sp: bool = False) -> list:
+    argv = ["--num-layers", LAYERS, "--hidden-size", HIDDEN, "--num-attention-heads", HEADS,
+            "--group-query-attention", "--num-query-groups", GROUPS, "--ffn-hidden-size", FFN,
+            "--seq-length", SEQ, "--micro-batch-size", MBS, "--global-batch-size", MBS, "--train-iters", STEPS,
+            "--lr", OPT["lr"], "--min-lr", OPT["min_lr"], "--lr-warmup-iters", OPT["warmup"],
+            "--adam-beta1", OPT["betas"][0], "--adam-beta2", OPT["betas"][1], "--adam-eps", OPT["eps"],
+            "--weight-decay", OPT["weight_decay"], "--clip-grad", OPT["clip"], "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", tp, "--vocab-size", VOCAB,
+            "--make-vocab-size-divisible-by", VOCAB // 2]
+    return [str(a) for a in argv] + (["--sequence-parallel"] if sp else [])
+
+
+# -- mindspore side ------------------------------------------------------------------------------
+def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = None) -> dict:
+    """Load the initial weights, train STEPS steps on batch(step); optionally save the result."""
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore import checkpoint
+    from mindspeed.training.mindspore.model import GPTConfig
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    args = parse_args(trainer_argv(tp, sp), world_size=backend.comm.world_size())
+    ps = build_parallel_state(backend.comm, tp, sp)
+    trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB))
+    checkpoint.load(init_ckpt, trainer.model)
+    losses = []
+    for step in range(STEPS):
+        tokens, labels, mask = batch(step)
+        loss, _, lr = trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)
+        assert abs(lr - lr_at(step)) < 1e-12
+        losses.append(loss)
+    tokens, labels, mask = batch(EVAL_SEED)
+    eval_loss = trainer.evaluate([{"tokens": tokens, "labels": labels, "loss_mask": mask}])
+    if save_dir:
+        checkpoint.save(backend, ps, save_dir, STEPS, trainer.model, trainer.optimizer, {"backend": "mindspore"})
+    return {"losses": losses, "eval_loss": eval_loss}
+
+
+# -- torch side (Megatron-Core GPTModel, run inside the gloo harness) ----------------------------
+def build_torch_model(tp: int):
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, ffn_hidden_size=FFN, use_cpu_initialization=True,
+                               normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                               tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0)
+    return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+                    max_sequence_length=SEQ, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False)
+
+
+def _torch_loss(model, step):
+    import torch
+    tokens, labels, mask = (torch.from_numpy(a.astype(np.int64) if a.dtype != np.float32 else a) for a in batch(step))
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, -1)
+    per_token = model(tokens, position_ids, None, labels=labels)          # [b, s]
+    return (per_token * mask).sum() / mask.sum()
+
+
+def load_into_torch(model, ckpt, tp_rank, tp):
+    import torch
+    arrays = nf.megatron_state_dict_arrays(ckpt, tp_rank, tp)
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()},
+                                                strict=False)
+    assert not unexpected, unexpected
+    assert all(k.endswith("_extra_state") for k in missing), missing
+
+
+def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None):
+    """Harness body: train STEPS steps; with save_init, first write the initial weights."""
+    import torch
+    import mindspeed
+    mindspeed.adapt([])
+    from megatron.core import parallel_state
+    from tests_extend import megatron_tiny
+    megatron_tiny.init_parallel(tp=tp)
+    tp_rank, tp_group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
+    model = build_torch_model(tp)
+    if save_init:
+        assert tp == 1
+        arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
+                  if torch.is_tensor(v) and not k.endswith("_extra_state") and v.is_floating_point()}
+        nf.save(init_ckpt, 0, arrays, meta={"backend": "torch"})
+    else:
+        load_into_torch(model, init_ckpt, tp_rank, tp)
+    params = list(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() > 1], "weight_decay": OPT["weight_decay"]},
+                             {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                            lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"])
+    losses = []
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        opt.zero_grad()
+        loss = _torch_loss(model, step)
+        loss.backward()
+        sq = sum(float(p.grad.double().square().sum()) for _, p in params
+                 if getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+        sq_t = torch.tensor([sq], dtype=torch.float64)
+        torch.distributed.all_reduce(sq_t, group=tp_group)
+        coeff = OPT["clip"] / (float(sq_t.sqrt()) + 1e-6)
+        if coeff < 1.0:
+            for _, p in params:
+                p.grad.mul_(coeff)
+        opt.step()
+        losses.append(loss.item())
+    result = {"losses": losses}
+    if other_ckpt:      # a checkpoint the MindSpore trainer wrote: load it here and evaluate
+        fresh = build_torch_model(tp)
+        load_into_torch(fresh, other_ckpt, tp_rank, tp)
+        with torch.no_grad():
+            result["eval_loss_of_other"] = _torch_loss(fresh, EVAL_SEED).item()
+    return result
