@@ -70,15 +70,29 @@ def assert_learns(losses, output):
 
 @pytest.mark.parametrize("name, env, extra", [
     ("tensor-parallel-2 + sequence-parallel", dict(TP="2", PP="1"), ["--sequence-parallel"]),
-    ("pipeline-parallel-2", dict(TP="1", PP="2"), []),
+    ("pipeline-parallel-2 + tensorboard", dict(TP="1", PP="2"), ["--tensorboard-dir", "{tmp}/tb"]),
     ("data-parallel-2 + distributed optimizer", dict(TP="1", PP="1"), ["--use-distributed-optimizer"]),
 ])
 def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extra):
     loss_file = str(tmp_path / "losses.jsonl")
+    extra = [arg.format(tmp=tmp_path) for arg in extra]
     output = run_example(dict(env, DATA_PATH=tiny_dataset), [*extra, "--log-loss-file", loss_file])
     tp, pp = env["TP"], env["PP"]
     assert f"TP {tp} x PP {pp} x CP 1 x DP {2 // (int(tp) * int(pp))}" in output
     assert_learns(read_losses(loss_file), output)
+    if "--tensorboard-dir" in extra:
+        _assert_tensorboard_events(str(tmp_path / "tb"), output)
+
+
+def _assert_tensorboard_events(path, output):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:     # the run must say why there are no event files
+        assert "needs the 'tensorboard' package" in output
+        return
+    events = [f for f in os.listdir(path) if f.startswith("events.out.tfevents")]
+    assert events, os.listdir(path)
+    assert os.stat(os.path.join(path, events[0])).st_mode & 0o007 == 0   # not world-readable
 
 
 def test_resume_reproduces_the_uninterrupted_losses(tiny_dataset, tmp_path):
