@@ -1,0 +1,193 @@
+"""Kernel benchmark (CPU): forward+backward time of the reference, the fast path and
+torch.compile(reference), ratios, achieved bandwidth against a plain tensor copy measured in the
+same run, and attention peak memory vs sequence length.
+
+    python tests_extend/benchmarks/bench_kernels.py [--quick] [--no-compile]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from mindspeed.backends.torch.kernels import cpu as C            # noqa: E402
+from mindspeed.backends.torch.kernels import reference as R      # noqa: E402
+from mindspeed.backends.torch.kernels.csrc import fused_ops      # noqa: E402
+
+
+def best_time(fn, reps: int) -> float:
+    fn()                                            # warm-up (and JIT/compile)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def fwd_bwd(kernel, inputs, first_only=True):
+    """A closure running kernel forward + backward with a ones cotangent on its first output."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = kernel(*leaves)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+    return step
+
+
+def copy_bandwidth(reps: int) -> float:
+    x = torch.randn(64 * 1024 * 1024 // 4)          # 64 MiB
+    t = best_time(lambda: x.clone(), reps)
+    return 2 * x.numel() * 4 / t / 1e9              # read + write
+
+
+def try_compile(fn):
+    try:
+        compiled = torch.compile(fn, dynamic=False)
+        return compiled
+    except Exception as exc:   # noqa: BLE001 - report, never fail the benchmark
+        return f"compile failed: {type(exc).__name__}"
+
+
+def row(name, bytes_moved, ref_t, fast_t, comp_t, copy_bw):
+    ratio = f"{ref_t / fast_t:5.2f}x" if fast_t else "   - "
+    comp = f"{comp_t * 1e3:9.1f}" if isinstance(comp_t, float) else f"{'n/a':>9}"
+    comp_ratio = f"{ref_t / comp_t:5.2f}x" if isinstance(comp_t, float) else "   - "
+    fast = f"{fast_t * 1e3:9.1f}" if fast_t else f"{'-':>9}"
+    bw = f"{bytes_moved / fast_t / 1e9:6.1f} ({bytes_moved / fast_t / 1e9 / copy_bw:4.0%})" if fast_t and bytes_moved \
+        else f"{'-':>13}"
+    print(f"| {name:34s} | {ref_t * 1e3:9.1f} | {fast} | {ratio} | {comp} | {comp_ratio} | {bw} |")
+
+
+def bench_elementwise(args, copy_bw):
+    s, h = (512, 4096) if args.quick else (2048, 4096)
+    for dtype in (torch.float32, torch.bfloat16):
+        es = torch.finfo(dtype).bits // 8
+        tag = "fp32" if dtype == torch.float32 else "bf16"
+        n = s * h
+        cases = [
+            (f"rms_norm [{s},{h}] {tag}", R.rms_norm, C.rms_norm,
+             [torch.randn(s, h, dtype=dtype), torch.randn(h, dtype=dtype)], 5 * n * es),
+            (f"swiglu [{s},{2 * h}] {tag}", R.swiglu, C.swiglu, [torch.randn(s, 2 * h, dtype=dtype)], 8 * n * es),
+        ]
+        cos = torch.randn(s, 1, 1, 128)
+        sin = torch.randn(s, 1, 1, 128)
+        cases.append((f"rope [{s},1,32,128] {tag}", lambda x: R.rope(x, cos, sin, 0), lambda x: C.rope(x, cos, sin, 0),
+                      [torch.randn(s, 1, h // 128, 128, dtype=dtype)], 4 * n * es))
+        for name, ref, fast, inputs, nbytes in cases:
+            ref_t = best_time(fwd_bwd(ref, inputs), args.reps)
+            fast_t = best_time(fwd_bwd(fast, inputs), args.reps)
+            comp_t = "skipped"
+            if not args.no_compile:
+                compiled = try_compile(ref)
+                if not isinstance(compiled, str):
+                    try:
+                        comp_t = best_time(fwd_bwd(compiled, inputs), args.reps)
+                    except Exception as exc:   # noqa: BLE001
+                        comp_t = f"failed: {type(exc).__name__}"
+            row(name, nbytes, ref_t, fast_t, comp_t, copy_bw)
+
+
+def bench_attention(args, copy_bw):
+    s = 1024 if args.quick else 4096
+    b, n, d = 1, 4, 128
+    q, k, v = (torch.randn(s, b, n * d) for _ in range(3))
+    kw = dict(layout="SBH", head_num=n, causal=True)
+    ref_t = best_time(fwd_bwd(lambda q, k, v: R.attention(q, k, v, **kw), [q, k, v]), max(1, args.reps // 3))
+    fast_t = best_time(fwd_bwd(lambda q, k, v: C.attention(q, k, v, **kw), [q, k, v]), max(1, args.reps // 3))
+    row(f"attention causal SBH s={s} n={n} d={d}", 0, ref_t, fast_t, "skipped", copy_bw)
+
+
+def bench_others(args, copy_bw):
+    tokens, k_in, n_out = (512, 1024, 1024) if args.quick else (2048, 1024, 4096)
+    x, dy = torch.randn(tokens, k_in), torch.randn(tokens, n_out)
+    mg_r, mg_f = torch.zeros(n_out, k_in), torch.zeros(n_out, k_in)
+    ref_t = best_time(lambda: R.matmul_add_fp32(x, dy, mg_r), args.reps)
+    fast_t = best_time(lambda: C.matmul_add_fp32(x, dy, mg_f), args.reps)
+    row(f"matmul_add_fp32 [{tokens},{k_in}]x[{tokens},{n_out}]", 0, ref_t, fast_t, "skipped", copy_bw)
+    xg, w = torch.randn(4096, 1024), torch.randn(8, 1024, 512)
+    sizes = [1024, 0, 512, 512, 1024, 0, 512, 512]
+    row("gmm [4096,1024]x8x[1024,512] (ref only)", 0,
+        best_time(fwd_bwd(lambda x, w: R.gmm(x, w, sizes, 1), [xg, w]), args.reps), None, "skipped", copy_bw)
+    tok = torch.randn(4096, 1024)
+    routing = torch.zeros(4096, 8, dtype=torch.bool)
+    routing[torch.arange(4096)[:, None], torch.randint(0, 8, (4096, 2))] = True
+
+    def permute_roundtrip(t):
+        p, idx = R.moe_permute(t, routing)
+        return R.moe_unpermute(p, idx, None, t.shape)
+    row("moe permute+unpermute [4096,1024] E8 (ref only)", 0,
+        best_time(fwd_bwd(permute_roundtrip, [tok]), args.reps), None, "skipped", copy_bw)
+
+
+def _status_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def attention_peak_extra_mib(impl: str, s: int, n: int = 4, d: int = 64) -> float:
+    """Extra peak resident memory (MiB) of one causal attention forward+backward: the kernel's
+    high-water mark is reset (Linux clear_refs 5) just before the call."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(s, 1, n * d, requires_grad=True) for _ in range(3))
+    fn = R.attention if impl == "reference" else C.attention
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_mib("VmRSS")
+    out = fn(q, k, v, layout="SBH", head_num=n, causal=True)[0]
+    out.sum().backward()
+    peak = _status_mib("VmHWM")
+    del out, q, k, v
+    gc.collect()
+    return peak - base
+
+
+def bench_attention_memory(args):
+    sizes = [1024, 2048, 4096] if not args.quick else [512, 1024, 2048]
+    n = 4
+    print(f"\nattention extra peak memory, causal fwd+bwd, b=1 n={n} d=64 (MiB):")
+    print(f"| {'seq':>6} | {'reference':>10} | {'fast (flash)':>12} | {'one fp32 [n,s,s] tensor':>24} |")
+    print(f"|{'-' * 8}|{'-' * 12}|{'-' * 14}|{'-' * 26}|")
+    C.attention(*(torch.randn(8, 1, n * 64) for _ in range(3)), layout="SBH", head_num=n)   # warm
+    for s in sizes:
+        ref, fast = (attention_peak_extra_mib(impl, s, n) for impl in ("reference", "fast"))
+        print(f"| {s:>6} | {ref:>10.1f} | {fast:>12.1f} | {n * s * s * 4 / 2**20:>24.1f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(reference)")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fused C++: "
+          f"{'built' if fused_ops() is not None else 'unavailable'}")
+    copy_bw = copy_bandwidth(args.reps)
+    print(f"plain tensor copy bandwidth: {copy_bw:.1f} GB/s\n")
+    print("forward+backward, best of reps, ms; ratio = reference / other; bandwidth of the fast path "
+          "(GB/s, share of copy):")
+    print(f"| {'kernel':34s} | {'reference':>9} | {'fast':>9} | {'ratio':>6} | {'compile':>9} | {'ratio':>6} "
+          f"| {'fast GB/s':>13} |")
+    print(f"|{'-' * 36}|{'-' * 11}|{'-' * 11}|{'-' * 7}|{'-' * 11}|{'-' * 7}|{'-' * 15}|")
+    bench_elementwise(args, copy_bw)
+    bench_attention(args, copy_bw)
+    bench_others(args, copy_bw)
+    bench_attention_memory(args)
+
+
+if __name__ == "__main__":
+    main()
