@@ -33,12 +33,13 @@ def npu_rotary_position_embedding(x, cos, sin, mode: int = 0):
 
 
 def fusion_attention(query, key, value, head_num: int, input_layout: str, *, pse=None, atten_mask=None,
-                     scale: float | None = None, keep_prob: float = 1.0, pre_tokens: int = 2**31 - 1,
+                     scale: float = 1.0, keep_prob: float = 1.0, pre_tokens: int = 2**31 - 1,
                      next_tokens: int = 2**31 - 1, sparse_mode: int = 0, actual_seq_qlen=None,
                      actual_seq_kvlen=None):
-    """npu_fusion_attention's calling convention -> (out, softmax_max, softmax_sum).
-    atten_mask True = masked out; pse an additive bias (e.g. alibi) on the scaled scores;
-    sparse_mode 0 mask + band, 1 mask only, 2 causal, 3 bottom-right causal, 4 band."""
+    """npu_fusion_attention's convention -> (out, softmax_max, softmax_sum): softmax(scale * (pse +
+    Q K^T)) V with scale defaulting to 1.0 as there (pass 1/sqrt(d)); atten_mask True = masked
+    out; pse e.g. alibi; sparse_mode 0 mask + band, 1 mask only, 2 causal, 3 bottom-right
+    causal, 4 band. Stats fp32 [b, n, s] (TND [t, n]), logsumexp = max + log(sum)."""
     if not 0.0 < keep_prob <= 1.0:
         raise ValueError(f"fusion_attention: keep_prob must be in (0, 1], got {keep_prob}")
     if sparse_mode not in (0, 1, 2, 3, 4):
@@ -49,7 +50,7 @@ def fusion_attention(query, key, value, head_num: int, input_layout: str, *, pse
             3: dict(next_tokens=skv - sq), 4: dict(pre_tokens=pre_tokens, next_tokens=next_tokens)}[sparse_mode]
     return _kernels().attention(query, key, value, layout=input_layout, head_num=head_num, mask=atten_mask,
                                 scale=scale, dropout_p=1.0 - keep_prob, actual_seq_qlen=actual_seq_qlen,
-                                actual_seq_kvlen=actual_seq_kvlen, alibi=pse, **band)
+                                actual_seq_kvlen=actual_seq_kvlen, alibi=None if pse is None else pse * scale, **band)
 
 
 npu_fusion_attention = fusion_attention
