@@ -37,7 +37,8 @@ WARMUP_ITERS=${WARMUP_ITERS:-$(( TRAIN_ITERS / 10 < 20 ? TRAIN_ITERS / 10 : 20 )
 LOG_INTERVAL=${LOG_INTERVAL:-10}
 EVAL_INTERVAL=${EVAL_INTERVAL:-100}
 EVAL_ITERS=${EVAL_ITERS:-10}
-OPTIMIZATION_LEVEL=${OPTIMIZATION_LEVEL:-2}
+OPTIMIZATION_LEVEL=${OPTIMIZATION_LEVEL:-2}   # 0: Megatron-Core's own unfused paths (drops FUSED)
+FUSED=${FUSED:-1}                         # 1: MindSpeed's fused kernels (optimization level >= 1)
 
 # --- data and checkpoints ----------------------------------------------------------------------
 DATA_PATH=${DATA_PATH:-}                  # empty: the bundled Shakespeare dataset (built on first run)
@@ -64,6 +65,7 @@ ARGS=(
   --split "$SPLIT" --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
   --optimization-level "$OPTIMIZATION_LEVEL"
 )
+[ "$FUSED" = 1 ] && ARGS+=(--use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb --use-flash-attn)
 [ -n "$DATA_PATH" ] && ARGS+=(--data-path $DATA_PATH)
 [ -n "$NUM_EXPERTS" ] && ARGS+=(--num-experts "$NUM_EXPERTS")
 [ -n "$CKPT_DIR" ] && ARGS+=(--save "$CKPT_DIR")
