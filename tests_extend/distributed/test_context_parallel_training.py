@@ -1,6 +1,6 @@
 """`--context-parallel-size 2` trains the tiny GPT of the main training job on 2 processes, and
 every algorithm's losses over 10 steps match the CP=1 run on the same 2 processes (data parallel:
-the same global batch of the same samples, the same initialisation). One spawn runs all four
+the same global batch of the same samples, the same initialisation). One spawn runs all five
 trainings in turn (each with its own rendezvous port) to keep CI time down."""
 import json
 import os
@@ -18,6 +18,8 @@ RUNS = {
     "ulysses": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo"],
     "ring": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo", "megatron_cp_algo",
              "--use-cp-send-recv-overlap"],
+    "ring-general-mask": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo",
+                          "megatron_cp_algo", "--attention-mask-type", "general"],
     "hybrid": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo", "hybrid_cp_algo",
                "--ulysses-degree-in-cp", "1"],
 }
@@ -58,6 +60,6 @@ def test_cp1_trains(losses):
     assert len(losses["cp1"]) == 10 and losses["cp1"][-1] < losses["cp1"][0] - 0.1
 
 
-@pytest.mark.parametrize("algo", ["ulysses", "ring", "hybrid"])
+@pytest.mark.parametrize("algo", ["ulysses", "ring", "ring-general-mask", "hybrid"])
 def test_cp2_matches_cp1_losses(losses, algo):
     assert losses[algo] == pytest.approx(losses["cp1"], rel=5e-5, abs=5e-5)
