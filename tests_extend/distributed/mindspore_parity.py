@@ -44,8 +44,8 @@ def trainer_argv(tp: int, sp: bool = False) -> list:
 
 
 # -- mindspore side ------------------------------------------------------------------------------
-def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = None) -> dict:
-    """Load the initial weights, train STEPS steps on batch(step); optionally save the result."""
+def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = None, steps: int = STEPS) -> dict:
+    """Load the initial weights, train `steps` steps on batch(step); optionally save the result."""
     from mindspeed.training.arguments import parse_args
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
@@ -56,7 +56,7 @@ def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = 
     trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB))
     checkpoint.load(init_ckpt, trainer.model)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         tokens, labels, mask = batch(step)
         loss, _, lr = trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)
         assert abs(lr - lr_at(step)) < 1e-12

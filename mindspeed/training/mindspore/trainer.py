@@ -9,6 +9,7 @@ import time
 import mindspore as ms
 import numpy as np
 
+from mindspeed import hooks
 from mindspeed.training.mindspore import checkpoint, data, neutral_format, schedule
 from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import Adam, clip_gradients, reduce_gradients
@@ -89,15 +90,15 @@ class Trainer:
         return float(t.asnumpy()[0])
 
 
-def _device_arg(args):
-    return getattr(args, "mindspeed_device", None) or getattr(args, "device", None)
-
-
 def setup(args):
-    """Backend, process groups and fixed-up sizes for a run (no data, no model)."""
-    from mindspeed.backends import set_backend
-    check_supported(args)
-    backend = set_backend("mindspore", device=_device_arg(args))
+    """Gate the requested features (support matrix), create the backend and the process groups,
+    fix up sizes; no data, no model yet."""
+    import mindspeed
+    from mindspeed.backends import get_backend
+    args.backend = "mindspore"
+    mindspeed.adapt(args)        # the support matrix refuses unsupported flags before any work
+    check_supported(args)        # what the matrix allows but this trainer does not wire yet
+    backend = get_backend()
     world = backend.comm.world_size()
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel)
     if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
@@ -113,13 +114,14 @@ def run(args) -> dict:
     os.umask(0o027)
     backend, ps = setup(args)
     rank = backend.comm.rank()
-    from mindspeed.backends.mindspore.msadapter import describe
     from mindspeed.training.logger import TrainingLogger
     logger = TrainingLogger(args, is_writer=rank == 0)
     try:
         return _train(args, backend, ps, logger)
     finally:
         logger.close()
+        import mindspeed
+        mindspeed.unadapt()
 
 
 def _train(args, backend, ps, logger) -> dict:
@@ -159,12 +161,14 @@ def _train(args, backend, ps, logger) -> dict:
     save_meta = lambda: {"consumed_samples": consumed, "backend": "mindspore", "tp": ps.tp_size,
                          "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size}
     while iteration < stop_at:
+        hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
         start = time.perf_counter()
         batches = data.micro_batches_for_step(train, consumed, a, ps.dp_rank, ps.dp_size)
         loss, grad_norm, lr = trainer.train_step(batches, iteration + 1)
         elapsed = time.perf_counter() - start
         iteration += 1
         consumed += a.global_batch_size
+        hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
         losses.append(loss)
         interval_losses.append(loss)
         interval_time += elapsed
@@ -190,6 +194,7 @@ def _train(args, backend, ps, logger) -> dict:
             checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, save_meta())
             last_saved = iteration
             logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
+    hooks.fire(hooks.TRAIN_END, iteration=iteration)
     if loss_file is not None:
         loss_file.close()
     if a.save and last_saved != iteration:
