@@ -4,8 +4,9 @@ processes (one thread each, so CP=P uses P threads where the machine has them).
 
 Per configuration it prints, measured in the same run:
 - step time (slowest rank, best of --steps) and its ratio to CP=1;
-- peak memory per process: the growth of peak RSS during the steps (fresh process, so the peak
-  is this configuration's), and its ratio to CP=1; `fits` compares it with --budget-mib;
+- peak memory per process: the growth of peak RSS from just before the first step to the end
+  (fresh processes, so the peak is this configuration's: activations, gradients, communication
+  buffers), and its ratio to CP=1; `fits` compares it with --budget-mib;
 - bytes each rank sent per step (send_recv and the all_to_all share that leaves the rank),
   counted on the live comm, against the theoretical volume of the algorithm.
 
@@ -104,9 +105,9 @@ def _body(rank, world_size, algo, options, seq, batch, heads, kv_heads, head_dim
         q.grad = k.grad = v.grad = None
 
     comm = get_backend().comm
-    step()                                              # warm-up (gloo connections, allocator)
     comm.barrier()
-    base = _peak_rss()
+    base = _peak_rss()                                  # inputs exist; no step has run yet
+    step()                                              # warm-up (first use of connections, allocator)
     sent = _count_sent(comm)
     times = []
     for _ in range(steps):

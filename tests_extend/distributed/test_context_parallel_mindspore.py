@@ -1,7 +1,7 @@
 """The same context-parallel test body as test_context_parallel.py, on the mindspore backend in a
 2-process msrun job: output and q/k/v gradients equal single-process attention for every
-algorithm, causal and general masks, with and without GQA, in fp32. (bf16: MindSpore 2.10's CPU
-collectives reject bfloat16 inputs; the backend's comm would have to widen them first.)"""
+algorithm, causal and general masks, with and without GQA, in fp32. (bf16 runs on torch only:
+MindSpore 2.10's CPU kernels reject bfloat16, in collectives and in autograd, e.g. Tile.)"""
 import os
 
 import pytest
