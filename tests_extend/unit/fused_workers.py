@@ -87,3 +87,52 @@ def train_losses(rank, world_size, steps: int = 20):
     import mindspeed
     mindspeed.unadapt()
     return curves
+
+
+MOE_FLAGS = ["--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute"]
+
+
+def _moe_gpt(seed: int):
+    """One-layer bf16 MoE GPT (4 experts, top-2, alltoall dispatcher), local spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from tests_extend import megatron_tiny
+    megatron_tiny.init_parallel(seed=seed)
+    torch.manual_seed(seed)
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                               normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                               add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=4,
+                               moe_router_topk=2, moe_token_dispatcher_type="alltoall", bf16=True,
+                               params_dtype=torch.bfloat16)
+    spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
+    return _ddp(GPTModel(config, spec, vocab_size=megatron_tiny.VOCAB, max_sequence_length=megatron_tiny.SEQ,
+                         position_embedding_type="rope"))
+
+
+def moe_wiring(rank, world_size):
+    """Grouped GEMM (with and without main_grad fusion) and fused permutation on a MoE GPT:
+    expert module, kernel calls, loss and the expert weights' main_grad."""
+    from tests_extend import megatron_tiny
+    report = {}
+    runs = {"grouped+fused_grad": MOE_FLAGS + ["--gemm-gradient-accumulation-fusion"], "grouped": MOE_FLAGS,
+            "off": []}
+    for name, flags in runs.items():
+        backend = _with_flags(flags)
+        counts = _count_kernel_calls(backend.kernels, ("gmm", "moe_permute", "moe_unpermute"))
+        model = _moe_gpt(seed=3)
+        tokens, position_ids, labels = megatron_tiny.batch()
+        loss = model(tokens, position_ids, None, labels=labels).float().mean()
+        loss.backward()
+        model.finish_grad_sync()
+        experts = model.module.decoder.layers[0].mlp.experts
+        grads = {n: p.main_grad.float().clone() for n, p in experts.named_parameters()}
+        report[name] = dict(experts=type(experts).__name__, counts=dict(counts), loss=loss.item(), grads=grads)
+    import mindspeed
+    mindspeed.unadapt()
+    # tensors do not travel back through the harness queue: compare here, return numbers
+    a, b = report["grouped+fused_grad"].pop("grads"), report["grouped"].pop("grads")
+    report["off"].pop("grads")
+    report["main_grad_norms"] = {n: float(g.norm()) for n, g in b.items()}
+    report["main_grad_max_diff"] = {n: float((a[n] - g).abs().max()) for n, g in b.items()}
+    return report

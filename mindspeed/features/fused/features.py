@@ -111,7 +111,8 @@ class MoeGroupedGemm(_FusedFeature):
     hook_module = "grouped_gemm"
 
     def validate(self, args) -> None:
-        if not getattr(args, "num_experts", None):
+        # num_experts is the host's (Megatron's) flag: checked when the host's args are given
+        if hasattr(args, "num_experts") and not args.num_experts:
             raise FeatureConfigError("--moe-grouped-gemm needs an MoE model (--num-experts)")
 
 
