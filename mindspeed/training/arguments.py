@@ -111,9 +111,7 @@ def _data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-type", default=None, choices=["CharLevel", "HuggingFaceTokenizer"],
                    help="default: the tokenizer saved next to the dataset")
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer name or path (offline)")
-    g.add_argument("--vocab-size", type=int, default=None, help="set from the tokenizer")
     g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--num-workers", type=int, default=0)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -139,7 +137,6 @@ def _logging(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=100)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--log-throughput", action="store_true", default=True)
     g.add_argument("--log-loss-file", default=None,
                    help="also write every iteration's loss (full precision) as JSON lines here")
 

@@ -11,12 +11,10 @@ import os
 import torch
 from megatron.core import dist_checkpointing
 
+from mindspeed.training.errors import CheckpointError
+
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE_MODE, DIR_MODE = 0o640, 0o750
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def iteration_dir(root: str, iteration: int) -> str:

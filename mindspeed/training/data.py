@@ -85,9 +85,7 @@ def build_datasets(args, tokenizer):
     gbs = args.global_batch_size
     sizes = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]
     cls = MockGPTDataset if args.mock_data else GPTDataset
-    cfg = _dataset_config(args, tokenizer)
-    if args.mock_data:
-        cfg.mock = True
+    cfg = _dataset_config(args, tokenizer)   # no blend -> Megatron's mock mode
     try:
         train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, cfg).build()
     except (AssertionError, ValueError, IndexError) as err:

@@ -167,7 +167,8 @@ class Trainer:
             wsd_decay_steps=(a.lr_decay_iters * gbs) // 10 if a.lr_decay_style == "WSD" else None,
             lr_wsd_decay_style="linear" if a.lr_decay_style == "WSD" else None)
 
-    def _iterators(self, dataset, consumed: int):
+    def iterators(self, dataset, consumed: int):
+        """One micro-batch iterator per model chunk (virtual pipeline stages need one each)."""
         return [data.microbatches(dataset, consumed, self.args) for _ in self.model] \
             if len(self.model) > 1 else data.microbatches(dataset, consumed, self.args)
 
@@ -195,7 +196,7 @@ class Trainer:
             return None
         for chunk in self.model:
             chunk.eval()
-        iterator = self._iterators(dataset, 0)
+        iterator = self.iterators(dataset, 0)
         pair = []
         with torch.no_grad():
             for _ in range(self.args.eval_iters):
@@ -261,7 +262,7 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
                                                             trainer.scheduler, load_optim=not a.no_load_optim,
                                                             finetune=a.finetune, step=a.ckpt_step)
         logger.print(f"> loaded checkpoint {a.load} at iteration {iteration}")
-    train_iter = trainer._iterators(train_ds, consumed)
+    train_iter = trainer.iterators(train_ds, consumed)
     tokens_per_step = a.global_batch_size * a.seq_length
     loss_file = open(a.log_loss_file, "a") if a.log_loss_file and torch.distributed.get_rank() == 0 else None
 

@@ -16,18 +16,18 @@ def main(argv=None) -> int:
     except ArgumentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.backend == "mindspore":
-        from mindspeed.training import mindspore as ms_trainer   # imported only when asked for
-        ms_trainer.run(args)
-        return 0
     import mindspeed
     from mindspeed.adaptor_core import MindSpeedConfigError
     from mindspeed.data import DataError, TokenizerError
-    from mindspeed.training.checkpointing import CheckpointError
+    from mindspeed.training.errors import CheckpointError
     try:
-        mindspeed.adapt(args)          # device shim + enabled features, before the model exists
-        from mindspeed.training.pretrain import run
-        run(args)
+        if args.backend == "mindspore":
+            from mindspeed.training import mindspore as ms_trainer   # imported only when asked for
+            ms_trainer.run(args)
+        else:
+            mindspeed.adapt(args)      # device shim + enabled features, before the model exists
+            from mindspeed.training.pretrain import run
+            run(args)
     except (MindSpeedConfigError, DataError, TokenizerError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -151,7 +151,7 @@ def build_streams(args, log=print):
     if args.reset_position_ids or args.reset_attention_mask:
         raise DataError("--reset-position-ids/--reset-attention-mask are not supported by the mindspore trainer")
     if args.mock_data:
-        vocab = int(args.vocab_size or 256)
+        vocab = int(getattr(args, "vocab_size", None) or 256)   # the torch side's mock vocab
         return vocab, MockStream(vocab, args.seq_length, args.seed), MockStream(vocab, args.seq_length, args.seed + 1)
     paths = list(args.data_path or [])
     if not paths:
