@@ -12,6 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
 PRETRAIN = os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py")
+PREPROCESS = os.path.join(ROOT, "tests_extend", "example", "preprocess_data.py")
 LAUNCH_TIMEOUT = 240
 
 TINY = dict(NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="32", MICRO_BATCH="4",
@@ -39,7 +40,7 @@ def tiny_dataset(tmp_path_factory):
         path.write_text("\n".join(lines[i * 125:(i + 1) * 125]) + "\n")
         texts.append(str(path))
     prefix = str(root / "tiny")
-    result = subprocess.run([sys.executable, "-m", "mindspeed.data", "--input", *texts, "--output-prefix", prefix],
+    result = subprocess.run([sys.executable, PREPROCESS, "--input", *texts, "--output-prefix", prefix],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return prefix
