@@ -38,7 +38,7 @@ def trainer_argv(tp: int, sp: bool = False) -> list:
             "--lr", OPT["lr"], "--min-lr", OPT["min_lr"], "--lr-warmup-iters", OPT["warmup"],
             "--adam-beta1", OPT["betas"][0], "--adam-beta2", OPT["betas"][1], "--adam-eps", OPT["eps"],
             "--weight-decay", OPT["weight_decay"], "--clip-grad", OPT["clip"], "--disable-bias-linear",
-            "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", tp, "--vocab-size", VOCAB,
+            "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", tp,
             "--make-vocab-size-divisible-by", VOCAB // 2]
     return [str(a) for a in argv] + (["--sequence-parallel"] if sp else [])
 

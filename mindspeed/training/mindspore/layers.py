@@ -12,19 +12,26 @@ from mindspore import ops
 
 from mindspeed.training.mindspore.parallel import ParallelState
 
+_MATMUL_T = ops.MatMul(transpose_b=True)
+
+
+def linear(x, weight):
+    """x [..., k] @ weight[n, k]^T as one 2-d MatMul (MindSpore CPU's n-d matmul is much slower)."""
+    return _MATMUL_T(x.reshape(-1, x.shape[-1]), weight).reshape(tuple(x.shape[:-1]) + (weight.shape[0],))
+
 
 def column_parallel(backend, ps: ParallelState, x, weight, bias=None):
     """x [s(/tp with SP), b, h] -> x_full @ W_local^T: each TP rank computes its output columns."""
     if ps.tp_size > 1:
         x = (backend.comm.all_gather_autograd(x, 0, ps.tp_group) if ps.sequence_parallel
              else backend.comm.copy_to_region(x, ps.tp_group))
-    y = ops.matmul(x, weight.T)
+    y = linear(x, weight)
     return y if bias is None else y + bias
 
 
 def row_parallel(backend, ps: ParallelState, x, weight, bias=None):
     """x [s, b, k/tp] -> sum over TP ranks of x_local @ W_local^T (scattered by seq with SP)."""
-    y = ops.matmul(x, weight.T)
+    y = linear(x, weight)
     if ps.tp_size > 1:
         y = (backend.comm.reduce_scatter_autograd(y, 0, ps.tp_group) if ps.sequence_parallel
              else backend.comm.reduce_from_region(y, ps.tp_group))

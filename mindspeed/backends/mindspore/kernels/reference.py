@@ -21,7 +21,13 @@ _NEG_INF = float("-inf")
 
 
 def _wide(t):
-    return t if t.dtype == ms.float64 else t.astype(ms.float32)
+    return t if t.dtype in (ms.float64, ms.float32) else t.astype(ms.float32)
+
+
+# MindSpore CPU: the BatchMatMul primitive is ~20x faster than ops.matmul's broadcasting path on
+# 4-d operands, so attention states its batched matmuls explicitly
+_BMM = ops.BatchMatMul()
+_BMM_T = ops.BatchMatMul(transpose_b=True)
 
 
 # -- norms and activations ---------------------------------------------------------------------
@@ -89,16 +95,15 @@ def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dr
     if n != nkv:
         k = ops.repeat_interleave(k, n // nkv, axis=1)
         v = ops.repeat_interleave(v, n // nkv, axis=1)
-    scores = ops.matmul(_wide(q), _wide(k).swapaxes(-1, -2)) * scale
+    scores = _BMM_T(_wide(q), _wide(k)) * scale
     if alibi is not None:
         scores = scores + _wide(alibi)
     masked = band_mask(sq, skv, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens)
     if mask is not None:
         user = mask.astype(ms.bool_)
         masked = user if masked is None else ops.logical_or(masked, user)
-    if masked is not None:
-        masked = ops.broadcast_to(masked, scores.shape)
-        scores = ops.masked_fill(scores, masked, ms.Tensor(_NEG_INF, scores.dtype))
+    if masked is not None:    # additive 0 / -inf: same result as masked_fill, far cheaper on CPU
+        scores = scores + ops.where(masked, ms.Tensor(_NEG_INF, scores.dtype), ms.Tensor(0.0, scores.dtype))
     row_max = ops.stop_gradient(scores.max(axis=-1, keepdims=True))   # shift-invariant
     shift = ops.where(ops.isinf(row_max), ops.zeros_like(row_max), row_max)
     p = ops.exp(scores - shift)
@@ -106,7 +111,7 @@ def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dr
     probs = p / ops.where(row_sum == 0, ops.ones_like(row_sum), row_sum)
     if dropout_p > 0:
         probs = ops.dropout(probs, p=dropout_p)
-    out = ops.matmul(probs, _wide(v)).astype(q.dtype)
+    out = _BMM(probs, _wide(v)).astype(q.dtype)
     return out, row_max.squeeze(-1), row_sum.squeeze(-1)
 
 

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# GPT pretraining with MindSpeed's native MindSpore trainer (--backend mindspore), launched with msrun.
+# The same settings and environment overrides as train_distributed.sh, e.g.
+#   TRAIN_ITERS=40 bash tests_extend/example/train_distributed_ms.sh
+#   TP=1 bash tests_extend/example/train_distributed_ms.sh           # pure data parallel
+#   CKPT_DIR=/tmp/ck SAVE_INTERVAL=20 bash ...; LOAD_DIR=/tmp/ck bash ...  # save, then resume
+# Extra arguments are passed to pretrain_gpt.py (later flags win). Multi-node: set NNODES,
+# NODE_RANK and MASTER_ADDR (the node running rank 0) on every node.
+set -euo pipefail
+
+# --- launch --------------------------------------------------------------------------------
+NPUS_PER_NODE=${NPUS_PER_NODE:-2}        # processes per node (cpu: 2 on a 2-core machine)
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-6001}
+PYTHON=${PYTHON:-python}
+LOG_DIR=${LOG_DIR:-./msrun_log}            # msrun writes one log per worker here
+CLUSTER_TIMEOUT=${CLUSTER_TIMEOUT:-600}    # seconds to wait for every worker to join
+
+# --- parallelism (the mindspore trainer: tensor, sequence and data parallel) -----------------
+TP=${TP:-2}
+SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL:-0}  # 1: --sequence-parallel (needs TP > 1)
+
+# --- model -------------------------------------------------------------------------------------
+NUM_LAYERS=${NUM_LAYERS:-4}
+HIDDEN_SIZE=${HIDDEN_SIZE:-128}
+NUM_HEADS=${NUM_HEADS:-4}
+SEQ_LENGTH=${SEQ_LENGTH:-128}
+
+# --- training ----------------------------------------------------------------------------------
+MICRO_BATCH=${MICRO_BATCH:-16}
+GLOBAL_BATCH=${GLOBAL_BATCH:-32}
+TRAIN_ITERS=${TRAIN_ITERS:-600}
+LR=${LR:-3e-3}
+MIN_LR=${MIN_LR:-3e-4}
+WARMUP_ITERS=${WARMUP_ITERS:-$(( TRAIN_ITERS / 10 < 20 ? TRAIN_ITERS / 10 : 20 ))}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+EVAL_INTERVAL=${EVAL_INTERVAL:-200}
+EVAL_ITERS=${EVAL_ITERS:-10}
+OPTIMIZATION_LEVEL=${OPTIMIZATION_LEVEL:-2}
+
+# --- data and checkpoints ----------------------------------------------------------------------
+DATA_PATH=${DATA_PATH:-}                  # empty: the bundled Shakespeare dataset (built on first run)
+SPLIT=${SPLIT:-949,50,1}
+CKPT_DIR=${CKPT_DIR:-}                    # empty: no checkpoints
+SAVE_INTERVAL=${SAVE_INTERVAL:-}
+LOAD_DIR=${LOAD_DIR:-}
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export GLOG_v=${GLOG_v:-3}                 # MindSpore's C++ log: errors only
+WORLD=$(( NPUS_PER_NODE * NNODES ))
+export WORLD_SIZE=$WORLD                   # the argument parser derives data-parallel size from it
+
+MSRUN=$(command -v msrun || true)
+if [ -z "$MSRUN" ]; then
+  PY_BIN=$(dirname "$(command -v "$PYTHON")")
+  MSRUN="$PY_BIN/msrun"
+fi
+if [ ! -x "$MSRUN" ]; then
+  echo "error: msrun not found: install MindSpore (pip install mindspore==2.10.0 \"numpy<2\") or run ./auto_convert_llm.sh --backend mindspore" >&2
+  exit 2
+fi
+export PATH="$(dirname "$MSRUN"):$PATH"    # msrun starts workers with the `python` on PATH
+
+# the default dataset is built once here, not by every worker at once
+if [ -z "$DATA_PATH" ] && [ "$NODE_RANK" = 0 ]; then
+  "$PYTHON" -m mindspeed.data >/dev/null
+fi
+
+ARGS=(
+  --backend mindspore --tensor-model-parallel-size "$TP"
+  --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
+  --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+  --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
+  --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
+  --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
+  --lr-warmup-iters "$WARMUP_ITERS" --weight-decay 0.1 --clip-grad 1.0
+  --split "$SPLIT" --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
+  --optimization-level "$OPTIMIZATION_LEVEL"
+)
+[ "$SEQUENCE_PARALLEL" = 1 ] && ARGS+=(--sequence-parallel)
+[ -n "$DATA_PATH" ] && ARGS+=(--data-path $DATA_PATH)
+[ -n "$CKPT_DIR" ] && ARGS+=(--save "$CKPT_DIR")
+[ -n "$SAVE_INTERVAL" ] && ARGS+=(--save-interval "$SAVE_INTERVAL")
+[ -n "$LOAD_DIR" ] && ARGS+=(--load "$LOAD_DIR")
+
+exec "$MSRUN" --worker_num="$WORLD" --local_worker_num="$NPUS_PER_NODE" \
+  --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --node_rank="$NODE_RANK" \
+  --log_dir="$LOG_DIR" --join=True --cluster_time_out="$CLUSTER_TIMEOUT" --tail_worker_log=0 \
+  "$HERE/pretrain_gpt.py" "${ARGS[@]}" "$@"
