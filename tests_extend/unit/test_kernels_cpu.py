@@ -1,4 +1,4 @@
-"""CPU fast paths (fused C++ rms_norm/swiglu/rope, flash attention, matmul_add_fp32) against the
+"""CPU fast paths (fused C++ rms_norm/swiglu/rope, flash attention) against the
 reference, forward and backward, fp32 and bf16, at KERNELS.md tolerances."""
 import logging
 
@@ -132,14 +132,6 @@ def test_attention_dropout_uses_the_reference_path():
     torch.manual_seed(0)
     b = R.attention(q, q, q, layout="SBH", head_num=2, dropout_p=0.5)[0]
     assert torch.equal(a, b)
-
-
-def test_matmul_add_fp32_fast_path_accumulates_in_place():
-    x, dy = _rand(3, 4, 16), _rand(3, 4, 8, seed=1)
-    a, b = torch.ones(8, 16), torch.ones(8, 16)
-    assert C.matmul_add_fp32(x, dy, a) is a
-    R.matmul_add_fp32(x, dy, b)
-    torch.testing.assert_close(a, b)
 
 
 def test_missing_build_falls_back_to_pytorch_with_one_log_line(monkeypatch, caplog):

@@ -220,47 +220,67 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in) {
 // Backward is the transpose: dx = g*cos + rotate^T(g*sin), selected by `backward`.
 // cos/sin arrive expanded (zero strides allowed) to x.shape[:-1] + [rot]; a row's offset into
 // them comes from its multi-index over the leading dims.
+// One row, rotate-half: y1 = x1*c1 - x2*sa, y2 = x2*c2 + x1*sb (forward sa=s1, sb=s2; the
+// backward is the transpose: sign flipped, sa=s2, sb=s1).
 template <typename T>
-void rope_kernel(const T* x, const at::opmath_type<T>* cs, const at::opmath_type<T>* sn, T* out, const std::vector<int64_t>& lead_sizes,
-                 const std::vector<int64_t>& lead_strides, int64_t last_stride, int64_t rows, int64_t d, int64_t rot,
-                 int64_t mode, bool backward) {
+void rope_row_half(const T* __restrict x, T* __restrict y, const at::opmath_type<T>* __restrict c,
+                   const at::opmath_type<T>* __restrict sa, const at::opmath_type<T>* __restrict sb,
+                   at::opmath_type<T> sgn, int64_t half) {
+  using acc = at::opmath_type<T>;
+  for (int64_t j = 0; j < half; ++j) {
+    acc x1 = ld(x[j]), x2 = ld(x[j + half]);
+    y[j] = st<T>(x1 * c[j] - sgn * x2 * sa[j]);
+    y[j + half] = st<T>(x2 * c[j + half] + sgn * x1 * sb[j]);
+  }
+}
+
+// One row, interleaved pairs (e, o): y = x*c + swap(x)*ss, ss the signed, possibly swapped sin.
+template <typename T>
+void rope_row_pairs(const T* __restrict x, T* __restrict y, const at::opmath_type<T>* __restrict c,
+                    const at::opmath_type<T>* __restrict ss, int64_t rot) {
+  using acc = at::opmath_type<T>;
+  for (int64_t j = 0; j < rot; j += 2) {
+    acc xe = ld(x[j]), xo = ld(x[j + 1]);
+    y[j] = st<T>(xe * c[j] + xo * ss[j]);
+    y[j + 1] = st<T>(xo * c[j + 1] + xe * ss[j + 1]);
+  }
+}
+
+template <typename T>
+void rope_kernel(const T* x, const at::opmath_type<T>* cs, const at::opmath_type<T>* sn, T* out,
+                 const std::vector<int64_t>& lead_sizes, const std::vector<int64_t>& lead_strides, int64_t last_stride,
+                 int64_t rows, int64_t d, int64_t rot, int64_t mode, bool backward) {
   using acc = at::opmath_type<T>;
   const int64_t nd = static_cast<int64_t>(lead_sizes.size());
   const int64_t half = rot / 2;
-  const acc sgn = backward ? acc(-1) : acc(1);
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    std::vector<acc> c(rot), s(rot);
+    std::vector<acc> c(rot), s(rot), ss(rot);
+    int64_t cached = -1;
     for (int64_t r = begin; r < end; ++r) {
       int64_t off = 0, rem = r;
       for (int64_t k = nd - 1; k >= 0; --k) {
         off += (rem % lead_sizes[k]) * lead_strides[k];
         rem /= lead_sizes[k];
       }
-      for (int64_t j = 0; j < rot; ++j) {
-        c[j] = cs[off + j * last_stride];
-        s[j] = sn[off + j * last_stride];
+      if (off != cached) {   // rows of one position share cos/sin (heads, batch): gather once
+        for (int64_t j = 0; j < rot; ++j) {
+          c[j] = cs[off + j * last_stride];
+          s[j] = sn[off + j * last_stride];
+        }
+        // pairs: forward ss = (-s_e, s_o); backward (transpose) ss = (s_o, -s_e)
+        for (int64_t j = 0; j < rot; j += 2) {
+          ss[j] = backward ? s[j + 1] : -s[j];
+          ss[j + 1] = backward ? -s[j] : s[j + 1];
+        }
+        cached = off;
       }
       const T* xr = x + r * d;
       T* yr = out + r * d;
       if (mode == 0) {
-        // forward: y1 = x1*c1 - x2*s1, y2 = x2*c2 + x1*s2
-        // backward: dx1 = g1*c1 + g2*s2, dx2 = g2*c2 - g1*s1
-        for (int64_t j = 0; j < half; ++j) {
-          acc x1 = ld(xr[j]), x2 = ld(xr[j + half]);
-          acc s1 = backward ? s[j + half] : s[j];
-          acc s2 = backward ? s[j] : s[j + half];
-          yr[j] = st<T>(x1 * c[j] - sgn * x2 * s1);
-          yr[j + half] = st<T>(x2 * c[j + half] + sgn * x1 * s2);
-        }
+        rope_row_half<T>(xr, yr, c.data(), backward ? s.data() + half : s.data(),
+                         backward ? s.data() : s.data() + half, backward ? acc(-1) : acc(1), half);
       } else {
-        // pairs (e, o): forward y_e = x_e*c_e - x_o*s_e, y_o = x_o*c_o + x_e*s_o
-        for (int64_t j = 0; j < rot; j += 2) {
-          acc xe = ld(xr[j]), xo = ld(xr[j + 1]);
-          acc se = backward ? s[j + 1] : s[j];
-          acc so = backward ? s[j] : s[j + 1];
-          yr[j] = st<T>(xe * c[j] - sgn * xo * se);
-          yr[j + 1] = st<T>(xo * c[j + 1] + sgn * xe * so);
-        }
+        rope_row_pairs<T>(xr, yr, c.data(), ss.data(), rot);
       }
       for (int64_t j = rot; j < d; ++j) yr[j] = xr[j];
     }
