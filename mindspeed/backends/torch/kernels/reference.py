@@ -254,9 +254,9 @@ def dropout_add_layer_norm(x0, residual, weight, bias, dropout_p: float, epsilon
     if dropout_p > 0:
         keep = torch.rand_like(x, dtype=torch.float32) >= dropout_p
         x = x * keep / (1.0 - dropout_p)
-    z = x.float() + residual.float() if residual is not None else x.float()
-    out = F.layer_norm(z, (z.shape[-1],), weight.float() if weight is not None else None,
-                       bias.float() if bias is not None else None, epsilon).to(x0.dtype)
+    z = _wide(x) + _wide(residual) if residual is not None else _wide(x)
+    out = F.layer_norm(z, (z.shape[-1],), _wide(weight) if weight is not None else None,
+                       _wide(bias) if bias is not None else None, epsilon).to(x0.dtype)
     z = z if residual_in_fp32 else z.to(x0.dtype)
     mask = keep if return_dropout_mask else None
     return (out, z, mask) if prenorm else (out, mask)
