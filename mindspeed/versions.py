@@ -10,6 +10,14 @@ CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors=
 MINDSPORE_REQUIREMENTS = [MINDSPORE, NUMPY]
 TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1"]
 
+# Source checkouts auto_convert_llm.sh --fetch can add (git URL, full commit id: never a branch).
+# A commit left as None is not fetched (the script says so): none could be verified from the
+# offline machine these pins were written on; set a 40-hex commit to enable the fetch.
+GIT_PINS = {
+    "MSAdapter": ("https://openi.pcl.ac.cn/OpenI/MSAdapter.git", None),
+    "Megatron-LM": ("https://github.com/NVIDIA/Megatron-LM.git", None),
+}
+
 if __name__ == "__main__":   # `python mindspeed/versions.py [extra...]` prints pip requirement lines
     import sys
     groups = {"core": CORE_REQUIREMENTS, "mindspore": MINDSPORE_REQUIREMENTS, "test": TEST_REQUIREMENTS}
