@@ -144,17 +144,16 @@ class Trainer:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = optimizer.scale_loss
         if a.overlap_grad_reduce:
-            self.config.no_sync_func = [m.no_sync for m in self.model]
-            if len(self.model) == 1:
-                self.config.no_sync_func = self.config.no_sync_func[0]
-            self.config.grad_sync_func = [m.start_grad_sync for m in self.model]
-            if len(self.model) == 1:
-                self.config.grad_sync_func = self.config.grad_sync_func[0]
+            self.config.no_sync_func = self._per_chunk("no_sync")
+            self.config.grad_sync_func = self._per_chunk("start_grad_sync")
         if a.overlap_param_gather:
-            self.config.param_sync_func = [m.start_param_sync for m in self.model]
-            if len(self.model) == 1:
-                self.config.param_sync_func = self.config.param_sync_func[0]
+            self.config.param_sync_func = self._per_chunk("start_param_sync")
         return optimizer
+
+    def _per_chunk(self, method: str):
+        """Megatron's schedules take one callable, or a list with one per virtual stage."""
+        funcs = [getattr(m, method) for m in self.model]
+        return funcs[0] if len(funcs) == 1 else funcs
 
     def _build_scheduler(self):
         a = self.args

@@ -30,7 +30,7 @@ SEQ_LENGTH=${SEQ_LENGTH:-128}
 # --- training ----------------------------------------------------------------------------------
 MICRO_BATCH=${MICRO_BATCH:-16}
 GLOBAL_BATCH=${GLOBAL_BATCH:-32}
-TRAIN_ITERS=${TRAIN_ITERS:-400}
+TRAIN_ITERS=${TRAIN_ITERS:-300}
 LR=${LR:-3e-3}
 MIN_LR=${MIN_LR:-3e-4}
 WARMUP_ITERS=${WARMUP_ITERS:-$(( TRAIN_ITERS / 10 < 20 ? TRAIN_ITERS / 10 : 20 ))}
