@@ -66,10 +66,11 @@ fi
 PY="$VENV/bin/python"
 
 # --- 2. pinned packages (mindspeed/versions.py) ----------------------------------------------
-GROUPS="core test"
-[ "$BACKEND" != torch ] && GROUPS="core mindspore test"
-[ "$BACKEND" = mindspore ] && GROUPS="core mindspore test"   # the trainer's data tools use Megatron-Core
-mapfile -t REQS < <("$PY" "$ROOT/mindspeed/versions.py" $GROUPS | sort -u)
+# every choice keeps core: the MindSpore trainer's data tools and the adaptor use Megatron-Core
+PIP_GROUPS="core test"
+if [ "$BACKEND" != torch ]; then PIP_GROUPS="core mindspore test"; fi
+REQ_TEXT=$("$PY" "$ROOT/mindspeed/versions.py" $PIP_GROUPS) || die "cannot read mindspeed/versions.py"
+mapfile -t REQS < <(printf '%s\n' "$REQ_TEXT" | sort -u)
 step "packages: ${REQS[*]}"
 missing=$("$PY" - "${REQS[@]}" <<'PYCHECK'
 import sys
