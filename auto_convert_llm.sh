@@ -84,7 +84,7 @@ def satisfied(req):
             except metadata.PackageNotFoundError:
                 return False
             if op == "==":
-                return have == ver
+                return have.split("+")[0] == ver      # 2.13.0+cpu is torch==2.13.0
             return int(have.split(".")[0]) < int(ver)
     try:
         metadata.version(req)
