@@ -136,3 +136,9 @@ def moe_wiring(rank, world_size):
     report["main_grad_norms"] = {n: float(g.norm()) for n, g in b.items()}
     report["main_grad_max_diff"] = {n: float((a[n] - g).abs().max()) for n, g in b.items()}
     return report
+
+
+def all_reports(rank, world_size):
+    """Every report above in one process (one interpreter start for the whole test module)."""
+    return dict(layer=layer_wiring(rank, world_size), train=train_losses(rank, world_size),
+                moe=moe_wiring(rank, world_size))

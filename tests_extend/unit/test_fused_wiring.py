@@ -10,8 +10,14 @@ from tests_extend.distributed.harness import run_distributed
 from tests_extend.unit import fused_workers
 
 
-def test_gpt_layer_with_flags_uses_the_kernels_and_without_does_not():
-    (report,) = run_distributed(fused_workers.layer_wiring, world_size=1, timeout=300)
+@pytest.fixture(scope="module")
+def reports():
+    (result,) = run_distributed(fused_workers.all_reports, world_size=1, timeout=600)
+    return result
+
+
+def test_gpt_layer_with_flags_uses_the_kernels_and_without_does_not(reports):
+    report = reports["layer"]
     on, off = report["on"], report["off"]
     assert all(on["counts"][k] > 0 for k in fused_workers.COUNTED), on["counts"]
     assert all(v == 0 for v in off["counts"].values()), off["counts"]
@@ -21,8 +27,8 @@ def test_gpt_layer_with_flags_uses_the_kernels_and_without_does_not():
     assert on["swiglu_fusion"] and on["grad_fusion"] and not off["swiglu_fusion"] and not off["grad_fusion"]
 
 
-def test_tiny_gpt_trains_to_the_same_losses_with_all_fused_flags():
-    (curves,) = run_distributed(fused_workers.train_losses, world_size=1, timeout=300)
+def test_tiny_gpt_trains_to_the_same_losses_with_all_fused_flags(reports):
+    curves = reports["train"]
     on, off = curves["on"], curves["off"]
     assert len(on) == len(off) == 20
     assert on[-1] < on[0] - 0.5                           # it learns
@@ -56,8 +62,8 @@ def test_unadapt_removes_the_fused_hooks():
     assert LocalSpecProvider.core_attention is before and not ring_attention_update._state["fused"]
 
 
-def test_moe_grouped_gemm_and_fused_permutation_in_a_megatron_moe_layer():
-    (report,) = run_distributed(fused_workers.moe_wiring, world_size=1, timeout=300)
+def test_moe_grouped_gemm_and_fused_permutation_in_a_megatron_moe_layer(reports):
+    report = reports["moe"]
     fused, grouped, off = report["grouped+fused_grad"], report["grouped"], report["off"]
     assert fused["experts"] == grouped["experts"] == "GroupedMLP" and off["experts"] == "SequentialMLP"
     assert fused["counts"]["gmm"] > 0 and fused["counts"]["moe_permute"] > 0 and fused["counts"]["moe_unpermute"] > 0
