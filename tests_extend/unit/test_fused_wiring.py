@@ -73,3 +73,15 @@ def test_moe_grouped_gemm_and_fused_permutation_in_a_megatron_moe_layer(reports)
     for name, norm in report["main_grad_norms"].items():
         assert norm > 0
         assert report["main_grad_max_diff"][name] <= 1.6e-2 * norm, (name, report["main_grad_max_diff"])
+
+
+def test_flash_attention_recognises_megatrons_plain_causal_mask():
+    import torch
+    from mindspeed.features.fused.flash_attention import _is_plain_causal, band_arguments
+    causal = torch.ones(1, 1, 6, 6, dtype=torch.bool).triu(1)
+    assert _is_plain_causal(causal, 6, 6)
+    reset = causal.clone()
+    reset[..., 3:, :3] = True                                  # a document boundary: keep the mask
+    assert not _is_plain_causal(reset, 6, 6) and not _is_plain_causal(None, 6, 6)
+    assert band_arguments(3, True, 4, 7, 0, 0) == dict(causal=False, next_tokens=3)
+    assert band_arguments(4, True, 4, 4, 2, 0) == dict(causal=True, pre_tokens=2, next_tokens=0)

@@ -33,6 +33,15 @@ def band_arguments(sparse_mode: int, causal_layer: bool, sq: int, skv: int, pre:
     raise ValueError(f"sparse_mode {sparse_mode} is not one of {SPARSE_MODES}")
 
 
+def _is_plain_causal(mask, sq: int, skv: int) -> bool:
+    """True when `mask` (True = masked) is exactly the top-left causal mask for every batch/head."""
+    if mask is None or tuple(mask.shape[-2:]) != (sq, skv):
+        return False
+    import torch
+    causal = torch.ones(sq, skv, dtype=torch.bool, device=mask.device).triu(1)
+    return bool((mask.bool() == causal).all())
+
+
 def _flash_class():
     from megatron.core import tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -58,6 +67,8 @@ def _flash_class():
             skv, _, kv_heads, _ = key.shape
             causal_layer = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
             band = band_arguments(self.sparse_mode, causal_layer, sq, skv, self.pre_tokens, self.next_tokens)
+            if band.get("causal") and _is_plain_causal(attention_mask, sq, skv):
+                attention_mask = None   # the kernel's own causal path: no s x s mask in memory
             # Megatron folds 1/layer_number into softmax_scale when it rescales in the softmax
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
             dropout_p = self.attention_dropout.p if self.training else 0.0
