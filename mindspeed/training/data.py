@@ -7,7 +7,6 @@ iteration N sees exactly the batches the uninterrupted run saw.
 from __future__ import annotations
 
 import math
-import os
 from typing import Iterator
 
 import numpy as np
@@ -74,10 +73,6 @@ def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
         create_attention_mask=True,
         mid_level_dataset_surplus=0.005,
     )
-
-
-def eval_runs(args) -> int:
-    return args.train_iters // args.eval_interval + 1
 
 
 def build_datasets(args, tokenizer):
