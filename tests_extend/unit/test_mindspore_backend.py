@@ -176,3 +176,17 @@ def test_single_process_collectives_are_identity(backend):
         np.testing.assert_array_equal(out.asnumpy(), x.asnumpy())
     with pytest.raises(ValueError, match="unknown op"):
         backend.comm.all_reduce(x, "prod")
+
+
+def test_fused_flags_pick_the_fast_kernels_in_the_trainer_model(backend):
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore.model import GPTConfig, GPTModel
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    args = parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"])
+    ps = build_parallel_state(backend.comm, 1)
+    plain = GPTModel(GPTConfig.from_args(args, 128), backend, ps)
+    fused = GPTModel(GPTConfig.from_args(args, 128, ["fused-rmsnorm", "flash-attn", "profile"]), backend, ps)
+    assert fused.kernel("rms_norm") == backend.kernels.rms_norm
+    assert fused.kernel("attention") == backend.kernels.attention
+    assert fused.kernel("swiglu") == backend.kernels.reference.swiglu
+    assert plain.kernel("rms_norm") == backend.kernels.reference.rms_norm

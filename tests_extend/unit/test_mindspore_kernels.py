@@ -204,3 +204,40 @@ def test_dropout_add_layer_norm_dropout_mask(kernels):
     out, mask = kernels.dropout_add_layer_norm(x0, None, None, None, 0.5, 1e-5, return_dropout_mask=True)
     kept = float(mask.asnumpy().mean())
     assert 0.35 < kept < 0.65 and out.shape == (64, 32)
+
+
+# -- bf16: both references compute in fp32 and round once, so they agree to bf16 rounding ---------
+BF16 = dict(rtol=1.6e-2, atol=1e-2)
+
+
+def _bf16_case(name, kernels):
+    r = _rng(20)
+    x = r.standard_normal((8, 2, 32)).astype(np.float32)
+    if name == "rms_norm":
+        g = r.standard_normal(32).astype(np.float32)
+        return [x, g], (lambda a, b: torch_ref.rms_norm(a, b)[0]), (lambda a, b: kernels.rms_norm(a, b)[0])
+    if name == "swiglu":
+        return [x], torch_ref.swiglu, kernels.swiglu
+    if name == "rope":
+        ang = r.standard_normal((8, 1, 32)).astype(np.float32)
+        return ([x, np.cos(ang), np.sin(ang)], lambda a, c, s: torch_ref.rope(a, c, s, 0),
+                lambda a, c, s: kernels.rope(a, c, s, 0))
+    q, k, v = _qkv("SBH", seed=21)
+    kw = dict(layout="SBH", head_num=4, causal=True)
+    return ([q, k, v], lambda a, b, c: torch_ref.attention(a, b, c, **kw)[0],
+            lambda a, b, c: kernels.attention(a, b, c, **kw)[0])
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "swiglu", "rope", "attention"])
+def test_bf16_forward_and_backward(kernels, name):
+    inputs, t_fn, m_fn = _bf16_case(name, kernels)
+    t_in = [torch.tensor(a).to(torch.bfloat16).requires_grad_(i == 0) for i, a in enumerate(inputs)]
+    t_out = t_fn(*t_in)
+    dy = _rng(22).standard_normal(tuple(t_out.shape)).astype(np.float32)
+    (t_out.float() * torch.tensor(dy)).sum().backward()
+    m_in = [ms.Tensor(a).astype(ms.bfloat16) for a in inputs]
+    m_out = m_fn(*m_in)
+    assert m_out.dtype == ms.bfloat16
+    np.testing.assert_allclose(m_out.astype(ms.float32).asnumpy(), t_out.float().detach().numpy(), **BF16)
+    grad = ms.grad(lambda a: (m_fn(a, *m_in[1:]).astype(ms.float32) * ms.Tensor(dy)).sum())(m_in[0])
+    np.testing.assert_allclose(grad.astype(ms.float32).asnumpy(), t_in[0].grad.float().numpy(), **BF16)

@@ -39,9 +39,15 @@ class GPTConfig:
     init_method_std: float = 0.02
     recompute: bool = False
     add_bias_linear: bool = False
+    fused_kernels: frozenset = frozenset()   # kernels whose fused feature is on: the device's fast path
+
+    # feature id -> the kernel it switches from the reference to the device's fast path
+    FEATURE_KERNELS = {"fused-rmsnorm": "rms_norm", "fused-swiglu": "swiglu", "fused-rotary-pos-emb": "rope",
+                       "flash-attn": "attention"}
 
     @classmethod
-    def from_args(cls, args, padded_vocab: int) -> "GPTConfig":
+    def from_args(cls, args, padded_vocab: int, features=()) -> "GPTConfig":
+        """features: ids of the enabled (adapted) features; fused ones pick the fast kernels."""
         unsupported = []
         if args.normalization != "RMSNorm":
             unsupported.append(f"--normalization {args.normalization}")
@@ -61,7 +67,8 @@ class GPTConfig:
                    rotary_percent=args.rotary_percent,
                    tied_embeddings=not args.untie_embeddings_and_output_weights,
                    init_method_std=args.init_method_std, recompute=args.recompute_granularity == "full",
-                   add_bias_linear=bool(args.add_bias_linear))
+                   add_bias_linear=bool(args.add_bias_linear),
+                   fused_kernels=frozenset(cls.FEATURE_KERNELS[f] for f in features if f in cls.FEATURE_KERNELS))
 
     def full_shapes(self) -> dict:
         h, d = self.hidden_size, self.kv_channels
@@ -149,11 +156,17 @@ class GPTModel:
         emb = np.concatenate([freqs, freqs], -1)[:, None, None, :]        # [s, 1, 1, dim], rotate-half
         self.cos, self.sin = ms.Tensor(np.cos(emb)), ms.Tensor(np.sin(emb))
 
+    def kernel(self, name: str):
+        """The device's fast path when its fused feature is on, else the reference (the same
+        callable on CPU, where the fast path is the reference)."""
+        kernels = self.backend.kernels
+        return getattr(kernels if name in self.cfg.fused_kernels else kernels.reference, name)
+
     def _norm(self, x, name):
-        return self.backend.kernels.rms_norm(x, self.params[name], self.cfg.norm_epsilon)[0]
+        return self.kernel("rms_norm")(x, self.params[name], self.cfg.norm_epsilon)[0]
 
     def _attention(self, i, x):
-        cfg, kernels = self.cfg, self.backend.kernels
+        cfg, rope = self.cfg, self.kernel("rope")
         p = lambda s: self.params[nf.layer_name(i, s)]
         qkv = column_parallel(self.backend, self.ps, x, p("self_attention.linear_qkv.weight"),
                               self._bias(i, "self_attention.linear_qkv.bias"))
@@ -161,9 +174,9 @@ class GPTModel:
         d, per_group = cfg.kv_channels, self.heads_local // self.groups_local
         qkv = qkv.reshape(s, b, self.groups_local, (per_group + 2) * d)
         q, k, v = ops.split(qkv, [per_group * d, d, d], axis=-1)
-        q = kernels.rope(q.reshape(s, b, self.heads_local, d), self.cos[:s], self.sin[:s], 0)
-        k = kernels.rope(k, self.cos[:s], self.sin[:s], 0)
-        out = kernels.attention(q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1), layout="SBH",
+        q = rope(q.reshape(s, b, self.heads_local, d), self.cos[:s], self.sin[:s], 0)
+        k = rope(k, self.cos[:s], self.sin[:s], 0)
+        out = self.kernel("attention")(q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1), layout="SBH",
                                 head_num=self.heads_local, causal=True)[0]
         return row_parallel(self.backend, self.ps, out, p("self_attention.linear_proj.weight"),
                             self._bias(i, "self_attention.linear_proj.bias"))
@@ -171,7 +184,7 @@ class GPTModel:
     def _mlp(self, i, x):
         p = lambda s: self.params[nf.layer_name(i, s)]
         h = column_parallel(self.backend, self.ps, x, p("mlp.linear_fc1.weight"), self._bias(i, "mlp.linear_fc1.bias"))
-        return row_parallel(self.backend, self.ps, self.backend.kernels.swiglu(h, -1), p("mlp.linear_fc2.weight"),
+        return row_parallel(self.backend, self.ps, self.kernel("swiglu")(h, -1), p("mlp.linear_fc2.weight"),
                             self._bias(i, "mlp.linear_fc2.bias"))
 
     def _bias(self, i, suffix):

@@ -130,7 +130,9 @@ def _train(args, backend, ps, logger) -> dict:
     vocab, train, valid = data.build_streams(a, log=logger.print)
     a.vocab_size = vocab
     a.padded_vocab_size = padded_vocab_size(vocab, a.make_vocab_size_divisible_by, ps.tp_size)
-    cfg = GPTConfig.from_args(a, a.padded_vocab_size)
+    from mindspeed.adaptor_core import current
+    state = current()
+    cfg = GPTConfig.from_args(a, a.padded_vocab_size, [f.id for f in state.plan.features] if state else ())
     trainer = Trainer(a, backend, ps, cfg)
     n_params = sum(int(np.prod(p.shape)) for p in trainer.model.parameters())
     logger.print(f"> MindSpeed backend mindspore on {backend.device.name} (MindSpore {ms.__version__}, "
