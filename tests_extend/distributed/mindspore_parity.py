@@ -44,15 +44,37 @@ def trainer_argv(tp: int, sp: bool = False) -> list:
 
 
 # -- mindspore side ------------------------------------------------------------------------------
-def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = None, steps: int = STEPS) -> dict:
-    """Load the initial weights, train `steps` steps on batch(step); optionally save the result."""
+def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = None, steps: int = STEPS,
+             cp: int = 1, cp_algo: str | None = None) -> dict:
+    """Load the initial weights, train `steps` steps on batch(step); optionally save the result.
+    cp > 1 runs the context-parallel feature (adapted through mindspeed.adapt, as the trainer does)."""
+    import mindspeed
+    from mindspeed.backends import get_backend
     from mindspeed.training.arguments import parse_args
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
-    args = parse_args(trainer_argv(tp, sp), world_size=backend.comm.world_size())
-    ps = build_parallel_state(backend.comm, tp, sp)
+    argv = trainer_argv(tp, sp) + (["--context-parallel-size", str(cp), "--context-parallel-algo", cp_algo]
+                                   if cp > 1 else [])
+    args = parse_args(argv, world_size=backend.comm.world_size())
+    if cp > 1:
+        args.backend = "mindspore"
+        mindspeed.adapt(args)
+        backend = get_backend()
+    try:
+        return _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps)
+    finally:
+        if cp > 1:
+            mindspeed.unadapt()
+
+
+def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps):
+    from mindspeed.training.mindspore import checkpoint
+    from mindspeed.training.mindspore.model import GPTConfig
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    ps = build_parallel_state(backend.comm, tp, sp, cp)
     trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB))
     checkpoint.load(init_ckpt, trainer.model)
     losses = []

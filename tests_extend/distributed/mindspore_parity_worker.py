@@ -1,5 +1,5 @@
-"""msrun worker for the parity test: TP=2 and TP=2 with sequence parallelism, from the same
-initial checkpoint. Usage: msrun ... mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
+"""msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, and CP=2 (Ulysses and
+ring attention, through the context-parallel feature), from the same initial checkpoint. Usage: msrun ... mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
 import os
 import sys
 import traceback
@@ -7,7 +7,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 
-SP_STEPS = 6   # sequence parallelism on top of TP=2: a shorter run keeps CI time down
+SHORT_STEPS = 6   # SP on top of TP=2, and CP=2: shorter runs keep CI time down
 
 
 def main(out_dir, init_ckpt):
@@ -16,7 +16,10 @@ def main(out_dir, init_ckpt):
     backend = MindSporeBackend("cpu")
     rank = backend.comm.rank()
     try:
-        result = {"tp2": ms_train(backend, 2, False, init_ckpt), "tp2_sp": ms_train(backend, 2, True, init_ckpt, steps=SP_STEPS)}
+        result = {"tp2": ms_train(backend, 2, False, init_ckpt),
+                  "tp2_sp": ms_train(backend, 2, True, init_ckpt, steps=SHORT_STEPS)}
+        for algo in ("ulysses_cp_algo", "megatron_cp_algo"):
+            result[f"cp2_{algo}"] = ms_train(backend, 1, False, init_ckpt, steps=SHORT_STEPS, cp=2, cp_algo=algo)
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})

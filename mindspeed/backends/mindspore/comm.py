@@ -27,6 +27,9 @@ class MsGroup:
     ranks: tuple
 
 
+_CREATED_GROUPS: set = set()
+
+
 class _Done:
     def wait(self):
         return None
@@ -93,10 +96,10 @@ class MsComm(CommAPI):
             return MsGroup(f"mindspeed_self_{ranks[0]}", ranks)
         from mindspore.communication import create_group
         name = "mindspeed_g_" + "_".join(map(str, ranks))
-        if not any(k == ("group", name) for k in self._ops):
+        if name not in _CREATED_GROUPS:     # process-wide: MindSpore refuses a second create_group
             if self.rank() in ranks:
                 create_group(name, list(ranks))
-            self._ops[("group", name)] = True
+            _CREATED_GROUPS.add(name)
         return MsGroup(name, ranks)
 
     def global_rank(self, group, group_rank: int) -> int:

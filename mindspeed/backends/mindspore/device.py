@@ -21,7 +21,12 @@ ms_seed = importlib.import_module("mindspore.common.seed")
 class MsDevice(DeviceAPI):
     def __init__(self, name: str):
         self.name = name
-        ms.set_device(mindspore_target(name))
+        target = mindspore_target(name)
+        try:
+            ms.set_device(target)
+        except RuntimeError:   # fixed once per process: a second backend object on the same device is fine
+            if ms.get_context("device_target") != target:
+                raise
 
     def synchronize(self) -> None:
         ms.runtime.synchronize()

@@ -123,6 +123,12 @@ class GPTModel:
         self.heads_local = cfg.num_attention_heads // tp
         self.groups_local = cfg.num_query_groups // tp
         self._rope_tables()
+        self.cp = None                 # CPGroups when context parallelism is on
+        self.cp_attention = None       # the context-parallel feature's attention hook
+
+    def enable_context_parallel(self, cp_groups, attention_fn) -> None:
+        """Route attention through the CP feature (written once against the backend interface)."""
+        self.cp, self.cp_attention = cp_groups, attention_fn
 
     # parameters -----------------------------------------------------------------------------------
     def load_full(self, full: dict) -> None:
@@ -165,7 +171,12 @@ class GPTModel:
     def _norm(self, x, name):
         return self.kernel("rms_norm")(x, self.params[name], self.cfg.norm_epsilon)[0]
 
-    def _attention(self, i, x):
+    def _rope_at(self, s, positions):
+        if positions is None:
+            return self.cos[:s], self.sin[:s]
+        return ops.gather(self.cos, positions, 0), ops.gather(self.sin, positions, 0)
+
+    def _attention(self, i, x, positions=None):
         cfg, rope = self.cfg, self.kernel("rope")
         p = lambda s: self.params[nf.layer_name(i, s)]
         qkv = column_parallel(self.backend, self.ps, x, p("self_attention.linear_qkv.weight"),
@@ -174,10 +185,14 @@ class GPTModel:
         d, per_group = cfg.kv_channels, self.heads_local // self.groups_local
         qkv = qkv.reshape(s, b, self.groups_local, (per_group + 2) * d)
         q, k, v = ops.split(qkv, [per_group * d, d, d], axis=-1)
-        q = rope(q.reshape(s, b, self.heads_local, d), self.cos[:s], self.sin[:s], 0)
-        k = rope(k, self.cos[:s], self.sin[:s], 0)
-        out = self.kernel("attention")(q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1), layout="SBH",
-                                head_num=self.heads_local, causal=True)[0]
+        cos, sin = self._rope_at(s, positions)
+        q = rope(q.reshape(s, b, self.heads_local, d), cos, sin, 0)
+        k = rope(k, cos, sin, 0)
+        q, k, v = q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1)
+        if self.cp is not None:      # this rank holds a shard of the sequence
+            out = self.cp_attention(q, k, v, self.cp, head_num=self.heads_local, causal=True)
+        else:
+            out = self.kernel("attention")(q, k, v, layout="SBH", head_num=self.heads_local, causal=True)[0]
         return row_parallel(self.backend, self.ps, out, p("self_attention.linear_proj.weight"),
                             self._bias(i, "self_attention.linear_proj.bias"))
 
@@ -190,24 +205,29 @@ class GPTModel:
     def _bias(self, i, suffix):
         return self.params.get(nf.layer_name(i, suffix)) if self.cfg.add_bias_linear else None
 
-    def _layer(self, i, x):
-        x = x + self._attention(i, self._norm(x, nf.layer_name(i, "input_layernorm.weight")))
+    def _layer(self, i, x, positions=None):
+        x = x + self._attention(i, self._norm(x, nf.layer_name(i, "input_layernorm.weight")), positions)
         return x + self._mlp(i, self._norm(x, nf.layer_name(i, "pre_mlp_layernorm.weight")))
 
-    def logits(self, tokens):
-        """tokens [b, s] -> this rank's vocab shard of the logits [s, b, V/tp]."""
+    def logits(self, tokens, position_ids=None):
+        """tokens [b, s] -> this rank's vocab shard of the logits [s, b, V/tp]. position_ids [b, s]
+        (the same in every row) place RoPE when the sequence is sharded by context parallelism."""
+        positions = None if position_ids is None else position_ids[0]
         x = vocab_parallel_embedding(self.backend, self.ps, tokens, self.params["embedding.word_embeddings.weight"])
         for i in range(self.cfg.num_layers):
             if self.cfg.recompute:
-                x = self.backend.memory.recompute(lambda h, i=i: self._layer(i, h), x)
+                x = self.backend.memory.recompute(lambda h, i=i: self._layer(i, h, positions), x)
             else:
-                x = self._layer(i, x)
+                x = self._layer(i, x, positions)
         x = self._norm(x, "decoder.final_layernorm.weight")
         out_w = self.params["embedding.word_embeddings.weight" if self.cfg.tied_embeddings else "output_layer.weight"]
         return column_parallel(self.backend, self.ps, x, out_w)
 
-    def loss(self, tokens, labels, loss_mask):
-        """Mean cross-entropy over the tokens loss_mask keeps (Megatron's lm loss)."""
-        per_token = vocab_parallel_cross_entropy(self.backend, self.ps, self.logits(tokens), labels.T)   # [s, b]
+    def loss(self, tokens, labels, loss_mask, position_ids=None, denominator=None):
+        """Mean cross-entropy over the tokens loss_mask keeps (Megatron's lm loss). With context
+        parallelism, `denominator` is the kept-token count of the whole sequence, so the CP ranks'
+        losses (and gradients) sum to the full-sequence ones."""
+        per_token = vocab_parallel_cross_entropy(self.backend, self.ps, self.logits(tokens, position_ids),
+                                                 labels.T)   # [s, b]
         mask = loss_mask.T.astype(ms.float32)
-        return (per_token * mask).sum() / mask.sum()
+        return (per_token * mask).sum() / (mask.sum() if denominator is None else denominator)

@@ -73,13 +73,16 @@ def _flat_all_reduce(comm, arrays: list, op: str, group) -> list:
 
 
 def reduce_gradients(backend, ps, model, grads: dict) -> dict:
-    """Average over data-parallel replicas; with SP, sum the replicated (norm, row-bias) weights'
+    """Sum over context-parallel ranks, average over data-parallel replicas; with SP, sum the replicated (norm, row-bias) weights'
     partial gradients over the TP group (each rank saw only its sequence shard)."""
     comm = backend.comm
     names = list(grads)
     if ps.sequence_parallel:
         replicated = [n for n in names if not model.is_tp_sharded(n)]
         for n, g in zip(replicated, _flat_all_reduce(comm, [grads[n] for n in replicated], "sum", ps.tp_group)):
+            grads[n] = g
+    if getattr(ps, "cp_size", 1) > 1:   # each CP rank's gradient covers its share of the sequence
+        for n, g in zip(names, _flat_all_reduce(comm, [grads[n] for n in names], "sum", ps.cp_group)):
             grads[n] = g
     if ps.dp_size > 1:
         for n, g in zip(names, _flat_all_reduce(comm, [grads[n] for n in names], "avg", ps.dp_group)):

@@ -24,8 +24,6 @@ def check_supported(args) -> None:
     problems = []
     if args.pipeline_model_parallel_size != 1:
         problems.append("pipeline parallelism (--pipeline-model-parallel-size > 1)")
-    if args.context_parallel_size != 1:
-        problems.append("context parallelism (--context-parallel-size > 1)")
     if args.num_experts:
         problems.append("MoE (--num-experts)")
     if args.use_distributed_optimizer:
@@ -50,6 +48,26 @@ def to_tensors(batch: dict) -> tuple:
     return ms.Tensor(batch["tokens"]), ms.Tensor(batch["labels"]), ms.Tensor(batch["loss_mask"])
 
 
+def _cp_hook(name: str):
+    from mindspeed.adaptor_core import current
+    state = current()
+    hooks = state.context.hooks.get(name, []) if state is not None else []
+    if not hooks:
+        raise TrainerConfigError("--context-parallel-size > 1 needs a context-parallel algorithm "
+                                 "(--context-parallel-algo ulysses_cp_algo | megatron_cp_algo | hybrid_cp_algo)")
+    return hooks[-1]
+
+
+def enable_context_parallel(args, model, ps) -> None:
+    """Shard the sequence over the CP group: the CP feature's groups, batch sharding and attention."""
+    from mindspeed.features.context_parallel.groups import build_cp_groups
+    cp = build_cp_groups(args.context_parallel_algo, group=ps.cp_group, all_cp_ranks=ps.all_cp_ranks,
+                         ulysses_degree=getattr(args, "ulysses_degree_in_cp", None),
+                         window_size=getattr(args, "cp_window_size", 1) or 1,
+                         overlap=bool(getattr(args, "use_cp_send_recv_overlap", False)))
+    model.enable_context_parallel(cp, _cp_hook("context_parallel_attention"))
+
+
 class Trainer:
     """Model + optimizer + one training step; usable without the data pipeline (parity tests)."""
 
@@ -61,6 +79,21 @@ class Trainer:
                               weight_decay=args.weight_decay)
         self.lr_at = schedule.from_args(args)
         self._grad_fn = ms.value_and_grad(self.model.loss, None, weights=self.model.parameters())
+        self._shard = None
+        if ps.cp_size > 1:
+            enable_context_parallel(args, self.model, ps)
+            self._shard = _cp_hook("shard_batch")
+
+    def _inputs(self, mb: dict) -> tuple:
+        """Model inputs for one micro-batch: this CP rank's share of the sequence, its positions,
+        and the kept-token count of the whole sequence (so CP losses add up)."""
+        if self._shard is None:
+            return to_tensors(mb)
+        b, s = mb["tokens"].shape
+        full = dict(mb, position_ids=np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)))
+        local = self._shard(full)
+        denominator = ms.Tensor(np.float32(mb["loss_mask"].sum()))
+        return to_tensors(local) + (ms.Tensor(np.ascontiguousarray(local["position_ids"])), denominator)
 
     def train_step(self, micro_batches: list, iteration: int) -> tuple[float, float, float]:
         """One optimizer step over this rank's micro-batches -> (loss, grad norm, lr); `iteration`
@@ -69,7 +102,7 @@ class Trainer:
         grads, loss_sum = None, 0.0
         n = len(micro_batches)
         for mb in micro_batches:
-            loss, g = self._grad_fn(*to_tensors(mb))
+            loss, g = self._grad_fn(*self._inputs(mb))
             loss_sum += float(loss.asnumpy())
             g = [x.asnumpy() / np.float32(n) if n > 1 else x.asnumpy() for x in g]
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
@@ -77,11 +110,17 @@ class Trainer:
         norm = clip_gradients(self.backend, self.ps, self.model, grads, self.args.clip_grad)
         lr = self.lr_at(iteration - 1)
         self.optimizer.step(grads, lr)
-        return self._dp_mean(loss_sum / n), norm, lr
+        return self._dp_mean(self._cp_sum(loss_sum / n)), norm, lr
 
     def evaluate(self, micro_batches: list) -> float:
-        losses = [float(self.model.loss(*to_tensors(mb)).asnumpy()) for mb in micro_batches]
-        return self._dp_mean(sum(losses) / len(losses))
+        losses = [float(self.model.loss(*self._inputs(mb)).asnumpy()) for mb in micro_batches]
+        return self._dp_mean(self._cp_sum(sum(losses) / len(losses)))
+
+    def _cp_sum(self, value: float) -> float:
+        if self.ps.cp_size == 1:
+            return value
+        t = self.backend.comm.all_reduce(ms.Tensor([value], ms.float32), "sum", self.ps.cp_group)
+        return float(t.asnumpy()[0])
 
     def _dp_mean(self, value: float) -> float:
         if self.ps.dp_size == 1:
@@ -100,7 +139,8 @@ def setup(args):
     check_supported(args)        # what the matrix allows but this trainer does not wire yet
     backend = get_backend()
     world = backend.comm.world_size()
-    ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel)
+    ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
+                              args.context_parallel_size)
     if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
         args.world_size, args.data_parallel_size = world, ps.dp_size
     if args.global_batch_size % (args.micro_batch_size * ps.dp_size):
@@ -137,7 +177,7 @@ def _train(args, backend, ps, logger) -> dict:
     n_params = sum(int(np.prod(p.shape)) for p in trainer.model.parameters())
     logger.print(f"> MindSpeed backend mindspore on {backend.device.name} (MindSpore {ms.__version__}, "
                  f"PyNative); {describe()}")
-    logger.print(f"> world {ps.tp_size * ps.dp_size} = TP {ps.tp_size} x DP {ps.dp_size}"
+    logger.print(f"> world {ps.tp_size * ps.cp_size * ps.dp_size} = TP {ps.tp_size} x CP {ps.cp_size} x DP {ps.dp_size}"
                  f"{' (sequence parallel)' if ps.sequence_parallel else ''}; micro-batches per step "
                  f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
     logger.print(f"> data {a.data_path or 'default'}: vocab {vocab} (padded {a.padded_vocab_size}), "
