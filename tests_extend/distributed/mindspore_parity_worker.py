@@ -7,7 +7,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 
-SHORT_STEPS = 6   # SP on top of TP=2, and CP=2: shorter runs keep CI time down
+SHORT_STEPS = 4   # SP on top of TP=2, and CP=2: shorter runs keep CI time down
 
 
 def main(out_dir, init_ckpt):
