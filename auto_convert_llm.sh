@@ -21,6 +21,9 @@ usage: ./auto_convert_llm.sh [--backend torch|mindspore|both] [--venv DIR] [--py
   --no-data     do not prepare the example dataset (python -m mindspeed.data)
   --help        this text
 
+Environment: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu adds PyTorch's CPU wheel index
+(use it where plain PyPI would pull a CUDA build of torch).
+
 Afterwards: source the printed `export PYTHONPATH=...` line, then e.g.
   bash tests_extend/example/train_distributed.sh       (torch, torchrun)
   bash tests_extend/example/train_distributed_ms.sh    (mindspore, msrun)
@@ -98,9 +101,12 @@ if [ -z "$missing" ]; then
   ok "all pinned versions already installed"
 else
   echo "    installing: $missing"
-  # torch from the CPU index unless a build is already there: the default index pulls CUDA wheels
-  "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  "$PY" -m pip install -q --extra-index-url https://download.pytorch.org/whl/cpu $missing \
+  # TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu) picks a CPU-only torch build where
+  # the default index would pull a CUDA one; it is opt-in because an unreachable index costs
+  # ~10 s of retries per package
+  INDEX_ARGS=()
+  [ -n "${TORCH_INDEX_URL:-}" ] && INDEX_ARGS=(--extra-index-url "$TORCH_INDEX_URL")
+  "$PY" -m pip install -q "${INDEX_ARGS[@]}" $missing \
     || die "pip could not install: $missing (offline? install these pins by hand, then run again)"
   ok "installed"
 fi

@@ -6,7 +6,7 @@ MEGATRON_CORE = "megatron-core==0.16.1"
 NUMPY = "numpy<2"           # mindspore 2.10 is built against numpy 1.x
 MINDSPORE = "mindspore==2.10.0"
 
-CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors==0.8.0"]
+CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors==0.8.0", "tensorboard==2.21.0"]
 MINDSPORE_REQUIREMENTS = [MINDSPORE, NUMPY]
 TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1"]
 

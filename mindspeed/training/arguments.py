@@ -40,7 +40,8 @@ def _network(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swiglu", action="store_true", default=True,
                    help="SwiGLU MLP (default on; --no-swiglu for GELU)")
     g.add_argument("--no-swiglu", action="store_false", dest="swiglu")
-    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+    # both options share one dest; argparse takes the first one's default, so state it there
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear", default=False,
                    help="no bias in linear layers (default)")
     g.add_argument("--add-bias-linear", action="store_true", dest="add_bias_linear", default=False)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")

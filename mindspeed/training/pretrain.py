@@ -69,9 +69,6 @@ def _adapt(args):
     if state is None:
         import mindspeed
         state = mindspeed.adapt(args)
-    if state.plan.device == "cpu":
-        from mindspeed.backends.torch.megatron_shim_training import apply_training_cpu_shim
-        apply_training_cpu_shim(state.patcher)
     return state
 
 

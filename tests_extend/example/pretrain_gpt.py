@@ -18,17 +18,22 @@ def main(argv=None) -> int:
         return 2
     import mindspeed
     from mindspeed.adaptor_core import MindSpeedConfigError
+    from mindspeed.backends import BackendUnavailableError
     from mindspeed.data import DataError, TokenizerError
     from mindspeed.training.errors import CheckpointError
+    user_errors = (MindSpeedConfigError, BackendUnavailableError, DataError, TokenizerError, CheckpointError)
     try:
         if args.backend == "mindspore":
             from mindspeed.training import mindspore as ms_trainer   # imported only when asked for
+            from mindspeed.training.mindspore.data import DataError as MindSporeDataError
+            from mindspeed.training.mindspore.trainer import TrainerConfigError
+            user_errors += (MindSporeDataError, TrainerConfigError)
             ms_trainer.run(args)
         else:
             mindspeed.adapt(args)      # device shim + enabled features, before the model exists
             from mindspeed.training.pretrain import run
             run(args)
-    except (MindSpeedConfigError, DataError, TokenizerError, CheckpointError) as err:
+    except user_errors as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
