@@ -80,7 +80,8 @@ class TorchComm(CommAPI):
         return torch.cat(outputs, dim=gather_dim)
 
     def send_recv(self, send_tensor, dst, src, group=None):
-        recv = torch.empty_like(send_tensor)
+        # gloo refuses strided buffers: receive into a contiguous one whatever the sender's layout
+        recv = torch.empty_like(send_tensor, memory_format=torch.contiguous_format)
         ops = [dist.P2POp(dist.isend, send_tensor.contiguous(), self.global_rank(group, dst), group),
                dist.P2POp(dist.irecv, recv, self.global_rank(group, src), group)]
         return recv, _Handles(dist.batch_isend_irecv(ops))
