@@ -181,6 +181,61 @@ class KernelsAPI(ABC):
         """Scatter-add back to [T, H], each row weighted by its routing prob."""
 
 
+KERNEL_NAMES = ("rms_norm", "swiglu", "rope", "attention", "ring_attention_update", "gmm",
+                "matmul_add_fp32", "moe_permute", "moe_unpermute", "dropout_add_layer_norm")
+
+#: capability -> the kernels that must all have a fast path for the capability to be native
+KERNEL_CAPS = {
+    Cap.RMS_NORM: ("rms_norm",),
+    Cap.SWIGLU: ("swiglu",),
+    Cap.ROPE: ("rope",),
+    Cap.FLASH_ATTENTION: ("attention",),
+    Cap.RING_ATTENTION_UPDATE: ("ring_attention_update",),
+    Cap.GMM: ("gmm",),
+    Cap.MATMUL_ADD_FP32: ("matmul_add_fp32",),
+    Cap.MOE_PERMUTE: ("moe_permute", "moe_unpermute"),
+    Cap.DROPOUT_ADD_LAYER_NORM: ("dropout_add_layer_norm",),
+}
+
+
+def kernel_levels(fast: set) -> dict:
+    """Kernel capability levels given the kernels with a fast path: native, else emulated by
+    the reference implementation."""
+    return {cap: (Level.NATIVE if all(k in fast for k in kernels) else Level.EMULATED)
+            for cap, kernels in KERNEL_CAPS.items()}
+
+
+def _delegate(name):
+    def method(self, *args, **kwargs):
+        return self._impl[name](*args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+class DispatchKernels(KernelsAPI):
+    """Serves each kernel from a device's fast module where it has one, else from the reference
+    module; `reference` is the reference alone. Modules are imported by name, on construction."""
+
+    def __init__(self, reference_module: str, fast_module: str | None = None, fast: set = frozenset()):
+        import importlib
+        ref = importlib.import_module(reference_module)
+        self._impl = {name: getattr(ref, name) for name in KERNEL_NAMES}
+        if fast:
+            module = importlib.import_module(fast_module)
+            self._impl.update({name: getattr(module, name) for name in fast})
+            self.reference = DispatchKernels(reference_module)
+        else:
+            self.reference = self
+
+    def implementation(self, name: str):
+        """The callable that serves `name` (for tests and logs)."""
+        return self._impl[name]
+
+    for _name in KERNEL_NAMES:
+        locals()[_name] = _delegate(_name)
+    del _name
+
+
 class AutogradAPI(ABC):
     @abstractmethod
     def custom_op(self, forward: Callable, backward: Callable) -> Callable:

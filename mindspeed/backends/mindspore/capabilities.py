@@ -9,7 +9,7 @@ moe_token_permute/unpermute) are Ascend-only: on CPU every kernel runs the MindS
 The "ascend" column is declared from MindSpore's documentation and is not run here:
 VERIFIED_DEVICES lists the columns the test suite runs on this machine.
 """
-from mindspeed.backends.base import Cap, Level
+from mindspeed.backends.base import Cap, Level, kernel_levels
 
 DEVICES = ["cpu", "ascend"]
 VERIFIED_DEVICES = ("cpu",)
@@ -21,17 +21,6 @@ FAST_KERNELS = {
     "cpu": set(),
 }
 
-_KERNEL_CAPS = {
-    Cap.RMS_NORM: ("rms_norm",),
-    Cap.SWIGLU: ("swiglu",),
-    Cap.ROPE: ("rope",),
-    Cap.FLASH_ATTENTION: ("attention",),
-    Cap.RING_ATTENTION_UPDATE: ("ring_attention_update",),
-    Cap.GMM: ("gmm",),
-    Cap.MATMUL_ADD_FP32: ("matmul_add_fp32",),
-    Cap.MOE_PERMUTE: ("moe_permute", "moe_unpermute"),
-    Cap.DROPOUT_ADD_LAYER_NORM: ("dropout_add_layer_norm",),
-}
 
 # why a cell is what it is (shown by tests and docs; the matrix only needs the level)
 NOTES = {
@@ -58,7 +47,7 @@ def declared(device: str) -> dict:
         raise ValueError(f"mindspore backend has no device {device!r}; known: {', '.join(DEVICES)}")
     N, E, A = Level.NATIVE, Level.EMULATED, Level.ABSENT
     fast = FAST_KERNELS[device]
-    caps = {cap: (N if all(k in fast for k in kernels) else E) for cap, kernels in _KERNEL_CAPS.items()}
+    caps = kernel_levels(fast)
     on_cpu = device == "cpu"
     caps.update({
         Cap.ALL_REDUCE: N, Cap.SUBGROUPS: N,

@@ -1,27 +1,16 @@
 """Capabilities of the torch backend per device, declared without importing torch."""
-from mindspeed.backends.base import Cap, Level
+from mindspeed.backends.base import Cap, Level, kernel_levels
 from mindspeed.backends.torch.kernels.catalog import FAST_PATHS
 
 DEVICES = ["cpu", "cuda", "npu"]
 
-_KERNEL_CAPS = {
-    Cap.RMS_NORM: ("rms_norm",),
-    Cap.SWIGLU: ("swiglu",),
-    Cap.ROPE: ("rope",),
-    Cap.FLASH_ATTENTION: ("attention",),
-    Cap.RING_ATTENTION_UPDATE: ("ring_attention_update",),
-    Cap.GMM: ("gmm",),
-    Cap.MATMUL_ADD_FP32: ("matmul_add_fp32",),
-    Cap.MOE_PERMUTE: ("moe_permute", "moe_unpermute"),
-    Cap.DROPOUT_ADD_LAYER_NORM: ("dropout_add_layer_norm",),
-}
 
 
 def declared(device: str) -> dict:
     if device not in DEVICES:
         raise ValueError(f"torch backend has no device {device!r}; known: {', '.join(DEVICES)}")
     native, N, E, A = FAST_PATHS[device], Level.NATIVE, Level.EMULATED, Level.ABSENT
-    caps = {cap: (N if all(k in native for k in kernels) else E) for cap, kernels in _KERNEL_CAPS.items()}
+    caps = kernel_levels(native)
     caps.update({
         # gloo / nccl / hccl all provide these collectives natively
         Cap.ALL_REDUCE: N, Cap.ALL_GATHER: N, Cap.REDUCE_SCATTER: N, Cap.ALL_TO_ALL: N,

@@ -3,8 +3,7 @@
 A kernel without a fast path on a device still runs, through its reference implementation:
 the matrix shows it as `emulated` there.
 """
-KERNELS = ("rms_norm", "swiglu", "rope", "attention", "ring_attention_update", "gmm",
-           "matmul_add_fp32", "moe_permute", "moe_unpermute", "dropout_add_layer_norm")
+from mindspeed.backends.base import KERNEL_NAMES as KERNELS
 
 FAST_PATHS = {
     # torch_npu ops (npu.py); matmul_add_fp32 is an in-place addmm there, dropout_add_layer_norm composed
