@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 from functools import partial
 
@@ -23,21 +22,18 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed import hooks
+from mindspeed.net import free_port
 from mindspeed.training import checkpointing, data
 from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, padded_vocab_size, transformer_config
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init_distributed(args, device: str) -> None:
     if "RANK" not in os.environ:            # plain `python pretrain_gpt.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     if device in ("cuda", "npu"):
         getattr(torch, device).set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not torch.distributed.is_initialized():

@@ -11,20 +11,17 @@ call with that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
+
+from mindspeed.net import free_port
 
 
 class DistributedTestError(AssertionError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, fn, args, env, queue):

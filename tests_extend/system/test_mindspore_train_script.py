@@ -4,11 +4,12 @@ from the middle checkpoint reproduces the uninterrupted run's losses."""
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from mindspeed.net import free_port
 
 pytest.importorskip("mindspore")
 
@@ -20,9 +21,7 @@ TINY = dict(NUM_LAYERS="1", HIDDEN_SIZE="32", NUM_HEADS="4", SEQ_LENGTH="32", MI
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return str(free_port())
 
 
 @pytest.fixture(scope="module")

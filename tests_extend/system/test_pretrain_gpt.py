@@ -3,11 +3,12 @@ with a tiny GPT and a tiny dataset (shortened run). Every launch has a timeout, 
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from mindspeed.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
@@ -21,9 +22,7 @@ TINY = dict(NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="32", MI
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return str(free_port())
 
 
 @pytest.fixture(scope="module")
