@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import sys
 
 
@@ -69,3 +70,52 @@ def _tensorboard_writer(path: str):
               "tensorboard==2.21.0); continuing without TensorBoard", file=sys.stderr, flush=True)
         return None
     return SummaryWriter(log_dir=path, max_queue=10)
+
+
+class StepRecorder:
+    """Per-step bookkeeping both trainers share: losses, timing, the --log-loss-file line, the
+    Megatron-format line every --log-interval steps, and the run's throughput."""
+
+    def __init__(self, logger: TrainingLogger, args, *, tokens_per_step: int, stop_at: int, write_loss_file: bool):
+        self.logger, self.args = logger, args
+        self.tokens_per_step, self.stop_at = tokens_per_step, stop_at
+        self.losses: list[float] = []
+        self._interval_losses: list[float] = []
+        self._interval_time = 0.0
+        self.total_time, self.total_steps = 0.0, 0
+        path = getattr(args, "log_loss_file", None)
+        self._loss_file = open(path, "a") if path and write_loss_file else None
+
+    def record(self, iteration: int, loss: float, elapsed: float, *, consumed: int, lr, grad_norm,
+               peak_mem_mb, skipped: int = 0) -> None:
+        """lr and peak_mem_mb are callables: only evaluated on iterations that log."""
+        self.losses.append(loss)
+        self._interval_losses.append(loss)
+        self._interval_time += elapsed
+        if iteration > 1 or self.args.load:   # the first step includes one-off setup; keep it out of speed
+            self.total_time += elapsed
+            self.total_steps += 1
+        if self._loss_file is not None:
+            self._loss_file.write(json.dumps({"iteration": iteration, "lm_loss": loss}) + "\n")
+            self._loss_file.flush()
+        if iteration % self.args.log_interval == 0 or iteration == self.stop_at:
+            steps = len(self._interval_losses)
+            step_s = self._interval_time / steps
+            self.logger.iteration(iteration, consumed=consumed, step_ms=1000 * step_s, lr=lr(),
+                                  loss=sum(self._interval_losses) / steps, grad_norm=grad_norm,
+                                  tokens_per_s=self.tokens_per_step / step_s, peak_mem_mb=peak_mem_mb(),
+                                  skipped=skipped, eta_s=step_s * (self.stop_at - iteration))
+            self._interval_losses, self._interval_time = [], 0.0
+
+    def close(self) -> None:
+        if self._loss_file is not None:
+            self._loss_file.close()
+            self._loss_file = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step * self.total_steps / self.total_time if self.total_time else 0.0
+
+    @property
+    def step_time_s(self):
+        return self.total_time / self.total_steps if self.total_steps else None

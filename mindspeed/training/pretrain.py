@@ -6,7 +6,6 @@ with periodic validation and checkpoints -> final validation. Returns a summary 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import time
 from functools import partial
@@ -24,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from mindspeed import hooks
 from mindspeed.net import free_port
 from mindspeed.training import checkpointing, data
-from mindspeed.training.logger import TrainingLogger
+from mindspeed.training.logger import StepRecorder, TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, padded_vocab_size, transformer_config
 
 
@@ -255,12 +254,10 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
                                                             finetune=a.finetune, step=a.ckpt_step)
         logger.print(f"> loaded checkpoint {a.load} at iteration {iteration}")
     train_iter = trainer.iterators(train_ds, consumed)
-    tokens_per_step = a.global_batch_size * a.seq_length
-    loss_file = open(a.log_loss_file, "a") if a.log_loss_file and torch.distributed.get_rank() == 0 else None
-
-    interval_losses, interval_time, total_time, total_steps, skipped = [], 0.0, 0.0, 0, 0
-    valid_loss, last_saved = None, None
+    skipped, valid_loss, last_saved = 0, None, None
     stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
+    steps = StepRecorder(logger, a, tokens_per_step=a.global_batch_size * a.seq_length, stop_at=stop_at,
+                         write_loss_file=torch.distributed.get_rank() == 0)
     logger.print(f"> training from iteration {iteration} to {stop_at}")
     while iteration < stop_at:
         hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
@@ -271,23 +268,9 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
         hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
         consumed += a.global_batch_size
         skipped += 0 if ok else 1
-        interval_losses.append(loss)
-        interval_time += elapsed
-        if iteration > 1 or a.load:   # the first step includes one-off setup; keep it out of speed
-            total_time += elapsed
-            total_steps += 1
-        if loss_file is not None:
-            loss_file.write(json.dumps({"iteration": iteration, "lm_loss": loss}) + "\n")
-            loss_file.flush()
-        if iteration % a.log_interval == 0 or iteration == stop_at:
-            steps = len(interval_losses)
-            step_s = interval_time / steps
-            logger.iteration(iteration, consumed=consumed, step_ms=1000 * step_s,
-                             lr=trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
-                             loss=sum(interval_losses) / steps, grad_norm=grad_norm,
-                             tokens_per_s=tokens_per_step / step_s, peak_mem_mb=_peak_memory_mb(),
-                             skipped=skipped, eta_s=step_s * (stop_at - iteration))
-            interval_losses, interval_time = [], 0.0
+        steps.record(iteration, loss, elapsed, consumed=consumed,
+                     lr=lambda: trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
+                     grad_norm=grad_norm, peak_mem_mb=_peak_memory_mb, skipped=skipped)
         if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at:
             valid_loss = trainer.evaluate(valid_ds)
             if valid_loss is not None:
@@ -297,14 +280,13 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
                                                        trainer.scheduler, consumed)
             logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
     hooks.fire(hooks.TRAIN_END, iteration=iteration)
-    if loss_file is not None:
-        loss_file.close()
+    steps.close()
     if a.save and last_saved != checkpointing.iteration_dir(a.save, iteration):
         checkpointing.save_checkpoint(a.save, iteration, trainer.model, trainer.optimizer, trainer.scheduler,
                                       consumed)
         logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
     valid_loss = trainer.evaluate(valid_ds)
-    tokens_per_s = tokens_per_step * total_steps / total_time if total_time else 0.0
+    tokens_per_s = steps.tokens_per_s
     if valid_loss is not None:
         logger.validation(iteration, valid_loss, label="final validation")
     summary = {"iteration": iteration, "final_valid_loss": valid_loss, "unigram_baseline": baseline,

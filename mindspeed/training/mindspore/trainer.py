@@ -2,7 +2,6 @@
 main job (mindspeed/training/pretrain.py)."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -10,6 +9,7 @@ import mindspore as ms
 import numpy as np
 
 from mindspeed import hooks
+from mindspeed.training.logger import StepRecorder
 from mindspeed.training.mindspore import checkpoint, data, neutral_format, schedule
 from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import Adam, clip_gradients, reduce_gradients
@@ -191,14 +191,13 @@ def _train(args, backend, ps, logger) -> dict:
             iteration, consumed = int(meta["iteration"]), int(meta.get("consumed_samples", 0))
         logger.print(f"> loaded checkpoint {neutral_format.resolve(a.load)} at iteration {iteration}")
 
-    tokens_per_step = a.global_batch_size * a.seq_length
-    loss_file = open(a.log_loss_file, "a") if getattr(a, "log_loss_file", None) and rank_is_zero(backend) else None
     eval_batches = lambda: [mb for k in range(a.eval_iters) for mb in data.micro_batches_for_step(
         valid, k * a.global_batch_size, a, ps.dp_rank, ps.dp_size)] if valid is not None else None
 
-    losses, interval_losses, interval_time, total_time, total_steps = [], [], 0.0, 0.0, 0
     valid_loss, last_saved = None, None
     stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
+    steps = StepRecorder(logger, a, tokens_per_step=a.global_batch_size * a.seq_length, stop_at=stop_at,
+                         write_loss_file=rank_is_zero(backend))
     logger.print(f"> training from iteration {iteration} to {stop_at}")
     save_meta = lambda: {"consumed_samples": consumed, "backend": "mindspore", "tp": ps.tp_size,
                          "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size}
@@ -211,24 +210,8 @@ def _train(args, backend, ps, logger) -> dict:
         iteration += 1
         consumed += a.global_batch_size
         hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
-        losses.append(loss)
-        interval_losses.append(loss)
-        interval_time += elapsed
-        if iteration > 1 or a.load:
-            total_time += elapsed
-            total_steps += 1
-        if loss_file is not None:
-            loss_file.write(json.dumps({"iteration": iteration, "lm_loss": loss}) + "\n")
-            loss_file.flush()
-        if iteration % a.log_interval == 0 or iteration == stop_at:
-            steps = len(interval_losses)
-            step_s = interval_time / steps
-            logger.iteration(iteration, consumed=consumed, step_ms=1000 * step_s, lr=lr,
-                             loss=sum(interval_losses) / steps, grad_norm=grad_norm,
-                             tokens_per_s=tokens_per_step / step_s,
-                             peak_mem_mb=backend.memory.peak_memory_bytes() / 2**20, skipped=0,
-                             eta_s=step_s * (stop_at - iteration))
-            interval_losses, interval_time = [], 0.0
+        steps.record(iteration, loss, elapsed, consumed=consumed, lr=lambda: lr, grad_norm=grad_norm,
+                     peak_mem_mb=lambda: backend.memory.peak_memory_bytes() / 2**20)
         if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at and valid is not None:
             valid_loss = trainer.evaluate(eval_batches())
             logger.validation(iteration, valid_loss)
@@ -237,20 +220,19 @@ def _train(args, backend, ps, logger) -> dict:
             last_saved = iteration
             logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
     hooks.fire(hooks.TRAIN_END, iteration=iteration)
-    if loss_file is not None:
-        loss_file.close()
+    steps.close()
     if a.save and last_saved != iteration:
         checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, save_meta())
         logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
     if valid is not None:
         valid_loss = trainer.evaluate(eval_batches())
         logger.validation(iteration, valid_loss, label="final validation")
-    tokens_per_s = tokens_per_step * total_steps / total_time if total_time else 0.0
+    tokens_per_s = steps.tokens_per_s
     vl = f"{valid_loss:.4f}" if valid_loss is not None else "n/a"
     logger.print(f"> done: {iteration} iterations | final validation loss {vl} | throughput {tokens_per_s:.0f} tokens/s")
     return {"iteration": iteration, "final_valid_loss": valid_loss, "tokens_per_s": tokens_per_s,
-            "parameters": n_params, "losses": losses,
-            "step_time_s": total_time / total_steps if total_steps else None}
+            "parameters": n_params, "losses": steps.losses,
+            "step_time_s": steps.step_time_s}
 
 
 def rank_is_zero(backend) -> bool:
