@@ -68,7 +68,7 @@ def _user_chose_backend(args) -> bool:
     return args is not None and bool(getattr(args, "backend", None) or getattr(args, "ai_framework", None))
 
 
-def _resolve_device(backend: str, requested: str) -> str:
+def resolve_device(backend: str, requested: str) -> str:
     requested = _DEVICE_ALIASES[backend].get(requested, requested)
     if backend == "torch":
         from mindspeed.backends.torch.device import select_device
@@ -83,7 +83,7 @@ def plan(args=None) -> Plan:
         ns = _as_namespace(args)
         if msadapter and not _user_chose_backend(args):
             ns.backend = "mindspore"   # `import torch` is MindSpore underneath: it must serve kernels/comm
-        device = _resolve_device(ns.backend, getattr(ns, "mindspeed_device", "auto") or "auto")
+        device = resolve_device(ns.backend, getattr(ns, "mindspeed_device", "auto") or "auto")
         on = enabled_features(ns)
         for f in on:
             f.validate(ns)
@@ -111,28 +111,49 @@ class AdaptState:
 _state: AdaptState | None = None
 
 
+def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLOBAL_PATCHES,
+                     megatron_lm: bool = False) -> ApplyContext:
+    """Create the backend and apply its device shim (plus the Megatron-LM training shim when the
+    user's script is Megatron-LM's own)."""
+    from mindspeed.backends import set_backend
+    try:
+        backend = set_backend(backend_name, device)
+    except ImportError as exc:
+        raise MindSpeedConfigError(f"MindSpeed: backend '{backend_name}' is unavailable: {exc}") from exc
+    try:
+        if backend_name == "torch":
+            from mindspeed.backends.torch.megatron_shim import apply_device_shim
+            apply_device_shim(patcher, device, megatron_lm=megatron_lm)
+    except Exception:
+        patcher.remove_all()   # never leave a half-patched process behind
+        raise
+    return ApplyContext(backend_name, device, patcher, backend)
+
+
+def apply_features(ctx: ApplyContext, p: Plan) -> None:
+    """Each enabled feature's hook, in registry order."""
+    try:
+        for f in p.features:
+            f.apply(ctx, p.args)
+    except Exception:
+        ctx.patcher.remove_all()
+        raise
+
+
 def apply_plan(p: Plan, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptState:
     """Create the backend, apply its device shim, then each feature's hook, in order."""
     global _state
     if _state is not None:
         unadapt()
-    from mindspeed.backends import set_backend
-    try:
-        backend = set_backend(p.backend, p.device)
-    except ImportError as exc:
-        raise MindSpeedConfigError(f"MindSpeed: backend '{p.backend}' is unavailable: {exc}") from exc
-    ctx = ApplyContext(p.backend, p.device, patcher, backend)
-    try:
-        if p.backend == "torch":
-            from mindspeed.backends.torch.megatron_shim import apply_device_shim
-            apply_device_shim(patcher, p.device)
-        for f in p.features:
-            f.apply(ctx, p.args)
-    except Exception:
-        patcher.remove_all()   # never leave a half-patched process behind
-        raise
+    ctx = activate_backend(p.backend, p.device, patcher)
+    apply_features(ctx, p)
     _state = AdaptState(p, ctx, patcher)
     return _state
+
+
+def set_current(state: AdaptState | None) -> None:
+    global _state
+    _state = state
 
 
 def unadapt() -> None:

@@ -1,15 +1,21 @@
 """`import mindspeed.megatron_adaptor`: one line that adapts Megatron to this machine.
 
-Parses only MindSpeed's flags from sys.argv (parse_known_args; Megatron's flags are left alone),
-refuses unsupported requests with a clear message before any process group or model exists,
-then applies the device shim and the enabled features. Programmatic users call
-mindspeed.adapt(args) instead and nothing reads sys.argv.
+Under Megatron-LM (`megatron.training` importable, e.g. its own pretrain_gpt.py): the device shim
+is applied now and MindSpeed's flags join Megatron's own parser; the support-matrix gate and the
+features run right after Megatron's validate_args (mindspeed/megatron_lm.py).
+With the megatron-core wheel alone (a user's own script): MindSpeed's flags are read from sys.argv
+(parse_known_args; the script's own flags are left alone), gated and applied now.
+Programmatic users call mindspeed.adapt(args) instead and nothing reads sys.argv.
 """
 import sys
 
+from mindspeed import megatron_lm
 from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, plan
 
 try:
-    STATE = apply_plan(plan(sys.argv[1:]))
+    if megatron_lm.present():
+        STATE = megatron_lm.adapt_megatron_lm(sys.argv[1:])
+    else:
+        STATE = apply_plan(plan(sys.argv[1:]))
 except MindSpeedConfigError as _exc:
     raise SystemExit(str(_exc)) from None

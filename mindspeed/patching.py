@@ -6,6 +6,7 @@ exist is an error, never a silent no-op; every applied patch is listed; all can 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,7 +21,7 @@ class PatchError(RuntimeError):
 @dataclass
 class AppliedPatch:
     target: str            # dotted path as the caller wrote it
-    kind: str              # "replace", "wrap", "define" or "context"
+    kind: str              # "replace", "wrap", "define", "module", "env" or "context"
     owner: Any             # module or class that holds the attribute
     attr: str
     original: Any          # the raw attribute (descriptor kept for class attributes)
@@ -119,6 +120,28 @@ class PatchManager:
         self._applied.append(record)
         return record
 
+    def provide_module(self, name: str, module: Any, *, reason: str = "") -> AppliedPatch:
+        """Stand in for a module that cannot be imported on this machine (e.g. one that needs an
+        optional accelerator package); removal takes it out of sys.modules again."""
+        if name in sys.modules:
+            raise PatchError(f"module {name!r} is already imported; patch its attributes instead")
+        if self.find(name) is not None:
+            raise PatchError(f"module {name!r} is already provided")
+        sys.modules[name] = module
+        record = AppliedPatch(name, "module", sys.modules, name, _MISSING, module, reason)
+        self._applied.append(record)
+        return record
+
+    def setenv(self, name: str, value: str, *, reason: str = "") -> AppliedPatch:
+        """Set an environment variable the host checks; removal restores the previous value."""
+        target = f"os.environ[{name}]"
+        if self.find(target) is not None:
+            raise PatchError(f"{target} is already patched")
+        record = AppliedPatch(target, "env", os.environ, name, os.environ.get(name, _MISSING), value, reason)
+        os.environ[name] = value
+        self._applied.append(record)
+        return record
+
     def enter(self, name: str, context_manager: Any, *, reason: str = "") -> AppliedPatch:
         """Enter a process-wide context (e.g. a TorchFunctionMode); removal exits it."""
         if self.find(name) is not None:
@@ -186,6 +209,16 @@ class PatchManager:
             return
         if record.kind == "define":
             delattr(record.owner, record.attr)
+            return
+        if record.kind == "env":
+            if record.original is _MISSING:
+                os.environ.pop(record.attr, None)
+            else:
+                os.environ[record.attr] = record.original
+            return
+        if record.kind == "module":
+            if sys.modules.get(record.attr) is record.new:
+                del sys.modules[record.attr]
             return
         for module, attr, original in record.aliases:
             setattr(module, attr, original)

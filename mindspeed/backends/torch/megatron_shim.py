@@ -139,13 +139,15 @@ class _CpuRNGTrackerMixin:
 
 def _wrap_torch_norm_new(original_new):
     """torch's own norms are fine under sequence parallelism: the weights are replicated across
-    TP and their grads all-reduced when marked `sequence_parallel` (what Apex/TE norms do)."""
+    TP and their grads all-reduced when marked `sequence_parallel` (what Apex/TE norms do).
+    persist_layer_norm (Megatron-LM's default) is an Apex kernel choice with no torch counterpart."""
 
     def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
         sp = config.sequence_parallel
-        if sp:
+        if sp or getattr(config, "persist_layer_norm", False):
             config = copy.copy(config)
             config.sequence_parallel = False
+            config.persist_layer_norm = False
         norm = original_new(cls, config, hidden_size, eps, *args, **kwargs)
         if sp:
             for p in norm.parameters():
@@ -238,8 +240,12 @@ def apply_npu_shim(patcher) -> None:
     log.info("MindSpeed: torch_npu transfer_to_npu active")
 
 
-def apply_device_shim(patcher, device: str) -> None:
+def apply_device_shim(patcher, device: str, megatron_lm: bool = False) -> None:
+    """megatron_lm: the user's script is Megatron-LM's own (megatron.training on top of core)."""
     if device == "cpu":
+        if megatron_lm:   # before megatron.training (and with it megatron.core) is imported
+            from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
+            apply_cpu_training_shim(patcher)
         apply_cpu_shim(patcher)
     elif device == "npu":
         apply_npu_shim(patcher)

@@ -1,0 +1,169 @@
+"""MindSpeed inside Megatron-LM's own scripts (`pretrain_gpt.py` + `import mindspeed.megatron_adaptor`).
+
+At import: check the Megatron version against the tested window, create the backend and apply the
+device shim (Megatron-Core's and megatron.training's CUDA assumptions), then join Megatron's
+argument parsing:
+- `parse_args`: MindSpeed's flags are added to Megatron's own parser through its extra-args
+  provider, so Megatron parses the whole command line and a misspelt flag is an error;
+- `validate_args`: before Megatron's checks, the device's collective backend replaces nccl and
+  options the device cannot honour are refused; after them, MindSpeed plans the enabled features,
+  the support matrix gates them, and their hooks are applied, all before any model exists.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+
+from mindspeed.adaptor_core import (AdaptState, MindSpeedConfigError, Plan, activate_backend,
+                                    apply_features, plan, resolve_device, set_current)
+from mindspeed.arguments import add_mindspeed_args, mindspeed_parser, resolve_backend_name
+from mindspeed.patching import GLOBAL_PATCHES, PatchManager
+
+log = logging.getLogger("mindspeed")
+
+#: Megatron-LM versions the system tests run (tests_extend/system/test_megatron_lm.py)
+TESTED_VERSIONS = ("0.12.1", "0.16.1")
+BUILTIN_MINDSPORE_TRAINER = ("MindSpeed's built-in MindSpore trainer: "
+                             "tests_extend/example/pretrain_gpt.py --backend mindspore "
+                             "(launched by tests_extend/example/train_distributed_ms.sh)")
+
+
+def present() -> bool:
+    """True when `megatron.training` (Megatron-LM, not only the megatron-core wheel) is importable."""
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def megatron_version() -> str:
+    return importlib.import_module("megatron.core.package_info").__version__
+
+
+def check_version(version: str | None = None) -> str:
+    version = version or megatron_version()
+    if version not in TESTED_VERSIONS:
+        raise MindSpeedConfigError(
+            f"MindSpeed: Megatron-LM {version} is not supported; tested with "
+            f"{', '.join(TESTED_VERSIONS)} (check out core_v{TESTED_VERSIONS[-1]})")
+    return version
+
+
+def _transformer_engine_present() -> bool:
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ModuleNotFoundError, ValueError):
+        return False
+
+
+def _pre_read(argv) -> argparse.Namespace:
+    """Backend and device are needed before Megatron parses (the shim precedes its imports);
+    Megatron's parser validates them again, with everything else, in parse_args."""
+    ns, _ = mindspeed_parser().parse_known_args(list(argv))
+    try:
+        ns.backend = resolve_backend_name(ns)
+    except ValueError as exc:
+        raise MindSpeedConfigError(f"MindSpeed: {exc}") from exc
+    return ns
+
+
+class MegatronLMHooks:
+    """The parse_args / validate_args wrappers, bound to one activated backend."""
+
+    def __init__(self, state: AdaptState, msadapter: bool):
+        self.state = state
+        self.msadapter = msadapter
+
+    # -- parse_args ----------------------------------------------------------------------------
+    def wrap_parse_args(self, original):
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            def provider(parser):
+                if extra_args_provider is not None:
+                    parser = extra_args_provider(parser)
+                add_mindspeed_args(parser)
+                if not _transformer_engine_present():
+                    # the default (transformer_engine) cannot import here: Megatron-Core's local
+                    # layers are what MindSpeed's fused kernels plug into
+                    parser.set_defaults(transformer_impl="local")
+                return parser
+            return original(provider, ignore_unknown_args)
+        return parse_args
+
+    # -- validate_args -------------------------------------------------------------------------
+    def wrap_validate_args(self, original):
+        def validate_args(args, defaults={}):   # noqa: B006 (Megatron's signature)
+            self._before_megatron(args)
+            result = original(args, defaults)
+            self._after_megatron(args)
+            return result
+        return validate_args
+
+    def _refuse(self, message: str):
+        raise SystemExit(f"MindSpeed: {message}")
+
+    def _before_megatron(self, args) -> None:
+        from mindspeed.backends.torch.device import dist_backend_for
+        device = self.state.plan.device
+        if self.state.plan.backend != "torch":
+            return
+        wanted = dist_backend_for(device)
+        if getattr(args, "distributed_backend", None) in ("nccl", "hccl", "gloo") \
+                and args.distributed_backend != wanted:
+            if args.distributed_backend == "gloo" and device != "cpu":
+                pass   # an explicit gloo on an accelerator is the user's choice
+            else:
+                if int(os.environ.get("RANK", "0")) == 0:
+                    log.warning("MindSpeed: --distributed-backend %s -> %s (device %s)",
+                                args.distributed_backend, wanted, device)
+                args.distributed_backend = wanted
+        if getattr(args, "transformer_impl", None) == "transformer_engine" and not _transformer_engine_present():
+            self._refuse("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is "
+                         "not installed; use --transformer-impl local (MindSpeed's fused kernels plug into it)")
+        if getattr(args, "batch_invariant_mode", False) and device == "cpu":
+            self._refuse("--batch-invariant-mode needs triton GPU kernels, which device cpu lacks; "
+                         "drop the flag")
+
+    def _after_megatron(self, args) -> None:
+        try:
+            p = plan(args)
+        except MindSpeedConfigError as exc:
+            raise SystemExit(str(exc)) from None
+        active = self.state.plan
+        if (p.backend, p.device) != (active.backend, active.device):
+            self._refuse(f"--backend/--device give {p.backend}/{p.device} but the adaptor activated "
+                         f"{active.backend}/{active.device} at import; pass them on the command line")
+        apply_features(self.state.context, p)
+        self.state.plan = p
+
+
+def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptState:
+    """The import hook under Megatron-LM: version check, backend + device shim, parser hooks."""
+    from mindspeed.adaptor_core import _msadapter_active, current, unadapt
+    if current() is not None:
+        unadapt()
+    check_version()
+    msadapter = _msadapter_active()
+    ns = _pre_read(argv)
+    if msadapter and not any(a.split("=")[0] in ("--backend", "--ai-framework") for a in argv):
+        ns.backend = "mindspore"
+    if ns.backend == "mindspore" and not msadapter:
+        raise MindSpeedConfigError(
+            "MindSpeed: Megatron-LM's own scripts run on MindSpore only through MSAdapter (put an "
+            "MSAdapter checkout first on PYTHONPATH); without it use " + BUILTIN_MINDSPORE_TRAINER)
+    try:
+        device = resolve_device(ns.backend, getattr(ns, "mindspeed_device", "auto") or "auto")
+    except (ValueError, RuntimeError, ImportError) as exc:
+        raise MindSpeedConfigError(f"MindSpeed: {exc}") from exc
+    ctx = activate_backend(ns.backend, device, patcher, megatron_lm=(ns.backend == "torch"))
+    state = AdaptState(Plan(ns, ns.backend, device, [], msadapter=msadapter), ctx, patcher)
+    hooks = MegatronLMHooks(state, msadapter)
+    patcher.wrap("megatron.training.arguments.parse_args", hooks.wrap_parse_args,
+                 reason="MindSpeed's flags join Megatron's parser", aliases="megatron")
+    patcher.wrap("megatron.training.arguments.validate_args", hooks.wrap_validate_args,
+                 reason="device backend, then MindSpeed's gate and features after Megatron's checks",
+                 aliases="megatron")
+    set_current(state)
+    return state
