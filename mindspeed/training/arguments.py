@@ -4,6 +4,10 @@ Megatron-LM's own `megatron/training/arguments.py` is not on PyPI, so this parse
 subset of its flags the trainers use, with Megatron's names and defaults. MindSpeed's own flags are
 added by `mindspeed.arguments.add_mindspeed_args` (it skips options defined here).
 
+Every flag here is acted on by the trainers. Megatron flags that need what MindSpeed does not ship
+(Transformer Engine, cuDNN fused attention, legacy models, other tokenizers) are accepted so that
+Megatron's scripts parse, and refused in `validate_args` with the reason and what to use instead.
+
 --backend/--ai-framework/--device/--optimization-level are MindSpeed's flags (dest of --device:
 `mindspeed_device`). `build_parser()` never reads sys.argv; `parse_args(argv)` parses, fills derived values and
 validates the values that can be checked without a process group (`validate_args`).
@@ -14,9 +18,11 @@ import argparse
 import os
 from typing import Sequence
 
+from mindspeed.training.flag_checks import (LOSS_SCALE_DEFAULTS, TOKENIZER_TYPES,  # noqa: F401 (re-exported)
+                                            ArgumentError, cross_flag_problems)
 
-class ArgumentError(ValueError):
-    """A flag value or combination that cannot work; raised before any work starts."""
+
+CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"   # in both trainers' checkpoint roots
 
 
 def _network(parser: argparse.ArgumentParser) -> None:
@@ -56,11 +62,44 @@ def _network(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
 
 
+def _implementation(parser: argparse.ArgumentParser) -> None:
+    """Megatron's kernel/implementation switches. The --no-*-fusion flags allow a fusion to be
+    off; which fused paths run is decided by MindSpeed's --use-* flags (see model.py)."""
+    g = parser.add_argument_group("implementation")
+    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+                   help="local: Megatron-Core's own layers (the only one here; Transformer Engine is refused)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "local", "unfused", "flash", "fused"],
+                   help="auto/local/unfused: Megatron-Core's DotProductAttention (flash with --use-flash-attn); "
+                        "flash: MindSpeed's flash-attention kernel; fused (cuDNN) is refused")
+    g.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models",
+                   help="deprecated in Megatron: Megatron-Core models are always used")
+    g.add_argument("--use-legacy-models", action="store_true", help="refused: only Megatron-Core models exist here")
+    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                   help="never use the fused scale-mask-softmax kernel (used by default where installed)")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="attention masking and softmax in fp32 for fp16/bf16 models")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="scale Q.K^T by 1/layer-number (fp16 range); forces softmax in fp32")
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                   help="contradicts --use-fused-swiglu")
+    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion")
+    g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                   help="contradicts --use-fused-rotary-pos-emb")
+    g.add_argument("--no-persist-layer-norm", action="store_true")
+    # shares its dest with MindSpeed's --gradient-accumulation-fusion feature flag (off by default)
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                   default=False)
+
+
 def _training(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro-batch-size * data-parallel size")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT over SAMPLES samples")
     g.add_argument("--train-iters", type=int, default=600)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
@@ -78,6 +117,14 @@ def _training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    # fp16 loss scaling; None = not given (Megatron's defaults are filled in for --fp16)
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=None, help="dynamic loss scale start (2**32)")
+    g.add_argument("--min-loss-scale", type=float, default=None, help="dynamic loss scale floor (1.0)")
+    g.add_argument("--loss-scale-window", type=float, default=None, help="steps between scale raises (1000)")
+    g.add_argument("--hysteresis", type=int, default=None, help="overflows tolerated before lowering (2)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="gradients are always accumulated and reduced in fp32 here")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -98,7 +145,8 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl", "hccl"],
-                   help="default: gloo on cpu, nccl on cuda, hccl on npu")
+                   help="nccl/hccl (or none): the device's collective library (gloo on cpu, nccl on "
+                        "cuda, hccl on npu); gloo: gloo")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
@@ -109,9 +157,14 @@ def _data(parser: argparse.ArgumentParser) -> None:
                         "Default: the bundled Shakespeare dataset (built on first use)")
     g.add_argument("--split", default="949,50,1")
     g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--tokenizer-type", default=None, choices=["CharLevel", "HuggingFaceTokenizer"],
-                   help="default: the tokenizer saved next to the dataset")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="default: the tokenizer saved next to the dataset (GPT2BPETokenizer when "
+                        "--vocab-file and --merge-file are given)")
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer name or path (offline)")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: vocabulary size before the end-of-document token")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
@@ -138,6 +191,8 @@ def _logging(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=100)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add model TFLOP/s per device to the iteration log line")
     g.add_argument("--log-loss-file", default=None,
                    help="also write every iteration's loss (full precision) as JSON lines here")
 
@@ -146,7 +201,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     """Megatron's flags only (no MindSpeed flags; see mindspeed.arguments.add_mindspeed_args)."""
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
                                      description="GPT pretraining on Megatron-Core with MindSpeed")
-    for add in (_network, _training, _parallel, _data, _checkpointing, _logging):
+    for add in (_network, _implementation, _training, _parallel, _data, _checkpointing, _logging):
         add(parser)
     return parser
 
@@ -208,9 +263,27 @@ def derive_args(args, world_size: int | None = None) -> None:
         args.global_batch_size = args.micro_batch_size * max(args.data_parallel_size, 1)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
+    if args.lr_warmup_fraction is not None and not args.lr_warmup_iters:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+    if args.attention_backend == "flash":     # MindSpeed's flash-attention feature is the flash backend
+        args.use_flash_attn = True
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        args.tokenizer_type = "GPT2BPETokenizer"   # the one tokenizer that reads both files
+    args.load_note = None
+    if _nothing_to_resume(args):
+        args.load_note = (f"> --load {args.load}: no checkpoint yet in this --save directory; "
+                          "starting from iteration 0")
+        args.load = None
+
+
+def _nothing_to_resume(args) -> bool:
+    """Megatron's auto-resume idiom, --save X --load X, on its first run: X holds no checkpoint yet.
+    (A --load anywhere else must hold one: a mistyped path is refused, not trained from scratch.)"""
+    if not args.load or not args.save or args.ckpt_step is not None:
+        return False
+    same = os.path.realpath(args.load) == os.path.realpath(args.save)
+    return same and not os.path.isfile(os.path.join(args.load, CHECKPOINT_TRACKER))
 
 
 def _positive(args, names) -> list[str]:
@@ -280,5 +353,13 @@ def validate_args(args) -> None:
         problems.append("--overlap-param-gather needs --use-distributed-optimizer")
     if args.save_interval is not None and args.save_interval < 1:
         problems.append("--save-interval must be positive")
+    if args.lr_warmup_fraction is not None and \
+            args.lr_warmup_iters != int(args.lr_warmup_fraction * args.lr_decay_iters):
+        problems.append("--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give only one")
+    if args.ckpt_format == "torch":
+        problems.append("--ckpt-format torch (per-rank files) is not written by the built-in trainer: "
+                        "use --ckpt-format torch_dist (the default)")
+    problems.extend(cross_flag_problems(args))
     if problems:
         raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
+

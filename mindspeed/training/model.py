@@ -6,6 +6,8 @@ MindSpore trainer can mirror exactly the same architecture from the same args.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -59,8 +61,13 @@ def transformer_config(args) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         deterministic_mode=args.deterministic_mode,
-        # Megatron's fused paths need Apex/TE/CUDA; MindSpeed features swap in fused kernels.
-        masked_softmax_fusion=False,
+        transformer_impl="local",          # Transformer Engine is refused in validate_args
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        # Megatron fuses scale-mask-softmax by default where its CUDA extension is installed
+        masked_softmax_fusion=args.masked_softmax_fusion and fused_softmax_installed(args),
+        # Megatron's other fused paths need Apex/TE/CUDA; MindSpeed features swap in fused kernels
+        # (--no-*-fusion flags that contradict those features are refused in validate_args).
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -68,6 +75,17 @@ def transformer_config(args) -> TransformerConfig:
         persist_layer_norm=False,
         calculate_per_token_loss=False,
     )
+
+
+SOFTMAX_EXTENSIONS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda", "scaled_softmax_cuda")
+
+
+def fused_softmax_installed(args) -> bool:
+    """Megatron-Core's fused softmax imports these CUDA extensions (Apex / Megatron's fused kernels)
+    at call time: only a cuda device with all of them installed can take that path."""
+    if getattr(args, "device_name", None) != "cuda":
+        return False
+    return all(importlib.util.find_spec(name) is not None for name in SOFTMAX_EXTENSIONS)
 
 
 def _virtual_pp(args):

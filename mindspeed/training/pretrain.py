@@ -15,18 +15,25 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
-                                                       init_num_microbatches_calculator)
+                                                       get_current_global_batch_size, get_num_microbatches,
+                                                       init_num_microbatches_calculator, update_num_microbatches)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed import hooks
 from mindspeed.net import free_port
-from mindspeed.training import checkpointing, data
+from mindspeed.training import checkpointing, data, flag_tokenizers
+from mindspeed.training.flag_checks import LOSS_SCALE_DEFAULTS
 from mindspeed.training.logger import StepRecorder, TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, padded_vocab_size, transformer_config
 
 
+def process_group_backend(requested: str | None, device: str) -> str:
+    """Megatron scripts say `--distributed-backend nccl` meaning "the accelerator's collective
+    library": nccl and hccl (and no flag) pick the device's one; gloo is taken as asked."""
+    from mindspeed.backends.torch.device import dist_backend_for
+    return "gloo" if requested == "gloo" else dist_backend_for(device)
 
 
 def _init_distributed(args, device: str) -> None:
@@ -36,9 +43,8 @@ def _init_distributed(args, device: str) -> None:
     if device in ("cuda", "npu"):
         getattr(torch, device).set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not torch.distributed.is_initialized():
-        from mindspeed.backends.torch.device import dist_backend_for
         torch.distributed.init_process_group(
-            backend=args.distributed_backend or dist_backend_for(device),
+            backend=process_group_backend(args.distributed_backend, device),
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -86,6 +92,30 @@ def forward_step(device: str, data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+def optimizer_config(args, params_dtype: torch.dtype) -> OptimizerConfig:
+    """Megatron-Core's optimizer settings; fp16 loss-scaling flags not given take Megatron's defaults."""
+    scaling = {name: default if getattr(args, name) is None else getattr(args, name)
+               for name, default in LOSS_SCALE_DEFAULTS.items()}
+    return OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=params_dtype, loss_scale=args.loss_scale, **scaling,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather)
+
+
+def init_batch_schedule(args, rank: int) -> None:
+    """Megatron-Core's micro-batch calculator: constant, or growing under --rampup-batch-size."""
+    init_num_microbatches_calculator(rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+                                     args.data_parallel_size)
+
+
+def step_batch(consumed_samples: int) -> tuple[int, int]:
+    """(micro-batches per rank, global batch size) of the step that starts at consumed_samples."""
+    update_num_microbatches(consumed_samples, consistency_check=True)
+    return get_num_microbatches(), get_current_global_batch_size()
+
+
 def _reduce_loss(losses_reduced: list, device: str) -> float:
     """Mean token loss of a step over all micro-batches, data- and context-parallel ranks."""
     pair = torch.zeros(2, dtype=torch.float64, device=device)
@@ -126,12 +156,7 @@ class Trainer:
 
     def _build_optimizer(self):
         a = self.args
-        opt_config = OptimizerConfig(
-            optimizer=a.optimizer, lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
-            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, sgd_momentum=a.sgd_momentum,
-            clip_grad=a.clip_grad, bf16=a.bf16, fp16=a.fp16, params_dtype=self.config.params_dtype,
-            use_distributed_optimizer=a.use_distributed_optimizer, overlap_param_gather=a.overlap_param_gather)
-        optimizer = get_megatron_optimizer(opt_config, self.model)
+        optimizer = get_megatron_optimizer(optimizer_config(a, self.config.params_dtype), self.model)
         # what Megatron-LM's setup wires into the config for the schedules
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = optimizer.scale_loss
@@ -163,22 +188,25 @@ class Trainer:
         return [data.microbatches(dataset, consumed, self.args) for _ in self.model] \
             if len(self.model) > 1 else data.microbatches(dataset, consumed, self.args)
 
-    def _run_schedule(self, iterator, forward_only: bool):
+    def _run_schedule(self, iterator, forward_only: bool, num_microbatches: int | None = None):
         a = self.args
         return self.forward_backward(
             forward_step_func=partial(forward_step, self.device), data_iterator=iterator,
             model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=self.num_microbatches, seq_length=a.seq_length // a.context_parallel_size,
+            num_microbatches=num_microbatches or self.num_microbatches,
+            seq_length=a.seq_length // a.context_parallel_size,
             micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=forward_only)
 
-    def train_step(self, iterator):
+    def train_step(self, iterator, num_microbatches: int | None = None, batch_size: int | None = None):
+        """One optimizer step; during batch size ramp-up, of `batch_size` samples in
+        `num_microbatches` micro-batches per rank (default: the full global batch)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self._run_schedule(iterator, forward_only=False)
+        losses = self._run_schedule(iterator, forward_only=False, num_microbatches=num_microbatches)
         ok, grad_norm, _ = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=self.args.global_batch_size)
+        if ok:   # the schedule counts samples, as Megatron's does
+            self.scheduler.step(increment=batch_size or self.args.global_batch_size)
         return _reduce_loss(losses, self.device), grad_norm, ok
 
     def evaluate(self, dataset) -> float | None:
@@ -210,7 +238,7 @@ def run(args) -> dict:
     say = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
 
     # --- everything that can be wrong with the inputs is found before any work -------------
-    tokenizer = data.resolve_data(args, log=say)
+    tokenizer = resolve_tokenizer(args, log=say)
     args.vocab_size = tokenizer.vocab_size
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
@@ -219,8 +247,7 @@ def run(args) -> dict:
 
     _init_distributed(args, args.device_name)
     _set_seeds(args)
-    init_num_microbatches_calculator(rank, None, args.global_batch_size, args.micro_batch_size,
-                                     args.data_parallel_size)
+    init_batch_schedule(args, rank)
     logger = TrainingLogger(args, is_writer=rank == 0)
     try:
         return _train(args, tokenizer, logger, state)
@@ -230,6 +257,21 @@ def run(args) -> dict:
         parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def resolve_tokenizer(args, log=print):
+    """The flags' tokenizer (GPT2BPETokenizer / NullTokenizer) checked against every dataset, else
+    the dataset's own (data.resolve_data)."""
+    tokenizer = flag_tokenizers.from_flags(args)
+    if tokenizer is None:
+        return data.resolve_data(args, log=log)
+    if not args.mock_data:
+        from mindspeed.data.indexed import check_dataset
+        for prefix in data.dataset_prefixes(args.data_path):
+            check_dataset(prefix)
+            flag_tokenizers.check_dataset_tokenizer(prefix, tokenizer)
+            check_dataset(prefix, tokenizer.vocab_size)
+    return tokenizer
 
 
 def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
@@ -248,6 +290,8 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
         logger.print(f"> unigram baseline (entropy of token frequencies): {baseline:.4f} nats/token")
 
     iteration, consumed = 0, 0
+    if getattr(a, "load_note", None):
+        logger.print(a.load_note)
     if a.load:
         iteration, consumed = checkpointing.load_checkpoint(a.load, trainer.model, trainer.optimizer,
                                                             trainer.scheduler, load_optim=not a.no_load_optim,
@@ -259,18 +303,24 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     steps = StepRecorder(logger, a, tokens_per_step=a.global_batch_size * a.seq_length, stop_at=stop_at,
                          write_loss_file=torch.distributed.get_rank() == 0)
     logger.print(f"> training from iteration {iteration} to {stop_at}")
+    if a.rampup_batch_size:
+        start_gbs, increment, ramp_samples = a.rampup_batch_size
+        logger.print(f"> global batch size ramps up from {start_gbs} by {increment} over {ramp_samples} samples "
+                     f"to {a.global_batch_size}")
     while iteration < stop_at:
         hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
+        num_microbatches, batch_size = step_batch(consumed)
         start = time.perf_counter()
-        loss, grad_norm, ok = trainer.train_step(train_iter)
+        loss, grad_norm, ok = trainer.train_step(train_iter, num_microbatches, batch_size)
         elapsed = time.perf_counter() - start
         iteration += 1
         hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
-        consumed += a.global_batch_size
+        consumed += batch_size
         skipped += 0 if ok else 1
         steps.record(iteration, loss, elapsed, consumed=consumed,
                      lr=lambda: trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
-                     grad_norm=grad_norm, peak_mem_mb=_peak_memory_mb, skipped=skipped)
+                     grad_norm=grad_norm, peak_mem_mb=_peak_memory_mb, skipped=skipped, batch_size=batch_size,
+                     loss_scale=(lambda: float(trainer.optimizer.get_loss_scale())) if a.fp16 else None)
         if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at:
             valid_loss = trainer.evaluate(valid_ds)
             if valid_loss is not None:

@@ -34,6 +34,11 @@ def check_supported(args) -> None:
         problems.append(f"--optimizer {args.optimizer}")
     if args.recompute_granularity == "selective":
         problems.append("--recompute-granularity selective (full is supported)")
+    if getattr(args, "rampup_batch_size", None):
+        problems.append("--rampup-batch-size (its steps have a fixed global batch)")
+    if getattr(args, "distributed_backend", None) == "gloo":
+        problems.append("--distributed-backend gloo (it communicates through MindSpore's own collectives; "
+                        "nccl/hccl or no flag mean the device's)")
     if problems:
         raise TrainerConfigError("the mindspore trainer does not support: " + "; ".join(problems)
                                  + ". Use --backend torch for these.")
@@ -167,6 +172,12 @@ def run(args) -> dict:
 def _train(args, backend, ps, logger) -> dict:
     from mindspeed.backends.mindspore.msadapter import describe
     a = args
+    from mindspeed.training.flag_tokenizers import check_dataset_tokenizer, from_flags
+    flag_tokenizer = from_flags(a)        # GPT2BPETokenizer / NullTokenizer: the flags give the vocabulary
+    if flag_tokenizer is not None:
+        for prefix in ([] if a.mock_data else a.data_path or []):
+            check_dataset_tokenizer(prefix, flag_tokenizer)
+        a.vocab_size = flag_tokenizer.vocab_size   # build_streams takes it instead of the dataset's file
     vocab, train, valid = data.build_streams(a, log=logger.print)
     a.vocab_size = vocab
     a.padded_vocab_size = padded_vocab_size(vocab, a.make_vocab_size_divisible_by, ps.tp_size)
@@ -184,6 +195,8 @@ def _train(args, backend, ps, logger) -> dict:
                  f"train {train.num_samples} samples of {a.seq_length + 1} tokens")
 
     iteration, consumed = 0, 0
+    if getattr(a, "load_note", None):
+        logger.print(a.load_note)
     if a.load:
         meta = checkpoint.load(a.load, trainer.model, trainer.optimizer,
                                load_optimizer=not (a.no_load_optim or a.finetune))

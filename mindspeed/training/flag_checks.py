@@ -1,0 +1,117 @@
+"""Checks of the Megatron flags beyond sizes: implementation switches MindSpeed does not ship
+(refused with what to use instead), fp16 loss scaling, batch size ramp-up and tokenizers.
+Framework-free; `arguments.validate_args` collects their one-line problems.
+"""
+from __future__ import annotations
+
+import os
+
+
+class ArgumentError(ValueError):
+    """A flag value or combination that cannot work; raised before any work starts."""
+
+
+# Megatron's --tokenizer-type values; the trainers implement the first four (flag_tokenizers.py)
+TOKENIZER_TYPES = ["CharLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer",
+                   "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
+                   "NullMultimodalTokenizer", "SFTTokenizer"]
+IMPLEMENTED_TOKENIZERS = TOKENIZER_TYPES[:4]
+# Megatron's fp16 dynamic loss scaling defaults (OptimizerConfig's too)
+LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "loss_scale_window": 1000.0,
+                       "hysteresis": 2}
+
+
+def cross_flag_problems(args) -> list[str]:
+    problems = []
+    for check in (_implementation_problems, _loss_scale_problems, _rampup_problems, _tokenizer_problems):
+        problems.extend(check(args))
+    return problems
+
+
+def _implementation_problems(args) -> list[str]:
+    problems = []
+    if args.transformer_impl == "transformer_engine":
+        problems.append("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which MindSpeed "
+                        "does not use: use --transformer-impl local (fused kernels come from --use-flash-attn, "
+                        "--use-fused-rmsnorm, --use-fused-swiglu, --use-fused-rotary-pos-emb)")
+    if args.use_legacy_models:
+        problems.append("--use-legacy-models: the built-in trainer builds Megatron-Core's GPTModel only; "
+                        "drop the flag")
+    backend = args.attention_backend
+    if backend == "fused":
+        problems.append("--attention-backend fused needs Transformer Engine's cuDNN fused attention, which "
+                        "MindSpeed does not use: use --attention-backend flash (MindSpeed's flash-attention "
+                        "kernel) or auto")
+    if backend in ("local", "unfused") and getattr(args, "use_flash_attn", False):
+        problems.append(f"--attention-backend {backend} (Megatron-Core's unfused attention) contradicts "
+                        "--use-flash-attn: drop one, or use --attention-backend flash")
+    if not args.bias_swiglu_fusion and getattr(args, "use_fused_swiglu", False):
+        problems.append("--no-bias-swiglu-fusion contradicts --use-fused-swiglu (MindSpeed's bias-SwiGLU "
+                        "fusion): drop one")
+    if not args.apply_rope_fusion and getattr(args, "use_fused_rotary_pos_emb", False):
+        problems.append("--no-rope-fusion contradicts --use-fused-rotary-pos-emb (MindSpeed's RoPE fusion): "
+                        "drop one")
+    return problems
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _loss_scale_problems(args) -> list[str]:
+    dynamic = [_flag(n) for n in LOSS_SCALE_DEFAULTS if getattr(args, n) is not None]
+    given = dynamic + (["--loss-scale"] if args.loss_scale is not None else [])
+    if given and not args.fp16:
+        return [f"{', '.join(given)} only apply to --fp16 (bf16 and fp32 train without loss scaling): "
+                "drop them or add --fp16"]
+    if dynamic and args.loss_scale is not None:
+        return [f"--loss-scale sets a static scale, so {', '.join(dynamic)} (dynamic scaling) would be "
+                "unused: give one or the other"]
+    return [f"{_flag(n)} must be positive (got {getattr(args, n)})"
+            for n in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")
+            if getattr(args, n) is not None and getattr(args, n) <= 0]
+
+
+def _rampup_problems(args) -> list[str]:
+    if args.rampup_batch_size is None:
+        return []
+    start, increment, samples = args.rampup_batch_size
+    gbs, step = args.global_batch_size, args.micro_batch_size * max(args.data_parallel_size, 1)
+    if start < 1 or increment < 1 or samples < 0:
+        return [f"--rampup-batch-size {start} {increment} {samples}: start and increment must be positive "
+                "and the ramp-up samples non-negative"]
+    if not start < gbs or (gbs - start) % increment:
+        return [f"--rampup-batch-size start {start} must be below --global-batch-size {gbs} and reach it in "
+                f"steps of {increment}"]
+    if start % step or increment % step:
+        return [f"--rampup-batch-size start {start} and increment {increment} must be multiples of "
+                f"micro-batch-size x data-parallel size = {step} (every batch of the ramp must split evenly)"]
+    return []
+
+
+def _tokenizer_problems(args) -> list[str]:
+    kind = args.tokenizer_type
+    if kind is not None and kind not in IMPLEMENTED_TOKENIZERS:
+        return [f"--tokenizer-type {kind} is not available in the built-in trainer: use GPT2BPETokenizer "
+                "(--vocab-file/--merge-file), NullTokenizer (--vocab-size), HuggingFaceTokenizer "
+                "(--tokenizer-model DIR, offline) or CharLevel"]
+    problems = []
+    if kind == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            if not path:
+                problems.append(f"--tokenizer-type GPT2BPETokenizer needs {flag}")
+            elif not os.path.isfile(path):
+                problems.append(f"{flag} {path!r} does not exist")
+    elif args.vocab_file or args.merge_file:
+        problems.append("--vocab-file/--merge-file are read only by --tokenizer-type GPT2BPETokenizer "
+                        "(give both files, or drop them)")
+    if kind == "NullTokenizer" and (args.vocab_size is None or args.vocab_size < 1):
+        problems.append("--tokenizer-type NullTokenizer needs --vocab-size N (a positive integer)")
+    elif kind != "NullTokenizer" and args.vocab_size is not None:
+        problems.append("--vocab-size is read only by --tokenizer-type NullTokenizer (other tokenizers "
+                        "know their vocabulary): drop it")
+    if kind in ("GPT2BPETokenizer", "NullTokenizer") and not args.data_path and not args.mock_data:
+        problems.append(f"--tokenizer-type {kind} needs --data-path (or --mock-data): the bundled default "
+                        "dataset is character-level")
+    return problems

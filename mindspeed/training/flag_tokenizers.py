@@ -1,0 +1,97 @@
+"""Megatron tokenizers that the flags describe completely: GPT2BPETokenizer (--vocab-file,
+--merge-file) and NullTokenizer (--vocab-size).
+
+Pretraining reads already-tokenized indexed datasets, so a trainer needs only what Megatron's
+tokenizers report to it: the vocabulary size and the end-of-document id (plus the identifiers
+GPTDataset hashes into its cache names). Those are read here from the same files and sizes
+Megatron-LM uses, with its numbers: GPT-2's vocab.json size and its <|endoftext|> id; NullTokenizer
+N -> N + 1 ids, the last one the end of a document. Text is never encoded here; datasets are made
+with Megatron's tools/preprocess_data.py or `python -m mindspeed.data`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from mindspeed.data.tokenizer import TokenizerError, tokenizer_path
+
+GPT2_EOD = "<|endoftext|>"
+
+
+class GPT2VocabTokenizer:
+    kind = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                encoder = json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            raise TokenizerError(f"--vocab-file {vocab_file!r} is not a readable GPT-2 vocab.json: {err}") from err
+        if not isinstance(encoder, dict) or GPT2_EOD not in encoder:
+            raise TokenizerError(f"--vocab-file {vocab_file!r} is not a GPT-2 vocab.json (no {GPT2_EOD} entry)")
+        _check_merges(merge_file)
+        self._size, self._eod = len(encoder), int(encoder[GPT2_EOD])
+        self.unique_identifiers = {"class": self.kind, "vocab_file": os.path.abspath(vocab_file),
+                                   "merge_file": os.path.abspath(merge_file)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+
+def _check_merges(merge_file: str) -> None:
+    """A GPT-2 merges.txt: an optional '#version' line, then one 'left right' pair per line."""
+    try:
+        with open(merge_file, encoding="utf-8") as f:
+            lines = [line for line in f.read().split("\n") if line and not line.startswith("#version")]
+    except (OSError, UnicodeDecodeError) as err:
+        raise TokenizerError(f"--merge-file {merge_file!r} is unreadable: {err}") from err
+    bad = next((line for line in lines if len(line.split()) != 2), None)
+    if not lines or bad is not None:
+        raise TokenizerError(f"--merge-file {merge_file!r} is not a GPT-2 merges.txt "
+                             f"({'empty' if not lines else f'line {bad[:40]!r}'})")
+
+
+class NullTokenizer:
+    kind = "NullTokenizer"
+
+    def __init__(self, vocab_size: int):
+        self._size = int(vocab_size)
+        self.unique_identifiers = {"class": self.kind, "vocab_size": self._size}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size + 1
+
+    @property
+    def eod(self) -> int:
+        return self._size
+
+
+def from_flags(args):
+    """The tokenizer the flags describe, or None: the trainer then uses the one saved beside the
+    dataset (or the HuggingFace one --tokenizer-model names)."""
+    if args.tokenizer_type == GPT2VocabTokenizer.kind:
+        return GPT2VocabTokenizer(args.vocab_file, args.merge_file)
+    if args.tokenizer_type == NullTokenizer.kind:
+        return NullTokenizer(args.vocab_size)
+    return None
+
+
+def check_dataset_tokenizer(prefix: str, tokenizer) -> None:
+    """A dataset made by `python -m mindspeed.data` names its tokenizer; it must be this one."""
+    path = tokenizer_path(prefix)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            kind = json.load(f).get("type")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return                       # unreadable descriptions are data.resolve_data's to report
+    if kind != tokenizer.kind:
+        raise TokenizerError(f"--tokenizer-type {tokenizer.kind} but the dataset {prefix!r} was tokenized "
+                             f"with {kind} ({path})")
