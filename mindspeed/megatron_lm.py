@@ -122,6 +122,12 @@ class MegatronLMHooks:
         if getattr(args, "transformer_impl", None) == "transformer_engine" and not _transformer_engine_present():
             self._refuse("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is "
                          "not installed; use --transformer-impl local (MindSpeed's fused kernels plug into it)")
+        if getattr(args, "apply_rope_fusion", False) and not _transformer_engine_present():
+            # Megatron's default (--no-rope-fusion turns it off) needs TE's kernel; MindSpeed's
+            # fused rope kernel serves it instead (Megatron's own unfused RoPE at level 0)
+            args.apply_rope_fusion = False
+            if args.position_embedding_type == "rope":
+                args.use_fused_rotary_pos_emb = True
         if getattr(args, "batch_invariant_mode", False) and device == "cpu":
             self._refuse("--batch-invariant-mode needs triton GPU kernels, which device cpu lacks; "
                          "drop the flag")
@@ -137,6 +143,8 @@ class MegatronLMHooks:
                          f"{active.backend}/{active.device} at import; pass them on the command line")
         apply_features(self.state.context, p)
         self.state.plan = p
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("> MindSpeed " + p.describe().replace("\n", "; "), flush=True)
 
 
 def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptState:

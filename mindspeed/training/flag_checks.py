@@ -63,8 +63,8 @@ def _loss_scale_problems(args) -> list[str]:
     dynamic = [_flag(n) for n in LOSS_SCALE_DEFAULTS if getattr(args, n) is not None]
     given = dynamic + (["--loss-scale"] if args.loss_scale is not None else [])
     if given and not args.fp16:
-        return [f"{', '.join(given)} only apply to --fp16 (bf16 and fp32 train without loss scaling): "
-                "drop them or add --fp16"]
+        return [f"{', '.join(given)}: loss scaling is for --fp16 only (bf16 and fp32 train without it): "
+                "drop the flag or add --fp16"]
     if dynamic and args.loss_scale is not None:
         return [f"--loss-scale sets a static scale, so {', '.join(dynamic)} (dynamic scaling) would be "
                 "unused: give one or the other"]

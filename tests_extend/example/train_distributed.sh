@@ -3,6 +3,7 @@
 # Every setting below can be overridden from the environment, e.g.
 #   TRAIN_ITERS=40 bash tests_extend/example/train_distributed.sh
 #   TP=1 PP=2 bash tests_extend/example/train_distributed.sh --use-distributed-optimizer
+#   MEGATRON_LM=~/Megatron-LM bash tests_extend/example/train_distributed.sh   # Megatron-LM's own pretrain_gpt.py
 # Extra arguments are passed to pretrain_gpt.py (later flags win).
 set -euo pipefail
 
@@ -47,10 +48,28 @@ CKPT_DIR=${CKPT_DIR:-}                    # empty: no checkpoints
 SAVE_INTERVAL=${SAVE_INTERVAL:-}
 LOAD_DIR=${LOAD_DIR:-}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-}
+MOCK_DATA=${MOCK_DATA:-0}                 # 1: Megatron's random-token dataset (no files)
+
+# --- entry point -----------------------------------------------------------------------------
+# empty: MindSpeed's built-in trainer; a Megatron-LM checkout: its own pretrain_gpt.py, which must
+# carry `import mindspeed.megatron_adaptor` under `import torch` (the one-line opt-in)
+MEGATRON_LM=${MEGATRON_LM:-}
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+ENTRY="$HERE/pretrain_gpt.py"
+if [ -n "$MEGATRON_LM" ]; then
+  ENTRY="$MEGATRON_LM/pretrain_gpt.py"
+  if [ ! -f "$ENTRY" ]; then
+    echo "error: MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py (point it at a Megatron-LM checkout)" >&2; exit 2
+  fi
+  if ! grep -q "^import mindspeed.megatron_adaptor" "$ENTRY"; then
+    echo "error: add 'import mindspeed.megatron_adaptor' under 'import torch' in $ENTRY" >&2; exit 2
+  fi
+  export PYTHONPATH="$MEGATRON_LM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # its megatron/ shadows the wheel
+else
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # one compute thread per process
 
 ARGS=(
@@ -66,7 +85,20 @@ ARGS=(
   --optimization-level "$OPTIMIZATION_LEVEL"
 )
 [ "$FUSED" = 1 ] && ARGS+=(--use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb --use-flash-attn)
-[ -n "$DATA_PATH" ] && ARGS+=(--data-path $DATA_PATH)
+if [ "$MOCK_DATA" = 1 ]; then
+  ARGS+=(--mock-data)
+  [ -n "$MEGATRON_LM" ] && ARGS+=(--tokenizer-type NullTokenizer --vocab-size 4096)   # Megatron 0.12 mock tokens reach 4095
+elif [ -n "$MEGATRON_LM" ]; then
+  # Megatron-LM has no default corpus and no character tokenizer: the dataset's ids go through
+  # its NullTokenizer, sized from the tokenizer MindSpeed saved next to the dataset
+  if [ -z "$DATA_PATH" ]; then
+    DATA_PATH=$("$PYTHON" -c "from mindspeed.data.shakespeare import ensure_dataset; print(ensure_dataset())" | tail -n 1)
+  fi
+  VOCAB_SIZE=$("$PYTHON" -c "import sys; from mindspeed.data.tokenizer import load_tokenizer; print(load_tokenizer(sys.argv[1]).vocab_size)" "${DATA_PATH##* }")
+  ARGS+=(--data-path $DATA_PATH --tokenizer-type NullTokenizer --vocab-size "$VOCAB_SIZE")
+elif [ -n "$DATA_PATH" ]; then
+  ARGS+=(--data-path $DATA_PATH)
+fi
 [ -n "$NUM_EXPERTS" ] && ARGS+=(--num-experts "$NUM_EXPERTS")
 [ -n "$CKPT_DIR" ] && ARGS+=(--save "$CKPT_DIR")
 [ -n "$SAVE_INTERVAL" ] && ARGS+=(--save-interval "$SAVE_INTERVAL")
@@ -76,4 +108,4 @@ ARGS=(
 exec "$PYTHON" -m torch.distributed.run \
   --nproc_per_node "$NPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-  "$HERE/pretrain_gpt.py" "${ARGS[@]}" "$@"
+  "$ENTRY" "${ARGS[@]}" "$@"

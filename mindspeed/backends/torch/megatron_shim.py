@@ -122,11 +122,13 @@ class _CpuRNGTrackerMixin:
         if name not in self.states_:
             raise Exception(f"cuda rng state {name} is not added")
         orig_state = torch.get_rng_state()
-        orig_name = self._current_state_name
+        # core 0.16 tracks the active state's name (nested forks); core 0.12 does not
+        orig_name = getattr(self, "_current_state_name", "default-rng")
         if orig_name != "default-rng":
             self.states_[orig_name] = orig_state
         torch.set_rng_state(self.states_[name])
-        self._current_state_name = name
+        if hasattr(self, "_current_state_name"):
+            self._current_state_name = name
         try:
             yield
         finally:
@@ -134,7 +136,8 @@ class _CpuRNGTrackerMixin:
             if orig_name != "default-rng":
                 orig_state = self.states_[orig_name]
             torch.set_rng_state(orig_state)
-            self._current_state_name = orig_name
+            if hasattr(self, "_current_state_name"):
+                self._current_state_name = orig_name
 
 
 def _wrap_torch_norm_new(original_new):

@@ -67,5 +67,7 @@ def apply_cpu_training_shim(patcher) -> None:
     if hasattr(utils, "get_device_arch_version"):
         patcher.replace("megatron.training.utils.get_device_arch_version", lambda: 0,
                         reason="no CUDA compute capability on CPU", aliases="megatron")
+    patcher.replace("torch.cuda.get_device_capability", lambda *a, **k: (8, 0),
+                    reason="validate_args checks sm>=8 for --moe-grouped-gemm; MindSpeed's gmm kernel serves it")
     patcher.replace("megatron.legacy.fused_kernels.load", lambda *a, **k: None,
                     reason="legacy CUDA softmax kernels are not built on CPU", aliases="megatron")

@@ -12,7 +12,10 @@ i - pre_tockens <= j <= i + next_tockens (also causal in a causal layer).
 """
 from __future__ import annotations
 
+import functools
+
 from mindspeed.backends import get_backend
+from mindspeed.features.fused.megatron_specs import GPT_LAYER_SPECS, LOCAL_SPEC_PROVIDER, has_local_spec_provider
 
 SPARSE_MODES = (0, 1, 2, 3, 4)   # features.py lists the same modes
 NO_LIMIT = 2**31 - 1
@@ -56,7 +59,7 @@ def _flash_class():
         def _defer(self, attention_bias, packed_seq_params) -> bool:
             return (self.config.context_parallel_size > 1 or attention_bias is not None
                     or packed_seq_params is not None or getattr(self, "softmax_offset", None) is not None
-                    or self.scale_mask_softmax.window_size is not None)
+                    or getattr(self.scale_mask_softmax, "window_size", None) is not None)   # core >= 0.13
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
@@ -105,8 +108,18 @@ def _core_attention_spec(settings: dict):
     return core_attention
 
 
+def _class_with_settings(settings: dict):
+    """core 0.12's spec names a class, not a ModuleSpec: bind the settings into a subclass."""
+    cls = flash_attention_class()
+    return type(cls.__name__, (cls,), {"__init__": functools.partialmethod(cls.__init__, **settings)})
+
+
 def install(patcher, args) -> None:
     settings = dict(sparse_mode=getattr(args, "sparse_mode", 0), pre_tokens=getattr(args, "pre_tockens", 65536),
                     next_tokens=getattr(args, "next_tockens", 0))
-    patcher.replace("megatron.core.models.backends.LocalSpecProvider.core_attention",
-                    _core_attention_spec(settings), reason="--use-flash-attn")
+    if has_local_spec_provider():
+        patcher.replace(f"{LOCAL_SPEC_PROVIDER}.core_attention", _core_attention_spec(settings),
+                        reason="--use-flash-attn")
+    else:
+        patcher.replace(f"{GPT_LAYER_SPECS}.DotProductAttention", _class_with_settings(settings),
+                        reason="--use-flash-attn")

@@ -1,6 +1,6 @@
 """--use-fused-rmsnorm: Megatron-Core's RMSNorm layers call kernels.rms_norm.
 
-Hook: the local spec provider's layer_norm (used for input/pre-MLP/qk norms) and the block's
+Hook: the local spec's norm (input/pre-MLP/qk norms; see megatron_specs.py) and the block's
 final-norm class both become FusedNorm, a factory like Megatron's WrappedTorchNorm that builds
 FusedRMSNorm for RMSNorm configs and defers to Megatron's own norm otherwise.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from mindspeed.backends import get_backend
+from mindspeed.features.fused.megatron_specs import GPT_LAYER_SPECS, LOCAL_SPEC_PROVIDER, has_local_spec_provider
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -42,6 +43,10 @@ def _layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
 
 def install(patcher, args) -> None:
     why = "--use-fused-rmsnorm"
-    patcher.replace("megatron.core.models.backends.LocalSpecProvider.layer_norm", _layer_norm, reason=why)
+    if has_local_spec_provider():
+        patcher.replace(f"{LOCAL_SPEC_PROVIDER}.layer_norm", _layer_norm, reason=why)
+    else:   # core 0.12: RMSNorm configs rebind LNImpl to WrappedTorchNorm inside the spec builder
+        patcher.replace(f"{GPT_LAYER_SPECS}.WrappedTorchNorm", FusedNorm, reason=why)
+        patcher.replace(f"{GPT_LAYER_SPECS}.LNImpl", FusedNorm, reason=why)
     patcher.replace("megatron.core.transformer.transformer_block.LayerNormImpl", FusedNorm,
                     reason=why + " (final norm)")

@@ -20,7 +20,7 @@ def fused_bias_swiglu(input, bias, fp8_input_store=False, cpu_offload_input=Fals
 
 def _silu_glu(config):
     return True if (config.gated_linear_unit and config.activation_func is F.silu
-                    and not config.use_te_activation_func) else None
+                    and not getattr(config, "use_te_activation_func", False)) else None   # field new in core 0.13
 
 
 def install(patcher, args) -> None:

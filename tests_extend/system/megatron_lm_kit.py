@@ -1,0 +1,65 @@
+"""Megatron-LM snapshots for the system tests: find them, unpack one as a user's checkout (with
+the one import line added to its pretrain_gpt.py), launch it through train_distributed.sh.
+
+Snapshots: $MINDSPEED_MEGATRON_LM_SNAPSHOTS, else ../shared/megatron-lm/ next to the checkout
+(files Megatron-LM-core_v<version>.tar.gz). The project never needs them to run.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+from mindspeed.net import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
+SNAPSHOT_ENV = "MINDSPEED_MEGATRON_LM_SNAPSHOTS"
+VERSIONS = ("0.12.1", "0.16.1")
+IMPORT_LINE = "import mindspeed.megatron_adaptor"
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+
+# a model that trains in seconds; every run of the matrix uses it
+TINY = dict(NUM_LAYERS="4", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="64", MICRO_BATCH="2",
+            GLOBAL_BATCH="8", TRAIN_ITERS="10", LR="1e-2", MIN_LR="1e-3", WARMUP_ITERS="1",
+            LOG_INTERVAL="1", EVAL_INTERVAL="1000", EVAL_ITERS="0", SPLIT="90,10,0")
+
+
+def snapshot_dir() -> str | None:
+    candidates = [os.environ.get(SNAPSHOT_ENV), os.path.join(os.path.dirname(ROOT), "shared", "megatron-lm")]
+    return next((c for c in candidates if c and os.path.isdir(c)), None)
+
+
+def snapshot(version: str) -> str | None:
+    directory = snapshot_dir()
+    path = directory and os.path.join(directory, f"Megatron-LM-core_v{version}.tar.gz")
+    return path if path and os.path.isfile(path) else None
+
+
+def unpack_checkout(version: str, dest: str) -> str:
+    """A user's Megatron-LM checkout: the snapshot with the import line under `import torch`."""
+    with tarfile.open(snapshot(version)) as tar:
+        tar.extractall(dest, filter="data")
+    script = os.path.join(dest, "pretrain_gpt.py")
+    lines = open(script).read().split("\n")
+    at = lines.index("import torch")
+    lines.insert(at + 1, IMPORT_LINE)
+    with open(script, "w") as f:
+        f.write("\n".join(lines))
+    return dest
+
+
+def launch(checkout: str, nproc: int, args=(), env=None, timeout: int = 420) -> subprocess.CompletedProcess:
+    """train_distributed.sh with MEGATRON_LM=checkout (the user's way), tiny model."""
+    full_env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(free_port()), MEGATRON_LM=checkout,
+                    NPUS_PER_NODE=str(nproc), TP="1", PP="1", CP="1", EP="1", FUSED="0", **TINY)
+    full_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full_env.get("PATH", "")  # helpers build
+    full_env.update(env or {})
+    return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def losses(output: str) -> dict[int, float]:
+    return {int(it): float(loss) for it, loss in LOSS.findall(output)}

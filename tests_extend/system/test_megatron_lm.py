@@ -1,0 +1,143 @@
+"""Megatron-LM's own pretrain_gpt.py with the one import line, on CPU/gloo, for each tested
+Megatron-LM version: launched the user's way (train_distributed.sh with MEGATRON_LM=<checkout>),
+flags as a Megatron user writes them (default --distributed-backend nccl, no CPU-specific flag).
+
+Each parallel layout runs once per version; fused-kernel flags and the data source (Megatron's
+mock data / MindSpeed's indexed dataset) alternate so each layout x version meets both sides of
+at least one of them. The full cross product is tests_extend/system/megatron_lm_matrix.py.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests_extend.system import megatron_lm_kit as kit
+
+PREPROCESS = os.path.join(kit.ROOT, "tests_extend", "example", "preprocess_data.py")
+UNFUSED = ["--no-rope-fusion"]   # Megatron's default rope fusion is served by MindSpeed's kernel
+
+# name: (processes, environment, extra flags, features MindSpeed must report)
+CONFIGS = {
+    "tp2-fused": (2, {"TP": "2", "FUSED": "1"}, [],
+                  {"tensor-parallel", "fused-rmsnorm", "fused-swiglu", "fused-rotary-pos-emb", "flash-attn"}),
+    "pp2-vpp": (2, {"PP": "2"}, ["--num-layers-per-virtual-pipeline-stage", "1"] + UNFUSED,
+                {"pipeline-parallel"}),
+    "dp2-distopt-fused": (2, {"FUSED": "1"}, ["--use-distributed-optimizer"],
+                          {"distributed-optimizer", "fused-rmsnorm"}),
+    "cp2-ulysses-fused": (2, {"CP": "2", "FUSED": "1"}, ["--context-parallel-algo", "ulysses_cp_algo"],
+                          {"ulysses-cp-algo", "flash-attn"}),
+    "cp2-ring": (2, {"CP": "2"}, ["--context-parallel-algo", "megatron_cp_algo"] + UNFUSED,
+                 {"megatron-cp-algo"}),
+    "cp4-hybrid-fused": (4, {"CP": "4", "FUSED": "1"},
+                         ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
+                         {"hybrid-cp-algo", "flash-attn"}),
+    "moe-ep2-fused": (2, {"EP": "2", "NUM_EXPERTS": "4", "FUSED": "1"},
+                      ["--bf16", "--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute",
+                       "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"],
+                      {"expert-parallel", "moe-grouped-gemm", "fused-moe-token-permute-and-unpermute"}),
+}
+MOCK = {"pp2-vpp", "cp2-ulysses-fused", "cp4-hybrid-fused"}   # the others read the indexed dataset
+
+
+def _skip_reason(version):
+    if kit.snapshot(version) is None:
+        return (f"no Megatron-LM core_v{version} snapshot: set ${kit.SNAPSHOT_ENV} or provide "
+                f"../shared/megatron-lm/ (CI has it)")
+    return None
+
+
+@pytest.fixture(scope="module", params=kit.VERSIONS, ids=lambda v: f"core_v{v}")
+def checkout(request, tmp_path_factory):
+    reason = _skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    return kit.unpack_checkout(request.param, str(tmp_path_factory.mktemp(f"megatron-lm-{request.param}")))
+
+
+@pytest.fixture(scope="module")
+def indexed_dataset(tmp_path_factory):
+    """MindSpeed's own indexed dataset (char-level tokenizer saved beside it)."""
+    root = tmp_path_factory.mktemp("mlm-data")
+    words = ["the king", "a fool", "my lord", "the queen", "loves", "fears", "the crown", "the sea"]
+    for i in range(12):
+        (root / f"doc{i}.txt").write_text(
+            "\n".join(f"{words[(i + j) % 4]} {words[4 + j % 2]} {words[6 + (i * j) % 2]}." for j in range(300)))
+    prefix = str(root / "corpus")
+    result = subprocess.run([sys.executable, PREPROCESS, "--input", str(root), "--output-prefix", prefix],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return prefix
+
+
+def _mindspeed_features(output):
+    line = next(l for l in output.splitlines() if l.startswith("> MindSpeed backend"))
+    return set(line.split("features: ", 1)[1].split(";")[0].split(", "))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_pretrain_gpt_trains(checkout, indexed_dataset, name):
+    nproc, env, extra, expected = CONFIGS[name]
+    env = dict(env, **({"MOCK_DATA": "1"} if name in MOCK else {"DATA_PATH": indexed_dataset}))
+    result = kit.launch(checkout, nproc, extra, env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    losses = kit.losses(output)
+    assert sorted(losses) == list(range(1, 11)), output[-3000:]
+    assert all(0 < loss < 20 for loss in losses.values()), losses
+    if name not in MOCK:   # real text: the model learns within 10 iterations
+        assert losses[10] < losses[1] - 0.3, losses
+    assert expected <= _mindspeed_features(output), output[-3000:]
+    assert "gradient-accumulation-fusion" in _mindspeed_features(output)   # Megatron's default, MindSpeed's kernel
+
+
+def test_misspelt_flag_is_an_error(checkout):
+    result = kit.launch(checkout, 1, ["--use-fused-rmsnrom"], {"MOCK_DATA": "1"}, timeout=240)
+    assert result.returncode != 0
+    assert "unrecognized arguments: --use-fused-rmsnrom" in result.stderr
+
+
+def test_mindspore_without_msadapter_is_refused_at_import(checkout):
+    result = kit.launch(checkout, 1, ["--backend", "mindspore"], {"MOCK_DATA": "1"}, timeout=240)
+    assert result.returncode != 0
+    lines = [l for l in result.stderr.splitlines() if l.startswith("MindSpeed:")]
+    assert lines and "only through MSAdapter" in lines[0] and "--backend mindspore" in lines[0], result.stderr[-2000:]
+    assert "iteration" not in result.stdout
+
+
+def test_describe_lists_the_training_shim_and_unadapt_removes_it(checkout):
+    code = (
+        "import sys, torch; sys.argv = ['pretrain_gpt.py']\n"
+        "import mindspeed.megatron_adaptor as m\n"
+        "import megatron.training.initialize as init, megatron.training.arguments as margs\n"
+        "described = m.STATE.patcher.describe()\n"
+        "for needle in ('initialize_megatron', 'torch.cuda.device_count', 'fused_kernels.load',\n"
+        "               'CUDA_DEVICE_MAX_CONNECTIONS', 'parse_args', 'validate_args'):\n"
+        "    assert needle in described, (needle, described)\n"
+        "assert torch.cuda.device_count() == 1 and init.parse_args is margs.parse_args\n"
+        "wrapped = init.initialize_megatron\n"
+        "import mindspeed; mindspeed.unadapt()\n"
+        "assert torch.cuda.device_count() == 0 and init.initialize_megatron is not wrapped\n"
+        "assert 'mindspeed' not in margs.parse_args.__module__ and init.parse_args is margs.parse_args\n"
+        "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout, kit.ROOT]))
+    result = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_untested_megatron_version_is_refused(tmp_path):
+    """A Megatron-LM checkout outside the tested window: one line naming the tested versions."""
+    pkg = tmp_path / "megatron"
+    (pkg / "training").mkdir(parents=True)
+    (pkg / "core").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "training" / "__init__.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "package_info.py").write_text("__version__ = '0.11.0'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), kit.ROOT]))
+    result = subprocess.run([sys.executable, "-c", "import torch\nimport mindspeed.megatron_adaptor"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        "MindSpeed: Megatron-LM 0.11.0 is not supported; tested with 0.12.1, 0.16.1 (check out core_v0.16.1)")
