@@ -271,7 +271,7 @@ def derive_args(args, world_size: int | None = None) -> None:
     if args.tokenizer_type is None and args.vocab_file and args.merge_file:
         args.tokenizer_type = "GPT2BPETokenizer"   # the one tokenizer that reads both files
     args.load_note = None
-    if False:
+    if _nothing_to_resume(args):
         args.load_note = (f"> --load {args.load}: no checkpoint yet in this --save directory; "
                           "starting from iteration 0")
         args.load = None
