@@ -80,16 +80,19 @@ def _implementation(parser: argparse.ArgumentParser) -> None:
                    help="attention masking and softmax in fp32 for fp16/bf16 models")
     g.add_argument("--apply-query-key-layer-scaling", action="store_true",
                    help="scale Q.K^T by 1/layer-number (fp16 range); forces softmax in fp32")
-    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                   help="the GELU MLP is never fused here (Megatron's fusion is torch.compile'd)")
     g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
                    help="contradicts --use-fused-swiglu")
-    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion")
+    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                   help="bias-dropout-add is never fused here")
     g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
                    help="contradicts --use-fused-rotary-pos-emb")
-    g.add_argument("--no-persist-layer-norm", action="store_true")
+    g.add_argument("--no-persist-layer-norm", action="store_true",
+                   help="Apex's persistent LayerNorm is never used here")
     # shares its dest with MindSpeed's --gradient-accumulation-fusion feature flag (off by default)
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
-                   default=False)
+                   default=False, help="undo --gradient-accumulation-fusion (off unless that is given)")
 
 
 def _training(parser: argparse.ArgumentParser) -> None:

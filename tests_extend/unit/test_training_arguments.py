@@ -83,6 +83,25 @@ def test_megatron_gpt3_example_flags_all_parse(tmp_path, gpt2_files):
     assert args.load is None and "no checkpoint yet" in args.load_note
 
 
+def test_mindspeed_upstream_example_flags_all_parse(tmp_path, gpt2_files):
+    """The flags of MindSpeed's tests_extend/example/train_distributed.sh upstream, small values."""
+    vocab, merges = gpt2_files
+    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--num-layers-per-virtual-pipeline-stage", "1", "--num-layers", "4", "--hidden-size", "64",
+            "--ffn-hidden-size", "224", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "16",
+            "--make-vocab-size-divisible-by", "1", "--lr", "1.0e-6", "--train-iters", "100",
+            "--init-method-std", "0.01", *MINDSPEED_EXAMPLE_FLAGS[:2], "--min-lr", "1.0e-7",
+            "--weight-decay", "0.1", "--clip-grad", "1.0", *MINDSPEED_EXAMPLE_FLAGS[2:4], "--disable-bias-linear",
+            "--lr-warmup-fraction", "0.01", "--fp16", "--split", "990,5,5",
+            "--data-path", str(tmp_path / "corpus_text_document"), "--vocab-file", vocab, "--merge-file", merges,
+            MINDSPEED_EXAMPLE_FLAGS[4], "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "10000",
+            "--eval-iters", "10", "--distributed-backend", "nccl"]
+    args = parse_args(argv, world_size=4)
+    assert args.lr_warmup_iters == 1 and args.tokenizer_type == "GPT2BPETokenizer"
+    assert args.distributed_backend == "nccl" and args.initial_loss_scale == 4096.0
+
+
 def test_megatron_defaults_of_the_new_flags():
     args = parse_args([], world_size=1)
     assert args.masked_softmax_fusion and args.bias_gelu_fusion and args.bias_swiglu_fusion
