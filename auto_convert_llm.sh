@@ -16,8 +16,9 @@ usage: ./auto_convert_llm.sh [--backend torch|mindspore|both] [--venv DIR] [--py
   --venv DIR    virtual environment to create or reuse (default: ./.venv)
   --python PY   interpreter that creates the venv (default: python3; 3.10 or newer)
   --fetch       also clone MSAdapter and Megatron-LM at the commits pinned in
-                mindspeed/versions.py (GIT_PINS) into ./third_party; skipped with a message
-                when offline or when a commit is not pinned
+                mindspeed/versions.py (GIT_PINS) into ./third_party, and install what
+                Megatron-LM's megatron.training imports (setup.py extra "megatron-lm");
+                a checkout is skipped with a message when offline or when no commit is pinned
   --no-data     do not prepare the example dataset (python -m mindspeed.data)
   --help        this text
 
@@ -72,6 +73,7 @@ PY="$VENV/bin/python"
 # every choice keeps core: the MindSpore trainer's data tools and the adaptor use Megatron-Core
 PIP_GROUPS="core test"
 if [ "$BACKEND" != torch ]; then PIP_GROUPS="core mindspore test"; fi
+if [ "$FETCH" = 1 ]; then PIP_GROUPS="$PIP_GROUPS megatron-lm"; fi   # what megatron.training imports
 REQ_TEXT=$("$PY" "$ROOT/mindspeed/versions.py" $PIP_GROUPS) || die "cannot read mindspeed/versions.py"
 mapfile -t REQS < <(printf '%s\n' "$REQ_TEXT" | sort -u)
 step "packages: ${REQS[*]}"
@@ -136,6 +138,7 @@ fi
 
 # --- 5. optional source checkouts at pinned commits ------------------------------------------------
 EXTRA_PATH=""
+MEGATRON_DIR=""
 if [ "$FETCH" = 1 ]; then
   step "source checkouts (GIT_PINS in mindspeed/versions.py)"
   while IFS='|' read -r name url commit; do
@@ -158,6 +161,7 @@ if [ "$FETCH" = 1 ]; then
       ok "$name at $commit"
     fi
     [ "$name" = MSAdapter ] && [ -d "$dest/mindtorch" ] && EXTRA_PATH="$dest/mindtorch:"
+    [ "$name" = Megatron-LM ] && MEGATRON_DIR="$dest"
   done < <("$PY" -c 'import runpy, sys; p = runpy.run_path(sys.argv[1])["GIT_PINS"]; [print(f"{k}|{u}|{c}") for k, (u, c) in p.items()]' "$ROOT/mindspeed/versions.py")
 fi
 
@@ -165,6 +169,10 @@ fi
 step "ready"
 echo "    source $VENV/bin/activate"
 echo "    export PYTHONPATH=${EXTRA_PATH}$ROOT\${PYTHONPATH:+:\$PYTHONPATH}"
+if [ -n "$MEGATRON_DIR" ]; then
+  echo "    export MEGATRON_LM=$MEGATRON_DIR   # train_distributed.sh then runs its own pretrain_gpt.py"
+  echo "    (add 'import mindspeed.megatron_adaptor' under 'import torch' in $MEGATRON_DIR/pretrain_gpt.py)"
+fi
 if [ -n "$EXTRA_PATH" ]; then
   echo "    (MSAdapter first on PYTHONPATH: 'import torch' is MindSpore underneath and MindSpeed picks the mindspore backend)"
 fi

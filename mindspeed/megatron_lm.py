@@ -147,6 +147,18 @@ class MegatronLMHooks:
             print("> MindSpeed " + p.describe().replace("\n", "; "), flush=True)
 
 
+def _route_cp_batch_sharding(original):
+    """Megatron-LM's get_batch shards for its own (load-balanced ring) layout; MindSpeed's CP
+    algorithms each expect their own. Bound at import, before pretrain_gpt.py imports the name;
+    routes to the CP feature's sharding once that feature is applied."""
+    def get_batch_on_this_cp_rank(batch, *args, **kwargs):
+        from mindspeed.features.context_parallel import sharding
+        if sharding.active():
+            return sharding.get_batch_on_this_cp_rank(batch)
+        return original(batch, *args, **kwargs)
+    return get_batch_on_this_cp_rank
+
+
 def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptState:
     """The import hook under Megatron-LM: version check, backend + device shim, parser hooks."""
     from mindspeed.adaptor_core import _msadapter_active, current, unadapt
@@ -173,5 +185,7 @@ def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptStat
     patcher.wrap("megatron.training.arguments.validate_args", hooks.wrap_validate_args,
                  reason="device backend, then MindSpeed's gate and features after Megatron's checks",
                  aliases="megatron")
+    patcher.wrap("megatron.core.utils.get_batch_on_this_cp_rank", _route_cp_batch_sharding,
+                 reason="batches sharded as the active MindSpeed CP algorithm expects", aliases="megatron")
     set_current(state)
     return state

@@ -9,17 +9,23 @@ MINDSPORE = "mindspore==2.10.0"
 CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors==0.8.0", "tensorboard==2.21.0"]
 MINDSPORE_REQUIREMENTS = [MINDSPORE, NUMPY]
 TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1"]
+# what Megatron-LM's megatron.training imports beyond megatron-core (pybind11 builds its dataset
+# helpers; einops for core_v0.12); `pip install -e ".[megatron-lm]"`
+MEGATRON_LM_REQUIREMENTS = ["regex==2026.11.15", "pyyaml==6.0.3", "pydantic==2.14.3", "pybind11==3.1.0",
+                            "einops==0.8.2"]
 
 # Source checkouts auto_convert_llm.sh --fetch can add (git URL, full commit id: never a branch).
-# A commit left as None is not fetched (the script says so): none could be verified from the
-# offline machine these pins were written on; set a 40-hex commit to enable the fetch.
+# A commit left as None is not fetched (the script says so). Megatron-LM's commit is the tag the
+# system tests run (tests_extend/system/test_megatron_lm.py; core_v0.12.1 is a845aa7e12b3a117e24c2352b9e3e60bad2e3a17).
 GIT_PINS = {
     "MSAdapter": ("https://openi.pcl.ac.cn/OpenI/MSAdapter.git", None),
-    "Megatron-LM": ("https://github.com/NVIDIA/Megatron-LM.git", None),
+    "Megatron-LM": ("https://github.com/NVIDIA/Megatron-LM.git",
+                    "55ac7082517c3878ae653c07c09c534b8aed49f6"),   # tag core_v0.16.1
 }
 
 if __name__ == "__main__":   # `python mindspeed/versions.py [extra...]` prints pip requirement lines
     import sys
-    groups = {"core": CORE_REQUIREMENTS, "mindspore": MINDSPORE_REQUIREMENTS, "test": TEST_REQUIREMENTS}
+    groups = {"core": CORE_REQUIREMENTS, "mindspore": MINDSPORE_REQUIREMENTS, "test": TEST_REQUIREMENTS,
+              "megatron-lm": MEGATRON_LM_REQUIREMENTS}
     for name in sys.argv[1:] or ["core"]:
         print("\n".join(groups[name]))

@@ -89,12 +89,15 @@ def _memory_stat(*args, **kwargs):
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites device='cuda' (and Tensor.cuda()) to cpu inside Megatron-Core's calls."""
+    """Rewrites device='cuda' (and Tensor.cuda()) to cpu inside Megatron-Core's calls; drops
+    pin_memory requests (CPU-only torch has no pinned allocator)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False   # no pinned allocator without an accelerator
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs["device"] = "cpu"
@@ -224,6 +227,7 @@ def apply_cpu_shim(patcher) -> None:
     patcher.wrap("torch.Tensor.type", _wrap_tensor_type,
                  reason="Megatron optimizers check tensor.type() == 'torch.cuda.FloatTensor'")
     _define_missing_te_names(patcher)
+    _skip_empty_fp8_quantize(patcher)
     patcher.enter("torch.overrides.TorchFunctionMode[CudaToCpuMode]", CudaToCpuMode(),
                   reason="device='cuda' / .cuda() -> cpu")
 
@@ -234,6 +238,32 @@ def _define_missing_te_names(patcher) -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         patcher.define("megatron.core.transformer.moe.moe_utils.te_general_gemm", None,
                        reason="Transformer Engine absent")
+
+
+def _wrap_quantize_param_shard(original):
+    def quantize_param_shard(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None      # nothing is fp8: the TE-less fallback would raise for nothing
+        return original(model_params, *args, **kwargs)
+    return quantize_param_shard
+
+
+def _skip_empty_fp8_quantize(patcher) -> None:
+    """core 0.12's distributed optimizer calls quantize_param_shard on every step, and without
+    Transformer Engine that raises even when no parameter is fp8."""
+    import megatron.core.fp8_utils as fp8_utils
+    from megatron.core.utils import is_te_min_version   # noqa: F401  (present in every tested core)
+    if hasattr(fp8_utils, "quantize_param_shard") and _raises_without_te(fp8_utils):
+        patcher.wrap("megatron.core.fp8_utils.quantize_param_shard", _wrap_quantize_param_shard,
+                     reason="TE-less core 0.12 raises on an empty fp8 parameter list", aliases="megatron")
+
+
+def _raises_without_te(fp8_utils) -> bool:
+    try:
+        fp8_utils.quantize_param_shard([], [], [], None)
+    except RuntimeError:
+        return True
+    return False
 
 
 def apply_npu_shim(patcher) -> None:

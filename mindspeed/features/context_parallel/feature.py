@@ -70,7 +70,8 @@ class _ContextParallel(Feature):
             megatron_hook.install(ctx.patcher, megatron_hook.CPOptions(args))
             from megatron.core import parallel_state
             provider = parallel_state.get_context_parallel_group
-        sharding.set_options(self.algo, u, provider)
+        ctx.patcher.replace(f"{sharding.__name__}._state", sharding.options_state(self.algo, u, provider),
+                            reason=f"batch sharding for {self.algo}")
         ctx.add_hook("shard_batch", sharding.get_batch_on_this_cp_rank)
         ctx.add_hook("context_parallel_attention", context_parallel_attention)
 

@@ -59,14 +59,15 @@ def shard_batch(batch: dict, *, algo: str, size: int, rank: int, ulysses_degree:
     return out
 
 
-def set_options(algo: str, ulysses_degree: int | None = None, group_provider=None) -> None:
-    """Recorded by the CP feature's apply hook: the algorithm and how to find the CP group."""
-    _state["options"] = (algo, ulysses_degree)
-    _state["group_provider"] = group_provider
+def options_state(algo: str, ulysses_degree: int | None = None, group_provider=None) -> dict:
+    """What the CP feature's apply hook installs as `_state` (through the patch manager, so
+    unadapt() restores the inactive state): the algorithm and how to find the CP group."""
+    return {"options": (algo, ulysses_degree), "group_provider": group_provider}
 
 
-def clear_options() -> None:
-    _state["options"] = _state["group_provider"] = None
+def active() -> bool:
+    """A CP algorithm has been configured by the feature's apply hook."""
+    return _state["options"] is not None
 
 
 def get_batch_on_this_cp_rank(batch: dict, group=None) -> dict:
