@@ -30,7 +30,7 @@ def _network(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=256)
     g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="default: 4*hidden, or 8/3*hidden rounded to 64 with --swiglu")
+                   help="default: 4*hidden, or 8/3*hidden rounded down to 64 with --swiglu (as Megatron-LM)")
     g.add_argument("--num-attention-heads", type=int, default=4)
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None)
@@ -248,8 +248,8 @@ def derive_args(args, world_size: int | None = None) -> None:
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.ffn_hidden_size is None:
-        if args.swiglu:   # keep the MLP parameter count of a 4h GELU MLP, rounded to 64
-            args.ffn_hidden_size = max(64, int(round(8 * args.hidden_size / 3 / 64)) * 64)
+        if args.swiglu:   # as Megatron-LM: 2/3 of a 4h GELU MLP, rounded down to 64 (at least 64)
+            args.ffn_hidden_size = max(64, int(8 * args.hidden_size / 3 / 64) * 64)
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
     if args.kv_channels is None and args.num_attention_heads:

@@ -17,6 +17,9 @@ from tests_extend.system import megatron_lm_kit as kit
 
 PREPROCESS = os.path.join(kit.ROOT, "tests_extend", "example", "preprocess_data.py")
 UNFUSED = ["--no-rope-fusion"]   # Megatron's default rope fusion is served by MindSpeed's kernel
+# Megatron-LM's default dropout (0.1) draws different masks when the sequence is split: the CP runs
+# and their single-process reference turn it off so their losses can be compared
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
 # name: (processes, environment, extra flags, features MindSpeed must report)
 CONFIGS = {
@@ -26,12 +29,12 @@ CONFIGS = {
                 {"pipeline-parallel"}),
     "dp2-distopt-fused": (2, {"FUSED": "1"}, ["--use-distributed-optimizer"],
                           {"distributed-optimizer", "fused-rmsnorm"}),
-    "cp2-ulysses-fused": (2, {"CP": "2", "FUSED": "1"}, ["--context-parallel-algo", "ulysses_cp_algo"],
+    "cp2-ulysses-fused": (2, {"CP": "2", "FUSED": "1"}, ["--context-parallel-algo", "ulysses_cp_algo"] + NO_DROPOUT,
                           {"ulysses-cp-algo", "flash-attn"}),
-    "cp2-ring": (2, {"CP": "2"}, ["--context-parallel-algo", "megatron_cp_algo"] + UNFUSED,
+    "cp2-ring": (2, {"CP": "2"}, ["--context-parallel-algo", "megatron_cp_algo"] + UNFUSED + NO_DROPOUT,
                  {"megatron-cp-algo"}),
     "cp4-hybrid-fused": (4, {"CP": "4", "FUSED": "1"},
-                         ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
+                         ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"] + NO_DROPOUT,
                          {"hybrid-cp-algo", "flash-attn"}),
     "moe-ep2-fused": (2, {"EP": "2", "NUM_EXPERTS": "4", "FUSED": "1"},
                       ["--bf16", "--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute",
@@ -87,7 +90,7 @@ def _train(checkout, nproc, extra, env):
 @pytest.fixture(scope="module")
 def single_process_losses(checkout, indexed_dataset):
     """The reference for context parallelism: one process, no CP, fused kernels on."""
-    return _train(checkout, 1, [], {"FUSED": "1", "DATA_PATH": indexed_dataset})[1]
+    return _train(checkout, 1, NO_DROPOUT, {"FUSED": "1", "DATA_PATH": indexed_dataset})[1]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -157,3 +160,33 @@ def test_untested_megatron_version_is_refused(tmp_path):
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == (
         "MindSpeed: Megatron-LM 0.11.0 is not supported; tested with 0.12.1, 0.16.1 (check out core_v0.16.1)")
+
+
+# same model, seed, data and optimizer through both entry points; Megatron-LM's defaults that the
+# built-in trainer does not share (dropout 0.1, Adam beta2 0.999) are given explicitly
+PARITY_FLAGS = NO_DROPOUT + ["--adam-beta2", "0.95", "--seed", "1234"]
+PARITY_ENV = {"NUM_LAYERS": "2", "GLOBAL_BATCH": "4"}
+
+
+@pytest.fixture(scope="module")
+def builtin_losses(indexed_dataset):
+    env = dict(os.environ, PYTHON=sys.executable, NPUS_PER_NODE="1", **kit.TINY)
+    env.update(PARITY_ENV, TP="1", FUSED="0", DATA_PATH=indexed_dataset, MASTER_PORT=str(kit.free_port()))
+    env.pop("MEGATRON_LM", None)
+    result = subprocess.run(["bash", kit.SCRIPT, *PARITY_FLAGS], cwd=kit.ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return kit.losses(result.stdout + result.stderr)
+
+
+def test_same_losses_as_the_builtin_trainer(checkout, indexed_dataset, builtin_losses):
+    """fp32, 10 iterations: Megatron-LM's loop and MindSpeed's trainer train the same model.
+    Megatron-LM 0.16 reports at iteration 2 the mean of iterations 1 and 2 (its log accumulator is
+    not reset after iteration 1); the grad norm and every later loss show the step itself is equal."""
+    _, mlm = _train(checkout, 1, PARITY_FLAGS + UNFUSED, dict(PARITY_ENV, DATA_PATH=indexed_dataset))
+    assert sorted(mlm) == sorted(builtin_losses) == list(range(1, 11))
+    for it in mlm:
+        expected = [builtin_losses[it]]
+        if it == 2:
+            expected.append((builtin_losses[1] + builtin_losses[2]) / 2)
+        assert min(abs(mlm[it] - e) for e in expected) <= 1e-5, (it, mlm, builtin_losses)
