@@ -3,18 +3,30 @@ no pickled code on load; common state is read with torch.load's default weights_
 
 Layout (Megatron's): <dir>/latest_checkpointed_iteration.txt and <dir>/iter_0000010/...
 Everything written here is files 0640 / directories 0750.
+
+A checkpoint is checked before it is loaded (`check_iteration`: every file present, the index
+`.metadata` parsed without running code, every shard file as long as the index says), on every
+rank and before any collective, so a truncated or missing file stops every rank with the same
+one-line CheckpointError that names the file and the last readable iteration. Nothing is written
+on that path: the tracker file and the checkpoints stay as they are.
 """
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import re
 
 import torch
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
-from mindspeed.training.errors import CheckpointError
+from mindspeed.training.errors import CheckpointError, one_line, resume_hint, unreadable
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE_MODE, DIR_MODE = 0o640, 0o750
+INDEX_FILE, COMMON_FILE, FORMAT_FILE = ".metadata", "common.pt", "metadata.json"
+_ITERATION_DIR = re.compile(r"iter_(\d{7})$")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -23,25 +35,165 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 def read_tracker(root: str, step: int | None = None) -> int:
     """The iteration to load: `step` when given, else the one recorded in
-    <root>/latest_checkpointed_iteration.txt; clear errors otherwise."""
+    <root>/latest_checkpointed_iteration.txt, after checking that its files can be read
+    (check_iteration); one-line CheckpointErrors otherwise, naming the last readable iteration."""
     if not os.path.isdir(root):
         raise CheckpointError(f"--load path {root!r} does not exist or is not a directory")
     if step is not None:
         if not os.path.isdir(iteration_dir(root, step)):
-            raise CheckpointError(f"--ckpt-step {step}: {iteration_dir(root, step)} does not exist")
-        return step
+            raise CheckpointError(f"--ckpt-step {step}: {iteration_dir(root, step)} does not exist; "
+                                  f"{resume_hint(root, last_readable(root))}")
+        iteration = step
+    else:
+        iteration = _tracked_iteration(root)
+    problem = check_iteration(iteration_dir(root, iteration))
+    if problem:
+        raise unreadable(root, iteration, problem, last_readable(root, exclude=iteration))
+    return iteration
+
+
+def _tracked_iteration(root: str) -> int:
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         raise CheckpointError(f"--load path {root!r} holds no {TRACKER}: not a checkpoint directory "
                               "written by --save")
-    text = open(tracker).read().strip()
+    try:
+        with open(tracker, encoding="utf-8", errors="replace") as f:
+            text = f.read().strip()
+    except OSError as err:
+        raise CheckpointError(f"cannot read {tracker}: {err.strerror}; "
+                              f"{resume_hint(root, last_readable(root))}") from err
     if not text.isdigit():
-        raise CheckpointError(f"{tracker} should hold an iteration number, found {text[:40]!r}")
+        raise CheckpointError(f"{tracker} should hold an iteration number, found {text[:40]!r}; "
+                              f"{resume_hint(root, last_readable(root))}")
     iteration = int(text)
     if not os.path.isdir(iteration_dir(root, iteration)):
         raise CheckpointError(f"{tracker} names iteration {iteration} but {iteration_dir(root, iteration)} "
-                              "is missing")
+                              f"is missing; {resume_hint(root, last_readable(root, exclude=iteration))}")
     return iteration
+
+
+# --- checking a checkpoint's files without loading it ------------------------------------------
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Reads torch.distributed.checkpoint's index (.metadata, a pickle) without running code: only
+    the classes such an index is made of can be named in it."""
+    _BUILTINS = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                 ("torch", "Size"), ("torch.serialization", "_get_layout")}
+
+    def find_class(self, module, name):
+        if (module, name) in self._BUILTINS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module.startswith("torch.distributed.checkpoint.") and not name.startswith("__"):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint index never holds "
+                                     "(not loaded: it could run code)")
+
+
+def read_index(directory: str):
+    """The torch.distributed.checkpoint Metadata of an iteration directory (restricted unpickling)."""
+    with open(os.path.join(directory, INDEX_FILE), "rb") as f:
+        return _IndexUnpickler(f).load()
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def check_iteration(directory: str) -> str | None:
+    """None when every file of the torch_dist checkpoint in `directory` is present and as long as
+    its index says; else the problem, naming the file (one phrase). Reads only the small files
+    (metadata.json, common.pt, .metadata) and the sizes of the shard files."""
+    if not os.path.isdir(directory):
+        return f"{directory} is missing"
+    for name in (FORMAT_FILE, COMMON_FILE, INDEX_FILE):
+        if not os.path.isfile(os.path.join(directory, name)):
+            return f"{os.path.join(directory, name)} is missing"
+    path = os.path.join(directory, FORMAT_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            if not isinstance(json.load(f), dict):
+                return f"{path} is not a Megatron checkpoint description"
+    except (OSError, ValueError) as err:
+        return f"{path} is unreadable ({_describe(err)})"
+    path = os.path.join(directory, COMMON_FILE)
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:   # a damaged zip or pickle surfaces as several exception types
+        return f"{path} is unreadable ({_describe(err)})"
+    path = os.path.join(directory, INDEX_FILE)
+    try:
+        index = read_index(directory)
+        storage = index.storage_data
+        needed: dict[str, int] = {}
+        for info in storage.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as err:   # EOFError, UnpicklingError, AttributeError, ... from a damaged index
+        return f"{path} is unreadable ({_describe(err)})"
+    for name, size in sorted(needed.items()):
+        shard = os.path.join(directory, name)
+        if not os.path.isfile(shard):
+            return f"{shard} is missing (the index {INDEX_FILE} lists it)"
+        have = os.path.getsize(shard)
+        if have < size:
+            return f"{shard} is truncated ({have} bytes, the index {INDEX_FILE} needs {size})"
+    return None
+
+
+def find_damaged_tensor(directory: str) -> str | None:
+    """After a failed load: decode every tensor of every shard file (as the loader does) and name
+    the first one that cannot be read; None when all decode (the problem is elsewhere)."""
+    import io
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    try:
+        index = read_index(directory)
+    except Exception as err:
+        return f"{os.path.join(directory, INDEX_FILE)} is unreadable ({_describe(err)})"
+    by_file: dict[str, list] = {}
+    for key, info in index.storage_data.items():
+        if isinstance(index.state_dict_metadata.get(key.fqn), TensorStorageMetadata):
+            by_file.setdefault(info.relative_path, []).append((info.offset, info.length, key.fqn))
+    for name, items in sorted(by_file.items()):
+        shard = os.path.join(directory, name)
+        try:
+            with open(shard, "rb") as f:
+                for offset, length, fqn in sorted(items):
+                    f.seek(offset)
+                    blob = f.read(length)
+                    try:
+                        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+                    except Exception as err:
+                        return f"{shard} is corrupt: tensor {fqn!r} at byte {offset} cannot be decoded " \
+                               f"({_describe(err)})"
+        except OSError as err:
+            return f"{shard} is unreadable ({_describe(err)})"
+    return None
+
+
+def checkpoint_iterations(root: str) -> list[int]:
+    """The iterations with an iter_NNNNNNN directory under root, newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = (_ITERATION_DIR.match(n) for n in names)
+    return sorted((int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0)))),
+                  reverse=True)
+
+
+def last_readable(root: str, exclude: int | None = None) -> int | None:
+    """The newest iteration under root (other than `exclude`) whose files pass check_iteration."""
+    for iteration in checkpoint_iterations(root):
+        if iteration != exclude and check_iteration(iteration_dir(root, iteration)) is None:
+            return iteration
+    return None
 
 
 def _restrict_permissions(path: str) -> None:
@@ -130,15 +282,33 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
         state.update(iteration=0, consumed_train_samples=0, opt_param_scheduler={}, checkpoint_version=0.0)
     try:
         loaded = dist_checkpointing.load(state, path)
-    except Exception as err:   # a mismatch surfaces as many different exception types
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(err).__name__}: {err}") from err
-    with torch.no_grad():   # main params are views of the model's parameters
-        for key, chunk in zip(_model_keys(chunks), chunks):
-            _unwrap(chunk).load_state_dict(loaded[key])
-        if use_optim:
-            optimizer.load_state_dict(loaded["optimizer"])
-            _restore_adam_steps(optimizer)
+    except (Exception, CheckpointException) as err:   # CheckpointException is a BaseException
+        raise _load_failure(root, iteration, err) from None
+    try:
+        with torch.no_grad():   # main params are views of the model's parameters
+            for key, chunk in zip(_model_keys(chunks), chunks):
+                _unwrap(chunk).load_state_dict(loaded[key])
+            if use_optim:
+                optimizer.load_state_dict(loaded["optimizer"])
+                _restore_adam_steps(optimizer)
+    except (KeyError, ValueError, RuntimeError) as err:   # state that does not fit this model
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {_describe(err)}") from None
     if finetune:
         return 0, 0
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     return int(loaded["iteration"]), int(loaded["consumed_train_samples"])
+
+
+def _load_failure(root: str, iteration: int, err: BaseException) -> CheckpointError:
+    """One line for a load that failed after check_iteration passed. torch.distributed.checkpoint
+    gathers every rank's failure and raises the same CheckpointException on all of them, so every
+    rank builds the same line. A file that cannot be decoded is named; anything else (a model that
+    does not match the checkpoint) is summarised from the first failing rank's exception."""
+    path = iteration_dir(root, iteration)
+    damaged = find_damaged_tensor(path)
+    if damaged:
+        return unreadable(root, iteration, damaged, last_readable(root, exclude=iteration))
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, (cause, _trace) = min(err.failures.items(), key=lambda kv: kv[0])
+        return CheckpointError(f"cannot load checkpoint {path}: {_describe(cause)} (rank {rank})")
+    return CheckpointError(f"cannot load checkpoint {path}: {one_line(_describe(err))}")

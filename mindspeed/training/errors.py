@@ -1,6 +1,30 @@
 """Errors a user can fix (bad flags, data, checkpoints): reported as one line, before work starts.
 Framework-free so either trainer and the entry point can import them cheaply."""
+from __future__ import annotations
 
 
 class CheckpointError(RuntimeError):
-    """A --load directory or checkpoint that cannot be used."""
+    """A --load directory or checkpoint that cannot be used. The message is one line."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    """`text` with its line breaks folded and cut to `limit` characters (an error line, not a log)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def resume_hint(root: str, readable: int | None) -> str:
+    """The part of an unreadable-checkpoint message that says what can be loaded instead."""
+    if readable is None:
+        return f"no readable checkpoint is left in {root}"
+    return (f"the last readable checkpoint is iteration {readable}: load it with "
+            f"--load {root} --ckpt-step {readable}")
+
+
+def unreadable(root: str, iteration: int, problem: str, readable: int | None) -> CheckpointError:
+    """The one-line error for a checkpoint iteration whose files cannot be read."""
+    return CheckpointError(f"checkpoint iteration {iteration} in {root} cannot be read: {problem}; "
+                           f"{resume_hint(root, readable)} (nothing was changed)")

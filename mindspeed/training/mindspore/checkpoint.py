@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from mindspore import ops
 
+from mindspeed.training.errors import CheckpointError
 from mindspeed.training.mindspore import neutral_format as nf
 
 
@@ -35,13 +36,23 @@ def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -
     backend.comm.barrier()
 
 
-def load(path: str, model, optimizer=None, *, load_optimizer: bool = True) -> dict:
-    """Load weights (and the optimizer moments when present and wanted); returns meta."""
-    full, moments, meta = nf.load(path)
-    model.load_full(full)
-    if optimizer is not None and load_optimizer and moments is not None:
-        ps = model.ps
-        shards = {k: np.ascontiguousarray(nf.shard_for_rank(k, v, ps.tp_rank, ps.tp_size))
-                  for k, v in moments.items()}
-        optimizer.load_state_arrays(shards, int(meta.get("optimizer_steps", meta["iteration"])))
+def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step: int | None = None) -> dict:
+    """Load weights (and the optimizer moments when present and wanted) from the checkpoint root
+    or iteration directory `path` (iteration `step` of a root when given); returns meta.
+
+    Every rank reads and checks the files itself, with no collective on the way, so a checkpoint
+    that cannot be read (neutral_format.check_iteration) stops every rank with the same one-line
+    CheckpointError and no rank is left waiting for the others."""
+    full, moments, meta = nf.load(path, step)
+    try:
+        model.load_full(full)
+        if optimizer is not None and load_optimizer and moments is not None:
+            ps = model.ps
+            shards = {k: np.ascontiguousarray(nf.shard_for_rank(k, v, ps.tp_rank, ps.tp_size))
+                      for k, v in moments.items()}
+            optimizer.load_state_arrays(shards, int(meta.get("optimizer_steps", meta["iteration"])))
+    except (KeyError, ValueError) as err:      # same on every rank: the files are the same
+        detail = str(err).removeprefix("checkpoint does not fit this model: ") if isinstance(err, ValueError) \
+            else f"it holds no {err}"
+        raise CheckpointError(f"checkpoint {nf.resolve(path, step)} does not fit this model: {detail}") from None
     return meta

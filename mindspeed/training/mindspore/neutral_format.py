@@ -4,14 +4,23 @@ The tensors are stored whole (not sharded by tensor parallelism) under the names
 GPTModel uses in its state dict (local layer spec), so either backend at any TP size can load
 them: `shard_for_rank` cuts the tensor a TP rank holds, `unshard` joins them back. Needs numpy and
 safetensors only. Files are written 0640 in 0750 directories; loading never unpickles anything.
+
+Before a checkpoint is loaded its files are checked (`check_iteration`: each safetensors header
+parsed and the file as long as the header says, meta.json parsed), so a truncated or damaged file
+is refused with one line (CheckpointError) naming the file and the last readable iteration.
+Loading writes nothing: the tracker file and the checkpoints stay as they are.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import struct
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
+
+from mindspeed.training.errors import CheckpointError, resume_hint, unreadable
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -101,31 +110,166 @@ def _dump_text(text, path):
         f.write(text + "\n")
 
 
-def resolve(path: str) -> str:
-    """An iteration directory from a checkpoint root (via the tracker file) or the directory itself."""
-    if os.path.isfile(os.path.join(path, MODEL_FILE)):
-        return path
-    tracker = os.path.join(path, TRACKER_FILE)
-    if not os.path.isfile(tracker):
-        raise FileNotFoundError(f"{path!r} holds no MindSpeed neutral checkpoint (no {MODEL_FILE} and no {TRACKER_FILE})")
-    with open(tracker, encoding="utf-8") as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise ValueError(f"checkpoint tracker {tracker!r} is corrupt: {text!r}")
-    directory = iteration_dir(path, int(text))
-    if not os.path.isfile(os.path.join(directory, MODEL_FILE)):
-        raise FileNotFoundError(f"checkpoint tracker points at {directory!r}, which has no {MODEL_FILE}")
+_ITERATION_DIR = re.compile(r"iter_(\d{7})$")
+_HEADER_LIMIT = 100 * 2**20      # safetensors' own cap on the JSON header
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+             "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+def check_safetensors(path: str) -> str | None:
+    """None when `path` is a whole safetensors file (header parsed, every tensor's bytes inside
+    the file, the file exactly as long as the header says); else the problem, naming the file.
+    Reads the header only."""
+    if not os.path.isfile(path):
+        return f"{path} is missing"
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                return f"{path} is truncated ({size} bytes: not even a safetensors header)"
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > _HEADER_LIMIT:
+                return f"{path} is not a safetensors file (header length {header_len})"
+            if 8 + header_len > size:
+                return f"{path} is truncated ({size} bytes, its header alone needs {8 + header_len})"
+            header = json.loads(f.read(header_len).decode("utf-8"))
+    except OSError as err:
+        return f"{path} is unreadable ({err.strerror or err})"
+    except (UnicodeDecodeError, ValueError) as err:
+        return f"{path} has a damaged safetensors header ({type(err).__name__})"
+    if not isinstance(header, dict):
+        return f"{path} has a damaged safetensors header (not a JSON object)"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(v) for v in entry["data_offsets"])
+            count = int(np.prod([int(d) for d in entry["shape"]], dtype=np.int64))
+            itemsize = _ITEMSIZE[entry["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            return f"{path} has a damaged safetensors header (entry {name!r})"
+        if not 0 <= begin <= stop or stop - begin != count * itemsize:
+            return f"{path} has a damaged safetensors header (entry {name!r})"
+        end = max(end, stop)
+    if size < 8 + header_len + end:
+        return f"{path} is truncated ({size} bytes, its header needs {8 + header_len + end})"
+    if size > 8 + header_len + end:
+        return f"{path} has {size - 8 - header_len - end} bytes more than its header accounts for"
+    return None
+
+
+def check_iteration(directory: str) -> str | None:
+    """None when the neutral checkpoint in `directory` can be read (model, optimizer when present,
+    meta.json); else the problem, naming the file."""
+    if not os.path.isdir(directory):
+        return f"{directory} is missing"
+    problem = check_safetensors(os.path.join(directory, MODEL_FILE))
+    if problem:
+        return problem
+    opt_path = os.path.join(directory, OPTIMIZER_FILE)
+    if os.path.exists(opt_path):
+        problem = check_safetensors(opt_path)
+        if problem:
+            return problem
+    meta_path = os.path.join(directory, META_FILE)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return f"{meta_path} is missing"
+    except (OSError, ValueError) as err:
+        return f"{meta_path} is unreadable ({type(err).__name__})"
+    if not isinstance(meta, dict) or not str(meta.get("iteration", "")).isdigit():
+        return f"{meta_path} holds no iteration number"
+    return None
+
+
+def checkpoint_iterations(root: str) -> list[int]:
+    """Iterations with an iter_NNNNNNN directory under root, newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = (_ITERATION_DIR.match(n) for n in names)
+    return sorted((int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0)))),
+                  reverse=True)
+
+
+def last_readable(root: str, exclude: int | None = None) -> int | None:
+    """The newest iteration under root (other than `exclude`) whose files pass check_iteration."""
+    for iteration in checkpoint_iterations(root):
+        if iteration != exclude and check_iteration(iteration_dir(root, iteration)) is None:
+            return iteration
+    return None
+
+
+def _split(path: str) -> tuple[str, int | None]:
+    """(checkpoint root, iteration) of an iteration directory; (path, None) for a root."""
+    path = os.path.normpath(path)
+    m = _ITERATION_DIR.match(os.path.basename(path))
+    if m and not os.path.isfile(os.path.join(path, TRACKER_FILE)):
+        return os.path.dirname(path), int(m.group(1))
+    return path, None
+
+
+def resolve(path: str, step: int | None = None) -> str:
+    """The iteration directory to load: `path` itself when it is one, iteration `step` of the
+    checkpoint root `path` when given, else the root's tracked iteration. Raises a one-line
+    CheckpointError naming the last readable iteration when that directory cannot be read."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--load path {path!r} does not exist or is not a directory")
+    root, own = _split(path)
+    if own is not None or os.path.isfile(os.path.join(path, MODEL_FILE)):
+        if step is not None and own is not None and step != own:
+            raise CheckpointError(f"--ckpt-step {step} does not match --load {path} (iteration {own}); "
+                                  f"pass the checkpoint root: --load {root} --ckpt-step {step}")
+        directory, iteration = path, own      # own is None: a directory not named iter_NNNNNNN
+    elif step is not None:
+        directory, iteration = iteration_dir(root, step), step
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"--ckpt-step {step}: {directory} does not exist; "
+                                  f"{resume_hint(root, last_readable(root))}")
+    else:
+        tracker = os.path.join(root, TRACKER_FILE)
+        if not os.path.isfile(tracker):
+            raise CheckpointError(f"--load path {path!r} holds no MindSpeed neutral checkpoint "
+                                  f"(no {MODEL_FILE} and no {TRACKER_FILE})")
+        with open(tracker, encoding="utf-8", errors="replace") as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            raise CheckpointError(f"{tracker} should hold an iteration number, found {text[:40]!r}; "
+                                  f"{resume_hint(root, last_readable(root))}")
+        iteration = int(text)
+        directory = iteration_dir(root, iteration)
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"{tracker} names iteration {iteration} but {directory} is missing; "
+                                  f"{resume_hint(root, last_readable(root, exclude=iteration))}")
+    problem = check_iteration(directory)
+    if problem:
+        if iteration is None:
+            raise CheckpointError(f"checkpoint {directory} cannot be read: {problem}")
+        raise unreadable(root, iteration, problem, last_readable(root, exclude=iteration))
     return directory
 
 
-def load(path: str) -> tuple[dict, dict | None, dict]:
-    """(model arrays, optimizer arrays or None, meta) from a root or iteration directory."""
-    directory = resolve(path)
-    model = load_file(os.path.join(directory, MODEL_FILE))
-    opt_path = os.path.join(directory, OPTIMIZER_FILE)
-    optimizer = load_file(opt_path) if os.path.isfile(opt_path) else None
-    with open(os.path.join(directory, META_FILE), encoding="utf-8") as f:
-        meta = json.load(f)
+def load(path: str, step: int | None = None) -> tuple[dict, dict | None, dict]:
+    """(model arrays, optimizer arrays or None, meta) from a root or iteration directory (see
+    resolve). A file that fails to decode is reported as a one-line CheckpointError."""
+    directory = resolve(path, step)
+    root, iteration = _split(directory)
+    try:
+        model = load_file(os.path.join(directory, MODEL_FILE))
+        opt_path = os.path.join(directory, OPTIMIZER_FILE)
+        optimizer = load_file(opt_path) if os.path.isfile(opt_path) else None
+        with open(os.path.join(directory, META_FILE), encoding="utf-8") as f:
+            meta = json.load(f)
+    except Exception as err:   # SafetensorError and friends: damage the header check cannot see
+        problem = f"{directory}: {type(err).__name__}: {err}"
+        if iteration is None:
+            raise CheckpointError(f"checkpoint {directory} cannot be read: {problem}") from None
+        raise unreadable(root, iteration, problem, last_readable(root, exclude=iteration)) from None
     return model, optimizer, meta
 
 

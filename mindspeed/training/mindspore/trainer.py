@@ -199,10 +199,10 @@ def _train(args, backend, ps, logger) -> dict:
         logger.print(a.load_note)
     if a.load:
         meta = checkpoint.load(a.load, trainer.model, trainer.optimizer,
-                               load_optimizer=not (a.no_load_optim or a.finetune))
+                               load_optimizer=not (a.no_load_optim or a.finetune), step=a.ckpt_step)
         if not a.finetune:
             iteration, consumed = int(meta["iteration"]), int(meta.get("consumed_samples", 0))
-        logger.print(f"> loaded checkpoint {neutral_format.resolve(a.load)} at iteration {iteration}")
+        logger.print(f"> loaded checkpoint {neutral_format.resolve(a.load, a.ckpt_step)} at iteration {iteration}")
 
     eval_batches = lambda: [mb for k in range(a.eval_iters) for mb in data.micro_batches_for_step(
         valid, k * a.global_batch_size, a, ps.dp_rank, ps.dp_size)] if valid is not None else None
