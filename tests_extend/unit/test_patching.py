@@ -97,3 +97,33 @@ def test_define_and_context(target_module):
     assert mod.new_name == 42 and events == ["enter"]
     pm.remove_all()
     assert not hasattr(mod, "new_name") and events == ["enter", "exit"]
+
+
+def test_setenv_restores_the_previous_value_or_absence(monkeypatch):
+    monkeypatch.setenv("MS_PATCH_SET", "before")
+    monkeypatch.delenv("MS_PATCH_NEW", raising=False)
+    pm = PatchManager()
+    pm.setenv("MS_PATCH_SET", "during", reason="r")
+    pm.setenv("MS_PATCH_NEW", "1")
+    import os
+    assert os.environ["MS_PATCH_SET"] == "during" and os.environ["MS_PATCH_NEW"] == "1"
+    assert "os.environ[MS_PATCH_SET]" in pm.describe()
+    with pytest.raises(PatchError):
+        pm.setenv("MS_PATCH_SET", "again")
+    pm.remove_all()
+    assert os.environ["MS_PATCH_SET"] == "before" and "MS_PATCH_NEW" not in os.environ
+
+
+def test_provide_module_stands_in_and_is_removed():
+    name = "ms_patch_absent_module"
+    assert name not in sys.modules
+    pm = PatchManager()
+    stand_in = types.ModuleType(name)
+    stand_in.value = 42
+    pm.provide_module(name, stand_in, reason="optional dependency missing")
+    import importlib
+    assert importlib.import_module(name).value == 42
+    with pytest.raises(PatchError):
+        pm.provide_module(name, types.ModuleType(name))   # already there: patch its attributes instead
+    pm.remove_all()
+    assert name not in sys.modules
