@@ -1,6 +1,8 @@
 """train_distributed_ms.sh end to end: msrun -> pretrain_gpt.py --backend mindspore on 2 processes
 (TP=2) with a tiny GPT on a tiny dataset: the loss falls, a checkpoint is written, and resuming
-from the middle checkpoint reproduces the uninterrupted run's losses."""
+from the middle checkpoint reproduces the uninterrupted run's losses; a checkpoint cut short is
+refused by every worker with one line."""
+import hashlib
 import json
 import os
 import random
@@ -42,12 +44,16 @@ def tiny_dataset(tmp_path_factory):
     return prefix
 
 
-def run_script(tmp_path, name, extra_env, timeout=420):
-    loss_file = tmp_path / f"{name}.jsonl"
+def launch(tmp_path, name, extra_env, args=(), timeout=420):
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), LOG_DIR=str(tmp_path / f"{name}_logs"),
                **TINY, **extra_env)
-    r = subprocess.run(["bash", SCRIPT, "--log-loss-file", str(loss_file)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_script(tmp_path, name, extra_env, args=(), timeout=420):
+    loss_file = tmp_path / f"{name}.jsonl"
+    r = launch(tmp_path, name, extra_env, ["--log-loss-file", str(loss_file), *args], timeout)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     losses = {}
     for line in loss_file.read_text().splitlines():
@@ -56,7 +62,19 @@ def run_script(tmp_path, name, extra_env, timeout=420):
     return r.stdout, losses
 
 
+def _snapshot(root):
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+    return out
+
+
 def test_train_save_and_resume(tmp_path, tiny_dataset):
+    """Also: with the step-8 model file cut short, a resume stops both workers with the same single
+    line naming the file and iteration 4 with its flag, changes nothing, and that flag resumes."""
     ckpt = tmp_path / "ckpt"
     out, full = run_script(tmp_path, "full", dict(DATA_PATH=tiny_dataset, CKPT_DIR=str(ckpt), SAVE_INTERVAL="4"))
     assert "iteration        8/       8" in out and "lm loss:" in out and "validation loss" in out
@@ -66,7 +84,26 @@ def test_train_save_and_resume(tmp_path, tiny_dataset):
         assert (ckpt / f"iter_{it:07d}" / "model.safetensors").is_file()
     assert oct(os.stat(ckpt / "iter_0000004" / "model.safetensors").st_mode & 0o777) == "0o640"
 
-    _, resumed = run_script(tmp_path, "resumed", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ckpt / "iter_0000004")))
+    model_file = ckpt / "iter_0000008" / "model.safetensors"
+    os.truncate(model_file, 100)
+    before = _snapshot(ckpt)
+    r = launch(tmp_path, "truncated", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ckpt), CLUSTER_TIMEOUT="120"))
+    assert r.returncode != 0                                   # msrun: a worker exited with code 2
+    lines = []
+    for rank in (0, 1):
+        log = (tmp_path / "truncated_logs" / f"worker_{rank}.log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
+        lines.append(errors[0])
+    assert lines[0] == lines[1], lines
+    assert f"{model_file} is truncated (100 bytes" in lines[0], lines[0]
+    assert f"the last readable checkpoint is iteration 4: load it with --load {ckpt} --ckpt-step 4" in lines[0]
+    assert _snapshot(ckpt) == before                           # tracker and checkpoints untouched
+
+    out, resumed = run_script(tmp_path, "resumed", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ckpt)),
+                              ["--ckpt-step", "4"])
+    assert f"loaded checkpoint {ckpt / 'iter_0000004'} at iteration 4" in out
     assert sorted(resumed) == [5, 6, 7, 8]
     for it in resumed:
         assert resumed[it] == pytest.approx(full[it], abs=1e-5)
+    assert _snapshot(ckpt) == before

@@ -1,8 +1,11 @@
 """The example end to end: train_distributed.sh -> torchrun -> pretrain_gpt.py on 2 processes,
 with a tiny GPT and a tiny dataset (shortened run). Every launch has a timeout, so a hang fails."""
+import hashlib
 import json
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 
@@ -95,23 +98,93 @@ def _assert_tensorboard_events(path, output):
     assert os.stat(os.path.join(path, events[0])).st_mode & 0o007 == 0   # not world-readable
 
 
-def test_resume_reproduces_the_uninterrupted_losses(tiny_dataset, tmp_path):
-    """Train 8 steps saving at 4; a second run loading step 4 reproduces steps 5..8."""
-    ckpt = str(tmp_path / "ckpt")
-    common = dict(TP="1", PP="1", DATA_PATH=tiny_dataset, TRAIN_ITERS="8", EVAL_INTERVAL="100")
-    flags = ["--use-distributed-optimizer", "--deterministic-mode"]
-    full, resumed = str(tmp_path / "full.jsonl"), str(tmp_path / "resumed.jsonl")
-    run_example(common, [*flags, "--save", ckpt, "--save-interval", "4", "--log-loss-file", full])
+RESUME_ENV = dict(TP="1", PP="1", TRAIN_ITERS="8", EVAL_INTERVAL="100")
+RESUME_FLAGS = ["--use-distributed-optimizer", "--deterministic-mode"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tiny_dataset, tmp_path_factory):
+    """8 steps saving at 4 and 8: (checkpoint root, losses by iteration)."""
+    tmp = tmp_path_factory.mktemp("saved")
+    ckpt, full = str(tmp / "ckpt"), str(tmp / "full.jsonl")
+    run_example(dict(RESUME_ENV, DATA_PATH=tiny_dataset),
+                [*RESUME_FLAGS, "--save", ckpt, "--save-interval", "4", "--log-loss-file", full])
+    return ckpt, read_losses(full)
+
+
+def _snapshot(root):
+    """Every file under root with its bytes' hash and mtime: what 'nothing was changed' means."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+    return out
+
+
+def _launch_ranks(args, world=2, timeout=120):
+    """pretrain_gpt.py on `world` ranks started directly (the environment torchrun would give them,
+    without torchrun's own report on top): [(exit code, stderr)] by rank. A rank that hangs fails."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MASTER_ADDR="localhost",
+               MASTER_PORT=_free_port(), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    procs = [subprocess.Popen([sys.executable, PRETRAIN, *args], cwd=ROOT, text=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+    results = []
+    try:
+        for proc in procs:
+            _out, err = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return results
+
+
+def test_checkpoint_files_are_private(saved_run):
+    ckpt, _ = saved_run
     for dirpath, _dirs, files in os.walk(ckpt):
         assert oct(os.stat(dirpath).st_mode & 0o777) == oct(0o750), dirpath
         for name in files:
             assert oct(os.stat(os.path.join(dirpath, name)).st_mode & 0o777) == oct(0o640), name
-    output = run_example(common, [*flags, "--load", ckpt, "--ckpt-step", "4", "--log-loss-file", resumed])
+
+
+def test_truncated_checkpoint_stops_every_rank_then_the_named_one_resumes(saved_run, tiny_dataset, tmp_path):
+    """The step-8 shard cut to 100 bytes: resuming stops both ranks with the same single line (exit
+    code 2) naming the file and iteration 4 with its flag, and changes nothing; loading what that
+    line names reproduces the uninterrupted run's steps 5..8."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved_run[0], ckpt)
+    shard = os.path.join(ckpt, "iter_0000008", "__0_0.distcp")
+    os.truncate(shard, 100)
+    before = _snapshot(ckpt)
+    results = _launch_ranks(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                             "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
+                             "--train-iters", "8", "--data-path", tiny_dataset, *RESUME_FLAGS, "--load", ckpt])
+    lines = []
+    for rc, err in results:
+        assert "Traceback" not in err, err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert rc == 2 and len(errors) == 1, (rc, err[-3000:])
+        lines.append(errors[0])
+    assert lines[0] == lines[1], lines
+    assert shard in lines[0] and "truncated (100 bytes" in lines[0], lines[0]
+    assert _snapshot(ckpt) == before                       # tracker and checkpoints untouched
+    named = re.search(r"the last readable checkpoint is iteration 4: load it with --load (\S+) --ckpt-step (\d+)",
+                      lines[0])
+    assert named, lines[0]
+
+    resumed = str(tmp_path / "resumed.jsonl")
+    output = run_example(dict(RESUME_ENV, DATA_PATH=tiny_dataset),
+                         [*RESUME_FLAGS, "--load", named[1], "--ckpt-step", named[2], "--log-loss-file", resumed])
     assert "loaded checkpoint" in output and "at iteration 4" in output
-    a, b = read_losses(full), read_losses(resumed)
+    a, b = saved_run[1], read_losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]
     for it in (5, 6, 7, 8):
         assert abs(a[it] - b[it]) <= 1e-6, (it, a[it], b[it])
+    assert _snapshot(ckpt) == before
 
 
 def _pretrain_single(args, env=None, timeout=180):
@@ -154,3 +227,75 @@ def test_bad_parallel_sizes_and_load_path_are_refused(tiny_dataset, capsys, monk
         rc = pretrain_gpt.main(["--data-path", tiny_dataset, *argv])
         err = capsys.readouterr().err
         assert rc == 2 and message in err, (argv, err)
+
+
+def test_each_kind_of_damage_is_named_in_one_line(saved_run, tmp_path):
+    """In-process, on copies of the saved checkpoint: what check_iteration finds before a load, what
+    a failed load reports (the loader raises the same CheckpointException on every rank), and that
+    the index is read without running code."""
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mindspeed.training import checkpointing as ck
+    from mindspeed.training.errors import CheckpointError
+
+    def copy(name):
+        root = str(tmp_path / name)
+        shutil.copytree(saved_run[0], root)
+        return root, os.path.join(root, "iter_0000008")
+
+    def refused(root, step=None):
+        with pytest.raises(CheckpointError) as info:
+            ck.read_tracker(root, step)
+        message = str(info.value)
+        assert "\n" not in message
+        return message
+
+    root, it8 = copy("index_truncated")
+    with open(os.path.join(it8, ".metadata"), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    message = refused(root)
+    assert f"{it8}/.metadata is unreadable" in message and "--load " + root + " --ckpt-step 4" in message
+
+    root, it8 = copy("index_runs_code")
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+    with open(os.path.join(it8, ".metadata"), "wb") as f:
+        pickle.dump(Evil(), f)
+    message = refused(root)
+    assert "could run code" in message and not marker.exists(), message
+
+    root, it8 = copy("common_truncated")
+    os.truncate(os.path.join(it8, "common.pt"), 10)
+    assert f"{it8}/common.pt is unreadable" in refused(root)
+
+    root, it8 = copy("shard_missing")
+    os.remove(os.path.join(it8, "__1_1.distcp"))
+    assert f"{it8}/__1_1.distcp is missing" in refused(root)
+    with open(os.path.join(root, ck.TRACKER), "w") as f:
+        f.write("garbage")
+    message = refused(root)
+    assert "should hold an iteration number" in message and "--ckpt-step 4" in message
+    message = refused(root, step=5)
+    assert "iter_0000005 does not exist" in message and "--ckpt-step 4" in message
+    assert ck.read_tracker(root, step=4) == 4
+
+    # damage inside a shard that keeps its length: only the load finds it; the report names the file
+    root, it8 = copy("shard_zeroed")
+    shard = os.path.join(it8, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(bytes(4096))
+    assert ck.check_iteration(it8) is None
+    failure = CheckpointException("read", {0: (EOFError(), None), 1: (EOFError(), None)})
+    message = str(ck._load_failure(root, 8, failure))
+    assert f"{shard} is corrupt: tensor" in message and "--ckpt-step 4" in message and "\n" not in message
+
+    # an intact checkpoint that does not fit the model: the first rank's reason, one line
+    failure = CheckpointException("read", {1: (ValueError("shape\nmismatch"), None), 0: (KeyError("w"), None)})
+    message = str(ck._load_failure(saved_run[0], 8, failure))
+    assert message == f"cannot load checkpoint {saved_run[0]}/iter_0000008: KeyError: 'w' (rank 0)", message
