@@ -178,15 +178,43 @@ def test_single_process_collectives_are_identity(backend):
         backend.comm.all_reduce(x, "prod")
 
 
-def test_fused_flags_pick_the_fast_kernels_in_the_trainer_model(backend):
+def test_fused_flags_route_the_trainer_model_through_the_fast_kernels(backend, monkeypatch):
+    """On CPU the fast path *is* the reference (one bound method), so comparing the two proves
+    nothing. Here the fast path is an independent numpy implementation of the kernel contract
+    (ms_numpy_kernels) that records its calls: the fused model must call exactly the fast kernels
+    its features name and the plain model none, and both must give the same logits, i.e. the
+    MindSpore reference kernels agree with the independent ones inside the real model."""
+    from mindspeed.backends.base import DispatchKernels
     from mindspeed.training.arguments import parse_args
-    from mindspeed.training.mindspore.model import GPTConfig, GPTModel
+    from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
     from mindspeed.training.mindspore.parallel import build_parallel_state
-    args = parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"])
+    from tests_extend.unit import ms_numpy_kernels as fast
+
+    monkeypatch.setattr(backend, "kernels", DispatchKernels(
+        "mindspeed.backends.mindspore.kernels.reference", "tests_extend.unit.ms_numpy_kernels",
+        {"rms_norm", "swiglu", "rope", "attention"}))
+    assert backend.kernels.rms_norm != backend.kernels.reference.rms_norm
+    args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                       "--group-query-attention", "--num-query-groups", "2", "--seq-length", "8",
+                       "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+                       "--disable-bias-linear"])
     ps = build_parallel_state(backend.comm, 1)
-    plain = GPTModel(GPTConfig.from_args(args, 128), backend, ps)
-    fused = GPTModel(GPTConfig.from_args(args, 128, ["fused-rmsnorm", "flash-attn", "profile"]), backend, ps)
-    assert fused.kernel("rms_norm") == backend.kernels.rms_norm
-    assert fused.kernel("attention") == backend.kernels.attention
-    assert fused.kernel("swiglu") == backend.kernels.reference.swiglu
-    assert plain.kernel("rms_norm") == backend.kernels.reference.rms_norm
+    tokens = ms.Tensor(np.random.RandomState(0).randint(0, 128, (2, 8)).astype(np.int32))
+
+    def run(features):
+        cfg = GPTConfig.from_args(args, 128, features)
+        model = GPTModel(cfg, backend, ps)
+        model.load_full(init_full_weights(cfg, 3))
+        fast.CALLS.clear()
+        logits = model.logits(tokens).asnumpy()
+        return logits, set(fast.CALLS)
+
+    plain, plain_calls = run([])
+    everything, all_calls = run(["fused-rmsnorm", "fused-swiglu", "fused-rotary-pos-emb", "flash-attn", "profile"])
+    some, some_calls = run(["fused-rmsnorm", "flash-attn"])
+    assert plain_calls == set()
+    assert all_calls == {"rms_norm", "swiglu", "rope", "attention"}
+    assert some_calls == {"rms_norm", "attention"}
+    assert np.abs(plain).max() > 0.1            # logits of some size, so the comparison means something
+    np.testing.assert_allclose(everything, plain, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(some, plain, rtol=1e-4, atol=1e-5)
