@@ -87,9 +87,13 @@ def install(patcher, options: CPOptions) -> None:
             return out
         return forward
 
-    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
-        positions = sharding.local_positions(pos_emb.shape[seq_dim], options.algo, cp_group.size(),
-                                             cp_group.rank(), options.ulysses_degree)
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group=None):
+        if cp_group is None:   # core 0.12 passes no group: Megatron's CP group
+            size, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+        else:
+            size, rank = cp_group.size(), cp_group.rank()
+        positions = sharding.local_positions(pos_emb.shape[seq_dim], options.algo, size, rank,
+                                             options.ulysses_degree)
         import torch
         return pos_emb.index_select(seq_dim, torch.tensor(positions, device=pos_emb.device))
 
