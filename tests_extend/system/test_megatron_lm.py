@@ -99,6 +99,7 @@ def test_pretrain_gpt_trains(checkout, indexed_dataset, name, request):
     env = dict(env, **({"MOCK_DATA": "1"} if name in MOCK else {"DATA_PATH": indexed_dataset}))
     output, losses = _train(checkout, nproc, extra, env)
     assert sorted(losses) == list(range(1, 11)), output[-3000:]
+    print(f"{os.path.basename(checkout)} {name}: lm loss {losses[1]:.6f} (iteration 1) -> {losses[10]:.6f} (10)")
     assert all(0 < loss < 20 for loss in losses.values()), losses
     if name not in MOCK:   # real text: the model learns within 10 iterations
         assert losses[10] < losses[1] - 0.3, losses
