@@ -57,7 +57,7 @@ def checkout(request, tmp_path_factory):
     reason = _skip_reason(request.param)
     if reason:
         pytest.skip(reason)
-    return kit.unpack_checkout(request.param, str(tmp_path_factory.mktemp(f"megatron-lm-{request.param}")))
+    return kit.unpack_checkout(request.param, str(tmp_path_factory.mktemp(f"megatron-lm-{request.param}-")))
 
 
 @pytest.fixture(scope="module")
