@@ -90,10 +90,14 @@ def train_losses(rank, world_size, steps: int = 20):
 
 
 MOE_FLAGS = ["--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute"]
+PERMUTE_FLAG = "--use-fused-moe-token-permute-and-unpermute"
+MOE_KERNELS = ("gmm", "moe_permute", "moe_unpermute")
+NUM_EXPERTS = 4
 
 
 def _moe_gpt(seed: int):
-    """One-layer bf16 MoE GPT (4 experts, top-2, alltoall dispatcher), local spec."""
+    """One-layer bf16 MoE GPT (4 experts, top-2, alltoall dispatcher), local spec (GroupedMLP
+    asserts bf16)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -102,39 +106,100 @@ def _moe_gpt(seed: int):
     torch.manual_seed(seed)
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                                normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                               add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=4,
-                               moe_router_topk=2, moe_token_dispatcher_type="alltoall", bf16=True,
-                               params_dtype=torch.bfloat16)
-    spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
+                               add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                               num_moe_experts=NUM_EXPERTS, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                               bf16=True, params_dtype=torch.bfloat16)
+    spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, normalization="RMSNorm")
     return _ddp(GPTModel(config, spec, vocab_size=megatron_tiny.VOCAB, max_sequence_length=megatron_tiny.SEQ,
                          position_embedding_type="rope"))
 
 
+_EXPERT = "decoder.layers.0.mlp.experts."
+
+
+def _to_grouped(state: dict) -> dict:
+    """SequentialMLP's per-expert weights as GroupedMLP's weight1/weight2, which GroupedMLP views
+    as [E, hidden, 2*ffn] and [E, ffn, hidden]: expert e's fc1/fc2 weights, transposed, in order."""
+    fc = lambda e, i: state[f"{_EXPERT}local_experts.{e}.linear_fc{i}.weight"]
+    hidden = fc(0, 1).shape[1]
+    out = {k: v for k, v in state.items() if "local_experts" not in k}
+    out[_EXPERT + "weight1"] = torch.stack([fc(e, 1).t() for e in range(NUM_EXPERTS)]).reshape(hidden, -1)
+    out[_EXPERT + "weight2"] = torch.stack([fc(e, 2).t() for e in range(NUM_EXPERTS)]).reshape(-1, hidden)
+    return out
+
+
+def _from_grouped(state: dict) -> dict:
+    """The inverse of _to_grouped (for gradients)."""
+    if _EXPERT + "weight1" not in state:
+        return state
+    out = {k: v for k, v in state.items() if not k.startswith(_EXPERT + "weight")}
+    hidden = state[_EXPERT + "weight2"].shape[1]
+    w1 = state[_EXPERT + "weight1"].reshape(NUM_EXPERTS, hidden, -1)
+    w2 = state[_EXPERT + "weight2"].reshape(NUM_EXPERTS, -1, hidden)
+    for e in range(NUM_EXPERTS):
+        out[f"{_EXPERT}local_experts.{e}.linear_fc1.weight"] = w1[e].t()
+        out[f"{_EXPERT}local_experts.{e}.linear_fc2.weight"] = w2[e].t()
+    return out
+
+
+def _doubled(kernels, name):
+    """Make kernel `name` return twice its (first) output: a result that ignores it stays the same."""
+    impl = kernels._impl[name]
+
+    def doubled(*args, **kwargs):
+        out = impl(*args, **kwargs)
+        return (out[0] * 2, *out[1:]) if isinstance(out, tuple) else out * 2
+    kernels._impl[name] = doubled
+    return lambda: kernels._impl.__setitem__(name, impl)
+
+
 def moe_wiring(rank, world_size):
-    """Grouped GEMM (with and without main_grad fusion) and fused permutation on a MoE GPT:
-    expert module, kernel calls, loss and the expert weights' main_grad."""
+    """The MoE GPT unfused (Megatron's SequentialMLP and permutation), with the fused permutation,
+    and with grouped GEMM (with and without main_grad fusion), all from the same weights: expert
+    module, kernel calls, per-token losses and every parameter's main_grad against the unfused run,
+    and whether doubling each kernel's output changes the loss (its result is used, not dropped)."""
     from tests_extend import megatron_tiny
-    report = {}
-    runs = {"grouped+fused_grad": MOE_FLAGS + ["--gemm-gradient-accumulation-fusion"], "grouped": MOE_FLAGS,
-            "off": []}
+    runs = {"off": [], "permute": [PERMUTE_FLAG], "grouped": MOE_FLAGS,
+            "grouped+fused_grad": MOE_FLAGS + ["--gemm-gradient-accumulation-fusion"]}
+    tokens, position_ids, labels = megatron_tiny.batch()
+    report, losses, grads, weights = {}, {}, {}, None
     for name, flags in runs.items():
         backend = _with_flags(flags)
-        counts = _count_kernel_calls(backend.kernels, ("gmm", "moe_permute", "moe_unpermute"))
         model = _moe_gpt(seed=3)
-        tokens, position_ids, labels = megatron_tiny.batch()
-        loss = model(tokens, position_ids, None, labels=labels).float().mean()
-        loss.backward()
+        if weights is None:
+            weights = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        else:
+            wanted = _to_grouped(weights) if "grouped" in name else weights
+            with torch.no_grad():
+                for n, p in model.module.named_parameters():
+                    p.copy_(wanted[n])
+        counts = _count_kernel_calls(backend.kernels, MOE_KERNELS)
+        per_token = model(tokens, position_ids, None, labels=labels).float()
+        per_token.mean().backward()
         model.finish_grad_sync()
         experts = model.module.decoder.layers[0].mlp.experts
-        grads = {n: p.main_grad.float().clone() for n, p in experts.named_parameters()}
-        report[name] = dict(experts=type(experts).__name__, counts=dict(counts), loss=loss.item(), grads=grads)
+        calls = dict(counts)                     # forward + backward; the probes below call again
+        losses[name] = per_token.detach()
+        grads[name] = _from_grouped({n: p.main_grad.float().clone() for n, p in model.module.named_parameters()})
+        sensitive = {}
+        for kernel in MOE_KERNELS:
+            if counts[kernel]:
+                restore = _doubled(backend.kernels, kernel)
+                with torch.no_grad():
+                    sensitive[kernel] = float((model(tokens, position_ids, None, labels=labels).float()
+                                               - losses[name]).abs().max())
+                restore()
+        report[name] = dict(experts=type(experts).__name__, counts=calls, loss=float(per_token.mean()),
+                            sensitivity=sensitive)
     import mindspeed
     mindspeed.unadapt()
     # tensors do not travel back through the harness queue: compare here, return numbers
-    a, b = report["grouped+fused_grad"].pop("grads"), report["grouped"].pop("grads")
-    report["off"].pop("grads")
-    report["main_grad_norms"] = {n: float(g.norm()) for n, g in b.items()}
-    report["main_grad_max_diff"] = {n: float((a[n] - g).abs().max()) for n, g in b.items()}
+    ref_grads = grads["off"]
+    for name in runs:
+        report[name]["loss_max_diff"] = float((losses[name] - losses["off"]).abs().max())
+        report[name]["grad_rel_diff"] = {n: float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max())
+                                         for n, g in grads[name].items()}
+    report["grad_names"] = sorted(ref_grads)
     return report
 
 
