@@ -14,7 +14,7 @@ import numpy as np
 from mindspeed.backends import get_backend
 from mindspeed.features.context_parallel import build_cp_groups, context_parallel_attention, local_positions
 
-# (rtol, atol) per dtype; bf16 from KERNELS.md (CP attention vs single device; GQA looser)
+# (rtol, atol) per dtype; bf16 from docs/kernels.md (CP attention vs single device; GQA looser)
 TOLERANCE = {"float32": (1e-5, 2e-5), "bfloat16": (2.5e-2, 2.5e-2), "bfloat16-gqa": (3.5e-2, 3.5e-2)}
 
 
@@ -83,14 +83,35 @@ def cp_subgroups(world_size, cp_size):
     return groups[comm.rank() // cp_size], blocks
 
 
-def run_all(kit, world_size, dtypes=("float32", "bfloat16"), cp_size=None):
-    """Every algorithm x {causal, general} x {MHA, GQA} x dtypes on CP groups of cp_size ranks
-    (default: the world); returns {label: max error}."""
+def arrangement(cp) -> str:
+    """What build_cp_groups actually built: 'u<Ulysses group size>xr<ring group size>w<window>'
+    (sizes measured on the groups themselves), so a hybrid that quietly fell back to a plain ring
+    (u1) or to plain Ulysses (r1) is seen."""
+    comm = get_backend().comm
+    uly = comm.world_size(cp.ulysses_group) if cp.ulysses_degree > 1 else 1
+    ring = comm.world_size(cp.ring_group) if cp.ring_size > 1 else 1
+    assert uly * ring == cp.size, (cp.algo, uly, ring, cp.size)
+    return f"u{uly}xr{ring}w{cp.window_size}"
+
+
+# the arrangement each case must build (cases_for), by CP size
+ARRANGEMENTS = {2: {"ulysses": "u2xr1w1", "ring": "u1xr2w1", "ring-overlap": "u1xr2w1"},
+                4: {"ulysses": "u4xr1w1", "ring": "u1xr4w1", "ring-overlap": "u1xr4w1", "double-ring": "u1xr4w2",
+                    "hybrid": "u2xr2w1", "hybrid-window": "u2xr2w2"}}
+
+
+def run_all(kit, world_size, dtypes=("float32", "bfloat16"), cp_size=None, labels=None):
+    """Every algorithm (or those in `labels`) x {causal, general} x {MHA, GQA} x dtypes on CP
+    groups of cp_size ranks (default: the world); returns {label/case: max error} plus
+    {label/arrangement: what was built}."""
     cp_size = cp_size or world_size
     group, blocks = cp_subgroups(world_size, cp_size)
     results = {}
     for label, algo, options in cases_for(cp_size):
+        if labels is not None and label not in labels:
+            continue
         cp = build_cp_groups(algo, group=group, all_cp_ranks=blocks, **options)
+        results[f"cp{cp_size}/{label}/arrangement"] = arrangement(cp)
         for mask_type in ("causal", "general"):
             for nkv in (4, 2 if cp_size == 2 else 1):
                 for dtype in dtypes:

@@ -1,7 +1,8 @@
 """Context parallelism on the torch backend in one 4-process gloo job: CP groups of 4 (the world)
 and of 2 (two groups side by side, as with data parallelism). For every algorithm, output and
 q/k/v gradients equal single-process attention on the whole sequence (causal and general masks,
-MHA and GQA, fp32 and bf16)."""
+MHA and GQA, fp32 and bf16). At CP 4: hybrid is Ulysses 2 x ring 2 (with and without a window),
+and the double ring has two inner rings of 2; the groups actually built are checked."""
 from tests_extend.distributed import cp_cases
 from tests_extend.distributed.harness import run_distributed
 
@@ -19,5 +20,10 @@ def test_cp_attention_matches_single_process():
     results = run_distributed(_body, world_size=4, timeout=300)
     expected = {f"cp{size}/{label}" for size in (2, 4) for label, _, _ in cp_cases.cases_for(size)}
     for per_rank in results:
-        assert {"/".join(k.split("/")[:2]) for k in per_rank} == expected
-        assert len(per_rank) == 8 * len(expected)        # 2 masks x 2 kv-head counts x 2 dtypes
+        errors = {k: v for k, v in per_rank.items() if not k.endswith("/arrangement")}
+        assert {"/".join(k.split("/")[:2]) for k in errors} == expected
+        assert len(errors) == 8 * len(expected)        # 2 masks x 2 kv-head counts x 2 dtypes
+        # hybrid is Ulysses 2 x ring 2 (not a degenerate u1 ring), the double ring has inner rings of 2
+        built = {k.rsplit("/", 1)[0]: v for k, v in per_rank.items() if k.endswith("/arrangement")}
+        assert built == {f"cp{size}/{label}": want for size, table in cp_cases.ARRANGEMENTS.items()
+                         for label, want in table.items()}

@@ -1,7 +1,9 @@
-"""The same context-parallel test body as test_context_parallel.py, on the mindspore backend in a
-2-process msrun job: output and q/k/v gradients equal single-process attention for every
-algorithm, causal and general masks, with and without GQA, in fp32. (bf16 runs on torch only:
-MindSpore 2.10's CPU kernels reject bfloat16, in collectives and in autograd, e.g. Tile.)"""
+"""The same context-parallel test body as test_context_parallel.py, on the mindspore backend in
+msrun jobs: output and q/k/v gradients equal single-process attention, causal and general masks,
+with and without GQA, in fp32. 2 workers: every CP-2 algorithm. 4 workers: hybrid Ulysses 2 x
+ring 2 (sub-groups {0,1},{2,3} and {0,2},{1,3}, collectives emulated from AllReduce on CPU) and
+the double ring (inner rings of 2). (bf16 runs on torch only: MindSpore 2.10's CPU kernels reject
+bfloat16, in collectives and in autograd, e.g. Tile.)"""
 import os
 
 import pytest
@@ -20,4 +22,22 @@ def test_cp_attention_matches_single_process_on_mindspore(tmp_path):
     for rank, res in enumerate(results):
         assert res["ok"], f"rank {rank}:\n{res.get('error')}"
         assert res["world"] == 2
-        assert {k.split("/")[1] for k in res["errors"]} == labels and len(res["errors"]) == len(labels) * 4
+        errors = {k: v for k, v in res["errors"].items() if not k.endswith("/arrangement")}
+        assert {k.split("/")[1] for k in errors} == labels and len(errors) == len(labels) * 4
+        assert {k.split("/")[1]: v for k, v in res["errors"].items() if k.endswith("/arrangement")} == \
+            cp_cases.ARRANGEMENTS[2]
+
+
+FOUR_WORKER_LABELS = ("hybrid", "double-ring")
+
+
+def test_cp4_hybrid_and_double_ring_match_single_process_on_mindspore(tmp_path):
+    results = run_msrun(WORKER, [str(tmp_path), "float32", ",".join(FOUR_WORKER_LABELS)], str(tmp_path),
+                        workers=4, timeout=500)
+    for rank, res in enumerate(results):
+        assert res["ok"], f"rank {rank}:\n{res.get('error')}"
+        assert res["world"] == 4
+        errors = {k: v for k, v in res["errors"].items() if not k.endswith("/arrangement")}
+        assert {k.split("/")[1] for k in errors} == set(FOUR_WORKER_LABELS) and len(errors) == 2 * 4
+        built = {k.split("/")[1]: v for k, v in res["errors"].items() if k.endswith("/arrangement")}
+        assert built == {label: cp_cases.ARRANGEMENTS[4][label] for label in FOUR_WORKER_LABELS}

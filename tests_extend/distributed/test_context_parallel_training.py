@@ -1,7 +1,8 @@
 """`--context-parallel-size 2` trains the tiny GPT of the main training job on 2 processes, and
 every algorithm's losses over 10 steps match the CP=1 run on the same 2 processes (data parallel:
-the same global batch of the same samples, the same initialisation). One spawn runs all five
-trainings in turn (each with its own rendezvous port) to keep CI time down."""
+the same global batch of the same samples, the same initialisation). On 4 processes, CP=4 hybrid
+(Ulysses 2 x ring 2) and the double ring (inner rings of 2) match the same CP=1 losses (first 4 steps). One spawn
+per world size runs its trainings in turn (each with its own rendezvous port) to keep CI time down."""
 import json
 import os
 
@@ -20,19 +21,30 @@ RUNS = {
              "--use-cp-send-recv-overlap"],
     "ring-general-mask": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo",
                           "megatron_cp_algo", "--attention-mask-type", "general"],
-    "hybrid": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo", "hybrid_cp_algo",
-               "--ulysses-degree-in-cp", "1"],
 }
+CP4_STEPS = 4   # 4 processes share 2 cores: the first 4 of the 10 steps (same schedule, --exit-interval)
+RUNS_CP4 = {   # 4 processes: CP 4 x DP 1, the same global batch of 2
+    "hybrid-u2xring2": ["--micro-batch-size", "2", "--context-parallel-size", "4", "--context-parallel-algo",
+                        "hybrid_cp_algo", "--ulysses-degree-in-cp", "2", "--exit-interval", str(CP4_STEPS)],
+    "double-ring": ["--micro-batch-size", "2", "--context-parallel-size", "4", "--context-parallel-algo",
+                    "megatron_cp_algo", "--cp-window-size", "2", "--use-cp-send-recv-overlap",
+                    "--exit-interval", str(CP4_STEPS)],
+}
+# what the CP feature must have built for each run: (algo, Ulysses degree, ring size, window)
+BUILT = {"ulysses": ("ulysses_cp_algo", 2, 1, 1), "ring": ("megatron_cp_algo", 1, 2, 1),
+         "ring-general-mask": ("megatron_cp_algo", 1, 2, 1), "hybrid-u2xring2": ("hybrid_cp_algo", 2, 2, 1),
+         "double-ring": ("megatron_cp_algo", 1, 4, 2)}
 
 
-def _train_all(rank, world_size, ports, tmp):
+def _train_all(rank, world_size, runs, ports, tmp):
     import torch.distributed as dist
 
     import mindspeed
+    from mindspeed.features.context_parallel import megatron_hook
     from mindspeed.training.arguments import parse_args
     from mindspeed.training.pretrain import run
     losses = {}
-    for (name, extra), port in zip(RUNS.items(), ports):
+    for (name, extra), port in zip(runs.items(), ports):
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ["MASTER_PORT"] = str(port)
@@ -46,20 +58,29 @@ def _train_all(rank, world_size, ports, tmp):
         if rank == 0:
             with open(loss_file) as f:
                 losses[name] = [json.loads(line)["lm_loss"] for line in f]
+            for cp in megatron_hook._groups.values():     # the CP groups the training ran on
+                parts = (cp.ulysses_group, cp.ring_group) if cp.algo == "hybrid_cp_algo" else ()
+                losses[name + "/built"] = ((cp.algo, cp.ulysses_degree, cp.ring_size, cp.window_size)
+                                           if all(p is not None for p in parts) else "missing sub-groups")
     return losses
 
 
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("cp_training"))
-    ports = [free_port() for _ in RUNS]
-    return run_distributed(_train_all, world_size=2, args=(ports, tmp), timeout=420)[0]
+    losses = run_distributed(_train_all, world_size=2, args=(RUNS, [free_port() for _ in RUNS], tmp),
+                             timeout=420)[0]
+    losses.update(run_distributed(_train_all, world_size=4, args=(RUNS_CP4, [free_port() for _ in RUNS_CP4], tmp),
+                                  timeout=420)[0])
+    return losses
 
 
 def test_cp1_trains(losses):
     assert len(losses["cp1"]) == 10 and losses["cp1"][-1] < losses["cp1"][0] - 0.1
 
 
-@pytest.mark.parametrize("algo", ["ulysses", "ring", "ring-general-mask", "hybrid"])
-def test_cp2_matches_cp1_losses(losses, algo):
-    assert losses[algo] == pytest.approx(losses["cp1"], rel=5e-5, abs=5e-5)
+@pytest.mark.parametrize("algo", ["ulysses", "ring", "ring-general-mask", "hybrid-u2xring2", "double-ring"])
+def test_cp_matches_cp1_losses(losses, algo):
+    assert losses[algo + "/built"] == BUILT[algo]
+    want = losses["cp1"][:CP4_STEPS] if algo in RUNS_CP4 else losses["cp1"]
+    assert len(losses[algo]) == len(want) and losses[algo] == pytest.approx(want, rel=5e-5, abs=5e-5)
