@@ -13,8 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_unadapt_restores_every_patched_attribute():
     import megatron.core.tensor_parallel.random as mrandom  # noqa: F401  (import before snapshot)
-    import megatron.core.transformer.moe.moe_utils  # noqa: F401
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import torch
+    _missing = object()
+    gemm_before = getattr(moe_utils, "te_general_gemm", _missing)
+    current_device_before = torch.cuda.current_device
     state = mindspeed.adapt([])
+    # on CPU the device shim replaces torch.cuda.current_device and, when Transformer Engine is
+    # absent, defines moe_utils.te_general_gemm (Megatron reads it even then)
+    assert torch.cuda.current_device is not current_device_before
+    if gemm_before is _missing:
+        assert moe_utils.te_general_gemm is None
     records = state.patcher.applied()
     assert len(records) >= 8, state.patcher.describe()
     before = [(r.owner, r.attr, r.original, [(m, a, o) for m, a, o in r.aliases]) for r in records
@@ -25,10 +34,10 @@ def test_unadapt_restores_every_patched_attribute():
         assert _raw_get(owner, attr) is original, f"{owner}.{attr} not restored"
         for module, name, alias_original in aliases:
             assert getattr(module, name) is alias_original
-    assert not hasattr(megatron.core.transformer.moe.moe_utils, "te_general_gemm") or \
-        megatron.core.transformer.moe.moe_utils.te_general_gemm is not None
-    import torch
-    assert torch.cuda.current_device is not None and state.patcher.applied() == []
+    # what was defined is gone again, what was replaced is the original object again
+    assert getattr(moe_utils, "te_general_gemm", _missing) is gemm_before
+    assert torch.cuda.current_device is current_device_before
+    assert state.patcher.applied() == []
 
 
 def test_adapt_twice_does_not_stack_patches():

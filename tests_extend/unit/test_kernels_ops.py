@@ -47,16 +47,37 @@ def test_gmm_permute_ring_update_and_matmul_add():
     out = ops.npu_gmm(x, w, bias=bias, group_list=[2, 6])
     torch.testing.assert_close(out[:2], x[:2] @ w[0] + bias[0])
     torch.testing.assert_close(out[2:], x[2:] @ w[1] + bias[1])
+    # permutation: rows grouped by expert (expert-major), token order kept within an expert
     tokens = _rand(4, 3)
-    routing = torch.tensor([[1, 0], [0, 1], [1, 0], [0, 1]], dtype=torch.bool)
+    routing = torch.tensor([[1, 0], [0, 1], [1, 1], [0, 1]], dtype=torch.bool)
     permuted, idx = ops.npu_moe_token_permute(tokens, routing)
-    assert torch.equal(ops.npu_moe_token_unpermute(permuted, idx, restore_shape=tokens.shape), tokens)
-    o, m, s = _rand(3, 1, 4), _rand(1, 2, 3, seed=4), _rand(1, 2, 3, seed=5).abs()
-    merged = ops.npu_ring_attention_update(o, m, s, o, m, s)
-    torch.testing.assert_close(merged[0], o)
-    main_grad = torch.zeros(4, 3)
-    ops.npu_matmul_add_fp32(x[:, :3].float(), _rand(6, 4).float(), main_grad)
-    assert main_grad.abs().sum() > 0
+    assert idx.tolist() == [0, 2, 1, 2, 3]
+    assert torch.equal(permuted, tokens[[0, 2, 1, 2, 3]])
+    # unpermute: each row weighted by its prob and added back to its token
+    probs = torch.tensor([0.5, 0.25, 1.0, 0.75, 2.0], dtype=tokens.dtype)
+    restored = ops.npu_moe_token_unpermute(permuted, idx, probs, restore_shape=tokens.shape)
+    torch.testing.assert_close(restored, torch.stack([0.5 * tokens[0], 1.0 * tokens[1], (0.25 + 0.75) * tokens[2],
+                                                      2.0 * tokens[3]]))
+    # ring update: two blocks' partial softmax results merge into the softmax over both blocks
+    # (SBH out [s, b, n*d]; stats [b, n, s]); checked against attention over the joined keys
+    sq, n, d = 3, 2, 4
+    q = _rand(1, n, sq, d)
+    k1, v1, k2, v2 = (_rand(1, n, 5, d, seed=i) for i in (1, 2, 3, 4))
+
+    def block(k, v):
+        scores = q @ k.transpose(-1, -2)
+        mx = scores.amax(-1)
+        p = torch.exp(scores - mx[..., None])
+        out = (p / p.sum(-1, keepdim=True)) @ v                       # [b, n, s, d]
+        return out.permute(2, 0, 1, 3).reshape(sq, 1, n * d), mx, p.sum(-1)
+    merged, _, _ = ops.npu_ring_attention_update(*block(k1, v1), *block(k2, v2))
+    whole = torch.softmax(q @ torch.cat([k1, k2], 2).transpose(-1, -2), -1) @ torch.cat([v1, v2], 2)
+    torch.testing.assert_close(merged, whole.permute(2, 0, 1, 3).reshape(sq, 1, n * d))
+    # main_grad += dy^T @ x in fp32, accumulating into what is there
+    xs, dy = x[:, :3].float(), _rand(6, 4).float()
+    main_grad = torch.ones(4, 3)
+    ops.npu_matmul_add_fp32(xs, dy, main_grad)
+    torch.testing.assert_close(main_grad, 1 + dy.t() @ xs)
 
 
 def test_dropout_add_layer_norm_and_bad_arguments():
