@@ -1,6 +1,6 @@
 """One patch manager for every change MindSpeed makes to Megatron-Core, torch or MindSpore.
 
-Rules (ARCHITECTURE.md): a patch is an explicit `replace` or `wrap`; a target that does not
+Rules (docs/architecture.md): a patch is an explicit `replace` or `wrap`; a target that does not
 exist is an error, never a silent no-op; every applied patch is listed; all can be removed.
 """
 from __future__ import annotations

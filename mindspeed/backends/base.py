@@ -35,7 +35,7 @@ class Cap:
     SEND_RECV = "comm.send_recv"
     BROADCAST = "comm.broadcast"
     SUBGROUPS = "comm.subgroups"
-    # kernels (KERNELS.md)
+    # kernels (docs/kernels.md)
     RMS_NORM = "kernel.rms_norm"
     SWIGLU = "kernel.swiglu"
     ROPE = "kernel.rope"
@@ -136,7 +136,7 @@ class CommAPI(ABC):
 
 
 class KernelsAPI(ABC):
-    """KERNELS.md. Every backend provides each kernel (fast where it can, the reference where
+    """docs/kernels.md. Every backend provides each kernel (fast where it can, the reference where
     it cannot) and exposes its reference implementation under `reference`."""
 
     reference: "KernelsAPI"

@@ -1,5 +1,5 @@
 """Shared helpers for the kernel tests: run a kernel forward+backward and compare with another
-implementation at KERNELS.md tolerances (fp32: torch defaults; bf16: at most 2x the reference's
+implementation at docs/kernels.md tolerances (fp32: torch defaults; bf16: at most 2x the reference's
 own error against an fp64 ground truth, plus a small floor)."""
 from __future__ import annotations
 

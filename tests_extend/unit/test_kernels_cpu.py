@@ -1,5 +1,5 @@
 """CPU fast paths (fused C++ rms_norm/swiglu/rope, flash attention) against the
-reference, forward and backward, fp32 and bf16, at KERNELS.md tolerances."""
+reference, forward and backward, fp32 and bf16, at docs/kernels.md tolerances."""
 import logging
 
 import pytest

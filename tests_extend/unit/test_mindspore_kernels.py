@@ -1,6 +1,6 @@
-"""Every KERNELS.md kernel on the mindspore backend against the torch reference: the same numpy
+"""Every docs/kernels.md kernel on the mindspore backend against the torch reference: the same numpy
 inputs go through mindspeed.backends.torch.kernels.reference and through MindSporeBackend.kernels
-(MindSpore reference on CPU), forward outputs and input gradients compared at KERNELS.md fp32
+(MindSpore reference on CPU), forward outputs and input gradients compared at docs/kernels.md fp32
 tolerances."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Fast paths on Ascend: MindSpore's fused ops, adapted to KERNELS.md semantics.
+"""Fast paths on Ascend: MindSpore's fused ops, adapted to docs/kernels.md semantics.
 
 Not run on the CPU CI machine (these ops have no CPU kernel): capabilities.VERIFIED_DEVICES
 says so, and the support matrix marks the ascend column as declared only.

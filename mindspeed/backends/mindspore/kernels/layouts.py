@@ -1,4 +1,4 @@
-"""Attention layouts (KERNELS.md) on MindSpore tensors: SBH, BSH, BSND, BNSD <-> [b, n, s, d].
+"""Attention layouts (docs/kernels.md) on MindSpore tensors: SBH, BSH, BSND, BNSD <-> [b, n, s, d].
 
 Mirrors mindspeed/backends/torch/kernels/layouts.py so both backends accept the same arguments
 and raise the same errors.

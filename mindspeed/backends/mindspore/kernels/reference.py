@@ -1,4 +1,4 @@
-"""MindSpore reference implementations of every kernel in KERNELS.md.
+"""MindSpore reference implementations of every kernel in docs/kernels.md.
 
 Same semantics, argument checks and return conventions as the torch reference
 (mindspeed/backends/torch/kernels/reference.py); tests compare the two on the same numpy

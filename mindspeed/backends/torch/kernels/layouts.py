@@ -1,4 +1,4 @@
-"""Attention tensor layouts (KERNELS.md) and their conversion to and from [b, n, s, d].
+"""Attention tensor layouts (docs/kernels.md) and their conversion to and from [b, n, s, d].
 
 SBH and BSH pack heads into the last dim ([s, b, n*d], [b, s, n*d]); BSND, BNSD name every dim;
 TND is packed variable-length sequences [t, n, d] with cumulative sequence ends (no leading 0).

@@ -1,6 +1,6 @@
 """torch_npu fast paths (Ascend). Imported only when the torch backend runs on npu, i.e. after
-torch_npu imported successfully. Each function maps the KERNELS.md contract onto the torch_npu
-op of the same row in KERNELS.md; it cannot run without an NPU, so it stays a thin mapping.
+torch_npu imported successfully. Each function maps the docs/kernels.md contract onto the torch_npu
+op of the same row in docs/kernels.md; it cannot run without an NPU, so it stays a thin mapping.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reference implementations of every kernel in KERNELS.md: plain torch ops, obviously correct.
+"""Reference implementations of every kernel in docs/kernels.md: plain torch ops, obviously correct.
 
 Their autograd is the reference backward. Fast paths (cpu.py, npu.py) are tested against these.
 Internals compute in fp32 and cast results back to the input dtype.

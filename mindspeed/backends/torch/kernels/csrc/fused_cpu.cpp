@@ -1,6 +1,6 @@
 // Fused CPU kernels for MindSpeed (forward and backward): rms_norm, swiglu, rope.
 // One pass over each row, fp32 (double for fp64) arithmetic, rows split across threads.
-// Semantics match mindspeed/backends/torch/kernels/reference.py (KERNELS.md).
+// Semantics match mindspeed/backends/torch/kernels/reference.py (docs/kernels.md).
 // Registered as torch.ops.mindspeed_cpu.* (no pybind: cheaper to build).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
