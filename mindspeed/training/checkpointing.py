@@ -113,6 +113,10 @@ def check_iteration(directory: str) -> str | None:
     (metadata.json, common.pt, .metadata) and the sizes of the shard files."""
     if not os.path.isdir(directory):
         return f"{directory} is missing"
+    if os.path.isfile(os.path.join(directory, "model.safetensors")) and \
+            not os.path.isfile(os.path.join(directory, INDEX_FILE)):
+        return (f"{directory} holds a neutral safetensors checkpoint (written by --backend mindspore), "
+                "not a torch_dist one")
     for name in (FORMAT_FILE, COMMON_FILE, INDEX_FILE):
         if not os.path.isfile(os.path.join(directory, name)):
             return f"{os.path.join(directory, name)} is missing"

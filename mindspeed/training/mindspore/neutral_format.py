@@ -165,6 +165,9 @@ def check_iteration(directory: str) -> str | None:
     meta.json); else the problem, naming the file."""
     if not os.path.isdir(directory):
         return f"{directory} is missing"
+    if os.path.isfile(os.path.join(directory, ".metadata")) and not os.path.exists(os.path.join(directory, MODEL_FILE)):
+        return (f"{directory} holds a torch_dist checkpoint (written by --backend torch), not a neutral "
+                "safetensors one")
     problem = check_safetensors(os.path.join(directory, MODEL_FILE))
     if problem:
         return problem
