@@ -109,16 +109,12 @@ class MegatronLMHooks:
         device = self.state.plan.device
         if self.state.plan.backend != "torch":
             return
-        wanted = dist_backend_for(device)
-        if getattr(args, "distributed_backend", None) in ("nccl", "hccl", "gloo") \
-                and args.distributed_backend != wanted:
-            if args.distributed_backend == "gloo" and device != "cpu":
-                pass   # an explicit gloo on an accelerator is the user's choice
-            else:
-                if int(os.environ.get("RANK", "0")) == 0:
-                    log.warning("MindSpeed: --distributed-backend %s -> %s (device %s)",
-                                args.distributed_backend, wanted, device)
-                args.distributed_backend = wanted
+        wanted, given = dist_backend_for(device), getattr(args, "distributed_backend", None)
+        gloo_on_accelerator = given == "gloo" and device != "cpu"   # the user's explicit choice
+        if given in ("nccl", "hccl", "gloo") and given != wanted and not gloo_on_accelerator:
+            if int(os.environ.get("RANK", "0")) == 0:
+                log.warning("MindSpeed: --distributed-backend %s -> %s (device %s)", given, wanted, device)
+            args.distributed_backend = wanted
         if getattr(args, "transformer_impl", None) == "transformer_engine" and not _transformer_engine_present():
             self._refuse("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is "
                          "not installed; use --transformer-impl local (MindSpeed's fused kernels plug into it)")
