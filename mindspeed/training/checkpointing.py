@@ -15,22 +15,20 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 
 import torch
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
+from mindspeed.training import checkpoint_scan
+from mindspeed.training.checkpoint_scan import iteration_dir
 from mindspeed.training.errors import CheckpointError, one_line, resume_hint, unreadable
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE_MODE, DIR_MODE = 0o640, 0o750
 INDEX_FILE, COMMON_FILE, FORMAT_FILE = ".metadata", "common.pt", "metadata.json"
-_ITERATION_DIR = re.compile(r"iter_(\d{7})$")
 
 
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def read_tracker(root: str, step: int | None = None) -> int:
@@ -181,23 +179,9 @@ def find_damaged_tensor(directory: str) -> str | None:
     return None
 
 
-def checkpoint_iterations(root: str) -> list[int]:
-    """The iterations with an iter_NNNNNNN directory under root, newest first."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    found = (_ITERATION_DIR.match(n) for n in names)
-    return sorted((int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0)))),
-                  reverse=True)
-
-
 def last_readable(root: str, exclude: int | None = None) -> int | None:
     """The newest iteration under root (other than `exclude`) whose files pass check_iteration."""
-    for iteration in checkpoint_iterations(root):
-        if iteration != exclude and check_iteration(iteration_dir(root, iteration)) is None:
-            return iteration
-    return None
+    return checkpoint_scan.last_readable(root, check_iteration, exclude)
 
 
 def _restrict_permissions(path: str) -> None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from mindspeed.training import checkpoint_scan
+from mindspeed.training.checkpoint_scan import ITERATION_DIR, iteration_dir
 from mindspeed.training.errors import CheckpointError, resume_hint, unreadable
 
 MODEL_FILE = "model.safetensors"
@@ -80,8 +81,6 @@ def _write_private(path: str, write) -> None:
     os.replace(tmp, path)
 
 
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def save(root: str, iteration: int, model: dict, optimizer: dict | None = None, meta: dict | None = None) -> str:
@@ -110,7 +109,6 @@ def _dump_text(text, path):
         f.write(text + "\n")
 
 
-_ITERATION_DIR = re.compile(r"iter_(\d{7})$")
 _HEADER_LIMIT = 100 * 2**20      # safetensors' own cap on the JSON header
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
              "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
@@ -189,29 +187,15 @@ def check_iteration(directory: str) -> str | None:
     return None
 
 
-def checkpoint_iterations(root: str) -> list[int]:
-    """Iterations with an iter_NNNNNNN directory under root, newest first."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    found = (_ITERATION_DIR.match(n) for n in names)
-    return sorted((int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0)))),
-                  reverse=True)
-
-
 def last_readable(root: str, exclude: int | None = None) -> int | None:
     """The newest iteration under root (other than `exclude`) whose files pass check_iteration."""
-    for iteration in checkpoint_iterations(root):
-        if iteration != exclude and check_iteration(iteration_dir(root, iteration)) is None:
-            return iteration
-    return None
+    return checkpoint_scan.last_readable(root, check_iteration, exclude)
 
 
 def _split(path: str) -> tuple[str, int | None]:
     """(checkpoint root, iteration) of an iteration directory; (path, None) for a root."""
     path = os.path.normpath(path)
-    m = _ITERATION_DIR.match(os.path.basename(path))
+    m = ITERATION_DIR.match(os.path.basename(path))
     if m and not os.path.isfile(os.path.join(path, TRACKER_FILE)):
         return os.path.dirname(path), int(m.group(1))
     return path, None
