@@ -2,7 +2,6 @@
 (TP=2) with a tiny GPT on a tiny dataset: the loss falls, a checkpoint is written, and resuming
 from the middle checkpoint reproduces the uninterrupted run's losses; a checkpoint cut short is
 refused by every worker with one line."""
-import hashlib
 import json
 import os
 import random
@@ -12,6 +11,7 @@ import sys
 import pytest
 
 from mindspeed.net import free_port
+from tests_extend.system.file_snapshot import snapshot
 
 pytest.importorskip("mindspore")
 
@@ -62,16 +62,6 @@ def run_script(tmp_path, name, extra_env, args=(), timeout=420):
     return r.stdout, losses
 
 
-def _snapshot(root):
-    out = {}
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
-    return out
-
-
 def test_train_save_and_resume(tmp_path, tiny_dataset):
     """Also: with the step-8 model file cut short, a resume stops both workers with the same single
     line naming the file and iteration 4 with its flag, changes nothing, and that flag resumes."""
@@ -86,7 +76,7 @@ def test_train_save_and_resume(tmp_path, tiny_dataset):
 
     model_file = ckpt / "iter_0000008" / "model.safetensors"
     os.truncate(model_file, 100)
-    before = _snapshot(ckpt)
+    before = snapshot(ckpt)
     r = launch(tmp_path, "truncated", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ckpt), CLUSTER_TIMEOUT="120"))
     assert r.returncode != 0                                   # msrun: a worker exited with code 2
     lines = []
@@ -98,7 +88,7 @@ def test_train_save_and_resume(tmp_path, tiny_dataset):
     assert lines[0] == lines[1], lines
     assert f"{model_file} is truncated (100 bytes" in lines[0], lines[0]
     assert f"the last readable checkpoint is iteration 4: load it with --load {ckpt} --ckpt-step 4" in lines[0]
-    assert _snapshot(ckpt) == before                           # tracker and checkpoints untouched
+    assert snapshot(ckpt) == before                           # tracker and checkpoints untouched
 
     out, resumed = run_script(tmp_path, "resumed", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ckpt)),
                               ["--ckpt-step", "4"])
@@ -106,4 +96,4 @@ def test_train_save_and_resume(tmp_path, tiny_dataset):
     assert sorted(resumed) == [5, 6, 7, 8]
     for it in resumed:
         assert resumed[it] == pytest.approx(full[it], abs=1e-5)
-    assert _snapshot(ckpt) == before
+    assert snapshot(ckpt) == before

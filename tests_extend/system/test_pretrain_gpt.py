@@ -1,6 +1,5 @@
 """The example end to end: train_distributed.sh -> torchrun -> pretrain_gpt.py on 2 processes,
 with a tiny GPT and a tiny dataset (shortened run). Every launch has a timeout, so a hang fails."""
-import hashlib
 import json
 import os
 import random
@@ -12,6 +11,7 @@ import sys
 import pytest
 
 from mindspeed.net import free_port
+from tests_extend.system.file_snapshot import snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
@@ -112,17 +112,6 @@ def saved_run(tiny_dataset, tmp_path_factory):
     return ckpt, read_losses(full)
 
 
-def _snapshot(root):
-    """Every file under root with its bytes' hash and mtime: what 'nothing was changed' means."""
-    out = {}
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
-    return out
-
-
 def _launch_ranks(args, world=2, timeout=120):
     """pretrain_gpt.py on `world` ranks started directly (the environment torchrun would give them,
     without torchrun's own report on top): [(exit code, stderr)] by rank. A rank that hangs fails."""
@@ -159,7 +148,7 @@ def test_truncated_checkpoint_stops_every_rank_then_the_named_one_resumes(saved_
     shutil.copytree(saved_run[0], ckpt)
     shard = os.path.join(ckpt, "iter_0000008", "__0_0.distcp")
     os.truncate(shard, 100)
-    before = _snapshot(ckpt)
+    before = snapshot(ckpt)
     results = _launch_ranks(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                              "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
                              "--train-iters", "8", "--data-path", tiny_dataset, *RESUME_FLAGS, "--load", ckpt])
@@ -171,7 +160,7 @@ def test_truncated_checkpoint_stops_every_rank_then_the_named_one_resumes(saved_
         lines.append(errors[0])
     assert lines[0] == lines[1], lines
     assert shard in lines[0] and "truncated (100 bytes" in lines[0], lines[0]
-    assert _snapshot(ckpt) == before                       # tracker and checkpoints untouched
+    assert snapshot(ckpt) == before                       # tracker and checkpoints untouched
     named = re.search(r"the last readable checkpoint is iteration 4: load it with --load (\S+) --ckpt-step (\d+)",
                       lines[0])
     assert named, lines[0]
@@ -184,7 +173,7 @@ def test_truncated_checkpoint_stops_every_rank_then_the_named_one_resumes(saved_
     assert sorted(b) == [5, 6, 7, 8]
     for it in (5, 6, 7, 8):
         assert abs(a[it] - b[it]) <= 1e-6, (it, a[it], b[it])
-    assert _snapshot(ckpt) == before
+    assert snapshot(ckpt) == before
 
 
 def _pretrain_single(args, env=None, timeout=180):
