@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from mindspeed.arguments import defaults, parse_mindspeed_args, resolve_backend_name
 from mindspeed.features.base import ApplyContext, Feature, FeatureConfigError
-from mindspeed.features.registry import all_features, enabled_features
+from mindspeed.features.registry import all_features, enabled_features, orphan_flag_problems
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
 from mindspeed.support_matrix import UnsupportedFeatureError, check
 
@@ -34,18 +34,18 @@ class Plan:
         lines = [f"backend: {self.backend} (device {self.device})"
                  + (" via MSAdapter" if self.msadapter else ""),
                  f"optimization level: {self.args.optimization_level}",
-                 "features: " + (", ".join(f.id for f in self.features) or "(none)")]
+                 "features: " + (", ".join(f.id for f in self.features if f.category != "option") or "(none)")]
         if self.dropped:
             lines.append("dropped by --optimization-level: " + ", ".join(f.id for f in self.dropped))
         return "\n".join(lines)
 
 
-def _as_namespace(args) -> argparse.Namespace:
+def _as_namespace(args, unknown: str) -> argparse.Namespace:
     """Accept an argv list, a Namespace (e.g. Megatron's args), or None (defaults)."""
     if args is None:
         return defaults()
     if isinstance(args, (list, tuple)):
-        return parse_mindspeed_args(list(args))
+        return parse_mindspeed_args(list(args), unknown=unknown)
     merged = defaults()
     merged.backend = None
     for key, value in vars(args).items():
@@ -77,16 +77,21 @@ def resolve_device(backend: str, requested: str) -> str:
     return ms_select(requested)
 
 
-def plan(args=None) -> Plan:
+def plan(args=None, unknown_flags: str = "error") -> Plan:
+    """args: an argv list (a whole command line: unknown flags are refused, or only likely typos
+    with unknown_flags="typos"), a parsed Namespace, or None."""
     msadapter = _msadapter_active()
     try:
-        ns = _as_namespace(args)
+        ns = _as_namespace(args, unknown_flags)
         if msadapter and not _user_chose_backend(args):
             ns.backend = "mindspore"   # `import torch` is MindSpore underneath: it must serve kernels/comm
         device = resolve_device(ns.backend, getattr(ns, "mindspeed_device", "auto") or "auto")
         on = enabled_features(ns)
         for f in on:
             f.validate(ns)
+        orphans = orphan_flag_problems(ns, {f.id for f in on})
+        if orphans:
+            raise FeatureConfigError("; ".join(orphans))
     except (FeatureConfigError, ValueError, RuntimeError, ImportError) as exc:
         raise MindSpeedConfigError(f"MindSpeed: {exc}") from exc
     level = ns.optimization_level
@@ -95,7 +100,7 @@ def plan(args=None) -> Plan:
     for f in dropped:
         log.warning("MindSpeed: %s is above --optimization-level %d and is not applied", f.id, level)
     try:
-        check(kept, ns.backend, device)
+        check(kept, ns.backend, device, ns)
     except UnsupportedFeatureError as exc:
         raise MindSpeedConfigError(str(exc)) from exc
     return Plan(ns, ns.backend, device, kept, dropped, msadapter)

@@ -8,9 +8,11 @@ Nothing here parses sys.argv at import time. `add_mindspeed_args(parser)` adds t
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 
 from mindspeed.features.registry import all_features
+from mindspeed.training.flag_checks import ArgumentError, OneLineParser
 
 FRAMEWORK_ALIASES = {"pytorch": "torch", "torch": "torch", "mindspore": "mindspore"}
 
@@ -37,15 +39,64 @@ def add_mindspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     _core_flags(group, existing)
     for feature in all_features():
         for flag in feature.flags:
-            if flag.name in existing:
-                continue            # the host (Megatron) parser already owns this flag
+            if flag.name in existing or flag.host:
+                continue            # the host (Megatron) parser owns this flag
             group.add_argument(flag.name, **flag.kwargs)
             existing.add(flag.name)
     return parser
 
 
 def mindspeed_parser() -> argparse.ArgumentParser:
-    return add_mindspeed_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    return add_mindspeed_args(OneLineParser(add_help=False, allow_abbrev=False))
+
+
+def trainer_parser() -> argparse.ArgumentParser:
+    """The built-in trainers' Megatron-style parser with MindSpeed's flags: every flag `check`,
+    `adapt(argv)` and the trainers know."""
+    from mindspeed.training.arguments import build_parser
+    return add_mindspeed_args(build_parser(prog="mindspeed"))
+
+
+# -- unknown flags ----------------------------------------------------------------------------
+def unknown_options(extras) -> list[str]:
+    """The option names among parse_known_args' leftovers (`--x=1` -> `--x`; values dropped)."""
+    return [tok.split("=", 1)[0] for tok in extras if tok.startswith("-") and len(tok) > 1
+            and not _is_number(tok)]
+
+
+def _is_number(tok: str) -> bool:
+    try:
+        float(tok)
+        return True
+    except ValueError:
+        return False
+
+
+def suggest(flag: str, known) -> str | None:
+    close = difflib.get_close_matches(flag, list(known), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def unknown_flag_message(flags, known) -> str:
+    """One line: each unknown flag with the closest known one."""
+    parts = []
+    for flag in flags:
+        near = suggest(flag, known)
+        parts.append(f"{flag} (did you mean {near}?)" if near else flag)
+    return (f"unknown flag{'s' if len(parts) > 1 else ''} {', '.join(parts)}: not a Megatron or MindSpeed "
+            "flag (`python -m mindspeed flags` lists MindSpeed's)")
+
+
+def known_flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for opt in parser._option_string_actions if opt.startswith("--")}
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, extras) -> None:
+    """parse_known_args' leftovers of a whole command line are an error (with did-you-mean)."""
+    if extras:
+        bad = unknown_options(extras)
+        raise ArgumentError(unknown_flag_message(bad, known_flags(parser)) if bad
+                            else f"unexpected argument {' '.join(extras)}")
 
 
 def resolve_backend_name(args) -> str:
@@ -57,8 +108,21 @@ def resolve_backend_name(args) -> str:
     return backend or framework or os.environ.get("MINDSPEED_BACKEND") or "torch"
 
 
-def parse_mindspeed_args(argv=None, namespace=None) -> argparse.Namespace:
-    args, _unknown = mindspeed_parser().parse_known_args(argv, namespace)
+def parse_mindspeed_args(argv=None, namespace=None, unknown: str = "ignore") -> argparse.Namespace:
+    """MindSpeed's flags from argv. unknown: "ignore" (the rest is the host's business), "error"
+    (argv is a whole trainer command line: anything unknown is refused), or "typos" (a user's own
+    script: only flags close to a known one are refused, as misspellings)."""
+    if unknown == "error":
+        parser = trainer_parser()
+        args, extras = parser.parse_known_args(argv, namespace)
+        refuse_unknown(parser, extras)
+    else:
+        args, extras = mindspeed_parser().parse_known_args(argv, namespace)
+        if unknown == "typos":
+            known = known_flags(trainer_parser())
+            typos = [flag for flag in unknown_options(extras) if flag not in known and suggest(flag, known)]
+            if typos:
+                raise ArgumentError(unknown_flag_message(typos, known))
     args.backend = resolve_backend_name(args)
     return args
 

@@ -4,7 +4,8 @@ Under Megatron-LM (`megatron.training` importable, e.g. its own pretrain_gpt.py)
 is applied now and MindSpeed's flags join Megatron's own parser; the support-matrix gate and the
 features run right after Megatron's validate_args (mindspeed/megatron_lm.py).
 With the megatron-core wheel alone (a user's own script): MindSpeed's flags are read from sys.argv
-(parse_known_args; the script's own flags are left alone), gated and applied now.
+(parse_known_args; the script's own flags are left alone unless one is within a typo of a
+MindSpeed or Megatron flag), gated and applied now.
 Programmatic users call mindspeed.adapt(args) instead and nothing reads sys.argv.
 """
 import sys
@@ -16,6 +17,7 @@ try:
     if megatron_lm.present():
         STATE = megatron_lm.adapt_megatron_lm(sys.argv[1:])
     else:
-        STATE = apply_plan(plan(sys.argv[1:]))
+        # the script's own flags are its business; flags close to MindSpeed's or Megatron's are typos
+        STATE = apply_plan(plan(sys.argv[1:], unknown_flags="typos"))
 except MindSpeedConfigError as _exc:
     raise SystemExit(str(_exc)) from None

@@ -31,6 +31,8 @@ def verified(backend: str, device: str) -> bool:
 def feature_level(feature: Feature, backend: str, device: str) -> tuple[Level, list[str]]:
     """The cell value and what holds it down: capability names below native, plus a note when
     the backend's host model has no integration hook for the feature."""
+    if feature.planned:
+        return Level.ABSENT, [f"not implemented yet ({feature.planned})"]
     caps = capability_table(backend).declared(device)
     levels = [(req, caps.get(req, Level.ABSENT)) for req in feature.requires]
     level = min((lv for _, lv in levels), key=lambda lv: lv.rank, default=Level.NATIVE)
@@ -38,12 +40,24 @@ def feature_level(feature: Feature, backend: str, device: str) -> tuple[Level, l
     if backend not in feature.backends:
         level = Level.ABSENT
         limits.append(f"an integration hook in the {backend} backend's model")
+    reason = feature.unsupported.get(f"{backend}/{device}") or feature.unsupported.get(backend)
+    if reason:
+        level = Level.ABSENT
+        limits.append(reason)
     return level, limits
+
+
+def implemented() -> list[Feature]:
+    return [f for f in all_features() if not f.planned]
+
+
+def planned() -> list[Feature]:
+    return [f for f in all_features() if f.planned]
 
 
 def compute() -> list[dict]:
     rows = []
-    for f in all_features():
+    for f in implemented():
         cells = {}
         for backend, device in columns():
             level, limits = feature_level(f, backend, device)
@@ -53,10 +67,15 @@ def compute() -> list[dict]:
     return rows
 
 
+def planned_rows() -> list[dict]:
+    return [{"feature": f.id, "category": f.category, "flags": [fl.name for fl in f.flags],
+             "tracked": f.planned} for f in planned()]
+
+
 def to_json() -> str:
     return json.dumps({"columns": [f"{b}/{d}" for b, d in columns()],
                        "verified": [f"{b}/{d}" for b, d in columns() if verified(b, d)],
-                       "features": compute()}, indent=2)
+                       "features": compute(), "not_implemented_yet": planned_rows()}, indent=2)
 
 
 def to_markdown() -> str:
@@ -70,29 +89,43 @@ def to_markdown() -> str:
     lines.append("")
     lines.append("native: a device/framework implementation; emulated: same semantics built from other "
                  "primitives or a reference kernel (slower); —: refused with an error. "
-                 "† declared from the backend's capability table, not exercised by CI (no such device here).")
+                 "† declared from the backend's capability table, not exercised by CI (no such device here). "
+                 "Rows of category `option` are Megatron's own flags that some trainer cannot run; "
+                 "`python -m mindspeed matrix --json` gives each refused cell's reason.")
+    lines.append("")
+    lines.append("Not implemented yet (accepted by the parser, refused on every backend before any work):")
+    lines.append("")
+    for row in planned_rows():
+        flags = ", ".join(f"`{name}`" for name in row["flags"])
+        lines.append(f"- {row['feature']} ({row['category']}; {row['tracked']}): {flags}")
     return "\n".join(lines)
 
 
-def check(features: list[Feature], backend: str, device: str) -> None:
+def check(features: list[Feature], backend: str, device: str, args=None) -> None:
     """Refuse the first unsupported feature with a message naming feature, backend, the missing
     capability and the alternatives."""
-    problems = []
+    problems = []      # (short name, full message)
     for f in features:
         level, limits = feature_level(f, backend, device)
         if level is not Level.ABSENT:
             continue
-        missing = "; ".join(lim for lim in limits if "(emulated)" not in lim)
+        flag = f.trigger(args) if args is not None else (f.flags[0].name if f.flags else f.id)
+        if f.planned:
+            problems.append((f"{f.id} ({flag})",
+                             f"{flag} ({f.id}) is not implemented yet ({f.planned}); drop the flag"))
+            continue
+        reasons = [lim for lim in limits if lim in f.unsupported.values()]
+        missing = "; ".join(lim for lim in limits if "(emulated)" not in lim and lim not in reasons)
         where = [f"{b}/{d}" for b, d in columns() if feature_level(f, b, d)[0] is not Level.ABSENT]
-        flag = f" ({f.flags[0].name})" if f.flags else ""
-        msg = (f"feature '{f.id}'{flag} is not supported on backend '{backend}' (device {device}): "
-               f"missing {missing}.")
+        msg = (f"feature '{f.id}' ({flag}) is not supported on backend '{backend}' (device {device}): "
+               + "; ".join(reasons + ([f"missing {missing}"] if missing else [])) + ".")
         if f.alternatives:
             msg += f" Alternative: {f.alternatives}."
         msg += f" Supported on: {', '.join(where) if where else 'no backend yet'}."
-        problems.append(msg)
-    if problems:
-        raise UnsupportedFeatureError("MindSpeed: " + "\nMindSpeed: ".join(problems))
+        problems.append((f"{f.id} ({flag})", msg))
+    if problems:    # one line: the first refusal in full, the others named
+        more = f" (also refused: {', '.join(name for name, _ in problems[1:])})" if problems[1:] else ""
+        raise UnsupportedFeatureError("MindSpeed: " + problems[0][1] + more)
 
 
 FLAGS_BEGIN = "<!-- flags:begin (generated by `python -m mindspeed flags`; do not edit) -->"

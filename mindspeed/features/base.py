@@ -20,6 +20,14 @@ class Flag:
     name: str                     # "--use-fused-rmsnorm"
     kwargs: dict = field(default_factory=dict)
     megatron: bool = False        # Megatron's own flag (e.g. --context-parallel-size) that we key on
+    host: bool = False            # defined only by the host's parser (the trainers', Megatron-LM's):
+                                  # MindSpeed reads its value but never adds the option itself
+
+    @property
+    def default(self):
+        if "default" in self.kwargs:
+            return self.kwargs["default"]
+        return False if self.kwargs.get("action") == "store_true" else None
 
     @property
     def dest(self) -> str:
@@ -28,6 +36,11 @@ class Flag:
 
 def switch(name: str, help: str) -> Flag:
     return Flag(name, dict(action="store_true", default=False, help=help))
+
+
+def host_flag(name: str, dest: str | None = None) -> Flag:
+    """A Megatron flag the host parser defines (defaults and choices are the host's)."""
+    return Flag(name, dict(dest=dest) if dest else {}, megatron=True, host=True)
 
 
 class Feature:
@@ -43,10 +56,31 @@ class Feature:
     optimization_level: int = 2        # 0 basic compatibility, 1 affinity (fused), 2 acceleration
     backends: tuple[str, ...] = ("torch", "mindspore")  # backends that have an integration hook
     alternatives: str = ""             # shown when refused: what would work instead
+    # cells a backend's trainer cannot run, with the reason: {"mindspore": "...", "torch/npu": "..."}
+    unsupported: dict = {}
+    planned: str = ""                  # not implemented yet: where it is tracked (refused everywhere)
+    example: tuple[str, ...] = ()      # argv that turns the feature on (docs, the matrix walk test)
+    example_world: int = 1             # processes that argv needs
 
     def enabled(self, args: Any) -> bool:
         """Default: the first flag is a switch that turns the feature on."""
         return bool(getattr(args, self.flags[0].dest, False)) if self.flags else False
+
+    def on_hint(self) -> str:
+        """How a user turns the feature on (for "X has no effect without ..." messages)."""
+        return self.flags[0].name if self.flags else self.id
+
+    def trigger(self, args: Any) -> str:
+        """The flag (with its value) that turned the feature on, as the user typed it."""
+        for fl in self.flags:
+            value = getattr(args, fl.dest, fl.default)
+            if value == fl.default or value is None:
+                continue
+            if isinstance(value, bool):
+                return fl.name
+            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            return f"{fl.name} {shown}"
+        return self.flags[0].name if self.flags else self.id
 
     def validate(self, args: Any) -> None:
         """Raise FeatureConfigError for bad values. Runs before process groups exist."""

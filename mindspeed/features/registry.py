@@ -14,6 +14,8 @@ FEATURE_MODULES = [
     "mindspeed.features.context_parallel.feature",
     "mindspeed.features.observability.profiling",
     "mindspeed.features.fused.features",
+    "mindspeed.features.megatron_options",
+    "mindspeed.features.planned",
 ]
 _REGISTRY: dict[str, Feature] = {}
 _loaded = False
@@ -55,7 +57,35 @@ def enabled_features(args) -> list[Feature]:
                 problems.append(f"feature '{f.id}' conflicts with '{other}': enable only one of them")
         for need in f.depends:
             if need not in ids:
-                problems.append(f"feature '{f.id}' needs '{need}' to be enabled too")
+                problems.append(f"{f.trigger(args)} ({f.id}) needs {_how_to_enable(need)} to be on too")
     if problems:
         raise FeatureConfigError("; ".join(problems))
     return on
+
+
+def _how_to_enable(feature_id: str) -> str:
+    try:
+        return f"{get_feature(feature_id).on_hint()} ({feature_id})"
+    except KeyError:
+        return f"'{feature_id}'"
+
+
+def orphan_flag_problems(args, enabled_ids: set) -> list[str]:
+    """A MindSpeed sub-flag (e.g. --sparse-mode, --profile-ranks) changed from its default while
+    no feature that reads it is on would be accepted and ignored: each is a problem."""
+    owners: dict[str, list[Feature]] = {}
+    for f in all_features():
+        for fl in f.flags:
+            owners.setdefault(fl.name, []).append(f)
+    problems = []
+    for name, features in owners.items():
+        fl = next(x for x in features[0].flags if x.name == name)
+        if fl.megatron or not hasattr(args, fl.dest) or getattr(args, fl.dest) == fl.default:
+            continue
+        if any(f.id in enabled_ids for f in features):
+            continue
+        if len(features) == 1 and fl is features[0].flags[0]:
+            continue                    # a feature's own switch: if it changed, the feature is on
+        owner = features[0]
+        problems.append(f"{name} has no effect without {owner.on_hint()} ({owner.id}): add it or drop {name}")
+    return problems

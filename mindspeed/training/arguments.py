@@ -19,7 +19,7 @@ import os
 from typing import Sequence
 
 from mindspeed.training.flag_checks import (LOSS_SCALE_DEFAULTS, TOKENIZER_TYPES,  # noqa: F401 (re-exported)
-                                            ArgumentError, cross_flag_problems)
+                                            ArgumentError, OneLineParser, cross_flag_problems)
 
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"   # in both trainers' checkpoint roots
@@ -60,6 +60,10 @@ def _network(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall"])
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="MoE: shared experts' total FFN size (Megatron-Core's SharedExpertMLP)")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="MoE: overlap the shared experts with the token dispatch (alltoall dispatcher)")
 
 
 def _implementation(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +151,8 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--variable-seq-lengths", action="store_true",
+                   help="pipeline stages exchange tensor shapes before each micro-batch")
     g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl", "hccl"],
                    help="nccl/hccl (or none): the device's collective library (gloo on cpu, nccl on "
                         "cuda, hccl on npu); gloo: gloo")
@@ -202,8 +208,8 @@ def _logging(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     """Megatron's flags only (no MindSpeed flags; see mindspeed.arguments.add_mindspeed_args)."""
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
-                                     description="GPT pretraining on Megatron-Core with MindSpeed")
+    parser = OneLineParser(prog=prog, allow_abbrev=False,
+                           description="GPT pretraining on Megatron-Core with MindSpeed")
     for add in (_network, _implementation, _training, _parallel, _data, _checkpointing, _logging):
         add(parser)
     return parser
@@ -223,7 +229,9 @@ def parse_args(argv: Sequence[str] | None = None, *, with_mindspeed: bool = True
                world_size: int | None = None) -> argparse.Namespace:
     """Parse argv (sys.argv[1:] when None), derive defaults and validate."""
     parser = _full_parser() if with_mindspeed else build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    from mindspeed.arguments import refuse_unknown
+    refuse_unknown(parser, extras)
     derive_args(args, world_size)
     validate_args(args)
     return args
@@ -364,5 +372,5 @@ def validate_args(args) -> None:
                         "use --ckpt-format torch_dist (the default)")
     problems.extend(cross_flag_problems(args))
     if problems:
-        raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
+        raise ArgumentError("; ".join(problems))    # one line, every problem
 

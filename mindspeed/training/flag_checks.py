@@ -4,11 +4,20 @@ Framework-free; `arguments.validate_args` collects their one-line problems.
 """
 from __future__ import annotations
 
+import argparse
 import os
 
 
 class ArgumentError(ValueError):
     """A flag value or combination that cannot work; raised before any work starts."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors (invalid choice, missing value, ...) raise ArgumentError with one line
+    instead of printing the usage block and exiting."""
+
+    def error(self, message):
+        raise ArgumentError(" ".join(message.split()))
 
 
 # Megatron's --tokenizer-type values; the trainers implement the first four (flag_tokenizers.py)

@@ -194,12 +194,13 @@ def test_ramped_batch_and_fp16_loss_scale_appear_in_the_iteration_line():
 
 @pytest.mark.parametrize("argv, message", [
     (["--micro-batch-size", "4", "--global-batch-size", "8", "--rampup-batch-size", "4", "4", "8"],
-     "--rampup-batch-size (its steps have a fixed global batch)"),
-    (["--distributed-backend", "gloo"], "--distributed-backend gloo (it communicates through MindSpore's"),
+     "MindSpore trainer's steps have a fixed global batch"),
+    (["--distributed-backend", "gloo"], "MindSpore trainer communicates through MindSpore's own collectives"),
 ])
 def test_mindspore_trainer_refuses_what_its_loop_cannot_do(argv, message):
-    pytest.importorskip("mindspore")
-    from mindspeed.training.mindspore.trainer import TrainerConfigError, check_supported
-    with pytest.raises(TrainerConfigError, match=re.escape(message)):
-        check_supported(_args("--backend", "mindspore", *argv))
-    check_supported(_args("--backend", "mindspore", "--distributed-backend", "nccl", "--log-throughput"))
+    """The support matrix (the one gate) refuses these for the MindSpore trainer, not for torch."""
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    with pytest.raises(MindSpeedConfigError, match=re.escape(message)):
+        plan(_args("--backend", "mindspore", *argv))
+    plan(_args("--backend", "torch", *argv))
+    plan(_args("--backend", "mindspore", "--distributed-backend", "nccl", "--log-throughput"))

@@ -35,6 +35,15 @@ class _ContextParallel(Feature):
         return ((getattr(args, "context_parallel_size", 1) or 1) > 1
                 and getattr(args, "context_parallel_algo", "ulysses_cp_algo") == self.algo)
 
+    def on_hint(self) -> str:
+        return f"--context-parallel-size > 1 (--context-parallel-algo {self.algo})"
+
+    @property
+    def example(self) -> tuple:
+        extra = ("--ulysses-degree-in-cp", "2") if self.algo == "hybrid_cp_algo" else ()
+        return ("--context-parallel-size", "2", "--context-parallel-algo", self.algo) + extra
+    example_world = 2
+
     def validate(self, args) -> None:
         size = args.context_parallel_size
         try:

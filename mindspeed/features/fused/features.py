@@ -17,6 +17,11 @@ class _FusedFeature(Feature):
     optimization_level = 1
     hook_module = ""   # mindspeed.features.fused.<module> with install(patcher, args)
 
+    @property
+    def example(self) -> tuple:
+        return (self.flags[0].name,) + self.companions
+    companions: tuple = ()     # flags the feature needs beside its own (e.g. an MoE model)
+
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
             importlib.import_module(f"mindspeed.features.fused.{self.hook_module}").install(ctx.patcher, args)
@@ -83,6 +88,10 @@ class FusedRingAttentionUpdate(_FusedFeature):
     requires = (Cap.RING_ATTENTION_UPDATE,)
     hook_module = "ring_attention_update"
 
+    def apply(self, ctx, args) -> None:
+        # framework-free hook: ring attention on either backend asks merge_function()
+        importlib.import_module(f"mindspeed.features.fused.{self.hook_module}").install(ctx.patcher, args)
+
 
 @register
 class GradientAccumulationFusion(_FusedFeature):
@@ -108,6 +117,7 @@ class MoeGroupedGemm(_FusedFeature):
     requires = (Cap.GMM, Cap.MOE)
     backends = ("torch",)
     alternatives = "leave it off: experts then run as separate MLPs"
+    companions = ("--num-experts", "4")
     hook_module = "grouped_gemm"
 
     def validate(self, args) -> None:
@@ -124,4 +134,5 @@ class FusedMoeTokenPermute(_FusedFeature):
     requires = (Cap.MOE_PERMUTE, Cap.MOE)
     backends = ("torch",)
     alternatives = "leave it off: Megatron's own permutation runs"
+    companions = ("--num-experts", "4")
     hook_module = "moe_token_permute"

@@ -18,15 +18,26 @@ log = logging.getLogger("mindspeed")
 class StepProfiler:
     """Starts before step `start`, stops after step `end - 1` (Megatron's convention)."""
 
-    def __init__(self, backend, args, rank: int):
-        self.backend, self.args, self.rank = backend, args, rank
+    def __init__(self, backend, args, rank: int | None = None):
+        """rank None: asked of the backend at the first step, once the process group exists
+        (features are applied before the trainer initializes it, when every process is rank 0)."""
+        self.backend, self.args, self._rank = backend, args, rank
         self.active = None
         self.paths: list[str] = []
-        ranks = list(args.profile_ranks)
-        self.enabled_here = -1 in ranks or rank in ranks
+
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            self._rank = self.backend.comm.rank()
+        return self._rank
+
+    @property
+    def enabled_here(self) -> bool:
+        ranks = list(self.args.profile_ranks)
+        return -1 in ranks or self.rank in ranks
 
     def on_step_begin(self, iteration: int, **_):
-        if self.enabled_here and iteration == self.args.profile_step_start and self.active is None:
+        if iteration == self.args.profile_step_start and self.active is None and self.enabled_here:
             a = self.args
             self.active = self.backend.profiler(
                 os.path.join(a.profile_save_path, f"rank{self.rank}"), level=a.profile_level,
@@ -55,6 +66,8 @@ class Profiling(Feature):
     category = "observability"
     optimization_level = 0
     description = "profile a window of steps (torch.profiler / torch_npu.profiler)"
+    example = ("--profile", "--profile-step-start", "1", "--profile-step-end", "2", "--profile-ranks", "1",
+               "--profile-save-path", "TMP")
     flags = (
         switch("--profile", "profile steps [--profile-step-start, --profile-step-end)"),
         Flag("--profile-step-start", dict(type=int, default=10, help="first profiled step")),
@@ -78,7 +91,7 @@ class Profiling(Feature):
             raise FeatureConfigError(f"--profile-ranks takes ranks >= 0 or -1 for all, got {args.profile_ranks}")
 
     def apply(self, ctx, args) -> None:
-        profiler = StepProfiler(ctx.backend, args, ctx.backend.comm.rank())
+        profiler = StepProfiler(ctx.backend, args)
         ctx.add_hook(hooks.TRAIN_STEP_BEGIN, profiler.on_step_begin)
         ctx.add_hook(hooks.TRAIN_STEP_END, profiler.on_step_end)
         ctx.add_hook(hooks.TRAIN_END, profiler.on_train_end)

@@ -32,6 +32,7 @@ class TensorParallel(_SizeFeature):
     description = "Megatron tensor parallelism"
     flags = (_size_flag("--tensor-model-parallel-size", "tensor-parallel size"),)
     requires = (Cap.ALL_REDUCE, Cap.ALL_GATHER, Cap.SUBGROUPS)
+    example, example_world = ("--tensor-model-parallel-size", "2"), 2
 
 
 @register
@@ -40,6 +41,7 @@ class PipelineParallel(_SizeFeature):
     description = "Megatron pipeline parallelism (1F1B)"
     flags = (_size_flag("--pipeline-model-parallel-size", "pipeline-parallel size"),)
     requires = (Cap.SEND_RECV, Cap.PIPELINE_PARALLEL)
+    example, example_world = ("--pipeline-model-parallel-size", "2"), 2
     backends = ("torch",)
     alternatives = "use --tensor-model-parallel-size or data parallelism instead"
 
@@ -52,6 +54,7 @@ class ExpertParallel(_SizeFeature):
     requires = (Cap.ALL_TO_ALL, Cap.MOE)
     backends = ("torch",)
     alternatives = "use the torch backend for MoE models"
+    example, example_world = ("--expert-model-parallel-size", "2", "--num-experts", "4"), 2
 
 
 @register
@@ -64,6 +67,7 @@ class SequenceParallel(Feature):
                                              help="shard activations along the sequence inside TP"),
                   megatron=True),)
     requires = (Cap.ALL_GATHER, Cap.REDUCE_SCATTER)
+    example, example_world = ("--tensor-model-parallel-size", "2", "--sequence-parallel"), 2
 
     def validate(self, args) -> None:
         if getattr(args, "sequence_parallel", False) and (getattr(args, "tensor_model_parallel_size", 1) or 1) < 2:
@@ -80,6 +84,7 @@ class DistributedOptimizer(Feature):
                                                      help="shard optimizer state over DP"),
                   megatron=True),)
     requires = (Cap.REDUCE_SCATTER, Cap.ALL_GATHER, Cap.DISTRIBUTED_OPTIMIZER)
+    example, example_world = ("--use-distributed-optimizer",), 2
     backends = ("torch",)
     alternatives = "drop --use-distributed-optimizer (plain data parallelism works on every backend)"
 
@@ -97,6 +102,7 @@ class Recompute(Feature):
              Flag("--recompute-num-layers", dict(type=int, default=None,
                                                 help="layers per recompute group / block"), megatron=True))
     requires = (Cap.RECOMPUTE,)
+    example = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
 
     def enabled(self, args) -> bool:
         return getattr(args, "recompute_granularity", None) is not None

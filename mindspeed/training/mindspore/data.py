@@ -148,8 +148,6 @@ class MockStream(SampleStream):
 
 def build_streams(args, log=print):
     """(vocab_size, train, valid) streams for the trainer's flags."""
-    if args.reset_position_ids or args.reset_attention_mask:
-        raise DataError("--reset-position-ids/--reset-attention-mask are not supported by the mindspore trainer")
     if args.mock_data:
         vocab = int(getattr(args, "vocab_size", None) or 256)   # the torch side's mock vocab
         return vocab, MockStream(vocab, args.seq_length, args.seed), MockStream(vocab, args.seq_length, args.seed + 1)
@@ -157,8 +155,8 @@ def build_streams(args, log=print):
     if not paths:
         from mindspeed.data.shakespeare import ensure_dataset
         paths = [ensure_dataset(log=log)]
-    if len(paths) != 1:
-        raise DataError("the mindspore trainer reads one dataset prefix (blends of several are not supported)")
+    if len(paths) != 1:   # blends are refused by the support matrix (data-blend); a lone weight is not
+        raise DataError(f"--data-path {' '.join(paths)}: the mindspore trainer reads one dataset prefix")
     prefix = paths[0]
     ds = IndexedTokens(prefix)
     vocab = vocab_size_of(prefix, args)

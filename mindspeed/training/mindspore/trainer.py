@@ -20,30 +20,6 @@ class TrainerConfigError(ValueError):
     """A flag the mindspore trainer cannot honour; raised before any work starts."""
 
 
-def check_supported(args) -> None:
-    problems = []
-    if args.pipeline_model_parallel_size != 1:
-        problems.append("pipeline parallelism (--pipeline-model-parallel-size > 1)")
-    if args.num_experts:
-        problems.append("MoE (--num-experts)")
-    if args.use_distributed_optimizer:
-        problems.append("--use-distributed-optimizer")
-    if args.bf16 or args.fp16:
-        problems.append("--bf16/--fp16 (the mindspore trainer trains in fp32)")
-    if args.optimizer != "adam":
-        problems.append(f"--optimizer {args.optimizer}")
-    if args.recompute_granularity == "selective":
-        problems.append("--recompute-granularity selective (full is supported)")
-    if getattr(args, "rampup_batch_size", None):
-        problems.append("--rampup-batch-size (its steps have a fixed global batch)")
-    if getattr(args, "distributed_backend", None) == "gloo":
-        problems.append("--distributed-backend gloo (it communicates through MindSpore's own collectives; "
-                        "nccl/hccl or no flag mean the device's)")
-    if problems:
-        raise TrainerConfigError("the mindspore trainer does not support: " + "; ".join(problems)
-                                 + ". Use --backend torch for these.")
-
-
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     multiple = divisible_by * tp
     return ((vocab + multiple - 1) // multiple) * multiple
@@ -140,8 +116,7 @@ def setup(args):
     import mindspeed
     from mindspeed.backends import get_backend
     args.backend = "mindspore"
-    mindspeed.adapt(args)        # the support matrix refuses unsupported flags before any work
-    check_supported(args)        # what the matrix allows but this trainer does not wire yet
+    mindspeed.adapt(args)        # the support matrix (the one gate) refuses what this trainer cannot run
     backend = get_backend()
     world = backend.comm.world_size()
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
@@ -152,6 +127,8 @@ def setup(args):
         raise TrainerConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                                  f"micro-batch-size x data-parallel size = {args.micro_batch_size} x {ps.dp_size}")
     backend.device.manual_seed(args.seed)
+    if args.deterministic_mode:      # Megatron's flag: deterministic kernels (MindSpore's switch)
+        ms.set_deterministic(True)
     return backend, ps
 
 

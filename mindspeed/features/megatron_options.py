@@ -1,0 +1,163 @@
+"""Megatron's model and training options that some backend's trainer cannot run, as support-matrix
+rows, so that the matrix is the one gate: `python -m mindspeed check`, `mindspeed.adapt` and each
+trainer refuse them in the same line, before any work.
+
+These flags belong to the host's parser (the built-in trainers' Megatron-style parser, or
+Megatron-LM's own); MindSpeed only reads their values. On the torch backend Megatron-Core runs
+every one of them; each `unsupported` entry says why another backend cannot, and what to use.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from mindspeed.features.base import Feature, FeatureConfigError, Flag
+from mindspeed.features.context_parallel.feature import MASK_TYPE
+from mindspeed.features.fused.features import FlashAttention
+from mindspeed.features.registry import register
+
+MS = "the MindSpore trainer"
+TORCH = "use --backend torch"
+
+
+def host(name: str, default=None, dest: str | None = None) -> Flag:
+    """A host-parser flag; `default` is the host's, kept here only to name what the user changed."""
+    kwargs = {"default": default}
+    if dest:
+        kwargs["dest"] = dest
+    return Flag(name, kwargs, megatron=True, host=True)
+
+
+class MegatronOption(Feature):
+    """A Megatron option, on when `is_on(args)` says so (the host's defaults count as off)."""
+    category = "option"
+    optimization_level = 0
+    is_on: Callable = staticmethod(lambda args: False)
+
+    def enabled(self, args) -> bool:
+        try:
+            return bool(self.is_on(args))
+        except AttributeError:     # the host's parser has no such flag (e.g. a user's own script)
+            return False
+
+
+def option(option_id: str, flags: tuple, is_on: Callable, description: str, unsupported: dict,
+           alternatives: str, example: tuple, example_world: int = 1, depends: tuple = ()) -> type:
+    cls = type(option_id.title().replace("-", ""), (MegatronOption,), dict(
+        id=option_id, flags=flags, is_on=staticmethod(is_on), description=description,
+        unsupported=unsupported, alternatives=alternatives, example=example,
+        example_world=example_world, depends=depends))
+    return register(cls)
+
+
+option("mixed-precision", (host("--bf16", False), host("--fp16", False)),
+       lambda a: a.bf16 or a.fp16, "bf16/fp16 training with fp32 master weights",
+       {"mindspore": f"{MS} trains in fp32 (MindSpore's CPU kernels have no bf16 matmul here)"},
+       f"drop --bf16/--fp16, or {TORCH}", ("--bf16",))
+option("sgd-optimizer", (host("--optimizer", "adam"),), lambda a: a.optimizer != "adam",
+       "Megatron's SGD optimizer instead of Adam",
+       {"mindspore": f"{MS}'s optimizer is Adam (decoupled weight decay)"}, f"--optimizer adam, or {TORCH}",
+       ("--optimizer", "sgd"))
+option("selective-recompute", (host("--recompute-granularity"),),
+       lambda a: a.recompute_granularity == "selective",
+       "recompute only the attention core in backward",
+       {"mindspore": f"{MS} recomputes whole layers (MindSpore's Cell.recompute)"},
+       "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+       ("--recompute-granularity", "selective"))
+option("recompute-layer-groups", (host("--recompute-method"), host("--recompute-num-layers")),
+       lambda a: a.recompute_granularity == "full"
+       and (a.recompute_method == "block" or (a.recompute_num_layers or 1) != 1),
+       "full recompute of groups of layers (uniform N > 1) or of the first N layers (block)",
+       {"mindspore": f"{MS} recomputes each layer on its own (uniform, one layer per group)"},
+       "--recompute-method uniform --recompute-num-layers 1",
+       ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"))
+option("moe", (host("--num-experts"),), lambda a: bool(a.num_experts), "Megatron-Core mixture of experts",
+       {"mindspore": f"{MS}'s GPT has dense MLPs only"}, TORCH, ("--num-experts", "4"))
+option("layernorm", (host("--normalization", "RMSNorm"),), lambda a: a.normalization != "RMSNorm",
+       "LayerNorm instead of RMSNorm", {"mindspore": f"{MS}'s GPT normalizes with RMSNorm"},
+       f"--normalization RMSNorm, or {TORCH}", ("--normalization", "LayerNorm"))
+option("gelu-mlp", (host("--no-swiglu", True, dest="swiglu"),), lambda a: not a.swiglu,
+       "GELU MLP instead of SwiGLU", {"mindspore": f"{MS}'s GPT has a SwiGLU MLP"},
+       f"--swiglu, or {TORCH}", ("--no-swiglu",))
+option("dropout", (host("--hidden-dropout", 0.0), host("--attention-dropout", 0.0)),
+       lambda a: bool(a.hidden_dropout or a.attention_dropout), "dropout in attention and after layers",
+       {"mindspore": f"{MS}'s GPT has no dropout layers"}, f"--hidden-dropout 0 --attention-dropout 0, or {TORCH}",
+       ("--hidden-dropout", "0.1"))
+option("learned-position-embedding", (host("--position-embedding-type", "rope"),),
+       lambda a: a.position_embedding_type != "rope", "learned absolute (or no) position embeddings",
+       {"mindspore": f"{MS}'s GPT uses rotary position embeddings"},
+       f"--position-embedding-type rope, or {TORCH}", ("--position-embedding-type", "learned_absolute"))
+option("batch-size-rampup", (host("--rampup-batch-size"),), lambda a: bool(a.rampup_batch_size),
+       "global batch size ramp-up", {"mindspore": f"{MS}'s steps have a fixed global batch"},
+       f"a fixed --global-batch-size, or {TORCH}", ("--rampup-batch-size", "2", "2", "8", "--global-batch-size", "4"))
+option("data-blend", (host("--data-path"),), lambda a: len(a.data_path or []) > 1,
+       "a weighted blend of several datasets", {"mindspore": f"{MS} reads one dataset prefix"},
+       f"merge the data into one dataset, or {TORCH}", ("--data-path", "1", "DATA", "1", "DATA"))
+option("eod-reset", (host("--reset-position-ids", False), host("--reset-attention-mask", False)),
+       lambda a: a.reset_position_ids or a.reset_attention_mask,
+       "packed documents: positions and attention restart after each end-of-document token",
+       {"mindspore": f"{MS} feeds whole sequences (no per-document positions or masks yet)"},
+       TORCH, ("--reset-position-ids", "--reset-attention-mask"))
+option("eod-mask-loss", (host("--eod-mask-loss", False),), lambda a: a.eod_mask_loss,
+       "no loss on end-of-document tokens",
+       {"mindspore": f"{MS}'s data pipeline has no end-of-document token id to mask"}, TORCH,
+       ("--eod-mask-loss",))
+option("overlap-grad-reduce", (host("--overlap-grad-reduce", False),), lambda a: a.overlap_grad_reduce,
+       "gradient all-reduce in buckets, overlapped with the backward pass",
+       {"mindspore": f"{MS} reduces gradients after the backward pass (MindSpore's grad function "
+                     "returns them all at once)"}, f"drop --overlap-grad-reduce, or {TORCH}",
+       ("--overlap-grad-reduce",), example_world=2)
+option("overlap-param-gather", (host("--overlap-param-gather", False),), lambda a: a.overlap_param_gather,
+       "distributed optimizer's parameter all-gather overlapped with the forward pass",
+       {"mindspore": f"{MS} has no distributed optimizer"}, f"drop --overlap-param-gather, or {TORCH}",
+       ("--use-distributed-optimizer", "--overlap-param-gather"), example_world=2)
+option("wsd-lr-schedule", (host("--lr-decay-style", "cosine"),), lambda a: a.lr_decay_style == "WSD",
+       "warmup-stable-decay learning-rate schedule",
+       {"mindspore": f"{MS}'s schedule decays constant, linear or cosine"},
+       f"--lr-decay-style cosine, or {TORCH}", ("--lr-decay-style", "WSD"))
+option("gloo-distributed-backend", (host("--distributed-backend"),), lambda a: a.distributed_backend == "gloo",
+       "torch.distributed's gloo backend for collectives",
+       {"mindspore": f"{MS} communicates through MindSpore's own collectives (no --distributed-backend "
+                     "gloo; nccl/hccl or no flag mean the device's)"},
+       "drop --distributed-backend", ("--distributed-backend", "gloo"))
+option("distributed-timeout", (host("--distributed-timeout-minutes", 10),),
+       lambda a: a.distributed_timeout_minutes != 10, "a collective timeout other than 10 minutes",
+       {"mindspore": "MindSpore's communication init takes no timeout (msrun's own applies)"},
+       "drop --distributed-timeout-minutes", ("--distributed-timeout-minutes", "20"))
+option("data-cache-path", (host("--data-cache-path"),), lambda a: a.data_cache_path is not None,
+       "where Megatron's dataset caches its sample index",
+       {"mindspore": f"{MS} keeps its sample index in memory (there is nothing to cache)"},
+       "drop --data-cache-path", ("--data-cache-path", "CACHE"))
+option("tokenizer-model", (host("--tokenizer-model"),), lambda a: a.tokenizer_model is not None,
+       "a Hugging Face / SentencePiece tokenizer model file",
+       {"mindspore": f"{MS} takes its vocabulary from the dataset's tokenizer file"},
+       f"drop --tokenizer-model (the dataset names its tokenizer), or {TORCH}",
+       ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "TOKENIZER"))
+GeneralMask = option(
+    "general-attention-mask", (MASK_TYPE,), lambda a: a.attention_mask_type == "general",
+    "context-parallel attention with the batch's own mask (not the implicit causal one)",
+    {"mindspore": f"{MS}'s attention is causal only"}, f"--attention-mask-type causal, or {TORCH}",
+    ("--attention-mask-type", "general", "--context-parallel-size", "2",
+     "--context-parallel-algo", "megatron_cp_algo"), example_world=2)
+
+
+def _general_mask_needs_cp(self, args) -> None:
+    if (getattr(args, "context_parallel_size", 1) or 1) < 2:
+        raise FeatureConfigError("--attention-mask-type general applies to context-parallel attention "
+                                 "(--context-parallel-size > 1); without CP Megatron's own mask is used")
+
+
+GeneralMask.validate = _general_mask_needs_cp
+option("flash-attn-band", FlashAttention.flags[1:],
+       lambda a: (a.sparse_mode, a.pre_tockens, a.next_tockens) != (0, 65536, 0),
+       "flash attention's sparse modes and band (--sparse-mode, --pre-tockens, --next-tockens)",
+       {"mindspore": f"{MS}'s attention kernels take the causal mask only"}, TORCH,
+       ("--use-flash-attn", "--sparse-mode", "2"), depends=("flash-attn",))
+option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
+       "pipeline stages exchange tensor shapes first (micro-batches of different lengths)",
+       {"mindspore": f"{MS} has no pipeline parallelism"}, TORCH,
+       ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2"), example_world=2)
+option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"), host("--moe-shared-expert-overlap", False)),
+       lambda a: bool(a.moe_shared_expert_intermediate_size) or a.moe_shared_expert_overlap,
+       "MoE shared experts beside the routed ones (Megatron-Core's, optionally overlapped)",
+       {"mindspore": f"{MS}'s GPT has dense MLPs only"}, TORCH,
+       ("--num-experts", "4", "--moe-shared-expert-intermediate-size", "128"), depends=("moe",))

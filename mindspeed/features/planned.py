@@ -1,0 +1,105 @@
+"""MindSpeed's catalogue features this project does not implement yet. Their flags parse (so a
+launch script written for MindSpeed upstream gets a clear answer, not "unrecognized argument") and
+any of them is refused by the support-matrix gate, before any work, as "not implemented yet".
+
+`planned` names the issue that tracks the feature, or "not scheduled".
+"""
+from __future__ import annotations
+
+from mindspeed.features.base import Feature, Flag, switch
+from mindspeed.features.registry import register
+
+
+class PlannedFeature(Feature):
+    optimization_level = 0          # never dropped by --optimization-level: always refused
+
+    def enabled(self, args) -> bool:
+        return any(getattr(args, fl.dest, fl.default) != fl.default for fl in self.flags)
+
+
+def planned(feature_id: str, category: str, tracked: str, description: str, *flags: Flag) -> None:
+    cls = type("Planned" + feature_id.title().replace("-", ""), (PlannedFeature,), dict(
+        id=feature_id, category=category, planned=tracked, description=description, flags=flags,
+        example=_example(flags[0])))
+    register(cls)
+
+
+def _example(flag: Flag) -> tuple:
+    if flag.kwargs.get("action") == "store_true":
+        return (flag.name,)
+    choices = [c for c in flag.kwargs.get("choices") or [] if c != flag.default]
+    return (flag.name, str(choices[0]) if choices else "1")
+
+
+def value(name: str, kind=str, **kwargs) -> Flag:
+    kwargs.setdefault("default", None)
+    return Flag(name, dict(type=kind, help="not implemented yet", **kwargs))
+
+
+def on(name: str) -> Flag:
+    return switch(name, "not implemented yet")
+
+
+MEMORY, PARALLEL, FUSED, MOE, LOOP = "memory", "parallel", "fused", "moe", "training"
+
+planned("recompute-activation-function", MEMORY, "issue 12", "recompute the MLP activation in backward",
+        on("--recompute-activation-function"), value("--recompute-activation-function-num-layers", int))
+planned("recompute-norm", MEMORY, "issue 12", "recompute RMSNorm/LayerNorm outputs in backward",
+        on("--recompute-norm"), value("--recompute-norm-num-layers", int))
+planned("swap-attention", MEMORY, "issue 12", "attention activations swapped to host memory",
+        on("--swap-attention"), value("--swap-modules"))
+planned("reuse-fp32-param", MEMORY, "issue 12", "bf16 parameters share storage with the fp32 master copy",
+        on("--reuse-fp32-param"))
+planned("swap-optimizer", MEMORY, "issue 12", "optimizer states in host memory, swapped in for the update",
+        on("--swap-optimizer"), value("--swap-optimizer-times", int))
+planned("adaptive-recompute", MEMORY, "not scheduled", "recompute/swap chosen from a memory budget",
+        value("--adaptive-recompute-device-size", int), on("--adaptive-recompute-device-swap"),
+        value("--adaptive-recompute-profiling-step", int))
+planned("recompute-in-bubble", MEMORY, "not scheduled", "recompute scheduled into pipeline bubbles",
+        on("--recompute-in-bubble"), on("--recompute-in-advance"))
+planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer sizes (Ascend)",
+        value("--hccl-group-buffer"), on("--hccl-group-buffer-adaptive"),
+        value("--hccl-ep-group-buffer-adaptive-factor", float))
+planned("noop-layers", PARALLEL, "issue 14", "layers that pass their input through",
+        value("--noop-layers"))
+planned("uneven-pipeline-layers", PARALLEL, "issue 14", "a different number of layers per pipeline stage",
+        value("--num-layer-list"), value("--pipeline-num-transformer-layers"))
+planned("dualpipev", PARALLEL, "not scheduled", "DualPipeV pipeline schedule",
+        value("--schedules-method", choices=["dualpipev"]), on("--dualpipev-dw-detach"))
+planned("nanopipe", PARALLEL, "not scheduled", "nano-pipe pipeline schedule",
+        on("--use-nanopipe"), on("--use-nanopipe-swap"))
+planned("automated-pipeline", PARALLEL, "not scheduled", "automated pipeline memory balancing",
+        on("--automated-pipeline"), on("--automated-pipeline-perf"))
+planned("tp-2d", PARALLEL, "not scheduled", "2-D tensor parallelism",
+        on("--tp-2d"), value("--tp-x", int), value("--tp-y", int))
+planned("multiparameter-pipeline", PARALLEL, "not scheduled", "pipeline stages passing several tensors",
+        on("--use-multiparameter-pipeline-model-parallel"))
+planned("ascend-coc", FUSED, "issue 13", "tensor-parallel GEMMs overlapped chunk by chunk with communication",
+        on("--use-ascend-coc"), value("--coc-mode", int), value("--coc-parallel-num", int),
+        on("--coc-fused-kernel"))
+planned("ascend-mc2", FUSED, "not scheduled", "Ascend MC2 fused matmul + collective", on("--use-ascend-mc2"))
+planned("fusion-attn-v2", FUSED, "not scheduled", "fusion attention v2 (Ascend)", on("--use-fusion-attn-v2"))
+planned("alibi", FUSED, "not scheduled", "ALiBi position bias in the fused attention",
+        value("--alibi-fusion-attn-type", int), on("--alibi-diagonal-opposite"), on("--square-alibi-mask"),
+        on("--fill-neg-inf"))
+planned("moe-alltoall-overlap-comm", MOE, "issue 13", "MoE dispatch/combine overlapped with expert compute",
+        on("--moe-alltoall-overlap-comm"))
+planned("moe-permutation-async-comm", MOE, "issue 13", "MoE allgather dispatcher with asynchronous permutation",
+        on("--moe-permutation-async-comm"))
+planned("moe-allgather-overlap-comm", MOE, "not scheduled", "MoE allgather dispatcher overlap",
+        on("--moe-allgather-overlap-comm"))
+planned("moe-tp-extend-ep", MOE, "issue 13", "experts sharded over TP x EP", on("--moe-tp-extend-ep"))
+planned("moe-bmm-mc2", MOE, "not scheduled", "MoE batched matmul fused with communication (Ascend)",
+        on("--moe-bmm-mc2"))
+planned("deepspeed-moe", MOE, "not scheduled", "DeepSpeed-style MoE (token rearrange, dropless)",
+        value("--moe-model-type", choices=["megatron_moe", "deepspeed_moe"], default="megatron_moe"), on("--moe-no-drop"),
+        on("--enable-token-rearrange-opt"))
+planned("pipe-experts", MOE, "not scheduled", "MoE MLP communication hiding",
+        on("--use-pipe-experts"), on("--pipe-experts-multi-stream"), value("--pipe-experts-multi-data", int))
+planned("ampipe", MOE, "not scheduled", "Ampipe attention/MoE pipelining",
+        value("--ampipe-degree", int), on("--ampipe-tp-sp-comm-overlap"))
+planned("npu-deterministic", LOOP, "issue 14", "deterministic algorithms on the device",
+        on("--npu-deterministic"))
+planned("op-cal-tflops", LOOP, "issue 14", "TFLOP/s and MFU in the log line", on("--op-cal-tflops"))
+planned("fused-ema-adamw", LOOP, "not scheduled", "fused EMA AdamW optimizer",
+        value("--optimizer-selection", choices=["fused_ema_adamw"]), on("--use-ema"), value("--ema-decay", float))

@@ -1,0 +1,111 @@
+"""The support matrix is the one gate: for every feature x backend cell this machine can run
+(torch/cpu, mindspore/cpu), `python -m mindspeed check` and a real start of the trainer with the
+same flags agree. Refused: the trainer exits 2 with the very line `check` printed, before any
+backend exists. Accepted: the trainer trains 2 iterations on 2 processes with finite losses.
+
+Refusals start in this process (they stop before any backend); accepted cells start in one
+2-process spawn per backend that runs them in turn, to keep CI time down."""
+import os
+
+import pytest
+
+from mindspeed.backends.base import Level
+from mindspeed.features.registry import all_features
+from mindspeed.support_matrix import feature_level
+from tests_extend.system import matrix_walk as walk
+
+CELLS = [(f, b, d) for f in all_features() for b, d in walk.COLUMNS]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("walk"))
+    from mindspeed.data.preprocess import PreprocessConfig, preprocess
+    text = os.path.join(tmp, "text.txt")
+    with open(text, "w") as f:
+        f.write("\n\n".join("the quick brown fox %d jumps over the lazy dog. " % i * 8 for i in range(40)))
+    prefix = os.path.join(tmp, "data")
+    preprocess(PreprocessConfig(inputs=[text], output_prefix=prefix), log=lambda *_: None)
+    return tmp, prefix
+
+
+def _argv(feature, backend, workdir):
+    tmp, prefix = workdir
+    return walk.cell_argv(feature, backend, tmp, prefix)
+
+
+def _expected(feature, backend, device):
+    return feature_level(feature, backend, device)[0] is not Level.ABSENT
+
+
+def test_every_cell_is_walked():
+    """Every feature has an example command line, so no cell is left out of the walk."""
+    assert all(f.example for f in all_features())
+    counts = {col: sum(1 for f in all_features() if _expected(f, *col)) for col in walk.COLUMNS}
+    print(f"\ncells: {len(CELLS)}; accepted: {counts}; not started: {walk.NOT_STARTED}")
+    assert len(CELLS) >= 2 * 60
+
+
+REFUSED = [c for c in CELLS if not _expected(*c)]
+
+
+@pytest.mark.parametrize("cell", REFUSED, ids=[f"{f.id}-{b}" for f, b, _ in REFUSED])
+def test_refused_cell_check_and_trainer_agree(cell, workdir, monkeypatch, tmp_path):
+    from mindspeed import backends
+    feature, backend, _ = cell
+    monkeypatch.setenv("WORLD_SIZE", str(walk.WORLD))
+    argv = _argv(feature, backend, workdir)
+    rc, line = walk.check_answer(argv)
+    assert rc == 2 and line.startswith("MindSpeed: ") and feature.id in line, line
+    backends.reset_backend()
+    result = walk.start(argv, str(tmp_path / "loss.jsonl"))
+    assert result["rc"] == 2 and result["line"] == f"error: {line}", result
+    assert backends._active is None and not result["losses"]       # refused before any work
+
+
+def _start_all(rank, world_size, cells):
+    """Each accepted cell in turn on this process group's ranks (a fresh rendezvous per cell)."""
+    import torch.distributed as dist
+
+    from tests_extend.distributed.harness import free_port  # noqa: F401 (ports come from rank 0)
+    results = {}
+    for name, argv, port, loss_file in cells:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ["MASTER_PORT"] = str(port)
+        results[name] = walk.start(argv, loss_file + f".{rank}")
+    return results
+
+
+def test_accepted_torch_cells_train(workdir, tmp_path):
+    from tests_extend.distributed.harness import free_port, run_distributed
+    accepted = [f for f in all_features() if _expected(f, "torch", "cpu") and f.id not in walk.NOT_STARTED]
+    cells = [(f.id, _argv(f, "torch", workdir), free_port(), str(tmp_path / f"{f.id}.jsonl")) for f in accepted]
+    for name, argv, _, _ in cells:
+        rc, line = walk.check_answer(argv)
+        assert rc == 0, f"{name}: check refused a cell the matrix accepts: {line}"
+    results = run_distributed(_start_all, world_size=walk.WORLD, args=(cells,), timeout=900)
+    failed = {name: r for name, r in results[0].items() if not r["trained"]}
+    assert not failed, failed
+    # --profile-ranks 1: the rank is known only once the trainer has its process group
+    assert os.listdir(os.path.join(workdir[0], "profile")) == ["rank1"]
+    print(f"\ntorch/cpu: {len(cells)} accepted cells trained 2 iterations on 2 processes")
+
+
+def test_accepted_mindspore_cells_train(workdir, tmp_path):
+    pytest.importorskip("mindspore")
+    import json
+
+    from tests_extend.distributed.msrun_helper import run_msrun
+    accepted = [f for f in all_features() if _expected(f, "mindspore", "cpu") and f.id not in walk.NOT_STARTED]
+    cells = [(f.id, _argv(f, "mindspore", workdir)) for f in accepted]
+    for name, argv in cells:
+        rc, line = walk.check_answer(argv)
+        assert rc == 0, f"{name}: check refused a cell the matrix accepts: {line}"
+    spec = tmp_path / "cells.json"
+    spec.write_text(json.dumps(cells))
+    worker = os.path.join(walk.ROOT, "tests_extend", "system", "matrix_walk_ms_worker.py")
+    results = run_msrun(worker, [str(spec), str(tmp_path)], str(tmp_path), timeout=900)
+    failed = {name: r for name, r in results[0].items() if not r["trained"]}
+    assert not failed, failed
+    print(f"\nmindspore/cpu: {len(cells)} accepted cells trained 2 iterations on 2 processes")
