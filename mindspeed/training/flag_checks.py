@@ -33,9 +33,22 @@ LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "
 
 def cross_flag_problems(args) -> list[str]:
     problems = []
-    for check in (_implementation_problems, _loss_scale_problems, _rampup_problems, _tokenizer_problems):
+    for check in (_implementation_problems, _loss_scale_problems, _rampup_problems, _tokenizer_problems,
+                  _checkpoint_problems):
         problems.extend(check(args))
     return problems
+
+
+def _checkpoint_problems(args) -> list[str]:
+    """--ckpt-step picks an iteration of the --load root: without --load nothing would read it."""
+    if args.ckpt_step is None:
+        return []
+    if not args.load:
+        return [f"--ckpt-step needs --load (the checkpoint root to take iteration {args.ckpt_step} from): "
+                "add --load DIR or drop --ckpt-step"]
+    if args.ckpt_step < 0:
+        return [f"--ckpt-step must be a non-negative iteration number (got {args.ckpt_step})"]
+    return []
 
 
 def _implementation_problems(args) -> list[str]:
