@@ -105,6 +105,13 @@ fi
 [ -n "$LOAD_DIR" ] && ARGS+=(--load "$LOAD_DIR")
 [ -n "$TENSORBOARD_DIR" ] && ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
 
+# the trainer's refusals (flags, sizes, the support matrix) come out here as one `error:` line and
+# nothing is launched; Megatron-LM's own parser is not MindSpeed's, so its script is not checked
+if [ -z "$MEGATRON_LM" ]; then
+  "$PYTHON" -m mindspeed.training.preflight --preflight-world-size $(( NPUS_PER_NODE * NNODES )) \
+    "${ARGS[@]}" "$@" || exit $?
+fi
+
 exec "$PYTHON" -m torch.distributed.run \
   --nproc_per_node "$NPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \

@@ -66,11 +66,6 @@ if [ ! -x "$MSRUN" ]; then
 fi
 export PATH="$(dirname "$MSRUN"):$PATH"    # msrun starts workers with the `python` on PATH
 
-# the default dataset is built once here, not by every worker at once
-if [ -z "$DATA_PATH" ] && [ "$NODE_RANK" = 0 ]; then
-  "$PYTHON" -m mindspeed.data >/dev/null
-fi
-
 ARGS=(
   --backend mindspore --tensor-model-parallel-size "$TP"
   --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
@@ -87,6 +82,15 @@ ARGS=(
 [ -n "$CKPT_DIR" ] && ARGS+=(--save "$CKPT_DIR")
 [ -n "$SAVE_INTERVAL" ] && ARGS+=(--save-interval "$SAVE_INTERVAL")
 [ -n "$LOAD_DIR" ] && ARGS+=(--load "$LOAD_DIR")
+
+# the trainer's refusals (flags, sizes, the support matrix) come out here as one `error:` line and
+# nothing is launched (msrun would add its own failure report)
+"$PYTHON" -m mindspeed.training.preflight --preflight-world-size "$WORLD" "${ARGS[@]}" "$@" || exit $?
+
+# the default dataset is built once here, not by every worker at once
+if [ -z "$DATA_PATH" ] && [ "$NODE_RANK" = 0 ]; then
+  "$PYTHON" -m mindspeed.data >/dev/null
+fi
 
 exec "$MSRUN" --worker_num="$WORLD" --local_worker_num="$NPUS_PER_NODE" \
   --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --node_rank="$NODE_RANK" \

@@ -48,11 +48,16 @@ def tiny_dataset(tmp_path_factory):
     return prefix
 
 
-def run_example(env_overrides, args=(), timeout=LAUNCH_TIMEOUT):
+def launch_example(env_overrides, args=(), timeout=LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
+    """train_distributed.sh with the tiny model; env_overrides win (PYTHON included)."""
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), **TINY)
     env.update(env_overrides)
-    result = subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_example(env_overrides, args=(), timeout=LAUNCH_TIMEOUT):
+    result = launch_example(env_overrides, args, timeout)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     return output
