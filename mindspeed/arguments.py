@@ -50,11 +50,17 @@ def mindspeed_parser() -> argparse.ArgumentParser:
     return add_mindspeed_args(OneLineParser(add_help=False, allow_abbrev=False))
 
 
-def trainer_parser() -> argparse.ArgumentParser:
+def trainer_parser(host_defaults: bool = True) -> argparse.ArgumentParser:
     """The built-in trainers' Megatron-style parser with MindSpeed's flags: every flag `check`,
-    `adapt(argv)` and the trainers know."""
+    `adapt(argv)` and the trainers know. host_defaults=False: a Megatron flag not given is left
+    out of the namespace (its value is the host's: e.g. a user's own model), not the trainer's."""
     from mindspeed.training.arguments import build_parser
-    return add_mindspeed_args(build_parser(prog="mindspeed"))
+    parser = build_parser(prog="mindspeed")
+    if not host_defaults:
+        for action in parser._actions:
+            if action.option_strings:
+                action.default = argparse.SUPPRESS
+    return add_mindspeed_args(parser)
 
 
 # -- unknown flags ----------------------------------------------------------------------------
@@ -113,7 +119,9 @@ def parse_mindspeed_args(argv=None, namespace=None, unknown: str = "ignore") -> 
     (argv is a whole trainer command line: anything unknown is refused), or "typos" (a user's own
     script: only flags close to a known one are refused, as misspellings)."""
     if unknown == "error":
-        parser = trainer_parser()
+        parser = trainer_parser(host_defaults=False)
+        if namespace is None:
+            namespace = mindspeed_parser().parse_args([])     # MindSpeed's own defaults
         args, extras = parser.parse_known_args(argv, namespace)
         refuse_unknown(parser, extras)
     else:

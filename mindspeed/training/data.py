@@ -75,10 +75,28 @@ def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
     )
 
 
+def check_splits_have_documents(args, sizes) -> None:
+    """Megatron's GPTDataset loops forever building a split with no document (its epoch count
+    never reaches the samples asked for); a blend builds every split with a weight. Refuse first."""
+    from mindspeed.training.mindspore.data import split_bounds   # numpy only: shared with that trainer
+    prefixes = dataset_prefixes(args.data_path)
+    for prefix in prefixes:
+        documents = len(check_dataset(prefix).index.document_indices) - 1
+        for name, size, (start, end), weight in zip(("train", "valid", "test"), sizes,
+                                                    split_bounds(args.split, documents),
+                                                    (args.split.replace("/", ",").split(",") + ["0", "0"])[:3]):
+            wanted = size > 0 or (len(prefixes) > 1 and float(weight) > 0)
+            if wanted and end <= start:
+                raise DataError(f"dataset {prefix!r} has {documents} document(s): its {name} split "
+                                f"(--split {args.split}) gets none; add documents or change --split")
+
+
 def build_datasets(args, tokenizer):
     """(train, valid, test) GPTDatasets sized for the whole run."""
     gbs = args.global_batch_size
     sizes = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]
+    if not args.mock_data:
+        check_splits_have_documents(args, sizes)
     cls = MockGPTDataset if args.mock_data else GPTDataset
     cfg = _dataset_config(args, tokenizer)   # no blend -> Megatron's mock mode
     try:

@@ -274,6 +274,22 @@ def resolve_tokenizer(args, log=print):
     return tokenizer
 
 
+def resume(args, trainer, logger) -> tuple[int, int]:
+    """(iteration, consumed samples) to start from: --load's checkpoint (iteration --ckpt-step when
+    given) into the trainer's model, and its optimizer unless --no-load-optim or --finetune; the
+    learning-rate schedule continues from the loaded iteration. Checkpoints hold no RNG state, so
+    none is loaded (--no-load-rng holds): every run seeds from --seed."""
+    if getattr(args, "load_note", None):
+        logger.print(args.load_note)
+    if not args.load:
+        return 0, 0
+    iteration, consumed = checkpointing.load_checkpoint(args.load, trainer.model, trainer.optimizer,
+                                                        trainer.scheduler, load_optim=not args.no_load_optim,
+                                                        finetune=args.finetune, step=args.ckpt_step)
+    logger.print(f"> loaded checkpoint {args.load} at iteration {iteration}")
+    return iteration, consumed
+
+
 def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     a = args
     baseline = None if a.mock_data else data.unigram_entropy(data.dataset_prefixes(a.data_path), tokenizer.vocab_size)
@@ -289,14 +305,7 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     if baseline is not None:
         logger.print(f"> unigram baseline (entropy of token frequencies): {baseline:.4f} nats/token")
 
-    iteration, consumed = 0, 0
-    if getattr(a, "load_note", None):
-        logger.print(a.load_note)
-    if a.load:
-        iteration, consumed = checkpointing.load_checkpoint(a.load, trainer.model, trainer.optimizer,
-                                                            trainer.scheduler, load_optim=not a.no_load_optim,
-                                                            finetune=a.finetune, step=a.ckpt_step)
-        logger.print(f"> loaded checkpoint {a.load} at iteration {iteration}")
+    iteration, consumed = resume(a, trainer, logger)
     train_iter = trainer.iterators(train_ds, consumed)
     skipped, valid_loss, last_saved = 0, None, None
     stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters

@@ -5,6 +5,7 @@ backend exists. Accepted: the trainer trains 2 iterations on 2 processes with fi
 
 Refusals start in this process (they stop before any backend); accepted cells start in one
 2-process spawn per backend that runs them in turn, to keep CI time down."""
+import json
 import os
 
 import pytest
@@ -21,9 +22,10 @@ CELLS = [(f, b, d) for f in all_features() for b, d in walk.COLUMNS]
 def workdir(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("walk"))
     from mindspeed.data.preprocess import PreprocessConfig, preprocess
-    text = os.path.join(tmp, "text.txt")
+    text = os.path.join(tmp, "docs.jsonl")         # one document per line
     with open(text, "w") as f:
-        f.write("\n\n".join("the quick brown fox %d jumps over the lazy dog. " % i * 8 for i in range(40)))
+        for i in range(40):
+            f.write(json.dumps({"text": f"the quick brown fox {i} jumps over the lazy dog. " * 8}) + "\n")
     prefix = os.path.join(tmp, "data")
     preprocess(PreprocessConfig(inputs=[text], output_prefix=prefix), log=lambda *_: None)
     return tmp, prefix
@@ -94,7 +96,6 @@ def test_accepted_torch_cells_train(workdir, tmp_path):
 
 def test_accepted_mindspore_cells_train(workdir, tmp_path):
     pytest.importorskip("mindspore")
-    import json
 
     from tests_extend.distributed.msrun_helper import run_msrun
     accepted = [f for f in all_features() if _expected(f, "mindspore", "cpu") and f.id not in walk.NOT_STARTED]

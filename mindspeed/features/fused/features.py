@@ -117,13 +117,15 @@ class MoeGroupedGemm(_FusedFeature):
     requires = (Cap.GMM, Cap.MOE)
     backends = ("torch",)
     alternatives = "leave it off: experts then run as separate MLPs"
-    companions = ("--num-experts", "4")
+    companions = ("--num-experts", "4", "--bf16")
     hook_module = "grouped_gemm"
 
     def validate(self, args) -> None:
         # num_experts is the host's (Megatron's) flag: checked when the host's args are given
         if hasattr(args, "num_experts") and not args.num_experts:
             raise FeatureConfigError("--moe-grouped-gemm needs an MoE model (--num-experts)")
+        if hasattr(args, "bf16") and not args.bf16:    # Megatron-Core's GroupedMLP asserts it
+            raise FeatureConfigError("--moe-grouped-gemm needs --bf16 (Megatron-Core's GroupedMLP runs in bf16 only)")
 
 
 @register

@@ -146,6 +146,23 @@ def run(args) -> dict:
         mindspeed.unadapt()
 
 
+def resume(args, trainer, logger) -> tuple[int, int]:
+    """(iteration, consumed samples) to start from: --load's checkpoint (iteration --ckpt-step when
+    given) into the trainer's model, and its optimizer moments unless --no-load-optim or --finetune.
+    Neutral checkpoints hold no RNG state, so none is loaded (--no-load-rng holds)."""
+    if getattr(args, "load_note", None):
+        logger.print(args.load_note)
+    if not args.load:
+        return 0, 0
+    meta = checkpoint.load(args.load, trainer.model, trainer.optimizer,
+                           load_optimizer=not args.finetune, step=args.ckpt_step)
+    iteration, consumed = 0, 0
+    if not args.finetune:
+        iteration, consumed = int(meta["iteration"]), int(meta.get("consumed_samples", 0))
+    logger.print(f"> loaded checkpoint {neutral_format.resolve(args.load, args.ckpt_step)} at iteration {iteration}")
+    return iteration, consumed
+
+
 def _train(args, backend, ps, logger) -> dict:
     from mindspeed.backends.mindspore.msadapter import describe
     a = args
@@ -171,15 +188,7 @@ def _train(args, backend, ps, logger) -> dict:
     logger.print(f"> data {a.data_path or 'default'}: vocab {vocab} (padded {a.padded_vocab_size}), "
                  f"train {train.num_samples} samples of {a.seq_length + 1} tokens")
 
-    iteration, consumed = 0, 0
-    if getattr(a, "load_note", None):
-        logger.print(a.load_note)
-    if a.load:
-        meta = checkpoint.load(a.load, trainer.model, trainer.optimizer,
-                               load_optimizer=not (a.no_load_optim or a.finetune), step=a.ckpt_step)
-        if not a.finetune:
-            iteration, consumed = int(meta["iteration"]), int(meta.get("consumed_samples", 0))
-        logger.print(f"> loaded checkpoint {neutral_format.resolve(a.load, a.ckpt_step)} at iteration {iteration}")
+    iteration, consumed = resume(a, trainer, logger)
 
     eval_batches = lambda: [mb for k in range(a.eval_iters) for mb in data.micro_batches_for_step(
         valid, k * a.global_batch_size, a, ps.dp_rank, ps.dp_size)] if valid is not None else None
