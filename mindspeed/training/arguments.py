@@ -50,6 +50,8 @@ def _network(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear", default=False,
                    help="no bias in linear layers (default)")
     g.add_argument("--add-bias-linear", action="store_true", dest="add_bias_linear", default=False)
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the fused q/k/v projection only (Qwen2); other linears follow --add-bias-linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)

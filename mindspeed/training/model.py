@@ -1,5 +1,5 @@
 """The GPT that both trainers build: Megatron-Core GPTModel with the local (no TE/Apex) spec,
-RMSNorm, SwiGLU MLP, RoPE, no linear biases, untied-or-tied output layer.
+RMSNorm, SwiGLU MLP, RoPE, no linear biases (optionally q/k/v biases), untied-or-tied output layer.
 
 `transformer_config(args)` is the single place that maps flags to TransformerConfig, so the
 MindSpore trainer can mirror exactly the same architecture from the same args.
@@ -39,6 +39,7 @@ def transformer_config(args) -> TransformerConfig:
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=getattr(args, "add_qkv_bias", False),
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,

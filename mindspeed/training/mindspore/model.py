@@ -55,6 +55,8 @@ class GPTConfig:
             unsupported.append("--no-swiglu")
         if args.position_embedding_type != "rope":
             unsupported.append(f"--position-embedding-type {args.position_embedding_type}")
+        if getattr(args, "add_qkv_bias", False):
+            unsupported.append("--add-qkv-bias")
         if args.hidden_dropout or args.attention_dropout:
             unsupported.append("--hidden-dropout/--attention-dropout > 0")
         if unsupported:
