@@ -1,0 +1,148 @@
+"""Hugging Face <-> Megatron-Core conversion, checked through the built-in trainer's own model and
+checkpoint loader: logits at TP1 (in this process), at TP2 and at PP2 (2 gloo processes), and
+HF -> MG -> HF round trips that must give back every tensor bit for bit."""
+from __future__ import annotations
+
+import filecmp
+import json
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from tests_extend.distributed.harness import run_distributed
+from tests_extend.unit import convert_kit as kit
+
+TOL = 1e-4
+TOKENS = torch.randint(0, kit.VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """Llama 3-style, GQA, untied embeddings, converted as the user's guide does (TP2, PP2, 1,3)."""
+    root = tmp_path_factory.mktemp("llama")
+    hf, mg = str(root / "hf"), str(root / "mg")
+    kit.make_hf_model(hf, "llama", tied=False)
+    with open(os.path.join(hf, "tokenizer.json"), "w") as f:
+        json.dump({"version": "1.0", "model": {"type": "WordLevel"}}, f)
+    kit.convert("--use-mcore-models", "--model-type", "GPT", "--load-model-type", "hf", "--save-model-type", "mg",
+                "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
+                "--num-layer-list", "2,2", "--load-dir", hf, "--save-dir", mg,
+                "--tokenizer-model", os.path.join(hf, "tokenizer.json"), "--model-type-hf", "llama3")
+    return {"hf": hf, "mg": mg, "root": root, "ref": kit.hf_logits(hf, TOKENS)}
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """Qwen2-style: q/k/v biases, tied embeddings, converted for TP1."""
+    root = tmp_path_factory.mktemp("qwen")
+    hf, mg = str(root / "hf"), str(root / "mg")
+    kit.make_hf_model(hf, "qwen2", tied=True)
+    kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", "qwen2",
+                "--add-qkv-bias", "--load-dir", hf, "--save-dir", mg)
+    return {"hf": hf, "mg": mg, "root": root, "ref": kit.hf_logits(hf, TOKENS)}
+
+
+def _tp1_logits(mg_dir: str, extra=()) -> torch.Tensor:
+    from mindspeed.convert.megatron_write import adapted, world_of_one
+    args = kit.trainer_args(mg_dir, extra=extra)
+    with adapted(args), world_of_one():
+        return kit.stage_forward(kit.load_trainer_model(args), TOKENS)
+
+
+def test_qwen2_tp1_logits_match_hf(qwen):
+    logits = _tp1_logits(qwen["mg"])
+    assert (logits[..., :kit.VOCAB] - qwen["ref"]).abs().max() <= TOL
+
+
+def test_llama_untied_checkpoint_loads_at_tp1_too(llama):
+    # written for TP2 (vocab padded to 2 x 128): at TP1 the trainer pads alike with 256
+    logits = _tp1_logits(llama["mg"], extra=("--make-vocab-size-divisible-by", "256"))
+    assert (logits[..., :kit.VOCAB] - llama["ref"]).abs().max() <= TOL
+
+
+def _logits_at(mg_dir, tokens, tp, pp, world_size):
+    """The trainer's model at this rank for TP x PP = world size: loaded with the trainer's loader,
+    the pipeline stages run by hand, the vocab-parallel logits gathered. Returns (model, logits or
+    None on ranks that are not in the last stage)."""
+    from megatron.core import parallel_state, tensor_parallel
+    parallel_state.initialize_model_parallel(tp, pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    args = kit.trainer_args(mg_dir, tp=tp, pp=pp, world_size=world_size)
+    model = kit.load_trainer_model(args)
+    if not parallel_state.is_pipeline_last_stage():
+        hidden = kit.stage_forward(model, tokens)
+        torch.distributed.send(hidden.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+        return model, None
+    hidden = None
+    if not parallel_state.is_pipeline_first_stage():
+        hidden = torch.empty(tokens.shape[1], tokens.shape[0], args.hidden_size)
+        torch.distributed.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+    local = kit.stage_forward(model, tokens, hidden_in=hidden)
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return model, torch.cat(parts, dim=-1)
+
+
+def _two_rank_body(rank, world_size, mg_dir, tokens, save_dir):
+    """TP2 (and the trainer saving that TP2 model: a checkpoint of TP-split chunks), then PP2,
+    in the same two processes."""
+    from megatron.core import parallel_state
+    from mindspeed.convert.megatron_write import _NoScheduler, adapted
+    from mindspeed.training import checkpointing
+    with adapted(kit.trainer_args(mg_dir, tp=2, world_size=world_size)):
+        model, tp2 = _logits_at(mg_dir, tokens, tp=2, pp=1, world_size=world_size)
+        # Megatron's checkpoint writer starts a multiprocessing manager; the harness's ranks are
+        # daemonic processes, which may not have children
+        multiprocessing.current_process().daemon = False
+        checkpointing.save_checkpoint(save_dir, 0, [model], None, _NoScheduler(), 0)
+        parallel_state.destroy_model_parallel()
+        _, pp2 = _logits_at(mg_dir, tokens, tp=1, pp=2, world_size=world_size)
+        parallel_state.destroy_model_parallel()
+    return tp2, pp2
+
+
+def test_llama_tp2_and_pp2_logits_in_two_processes_and_back(llama, tmp_path):
+    saved = str(tmp_path / "trainer_saved_tp2")
+    (tp2_0, pp2_0), (tp2_1, pp2_1) = run_distributed(_two_rank_body, world_size=2,
+                                                     args=(llama["mg"], TOKENS, saved), timeout=150)
+    for logits in (tp2_0, tp2_1, pp2_1):
+        assert (logits[..., :kit.VOCAB] - llama["ref"]).abs().max() <= TOL
+    assert pp2_0 is None   # first pipeline stage: no logits
+    # the checkpoint the trainer wrote from TP2 (each tensor in two chunks) converts back bit for bit
+    back = str(tmp_path / "hf_back")
+    kit.convert("--load-model-type", "mg", "--save-model-type", "hf", "--model-type-hf", "llama3",
+                "--load-dir", saved, "--save-dir", back, "--hf-config", llama["hf"])
+    _assert_same_hf(llama["hf"], back)
+
+
+def _assert_same_hf(original: str, converted: str) -> None:
+    want, got = kit.read_safetensors(original), kit.read_safetensors(converted)
+    assert sorted(want) == sorted(got)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+    with open(os.path.join(original, "config.json")) as a, open(os.path.join(converted, "config.json")) as b:
+        assert json.load(a) == json.load(b)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen"])
+def test_round_trip_is_bit_identical(model, request, tmp_path):
+    case = request.getfixturevalue(model)
+    back = str(tmp_path / "hf_back")
+    args = ["--add-qkv-bias", "--model-type-hf", "qwen2"] if model == "qwen" else ["--model-type-hf", "llama3"]
+    kit.convert("--load-model-type", "mg", "--save-model-type", "hf", *args, "--load-dir", case["mg"],
+                "--save-dir", back)
+    _assert_same_hf(case["hf"], back)
+    for name in os.listdir(case["hf"]):   # config, generation config, tokenizer: copied as they were
+        if not name.endswith(".safetensors"):
+            assert filecmp.cmp(os.path.join(case["hf"], name), os.path.join(back, name), shallow=False), name
+
+
+def test_bf16_round_trip_through_fp32_megatron(tmp_path):
+    hf, mg, back = str(tmp_path / "hf"), str(tmp_path / "mg"), str(tmp_path / "back")
+    kit.make_hf_model(hf, "llama", tied=True, dtype=torch.bfloat16, num_hidden_layers=2)
+    kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir", mg)
+    kit.convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", back)
+    _assert_same_hf(hf, back)
