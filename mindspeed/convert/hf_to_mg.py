@@ -39,7 +39,6 @@ def check_tensors(reader: HFReader, arch: Arch) -> None:
 
 
 def convert(opts, log=print) -> dict:
-    from mindspeed.training.model import padded_vocab_size
     start = time.perf_counter()
     if not os.path.isdir(opts.load_dir):
         raise ConvertError(f"--load-dir {opts.load_dir} does not exist or is not a directory")
@@ -52,6 +51,7 @@ def convert(opts, log=print) -> dict:
     reader = HFReader(opts.load_dir)
     try:
         check_tensors(reader, arch)
+        from mindspeed.training.model import padded_vocab_size   # imports Megatron: after the checks
         padded = padded_vocab_size(arch.vocab_size, opts.make_vocab_size_divisible_by, tp)
         from mindspeed.convert.megatron_write import write_megatron
         with staged(opts.save_dir) as tmp:
