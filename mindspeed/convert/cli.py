@@ -70,6 +70,9 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p.add_argument("--add-qkv-bias", action="store_true", help="the model has q/k/v biases (Qwen2)")
     p.add_argument("--params-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="dtype of the Megatron parameters (hf->mg); mg->hf writes config.json's dtype")
+    p.add_argument("--neutral-copy", action="store_true",
+                   help="hf->mg: also write the framework-neutral safetensors copy (fp32) that the MindSpore "
+                        "trainer (--backend mindspore) loads, in the same iteration directory")
     p.add_argument("--tokenizer-model", default=None, help="a tokenizer file to keep with the checkpoint")
     p.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128)
     p.add_argument("--hf-config", default=None,

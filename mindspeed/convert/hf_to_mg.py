@@ -47,6 +47,9 @@ def convert(opts, log=print) -> dict:
     arch = arch_from_config(read_config(opts.load_dir), opts.model_type_hf, opts.add_qkv_bias)
     tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
     check_parallel(arch, tp, pp, opts.num_layer_list)
+    if opts.neutral_copy and arch.qkv_bias:
+        raise ConvertError("--neutral-copy: the MindSpore trainer's GPT has no q/k/v biases "
+                           "(leave out --neutral-copy for this model)")
     check_save_dir(opts.save_dir)
     reader = HFReader(opts.load_dir)
     try:
@@ -55,7 +58,7 @@ def convert(opts, log=print) -> dict:
         padded = padded_vocab_size(arch.vocab_size, opts.make_vocab_size_divisible_by, tp)
         from mindspeed.convert.megatron_write import write_megatron
         with staged(opts.save_dir) as tmp:
-            write_megatron(tmp, arch, reader, padded, opts.params_dtype)
+            write_megatron(tmp, arch, reader, padded, opts.params_dtype, neutral_copy=opts.neutral_copy)
             side = os.path.join(tmp, sidecar.HF_CONFIG_DIR)
             os.makedirs(side)
             extra = (opts.tokenizer_model,) if opts.tokenizer_model else ()
@@ -67,6 +70,7 @@ def convert(opts, log=print) -> dict:
             sidecar.write_info(tmp, {"model_type_hf": opts.model_type_hf, "params_dtype": opts.params_dtype,
                                      "target_tensor_parallel_size": tp, "target_pipeline_parallel_size": pp,
                                      "num_layer_list": opts.num_layer_list, "vocab_size": arch.vocab_size,
+                                     "neutral_copy": opts.neutral_copy,
                                      "padded_vocab_size": padded, "trainer_flags": flags})
     finally:
         reader.close()

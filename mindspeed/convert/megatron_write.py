@@ -102,8 +102,11 @@ def _fill(model, arch: Arch, reader: HFReader, padded_vocab: int) -> None:
         raise ConvertError(f"the trainer's model has parameters the conversion did not fill: {sorted(expected)}")
 
 
-def write_megatron(root: str, arch: Arch, reader: HFReader, padded_vocab: int, params_dtype: str) -> None:
-    """Save the model converted from `reader` as the trainer's iteration 0 under `root`."""
+def write_megatron(root: str, arch: Arch, reader: HFReader, padded_vocab: int, params_dtype: str,
+                   neutral_copy: bool = False) -> None:
+    """Save the model converted from `reader` as the trainer's iteration 0 under `root`; with
+    neutral_copy, the same weights also as the MindSpore trainer's framework-neutral safetensors
+    in the same iteration directory (each trainer reads only its own files there)."""
     from mindspeed.training import checkpointing
     from mindspeed.training.model import build_model_chunks, transformer_config
     args = trainer_args(arch, padded_vocab, params_dtype)
@@ -113,3 +116,8 @@ def write_megatron(root: str, arch: Arch, reader: HFReader, padded_vocab: int, p
         model = build_model_chunks(args, config)[0]
         _fill(model, arch, reader, padded_vocab)
         checkpointing.save_checkpoint(root, 0, [model], None, _NoScheduler(), 0)
+        if neutral_copy:
+            from mindspeed.training.mindspore import neutral_format
+            # whole tensors under the model's own names, fp32 (numpy has no bf16)
+            arrays = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
+            neutral_format.save(root, 0, arrays, None, meta={"converted_from": "hf"})

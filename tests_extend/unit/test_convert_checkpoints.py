@@ -146,3 +146,26 @@ def test_bf16_round_trip_through_fp32_megatron(tmp_path):
     kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir", mg)
     kit.convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", back)
     _assert_same_hf(hf, back)
+
+
+def test_neutral_copy_loads_in_the_mindspore_trainer_and_the_torch_one(tmp_path):
+    """--neutral-copy: one converted directory that both trainers load (each its own files)."""
+    ms = pytest.importorskip("mindspore")
+    import numpy as np
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from mindspeed.training.mindspore import checkpoint as ms_checkpoint
+    from mindspeed.training.mindspore.model import GPTConfig, GPTModel
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    hf, mg = str(tmp_path / "hf"), str(tmp_path / "mg")
+    kit.make_hf_model(hf, "llama", tied=True, num_hidden_layers=2)
+    kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--neutral-copy", "--load-dir", hf,
+                "--save-dir", mg)
+    ref = kit.hf_logits(hf, TOKENS)
+    backend = MindSporeBackend("cpu")
+    args = kit.trainer_args(mg)
+    model = GPTModel(GPTConfig.from_args(args, args.padded_vocab_size, []), backend,
+                     build_parallel_state(backend.comm, 1))
+    ms_checkpoint.load(mg, model, None, load_optimizer=False)
+    logits = model.logits(ms.Tensor(TOKENS.numpy().astype(np.int32))).asnumpy().transpose(1, 0, 2)   # [s, b, V]
+    assert np.abs(logits[..., :kit.VOCAB] - ref.numpy()).max() <= TOL
+    assert (_tp1_logits(mg)[..., :kit.VOCAB] - ref).abs().max() <= TOL
