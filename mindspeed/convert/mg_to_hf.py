@@ -1,5 +1,5 @@
-"""The built-in trainer's Megatron-Core checkpoint (any TP/PP it was saved at) -> Hugging Face
-safetensors + config.json. The Hugging Face config comes from the hf_config/ folder that hf->mg
+"""The built-in trainers' checkpoints -> Hugging Face safetensors + config.json: the torch trainer's
+torch_dist (any TP/PP it was saved at) or the MindSpore trainer's framework-neutral safetensors. The Hugging Face config comes from the hf_config/ folder that hf->mg
 left in the checkpoint, or from --hf-config (a checkpoint the trainer saved elsewhere)."""
 from __future__ import annotations
 
@@ -12,26 +12,13 @@ from mindspeed.convert import layout, sidecar
 from mindspeed.convert.arch import Arch, arch_from_config, read_config
 from mindspeed.convert.errors import ConvertError
 from mindspeed.convert.hf_io import HFWriter, copy_side_files
-from mindspeed.convert.megatron_read import MegatronReader
+from mindspeed.convert.megatron_read import LAYER_SUFFIXES, open_checkpoint
 from mindspeed.convert.staging import check_save_dir, staged
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-STACKED = "decoder.layers."   # checkpoint keys of decoder layers: one tensor stacked over layers
-CKPT_LAYER_KEYS = {   # Megatron model-local suffix -> the checkpoint key (the local spec's norms
-    # are stored under Transformer Engine's fused names, as Megatron-Core does for compatibility)
-    "input_layernorm.weight": STACKED + "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": STACKED + "mlp.linear_fc1.layer_norm_weight",
-    "self_attention.linear_qkv.weight": STACKED + "self_attention.linear_qkv.weight",
-    "self_attention.linear_qkv.bias": STACKED + "self_attention.linear_qkv.bias",
-    "self_attention.linear_proj.weight": STACKED + "self_attention.linear_proj.weight",
-    "mlp.linear_fc1.weight": STACKED + "mlp.linear_fc1.weight",
-    "mlp.linear_fc2.weight": STACKED + "mlp.linear_fc2.weight",
-}
-
-
-def check_checkpoint(reader: MegatronReader, arch: Arch) -> None:
+def check_checkpoint(reader, arch: Arch) -> None:
     """The checkpoint's tensors are the ones the Hugging Face config describes."""
-    has_bias = reader.has(CKPT_LAYER_KEYS["self_attention.linear_qkv.bias"])
+    has_bias = reader.has_layer("self_attention.linear_qkv.bias")
     if has_bias and not arch.qkv_bias:
         raise ConvertError(f"checkpoint {reader.dir} has q/k/v biases: add --add-qkv-bias")
     if arch.qkv_bias and not has_bias:
@@ -39,14 +26,17 @@ def check_checkpoint(reader: MegatronReader, arch: Arch) -> None:
     if not arch.tied_embeddings and not reader.has("output_layer.weight"):
         raise ConvertError(f"config.json has untied embeddings but checkpoint {reader.dir} has no output_layer")
     h, d = arch.hidden_size, arch.head_dim
-    want = {CKPT_LAYER_KEYS["self_attention.linear_qkv.weight"]:
-            (arch.num_layers, (arch.num_heads + 2 * arch.num_kv_heads) * d, h),
-            CKPT_LAYER_KEYS["mlp.linear_fc1.weight"]: (arch.num_layers, 2 * arch.ffn_hidden_size, h),
-            "decoder.final_layernorm.weight": (h,)}
-    for key, shape in want.items():
-        if reader.shape(key) != shape:
-            raise ConvertError(f"checkpoint {key} has shape {reader.shape(key)}, the Hugging Face config "
-                               f"implies {shape} (wrong --hf-config?)")
+    if reader.num_layers() != arch.num_layers:
+        raise ConvertError(f"checkpoint {reader.dir} has {reader.num_layers()} layers, the Hugging Face config "
+                           f"{arch.num_layers} (wrong --hf-config?)")
+    want = {"self_attention.linear_qkv.weight": ((arch.num_heads + 2 * arch.num_kv_heads) * d, h),
+            "mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h)}
+    for suffix, shape in want.items():
+        if reader.layer_shape(suffix) != shape:
+            raise ConvertError(f"checkpoint {suffix} has shape {reader.layer_shape(suffix)}, the Hugging Face "
+                               f"config implies {shape} (wrong --hf-config?)")
+    if reader.shape("decoder.final_layernorm.weight") != (h,):
+        raise ConvertError(f"checkpoint hidden size {reader.shape('decoder.final_layernorm.weight')} != {h}")
     rows, width = reader.shape("embedding.word_embeddings.weight")
     if rows < arch.vocab_size or width != h:
         raise ConvertError(f"checkpoint embedding {rows}x{width} cannot hold vocab_size {arch.vocab_size} x "
@@ -71,7 +61,7 @@ def convert(opts, log=print) -> dict:
     config = read_config(config_dir)
     arch = arch_from_config(config, opts.model_type_hf, opts.add_qkv_bias)
     check_save_dir(opts.save_dir)
-    reader = MegatronReader(opts.load_dir)
+    reader = open_checkpoint(opts.load_dir)
     check_checkpoint(reader, arch)
     dtype = HF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
     shapes = layout.hf_shapes(arch)
@@ -87,8 +77,7 @@ def convert(opts, log=print) -> dict:
         v = arch.vocab_size
         add("model.embed_tokens.weight", reader.get("embedding.word_embeddings.weight")[:v].clone())
         for i in range(arch.num_layers):
-            mg = {suffix: reader.get(key, layer=i) for suffix, key in CKPT_LAYER_KEYS.items()
-                  if reader.has(key)}
+            mg = {suffix: reader.get_layer(suffix, i) for suffix in LAYER_SUFFIXES if reader.has_layer(suffix)}
             for name, tensor in layout.mg_to_hf_layer(arch, i, mg).items():
                 add(name, tensor)
         add("model.norm.weight", reader.get("decoder.final_layernorm.weight"))
