@@ -107,6 +107,14 @@ def arch_from_config(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Ar
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)))
 
 
+def pipeline_split_flags(layer_list: list[int] | None) -> list[str]:
+    """The trainer's flags for an uneven pipeline split (none for an even one)."""
+    if not layer_list or len(set(layer_list)) == 1:
+        return []
+    return ["--decoder-first-pipeline-num-layers", str(layer_list[0]),
+            "--decoder-last-pipeline-num-layers", str(layer_list[-1])]
+
+
 def check_parallel(arch: Arch, tp: int, pp: int, layer_list: list[int] | None) -> None:
     """What the target tensor/pipeline sizes need of the model (the trainer checks the same)."""
     for name, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
@@ -118,9 +126,13 @@ def check_parallel(arch: Arch, tp: int, pp: int, layer_list: list[int] | None) -
         if len(layer_list) != pp:
             raise ConvertError(f"--num-layer-list has {len(layer_list)} entries, "
                                f"--target-pipeline-parallel-size is {pp}")
+        text = ",".join(map(str, layer_list))
         if sum(layer_list) != arch.num_layers or min(layer_list) < 1:
-            raise ConvertError(f"--num-layer-list {','.join(map(str, layer_list))} does not split the "
-                               f"model's {arch.num_layers} layers into positive stages")
+            raise ConvertError(f"--num-layer-list {text} does not split the model's {arch.num_layers} "
+                               "layers into positive stages")
+        if len(set(layer_list[1:-1])) > 1:
+            raise ConvertError(f"--num-layer-list {text}: the trainer (as Megatron-Core) can give only the first "
+                               "and the last pipeline stage their own layer counts; the others must be equal")
     elif arch.num_layers % pp:
         raise ConvertError(f"num_hidden_layers {arch.num_layers} is not divisible by "
                            f"--target-pipeline-parallel-size {pp} (give --num-layer-list)")

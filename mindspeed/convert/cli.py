@@ -66,7 +66,8 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p.add_argument("--target-tensor-parallel-size", type=_positive, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=_positive, default=1)
     p.add_argument("--num-layer-list", type=_layer_list, default=None,
-                   help="layers per pipeline stage, e.g. 1,3 (checked; the torch_dist checkpoint is the same)")
+                   help="layers per pipeline stage, e.g. 1,3: checked, and given to the trainer as "
+                        "--decoder-first/last-pipeline-num-layers (the torch_dist files do not depend on it)")
     p.add_argument("--add-qkv-bias", action="store_true", help="the model has q/k/v biases (Qwen2)")
     p.add_argument("--params-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="dtype of the Megatron parameters (hf->mg); mg->hf writes config.json's dtype")

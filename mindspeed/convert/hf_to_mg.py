@@ -6,7 +6,7 @@ import re
 import time
 
 from mindspeed.convert import layout, sidecar
-from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, read_config
+from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipeline_split_flags, read_config
 from mindspeed.convert.errors import ConvertError
 from mindspeed.convert.hf_io import HFReader, copy_side_files
 from mindspeed.convert.staging import check_save_dir, staged
@@ -66,6 +66,7 @@ def convert(opts, log=print) -> dict:
             flags = arch.trainer_flags() + ["--tensor-model-parallel-size", str(tp),
                                             "--pipeline-model-parallel-size", str(pp),
                                             "--make-vocab-size-divisible-by", str(opts.make_vocab_size_divisible_by)]
+            flags += pipeline_split_flags(opts.num_layer_list)
             flags += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[opts.params_dtype]
             sidecar.write_info(tmp, {"model_type_hf": opts.model_type_hf, "params_dtype": opts.params_dtype,
                                      "target_tensor_parallel_size": tp, "target_pipeline_parallel_size": pp,

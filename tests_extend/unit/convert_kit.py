@@ -63,7 +63,10 @@ def trainer_args(mg_dir: str, tp: int = 1, pp: int = 1, world_size: int = 1, ext
     from mindspeed.convert.sidecar import read_info
     from mindspeed.training.arguments import parse_args
     info = read_info(mg_dir)
-    flags = [f for f in info["trainer_flags"]]
+    flags = list(info["trainer_flags"])
+    if pp == 1 and "--decoder-first-pipeline-num-layers" in flags:   # the converted split is for PP > 1
+        at = flags.index("--decoder-first-pipeline-num-layers")
+        del flags[at:at + 4]
     for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
         flags[flags.index(name) + 1] = str(value)
     args = parse_args(flags + ["--load", mg_dir, "--finetune", "--mock-data", "--tokenizer-type", "NullTokenizer",

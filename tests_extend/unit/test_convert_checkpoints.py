@@ -20,7 +20,8 @@ TOKENS = torch.randint(0, kit.VOCAB, (2, 12), generator=torch.Generator().manual
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """Llama 3-style, GQA, untied embeddings, converted as the user's guide does (TP2, PP2, 1,3)."""
+    """Llama 3-style, GQA, untied embeddings, converted as the user's guide does (TP2, PP2, stages of
+    1 and 3 layers)."""
     root = tmp_path_factory.mktemp("llama")
     hf, mg = str(root / "hf"), str(root / "mg")
     kit.make_hf_model(hf, "llama", tied=False)
@@ -28,7 +29,7 @@ def llama(tmp_path_factory):
         json.dump({"version": "1.0", "model": {"type": "WordLevel"}}, f)
     kit.convert("--use-mcore-models", "--model-type", "GPT", "--load-model-type", "hf", "--save-model-type", "mg",
                 "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
-                "--num-layer-list", "2,2", "--load-dir", hf, "--save-dir", mg,
+                "--num-layer-list", "1,3", "--load-dir", hf, "--save-dir", mg,
                 "--tokenizer-model", os.path.join(hf, "tokenizer.json"), "--model-type-hf", "llama3")
     return {"hf": hf, "mg": mg, "root": root, "ref": kit.hf_logits(hf, TOKENS)}
 
@@ -98,18 +99,19 @@ def _two_rank_body(rank, world_size, mg_dir, tokens, save_dir):
         multiprocessing.current_process().daemon = False
         checkpointing.save_checkpoint(save_dir, 0, [model], None, _NoScheduler(), 0)
         parallel_state.destroy_model_parallel()
-        _, pp2 = _logits_at(mg_dir, tokens, tp=1, pp=2, world_size=world_size)
+        stage, pp2 = _logits_at(mg_dir, tokens, tp=1, pp=2, world_size=world_size)
         parallel_state.destroy_model_parallel()
-    return tp2, pp2
+    return tp2, pp2, len(stage.decoder.layers)
 
 
 def test_llama_tp2_and_pp2_logits_in_two_processes_and_back(llama, tmp_path):
     saved = str(tmp_path / "trainer_saved_tp2")
-    (tp2_0, pp2_0), (tp2_1, pp2_1) = run_distributed(_two_rank_body, world_size=2,
-                                                     args=(llama["mg"], TOKENS, saved), timeout=150)
+    (tp2_0, pp2_0, layers_0), (tp2_1, pp2_1, layers_1) = run_distributed(
+        _two_rank_body, world_size=2, args=(llama["mg"], TOKENS, saved), timeout=150)
     for logits in (tp2_0, tp2_1, pp2_1):
         assert (logits[..., :kit.VOCAB] - llama["ref"]).abs().max() <= TOL
     assert pp2_0 is None   # first pipeline stage: no logits
+    assert (layers_0, layers_1) == (1, 3)   # --num-layer-list 1,3 reached the trainer
     # the checkpoint the trainer wrote from TP2 (each tensor in two chunks) converts back bit for bit
     back = str(tmp_path / "hf_back")
     kit.convert("--load-model-type", "mg", "--save-model-type", "hf", "--model-type-hf", "llama3",

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mindspeed.convert import layout
-from mindspeed.convert.arch import Arch, arch_from_config
+from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipeline_split_flags
 from mindspeed.convert.errors import ConvertError
 
 ARCH = Arch(num_layers=1, hidden_size=2, ffn_hidden_size=4, num_heads=4, num_kv_heads=2, head_dim=1,
@@ -63,3 +63,13 @@ def test_rope_theta_from_transformers_5_rope_parameters():
     config = {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
     del config["rope_theta"]
     assert arch_from_config(config, "llama3", False).rope_theta == 500000.0
+
+
+def test_layer_lists_the_trainer_can_run():
+    arch = Arch(**{**ARCH.__dict__, "num_layers": 6})
+    check_parallel(arch, 1, 4, [1, 2, 2, 1])
+    assert pipeline_split_flags([1, 2, 2, 1]) == ["--decoder-first-pipeline-num-layers", "1",
+                                                  "--decoder-last-pipeline-num-layers", "1"]
+    assert pipeline_split_flags([3, 3]) == []
+    with pytest.raises(ConvertError, match="others must be equal"):
+        check_parallel(arch, 1, 4, [1, 3, 1, 1])
