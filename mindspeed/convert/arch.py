@@ -52,13 +52,13 @@ class Arch:
         return flags
 
 
-def read_config(hf_dir: str) -> dict:
+def read_config(hf_dir: str, flag: str = "--load-dir") -> dict:
     path = os.path.join(hf_dir, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
     except FileNotFoundError:
-        raise ConvertError(f"{path} is missing: --load-dir must be a Hugging Face model directory") from None
+        raise ConvertError(f"{path} is missing: {flag} must be a Hugging Face model directory") from None
     except (OSError, ValueError) as err:
         raise ConvertError(f"{path} is not readable JSON ({err})") from None
     if not isinstance(config, dict):

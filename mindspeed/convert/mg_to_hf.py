@@ -1,6 +1,7 @@
 """The built-in trainers' checkpoints -> Hugging Face safetensors + config.json: the torch trainer's
-torch_dist (any TP/PP it was saved at) or the MindSpore trainer's framework-neutral safetensors. The Hugging Face config comes from the hf_config/ folder that hf->mg
-left in the checkpoint, or from --hf-config (a checkpoint the trainer saved elsewhere)."""
+torch_dist (any TP/PP it was saved at) or the MindSpore trainer's framework-neutral safetensors.
+The Hugging Face config comes from the hf_config/ folder that hf->mg left in the checkpoint, or
+from --hf-config (for a checkpoint a trainer saved elsewhere)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,8 @@ from mindspeed.convert.megatron_read import LAYER_SUFFIXES, open_checkpoint
 from mindspeed.convert.staging import check_save_dir, staged
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def check_checkpoint(reader, arch: Arch) -> None:
     """The checkpoint's tensors are the ones the Hugging Face config describes."""
     has_bias = reader.has_layer("self_attention.linear_qkv.bias")
@@ -58,7 +61,7 @@ def convert(opts, log=print) -> dict:
     if not os.path.isdir(opts.load_dir):
         raise ConvertError(f"--load-dir {opts.load_dir} does not exist or is not a directory")
     config_dir = _config_dir(opts)
-    config = read_config(config_dir)
+    config = read_config(config_dir, "--hf-config" if opts.hf_config else "--load-dir")
     arch = arch_from_config(config, opts.model_type_hf, opts.add_qkv_bias)
     check_save_dir(opts.save_dir)
     reader = open_checkpoint(opts.load_dir)

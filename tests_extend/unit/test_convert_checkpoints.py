@@ -86,8 +86,9 @@ def _logits_at(mg_dir, tokens, tp, pp, world_size):
     return model, torch.cat(parts, dim=-1)
 
 
-def _two_rank_body(rank, world_size, mg_dir, tokens, save_dir):
-    """TP2 (and the trainer saving that TP2 model: a checkpoint of TP-split chunks), then PP2,
+def _two_rank_body(rank, world_size, mg_dir, tokens, save_dir, tied_mg_dir):
+    """TP2 (and the trainer saving that TP2 model: a checkpoint of TP-split chunks), then PP2, then
+    PP2 of a model with tied embeddings (the last stage's output layer comes from the embedding),
     in the same two processes."""
     from megatron.core import parallel_state
     from mindspeed.convert.megatron_write import _NoScheduler, adapted
@@ -101,16 +102,19 @@ def _two_rank_body(rank, world_size, mg_dir, tokens, save_dir):
         parallel_state.destroy_model_parallel()
         stage, pp2 = _logits_at(mg_dir, tokens, tp=1, pp=2, world_size=world_size)
         parallel_state.destroy_model_parallel()
-    return tp2, pp2, len(stage.decoder.layers)
+        _, tied_pp2 = _logits_at(tied_mg_dir, tokens, tp=1, pp=2, world_size=world_size)
+        parallel_state.destroy_model_parallel()
+    return tp2, pp2, len(stage.decoder.layers), tied_pp2
 
 
-def test_llama_tp2_and_pp2_logits_in_two_processes_and_back(llama, tmp_path):
+def test_tp2_and_pp2_logits_in_two_processes_and_back(llama, qwen, tmp_path):
     saved = str(tmp_path / "trainer_saved_tp2")
-    (tp2_0, pp2_0, layers_0), (tp2_1, pp2_1, layers_1) = run_distributed(
-        _two_rank_body, world_size=2, args=(llama["mg"], TOKENS, saved), timeout=150)
+    (tp2_0, pp2_0, layers_0, tied_0), (tp2_1, pp2_1, layers_1, tied_1) = run_distributed(
+        _two_rank_body, world_size=2, args=(llama["mg"], TOKENS, saved, qwen["mg"]), timeout=150)
     for logits in (tp2_0, tp2_1, pp2_1):
         assert (logits[..., :kit.VOCAB] - llama["ref"]).abs().max() <= TOL
-    assert pp2_0 is None   # first pipeline stage: no logits
+    assert (tied_1[..., :kit.VOCAB] - qwen["ref"]).abs().max() <= TOL
+    assert pp2_0 is None and tied_0 is None   # first pipeline stage: no logits
     assert (layers_0, layers_1) == (1, 3)   # --num-layer-list 1,3 reached the trainer
     # the checkpoint the trainer wrote from TP2 (each tensor in two chunks) converts back bit for bit
     back = str(tmp_path / "hf_back")
