@@ -82,8 +82,8 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def main(argv=None, prog: str = "convert_ckpt.py") -> int:
+    parser = build_parser(prog)
     opts = parser.parse_args(sys.argv[1:] if argv is None else argv)
     with warnings.catch_warnings():
         # Megatron warns on import about Apex/Transformer Engine and CUDA settings that a
