@@ -41,7 +41,7 @@ class HFReader:
         if not os.path.isfile(single):
             raise ConvertError(f"{self.dir} holds neither {SINGLE_FILE} nor {INDEX_FILE} "
                                "(only safetensors weights convert)")
-        with safe_open(single, framework="pt") as f:
+        with _open_safetensors(single) as f:
             return {name: SINGLE_FILE for name in f.keys()}
 
     def _file(self, name: str):
@@ -50,7 +50,7 @@ class HFReader:
             path = os.path.join(self.dir, fname)
             if not os.path.isfile(path):
                 raise ConvertError(f"{path} is missing ({INDEX_FILE} lists it)")
-            self._open[fname] = self._stack.enter_context(safe_open(path, framework="pt"))
+            self._open[fname] = self._stack.enter_context(_open_safetensors(path))
         return self._open[fname]
 
     def names(self) -> set[str]:
@@ -67,6 +67,13 @@ class HFReader:
 
     def close(self) -> None:
         self._stack.close()
+
+
+def _open_safetensors(path: str):
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as err:   # SafetensorError, OSError: a damaged or truncated file
+        raise ConvertError(f"{path} is not a readable safetensors file ({err})") from None
 
 
 class HFWriter:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 
 import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")   # every model here is built locally
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 128, 64, 96, 4, 2, 4
 

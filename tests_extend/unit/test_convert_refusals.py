@@ -93,6 +93,20 @@ def test_config_not_matching_the_weights(models, tmp_path):
     assert os.listdir(out) == []
 
 
+def test_truncated_safetensors_file(models, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((models / "llama" / "config.json").read_bytes())
+    data = (models / "llama" / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:len(data) // 2])
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, err = run_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(bad),
+                      "--save-dir", str(out / "mg"))
+    assert rc == 1 and err.count("\n") == 1 and "not a readable safetensors file" in err, err
+    assert os.listdir(out) == []
+
+
 def test_existing_save_dir_is_not_overwritten(models, tmp_path):
     (tmp_path / "mg").mkdir()
     (tmp_path / "mg" / "keep.txt").write_text("mine")
