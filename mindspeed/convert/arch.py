@@ -27,6 +27,7 @@ class Arch:
     vocab_size: int
     norm_epsilon: float
     rope_theta: float
+    rope_scaling_factor: float | None   # Llama 3.1's frequency scaling, None without
     tied_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
@@ -45,6 +46,8 @@ class Arch:
                  "--position-embedding-type", "rope", "--rotary-base", str(int(self.rope_theta)),
                  "--normalization", "RMSNorm", "--norm-epsilon", repr(self.norm_epsilon),
                  "--swiglu", "--disable-bias-linear"]
+        if self.rope_scaling_factor is not None:
+            flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(self.rope_scaling_factor)]
         if self.qkv_bias:
             flags.append("--add-qkv-bias")
         if not self.tied_embeddings:
@@ -66,18 +69,25 @@ def read_config(hf_dir: str, flag: str = "--load-dir") -> dict:
     return config
 
 
-def _rope_theta(config: dict) -> float:
-    # transformers 5 writes rope_parameters; older configs (and the Hub's) have rope_theta
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ConvertError(f"config.json asks for RoPE scaling {kind!r}: only unscaled RoPE converts "
-                           "(the trainer has no rope-scaling flag)")
+# Llama 3.1's RoPE scaling as Megatron-Core implements it: only `factor` is a parameter there
+LLAMA3_SCALING_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope(config: dict) -> tuple[float, float | None]:
+    """(rope_theta, Llama 3.1 scaling factor or None). transformers 5 writes rope_parameters;
+    older configs (and the Hub's) have rope_theta and rope_scaling."""
+    params = dict(config.get("rope_scaling") or {}, **(config.get("rope_parameters") or {}))
+    kind = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     if float(theta) != int(theta):
         raise ConvertError(f"config.json rope_theta {theta} is not an integer (the trainer's --rotary-base is)")
-    return float(theta)
+    if kind == "default":
+        return float(theta), None
+    fixed = {k: params.get(k) for k in LLAMA3_SCALING_FIXED}
+    if kind != "llama3" or any(fixed[k] is None or float(fixed[k]) != v for k, v in LLAMA3_SCALING_FIXED.items()):
+        raise ConvertError(f"config.json asks for RoPE scaling {kind!r} {fixed}: only unscaled RoPE and Llama 3.1's "
+                           f"'llama3' scaling with {LLAMA3_SCALING_FIXED} convert (the trainer has only those)")
+    return float(theta), float(params["factor"])
 
 
 def arch_from_config(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
@@ -99,10 +109,11 @@ def arch_from_config(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Ar
     if heads % kv_heads:
         raise ConvertError(f"config.json num_attention_heads {heads} is not a multiple of "
                            f"num_key_value_heads {kv_heads}")
+    theta, scaling = _rope(config)
     return Arch(num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
                 ffn_hidden_size=int(config["intermediate_size"]), num_heads=heads, num_kv_heads=kv_heads,
                 head_dim=int(config.get("head_dim") or hidden // heads), vocab_size=int(config["vocab_size"]),
-                norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(config),
+                norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling_factor=scaling,
                 tied_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=add_qkv_bias,
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)))
 

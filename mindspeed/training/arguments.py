@@ -41,6 +41,10 @@ def _network(parser: argparse.ArgumentParser) -> None:
                    help="Megatron alias for --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1 RoPE frequency scaling (Megatron-Core's: low/high frequency factors 1/4, "
+                        "original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
     g.add_argument("--normalization", default="RMSNorm", choices=["RMSNorm", "LayerNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", default=True,

@@ -119,6 +119,8 @@ def build_model_chunks(args, config: TransformerConfig) -> list[GPTModel]:
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
+            rope_scaling=getattr(args, "use_rope_scaling", False),
+            rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
             vp_stage=stage,
         ))
     return chunks

@@ -45,11 +45,11 @@ def qwen(tmp_path_factory):
     return {"hf": hf, "mg": mg, "root": root, "ref": kit.hf_logits(hf, TOKENS)}
 
 
-def _tp1_logits(mg_dir: str, extra=()) -> torch.Tensor:
+def _tp1_logits(mg_dir: str, extra=(), tokens: torch.Tensor = TOKENS) -> torch.Tensor:
     from mindspeed.convert.megatron_write import adapted, world_of_one
     args = kit.trainer_args(mg_dir, extra=extra)
     with adapted(args), world_of_one():
-        return kit.stage_forward(kit.load_trainer_model(args), TOKENS)
+        return kit.stage_forward(kit.load_trainer_model(args), tokens)
 
 
 def test_qwen2_tp1_logits_match_hf(qwen):
@@ -61,6 +61,20 @@ def test_llama_untied_checkpoint_loads_at_tp1_too(llama):
     # written for TP2 (vocab padded to 2 x 128): at TP1 the trainer pads alike with 256
     logits = _tp1_logits(llama["mg"], extra=("--make-vocab-size-divisible-by", "256"))
     assert (logits[..., :kit.VOCAB] - llama["ref"]).abs().max() <= TOL
+
+
+def test_llama31_rope_scaling_tp1_logits_match_hf(tmp_path):
+    """Llama 3.1's scaled RoPE frequencies (base 10000, head_dim 16: the lowest frequencies have
+    wavelengths above 2048, where the scaling acts) over 64 positions."""
+    hf, mg = str(tmp_path / "hf"), str(tmp_path / "mg")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
+    kit.make_hf_model(hf, "llama", num_hidden_layers=2, rope_theta=10000.0, rope_parameters=scaling)
+    kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", "llama3",
+                "--load-dir", hf, "--save-dir", mg)
+    tokens = torch.randint(0, kit.VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
+    ref = kit.hf_logits(hf, tokens)
+    assert (_tp1_logits(mg, tokens=tokens)[..., :kit.VOCAB] - ref).abs().max() <= TOL
 
 
 def _logits_at(mg_dir, tokens, tp, pp, world_size):

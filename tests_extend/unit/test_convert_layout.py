@@ -9,7 +9,7 @@ from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipel
 from mindspeed.convert.errors import ConvertError
 
 ARCH = Arch(num_layers=1, hidden_size=2, ffn_hidden_size=4, num_heads=4, num_kv_heads=2, head_dim=1,
-            vocab_size=8, norm_epsilon=1e-5, rope_theta=1e4, tied_embeddings=True, qkv_bias=True,
+            vocab_size=8, norm_epsilon=1e-5, rope_theta=1e4, rope_scaling_factor=None, tied_embeddings=True, qkv_bias=True,
             max_position_embeddings=16)
 
 
@@ -48,7 +48,9 @@ LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "inter
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "RoPE scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}}, "RoPE scaling 'llama3'"),
     ({"hidden_act": "gelu"}, "only SwiGLU"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"rope_theta": 10000.5}, "not an integer"),
@@ -73,3 +75,13 @@ def test_layer_lists_the_trainer_can_run():
     assert pipeline_split_flags([3, 3]) == []
     with pytest.raises(ConvertError, match="others must be equal"):
         check_parallel(arch, 1, 4, [1, 3, 1, 1])
+
+
+def test_llama31_rope_scaling_is_read():
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    arch = arch_from_config({**LLAMA, "rope_scaling": scaling}, "llama3", False)
+    assert arch.rope_scaling_factor == 32.0
+    flags = arch.trainer_flags()
+    at = flags.index("--use-rope-scaling")
+    assert flags[at:at + 3] == ["--use-rope-scaling", "--rope-scaling-factor", "32.0"]

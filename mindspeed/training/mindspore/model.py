@@ -57,6 +57,8 @@ class GPTConfig:
             unsupported.append(f"--position-embedding-type {args.position_embedding_type}")
         if getattr(args, "add_qkv_bias", False):
             unsupported.append("--add-qkv-bias")
+        if getattr(args, "use_rope_scaling", False):
+            unsupported.append("--use-rope-scaling")
         if args.hidden_dropout or args.attention_dropout:
             unsupported.append("--hidden-dropout/--attention-dropout > 0")
         if unsupported:
