@@ -84,7 +84,7 @@ class HFWriter:
         self.dir, self.shard_bytes = out_dir, shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
-        self.files: list[dict[str, torch.Tensor] | list[str]] = []   # names per written shard
+        self.files: list[list[str]] = []   # the tensor names of each written shard
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:

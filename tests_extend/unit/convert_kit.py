@@ -14,7 +14,7 @@ VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 128, 64, 96, 4, 2, 4
 
 
 def make_hf_model(out_dir: str, kind: str = "llama", tied: bool = False, seed: int = 0,
-                  dtype: torch.dtype = torch.float32, **overrides) -> None:
+                  dtype: torch.dtype = torch.float32, max_shard_size: str | None = None, **overrides) -> None:
     """A random tiny model saved with save_pretrained (safetensors). Norm weights and q/k/v biases
     are randomised too, so a conversion that drops or swaps them changes the logits."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -33,7 +33,8 @@ def make_hf_model(out_dir: str, kind: str = "llama", tied: bool = False, seed: i
                             else 0.5 * torch.randn_like(param))
             else:
                 param.normal_(0, 0.2)
-    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True, **shards)
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
