@@ -74,7 +74,9 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p.add_argument("--neutral-copy", action="store_true",
                    help="hf->mg: also write the framework-neutral safetensors copy (fp32) that the MindSpore "
                         "trainer (--backend mindspore) loads, in the same iteration directory")
-    p.add_argument("--tokenizer-model", default=None, help="a tokenizer file to keep with the checkpoint")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="hf->mg: the tokenizer.json the trainer will use: the embedding keeps its vocabulary's "
+                        "rows, padded as the trainer pads it (default: config.json's vocab_size)")
     p.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128)
     p.add_argument("--hf-config", default=None,
                    help="mg->hf: the Hugging Face model directory (or config.json) that describes the "

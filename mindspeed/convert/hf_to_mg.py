@@ -10,6 +10,7 @@ from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipel
 from mindspeed.convert.errors import ConvertError
 from mindspeed.convert.hf_io import HFReader, copy_side_files
 from mindspeed.convert.staging import check_save_dir, staged
+from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size
 
 # buffers some older checkpoints carry; recomputed by every model, not weights
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -42,8 +43,8 @@ def convert(opts, log=print) -> dict:
     start = time.perf_counter()
     if not os.path.isdir(opts.load_dir):
         raise ConvertError(f"--load-dir {opts.load_dir} does not exist or is not a directory")
-    if opts.tokenizer_model and not os.path.isfile(opts.tokenizer_model):
-        raise ConvertError(f"--tokenizer-model {opts.tokenizer_model} is not a file")
+    # the trainer pads its tokenizer's vocabulary: with --tokenizer-model the rows follow it
+    vocab_from_tokenizer = tokenizer_vocab_size(opts.tokenizer_model) if opts.tokenizer_model else None
     arch = arch_from_config(read_config(opts.load_dir), opts.model_type_hf, opts.add_qkv_bias)
     tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
     check_parallel(arch, tp, pp, opts.num_layer_list)
@@ -55,13 +56,14 @@ def convert(opts, log=print) -> dict:
     try:
         check_tensors(reader, arch)
         from mindspeed.training.model import padded_vocab_size   # imports Megatron: after the checks
-        padded = padded_vocab_size(arch.vocab_size, opts.make_vocab_size_divisible_by, tp)
+        vocab = vocab_from_tokenizer or arch.vocab_size
+        padded = padded_vocab_size(vocab, opts.make_vocab_size_divisible_by, tp)
         from mindspeed.convert.megatron_write import write_megatron
         with staged(opts.save_dir) as tmp:
-            write_megatron(tmp, arch, reader, padded, opts.params_dtype, neutral_copy=opts.neutral_copy)
+            write_megatron(tmp, arch, reader, vocab, padded, opts.params_dtype, neutral_copy=opts.neutral_copy)
             side = os.path.join(tmp, sidecar.HF_CONFIG_DIR)
             os.makedirs(side)
-            extra = (opts.tokenizer_model,) if opts.tokenizer_model else ()
+            extra = (opts.tokenizer_model,) if opts.tokenizer_model and os.path.isfile(opts.tokenizer_model) else ()
             copy_side_files(opts.load_dir, side, extra)
             flags = arch.trainer_flags() + ["--tensor-model-parallel-size", str(tp),
                                             "--pipeline-model-parallel-size", str(pp),
@@ -70,13 +72,14 @@ def convert(opts, log=print) -> dict:
             flags += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[opts.params_dtype]
             sidecar.write_info(tmp, {"model_type_hf": opts.model_type_hf, "params_dtype": opts.params_dtype,
                                      "target_tensor_parallel_size": tp, "target_pipeline_parallel_size": pp,
-                                     "num_layer_list": opts.num_layer_list, "vocab_size": arch.vocab_size,
+                                     "num_layer_list": opts.num_layer_list, "vocab_size": vocab,
+                                     "hf_vocab_size": arch.vocab_size,
                                      "neutral_copy": opts.neutral_copy,
                                      "padded_vocab_size": padded, "trainer_flags": flags})
     finally:
         reader.close()
     seconds = time.perf_counter() - start
-    log(f"converted {opts.load_dir} -> {opts.save_dir} ({arch.num_layers} layers, vocab {arch.vocab_size} "
+    log(f"converted {opts.load_dir} -> {opts.save_dir} ({arch.num_layers} layers, vocab {vocab} "
         f"padded to {padded}, {opts.params_dtype}) in {seconds:.1f}s")
     log("load it in the trainer with --load " + opts.save_dir + " --finetune " + " ".join(flags))
     return {"seconds": seconds, "trainer_flags": flags}

@@ -32,12 +32,13 @@ def split_qkv(arch: Arch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             v.reshape(-1, *rest).contiguous())
 
 
-def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
-    """Embedding/output rows padded with zeros to Megatron's padded vocabulary."""
-    if weight.shape[0] == padded_rows:
-        return weight
-    pad = weight.new_zeros(padded_rows - weight.shape[0], *weight.shape[1:])
-    return torch.cat([weight, pad])
+def fit_vocab(weight: torch.Tensor, keep_rows: int, rows: int) -> torch.Tensor:
+    """Embedding/output rows: the first `keep_rows` kept, then zeros up to `rows` (Megatron's padded
+    vocabulary one way, the Hugging Face config's vocab_size the other)."""
+    kept = weight[:keep_rows]
+    if kept.shape[0] == rows:
+        return kept
+    return torch.cat([kept, weight.new_zeros(rows - kept.shape[0], *weight.shape[1:])])
 
 
 # per-layer names: Megatron model-local suffix <- Hugging Face suffix (1:1 tensors)

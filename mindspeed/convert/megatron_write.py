@@ -68,16 +68,16 @@ def adapted(args):
         mindspeed.unadapt()
 
 
-def trainer_args(arch: Arch, padded_vocab: int, params_dtype: str):
+def trainer_args(arch: Arch, vocab: int, padded_vocab: int, params_dtype: str):
     from mindspeed.training.arguments import parse_args
     args = parse_args(arch.trainer_flags() + DTYPE_FLAGS[params_dtype] +
-                      ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(arch.vocab_size - 1),
+                      ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1),
                        "--seq-length", "16", "--mock-data", "--backend", "torch", "--device", "cpu"], world_size=1)
     args.padded_vocab_size = padded_vocab
     return args
 
 
-def _fill(model, arch: Arch, reader: HFReader, padded_vocab: int) -> None:
+def _fill(model, arch: Arch, reader: HFReader, vocab: int, padded_vocab: int) -> None:
     params = dict(model.named_parameters())
     expected = {name for name in params}
 
@@ -90,31 +90,34 @@ def _fill(model, arch: Arch, reader: HFReader, padded_vocab: int) -> None:
         expected.discard(name)
 
     with torch.no_grad():
-        put("embedding.word_embeddings.weight", layout.pad_vocab(reader.get("model.embed_tokens.weight"), padded_vocab))
+        keep = min(vocab, arch.vocab_size)
+        put("embedding.word_embeddings.weight",
+            layout.fit_vocab(reader.get("model.embed_tokens.weight"), keep, padded_vocab))
         for i in range(arch.num_layers):
             hf = {name: reader.get(name) for name in layout.hf_layer_names(arch, i)}
             for suffix, tensor in layout.hf_to_mg_layer(arch, i, hf).items():
                 put(f"decoder.layers.{i}.{suffix}", tensor)
         put("decoder.final_layernorm.weight", reader.get("model.norm.weight"))
         if not arch.tied_embeddings:
-            put("output_layer.weight", layout.pad_vocab(reader.get("lm_head.weight"), padded_vocab))
+            put("output_layer.weight", layout.fit_vocab(reader.get("lm_head.weight"), keep, padded_vocab))
     if expected:
         raise ConvertError(f"the trainer's model has parameters the conversion did not fill: {sorted(expected)}")
 
 
-def write_megatron(root: str, arch: Arch, reader: HFReader, padded_vocab: int, params_dtype: str,
+def write_megatron(root: str, arch: Arch, reader: HFReader, vocab: int, padded_vocab: int, params_dtype: str,
                    neutral_copy: bool = False) -> None:
-    """Save the model converted from `reader` as the trainer's iteration 0 under `root`; with
+    """Save the model converted from `reader` as the trainer's iteration 0 under `root`, its
+    embedding/output rows cut to the tokenizer's `vocab` and padded to `padded_vocab`; with
     neutral_copy, the same weights also as the MindSpore trainer's framework-neutral safetensors
     in the same iteration directory (each trainer reads only its own files there)."""
     from mindspeed.training import checkpointing
     from mindspeed.training.model import build_model_chunks, transformer_config
-    args = trainer_args(arch, padded_vocab, params_dtype)
+    args = trainer_args(arch, vocab, padded_vocab, params_dtype)
     with adapted(args), world_of_one():
         config = transformer_config(args)
         config.perform_initialization = False   # every parameter is overwritten
         model = build_model_chunks(args, config)[0]
-        _fill(model, arch, reader, padded_vocab)
+        _fill(model, arch, reader, vocab, padded_vocab)
         checkpointing.save_checkpoint(root, 0, [model], None, _NoScheduler(), 0)
         if neutral_copy:
             from mindspeed.training.mindspore import neutral_format

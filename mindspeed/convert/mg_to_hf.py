@@ -40,10 +40,9 @@ def check_checkpoint(reader, arch: Arch) -> None:
                                f"config implies {shape} (wrong --hf-config?)")
     if reader.shape("decoder.final_layernorm.weight") != (h,):
         raise ConvertError(f"checkpoint hidden size {reader.shape('decoder.final_layernorm.weight')} != {h}")
-    rows, width = reader.shape("embedding.word_embeddings.weight")
-    if rows < arch.vocab_size or width != h:
-        raise ConvertError(f"checkpoint embedding {rows}x{width} cannot hold vocab_size {arch.vocab_size} x "
-                           f"hidden {h} of the Hugging Face config")
+    width = reader.shape("embedding.word_embeddings.weight")[1]
+    if width != h:
+        raise ConvertError(f"checkpoint embedding width {width} is not the Hugging Face config's hidden size {h}")
 
 
 def _config_dir(opts) -> str:
@@ -77,15 +76,21 @@ def convert(opts, log=print) -> dict:
                 raise AssertionError(f"{name}: {tuple(tensor.shape)} != {shapes[name]}")
             writer.add(name, tensor.to(dtype) if dtype is not None else tensor)
 
+        # the config's vocab_size rows: rows the checkpoint lacks (cut to a smaller tokenizer by
+        # hf->mg --tokenizer-model) come back as zeros
         v = arch.vocab_size
-        add("model.embed_tokens.weight", reader.get("embedding.word_embeddings.weight")[:v].clone())
+
+        def vocab_rows(weight: torch.Tensor) -> torch.Tensor:
+            return layout.fit_vocab(weight, min(v, weight.shape[0]), v).clone()
+
+        add("model.embed_tokens.weight", vocab_rows(reader.get("embedding.word_embeddings.weight")))
         for i in range(arch.num_layers):
             mg = {suffix: reader.get_layer(suffix, i) for suffix in LAYER_SUFFIXES if reader.has_layer(suffix)}
             for name, tensor in layout.mg_to_hf_layer(arch, i, mg).items():
                 add(name, tensor)
         add("model.norm.weight", reader.get("decoder.final_layernorm.weight"))
         if not arch.tied_embeddings:
-            add("lm_head.weight", reader.get("output_layer.weight")[:v].clone())
+            add("lm_head.weight", vocab_rows(reader.get("output_layer.weight")))
         writer.finish()
         copy_side_files(config_dir, tmp)
     seconds = time.perf_counter() - start

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 
 import torch
@@ -35,6 +36,16 @@ def make_hf_model(out_dir: str, kind: str = "llama", tied: bool = False, seed: i
                 param.normal_(0, 0.2)
     shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True, **shards)
+
+
+def write_tokenizer_json(path: str, size: int) -> None:
+    """A word-level tokenizer.json of `size` tokens, the last one an added end-of-text token."""
+    vocab = {f"w{i}": i for i in range(size - 1)}
+    added = [{"id": size - 1, "content": "<eos>", "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True}]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"version": "1.0", "added_tokens": added, "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
+                   "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}}, f)
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:

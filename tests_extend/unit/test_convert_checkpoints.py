@@ -26,8 +26,7 @@ def llama(tmp_path_factory):
     hf, mg = str(root / "hf"), str(root / "mg")
     kit.make_hf_model(hf, "llama", tied=False, max_shard_size="100KB")   # sharded, with an index
     assert os.path.isfile(os.path.join(hf, "model.safetensors.index.json"))
-    with open(os.path.join(hf, "tokenizer.json"), "w") as f:
-        json.dump({"version": "1.0", "model": {"type": "WordLevel"}}, f)
+    kit.write_tokenizer_json(os.path.join(hf, "tokenizer.json"), kit.VOCAB)
     kit.convert("--use-mcore-models", "--model-type", "GPT", "--load-model-type", "hf", "--save-model-type", "mg",
                 "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
                 "--num-layer-list", "1,3", "--load-dir", hf, "--save-dir", mg,
@@ -76,6 +75,27 @@ def test_llama31_rope_scaling_tp1_logits_match_hf(tmp_path):
     tokens = torch.randint(0, kit.VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
     ref = kit.hf_logits(hf, tokens)
     assert (_tp1_logits(mg, tokens=tokens)[..., :kit.VOCAB] - ref).abs().max() <= TOL
+
+
+def test_tokenizer_smaller_than_the_embedding(tmp_path):
+    """--tokenizer-model with 100 tokens for 128 embedding rows (as Qwen2's 151665 for 151936): the
+    checkpoint keeps 100 rows padded as the trainer pads 100 (to 104 with divisible-by 8); the way
+    back returns the 100 rows exactly and zeros for the rest."""
+    hf, mg, back = str(tmp_path / "hf"), str(tmp_path / "mg"), str(tmp_path / "back")
+    kit.make_hf_model(hf, "llama", num_hidden_layers=2)
+    kit.write_tokenizer_json(os.path.join(hf, "tokenizer.json"), 100)
+    kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir", mg,
+                "--tokenizer-model", os.path.join(hf, "tokenizer.json"), "--make-vocab-size-divisible-by", "8")
+    from mindspeed.convert.megatron_read import open_checkpoint
+    assert open_checkpoint(mg).shape("embedding.word_embeddings.weight") == (104, kit.HIDDEN)
+    tokens = TOKENS % 100
+    logits = _tp1_logits(mg, tokens=tokens)
+    assert (logits[..., :100] - kit.hf_logits(hf, tokens)[..., :100]).abs().max() <= TOL
+    kit.convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", back)
+    want, got = kit.read_safetensors(hf), kit.read_safetensors(back)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(got[name][:100], want[name][:100]) and not got[name][100:].any()
+    assert all(torch.equal(got[n], t) for n, t in want.items() if n not in ("model.embed_tokens.weight", "lm_head.weight"))
 
 
 def _logits_at(mg_dir, tokens, tp, pp, world_size):

@@ -38,9 +38,21 @@ def test_fc1_is_gate_then_up():
     assert sorted(back) == sorted(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
 
 
-def test_vocab_padding_is_zero_rows():
-    padded = layout.pad_vocab(torch.ones(3, 2), 5)
-    assert padded.shape == (5, 2) and padded[3:].abs().sum() == 0
+def test_vocab_rows_are_cut_then_padded_with_zeros():
+    padded = layout.fit_vocab(torch.ones(3, 2), 3, 5)
+    assert padded.shape == (5, 2) and padded[3:].abs().sum() == 0 and padded[:3].sum() == 6
+    cut = layout.fit_vocab(torch.arange(10.).reshape(5, 2), 2, 4)
+    assert cut.tolist() == [[0., 1.], [2., 3.], [0., 0.], [0., 0.]]
+
+
+def test_tokenizer_vocab_counts_added_tokens(tmp_path):
+    from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size
+    from tests_extend.unit.convert_kit import write_tokenizer_json
+    write_tokenizer_json(str(tmp_path / "tokenizer.json"), 10)
+    assert tokenizer_vocab_size(str(tmp_path)) == 10
+    with pytest.raises(ConvertError, match="not a Hugging Face tokenizer.json"):
+        (tmp_path / "bad.json").write_text("{}")
+        tokenizer_vocab_size(str(tmp_path / "bad.json"))
 
 
 LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16,
