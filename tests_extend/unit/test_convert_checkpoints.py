@@ -229,3 +229,17 @@ def test_mindspore_trainer_checkpoint_converts_back(llama, tmp_path):
     kit.convert("--load-model-type", "mg", "--save-model-type", "hf", "--model-type-hf", "llama3",
                 "--load-dir", neutral, "--save-dir", back, "--hf-config", llama["hf"])
     _assert_same_hf(llama["hf"], back)
+
+
+def test_mg_to_hf_refuses_a_config_that_does_not_describe_the_checkpoint(llama, tmp_path):
+    from tests_extend.unit.test_convert_refusals import run_cli
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads(open(os.path.join(llama["hf"], "config.json")).read())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, err = run_cli("--load-model-type", "mg", "--save-model-type", "hf", "--model-type-hf", "llama3",
+                      "--load-dir", llama["mg"], "--save-dir", str(out / "hf"), "--hf-config", str(other))
+    assert rc == 1 and err.count("\n") == 1 and "has 4 layers, the Hugging Face config 2" in err, err
+    assert os.listdir(out) == []
