@@ -1,8 +1,8 @@
 """The architecture of a Llama-family model, read from a Hugging Face config.json and checked
 against the converter's flags; also the trainer flags that rebuild the same model.
 
-Supported: Llama 2/3 (model_type "llama") and Qwen2/2.5 ("qwen2"): RMSNorm, SwiGLU, RoPE without
-scaling, no linear biases except optional q/k/v biases, tied or untied embeddings, GQA.
+Supported: Llama 2/3/3.1 (model_type "llama") and Qwen2/2.5 ("qwen2"): RMSNorm, SwiGLU, RoPE (plain,
+or Llama 3.1's scaling), no linear biases except optional q/k/v biases, tied or untied embeddings, GQA.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Arch:
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def trainer_flags(self, padded_vocab_tp: int = 1) -> list[str]:
+    def trainer_flags(self) -> list[str]:
         """The built-in trainer's flags for this model (data/tokenizer flags are the user's)."""
         flags = ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
                  "--ffn-hidden-size", str(self.ffn_hidden_size),
@@ -92,6 +92,15 @@ def _rope(config: dict) -> tuple[float, float | None]:
 
 def arch_from_config(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
     """The Arch of `config`, refusing what the flags contradict or the trainer cannot build."""
+    try:
+        return _arch(config, model_type_hf, add_qkv_bias)
+    except KeyError as err:
+        raise ConvertError(f"config.json has no {err.args[0]!r}: not a Llama-family config") from None
+    except (TypeError, ValueError) as err:
+        raise ConvertError(f"config.json has a value of the wrong type ({err})") from None
+
+
+def _arch(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
     want = HF_MODEL_TYPES[model_type_hf]
     got = config.get("model_type")
     if got != want:

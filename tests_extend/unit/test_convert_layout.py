@@ -67,6 +67,8 @@ LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "inter
     ({"mlp_bias": True}, "mlp_bias"),
     ({"rope_theta": 10000.5}, "not an integer"),
     ({"num_key_value_heads": 3, "num_attention_heads": 4}, "not a multiple"),
+    ({"num_hidden_layers": None}, "wrong type"),
+    ({"model_type": "llama", "vocab_size": "many"}, "wrong type"),
 ])
 def test_configs_the_trainer_cannot_build_are_refused(change, needle):
     with pytest.raises(ConvertError, match=needle):
@@ -97,3 +99,10 @@ def test_llama31_rope_scaling_is_read():
     flags = arch.trainer_flags()
     at = flags.index("--use-rope-scaling")
     assert flags[at:at + 3] == ["--use-rope-scaling", "--rope-scaling-factor", "32.0"]
+
+
+def test_config_without_a_field():
+    config = dict(LLAMA)
+    del config["intermediate_size"]
+    with pytest.raises(ConvertError, match="no 'intermediate_size'"):
+        arch_from_config(config, "llama2", False)
