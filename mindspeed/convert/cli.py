@@ -20,6 +20,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
     def parse_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        known = {s for action in self._actions for s in action.option_strings}
+        # a misspelt flag is named first, before argparse's "required" complaint that it causes
+        typo = next((a for a in args if a.startswith("--") and a.split("=", 1)[0] not in known), None)
+        if typo:
+            self.error(self._unknown(typo))
         ns, unknown = self.parse_known_args(args, namespace)
         if unknown:
             self.error(self._unknown(unknown[0]))

@@ -139,6 +139,11 @@ def test_unknown_flag_suggests_the_known_one(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_misspelt_required_flag_is_named_as_unknown():
+    rc, err = run_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", "x", "--save-dirr", "y")
+    assert rc == 2 and err.count("\n") == 1 and "unknown flag --save-dirr (did you mean --save-dir?)" in err, err
+
+
 def test_missing_required_flag_is_one_line():
     rc, err = run_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", "x")
     assert rc == 2 and err.count("\n") == 1 and "--save-dir" in err, err
