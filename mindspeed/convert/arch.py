@@ -109,6 +109,9 @@ def _arch(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ConvertError(f"config.json hidden_act {act!r}: only SwiGLU (silu) MLPs convert")
+    if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or []):
+        raise ConvertError("config.json uses sliding-window attention: the trainer attends over the whole "
+                           "sequence, so such a model does not convert")
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             raise ConvertError(f"config.json sets {flag}: biases other than q/k/v do not convert")

@@ -67,6 +67,7 @@ LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "inter
     ({"mlp_bias": True}, "mlp_bias"),
     ({"rope_theta": 10000.5}, "not an integer"),
     ({"num_key_value_heads": 3, "num_attention_heads": 4}, "not a multiple"),
+    ({"use_sliding_window": True}, "sliding-window"),
     ({"num_hidden_layers": None}, "wrong type"),
     ({"model_type": "llama", "vocab_size": "many"}, "wrong type"),
 ])
