@@ -72,6 +72,19 @@ option("recompute-layer-groups", (host("--recompute-method"), host("--recompute-
        ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"))
 option("moe", (host("--num-experts"),), lambda a: bool(a.num_experts), "Megatron-Core mixture of experts",
        {"mindspore": f"{MS}'s GPT has dense MLPs only"}, TORCH, ("--num-experts", "4"))
+option("qkv-bias", (host("--add-qkv-bias", False),), lambda a: a.add_qkv_bias,
+       "biases on the fused q/k/v projection (Qwen2)", {"mindspore": f"{MS}'s GPT has no linear biases on q/k/v"},
+       TORCH, ("--add-qkv-bias",))
+option("rope-scaling", (host("--use-rope-scaling", False), host("--rope-scaling-factor", 8.0)),
+       lambda a: a.use_rope_scaling, "Llama 3.1 RoPE frequency scaling",
+       {"mindspore": f"{MS}'s rotary embedding has no frequency scaling"}, TORCH, ("--use-rope-scaling",))
+option("uneven-pipeline-stages", (host("--decoder-first-pipeline-num-layers"),
+                                  host("--decoder-last-pipeline-num-layers")),
+       lambda a: a.decoder_first_pipeline_num_layers is not None or a.decoder_last_pipeline_num_layers is not None,
+       "a different number of layers on the first/last pipeline stage",
+       {"mindspore": f"{MS} has no pipeline parallelism"}, TORCH,
+       ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"),
+       example_world=2)
 option("layernorm", (host("--normalization", "RMSNorm"),), lambda a: a.normalization != "RMSNorm",
        "LayerNorm instead of RMSNorm", {"mindspore": f"{MS}'s GPT normalizes with RMSNorm"},
        f"--normalization RMSNorm, or {TORCH}", ("--normalization", "LayerNorm"))

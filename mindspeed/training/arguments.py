@@ -41,6 +41,10 @@ def _network(parser: argparse.ArgumentParser) -> None:
                    help="Megatron alias for --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1 RoPE frequency scaling (Megatron-Core's: low/high frequency factors 1/4, "
+                        "original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
     g.add_argument("--normalization", default="RMSNorm", choices=["RMSNorm", "LayerNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", default=True,
@@ -50,6 +54,8 @@ def _network(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear", default=False,
                    help="no bias in linear layers (default)")
     g.add_argument("--add-bias-linear", action="store_true", dest="add_bias_linear", default=False)
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the fused q/k/v projection only (Qwen2); other linears follow --add-bias-linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -148,6 +154,10 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first pipeline stage (the others split the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last pipeline stage (the others split the rest evenly)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
@@ -302,6 +312,23 @@ def _positive(args, names) -> list[str]:
             for n in names if getattr(args, n) is None or getattr(args, n) < 1]
 
 
+def _pipeline_split_problems(args, pp: int) -> list[str]:
+    """Even stages, or Megatron's uneven first/last stage with the other stages even."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return [] if args.num_layers % pp == 0 else [
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"]
+    given = [n for n in (first, last) if n is not None]
+    if pp < 2 or min(given) < 1 or args.num_layers_per_virtual_pipeline_stage is not None:
+        return ["--decoder-first/last-pipeline-num-layers need pipeline size >= 2, at least one layer, "
+                "and no virtual pipeline"]
+    rest, middle = args.num_layers - sum(given), pp - len(given)
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest < middle or rest % middle)):
+        return [f"--num-layers {args.num_layers} minus the first/last stage layers ({sum(given)}) does not "
+                f"split evenly into the other {middle} pipeline stage(s)"]
+    return []
+
+
 def validate_args(args) -> None:
     """Every check that needs no process group; raise ArgumentError listing all problems."""
     problems = _positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -327,9 +354,7 @@ def validate_args(args) -> None:
     if args.ffn_hidden_size % tp:
         problems.append(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
                         f"--tensor-model-parallel-size {tp}")
-    if args.num_layers % pp:
-        problems.append(f"--num-layers {args.num_layers} is not divisible by "
-                        f"--pipeline-model-parallel-size {pp}")
+    problems.extend(_pipeline_split_problems(args, pp))
     if args.num_layers_per_virtual_pipeline_stage is not None:
         if pp < 2 or (args.num_layers // pp) % args.num_layers_per_virtual_pipeline_stage:
             problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline size >= 2 and "

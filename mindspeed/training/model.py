@@ -1,5 +1,5 @@
 """The GPT that both trainers build: Megatron-Core GPTModel with the local (no TE/Apex) spec,
-RMSNorm, SwiGLU MLP, RoPE, no linear biases, untied-or-tied output layer.
+RMSNorm, SwiGLU MLP, RoPE, no linear biases (optionally q/k/v biases), untied-or-tied output layer.
 
 `transformer_config(args)` is the single place that maps flags to TransformerConfig, so the
 MindSpore trainer can mirror exactly the same architecture from the same args.
@@ -39,12 +39,15 @@ def transformer_config(args) -> TransformerConfig:
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=getattr(args, "add_qkv_bias", False),
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_virtual_pp(args),
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
@@ -119,6 +122,8 @@ def build_model_chunks(args, config: TransformerConfig) -> list[GPTModel]:
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
+            rope_scaling=getattr(args, "use_rope_scaling", False),
+            rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
             vp_stage=stage,
         ))
     return chunks

@@ -189,3 +189,18 @@ def test_the_whole_gpt3_script_with_transformer_engine_is_refused_before_any_wor
     argv = gpt3_script_argv(tmp_path, *gpt2_files) + ["--transformer-impl", "transformer_engine"]
     with pytest.raises(ArgumentError, match="--transformer-impl transformer_engine needs"):
         parse_args(argv, world_size=4)
+
+
+def test_uneven_first_and_last_pipeline_stages():
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.flag_checks import ArgumentError
+    base = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+    args = parse_args(base + ["--decoder-first-pipeline-num-layers", "1"], world_size=2)
+    assert args.decoder_first_pipeline_num_layers == 1
+    parse_args(["--num-layers", "6", "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers",
+                "1", "--decoder-last-pipeline-num-layers", "1"], world_size=4)
+    with pytest.raises(ArgumentError, match="does not split evenly"):
+        parse_args(base + ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "2"],
+                   world_size=2)
+    with pytest.raises(ArgumentError, match="not divisible"):
+        parse_args(["--num-layers", "3", "--pipeline-model-parallel-size", "2"], world_size=2)

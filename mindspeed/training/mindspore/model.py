@@ -48,8 +48,8 @@ class GPTConfig:
     @classmethod
     def from_args(cls, args, padded_vocab: int, features=()) -> "GPTConfig":
         """features: ids of the enabled (adapted) features; fused ones pick the fast kernels."""
-        # LayerNorm, GELU, dropout, other position embeddings: refused by the support matrix
-        # (mindspeed/features/megatron_options.py) before a model is built
+        # LayerNorm, GELU, dropout, other position embeddings, q/k/v biases, RoPE scaling: refused by
+        # the support matrix (mindspeed/features/megatron_options.py) before a model is built
         return cls(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                    num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                    kv_channels=args.kv_channels, vocab_size=padded_vocab, seq_length=args.seq_length,

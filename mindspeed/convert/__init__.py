@@ -1,0 +1,13 @@
+"""Hugging Face <-> Megatron-Core checkpoint conversion for Llama-family models (Llama 2/3, Qwen2).
+
+    python convert_ckpt.py --use-mcore-models --model-type GPT --load-model-type hf --save-model-type mg \
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 --model-type-hf llama2 \
+        --load-dir HF_DIR --save-dir MG_DIR
+
+Modules: cli (flags), arch (config.json -> architecture, checks), layout (tensor names and the
+fused QKV / SwiGLU layouts), hf_io (safetensors in and out), megatron_write (the trainer's own
+model and save path; optionally the MindSpore trainer's neutral copy), megatron_read (either
+trainer's checkpoint -> whole tensors, one layer at a time), tokenizer_vocab (the embedding rows a
+tokenizer needs), staging (atomic --save-dir), sidecar (what the Megatron checkpoint carries for the
+way back), hf_to_mg and mg_to_hf (the two directions).
+"""

@@ -1,0 +1,123 @@
+"""`python convert_ckpt.py ...` / `python -m mindspeed.convert ...`: Hugging Face <-> Megatron-Core
+checkpoints of Llama-family models, with MindSpeed-LLM's / Megatron-LM's flag names.
+
+Every usage error is one line on stderr and exit status 2 (an unknown flag with a did-you-mean);
+every input the conversion cannot use is refused in one line, exit 1, before anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+import warnings
+
+from mindspeed.convert.arch import HF_MODEL_TYPES
+from mindspeed.convert.errors import ConvertError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        known = {s for action in self._actions for s in action.option_strings}
+        # a misspelt flag is named first, before argparse's "required" complaint that it causes
+        typo = next((a for a in args if a.startswith("--") and a.split("=", 1)[0] not in known), None)
+        if typo:
+            self.error(self._unknown(typo))
+        ns, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(self._unknown(unknown[0]))
+        return ns
+
+    def _unknown(self, token: str) -> str:
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("-"):
+            return f"unexpected argument {token!r}"
+        known = [s for action in self._actions for s in action.option_strings]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return f"unknown flag {flag}{hint}"
+
+
+def _layer_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, allow_abbrev=False,
+                      description="Convert Llama-family checkpoints between Hugging Face and Megatron-Core")
+    p.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted for Megatron-LM's command lines: Megatron-Core models are the only ones")
+    p.add_argument("--model-type", default="GPT", choices=["GPT"])
+    p.add_argument("--load-model-type", required=True, choices=["hf", "mg"])
+    p.add_argument("--save-model-type", required=True, choices=["hf", "mg"])
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True, help="must not exist yet (or be empty); written atomically")
+    p.add_argument("--model-type-hf", default="llama2", choices=sorted(HF_MODEL_TYPES))
+    p.add_argument("--target-tensor-parallel-size", type=_positive, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=_positive, default=1)
+    p.add_argument("--num-layer-list", type=_layer_list, default=None,
+                   help="layers per pipeline stage, e.g. 1,3: checked, and given to the trainer as "
+                        "--decoder-first/last-pipeline-num-layers (the torch_dist files do not depend on it)")
+    p.add_argument("--add-qkv-bias", action="store_true", help="the model has q/k/v biases (Qwen2)")
+    p.add_argument("--params-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="dtype of the Megatron parameters (hf->mg); mg->hf writes config.json's dtype")
+    p.add_argument("--neutral-copy", action="store_true",
+                   help="hf->mg: also write the framework-neutral safetensors copy (fp32) that the MindSpore "
+                        "trainer (--backend mindspore) loads, in the same iteration directory")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="hf->mg: the tokenizer.json the trainer will use: the embedding keeps its vocabulary's "
+                        "rows, padded as the trainer pads it (default: config.json's vocab_size)")
+    p.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128)
+    p.add_argument("--hf-config", default=None,
+                   help="mg->hf: the Hugging Face model directory (or config.json) that describes the "
+                        "checkpoint, when it has no hf_config/ of its own")
+    return p
+
+
+def main(argv=None, prog: str = "convert_ckpt.py") -> int:
+    parser = build_parser(prog)
+    opts = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    with warnings.catch_warnings():
+        # Megatron warns on import about Apex/Transformer Engine and CUDA settings that a
+        # conversion never uses; a refusal must stay one line
+        for category in (UserWarning, FutureWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"(megatron|torch|mindspeed)\.")
+        return _run(parser, opts)
+
+
+def _run(parser: argparse.ArgumentParser, opts) -> int:
+    direction = (opts.load_model_type, opts.save_model_type)
+    try:
+        if direction == ("hf", "mg"):
+            from mindspeed.convert import hf_to_mg
+            hf_to_mg.convert(opts)
+        elif direction == ("mg", "hf"):
+            if opts.target_tensor_parallel_size != 1 or opts.target_pipeline_parallel_size != 1 \
+                    or opts.num_layer_list:
+                raise ConvertError("mg->hf writes one unsharded Hugging Face model: leave out "
+                                   "--target-*-parallel-size and --num-layer-list")
+            from mindspeed.convert import mg_to_hf
+            mg_to_hf.convert(opts)
+        else:
+            parser.error(f"--load-model-type {opts.load_model_type} --save-model-type {opts.save_model_type}: "
+                         "only hf->mg and mg->hf convert")
+    except ConvertError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 1
+    return 0

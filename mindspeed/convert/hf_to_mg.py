@@ -1,0 +1,85 @@
+"""Hugging Face (safetensors + config.json) -> the built-in trainer's Megatron-Core checkpoint."""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from mindspeed.convert import layout, sidecar
+from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipeline_split_flags, read_config
+from mindspeed.convert.errors import ConvertError
+from mindspeed.convert.hf_io import HFReader, copy_side_files
+from mindspeed.convert.staging import check_save_dir, staged
+from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size
+
+# buffers some older checkpoints carry; recomputed by every model, not weights
+IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def check_tensors(reader: HFReader, arch: Arch) -> None:
+    """Every tensor the config implies is there with its shape, and nothing unexplained is."""
+    names = reader.names()
+    has_bias = any(n.endswith("self_attn.q_proj.bias") for n in names)
+    if has_bias and not arch.qkv_bias:
+        raise ConvertError(f"{reader.dir} has q/k/v biases (Qwen2-style): add --add-qkv-bias")
+    if arch.qkv_bias and not has_bias:
+        raise ConvertError(f"--add-qkv-bias given but {reader.dir} has no q/k/v biases")
+    expected = layout.hf_shapes(arch)
+    missing = sorted(set(expected) - names)
+    if missing:
+        raise ConvertError(f"{reader.dir} lacks {len(missing)} tensor(s) the config implies, e.g. {missing[0]}")
+    extra = sorted(n for n in names - set(expected) if not IGNORED.match(n)
+                   and not (arch.tied_embeddings and n == "lm_head.weight"))
+    if extra:
+        raise ConvertError(f"{reader.dir} has {len(extra)} tensor(s) a {arch.num_layers}-layer Llama-family "
+                           f"model does not, e.g. {extra[0]} (config.json and weights disagree?)")
+    for name, shape in expected.items():
+        got = reader.shape(name)
+        if got != shape:
+            raise ConvertError(f"{name} has shape {got}, config.json implies {shape}")
+
+
+def convert(opts, log=print) -> dict:
+    start = time.perf_counter()
+    if not os.path.isdir(opts.load_dir):
+        raise ConvertError(f"--load-dir {opts.load_dir} does not exist or is not a directory")
+    # the trainer pads its tokenizer's vocabulary: with --tokenizer-model the rows follow it
+    vocab_from_tokenizer = tokenizer_vocab_size(opts.tokenizer_model) if opts.tokenizer_model else None
+    arch = arch_from_config(read_config(opts.load_dir), opts.model_type_hf, opts.add_qkv_bias)
+    tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
+    check_parallel(arch, tp, pp, opts.num_layer_list)
+    if opts.neutral_copy and (arch.qkv_bias or arch.rope_scaling_factor is not None):
+        raise ConvertError("--neutral-copy: the MindSpore trainer's GPT has no q/k/v biases and no RoPE "
+                           "scaling (leave out --neutral-copy for this model)")
+    check_save_dir(opts.save_dir)
+    reader = HFReader(opts.load_dir)
+    try:
+        check_tensors(reader, arch)
+        from mindspeed.training.model import padded_vocab_size   # imports Megatron: after the checks
+        vocab = vocab_from_tokenizer or arch.vocab_size
+        padded = padded_vocab_size(vocab, opts.make_vocab_size_divisible_by, tp)
+        from mindspeed.convert.megatron_write import write_megatron
+        with staged(opts.save_dir) as tmp:
+            write_megatron(tmp, arch, reader, vocab, padded, opts.params_dtype, neutral_copy=opts.neutral_copy)
+            side = os.path.join(tmp, sidecar.HF_CONFIG_DIR)
+            os.makedirs(side)
+            extra = (opts.tokenizer_model,) if opts.tokenizer_model and os.path.isfile(opts.tokenizer_model) else ()
+            copy_side_files(opts.load_dir, side, extra)
+            flags = arch.trainer_flags() + ["--tensor-model-parallel-size", str(tp),
+                                            "--pipeline-model-parallel-size", str(pp),
+                                            "--make-vocab-size-divisible-by", str(opts.make_vocab_size_divisible_by)]
+            flags += pipeline_split_flags(opts.num_layer_list)
+            flags += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[opts.params_dtype]
+            sidecar.write_info(tmp, {"model_type_hf": opts.model_type_hf, "params_dtype": opts.params_dtype,
+                                     "target_tensor_parallel_size": tp, "target_pipeline_parallel_size": pp,
+                                     "num_layer_list": opts.num_layer_list, "vocab_size": vocab,
+                                     "hf_vocab_size": arch.vocab_size,
+                                     "neutral_copy": opts.neutral_copy,
+                                     "padded_vocab_size": padded, "trainer_flags": flags})
+    finally:
+        reader.close()
+    seconds = time.perf_counter() - start
+    log(f"converted {opts.load_dir} -> {opts.save_dir} ({arch.num_layers} layers, vocab {vocab} "
+        f"padded to {padded}, {opts.params_dtype}) in {seconds:.1f}s")
+    log("load it in the trainer with --load " + opts.save_dir + " --finetune " + " ".join(flags))
+    return {"seconds": seconds, "trainer_flags": flags}

@@ -1,0 +1,99 @@
+"""The built-in trainers' checkpoints -> Hugging Face safetensors + config.json: the torch trainer's
+torch_dist (any TP/PP it was saved at) or the MindSpore trainer's framework-neutral safetensors.
+The Hugging Face config comes from the hf_config/ folder that hf->mg left in the checkpoint, or
+from --hf-config (for a checkpoint a trainer saved elsewhere)."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from mindspeed.convert import layout, sidecar
+from mindspeed.convert.arch import Arch, arch_from_config, read_config
+from mindspeed.convert.errors import ConvertError
+from mindspeed.convert.hf_io import HFWriter, copy_side_files
+from mindspeed.convert.megatron_read import LAYER_SUFFIXES, open_checkpoint
+from mindspeed.convert.staging import check_save_dir, staged
+
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_checkpoint(reader, arch: Arch) -> None:
+    """The checkpoint's tensors are the ones the Hugging Face config describes."""
+    has_bias = reader.has_layer("self_attention.linear_qkv.bias")
+    if has_bias and not arch.qkv_bias:
+        raise ConvertError(f"checkpoint {reader.dir} has q/k/v biases: add --add-qkv-bias")
+    if arch.qkv_bias and not has_bias:
+        raise ConvertError(f"--add-qkv-bias given but checkpoint {reader.dir} has no q/k/v biases")
+    if not arch.tied_embeddings and not reader.has("output_layer.weight"):
+        raise ConvertError(f"config.json has untied embeddings but checkpoint {reader.dir} has no output_layer")
+    h, d = arch.hidden_size, arch.head_dim
+    if reader.num_layers() != arch.num_layers:
+        raise ConvertError(f"checkpoint {reader.dir} has {reader.num_layers()} layers, the Hugging Face config "
+                           f"{arch.num_layers} (wrong --hf-config?)")
+    want = {"self_attention.linear_qkv.weight": ((arch.num_heads + 2 * arch.num_kv_heads) * d, h),
+            "mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h)}
+    for suffix, shape in want.items():
+        if reader.layer_shape(suffix) != shape:
+            raise ConvertError(f"checkpoint {suffix} has shape {reader.layer_shape(suffix)}, the Hugging Face "
+                               f"config implies {shape} (wrong --hf-config?)")
+    if reader.shape("decoder.final_layernorm.weight") != (h,):
+        raise ConvertError(f"checkpoint hidden size {reader.shape('decoder.final_layernorm.weight')} != {h}")
+    width = reader.shape("embedding.word_embeddings.weight")[1]
+    if width != h:
+        raise ConvertError(f"checkpoint embedding width {width} is not the Hugging Face config's hidden size {h}")
+
+
+def _config_dir(opts) -> str:
+    if opts.hf_config:
+        return opts.hf_config if os.path.isdir(opts.hf_config) else os.path.dirname(opts.hf_config)
+    side = os.path.join(opts.load_dir, sidecar.HF_CONFIG_DIR)
+    if not os.path.isfile(os.path.join(side, "config.json")):
+        raise ConvertError(f"{opts.load_dir} has no {sidecar.HF_CONFIG_DIR}/config.json (it was not written "
+                           "by this converter): give the Hugging Face model's directory with --hf-config")
+    return side
+
+
+def convert(opts, log=print) -> dict:
+    start = time.perf_counter()
+    if not os.path.isdir(opts.load_dir):
+        raise ConvertError(f"--load-dir {opts.load_dir} does not exist or is not a directory")
+    config_dir = _config_dir(opts)
+    config = read_config(config_dir, "--hf-config" if opts.hf_config else "--load-dir")
+    arch = arch_from_config(config, opts.model_type_hf, opts.add_qkv_bias)
+    check_save_dir(opts.save_dir)
+    reader = open_checkpoint(opts.load_dir)
+    check_checkpoint(reader, arch)
+    dtype = HF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
+    shapes = layout.hf_shapes(arch)
+
+    with staged(opts.save_dir) as tmp:
+        writer = HFWriter(tmp)
+
+        def add(name: str, tensor: torch.Tensor) -> None:
+            if tuple(tensor.shape) != shapes[name]:   # a layout bug, never the user's input
+                raise AssertionError(f"{name}: {tuple(tensor.shape)} != {shapes[name]}")
+            writer.add(name, tensor.to(dtype) if dtype is not None else tensor)
+
+        # the config's vocab_size rows: rows the checkpoint lacks (cut to a smaller tokenizer by
+        # hf->mg --tokenizer-model) come back as zeros
+        v = arch.vocab_size
+
+        def vocab_rows(weight: torch.Tensor) -> torch.Tensor:
+            return layout.fit_vocab(weight, min(v, weight.shape[0]), v).clone()
+
+        add("model.embed_tokens.weight", vocab_rows(reader.get("embedding.word_embeddings.weight")))
+        for i in range(arch.num_layers):
+            mg = {suffix: reader.get_layer(suffix, i) for suffix in LAYER_SUFFIXES if reader.has_layer(suffix)}
+            for name, tensor in layout.mg_to_hf_layer(arch, i, mg).items():
+                add(name, tensor)
+        add("model.norm.weight", reader.get("decoder.final_layernorm.weight"))
+        if not arch.tied_embeddings:
+            add("lm_head.weight", vocab_rows(reader.get("output_layer.weight")))
+        writer.finish()
+        copy_side_files(config_dir, tmp)
+    seconds = time.perf_counter() - start
+    log(f"converted {opts.load_dir} -> {opts.save_dir} ({arch.num_layers} layers, "
+        f"{writer.total / 2**20:.1f} MiB of weights) in {seconds:.1f}s")
+    return {"seconds": seconds}

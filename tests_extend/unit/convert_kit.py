@@ -1,0 +1,113 @@
+"""Tiny Hugging Face Llama/Qwen2 models built locally (no download) and the built-in trainer's
+model loading a converted checkpoint, for the checkpoint-conversion tests."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")   # every model here is built locally
+
+VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 128, 64, 96, 4, 2, 4
+
+
+def make_hf_model(out_dir: str, kind: str = "llama", tied: bool = False, seed: int = 0,
+                  dtype: torch.dtype = torch.float32, max_shard_size: str | None = None, **overrides) -> None:
+    """A random tiny model saved with save_pretrained (safetensors). Norm weights and q/k/v biases
+    are randomised too, so a conversion that drops or swaps them changes the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=tied,
+                  rms_norm_eps=1e-5, max_position_embeddings=64,
+                  rope_theta=1000000.0 if kind == "qwen2" else 500000.0)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**fields))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.copy_(1 + 0.5 * torch.randn_like(param) if name.endswith("norm.weight")
+                            else 0.5 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.2)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True, **shards)
+
+
+def write_tokenizer_json(path: str, size: int) -> None:
+    """A word-level tokenizer.json of `size` tokens, the last one an added end-of-text token."""
+    vocab = {f"w{i}": i for i in range(size - 1)}
+    added = [{"id": size - 1, "content": "<eos>", "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True}]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"version": "1.0", "added_tokens": added, "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
+                   "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}}, f)
+
+
+def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def convert(*argv: str) -> None:
+    """The converter's command line, in this process (output kept quiet)."""
+    from mindspeed.convert.cli import main
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = main(list(argv))
+    assert rc == 0, f"convert_ckpt.py {' '.join(argv)} exited {rc}"
+
+
+def read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    from mindspeed.convert.hf_io import HFReader
+    reader = HFReader(hf_dir)
+    try:
+        return {name: reader.get(name) for name in sorted(reader.names())}
+    finally:
+        reader.close()
+
+
+def trainer_args(mg_dir: str, tp: int = 1, pp: int = 1, world_size: int = 1, extra=()):
+    """The trainer's own argument parsing for the converted model, as convert_info.json says."""
+    from mindspeed.convert.sidecar import read_info
+    from mindspeed.training.arguments import parse_args
+    info = read_info(mg_dir)
+    flags = list(info["trainer_flags"])
+    if pp == 1 and "--decoder-first-pipeline-num-layers" in flags:   # the converted split is for PP > 1
+        at = flags.index("--decoder-first-pipeline-num-layers")
+        del flags[at:at + 4]
+    for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+        flags[flags.index(name) + 1] = str(value)
+    args = parse_args(flags + ["--load", mg_dir, "--finetune", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                               "--vocab-size", str(info["vocab_size"] - 1), "--seq-length", "16",
+                               "--backend", "torch", "--device", "cpu", *extra], world_size=world_size)
+    from mindspeed.training.model import padded_vocab_size
+    args.padded_vocab_size = padded_vocab_size(info["vocab_size"], args.make_vocab_size_divisible_by, tp)
+    return args
+
+
+def load_trainer_model(args):
+    """The trainer's model at this rank, loaded by the trainer's checkpointing (--finetune)."""
+    from mindspeed.training import checkpointing
+    from mindspeed.training.model import build_model_chunks, transformer_config
+    chunks = build_model_chunks(args, transformer_config(args))
+    checkpointing.load_checkpoint(args.load, chunks, None, None, finetune=True)
+    for chunk in chunks:
+        chunk.eval()
+    return chunks[0]
+
+
+def stage_forward(model, tokens: torch.Tensor, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+    """One pipeline stage: hidden states [s, b, h] out of a non-last stage, TP-local logits
+    [b, s, V/tp] out of the last one."""
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    if hidden_in is not None:
+        model.set_input_tensor(hidden_in)
+    with torch.no_grad():
+        return model(tokens, positions, None)
