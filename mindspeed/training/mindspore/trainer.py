@@ -155,7 +155,7 @@ def resume(args, trainer, logger) -> tuple[int, int]:
     if not args.load:
         return 0, 0
     meta = checkpoint.load(args.load, trainer.model, trainer.optimizer,
-                           load_optimizer=not args.finetune, step=args.ckpt_step)
+                           load_optimizer=not (args.no_load_optim or args.finetune), step=args.ckpt_step)
     iteration, consumed = 0, 0
     if not args.finetune:
         iteration, consumed = int(meta["iteration"]), int(meta.get("consumed_samples", 0))
