@@ -198,8 +198,10 @@ def _checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration from --load instead of the latest one")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load the weights only: the optimizer starts fresh (the iteration and lr schedule go on)")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="checkpoints here hold no RNG state, so none is ever loaded: every run seeds from --seed")
     g.add_argument("--finetune", action="store_true", help="load weights only, start at iteration 0")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"])
 

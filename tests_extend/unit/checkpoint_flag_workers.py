@@ -1,0 +1,89 @@
+"""Run in a fresh process for the checkpoint-flag tests (a plain process, not the multiprocessing
+harness: dist_checkpointing's save starts a helper process, which a daemon may not):
+
+    python -m tests_extend.unit.checkpoint_flag_workers ROOT   -> one JSON line on stdout
+
+the torch trainer's resume (pretrain.resume) with --no-load-optim / --no-load-rng / --finetune."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import numpy as np
+import torch
+
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "8", "--lr", "1e-2",
+        "--mock-data", "--tensor-model-parallel-size", "1"]
+
+
+class _Log:
+    def print(self, *_):
+        pass
+
+
+def _moments(optimizer) -> float:
+    """Sum of |Adam exp_avg| over every parameter: 0 for an optimizer that never stepped or loaded."""
+    total = 0.0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if "exp_avg" in state:
+                total += float(state["exp_avg"].abs().sum())
+    return total
+
+
+def _weights(trainer) -> float:
+    return float(sum(p.detach().double().abs().sum() for p in trainer.model[0].parameters()))
+
+
+def _rng_states():
+    return (torch.get_rng_state().clone(), np.random.get_state()[1].copy(), random.getstate())
+
+
+def _same_rng(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+def torch_resume_report(root: str) -> dict:
+    """Train one optimizer step, save at iteration 1, then resume fresh trainers with each flag."""
+    import mindspeed
+    from mindspeed.training import pretrain
+    from mindspeed.training.arguments import parse_args
+
+    def trainer_for(*flags):
+        args = parse_args(TINY + list(flags), world_size=1)
+        args.device_name = "cpu"
+        args.vocab_size, args.padded_vocab_size = 60, 128
+        return args, pretrain.Trainer(args, _Log())
+
+    args = parse_args(TINY, world_size=1)
+    mindspeed.adapt(args)
+    pretrain._init_distributed(args, "cpu")
+    pretrain._set_seeds(args)
+    args, trainer = trainer_for()
+    for chunk in trainer.model:
+        for p in chunk.parameters():
+            p.main_grad.copy_(torch.full_like(p, 0.01))
+    trainer.optimizer.step()
+    from mindspeed.training import checkpointing
+    checkpointing.save_checkpoint(root, 1, trainer.model, trainer.optimizer, trainer.scheduler, 2)
+    saved = {"moments": _moments(trainer.optimizer), "weights": _weights(trainer),
+             "lr": trainer.optimizer.param_groups[0]["lr"]}
+
+    report = {"saved": saved}
+    for name, flags in (("default", []), ("no_load_optim", ["--no-load-optim"]),
+                        ("no_load_rng", ["--no-load-rng"]), ("finetune", ["--finetune"])):
+        args, fresh = trainer_for("--load", root, *flags)
+        torch.manual_seed(4321)
+        np.random.seed(4321)
+        random.seed(4321)
+        before = _rng_states()
+        iteration, consumed = pretrain.resume(args, fresh, _Log())
+        report[name] = {"iteration": iteration, "consumed": consumed, "moments": _moments(fresh.optimizer),
+                        "weights": _weights(fresh), "rng_untouched": _same_rng(before, _rng_states())}
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(torch_resume_report(sys.argv[1])))
