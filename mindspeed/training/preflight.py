@@ -4,7 +4,8 @@
 
 does what tests_extend/example/pretrain_gpt.py does before any work (parse_args, then the support
 matrix gate `mindspeed.adaptor_core.plan`, which applies nothing) and exits 2 with its one
-`error: ...` line on stderr when the run would be refused, 0 otherwise. The launch scripts
+`error: ...` line on stderr when the run would be refused, 0 otherwise (3 after printing --help:
+nothing to launch). The launch scripts
 (train_distributed.sh, train_distributed_ms.sh) run it before torchrun/msrun, so a refused flag
 stops the launch with that line instead of a launcher's traceback.
 
@@ -21,6 +22,7 @@ from typing import Sequence
 
 WORLD_SIZE_OPTION = "--preflight-world-size"
 WORLD_SIZE_ENV = "MINDSPEED_PREFLIGHT_WORLD_SIZE"
+REFUSED, HELP_SHOWN = 2, 3     # exit codes besides 0 (the run would start)
 
 
 class PreflightUsageError(ValueError):
@@ -83,10 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = refusal(trainer_argv, world_size)
     except PreflightUsageError as err:
         message = f"preflight: {err}"
+    except SystemExit as done:       # argparse's --help: printed here, once
+        if done.code not in (0, None):
+            raise
+        return HELP_SHOWN
     if message is None:
         return 0
     print(f"error: {message}", file=sys.stderr)
-    return 2
+    return REFUSED
 
 
 if __name__ == "__main__":

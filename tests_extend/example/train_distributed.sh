@@ -109,7 +109,7 @@ fi
 # nothing is launched; Megatron-LM's own parser is not MindSpeed's, so its script is not checked
 if [ -z "$MEGATRON_LM" ]; then
   "$PYTHON" -m mindspeed.training.preflight --preflight-world-size $(( NPUS_PER_NODE * NNODES )) \
-    "${ARGS[@]}" "$@" || exit $?
+    "${ARGS[@]}" "$@" || { rc=$?; [ "$rc" = 3 ] && exit 0; exit "$rc"; }   # 3: --help shown
 fi
 
 exec "$PYTHON" -m torch.distributed.run \

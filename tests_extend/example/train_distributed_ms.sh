@@ -85,7 +85,8 @@ ARGS=(
 
 # the trainer's refusals (flags, sizes, the support matrix) come out here as one `error:` line and
 # nothing is launched (msrun would add its own failure report)
-"$PYTHON" -m mindspeed.training.preflight --preflight-world-size "$WORLD" "${ARGS[@]}" "$@" || exit $?
+"$PYTHON" -m mindspeed.training.preflight --preflight-world-size "$WORLD" "${ARGS[@]}" "$@" \
+  || { rc=$?; [ "$rc" = 3 ] && exit 0; exit "$rc"; }   # 3: --help shown
 
 # the default dataset is built once here, not by every worker at once
 if [ -z "$DATA_PATH" ] && [ "$NODE_RANK" = 0 ]; then

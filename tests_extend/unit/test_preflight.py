@@ -1,0 +1,53 @@
+"""mindspeed.training.preflight in-process: the launch's world size reaches parse_args, refusals
+and its own option errors are one `error:` line with exit 2, and a torch preflight stays light
+(no megatron.core, no MindSpore). The launch scripts' use: tests_extend/system/test_launch_refusals.py."""
+import subprocess
+import sys
+
+import pytest
+
+from mindspeed.training import preflight
+
+SIZES = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--micro-batch-size", "1"]
+
+
+def _main(capsys, argv):
+    code = preflight.main(argv)
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_the_launch_world_size_is_the_one_checked(capsys, monkeypatch):
+    monkeypatch.delenv(preflight.WORLD_SIZE_ENV, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert _main(capsys, ["--preflight-world-size", "4", *SIZES]) == (0, [])
+    assert _main(capsys, ["--preflight-world-size=2", *SIZES]) == (0, [])
+    code, err = _main(capsys, ["--preflight-world-size", "3", *SIZES])
+    assert code == preflight.REFUSED and len(err) == 1
+    assert err[0].startswith("error: world size 3 is not divisible by tensor (2)")
+    monkeypatch.setenv(preflight.WORLD_SIZE_ENV, "6")
+    assert _main(capsys, SIZES)[0] == 0
+    monkeypatch.setenv(preflight.WORLD_SIZE_ENV, "5")
+    assert "world size 5" in _main(capsys, SIZES)[1][0]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--preflight-world-size"], "error: preflight: --preflight-world-size needs a value"),
+    (["--preflight-world-size", "two"], "error: preflight: --preflight-world-size / "),
+    (["--preflight-world-size", "1", "--optimizer", "adamw"], "error: argument --optimizer: invalid choice"),
+    (["--preflight-world-size", "1", "--ckpt-step", "3"], "error: --ckpt-step needs --load"),
+])
+def test_errors_are_one_line_with_exit_2(capsys, argv, expected):
+    code, err = _main(capsys, argv)
+    assert code == preflight.REFUSED and len(err) == 1 and err[0].startswith(expected), err
+
+
+def test_help_is_not_a_refusal(capsys):
+    assert preflight.main(["--help"]) == preflight.HELP_SHOWN
+    assert "usage: pretrain_gpt.py" in capsys.readouterr().out
+
+
+def test_a_torch_preflight_imports_neither_megatron_core_nor_mindspore():
+    code = ("import sys; from mindspeed.training.preflight import main; rc = main(['--preflight-world-size', '2']);"
+            "print(rc, sorted(m for m in ('megatron.core', 'mindspore') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split("\n")[-2] == "0 []", result.stdout + result.stderr
