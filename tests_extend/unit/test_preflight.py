@@ -51,3 +51,20 @@ def test_a_torch_preflight_imports_neither_megatron_core_nor_mindspore():
             "print(rc, sorted(m for m in ('megatron.core', 'mindspore') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.split("\n")[-2] == "0 []", result.stdout + result.stderr
+
+
+def test_the_mindspore_trainers_config_errors_are_refusals_and_bugs_are_not(capsys, monkeypatch):
+    import mindspeed.adaptor_core as core
+    trainer = pytest.importorskip("mindspeed.training.mindspore.trainer")
+
+    def refuse(_args):
+        raise trainer.TrainerConfigError("--context-parallel-size > 1 needs a context-parallel algorithm")
+    monkeypatch.setattr(core, "plan", refuse)
+    code, err = _main(capsys, ["--preflight-world-size", "1", "--backend", "mindspore"])
+    assert (code, err) == (preflight.REFUSED, ["error: --context-parallel-size > 1 needs a context-parallel algorithm"])
+
+    def crash(_args):
+        raise KeyError("a bug")
+    monkeypatch.setattr(core, "plan", crash)
+    with pytest.raises(KeyError):
+        preflight.main(["--preflight-world-size", "1"])
