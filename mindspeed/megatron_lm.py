@@ -16,10 +16,12 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 
 from mindspeed.adaptor_core import (AdaptState, MindSpeedConfigError, Plan, activate_backend,
                                     apply_features, plan, resolve_device, set_current)
-from mindspeed.arguments import add_mindspeed_args, mindspeed_parser, resolve_backend_name
+from mindspeed.arguments import (add_mindspeed_args, known_flags, mindspeed_parser, resolve_backend_name,
+                                 unknown_flag_message, unknown_options)
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
 
 log = logging.getLogger("mindspeed")
@@ -70,6 +72,17 @@ def _pre_read(argv) -> argparse.Namespace:
     return ns
 
 
+def _one_line_error(parser):
+    """Megatron's parser errors as one line, an unknown flag with the closest known one."""
+    def error(message):
+        if message.startswith("unrecognized arguments:"):
+            flags = unknown_options(message.split(":", 1)[1].split())
+            message = "unrecognized arguments: " + unknown_flag_message(flags, known_flags(parser))
+        sys.stderr.write(f"{parser.prog}: error: {' '.join(message.split())}\n")
+        raise SystemExit(2)
+    return error
+
+
 class MegatronLMHooks:
     """The parse_args / validate_args wrappers, bound to one activated backend."""
 
@@ -84,6 +97,7 @@ class MegatronLMHooks:
                 if extra_args_provider is not None:
                     parser = extra_args_provider(parser)
                 add_mindspeed_args(parser)
+                parser.error = _one_line_error(parser)
                 if not _transformer_engine_present():
                     # the default (transformer_engine) cannot import here: Megatron-Core's local
                     # layers are what MindSpeed's fused kernels plug into

@@ -94,8 +94,9 @@ def test_accepted_torch_cells_train(workdir, tmp_path):
     print(f"\ntorch/cpu: {len(cells)} accepted cells trained 2 iterations on 2 processes")
 
 
-def test_accepted_mindspore_cells_train(workdir, tmp_path):
+def test_accepted_mindspore_cells_train(workdir, tmp_path, monkeypatch):
     pytest.importorskip("mindspore")
+    monkeypatch.setenv("WORLD_SIZE", str(walk.WORLD))     # as train_distributed_ms.sh exports it for msrun
 
     from tests_extend.distributed.msrun_helper import run_msrun
     accepted = [f for f in all_features() if _expected(f, "mindspore", "cpu") and f.id not in walk.NOT_STARTED]
@@ -108,5 +109,5 @@ def test_accepted_mindspore_cells_train(workdir, tmp_path):
     worker = os.path.join(walk.ROOT, "tests_extend", "system", "matrix_walk_ms_worker.py")
     results = run_msrun(worker, [str(spec), str(tmp_path)], str(tmp_path), timeout=900)
     failed = {name: r for name, r in results[0].items() if not r["trained"]}
-    assert not failed, failed
+    assert not failed, "\n".join(f"{name}: {r}" for name, r in failed.items())
     print(f"\nmindspore/cpu: {len(cells)} accepted cells trained 2 iterations on 2 processes")

@@ -93,7 +93,10 @@ class Trainer:
         self.optimizer.step(grads, lr)
         return self._dp_mean(self._cp_sum(loss_sum / n)), norm, lr
 
-    def evaluate(self, micro_batches: list) -> float:
+    def evaluate(self, micro_batches: list) -> float | None:
+        """Mean loss over the batches; None without any (--eval-iters 0), as the torch trainer."""
+        if not micro_batches:
+            return None
         losses = [float(self.model.loss(*self._inputs(mb)).asnumpy()) for mb in micro_batches]
         return self._dp_mean(self._cp_sum(sum(losses) / len(losses)))
 
@@ -213,7 +216,8 @@ def _train(args, backend, ps, logger) -> dict:
                      peak_mem_mb=lambda: backend.memory.peak_memory_bytes() / 2**20)
         if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at and valid is not None:
             valid_loss = trainer.evaluate(eval_batches())
-            logger.validation(iteration, valid_loss)
+            if valid_loss is not None:
+                logger.validation(iteration, valid_loss)
         if a.save and a.save_interval and iteration % a.save_interval == 0:
             checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, save_meta())
             last_saved = iteration
@@ -225,7 +229,8 @@ def _train(args, backend, ps, logger) -> dict:
         logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
     if valid is not None:
         valid_loss = trainer.evaluate(eval_batches())
-        logger.validation(iteration, valid_loss, label="final validation")
+        if valid_loss is not None:
+            logger.validation(iteration, valid_loss, label="final validation")
     tokens_per_s = steps.tokens_per_s
     vl = f"{valid_loss:.4f}" if valid_loss is not None else "n/a"
     logger.print(f"> done: {iteration} iterations | final validation loss {vl} | throughput {tokens_per_s:.0f} tokens/s")
