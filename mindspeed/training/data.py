@@ -85,7 +85,7 @@ def check_splits_have_documents(args, sizes) -> None:
         for name, size, (start, end), weight in zip(("train", "valid", "test"), sizes,
                                                     split_bounds(args.split, documents),
                                                     (args.split.replace("/", ",").split(",") + ["0", "0"])[:3]):
-            wanted = size > 0 or (len(prefixes) > 1 and float(weight) > 0)
+            wanted = float(weight) > 0 and (size > 0 or len(prefixes) > 1)   # weight 0: never built
             if wanted and end <= start:
                 raise DataError(f"dataset {prefix!r} has {documents} document(s): its {name} split "
                                 f"(--split {args.split}) gets none; add documents or change --split")
