@@ -8,6 +8,7 @@ every one of them; each `unsupported` entry says why another backend cannot, and
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable
 
 from mindspeed.features.base import Feature, FeatureConfigError, Flag
@@ -35,7 +36,9 @@ class MegatronOption(Feature):
 
     def enabled(self, args) -> bool:
         try:
-            return bool(self.is_on(args))
+            # a flag not given is absent from `check`'s namespace: read as its default, so that one flag
+            # of several (--fp16 without --bf16) still turns the option on
+            return bool(self.is_on(SimpleNamespace(**{**{fl.dest: fl.default for fl in self.flags}, **vars(args)})))
         except AttributeError:     # the host's parser has no such flag (e.g. a user's own script)
             return False
 
