@@ -97,12 +97,12 @@ def plan(args=None, unknown_flags: str = "error") -> Plan:
     level = ns.optimization_level
     kept = [f for f in on if f.optimization_level <= level]
     dropped = [f for f in on if f.optimization_level > level]
-    for f in dropped:
-        log.warning("MindSpeed: %s is above --optimization-level %d and is not applied", f.id, level)
     try:
         check(kept, ns.backend, device, ns)
     except UnsupportedFeatureError as exc:
         raise MindSpeedConfigError(str(exc)) from exc
+    for f in dropped:    # after the gate: a refusal is one line on stderr, not a warning and the error
+        log.warning("MindSpeed: %s is above --optimization-level %d and is not applied", f.id, level)
     return Plan(ns, ns.backend, device, kept, dropped, msadapter)
 
 
