@@ -34,9 +34,22 @@ LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "
 def cross_flag_problems(args) -> list[str]:
     problems = []
     for check in (_implementation_problems, _loss_scale_problems, _rampup_problems, _tokenizer_problems,
-                  _checkpoint_problems):
+                  _checkpoint_problems, _moe_problems):
         problems.extend(check(args))
     return problems
+
+
+# MoE settings and their defaults: changing one configures MoE layers, which only --num-experts makes
+MOE_DEFAULTS = {"moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_token_dispatcher_type": "alltoall",
+                "moe_aux_loss_coeff": 0.0}
+
+
+def _moe_problems(args) -> list[str]:
+    if args.num_experts:
+        return []
+    changed = [f"--{name.replace('_', '-')}" for name, default in MOE_DEFAULTS.items()
+               if getattr(args, name, default) != default]
+    return [f"{', '.join(changed)} configure MoE layers: add --num-experts or drop them"] if changed else []
 
 
 def _checkpoint_problems(args) -> list[str]:
