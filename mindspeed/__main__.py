@@ -1,6 +1,7 @@
 """`python -m mindspeed matrix [--markdown|--json]`: print the support matrix.
 `python -m mindspeed check [flags...]`: exit non-zero when the flags ask for something the chosen
-backend cannot run (the same gate training runs before it starts)."""
+backend cannot run (the same gate training runs before it starts; Megatron flags not given take
+the built-in trainers' defaults)."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
         return 0
     from mindspeed.adaptor_core import MindSpeedConfigError, plan
     try:
-        result = plan(rest)
+        result = plan(rest, unknown_flags="trainer")    # answers for the built-in trainers' defaults
     except MindSpeedConfigError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -79,7 +79,8 @@ def resolve_device(backend: str, requested: str) -> str:
 
 def plan(args=None, unknown_flags: str = "error") -> Plan:
     """args: an argv list (a whole command line: unknown flags are refused, or only likely typos
-    with unknown_flags="typos"), a parsed Namespace, or None."""
+    with unknown_flags="typos"; "trainer": Megatron flags not given take the built-in trainers'
+    defaults), a parsed Namespace, or None."""
     msadapter = _msadapter_active()
     try:
         ns = _as_namespace(args, unknown_flags)

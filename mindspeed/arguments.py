@@ -116,11 +116,13 @@ def resolve_backend_name(args) -> str:
 
 def parse_mindspeed_args(argv=None, namespace=None, unknown: str = "ignore") -> argparse.Namespace:
     """MindSpeed's flags from argv. unknown: "ignore" (the rest is the host's business), "error"
-    (argv is a whole trainer command line: anything unknown is refused), or "typos" (a user's own
+    (argv is a whole command line: anything unknown is refused; Megatron flags not given are left
+    out, their values are the host's), "trainer" (as "error", and Megatron flags not given take the
+    built-in trainers' defaults: `check` answers as the trainers' own gate does), or "typos" (a user's own
     script: only flags close to a known one are refused, as misspellings)."""
-    if unknown == "error":
-        parser = trainer_parser(host_defaults=False)
-        if namespace is None:
+    if unknown in ("error", "trainer"):
+        parser = trainer_parser(host_defaults=unknown == "trainer")
+        if namespace is None and unknown == "error":
             namespace = mindspeed_parser().parse_args([])     # MindSpeed's own defaults
         args, extras = parser.parse_known_args(argv, namespace)
         refuse_unknown(parser, extras)

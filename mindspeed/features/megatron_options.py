@@ -38,7 +38,8 @@ class MegatronOption(Feature):
         try:
             # a flag not given is absent from `check`'s namespace: read as its default, so that one flag
             # of several (--fp16 without --bf16) still turns the option on
-            return bool(self.is_on(SimpleNamespace(**{**{fl.dest: fl.default for fl in self.flags}, **vars(args)})))
+            given = getattr(args, "__dict__", {})      # a bare object() has none: every flag at its default
+            return bool(self.is_on(SimpleNamespace(**{**{fl.dest: fl.default for fl in self.flags}, **given})))
         except AttributeError:     # the host's parser has no such flag (e.g. a user's own script)
             return False
 

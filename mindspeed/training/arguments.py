@@ -286,7 +286,7 @@ def derive_args(args, world_size: int | None = None) -> None:
         args.global_batch_size = args.micro_batch_size * max(args.data_parallel_size, 1)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None and not args.lr_warmup_iters:
+    if args.lr_warmup_fraction is not None and not args.lr_warmup_iters and 0 <= args.lr_warmup_fraction < 1:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
     if args.attention_backend == "flash":     # MindSpeed's flash-attention feature is the flash backend
@@ -361,8 +361,8 @@ def validate_args(args) -> None:
         if pp < 2 or (args.num_layers // pp) % args.num_layers_per_virtual_pipeline_stage:
             problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline size >= 2 and "
                             "must divide the layers of each pipeline stage")
-    if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False   # Megatron silently turns it off for TP=1 as well
+    if args.sequence_parallel and tp == 1:   # Megatron turns it off with a warning; here nothing is ignored
+        problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (drop the flag at TP 1)")
     if args.sequence_parallel and args.seq_length % tp:
         problems.append(f"--seq-length {args.seq_length} is not divisible by "
                         f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel)")
@@ -391,7 +391,9 @@ def validate_args(args) -> None:
         problems.append("--overlap-param-gather needs --use-distributed-optimizer")
     if args.save_interval is not None and args.save_interval < 1:
         problems.append("--save-interval must be positive")
-    if args.lr_warmup_fraction is not None and \
+    if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction < 1:   # nan fails both
+        problems.append(f"--lr-warmup-fraction must be in [0, 1) (got {args.lr_warmup_fraction})")
+    elif args.lr_warmup_fraction is not None and \
             args.lr_warmup_iters != int(args.lr_warmup_fraction * args.lr_decay_iters):
         problems.append("--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give only one")
     if args.ckpt_format == "torch":
