@@ -22,6 +22,26 @@ class DistributedTestError(AssertionError):
     pass
 
 
+def next_rendezvous(rank: int, marker: str) -> None:
+    """Before each of several process groups one body runs in turn: tear down the current group and
+    set MASTER_PORT to a port rank 0 picks now and hands the other ranks through the file `marker`
+    (ports picked up front collided with ephemeral ports taken since by earlier groups' gloo pairs)."""
+    import time
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(free_port()))
+        os.replace(marker + ".tmp", marker)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(marker):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 wrote no port to {marker}")
+        time.sleep(0.05)
+    with open(marker) as f:
+        os.environ["MASTER_PORT"] = f.read()
 
 
 def _worker(rank, world_size, port, fn, args, env, queue):

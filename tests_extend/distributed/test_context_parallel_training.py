@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests_extend.distributed.harness import free_port, run_distributed
+from tests_extend.distributed.harness import next_rendezvous, run_distributed
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--global-batch-size", "2", "--train-iters", "10",
@@ -36,19 +36,15 @@ BUILT = {"ulysses": ("ulysses_cp_algo", 2, 1, 1), "ring": ("megatron_cp_algo", 1
          "double-ring": ("megatron_cp_algo", 1, 4, 2)}
 
 
-def _train_all(rank, world_size, runs, ports, tmp):
-    import torch.distributed as dist
-
+def _train_all(rank, world_size, runs, tmp):
     import mindspeed
     from mindspeed.features.context_parallel import megatron_hook
     from mindspeed.training.arguments import parse_args
     from mindspeed.training.pretrain import run
     losses = {}
-    for (name, extra), port in zip(runs.items(), ports):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ["MASTER_PORT"] = str(port)
+    for name, extra in runs.items():
         loss_file = os.path.join(tmp, f"{name}.jsonl")
+        next_rendezvous(rank, loss_file + ".port")
         args = parse_args(TINY + ["--log-loss-file", loss_file] + extra)
         mindspeed.adapt(args)
         try:
@@ -68,9 +64,9 @@ def _train_all(rank, world_size, runs, ports, tmp):
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("cp_training"))
-    losses = run_distributed(_train_all, world_size=2, args=(RUNS, [free_port() for _ in RUNS], tmp),
+    losses = run_distributed(_train_all, world_size=2, args=(RUNS, tmp),
                              timeout=420)[0]
-    losses.update(run_distributed(_train_all, world_size=4, args=(RUNS_CP4, [free_port() for _ in RUNS_CP4], tmp),
+    losses.update(run_distributed(_train_all, world_size=4, args=(RUNS_CP4, tmp),
                                   timeout=420)[0])
     return losses
 

@@ -67,23 +67,19 @@ def test_refused_cell_check_and_trainer_agree(cell, workdir, monkeypatch, tmp_pa
 
 def _start_all(rank, world_size, cells):
     """Each accepted cell in turn on this process group's ranks (a fresh rendezvous per cell)."""
-    import torch.distributed as dist
-
-    from tests_extend.distributed.harness import free_port  # noqa: F401 (ports come from rank 0)
+    from tests_extend.distributed.harness import next_rendezvous
     results = {}
-    for name, argv, port, loss_file in cells:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ["MASTER_PORT"] = str(port)
+    for name, argv, loss_file in cells:
+        next_rendezvous(rank, loss_file + ".port")
         results[name] = walk.start(argv, loss_file + f".{rank}")
     return results
 
 
 def test_accepted_torch_cells_train(workdir, tmp_path):
-    from tests_extend.distributed.harness import free_port, run_distributed
+    from tests_extend.distributed.harness import run_distributed
     accepted = [f for f in all_features() if _expected(f, "torch", "cpu") and f.id not in walk.NOT_STARTED]
-    cells = [(f.id, _argv(f, "torch", workdir), free_port(), str(tmp_path / f"{f.id}.jsonl")) for f in accepted]
-    for name, argv, _, _ in cells:
+    cells = [(f.id, _argv(f, "torch", workdir), str(tmp_path / f"{f.id}.jsonl")) for f in accepted]
+    for name, argv, _ in cells:
         rc, line = walk.check_answer(argv)
         assert rc == 0, f"{name}: check refused a cell the matrix accepts: {line}"
     results = run_distributed(_start_all, world_size=walk.WORLD, args=(cells,), timeout=900)
