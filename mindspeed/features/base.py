@@ -66,6 +66,8 @@ class Feature:
         """Default: the first flag is a switch that turns the feature on."""
         return bool(getattr(args, self.flags[0].dest, False)) if self.flags else False
 
+    shared_hint = ""     # how to turn on any feature of its family (for flags the family shares)
+
     def on_hint(self) -> str:
         """How a user turns the feature on (for "X has no effect without ..." messages)."""
         return self.flags[0].name if self.flags else self.id

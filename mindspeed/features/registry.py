@@ -86,6 +86,10 @@ def orphan_flag_problems(args, enabled_ids: set) -> list[str]:
             continue
         if len(features) == 1 and fl is features[0].flags[0]:
             continue                    # a feature's own switch: if it changed, the feature is on
-        owner = features[0]
-        problems.append(f"{name} has no effect without {owner.on_hint()} ({owner.id}): add it or drop {name}")
+        if len(features) > 1:           # a flag several features read (CP's, by every algorithm)
+            hint = features[0].shared_hint or features[0].on_hint()
+            who = ", ".join(f.id for f in features)
+        else:
+            hint, who = features[0].on_hint(), features[0].id
+        problems.append(f"{name} has no effect without {hint} ({who}): add it or drop {name}")
     return problems

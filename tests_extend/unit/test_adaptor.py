@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -72,6 +73,21 @@ def test_bad_values_are_reported():
         plan(["--backend", "torch", "--ai-framework", "mindspore"])
     with pytest.raises(MindSpeedConfigError, match="not available"):
         plan(["--device", "cuda"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile-ranks", "1"], "--profile-ranks has no effect without --profile (profile): add it or drop"),
+    (["--context-parallel-algo", "megatron_cp_algo"],
+     "--context-parallel-algo has no effect without --context-parallel-size > 1 ("),
+    (["--cp-window-size", "2", "--context-parallel-algo", "megatron_cp_algo"], "--cp-window-size has no effect"),
+    (["--ulysses-degree-in-cp", "2"],
+     "--ulysses-degree-in-cp has no effect without --context-parallel-size > 1 (--context-parallel-algo hybrid_cp_algo)"),
+])
+def test_sub_flag_without_its_feature_is_refused(argv, message):
+    """A sub-flag set while its feature is off would be accepted and ignored."""
+    with pytest.raises(MindSpeedConfigError, match=re.escape(message)):
+        plan(argv)
+    plan(["--profile", "--profile-ranks", "1"])       # with its feature on, the same sub-flag is taken
 
 
 def test_ai_framework_alias_and_namespace_input():

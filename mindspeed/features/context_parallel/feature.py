@@ -35,6 +35,8 @@ class _ContextParallel(Feature):
         return ((getattr(args, "context_parallel_size", 1) or 1) > 1
                 and getattr(args, "context_parallel_algo", "ulysses_cp_algo") == self.algo)
 
+    shared_hint = "--context-parallel-size > 1"
+
     def on_hint(self) -> str:
         return f"--context-parallel-size > 1 (--context-parallel-algo {self.algo})"
 
