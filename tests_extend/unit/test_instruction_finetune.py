@@ -1,0 +1,143 @@
+"""Fine-tuning as the LLM guide does it: a tiny Hugging Face Llama (built here) converted to a
+Megatron checkpoint, an Alpaca JSONL preprocessed with its tokenizer, then `--finetune --load MG
+--is-instruction-dataset` on the built-in trainers. Prompt tokens must carry no loss: changing
+their labels leaves the loss as it is, changing a reply token's label does not."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests_extend.unit import convert_kit, data_kit
+
+pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--split", "80,20,0",
+       "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    tok, hf, mg = str(root / "tok"), str(root / "hf"), str(root / "mg")
+    data_kit.make_tokenizer(tok)
+    convert_kit.make_hf_model(hf, "llama", tied=False, num_hidden_layers=2)
+    convert_kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", "llama2",
+                        "--load-dir", hf, "--save-dir", mg, "--tokenizer-model", os.path.join(tok, "tokenizer.json"),
+                        "--neutral-copy")
+    prefix = str(root / "data" / "alpaca")
+    assert data_kit.preprocess("--input", data_kit.write_jsonl(root / "alpaca.jsonl", data_kit.ALPACA * 4),
+                               "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok,
+                               "--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "llama2",
+                               "--output-prefix", prefix) == 0
+    from mindspeed.convert.sidecar import read_info
+    flags = read_info(mg)["trainer_flags"] + ["--load", mg, "--finetune", "--data-path", prefix,
+                                              "--is-instruction-dataset", *RUN]
+    return {"root": root, "tok": tok, "flags": flags}
+
+
+def _replies(tok_dir: str) -> list[list[int]]:
+    from mindspeed.data.tokenizer import HuggingFaceTokenizer
+    tok = HuggingFaceTokenizer(tok_dir)
+    return [tok.encode(r["output"]) + [tok.eos_id] for r in data_kit.ALPACA]
+
+
+@contextlib.contextmanager
+def torch_trainer(flags):
+    """The trainer's own data path and forward step on the loaded checkpoint (one process): the
+    first global batch's micro-batches and `loss_of(batch)` -> (loss sum, kept-token count)."""
+    from mindspeed.convert.megatron_write import adapted, world_of_one
+    from mindspeed.training import data, pretrain
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.model import padded_vocab_size
+    args = parse_args(flags + ["--backend", "torch", "--device", "cpu"], world_size=1)
+    with adapted(args), world_of_one():
+        tokenizer = data.resolve_data(args, log=lambda m: None)
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
+        model = convert_kit.load_trainer_model(args)
+        train, _valid, _ = data.build_datasets(args, tokenizer)
+        batches = data.microbatches(train, 0, args)
+        micro = [next(batches) for _ in range(args.global_batch_size // args.micro_batch_size)]
+
+        def loss_of(batch):
+            with torch.no_grad():
+                output, loss_func = pretrain.forward_step("cpu", iter([batch]), model)
+                return loss_func(output)[1]["lm loss"]
+        yield micro, loss_of
+
+
+def first_step_loss(flags) -> tuple[list, float]:
+    with torch_trainer(flags) as (micro, loss_of):
+        sums = [loss_of(b) for b in micro]
+    return micro, float(sum(s[0] for s in sums) / sum(s[1] for s in sums))
+
+
+def test_prompt_tokens_carry_no_loss_and_reply_tokens_do(setup):
+    replies = _replies(setup["tok"])
+    with torch_trainer(setup["flags"]) as (micro, loss_of):
+        batch = micro[0]
+        for row in range(batch["tokens"].shape[0]):     # the kept labels are exactly one record's reply
+            kept = batch["labels"][row][batch["loss_mask"][row] > 0].tolist()
+            assert kept in replies, kept
+        mask = batch["loss_mask"][0]
+        first = int(torch.nonzero(mask)[0])             # the position that predicts the first reply token
+        assert first > 0 and mask[:first].sum() == 0
+        pair = loss_of(batch)
+        base = pair[0] / pair[1]
+
+        def with_label(position):
+            changed = {k: v.clone() for k, v in batch.items()}
+            changed["labels"][0, position] = (int(batch["labels"][0, position]) + 7) % 100
+            pair = loss_of(changed)
+            return pair[0] / pair[1]
+        for position in (0, first - 1):                 # prompt positions: the loss does not move
+            assert torch.equal(with_label(position), base)
+        assert abs(float(with_label(first) - base)) > 1e-4
+
+
+def test_finetune_trains_from_the_converted_checkpoint_on_the_torch_trainer(setup, tmp_path):
+    """The first logged loss is the masked loss of the loaded model on the first batch."""
+    loss_file = str(tmp_path / "loss.jsonl")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"),
+                             *setup["flags"], "--train-iters", "3", "--log-loss-file", loss_file],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    losses = [json.loads(line)["lm_loss"] for line in open(loss_file)]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    _micro, expected = first_step_loss(setup["flags"])
+    assert abs(losses[0] - expected) < 1e-4, (losses, expected)
+
+
+def test_mindspore_trainer_sees_the_same_masked_samples(setup):
+    """The MindSpore trainer's micro-batches equal the torch trainer's, and its loss on them too."""
+    ms = pytest.importorskip("mindspore")
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore import checkpoint as ms_checkpoint
+    from mindspeed.training.mindspore import data as ms_data
+    from mindspeed.training.mindspore.model import GPTConfig, GPTModel
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    micro, expected = first_step_loss(setup["flags"])
+    args = parse_args(setup["flags"] + ["--backend", "mindspore"], world_size=1)
+    vocab, train, _valid = ms_data.build_streams(args, log=lambda m: None)
+    batches = ms_data.micro_batches_for_step(train, 0, args, 0, 1)
+    for torch_batch, ms_batch in zip(micro, batches):
+        for key in ("tokens", "labels", "loss_mask"):
+            assert np.array_equal(torch_batch[key].numpy(), ms_batch[key]), key
+    backend = MindSporeBackend("cpu")
+    args.padded_vocab_size = 128
+    model = GPTModel(GPTConfig.from_args(args, args.padded_vocab_size, []), backend,
+                     build_parallel_state(backend.comm, 1))
+    ms_checkpoint.load(args.load, model, None, load_optimizer=False)
+    losses = [float(model.loss(*(ms.Tensor(b[k]) for k in ("tokens", "labels", "loss_mask"))).asnumpy())
+              for b in batches]
+    counts = [b["loss_mask"].sum() for b in batches]      # the torch step: tokens of all micro-batches
+    assert abs(sum(x * c for x, c in zip(losses, counts)) / sum(counts) - expected) < 1e-4
