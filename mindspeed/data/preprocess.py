@@ -1,4 +1,5 @@
-"""Text / JSONL -> Megatron indexed dataset, with the tokenizer saved beside it.
+"""Character-level mode of `python -m mindspeed.data`: text / JSONL -> one Megatron indexed dataset,
+with the tokenizer saved beside it (the MindSpeed-LLM-style handlers are pipeline.py).
 
 Inputs: plain-text files (one document each, or one per blank-line-separated block with
 --split-on-blank-lines), directories of them, or JSONL files (one document per line, text under
