@@ -73,10 +73,10 @@ def torch_trainer(flags):
         yield micro, loss_of
 
 
-def first_step_loss(flags) -> tuple[list, float]:
+def first_step(flags) -> tuple[list, list]:
+    """The first global batch's micro-batches and their (loss sum, kept-token count) pairs."""
     with torch_trainer(flags) as (micro, loss_of):
-        sums = [loss_of(b) for b in micro]
-    return micro, float(sum(s[0] for s in sums) / sum(s[1] for s in sums))
+        return micro, [loss_of(b) for b in micro]
 
 
 def test_prompt_tokens_carry_no_loss_and_reply_tokens_do(setup):
@@ -102,42 +102,39 @@ def test_prompt_tokens_carry_no_loss_and_reply_tokens_do(setup):
         assert abs(float(with_label(first) - base)) > 1e-4
 
 
-def test_finetune_trains_from_the_converted_checkpoint_on_the_torch_trainer(setup, tmp_path):
-    """The first logged loss is the masked loss of the loaded model on the first batch."""
+def _train(flags, tmp_path, *extra) -> list[float]:
+    """pretrain_gpt.py as a user runs it (one process); the losses it logged."""
     loss_file = str(tmp_path / "loss.jsonl")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"),
-                             *setup["flags"], "--train-iters", "3", "--log-loss-file", loss_file],
+                             *flags, "--log-loss-file", loss_file, *extra],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     losses = [json.loads(line)["lm_loss"] for line in open(loss_file)]
-    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
-    _micro, expected = first_step_loss(setup["flags"])
-    assert abs(losses[0] - expected) < 1e-4, (losses, expected)
+    assert losses and all(math.isfinite(x) for x in losses)
+    return losses
 
 
-def test_mindspore_trainer_sees_the_same_masked_samples(setup):
-    """The MindSpore trainer's micro-batches equal the torch trainer's, and its loss on them too."""
-    ms = pytest.importorskip("mindspore")
-    from mindspeed.backends.mindspore.backend import MindSporeBackend
+def test_finetune_trains_from_the_converted_checkpoint_on_the_torch_trainer(setup, tmp_path):
+    """The first logged loss is the masked loss of the loaded model on the first global batch."""
+    losses = _train(setup["flags"], tmp_path, "--train-iters", "3")
+    micro, sums = first_step(setup["flags"])
+    expected = float(sum(s[0] for s in sums) / sum(s[1] for s in sums))   # tokens of all micro-batches
+    assert len(losses) == 3 and abs(losses[0] - expected) < 1e-4, (losses, expected)
+
+
+def test_finetune_on_the_mindspore_trainer_sees_the_same_masked_samples(setup, tmp_path):
+    """Its micro-batches equal the torch trainer's; its first loss (the mean of the micro-batch
+    losses, as its loop logs it) is the torch model's on them: the neutral copy loaded, prompts masked."""
+    pytest.importorskip("mindspore")
     from mindspeed.training.arguments import parse_args
-    from mindspeed.training.mindspore import checkpoint as ms_checkpoint
     from mindspeed.training.mindspore import data as ms_data
-    from mindspeed.training.mindspore.model import GPTConfig, GPTModel
-    from mindspeed.training.mindspore.parallel import build_parallel_state
-    micro, expected = first_step_loss(setup["flags"])
+    micro, sums = first_step(setup["flags"])
     args = parse_args(setup["flags"] + ["--backend", "mindspore"], world_size=1)
-    vocab, train, _valid = ms_data.build_streams(args, log=lambda m: None)
-    batches = ms_data.micro_batches_for_step(train, 0, args, 0, 1)
-    for torch_batch, ms_batch in zip(micro, batches):
+    _vocab, train, _valid = ms_data.build_streams(args, log=lambda m: None)
+    for torch_batch, ms_batch in zip(micro, ms_data.micro_batches_for_step(train, 0, args, 0, 1)):
         for key in ("tokens", "labels", "loss_mask"):
             assert np.array_equal(torch_batch[key].numpy(), ms_batch[key]), key
-    backend = MindSporeBackend("cpu")
-    args.padded_vocab_size = 128
-    model = GPTModel(GPTConfig.from_args(args, args.padded_vocab_size, []), backend,
-                     build_parallel_state(backend.comm, 1))
-    ms_checkpoint.load(args.load, model, None, load_optimizer=False)
-    losses = [float(model.loss(*(ms.Tensor(b[k]) for k in ("tokens", "labels", "loss_mask"))).asnumpy())
-              for b in batches]
-    counts = [b["loss_mask"].sum() for b in batches]      # the torch step: tokens of all micro-batches
-    assert abs(sum(x * c for x, c in zip(losses, counts)) / sum(counts) - expected) < 1e-4
+    losses = _train(setup["flags"], tmp_path, "--backend", "mindspore", "--train-iters", "1", "--eval-iters", "0")
+    expected = float(sum(s[0] / s[1] for s in sums) / len(sums))
+    assert abs(losses[0] - expected) < 1e-4, (losses, expected)
