@@ -60,6 +60,23 @@ def test_alpaca_llama2_masks_exactly_the_prompt(tok_dir, tok, tmp_path):
     assert os.path.isfile(prefix + ".tokenizer.json")           # the trainer's --data-path is PREFIX
 
 
+def test_alpaca_history_and_system_columns_with_llama2(tok_dir, tok, tmp_path):
+    """Earlier [question, reply] pairs are turns of their own (their replies learned too); the
+    system prompt goes inside the first [INST] block, as Llama 2 has it."""
+    record = {"instruction": "count to three", "input": "", "output": "one two three", "sys": "be short",
+              "past": [["say hello", "hello"]]}
+    data = kit.write_jsonl(tmp_path / "a.jsonl", [record])
+    prefix = str(tmp_path / "history")
+    _run(tok_dir, data, prefix, "--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "llama2",
+         "--map-keys", '{"system": "sys", "history": "past"}')
+    (ids, labels), = _instruction(prefix)
+    turns = [([tok.bos_id] + tok.encode("[INST] <<SYS>>\nbe short\n<</SYS>>\n\nsay hello [/INST]"),
+              tok.encode("hello") + [tok.eos_id]),
+             ([tok.bos_id] + tok.encode("[INST] count to three [/INST]"), tok.encode("one two three") + [tok.eos_id])]
+    assert ids.tolist() == [t for prompt, reply in turns for t in prompt + reply]
+    assert labels.tolist() == [t for prompt, reply in turns for t in [IGNORE_INDEX] * len(prompt) + reply]
+
+
 @pytest.mark.parametrize("prompt_type, prompt_text, stop", [
     ("qwen", "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
              "<|im_start|>assistant\n", "<|im_end|>"),
