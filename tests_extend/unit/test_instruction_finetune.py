@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -138,3 +139,28 @@ def test_finetune_on_the_mindspore_trainer_sees_the_same_masked_samples(setup, t
     losses = _train(setup["flags"], tmp_path, "--backend", "mindspore", "--train-iters", "1", "--eval-iters", "0")
     expected = float(sum(s[0] / s[1] for s in sums) / len(sums))
     assert abs(losses[0] - expected) < 1e-4, (losses, expected)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--is-instruction-dataset needs --data-path PREFIX"),
+    (["--mock-data"], "--is-instruction-dataset needs --data-path PREFIX"),
+    (["--data-path", "0.5", "a", "0.5", "b"], "--is-instruction-dataset needs --data-path PREFIX"),
+    (["--data-path", "a", "--data-cache-path", "c"], "--data-cache-path: an instruction dataset"),
+])
+def test_instruction_flag_without_one_instruction_dataset_is_refused(argv, message):
+    from mindspeed.training.arguments import ArgumentError, parse_args
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        parse_args(["--is-instruction-dataset", *argv], world_size=1)
+
+
+def test_a_pretraining_dataset_is_not_read_as_an_instruction_dataset(tmp_path):
+    from mindspeed.data.indexed import DataError
+    from mindspeed.data.preprocess import PreprocessConfig, preprocess
+    from mindspeed.training import data
+    from mindspeed.training.arguments import parse_args
+    (tmp_path / "a.txt").write_text("plain text " * 20)
+    prefix = str(tmp_path / "plain")
+    preprocess(PreprocessConfig(inputs=[str(tmp_path / "a.txt")], output_prefix=prefix), log=lambda m: None)
+    args = parse_args(["--is-instruction-dataset", "--data-path", prefix], world_size=1)
+    with pytest.raises(DataError, match="plain_packed_input_ids_document.*is missing"):
+        data.resolve_data(args, log=lambda m: None)
