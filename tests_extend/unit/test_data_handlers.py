@@ -142,6 +142,10 @@ def test_pack_fills_fixed_length_samples_and_keeps_every_reply(tok_dir, tmp_path
     assert all(len(ids) == 48 for ids, _ in packs) and len(packs) < len(samples)
     reply_tokens = lambda pairs: sorted(int(x) for _, labels in pairs for x in labels if x != IGNORE_INDEX)
     assert reply_tokens(packs) == reply_tokens(samples)         # nothing lost, padding carries no label
+    _run(tok_dir, data, str(tmp_path / "pad8"), *flags, "--pad-to-multiple-of", "8")
+    padded = _instruction(str(tmp_path / "pad8"))
+    assert all(len(ids) % 8 == 0 and len(ids) - len(s) < 8 for (ids, _), (s, _) in zip(padded, samples))
+    assert reply_tokens(padded) == reply_tokens(samples)
     longest = max(len(ids) for ids, _ in samples)
     _run(tok_dir, data, str(tmp_path / "cut"), *flags, "--seq-length", str(longest - 1))
     assert all(len(ids) < longest for ids, _ in _instruction(str(tmp_path / "cut")))   # longer ones dropped
