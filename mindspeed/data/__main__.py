@@ -8,15 +8,18 @@ templates, --map-keys, --workers, --pack, ...). Without them it builds a charact
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
+
+from mindspeed.training.flag_checks import ArgumentError, OneLineParser
 
 HANDLER_ONLY = ("handler_name", "prompt_type", "map_keys", "json_keys", "seq_length", "pack",
                 "overwrite_cache")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mindspeed.data", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = OneLineParser(prog="python -m mindspeed.data", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("input data")
     g.add_argument("--input", nargs="+", default=None,
                    help="files, directories or globs: .json/.jsonl/.parquet/.txt (character-level mode: "
@@ -113,8 +116,26 @@ def _run_char_level(args) -> None:
                                 append_eod=True if args.append_eod is None else args.append_eod))
 
 
+def parse(argv=None) -> argparse.Namespace:
+    """The flags, or ArgumentError in one line (a misspelt flag with the one it was probably meant to be)."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    unknown = [tok.split("=", 1)[0] for tok in extras if tok.startswith("--")]
+    if extras:
+        flag = unknown[0] if unknown else extras[0]
+        near = difflib.get_close_matches(flag, list(parser._option_string_actions), n=1, cutoff=0.75)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ArgumentError(f"unknown {'flag' if unknown else 'argument'} {flag}{hint}: "
+                            "`python -m mindspeed.data --help` lists the flags")
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse(argv)
+    except ArgumentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     from mindspeed.data.indexed import DataError
     from mindspeed.data.tokenizer import TokenizerError
     try:

@@ -198,6 +198,9 @@ REFUSALS = [
     (["--pack"], "--pack shape instruction samples"),
     (["--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "chatml", "--pack"], "--pack needs --seq-length"),
     (["--workers", "0"], "--workers must be a positive integer"),
+    (["--workers", "two"], "argument --workers: invalid int value: 'two'"),
+    (["--neat-pak"], "unknown flag --neat-pak"),
+    (["--promt-type", "qwen"], "unknown flag --promt-type (did you mean --prompt-type?)"),
 ]
 
 
