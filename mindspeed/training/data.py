@@ -112,7 +112,7 @@ class InstructionGPTDataset:
 
     def __init__(self, samples: instruction_data.InstructionSamples, length: int, args, eod: int):
         self.samples, self.length, self.args, self.eod = samples, length, args, eod
-        self.num_samples = samples.num_samples        # one epoch (len() is the whole run's)
+        self.epoch_samples = samples.num_samples      # one epoch (len() is the whole run's)
 
     def __len__(self) -> int:
         return self.length
@@ -198,5 +198,5 @@ def get_batch(data_iterator, device: str) -> dict:
 def samples_per_epoch_note(dataset, args) -> str:
     if dataset is None:
         return ""
-    samples = getattr(dataset, "num_samples", len(dataset))
+    samples = getattr(dataset, "epoch_samples", len(dataset))
     return f"{samples} samples (~{math.floor(samples / args.global_batch_size)} iterations)"
