@@ -44,7 +44,7 @@ def _instruction_problems(args) -> list[str]:
     options that have no meaning for it are refused rather than ignored."""
     if not getattr(args, "is_instruction_dataset", False):
         return []
-    paths = [p for p in args.data_path or [] if not _is_number(p)]
+    paths = [p for p in args.data_path or [] if not is_number(p)]
     if args.mock_data or len(paths) != 1:
         return ["--is-instruction-dataset needs --data-path PREFIX: one instruction dataset made by "
                 "`python -m mindspeed.data --handler-name AlpacaStyleInstructionHandler ...` (no mock data, no blend)"]
@@ -53,7 +53,8 @@ def _instruction_problems(args) -> list[str]:
     return []
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """A weight of --data-path's 'w1 p1 w2 p2' (or a negative number among unknown flags)."""
     try:
         float(text)
     except ValueError:
