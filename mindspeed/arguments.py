@@ -12,7 +12,7 @@ import difflib
 import os
 
 from mindspeed.features.registry import all_features
-from mindspeed.training.flag_checks import ArgumentError, OneLineParser
+from mindspeed.training.flag_checks import ArgumentError, OneLineParser, is_number
 
 FRAMEWORK_ALIASES = {"pytorch": "torch", "torch": "torch", "mindspore": "mindspore"}
 
@@ -67,15 +67,7 @@ def trainer_parser(host_defaults: bool = True) -> argparse.ArgumentParser:
 def unknown_options(extras) -> list[str]:
     """The option names among parse_known_args' leftovers (`--x=1` -> `--x`; values dropped)."""
     return [tok.split("=", 1)[0] for tok in extras if tok.startswith("-") and len(tok) > 1
-            and not _is_number(tok)]
-
-
-def _is_number(tok: str) -> bool:
-    try:
-        float(tok)
-        return True
-    except ValueError:
-        return False
+            and not is_number(tok)]
 
 
 def suggest(flag: str, known) -> str | None:

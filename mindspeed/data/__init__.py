@@ -1,4 +1,5 @@
-"""Data preparation: text/JSONL -> Megatron indexed datasets, tokenizers, the default corpus.
+"""Data preparation: text/JSONL/parquet -> Megatron indexed datasets (pretraining documents or
+instruction samples with their loss labels), tokenizers, the default corpus.
 
 `python -m mindspeed.data --help` is the command line.
 """

@@ -1,4 +1,5 @@
-"""Text / JSONL -> Megatron indexed dataset, with the tokenizer saved beside it.
+"""Character-level mode of `python -m mindspeed.data`: text / JSONL -> one Megatron indexed dataset,
+with the tokenizer saved beside it (the MindSpeed-LLM-style handlers are pipeline.py).
 
 Inputs: plain-text files (one document each, or one per blank-line-separated block with
 --split-on-blank-lines), directories of them, or JSONL files (one document per line, text under
@@ -6,15 +7,13 @@ Inputs: plain-text files (one document each, or one per blank-line-separated blo
 """
 from __future__ import annotations
 
-import glob
-import json
-import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from mindspeed.data.indexed import DataError, write_dataset
+from mindspeed.data.records import expand_inputs, read_records
 from mindspeed.data.tokenizer import CharLevelTokenizer, HuggingFaceTokenizer, save_tokenizer
 
 
@@ -29,27 +28,6 @@ class PreprocessConfig:
     append_eod: bool = True
 
 
-def expand_inputs(inputs: Sequence[str]) -> list[str]:
-    files: list[str] = []
-    for item in inputs:
-        if os.path.isdir(item):
-            found = sorted(p for p in glob.glob(os.path.join(item, "**", "*"), recursive=True)
-                           if os.path.isfile(p) and p.endswith((".txt", ".json", ".jsonl")))
-            if not found:
-                raise DataError(f"input directory {item!r} holds no .txt/.json/.jsonl files")
-            files += found
-        elif any(ch in item for ch in "*?["):
-            found = sorted(glob.glob(item))
-            if not found:
-                raise DataError(f"input pattern {item!r} matches no files")
-            files += found
-        elif os.path.isfile(item):
-            files.append(item)
-        else:
-            raise DataError(f"input {item!r} does not exist")
-    return files
-
-
 def _read_text(path: str) -> str:
     with open(path, "rb") as f:
         raw = f.read()
@@ -60,17 +38,10 @@ def _read_text(path: str) -> str:
 
 
 def _jsonl_documents(path: str, key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
-            if not isinstance(record, dict) or key not in record:
-                raise DataError(f"{path}:{lineno}: no {key!r} field (choose it with --json-key)")
-            yield str(record[key])
+    for origin, record in read_records(path):
+        if key not in record:
+            raise DataError(f"{origin}: no {key!r} field (choose it with --json-key)")
+        yield str(record[key])
 
 
 def _chunks(text: str, size: int) -> Iterator[str]:

@@ -114,6 +114,35 @@ class HuggingFaceTokenizer:
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
 
+    # what chat templates and instruction handlers need (mindspeed.data.templates)
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def token_id(self, token: str) -> int | None:
+        """The id of `token` when the vocabulary has it as one token, else None."""
+        ids = self._tok.convert_tokens_to_ids([token])
+        unk = self._tok.unk_token_id
+        return ids[0] if ids and ids[0] is not None and (ids[0] != unk or token == self._tok.unk_token) else None
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._tok.bos_token_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    @property
+    def pad_id(self) -> int:
+        """Padding of packed samples: the tokenizer's pad token, else its eos (always masked)."""
+        return self._tok.pad_token_id if self._tok.pad_token_id is not None else self._eod
+
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
     def to_json(self) -> dict:
         return {"type": self.kind, "name": self.name}
 

@@ -189,6 +189,9 @@ def _data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--mock-data", action="store_true", help="random tokens (no files needed)")
+    g.add_argument("--is-instruction-dataset", action="store_true",
+                   help="--data-path PREFIX is an instruction dataset (an instruction --handler-name of "
+                        "`python -m mindspeed.data`): one sample per conversation, no loss on the prompt")
 
 
 def _checkpointing(parser: argparse.ArgumentParser) -> None:

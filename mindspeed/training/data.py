@@ -14,12 +14,14 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.gpt_dataset import (GPTDataset, GPTDatasetConfig, MockGPTDataset,
+                                                _get_ltor_masks_and_position_ids)
 from megatron.core.datasets.indexed_dataset import get_bin_path
 from megatron.core.datasets.utils import get_blend_from_list
 
 from mindspeed.data.indexed import DataError, check_dataset
 from mindspeed.data.tokenizer import load_tokenizer
+from mindspeed.training import instruction_data
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -28,6 +30,20 @@ def dataset_prefixes(data_path) -> list[str]:
     """'w1 p1 w2 p2' or 'p1 p2' -> [p1, p2]."""
     blend, _weights = get_blend_from_list(data_path)
     return blend
+
+
+def indexed_prefixes(args, components=instruction_data.COMPONENTS) -> list[str]:
+    """The indexed datasets behind --data-path: its prefixes, or with --is-instruction-dataset
+    each prefix's `components` (input_ids and labels)."""
+    prefixes = dataset_prefixes(args.data_path)
+    if not getattr(args, "is_instruction_dataset", False):
+        return prefixes
+    return [instruction_data.component_prefix(p, key) for p in prefixes for key in components]
+
+
+def token_prefixes(args) -> list[str]:
+    """The datasets holding input token ids (what the vocabulary bounds)."""
+    return indexed_prefixes(args, components=("input_ids",))
 
 
 def resolve_data(args, log=print):
@@ -39,11 +55,10 @@ def resolve_data(args, log=print):
     if not args.data_path:
         from mindspeed.data.shakespeare import ensure_dataset
         args.data_path = [ensure_dataset(log=log)]
-    prefixes = dataset_prefixes(args.data_path)
-    for prefix in prefixes:
+    for prefix in indexed_prefixes(args):
         check_dataset(prefix)       # missing / truncated / corrupt files first
-    tokenizer = load_tokenizer(prefixes[0], args.tokenizer_type, args.tokenizer_model)
-    for prefix in prefixes:
+    tokenizer = load_tokenizer(dataset_prefixes(args.data_path)[0], args.tokenizer_type, args.tokenizer_model)
+    for prefix in token_prefixes(args):
         check_dataset(prefix, tokenizer.vocab_size)
     return tokenizer
 
@@ -91,10 +106,41 @@ def check_splits_have_documents(args, sizes) -> None:
                                 f"(--split {args.split}) gets none; add documents or change --split")
 
 
+class InstructionGPTDataset:
+    """Instruction samples as GPTDataset items: Megatron's own masks and positions (so --reset-*
+    and --eod-mask-loss act as in pretraining), the loss mask also zero on the prompt."""
+
+    def __init__(self, samples: instruction_data.InstructionSamples, length: int, args, eod: int):
+        self.samples, self.length, self.args, self.eod = samples, length, args, eod
+        self.epoch_samples = samples.num_samples      # one epoch (len() is the whole run's)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict:
+        sample = self.samples.example(index)
+        tokens = torch.from_numpy(sample["tokens"])
+        a = self.args
+        attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
+            tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, True)
+        return {"tokens": tokens, "labels": torch.from_numpy(sample["labels"]),
+                "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]),
+                "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def build_instruction_datasets(args, tokenizer, sizes):
+    train, valid = instruction_data.build_splits(dataset_prefixes(args.data_path)[0], args.split, args.seq_length,
+                                                 args.seed, tokenizer.eod)
+    wrap = lambda samples, size: InstructionGPTDataset(samples, max(size, 1), args, tokenizer.eod)
+    return wrap(train, sizes[0]), (wrap(valid, sizes[1]) if valid else None), None
+
+
 def build_datasets(args, tokenizer):
     """(train, valid, test) GPTDatasets sized for the whole run."""
     gbs = args.global_batch_size
     sizes = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]
+    if getattr(args, "is_instruction_dataset", False):
+        return build_instruction_datasets(args, tokenizer, sizes)
     if not args.mock_data:
         check_splits_have_documents(args, sizes)
     cls = MockGPTDataset if args.mock_data else GPTDataset
@@ -152,5 +198,5 @@ def get_batch(data_iterator, device: str) -> dict:
 def samples_per_epoch_note(dataset, args) -> str:
     if dataset is None:
         return ""
-    iters = len(dataset) / args.global_batch_size
-    return f"{len(dataset)} samples (~{math.floor(iters)} iterations)"
+    samples = getattr(dataset, "epoch_samples", len(dataset))
+    return f"{samples} samples (~{math.floor(samples / args.global_batch_size)} iterations)"

@@ -34,9 +34,32 @@ LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "
 def cross_flag_problems(args) -> list[str]:
     problems = []
     for check in (_implementation_problems, _loss_scale_problems, _rampup_problems, _tokenizer_problems,
-                  _checkpoint_problems, _moe_problems):
+                  _checkpoint_problems, _moe_problems, _instruction_problems):
         problems.extend(check(args))
     return problems
+
+
+def _instruction_problems(args) -> list[str]:
+    """An instruction dataset is one prefix of files an instruction handler wrote; the GPTDataset
+    options that have no meaning for it are refused rather than ignored."""
+    if not getattr(args, "is_instruction_dataset", False):
+        return []
+    paths = [p for p in args.data_path or [] if not is_number(p)]
+    if args.mock_data or len(paths) != 1:
+        return ["--is-instruction-dataset needs --data-path PREFIX: one instruction dataset made by "
+                "`python -m mindspeed.data --handler-name AlpacaStyleInstructionHandler ...` (no mock data, no blend)"]
+    if args.data_cache_path is not None:
+        return ["--data-cache-path: an instruction dataset keeps its sample order in memory; drop the flag"]
+    return []
+
+
+def is_number(text: str) -> bool:
+    """A weight of --data-path's 'w1 p1 w2 p2' (or a negative number among unknown flags)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 # MoE settings and their defaults: changing one configures MoE layers, which only --num-experts makes

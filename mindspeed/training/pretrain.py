@@ -267,9 +267,11 @@ def resolve_tokenizer(args, log=print):
         return data.resolve_data(args, log=log)
     if not args.mock_data:
         from mindspeed.data.indexed import check_dataset
-        for prefix in data.dataset_prefixes(args.data_path):
+        for prefix in data.indexed_prefixes(args):
             check_dataset(prefix)
+        for prefix in data.dataset_prefixes(args.data_path):
             flag_tokenizers.check_dataset_tokenizer(prefix, tokenizer)
+        for prefix in data.token_prefixes(args):
             check_dataset(prefix, tokenizer.vocab_size)
     return tokenizer
 
@@ -292,7 +294,7 @@ def resume(args, trainer, logger) -> tuple[int, int]:
 
 def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     a = args
-    baseline = None if a.mock_data else data.unigram_entropy(data.dataset_prefixes(a.data_path), tokenizer.vocab_size)
+    baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
     train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer)
     trainer = Trainer(a, logger)
     n_params = count_parameters(trainer.model)

@@ -121,14 +121,19 @@ class SampleStream:
         start = int(self._order(epoch)[pos]) * self.seq_length
         return self.tokens[start:start + self.seq_length + 1]
 
+    def example(self, index: int) -> dict:
+        row = self.sample(index)
+        return {"tokens": row[:-1], "labels": row[1:], "loss_mask": np.ones(self.seq_length, np.float32)}
 
-def micro_batch(stream: SampleStream, first_sample: int, mbs: int, eod_mask: int | None = None) -> dict:
-    rows = np.stack([stream.sample(first_sample + i) for i in range(mbs)])
-    tokens, labels = rows[:, :-1], rows[:, 1:]
-    loss_mask = np.ones(tokens.shape, np.float32)
+
+def micro_batch(stream, first_sample: int, mbs: int, eod_mask: int | None = None) -> dict:
+    """`mbs` consecutive examples of a stream (SampleStream, or instruction_data.InstructionSamples)."""
+    examples = [stream.example(first_sample + i) for i in range(mbs)]
+    tokens, labels, loss_mask = (np.stack([e[k] for e in examples]) for k in ("tokens", "labels", "loss_mask"))
     if eod_mask is not None:
         loss_mask[tokens == eod_mask] = 0.0
-    return {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32), "loss_mask": loss_mask}
+    return {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32),
+            "loss_mask": loss_mask.astype(np.float32)}
 
 
 def micro_batches_for_step(stream, consumed: int, args, dp_rank: int, dp_size: int, eod_mask=None) -> list:
@@ -158,8 +163,13 @@ def build_streams(args, log=print):
     if len(paths) != 1:   # blends are refused by the support matrix (data-blend); a lone weight is not
         raise DataError(f"--data-path {' '.join(paths)}: the mindspore trainer reads one dataset prefix")
     prefix = paths[0]
-    ds = IndexedTokens(prefix)
     vocab = vocab_size_of(prefix, args)
+    if getattr(args, "is_instruction_dataset", False):
+        from mindspeed.data.tokenizer import load_tokenizer
+        from mindspeed.training.instruction_data import build_splits
+        train, valid = build_splits(prefix, args.split, args.seq_length, args.seed, load_tokenizer(prefix).eod)
+        return vocab, train, valid
+    ds = IndexedTokens(prefix)
     (t0, t1), (v0, v1), _ = split_bounds(args.split, ds.num_documents)
     train = SampleStream(ds.document_range_tokens(t0, t1), args.seq_length, args.seed, "train")
     valid = None

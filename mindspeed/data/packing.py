@@ -1,0 +1,63 @@
+"""Shaping instruction samples before they are written: --seq-length, --pack, --pad-to-multiple-of.
+
+Without --pack a sample longer than --seq-length is dropped (and counted), as MindSpeed-LLM does.
+--pack fills bins of --seq-length tokens with whole samples (first-fit, longest first: the same
+input always gives the same packs) and pads each bin to exactly --seq-length with the pad token,
+label -100. --pad-to-multiple-of N pads each sample to a multiple of N the same way.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from mindspeed.data.handlers import IGNORE_INDEX
+
+
+def fits(samples: list[dict], seq_length: int | None) -> tuple[list[dict], int]:
+    """(kept samples, number dropped as longer than seq_length)."""
+    if seq_length is None:
+        return samples, 0
+    kept = [s for s in samples if len(s["input_ids"]) <= seq_length]
+    return kept, len(samples) - len(kept)
+
+
+def pad(sample: dict, length: int, pad_id: int) -> dict:
+    extra = length - len(sample["input_ids"])
+    if extra <= 0:
+        return sample
+    fill = {"input_ids": pad_id, "attention_mask": 1, "labels": IGNORE_INDEX}
+    return {k: np.concatenate([v, np.full(extra, fill[k], dtype=v.dtype)]) for k, v in sample.items()}
+
+
+def pad_to_multiple(sample: dict, multiple: int, pad_id: int) -> dict:
+    n = len(sample["input_ids"])
+    return pad(sample, -(-n // multiple) * multiple, pad_id)
+
+
+def bins(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into bins of total length <= capacity: best fit, longest sample first (ties in
+    input order), so the same lengths always give the same bins. O(n log n) bisection on the rooms."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []        # (free room, bin number), sorted
+    for i in order:
+        at = bisect.bisect_left(rooms, (lengths[i], -1))
+        if at == len(rooms):
+            groups.append([i])
+            room, number = capacity - lengths[i], len(groups) - 1
+        else:
+            room, number = rooms.pop(at)
+            groups[number].append(i)
+            room -= lengths[i]
+        bisect.insort(rooms, (room, number))
+    return groups
+
+
+def pack(samples: list[dict], seq_length: int, pad_id: int) -> list[dict]:
+    groups = bins([len(s["input_ids"]) for s in samples], seq_length)
+    packed = []
+    for group in groups:
+        joined = {k: np.concatenate([samples[i][k] for i in group]) for k in samples[group[0]]}
+        packed.append(pad(joined, seq_length, pad_id))
+    return packed

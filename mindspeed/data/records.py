@@ -1,0 +1,115 @@
+"""Input files -> records (dicts): JSON arrays, JSON lines, parquet tables, text lines.
+
+`--input` takes files, directories (every supported file below them) and globs. Each record keeps
+its origin (`file:line` or `file:row`) so a refusal can say where the bad record is.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator, Sequence
+
+from mindspeed.data.indexed import DataError
+
+TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
+RECORD_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt")
+
+
+def expand_inputs(inputs: Sequence[str], suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[str]:
+    """Files named by `inputs` (files, directories searched recursively, globs), in a stable order."""
+    suffixes = tuple(suffixes)
+    files: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(p for p in glob.glob(os.path.join(item, "**", "*"), recursive=True)
+                           if os.path.isfile(p) and p.endswith(suffixes))
+            if not found:
+                raise DataError(f"input directory {item!r} holds no {'/'.join(suffixes)} files")
+            files += found
+        elif any(ch in item for ch in "*?["):
+            found = sorted(p for p in glob.glob(item) if os.path.isfile(p))
+            if not found:
+                raise DataError(f"input pattern {item!r} matches no files")
+            files += found
+        elif os.path.isfile(item):
+            files.append(item)
+        else:
+            raise DataError(f"input {item!r} does not exist")
+    bad = [f for f in files if not f.endswith(suffixes)]
+    if bad:
+        raise DataError(f"input {bad[0]!r} is not a {'/'.join(suffixes)} file")
+    return files
+
+
+def _json_lines(path: str) -> Iterator[tuple[str, object]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
+
+
+def _json_file(path: str) -> Iterator[tuple[str, object]]:
+    """A .json file is one JSON array of records, or JSON lines (as Hugging Face `datasets` reads it)."""
+    with open(path, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith("["):
+        yield from _json_lines(path)
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            items = json.load(f)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from err
+    for i, item in enumerate(items):
+        yield f"{path}[{i}]", item
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise DataError(f"{path}: reading parquet needs pyarrow (pip install -e \".[data]\")") from err
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as err:   # pyarrow raises ArrowInvalid / OSError variants for damaged files
+        raise DataError(f"{path}: not a readable parquet file ({err})") from err
+    row = 0
+    for batch in table.iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            yield f"{path}:row {row}", record
+            row += 1
+
+
+def _text_lines(path: str, key: str) -> Iterator[tuple[str, object]]:
+    """One record per non-empty line, under `key` (Hugging Face `datasets`' text loader)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if line.strip():
+                yield f"{path}:{lineno}", {key: line}
+
+
+def read_records(path: str, text_key: str = "text") -> Iterator[tuple[str, dict]]:
+    """(origin, record) pairs of one file; anything that is not a JSON object is refused."""
+    if path.endswith(".parquet"):
+        rows = _parquet_rows(path)
+    elif path.endswith(".jsonl"):
+        rows = _json_lines(path)
+    elif path.endswith(".json"):
+        rows = _json_file(path)
+    else:
+        rows = _text_lines(path, text_key)
+    for origin, record in rows:
+        if not isinstance(record, dict):
+            raise DataError(f"{origin}: a record must be a JSON object, got {type(record).__name__}")
+        yield origin, record
+
+
+def all_records(files: Sequence[str], text_key: str = "text") -> Iterator[tuple[str, dict]]:
+    for path in files:
+        yield from read_records(path, text_key)

@@ -1,0 +1,87 @@
+"""--is-instruction-dataset: fine-tuning samples with the prompt masked from the loss (both trainers).
+
+`--data-path PREFIX` names what an instruction handler of `python -m mindspeed.data` wrote:
+PREFIX_packed_input_ids_document and PREFIX_packed_labels_document (labels -100 where the loss
+must not look). One document is one sample: cut or padded to seq_length + 1 tokens, then shifted
+as in pretraining (tokens = ids[:-1], labels = ids[1:]); the loss mask is 1 exactly where the
+stored label of the predicted token is not -100, so prompts, system text and padding carry no loss.
+Documents are split into train/valid/test by --split and visited in a seeded order per epoch.
+Framework-free: the MindSpore trainer uses it as it is, the torch trainer through data.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mindspeed.data.handlers import IGNORE_INDEX
+from mindspeed.data.indexed import DataError
+from mindspeed.training.mindspore import data as ms_data
+
+COMPONENTS = ("input_ids", "labels")
+
+
+def component_prefix(prefix: str, key: str) -> str:
+    return f"{prefix}_packed_{key}_document"
+
+
+class InstructionDocuments:
+    """Document i of the input_ids and labels datasets, checked to belong together."""
+
+    def __init__(self, prefix: str):
+        try:
+            self.ids, self.labels = (ms_data.IndexedTokens(component_prefix(prefix, k)) for k in COMPONENTS)
+        except ms_data.DataError as err:
+            raise DataError(f"--is-instruction-dataset --data-path {prefix}: {err} (make it with "
+                            "`python -m mindspeed.data --handler-name AlpacaStyleInstructionHandler ...`)") from err
+        if not np.array_equal(self.ids.seq_lengths, self.labels.seq_lengths):
+            raise DataError(f"{component_prefix(prefix, 'labels')} does not match "
+                            f"{component_prefix(prefix, 'input_ids')} (other lengths): rebuild both")
+        if self.ids.num_documents == 0:
+            raise DataError(f"instruction dataset {prefix!r} holds no samples")
+        self.prefix = prefix
+
+    @property
+    def num_documents(self) -> int:
+        return self.ids.num_documents
+
+    def document(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.ids.document_range_tokens(i, i + 1), self.labels.document_range_tokens(i, i + 1)
+
+
+class InstructionSamples:
+    """The samples of documents [first, end): `example(k)` for any k >= 0 (epochs reshuffle)."""
+
+    def __init__(self, docs: InstructionDocuments, first: int, end: int, seq_length: int, seed: int,
+                 pad_id: int, name: str):
+        if end <= first:
+            raise DataError(f"the {name} split of {docs.prefix!r} has no samples ({docs.num_documents} in all); "
+                            "add samples or change --split")
+        self.docs, self.first, self.seq_length, self.seed, self.pad_id = docs, first, seq_length, seed, pad_id
+        self.num_samples = end - first
+        self._orders: dict = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.RandomState(self.seed + epoch).permutation(self.num_samples)}
+        return self._orders[epoch]
+
+    def example(self, index: int) -> dict:
+        epoch, pos = divmod(index, self.num_samples)
+        ids, labels = self.docs.document(self.first + int(self._order(epoch)[pos]))
+        n = self.seq_length + 1
+        ids = np.concatenate([ids[:n], np.full(max(0, n - len(ids)), self.pad_id, np.int64)])
+        labels = np.concatenate([labels[:n], np.full(max(0, n - len(labels)), IGNORE_INDEX, np.int64)])
+        keep = labels[1:] != IGNORE_INDEX
+        return {"tokens": ids[:-1], "labels": np.where(keep, labels[1:], ids[1:]),
+                "loss_mask": keep.astype(np.float32)}
+
+
+def build_splits(prefix: str, split: str, seq_length: int, seed: int, pad_id: int):
+    """(train, valid or None) samples of PREFIX; a validation split without documents is None."""
+    docs = InstructionDocuments(prefix)
+    try:
+        (t0, t1), (v0, v1), _ = ms_data.split_bounds(split, docs.num_documents)
+    except ms_data.DataError as err:
+        raise DataError(str(err)) from err
+    train = InstructionSamples(docs, t0, t1, seq_length, seed, pad_id, "train")
+    valid = InstructionSamples(docs, v0, v1, seq_length, seed + 1, pad_id, "validation") if v1 > v0 else None
+    return train, valid

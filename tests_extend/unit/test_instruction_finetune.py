@@ -1,0 +1,166 @@
+"""Fine-tuning as the LLM guide does it: a tiny Hugging Face Llama (built here) converted to a
+Megatron checkpoint, an Alpaca JSONL preprocessed with its tokenizer, then `--finetune --load MG
+--is-instruction-dataset` on the built-in trainers. Prompt tokens must carry no loss: changing
+their labels leaves the loss as it is, changing a reply token's label does not."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests_extend.unit import convert_kit, data_kit
+
+pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--split", "80,20,0",
+       "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    tok, hf, mg = str(root / "tok"), str(root / "hf"), str(root / "mg")
+    data_kit.make_tokenizer(tok)
+    convert_kit.make_hf_model(hf, "llama", tied=False, num_hidden_layers=2)
+    convert_kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", "llama2",
+                        "--load-dir", hf, "--save-dir", mg, "--tokenizer-model", os.path.join(tok, "tokenizer.json"),
+                        "--neutral-copy")
+    prefix = str(root / "data" / "alpaca")
+    assert data_kit.preprocess("--input", data_kit.write_jsonl(root / "alpaca.jsonl", data_kit.ALPACA * 4),
+                               "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", tok,
+                               "--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "llama2",
+                               "--output-prefix", prefix) == 0
+    from mindspeed.convert.sidecar import read_info
+    flags = read_info(mg)["trainer_flags"] + ["--load", mg, "--finetune", "--data-path", prefix,
+                                              "--is-instruction-dataset", *RUN]
+    return {"root": root, "tok": tok, "flags": flags}
+
+
+def _replies(tok_dir: str) -> list[list[int]]:
+    from mindspeed.data.tokenizer import HuggingFaceTokenizer
+    tok = HuggingFaceTokenizer(tok_dir)
+    return [tok.encode(r["output"]) + [tok.eos_id] for r in data_kit.ALPACA]
+
+
+@contextlib.contextmanager
+def torch_trainer(flags):
+    """The trainer's own data path and forward step on the loaded checkpoint (one process): the
+    first global batch's micro-batches and `loss_of(batch)` -> (loss sum, kept-token count)."""
+    from mindspeed.convert.megatron_write import adapted, world_of_one
+    from mindspeed.training import data, pretrain
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.model import padded_vocab_size
+    args = parse_args(flags + ["--backend", "torch", "--device", "cpu"], world_size=1)
+    with adapted(args), world_of_one():
+        tokenizer = data.resolve_data(args, log=lambda m: None)
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
+        model = convert_kit.load_trainer_model(args)
+        train, _valid, _ = data.build_datasets(args, tokenizer)
+        batches = data.microbatches(train, 0, args)
+        micro = [next(batches) for _ in range(args.global_batch_size // args.micro_batch_size)]
+
+        def loss_of(batch):
+            with torch.no_grad():
+                output, loss_func = pretrain.forward_step("cpu", iter([batch]), model)
+                return loss_func(output)[1]["lm loss"]
+        yield micro, loss_of
+
+
+def first_step(flags) -> tuple[list, list]:
+    """The first global batch's micro-batches and their (loss sum, kept-token count) pairs."""
+    with torch_trainer(flags) as (micro, loss_of):
+        return micro, [loss_of(b) for b in micro]
+
+
+def test_prompt_tokens_carry_no_loss_and_reply_tokens_do(setup):
+    replies = _replies(setup["tok"])
+    with torch_trainer(setup["flags"]) as (micro, loss_of):
+        batch = micro[0]
+        for row in range(batch["tokens"].shape[0]):     # the kept labels are exactly one record's reply
+            kept = batch["labels"][row][batch["loss_mask"][row] > 0].tolist()
+            assert kept in replies, kept
+        mask = batch["loss_mask"][0]
+        first = int(torch.nonzero(mask)[0])             # the position that predicts the first reply token
+        assert first > 0 and mask[:first].sum() == 0
+        pair = loss_of(batch)
+        base = pair[0] / pair[1]
+
+        def with_label(position):
+            changed = {k: v.clone() for k, v in batch.items()}
+            changed["labels"][0, position] = (int(batch["labels"][0, position]) + 7) % 100
+            pair = loss_of(changed)
+            return pair[0] / pair[1]
+        for position in (0, first - 1):                 # prompt positions: the loss does not move
+            assert torch.equal(with_label(position), base)
+        assert abs(float(with_label(first) - base)) > 1e-4
+
+
+def _train(flags, tmp_path, *extra) -> list[float]:
+    """pretrain_gpt.py as a user runs it (one process); the losses it logged."""
+    loss_file = str(tmp_path / "loss.jsonl")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"),
+                             *flags, "--log-loss-file", loss_file, *extra],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    losses = [json.loads(line)["lm_loss"] for line in open(loss_file)]
+    assert losses and all(math.isfinite(x) for x in losses)
+    return losses
+
+
+def test_finetune_trains_from_the_converted_checkpoint_on_the_torch_trainer(setup, tmp_path):
+    """The first logged loss is the masked loss of the loaded model on the first global batch."""
+    losses = _train(setup["flags"], tmp_path, "--train-iters", "3")
+    micro, sums = first_step(setup["flags"])
+    expected = float(sum(s[0] for s in sums) / sum(s[1] for s in sums))   # tokens of all micro-batches
+    assert len(losses) == 3 and abs(losses[0] - expected) < 1e-4, (losses, expected)
+
+
+def test_finetune_on_the_mindspore_trainer_sees_the_same_masked_samples(setup, tmp_path):
+    """Its micro-batches equal the torch trainer's; its first loss (the mean of the micro-batch
+    losses, as its loop logs it) is the torch model's on them: the neutral copy loaded, prompts masked."""
+    pytest.importorskip("mindspore")
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore import data as ms_data
+    micro, sums = first_step(setup["flags"])
+    args = parse_args(setup["flags"] + ["--backend", "mindspore"], world_size=1)
+    _vocab, train, _valid = ms_data.build_streams(args, log=lambda m: None)
+    for torch_batch, ms_batch in zip(micro, ms_data.micro_batches_for_step(train, 0, args, 0, 1)):
+        for key in ("tokens", "labels", "loss_mask"):
+            assert np.array_equal(torch_batch[key].numpy(), ms_batch[key]), key
+    losses = _train(setup["flags"], tmp_path, "--backend", "mindspore", "--train-iters", "1", "--eval-iters", "0")
+    expected = float(sum(s[0] / s[1] for s in sums) / len(sums))
+    assert abs(losses[0] - expected) < 1e-4, (losses, expected)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--is-instruction-dataset needs --data-path PREFIX"),
+    (["--mock-data"], "--is-instruction-dataset needs --data-path PREFIX"),
+    (["--data-path", "0.5", "a", "0.5", "b"], "--is-instruction-dataset needs --data-path PREFIX"),
+    (["--data-path", "a", "--data-cache-path", "c"], "--data-cache-path: an instruction dataset"),
+])
+def test_instruction_flag_without_one_instruction_dataset_is_refused(argv, message):
+    from mindspeed.training.arguments import ArgumentError, parse_args
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        parse_args(["--is-instruction-dataset", *argv], world_size=1)
+
+
+def test_a_pretraining_dataset_is_not_read_as_an_instruction_dataset(tmp_path):
+    from mindspeed.data.indexed import DataError
+    from mindspeed.data.preprocess import PreprocessConfig, preprocess
+    from mindspeed.training import data
+    from mindspeed.training.arguments import parse_args
+    (tmp_path / "a.txt").write_text("plain text " * 20)
+    prefix = str(tmp_path / "plain")
+    preprocess(PreprocessConfig(inputs=[str(tmp_path / "a.txt")], output_prefix=prefix), log=lambda m: None)
+    args = parse_args(["--is-instruction-dataset", "--data-path", prefix], world_size=1)
+    with pytest.raises(DataError, match="plain_packed_input_ids_document.*is missing"):
+        data.resolve_data(args, log=lambda m: None)
