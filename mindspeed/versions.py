@@ -8,9 +8,12 @@ MINDSPORE = "mindspore==2.10.0"
 
 CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors==0.8.0", "tensorboard==2.21.0"]
 MINDSPORE_REQUIREMENTS = [MINDSPORE, NUMPY]
+# matplotlib: `python -m mindspeed plot` (`pip install -e ".[plot]"`); the tests draw with it too
+PLOT_REQUIREMENTS = ["matplotlib==3.11.2"]
 # transformers: the conversion tests build tiny Llama/Qwen2 models and compare their logits;
 # hypothesis: the property-based flag test (tests_extend/unit/test_flag_properties.py)
-TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", "transformers==5.23.0", "hypothesis==6.170.15"]
+TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", "transformers==5.23.0", "hypothesis==6.170.15",
+                     *PLOT_REQUIREMENTS]
 # what Megatron-LM's megatron.training imports beyond megatron-core (pybind11 builds its dataset
 # helpers; einops for core_v0.12); `pip install -e ".[megatron-lm]"`
 MEGATRON_LM_REQUIREMENTS = ["regex==2026.11.15", "pyyaml==6.0.3", "pydantic==2.14.3", "pybind11==3.1.0",
@@ -28,6 +31,6 @@ GIT_PINS = {
 if __name__ == "__main__":   # `python mindspeed/versions.py [extra...]` prints pip requirement lines
     import sys
     groups = {"core": CORE_REQUIREMENTS, "mindspore": MINDSPORE_REQUIREMENTS, "test": TEST_REQUIREMENTS,
-              "megatron-lm": MEGATRON_LM_REQUIREMENTS}
+              "megatron-lm": MEGATRON_LM_REQUIREMENTS, "plot": PLOT_REQUIREMENTS}
     for name in sys.argv[1:] or ["core"]:
         print("\n".join(groups[name]))
