@@ -199,7 +199,7 @@ def _train(args, backend, ps, logger) -> dict:
     valid_loss, last_saved = None, None
     stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
     steps = StepRecorder(logger, a, tokens_per_step=a.global_batch_size * a.seq_length, stop_at=stop_at,
-                         write_loss_file=rank_is_zero(backend))
+                         write_loss_file=rank_is_zero(backend), device=backend.device.name)
     logger.print(f"> training from iteration {iteration} to {stop_at}")
     save_meta = lambda: {"consumed_samples": consumed, "backend": "mindspore", "tp": ps.tp_size,
                          "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size}
