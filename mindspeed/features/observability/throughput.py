@@ -15,8 +15,6 @@ class OpCalTflops(Feature):
     description = "TFLOP/s per device and MFU (against a datasheet or measured peak) in the log and TensorBoard"
     flags = (switch("--op-cal-tflops", "log model TFLOP/s per device and MFU (as --log-throughput does)"),)
     example = ("--op-cal-tflops",)
-
-    def apply(self, ctx, args) -> None:
-        # Megatron's flag: the built-in trainers log TFLOP/s and MFU for it; inside Megatron-LM's own
-        # pretrain_gpt.py its training_log prints TFLOP/s per GPU for it
-        args.log_throughput = True
+    # Megatron's flag: the built-in trainers log TFLOP/s and MFU for it; inside Megatron-LM's own
+    # pretrain_gpt.py its training_log prints TFLOP/s per GPU for it
+    host_flags = {"log_throughput": True}

@@ -47,9 +47,9 @@ class NpuDeterministic(Feature):
     flags = (switch("--npu-deterministic", "deterministic algorithms on the device (any device): runs with "
                                            "the same --seed give bitwise-identical losses"),)
     example = ("--npu-deterministic",)
+    host_flags = {"deterministic_mode": True}
 
     def apply(self, ctx, args) -> None:
-        args.deterministic_mode = True
         if ctx.backend_name == "torch":
             ctx.patcher.enter("torch deterministic algorithms", TorchDeterministic(),
                               reason="--npu-deterministic")

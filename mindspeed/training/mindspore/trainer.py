@@ -130,7 +130,9 @@ def setup(args):
         raise TrainerConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                                  f"micro-batch-size x data-parallel size = {args.micro_batch_size} x {ps.dp_size}")
     backend.device.manual_seed(args.seed)
-    if args.deterministic_mode:      # Megatron's flag: deterministic kernels (MindSpore's switch)
+    # Megatron's flag (also set by --npu-deterministic): MindSpore's deterministic kernels, a switch
+    # it refuses to set twice in one process (a second run in the same process finds it on)
+    if args.deterministic_mode and ms.get_context("deterministic") != "ON":
         ms.set_deterministic(True)
     return backend, ps
 
