@@ -43,7 +43,7 @@ class TrainingLogger:
         if tflops is not None:
             parts.append(f"throughput per device (TFLOP/s/device): {tflops:.4g}")
         if mfu is not None:
-            parts.append(f"MFU: {100 * mfu:.3g}%")
+            parts.append(f"MFU: {100 * mfu:.4g}%")
         parts += [f"learning rate: {lr:.6E}",
                   f"global batch size: {batch_size or a.global_batch_size:5d}",
                   f"lm loss: {loss:.6E}",
