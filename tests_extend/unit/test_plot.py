@@ -42,11 +42,12 @@ def test_loss_file_and_tensorboard_dir(tmp_path):
         writer.add_scalar("lm loss", loss, it)
         writer.add_scalar("tokens-per-second", 100.0 * it, it)
     writer.add_scalar("lm loss validation", 4.5, 2)
+    writer.add_scalar("lm loss final validation", 4.25, 3)
     writer.add_scalar("grad-norm", 1.0, 2)                            # not plotted
     writer.close()
     run = read_run(str(tmp_path / "tb"))
     assert (run.points(TRAIN), run.points(VALID), run.points(TOKENS)) == \
-        (([1, 2], [5.5, 4.75]), ([2], [4.5]), ([1, 2], [100.0, 200.0]))
+        (([1, 2], [5.5, 4.75]), ([2, 3], [4.5, 4.25]), ([1, 2], [100.0, 200.0]))
 
 
 def test_runs_with_the_same_file_name_are_told_apart_by_their_directory():
