@@ -1,7 +1,7 @@
-"""--npu-deterministic: two runs with the same seed give bitwise-identical losses at TP=2 and at
-DP=2 (2 processes, 2 steps each), on the torch trainer (with the deterministic switches on during
-the runs and off again after unadapt()) and on the MindSpore trainer (msrun). One spawn / one msrun
-launch per backend runs its four trainings in turn (CI time)."""
+"""--npu-deterministic on the torch trainer: two runs with the same seed give bitwise-identical
+losses at TP=2 and at DP=2 (2 processes, 2 steps each), with the deterministic switches on during
+the runs and off again after unadapt(). One spawn runs the four trainings in turn (CI time). The
+MindSpore trainer's runs with the flag: tests_extend/system/test_mindspore_train_script.py."""
 import json
 import os
 
@@ -63,21 +63,3 @@ def test_deterministic_switches_are_on_during_the_run_and_undone_after(runs, lay
             assert runs[rank][f"{layout}-{attempt}/switches"] == (True, True, True)
             assert runs[rank][f"{layout}-{attempt}/after"] is False
 
-
-def test_mindspore_same_seed_gives_bitwise_identical_losses(tmp_path, monkeypatch):
-    """Through the matrix walk's msrun worker (the trainer's entry point, cell after cell)."""
-    pytest.importorskip("mindspore")
-    from tests_extend.distributed.msrun_helper import run_msrun
-    from tests_extend.system import matrix_walk as walk
-    monkeypatch.setenv("WORLD_SIZE", "2")             # as train_distributed_ms.sh exports it for msrun
-    base = walk.TINY + walk.MOCK + ["--backend", "mindspore", "--npu-deterministic"]
-    layouts = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2": []}
-    cells = [(f"{name}-{attempt}", base + extra) for name, extra in layouts.items() for attempt in "ab"]
-    spec = tmp_path / "cells.json"
-    spec.write_text(json.dumps(cells))
-    worker = os.path.join(walk.ROOT, "tests_extend", "system", "matrix_walk_ms_worker.py")
-    results = run_msrun(worker, [str(spec), str(tmp_path)], str(tmp_path), timeout=300)[0]
-    for name in layouts:
-        first, second = results[f"{name}-a"], results[f"{name}-b"]
-        assert first["trained"] and second["trained"], (first, second)
-        assert first["losses"] == second["losses"]      # bit for bit
