@@ -17,6 +17,7 @@ setup(
     python_requires=">=3.10",
     install_requires=V["CORE_REQUIREMENTS"],
     extras_require={"mindspore": V["MINDSPORE_REQUIREMENTS"], "test": V["TEST_REQUIREMENTS"],
-                    "megatron-lm": V["MEGATRON_LM_REQUIREMENTS"], "data": V["DATA_REQUIREMENTS"]},
+                    "megatron-lm": V["MEGATRON_LM_REQUIREMENTS"], "data": V["DATA_REQUIREMENTS"],
+                    "plot": V["PLOT_REQUIREMENTS"]},
     entry_points={"console_scripts": ["mindspeed=mindspeed.__main__:main"]},
 )

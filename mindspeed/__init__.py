@@ -8,8 +8,10 @@ __version__ = "0.1.0"
 
 
 def adapt(args=None):
-    from mindspeed.adaptor_core import apply_plan, plan
-    return apply_plan(plan(args))
+    from mindspeed.adaptor_core import apply_plan, plan, set_host_flags
+    state = apply_plan(plan(args))
+    set_host_flags(state.plan, args)
+    return state
 
 
 def unadapt() -> None:

@@ -1,7 +1,8 @@
 """`python -m mindspeed matrix [--markdown|--json]`: print the support matrix.
 `python -m mindspeed check [flags...]`: exit non-zero when the flags ask for something the chosen
 backend cannot run (the same gate training runs before it starts; Megatron flags not given take
-the built-in trainers' defaults)."""
+the built-in trainers' defaults).
+`python -m mindspeed plot RUN [RUN ...] [-o loss.png]`: loss and throughput curves (mindspeed.plotting)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ def main(argv=None) -> int:
     sub.add_parser("flags", help="print every MindSpeed flag as a markdown table")
     sub.add_parser("readme", help="rewrite the generated sections of README.md in place")
     sub.add_parser("check", help="validate MindSpeed flags against the support matrix", add_help=False)
+    sub.add_parser("plot", help="plot loss and throughput of training logs / TensorBoard dirs", add_help=False)
     ns, rest = parser.parse_known_args(argv)
     if ns.command == "matrix":
         from mindspeed import support_matrix
@@ -27,6 +29,9 @@ def main(argv=None) -> int:
         from mindspeed import support_matrix
         print(support_matrix.flags_markdown())
         return 0
+    if ns.command == "plot":
+        from mindspeed.plotting import main as plot_main
+        return plot_main(rest)
     if ns.command == "readme":
         from mindspeed.readme import update_readme
         print(update_readme())

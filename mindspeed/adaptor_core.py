@@ -162,6 +162,16 @@ def set_current(state: AdaptState | None) -> None:
     _state = state
 
 
+def set_host_flags(p: Plan, args) -> None:
+    """The Megatron flags the enabled features stand for (Feature.host_flags), set in the host's
+    namespace (plan() works on a copy); nothing for an argv list or None."""
+    if args is None or isinstance(args, (list, tuple)):
+        return
+    for f in p.features:
+        for dest, value in f.host_flags.items():
+            setattr(args, dest, value)
+
+
 def unadapt() -> None:
     """Remove every patch MindSpeed applied and forget the active plan."""
     global _state

@@ -19,7 +19,7 @@ import os
 import sys
 
 from mindspeed.adaptor_core import (AdaptState, MindSpeedConfigError, Plan, activate_backend,
-                                    apply_features, plan, resolve_device, set_current)
+                                    apply_features, plan, resolve_device, set_current, set_host_flags)
 from mindspeed.arguments import (add_mindspeed_args, known_flags, mindspeed_parser, resolve_backend_name,
                                  unknown_flag_message, unknown_options)
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
@@ -152,6 +152,7 @@ class MegatronLMHooks:
             self._refuse(f"--backend/--device give {p.backend}/{p.device} but the adaptor activated "
                          f"{active.backend}/{active.device} at import; pass them on the command line")
         apply_features(self.state.context, p)
+        set_host_flags(p, args)      # after Megatron's checks (its --deterministic-mode asserts NCCL_ALGO)
         self.state.plan = p
         if int(os.environ.get("RANK", "0")) == 0:
             print("> MindSpeed " + p.describe().replace("\n", "; "), flush=True)

@@ -12,10 +12,13 @@ TRANSFORMERS = "transformers==5.23.0"
 # `python -m mindspeed.data` with Hugging Face tokenizers and parquet inputs: `pip install -e ".[data]"`
 # (pyarrow 17 is the last line that supports numpy<2, which mindspore needs)
 DATA_REQUIREMENTS = [TRANSFORMERS, "pyarrow==17.0.0"]
+# matplotlib: `python -m mindspeed plot` (`pip install -e ".[plot]"`); the tests draw with it too
+PLOT_REQUIREMENTS = ["matplotlib==3.11.2"]
 # transformers: the conversion tests build tiny Llama/Qwen2 models and compare their logits, the data
 # tests tiny tokenizers; pyarrow: parquet inputs; hypothesis: the property-based flag test
 # (tests_extend/unit/test_flag_properties.py)
-TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", *DATA_REQUIREMENTS, "hypothesis==6.170.15"]
+TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", *DATA_REQUIREMENTS, "hypothesis==6.170.15",
+                     *PLOT_REQUIREMENTS]
 # what Megatron-LM's megatron.training imports beyond megatron-core (pybind11 builds its dataset
 # helpers; einops for core_v0.12); `pip install -e ".[megatron-lm]"`
 MEGATRON_LM_REQUIREMENTS = ["regex==2026.11.15", "pyyaml==6.0.3", "pydantic==2.14.3", "pybind11==3.1.0",
@@ -33,6 +36,6 @@ GIT_PINS = {
 if __name__ == "__main__":   # `python mindspeed/versions.py [extra...]` prints pip requirement lines
     import sys
     groups = {"core": CORE_REQUIREMENTS, "mindspore": MINDSPORE_REQUIREMENTS, "test": TEST_REQUIREMENTS,
-              "megatron-lm": MEGATRON_LM_REQUIREMENTS, "data": DATA_REQUIREMENTS}
+              "megatron-lm": MEGATRON_LM_REQUIREMENTS, "data": DATA_REQUIREMENTS, "plot": PLOT_REQUIREMENTS}
     for name in sys.argv[1:] or ["core"]:
         print("\n".join(groups[name]))

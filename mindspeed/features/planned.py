@@ -98,8 +98,5 @@ planned("pipe-experts", MOE, "not scheduled", "MoE MLP communication hiding",
         on("--use-pipe-experts"), on("--pipe-experts-multi-stream"), value("--pipe-experts-multi-data", int))
 planned("ampipe", MOE, "not scheduled", "Ampipe attention/MoE pipelining",
         value("--ampipe-degree", int), on("--ampipe-tp-sp-comm-overlap"))
-planned("npu-deterministic", LOOP, "issue 14", "deterministic algorithms on the device",
-        on("--npu-deterministic"))
-planned("op-cal-tflops", LOOP, "issue 14", "TFLOP/s and MFU in the log line", on("--op-cal-tflops"))
 planned("fused-ema-adamw", LOOP, "not scheduled", "fused EMA AdamW optimizer",
         value("--optimizer-selection", choices=["fused_ema_adamw"]), on("--use-ema"), value("--ema-decay", float))

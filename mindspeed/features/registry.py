@@ -13,6 +13,8 @@ FEATURE_MODULES = [
     "mindspeed.features.parallel.megatron_parallel",
     "mindspeed.features.context_parallel.feature",
     "mindspeed.features.observability.profiling",
+    "mindspeed.features.observability.throughput",
+    "mindspeed.features.training.deterministic",
     "mindspeed.features.fused.features",
     "mindspeed.features.megatron_options",
     "mindspeed.features.planned",

@@ -39,6 +39,11 @@ def flops_per_iteration(args, global_batch_size: int) -> float:
     return flops_per_token(args) * global_batch_size * args.seq_length
 
 
+def throughput_requested(args) -> bool:
+    """Megatron's --log-throughput or MindSpeed's --op-cal-tflops: TFLOP/s per device and MFU."""
+    return bool(getattr(args, "log_throughput", False) or getattr(args, "op_cal_tflops", False))
+
+
 def tflops_per_device(args, tokens: float, seconds: float) -> float:
     """TFLOP/s that each of the world's devices delivered while `tokens` were trained in `seconds`."""
     return flops_per_token(args) * tokens / (seconds * 1e12 * max(args.world_size, 1))

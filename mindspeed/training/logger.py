@@ -1,7 +1,7 @@
 """Training logs in Megatron's format, plus optional TensorBoard scalars.
 
     iteration       10/     200 | consumed samples: ... | elapsed time per iteration (ms): ... |
-    [throughput per device (TFLOP/s/device): ... | (--log-throughput)]
+    [throughput per device (TFLOP/s/device): ... | MFU: ...% | (--log-throughput, --op-cal-tflops)]
     learning rate: ... | global batch size: ... | lm loss: ... | grad norm: ... | tokens per second: ...
 """
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+
+from mindspeed.training.flops import tflops_per_device, throughput_requested
 
 
 def _now() -> str:
@@ -29,16 +31,19 @@ class TrainingLogger:
 
     def iteration(self, it: int, *, consumed: int, step_ms: float, lr: float, loss: float,
                   grad_norm, tokens_per_s: float, peak_mem_mb: float, skipped: int, eta_s: float,
-                  tflops: float | None = None, batch_size: int | None = None,
+                  tflops: float | None = None, mfu: float | None = None, batch_size: int | None = None,
                   loss_scale: float | None = None) -> None:
-        """tflops: model TFLOP/s per device (--log-throughput); batch_size: this step's global
-        batch (differs from --global-batch-size during --rampup-batch-size); loss_scale: fp16's."""
+        """tflops: model TFLOP/s per device and mfu its fraction of the device's peak (--log-throughput,
+        --op-cal-tflops); batch_size: this step's global batch (differs from --global-batch-size
+        during --rampup-batch-size); loss_scale: fp16's."""
         a = self.args
         parts = [f" [{_now()}] iteration {it:8d}/{a.train_iters:8d}",
                  f"consumed samples: {consumed:12d}",
                  f"elapsed time per iteration (ms): {step_ms:.1f}"]
         if tflops is not None:
             parts.append(f"throughput per device (TFLOP/s/device): {tflops:.4g}")
+        if mfu is not None:
+            parts.append(f"MFU: {100 * mfu:.4g}%")
         parts += [f"learning rate: {lr:.6E}",
                   f"global batch size: {batch_size or a.global_batch_size:5d}",
                   f"lm loss: {loss:.6E}",
@@ -57,6 +62,8 @@ class TrainingLogger:
                 self.tb.add_scalar("grad-norm", grad_norm, it)
             if tflops is not None:
                 self.tb.add_scalar("throughput-tflops-per-device", tflops, it)
+            if mfu is not None:
+                self.tb.add_scalar("mfu", mfu, it)
 
     def validation(self, it: int, loss: float, label: str = "validation") -> None:
         import math
@@ -86,8 +93,15 @@ class StepRecorder:
     """Per-step bookkeeping both trainers share: losses, timing, the --log-loss-file line, the
     Megatron-format line every --log-interval steps, and the run's throughput."""
 
-    def __init__(self, logger: TrainingLogger, args, *, tokens_per_step: int, stop_at: int, write_loss_file: bool):
+    def __init__(self, logger: TrainingLogger, args, *, tokens_per_step: int, stop_at: int, write_loss_file: bool,
+                 device: str = "cpu"):
+        """device: where the trainer runs (the peak FLOP/s of MFU is that device's)."""
         self.logger, self.args = logger, args
+        self.peak = None
+        if logger.is_writer and throughput_requested(args):     # only the writer logs MFU
+            from mindspeed.training.peak import device_peak
+            self.peak = device_peak(args.backend, device, args.params_dtype)
+            logger.print(f"> device peak for MFU: {self.peak.describe()}")
         self.tokens_per_step, self.stop_at = tokens_per_step, stop_at
         self.losses: list[float] = []
         self._interval_losses: list[float] = []
@@ -119,15 +133,15 @@ class StepRecorder:
                                   loss=sum(self._interval_losses) / steps, grad_norm=grad_norm,
                                   tokens_per_s=self._interval_tokens / self._interval_time,
                                   peak_mem_mb=peak_mem_mb(), skipped=skipped,
-                                  eta_s=step_s * (self.stop_at - iteration), tflops=self._tflops(),
+                                  eta_s=step_s * (self.stop_at - iteration), **self._throughput(),
                                   batch_size=batch_size, loss_scale=loss_scale() if loss_scale else None)
             self._interval_losses, self._interval_time, self._interval_tokens = [], 0.0, 0
 
-    def _tflops(self):
-        if not getattr(self.args, "log_throughput", False):
-            return None
-        from mindspeed.training.flops import tflops_per_device
-        return tflops_per_device(self.args, self._interval_tokens, self._interval_time)
+    def _throughput(self) -> dict:
+        if not throughput_requested(self.args):
+            return {}
+        tflops = tflops_per_device(self.args, self._interval_tokens, self._interval_time)
+        return {"tflops": tflops, "mfu": tflops / self.peak.tflops if self.peak else None}
 
     def close(self) -> None:
         if self._loss_file is not None:

@@ -312,7 +312,7 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     skipped, valid_loss, last_saved = 0, None, None
     stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
     steps = StepRecorder(logger, a, tokens_per_step=a.global_batch_size * a.seq_length, stop_at=stop_at,
-                         write_loss_file=torch.distributed.get_rank() == 0)
+                         write_loss_file=torch.distributed.get_rank() == 0, device=a.device_name)
     logger.print(f"> training from iteration {iteration} to {stop_at}")
     if a.rampup_batch_size:
         start_gbs, increment, ramp_samples = a.rampup_batch_size

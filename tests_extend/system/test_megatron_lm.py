@@ -23,12 +23,13 @@ NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
 # name: (processes, environment, extra flags, features MindSpeed must report)
 CONFIGS = {
-    "tp2-fused": (2, {"TP": "2", "FUSED": "1"}, [],
-                  {"tensor-parallel", "fused-rmsnorm", "fused-swiglu", "fused-rotary-pos-emb", "flash-attn"}),
+    "tp2-fused": (2, {"TP": "2", "FUSED": "1"}, ["--npu-deterministic"],
+                  {"tensor-parallel", "fused-rmsnorm", "fused-swiglu", "fused-rotary-pos-emb", "flash-attn",
+                   "npu-deterministic"}),
     "pp2-vpp": (2, {"PP": "2"}, ["--num-layers-per-virtual-pipeline-stage", "1"] + UNFUSED,
                 {"pipeline-parallel"}),
-    "dp2-distopt-fused": (2, {"FUSED": "1"}, ["--use-distributed-optimizer"],
-                          {"distributed-optimizer", "fused-rmsnorm"}),
+    "dp2-distopt-fused": (2, {"FUSED": "1"}, ["--use-distributed-optimizer", "--op-cal-tflops"],
+                          {"distributed-optimizer", "fused-rmsnorm", "op-cal-tflops"}),
     "cp2-ulysses-fused": (2, {"CP": "2", "FUSED": "1"}, ["--context-parallel-algo", "ulysses_cp_algo"] + NO_DROPOUT,
                           {"ulysses-cp-algo", "flash-attn"}),
     "cp2-ring": (2, {"CP": "2"}, ["--context-parallel-algo", "megatron_cp_algo"] + UNFUSED + NO_DROPOUT,
@@ -105,6 +106,8 @@ def test_pretrain_gpt_trains(checkout, indexed_dataset, name, request):
         assert losses[10] < losses[1] - 0.3, losses
     assert expected <= _mindspeed_features(output), output[-3000:]
     assert "gradient-accumulation-fusion" in _mindspeed_features(output)   # Megatron's default, MindSpeed's kernel
+    # --op-cal-tflops turns on Megatron-LM's own --log-throughput (its line; MFU is the built-in trainers')
+    assert ("throughput per GPU (TFLOP/s/GPU):" in output) == ("--op-cal-tflops" in extra), output[-3000:]
     if name.startswith("cp"):
         reference = request.getfixturevalue("single_process_losses")
         worst = max(abs(losses[i] - reference[i]) for i in reference)

@@ -66,8 +66,10 @@ def test_train_save_and_resume(tmp_path, tiny_dataset):
     """Also: with the step-8 model file cut short, a resume stops both workers with the same single
     line naming the file and iteration 4 with its flag, changes nothing, and that flag resumes."""
     ckpt = tmp_path / "ckpt"
-    out, full = run_script(tmp_path, "full", dict(DATA_PATH=tiny_dataset, CKPT_DIR=str(ckpt), SAVE_INTERVAL="4"))
+    out, full = run_script(tmp_path, "full", dict(DATA_PATH=tiny_dataset, CKPT_DIR=str(ckpt), SAVE_INTERVAL="4"),
+                           ["--op-cal-tflops", "--npu-deterministic"])
     assert "iteration        8/       8" in out and "lm loss:" in out and "validation loss" in out
+    _assert_tflops_and_mfu(out)
     assert sorted(full) == list(range(1, 9))
     assert full[7] + full[8] < full[1] + full[2] - 0.2          # it learns
     for it in (4, 8):
@@ -91,9 +93,32 @@ def test_train_save_and_resume(tmp_path, tiny_dataset):
     assert snapshot(ckpt) == before                           # tracker and checkpoints untouched
 
     out, resumed = run_script(tmp_path, "resumed", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ckpt)),
-                              ["--ckpt-step", "4"])
+                              ["--ckpt-step", "4", "--npu-deterministic"])
+    assert "TFLOP/s" not in out and "MFU" not in out                 # the flag off: no such fields
     assert f"loaded checkpoint {ckpt / 'iter_0000004'} at iteration 4" in out
     assert sorted(resumed) == [5, 6, 7, 8]
-    for it in resumed:
-        assert resumed[it] == pytest.approx(full[it], abs=1e-5)
+    for it in resumed:       # --npu-deterministic: the resumed steps repeat the uninterrupted ones bit for bit
+        assert resumed[it] == full[it]
     assert snapshot(ckpt) == before
+
+
+def _assert_tflops_and_mfu(output):
+    """The MindSpore trainer's TFLOP/s per device: the same FLOP count as the torch trainer's over the
+    logged step time and 2 devices; MFU: that over the peak it measured with MindSpore's matmul."""
+    import re
+
+    from mindspeed.training import flops
+    from mindspeed.training.arguments import parse_args
+    args = parse_args(["--num-layers", TINY["NUM_LAYERS"], "--hidden-size", TINY["HIDDEN_SIZE"],
+                       "--num-attention-heads", TINY["NUM_HEADS"], "--seq-length", TINY["SEQ_LENGTH"],
+                       "--swiglu"], world_size=2)
+    args.padded_vocab_size = int(re.search(r"\(padded (\d+)\)", output).group(1))
+    peak = float(re.search(r"> device peak for MFU: ([0-9.e+-]+) TFLOP/s per device, measured: fp32 matmul "
+                           r"with mindspore", output).group(1))
+    lines = re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+) \| throughput per device "
+                       r"\(TFLOP/s/device\): ([0-9.e+-]+) \| MFU: ([0-9.e+-]+)% \|", output)
+    assert len(lines) == int(TINY["TRAIN_ITERS"]) // int(TINY["LOG_INTERVAL"])
+    for step_ms, tflops, mfu in lines:
+        expected = flops.flops_per_iteration(args, int(TINY["GLOBAL_BATCH"])) / (float(step_ms) / 1000) / 1e12 / 2
+        assert float(tflops) == pytest.approx(expected, rel=2e-3)
+        assert float(mfu) == pytest.approx(100 * float(tflops) / peak, rel=2e-3)

@@ -78,7 +78,8 @@ def assert_learns(losses, output):
 
 @pytest.mark.parametrize("name, env, extra", [
     ("tensor-parallel-2 + sequence-parallel", dict(TP="2", PP="1"), ["--sequence-parallel"]),
-    ("pipeline-parallel-2 + tensorboard", dict(TP="1", PP="2"), ["--tensorboard-dir", "{tmp}/tb"]),
+    ("pipeline-parallel-2 + tensorboard + op-cal-tflops", dict(TP="1", PP="2"),
+     ["--tensorboard-dir", "{tmp}/tb", "--op-cal-tflops"]),
     ("data-parallel-2 + distributed optimizer", dict(TP="1", PP="1"), ["--use-distributed-optimizer"]),
 ])
 def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extra):
@@ -88,8 +89,53 @@ def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extr
     tp, pp = env["TP"], env["PP"]
     assert f"TP {tp} x PP {pp} x CP 1 x DP {2 // (int(tp) * int(pp))}" in output
     assert_learns(read_losses(loss_file), output)
+    if "--op-cal-tflops" in extra:
+        _assert_tflops_and_mfu(output)
+    else:                                     # the flag off: no such fields
+        assert "TFLOP/s" not in output and "MFU" not in output
     if "--tensorboard-dir" in extra:
         _assert_tensorboard_events(str(tmp_path / "tb"), output)
+        _assert_plots(tmp_path, output, read_losses(loss_file))
+
+
+def _assert_tflops_and_mfu(output):
+    """Each logged TFLOP/s per device is the model's FLOPs per iteration / the logged step time /
+    2 devices, and MFU is that over the device peak the run stated."""
+    from mindspeed.training import flops
+    from mindspeed.training.arguments import parse_args
+    args = parse_args(["--num-layers", TINY["NUM_LAYERS"], "--hidden-size", TINY["HIDDEN_SIZE"],
+                       "--num-attention-heads", TINY["NUM_HEADS"], "--seq-length", TINY["SEQ_LENGTH"],
+                       "--swiglu"], world_size=2)
+    args.padded_vocab_size = int(re.search(r"\(padded (\d+)\)", output).group(1))
+    peak = float(re.search(r"> device peak for MFU: ([0-9.e+-]+) TFLOP/s per device, measured: fp32 matmul", output)
+                 .group(1))
+    lines = re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+) \| throughput per device "
+                       r"\(TFLOP/s/device\): ([0-9.e+-]+) \| MFU: ([0-9.e+-]+)% \|", output)
+    assert len(lines) == int(TINY["TRAIN_ITERS"])
+    for step_ms, tflops, mfu in lines:
+        expected = flops.flops_per_iteration(args, int(TINY["GLOBAL_BATCH"])) / (float(step_ms) / 1000) / 1e12 / 2
+        assert float(tflops) == pytest.approx(expected, rel=2e-3, abs=1e-6)
+        assert float(mfu) == pytest.approx(100 * float(tflops) / peak, rel=2e-3)
+
+
+def _assert_plots(tmp_path, output, losses):
+    """`python -m mindspeed plot` of this run's log and TensorBoard dir: both runs' series in the figure."""
+    from mindspeed.__main__ import main as cli
+    from mindspeed.plotting import figure
+    from mindspeed.plotting.runs import read_run
+    log = tmp_path / "train.log"
+    log.write_text(output)
+    assert cli(["plot", str(log), str(tmp_path / "tb"), "-o", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    fig = figure.draw([read_run(str(log)), read_run(str(tmp_path / "tb"))])
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].get_lines()}
+    assert set(lines) == {"train train", "train validation", "tb train", "tb validation"}
+    iterations = sorted(losses)
+    for run in ("train", "tb"):
+        assert lines[f"{run} train"][0] == iterations          # --log-interval 1: every step
+        assert lines[f"{run} train"][1] == pytest.approx([losses[i] for i in iterations], rel=2e-6)
+        assert lines[f"{run} validation"][0] == [6, 12]         # at --eval-interval, and the final one
+    assert {line.get_label() for line in fig.axes[1].get_lines()} == {"train", "tb"}   # tokens/s
 
 
 def _assert_tensorboard_events(path, output):

@@ -130,7 +130,9 @@ def setup(args):
         raise TrainerConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                                  f"micro-batch-size x data-parallel size = {args.micro_batch_size} x {ps.dp_size}")
     backend.device.manual_seed(args.seed)
-    if args.deterministic_mode:      # Megatron's flag: deterministic kernels (MindSpore's switch)
+    # Megatron's flag (also set by --npu-deterministic): MindSpore's deterministic kernels, a switch
+    # it refuses to set twice in one process (a second run in the same process finds it on)
+    if args.deterministic_mode and ms.get_context("deterministic") != "ON":
         ms.set_deterministic(True)
     return backend, ps
 
@@ -199,7 +201,7 @@ def _train(args, backend, ps, logger) -> dict:
     valid_loss, last_saved = None, None
     stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
     steps = StepRecorder(logger, a, tokens_per_step=a.global_batch_size * a.seq_length, stop_at=stop_at,
-                         write_loss_file=rank_is_zero(backend))
+                         write_loss_file=rank_is_zero(backend), device=backend.device.name)
     logger.print(f"> training from iteration {iteration} to {stop_at}")
     save_meta = lambda: {"consumed_samples": consumed, "backend": "mindspore", "tp": ps.tp_size,
                          "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size}
