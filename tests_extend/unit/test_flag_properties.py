@@ -45,7 +45,7 @@ from mindspeed.adaptor_core import MindSpeedConfigError, plan
 from mindspeed.arguments import mindspeed_parser, trainer_parser
 from mindspeed.features.registry import all_features
 from mindspeed.training.arguments import CHECKPOINT_TRACKER, build_parser, parse_args
-from mindspeed.training.flag_checks import ArgumentError
+from mindspeed.training.flag_checks import ArgumentError, is_number
 
 BACKENDS = ("torch", "mindspore")
 EXAMPLES = 1000
@@ -166,21 +166,13 @@ def flag_fragment(draw, spec: Spec) -> Fragment:
         clean = False
     else:
         value, clean = draw(_clean_value(spec)), True
-    if value.startswith("-") and not _number(value):
+    if value.startswith("-") and not is_number(value):
         clean = False                                    # argparse reads '-x' as an option
     if draw(st.integers(0, 3)) == 0:
         return Fragment((f"{spec.name}={value}",), (spec.name,), clean)
     if value == "" and clean:
         return Fragment((f"{spec.name}=",), (spec.name,), clean)
     return Fragment((spec.name, value), (spec.name,), clean)
-
-
-def _number(tok: str) -> bool:
-    try:
-        float(tok)
-        return True
-    except ValueError:
-        return False
 
 
 def _from(specs):
