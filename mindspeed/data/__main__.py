@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-dir", default=None,
                    help="data cache root: the bundled corpus lives there, and with --input the processed "
                         "result is kept there and reused by an identical later run "
-                        "(default root $MINDSPEED_DATA_CACHE or ~/.cache/mindspeed)")
+                        "(default: MindSpeed's cache root, $MINDSPEED_CACHE_DIR or ~/.cache/mindspeed)")
     g.add_argument("--overwrite-cache", action="store_true", help="process again even when --cache-dir has it")
     g.add_argument("--json-key", default=None, help="character-level mode: field holding the text (default text)")
     g.add_argument("--chunk-chars", type=int, default=0,

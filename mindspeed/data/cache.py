@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 
+from mindspeed.files import atomic_write
+
 
 def cache_key(files: list[str], tokenizer_dir: str, settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
@@ -32,11 +34,8 @@ def restore(entry: str, output_prefix: str, suffixes: list[str]) -> bool:
     if not all(os.path.isfile(os.path.join(entry, "out" + s)) for s in suffixes):
         return False
     for suffix in suffixes:
-        target = output_prefix + suffix
-        temp = f"{target}.tmp{os.getpid()}"
-        shutil.copyfile(os.path.join(entry, "out" + suffix), temp)
-        os.chmod(temp, 0o640)
-        os.replace(temp, target)
+        source = os.path.join(entry, "out" + suffix)
+        atomic_write(output_prefix + suffix, lambda temp, source=source: shutil.copyfile(source, temp))
     return True
 
 

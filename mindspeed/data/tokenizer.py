@@ -15,6 +15,8 @@ from typing import Iterable
 
 import numpy as np
 
+from mindspeed.files import atomic_write
+
 EOD, UNK = "<eod>", "<unk>"
 
 
@@ -158,12 +160,13 @@ def from_json(desc: dict):
 
 def save_tokenizer(tokenizer, prefix: str) -> str:
     path = tokenizer_path(prefix)
-    tmp = path + f".tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(tokenizer.to_json(), f, ensure_ascii=False)
-    os.chmod(tmp, 0o640)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: _dump_json(tokenizer.to_json(), tmp))
     return path
+
+
+def _dump_json(data: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False)
 
 
 def load_tokenizer(prefix: str, tokenizer_type: str | None = None, tokenizer_model: str | None = None):

@@ -20,12 +20,13 @@ import torch
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
+from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write
 from mindspeed.training import checkpoint_scan
 from mindspeed.training.checkpoint_scan import iteration_dir
 from mindspeed.training.errors import CheckpointError, one_line, resume_hint, unreadable
 
 TRACKER = "latest_checkpointed_iteration.txt"
-FILE_MODE, DIR_MODE = 0o640, 0o750
+FILE_MODE, DIR_MODE = PRIVATE_FILE, PRIVATE_DIR
 INDEX_FILE, COMMON_FILE, FORMAT_FILE = ".metadata", "common.pt", "metadata.json"
 
 
@@ -184,6 +185,11 @@ def last_readable(root: str, exclude: int | None = None) -> int | None:
     return checkpoint_scan.last_readable(root, check_iteration, exclude)
 
 
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def _restrict_permissions(path: str) -> None:
     for dirpath, dirnames, filenames in os.walk(path):
         os.chmod(dirpath, DIR_MODE)
@@ -250,10 +256,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
     dist_checkpointing.save(state, path)
     torch.distributed.barrier()
     if rank0:
-        tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, TRACKER))
+        atomic_write(os.path.join(root, TRACKER), lambda tmp: _write_text(tmp, str(iteration)), FILE_MODE)
         _restrict_permissions(root)
     torch.distributed.barrier()
     return path

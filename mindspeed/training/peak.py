@@ -3,7 +3,7 @@
 GPUs whose datasheet peak is known take it from KNOWN_PEAKS (dense, no sparsity). Anything else
 (CPUs, Ascend NPUs, other GPUs) is measured once: the best rate of square matmuls in the training
 dtype, with the framework the trainer runs and this process's threads, cached in
-$MINDSPEED_CACHE_DIR (default ~/.cache/mindspeed)/peak_flops.json keyed by machine, device model,
+MindSpeed's cache root (mindspeed/files.py)/peak_flops.json keyed by machine, device model,
 threads, framework version and dtype, so later runs on the same machine reuse it.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import os
 import platform
 import time
 from dataclasses import dataclass
+
+from mindspeed.files import atomic_write, cache_path
 
 # TFLOP/s per device by (device-name fragment, dtype), longest fragment matched first; fp32 is
 # plain fp32 (torch leaves TF32 matmuls off by default)
@@ -42,7 +44,7 @@ def device_peak(framework: str, device: str, dtype: str) -> Peak:
             return Peak(KNOWN_PEAKS[fragment, kind], f"datasheet ({model}, {dtype})")
     threads, version = _threads_and_version(framework)
     key = f"{platform.node()}|{device}:{model}|{threads} threads|{framework} {version}|{dtype}"
-    path = os.path.join(cache_dir(), "peak_flops.json")
+    path = cache_path("peak_flops.json")
     cached = _read_json(path)
     note = f"measured: {dtype} matmul with {framework} on {model}, {threads} thread(s)"
     if key in cached:
@@ -53,8 +55,9 @@ def device_peak(framework: str, device: str, dtype: str) -> Peak:
     return Peak(tflops, f"{note}, now cached in {path}")
 
 
-def cache_dir() -> str:
-    return os.environ.get("MINDSPEED_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mindspeed")
+def _dump(data: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
 
 
 def _device_model(framework: str, device: str) -> str:
@@ -128,9 +131,6 @@ def _write_json(path: str, data: dict) -> None:
     """Best effort (a read-only home only costs a measurement next time); written whole, then renamed."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: _dump(data, tmp), mode=0o644)
     except OSError:
         pass

@@ -19,6 +19,7 @@ import struct
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from mindspeed.files import atomic_write, private_dir
 from mindspeed.training import checkpoint_scan
 from mindspeed.training.checkpoint_scan import ITERATION_DIR, iteration_dir
 from mindspeed.training.errors import CheckpointError, resume_hint, unreadable
@@ -69,33 +70,23 @@ def unshard(name: str, shards: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(shards, axis=0 if kind == "row" else 1)
 
 
-def _private_dir(path: str) -> None:
-    os.makedirs(path, mode=0o750, exist_ok=True)
-    os.chmod(path, 0o750)
-
-
-def _write_private(path: str, write) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    os.chmod(tmp, 0o640)
-    os.replace(tmp, path)
 
 
 
 
 def save(root: str, iteration: int, model: dict, optimizer: dict | None = None, meta: dict | None = None) -> str:
     """Write model (and optimizer) arrays plus meta.json, then point the tracker file at them."""
-    _private_dir(root)
+    private_dir(root)
     directory = iteration_dir(root, iteration)
-    _private_dir(directory)
-    _write_private(os.path.join(directory, MODEL_FILE),
+    private_dir(directory)
+    atomic_write(os.path.join(directory, MODEL_FILE),
                    lambda p: save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, p))
     if optimizer is not None:
-        _write_private(os.path.join(directory, OPTIMIZER_FILE),
+        atomic_write(os.path.join(directory, OPTIMIZER_FILE),
                        lambda p: save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, p))
     meta = dict(meta or {}, iteration=iteration, format="mindspeed-neutral-v1")
-    _write_private(os.path.join(directory, META_FILE), lambda p: _dump_json(meta, p))
-    _write_private(os.path.join(root, TRACKER_FILE), lambda p: _dump_text(str(iteration), p))
+    atomic_write(os.path.join(directory, META_FILE), lambda p: _dump_json(meta, p))
+    atomic_write(os.path.join(root, TRACKER_FILE), lambda p: _dump_text(str(iteration), p))
     return directory
 
 

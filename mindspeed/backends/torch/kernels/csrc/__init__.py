@@ -1,7 +1,7 @@
 """Just-in-time build of the fused C++ CPU kernels (fused_cpu.cpp) with ninja.
 
-Built once per (torch version, source) into a user cache dir (MINDSPEED_KERNEL_CACHE overrides
-it, default ~/.cache/mindspeed/torch_extensions/torch-<version>). When no compiler or ninja is
+Built once per (torch version, source) into MindSpeed's cache root (mindspeed/files.py:
+~/.cache/mindspeed/torch_extensions/torch-<version> unless $MINDSPEED_CACHE_DIR moves it). When no compiler or ninja is
 available the build is skipped, one log line says so, and callers use the pure-PyTorch kernels.
 MINDSPEED_DISABLE_CPP_KERNELS=1 skips the build on purpose.
 """
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from mindspeed.files import cache_path
+
 log = logging.getLogger("mindspeed.kernels")
 _SOURCE = Path(__file__).with_name("fused_cpu.cpp")
 _LIB_NAME = "mindspeed_fused_cpu"
@@ -22,9 +24,7 @@ _state: dict = {}
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MINDSPEED_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mindspeed", "torch_extensions")
-    path = Path(root) / f"torch-{torch.__version__.split('+')[0]}"
+    path = Path(cache_path("torch_extensions")) / f"torch-{torch.__version__.split('+')[0]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
