@@ -236,6 +236,19 @@ class DispatchKernels(KernelsAPI):
     del _name
 
 
+class TensorAPI(ABC):
+    """The tensor operations features need beyond the methods torch and MindSpore tensors share
+    (shape, reshape, slicing, arithmetic): joining and splitting, differentiable, no extra copies."""
+
+    @abstractmethod
+    def cat(self, tensors: Sequence, dim: int = 0):
+        """The tensors joined along `dim` (other dims equal)."""
+
+    @abstractmethod
+    def split(self, tensor, sizes: int | Sequence[int], dim: int = 0) -> list:
+        """Views of `tensor` along `dim`: pieces of `sizes` each (an int) or of the listed sizes."""
+
+
 class AutogradAPI(ABC):
     @abstractmethod
     def custom_op(self, forward: Callable, backward: Callable) -> Callable:
@@ -278,6 +291,7 @@ class Backend(ABC):
     device: DeviceAPI
     comm: CommAPI
     kernels: KernelsAPI
+    tensors: TensorAPI
     autograd: AutogradAPI
     memory: MemoryAPI
 

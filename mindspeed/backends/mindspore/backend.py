@@ -17,10 +17,12 @@ class MindSporeBackend(Backend):
         from mindspeed.backends.mindspore.device import MsDevice
         from mindspeed.backends.mindspore.kernels import MsKernels
         from mindspeed.backends.mindspore.memory import MsMemory
+        from mindspeed.backends.mindspore.tensors import MsTensors
         device_name = select_device(device)
         self.device = MsDevice(device_name)
         self.comm = MsComm(device_name)
         self.kernels = MsKernels(device_name)
+        self.tensors = MsTensors()
         self.autograd = MsAutograd()
         self.memory = MsMemory(device_name)
 

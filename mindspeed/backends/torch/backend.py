@@ -7,6 +7,7 @@ from mindspeed.backends.torch.comm import TorchComm
 from mindspeed.backends.torch.device import TorchDevice, select_device
 from mindspeed.backends.torch.kernels import TorchKernels
 from mindspeed.backends.torch.memory import TorchAutograd, TorchMemory
+from mindspeed.backends.torch.tensors import TorchTensors
 
 
 class TorchBackend(Backend):
@@ -17,6 +18,7 @@ class TorchBackend(Backend):
         self.device = TorchDevice(device_name)
         self.comm = TorchComm()
         self.kernels = TorchKernels(device_name)
+        self.tensors = TorchTensors()
         self.autograd = TorchAutograd()
         self.memory = TorchMemory(device_name)
 

@@ -19,7 +19,6 @@ Double ring (window w > 1): blocks circle inside windows of w ranks, then hop to
 from __future__ import annotations
 
 from mindspeed.backends import get_backend
-from mindspeed.features.context_parallel.tensor_ops import join_seq
 from mindspeed.features.fused.ring_attention_update import merge_function
 
 
@@ -145,4 +144,4 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
                 incoming = hop.start(k, v)
             hop.wait()
             k, v = incoming
-    return join_seq(first[0], second[0]).to(q.dtype)
+    return backend.tensors.cat([first[0], second[0]], 0).to(q.dtype)
