@@ -42,16 +42,11 @@ def open_checkpoint(root: str):
     load: torch_dist when the directory holds one (it keeps the parameters' dtype), else the
     MindSpore trainer's neutral safetensors."""
     from mindspeed.training import checkpointing
-    from mindspeed.training.mindspore import neutral_format
     try:
-        return TorchDistReader(iteration_dir(root, checkpointing.read_tracker(root)))
-    except CheckpointError as torch_dist_err:
-        try:
-            return NeutralReader(neutral_format.resolve(root))
-        except CheckpointError as neutral_err:
-            # a neutral-only checkpoint: its own problem is the one to tell
-            neutral_only = "neutral safetensors checkpoint" in str(torch_dist_err)
-            raise ConvertError(str(neutral_err if neutral_only else torch_dist_err)) from None
+        directory = iteration_dir(root, checkpointing.read_tracker(root))   # checks either format
+    except CheckpointError as err:
+        raise ConvertError(str(err)) from None
+    return NeutralReader(directory) if checkpointing.is_neutral(directory) else TorchDistReader(directory)
 
 
 class TorchDistReader:

@@ -106,16 +106,21 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+def is_neutral(directory: str) -> bool:
+    """The MindSpore trainer's framework-neutral safetensors checkpoint, not a torch_dist one."""
+    return os.path.isfile(os.path.join(directory, "model.safetensors")) and \
+        not os.path.isfile(os.path.join(directory, INDEX_FILE))
+
+
 def check_iteration(directory: str) -> str | None:
     """None when every file of the torch_dist checkpoint in `directory` is present and as long as
     its index says; else the problem, naming the file (one phrase). Reads only the small files
     (metadata.json, common.pt, .metadata) and the sizes of the shard files."""
     if not os.path.isdir(directory):
         return f"{directory} is missing"
-    if os.path.isfile(os.path.join(directory, "model.safetensors")) and \
-            not os.path.isfile(os.path.join(directory, INDEX_FILE)):
-        return (f"{directory} holds a neutral safetensors checkpoint (written by --backend mindspore), "
-                "not a torch_dist one")
+    if is_neutral(directory):      # written by the MindSpore trainer: loads through cross_format
+        from mindspeed.training.mindspore import neutral_format
+        return neutral_format.check_iteration(directory)
     for name in (FORMAT_FILE, COMMON_FILE, INDEX_FILE):
         if not os.path.isfile(os.path.join(directory, name)):
             return f"{os.path.join(directory, name)} is missing"
@@ -263,18 +268,25 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool = True,
-                    finetune: bool = False, step: int | None = None) -> tuple[int, int]:
-    """Load into chunks/optimizer/scheduler in place; return (iteration, consumed samples)."""
+                    finetune: bool = False, step: int | None = None,
+                    vocab_size: int | None = None) -> tuple[int, int]:
+    """Load into chunks/optimizer/scheduler in place; return (iteration, consumed samples).
+    A neutral checkpoint (the MindSpore trainer's) loads too (cross_format; vocab_size: the real
+    vocabulary, below which no row is dropped when the TP padding differs)."""
     iteration = read_tracker(root, step)
     path = iteration_dir(root, iteration)
     use_optim = load_optim and not finetune
     state = _sharded_state(chunks, optimizer if use_optim else None, is_loading=True)
     if not finetune:
         state.update(iteration=0, consumed_train_samples=0, opt_param_scheduler={}, checkpoint_version=0.0)
-    try:
-        loaded = dist_checkpointing.load(state, path)
-    except (Exception, CheckpointException) as err:   # CheckpointException is a BaseException
-        raise _load_failure(root, iteration, err) from None
+    if is_neutral(path):
+        from mindspeed.training import cross_format
+        loaded = cross_format.fill_from_neutral(state, path, vocab_size or 0)
+    else:
+        try:
+            loaded = dist_checkpointing.load(state, path)
+        except (Exception, CheckpointException) as err:   # CheckpointException is a BaseException
+            raise _load_failure(root, iteration, err) from None
     try:
         with torch.no_grad():   # main params are views of the model's parameters
             for key, chunk in zip(_model_keys(chunks), chunks):
@@ -286,8 +298,12 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
         raise CheckpointError(f"checkpoint {path} does not fit this model: {_describe(err)}") from None
     if finetune:
         return 0, 0
-    scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    return int(loaded["iteration"]), int(loaded["consumed_train_samples"])
+    consumed = int(loaded["consumed_train_samples"])
+    if loaded.get("opt_param_scheduler"):
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    else:                      # a neutral checkpoint keeps no schedule: this run's, at the samples consumed
+        scheduler.step(increment=consumed)
+    return int(loaded["iteration"]), consumed
 
 
 def _load_failure(root: str, iteration: int, err: BaseException) -> CheckpointError:

@@ -1,7 +1,8 @@
 """train_distributed_ms.sh end to end: msrun -> pretrain_gpt.py --backend mindspore on 2 processes
 (TP=2) with a tiny GPT on a tiny dataset: the loss falls, a checkpoint is written, and resuming
 from the middle checkpoint reproduces the uninterrupted run's losses; a checkpoint cut short is
-refused by every worker with one line."""
+refused by every worker with one line; the checkpoint crosses to the torch trainer's launch script
+and back without losing a bit."""
 import json
 import os
 import random
@@ -17,6 +18,7 @@ pytest.importorskip("mindspore")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed_ms.sh")
+TORCH_SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
 TINY = dict(NUM_LAYERS="1", HIDDEN_SIZE="32", NUM_HEADS="4", SEQ_LENGTH="32", MICRO_BATCH="4",
             GLOBAL_BATCH="4", TRAIN_ITERS="8", LR="1e-2", MIN_LR="1e-3", WARMUP_ITERS="1",
             LOG_INTERVAL="2", EVAL_INTERVAL="100", EVAL_ITERS="1", SPLIT="90,10,0")
@@ -44,16 +46,16 @@ def tiny_dataset(tmp_path_factory):
     return prefix
 
 
-def launch(tmp_path, name, extra_env, args=(), timeout=420):
+def launch(tmp_path, name, extra_env, args=(), timeout=420, script=SCRIPT):
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), LOG_DIR=str(tmp_path / f"{name}_logs"),
                **TINY, **extra_env)
-    return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run(["bash", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
-def run_script(tmp_path, name, extra_env, args=(), timeout=420):
+def run_script(tmp_path, name, extra_env, args=(), timeout=420, script=SCRIPT):
     loss_file = tmp_path / f"{name}.jsonl"
-    r = launch(tmp_path, name, extra_env, ["--log-loss-file", str(loss_file), *args], timeout)
+    r = launch(tmp_path, name, extra_env, ["--log-loss-file", str(loss_file), *args], timeout, script)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     losses = {}
     for line in loss_file.read_text().splitlines():
@@ -62,12 +64,20 @@ def run_script(tmp_path, name, extra_env, args=(), timeout=420):
     return r.stdout, losses
 
 
-def test_train_save_and_resume(tmp_path, tiny_dataset):
-    """Also: with the step-8 model file cut short, a resume stops both workers with the same single
-    line naming the file and iteration 4 with its flag, changes nothing, and that flag resumes."""
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_dataset):
+    """8 iterations on 2 msrun workers (TP=2), checkpoints at 4 and 8."""
+    tmp_path = tmp_path_factory.mktemp("full")
     ckpt = tmp_path / "ckpt"
     out, full = run_script(tmp_path, "full", dict(DATA_PATH=tiny_dataset, CKPT_DIR=str(ckpt), SAVE_INTERVAL="4"),
                            ["--op-cal-tflops", "--npu-deterministic"])
+    return ckpt, out, full
+
+
+def test_train_save_and_resume(tmp_path, tiny_dataset, full_run):
+    """Also: with the step-8 model file cut short, a resume stops both workers with the same single
+    line naming the file and iteration 4 with its flag, changes nothing, and that flag resumes."""
+    ckpt, out, full = full_run
     assert "iteration        8/       8" in out and "lm loss:" in out and "validation loss" in out
     _assert_tflops_and_mfu(out)
     assert sorted(full) == list(range(1, 9))
@@ -100,6 +110,27 @@ def test_train_save_and_resume(tmp_path, tiny_dataset):
     for it in resumed:       # --npu-deterministic: the resumed steps repeat the uninterrupted ones bit for bit
         assert resumed[it] == full[it]
     assert snapshot(ckpt) == before
+
+
+def test_checkpoint_crosses_to_torch_and_back_bit_for_bit(tmp_path, tiny_dataset, full_run):
+    """MindSpore's step-4 checkpoint -> the torch launch script loads it (weights, Adam moments and
+    step, iteration, samples) and saves it again as torch_dist -> the MindSpore script resumes from
+    that and repeats the uninterrupted run's steps 5-8 bit for bit (same TP=2 on both sides, so the
+    padded vocabulary is the same model)."""
+    ms_ckpt, _, full = full_run
+    torch_ckpt = tmp_path / "torch_ckpt"
+    out = launch(tmp_path, "torch", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ms_ckpt), CKPT_DIR=str(torch_ckpt),
+                                          TRAIN_ITERS="4", EVAL_ITERS="0"), ["--ckpt-step", "4"], script=TORCH_SCRIPT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"loaded checkpoint {ms_ckpt} at iteration 4" in out.stdout
+    assert (torch_ckpt / "iter_0000004" / ".metadata").is_file()            # torch_dist, not a copy
+    assert not (torch_ckpt / "iter_0000004" / "model.safetensors").exists()
+    out, resumed = run_script(tmp_path, "back", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(torch_ckpt)),
+                              ["--npu-deterministic"])
+    assert f"loaded checkpoint {torch_ckpt / 'iter_0000004'} at iteration 4" in out
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for it in resumed:
+        assert resumed[it] == full[it], (it, resumed[it], full[it])
 
 
 def _assert_tflops_and_mfu(output):

@@ -36,6 +36,20 @@ def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -
     backend.comm.barrier()
 
 
+def _fit_vocab(model, arrays: dict | None, directory: str) -> dict | None:
+    """The torch side pads the vocabulary for its TP size: add or drop padding rows for this one."""
+    if arrays is None:
+        return None
+    from mindspeed.training.cross_format import fit_vocab_rows
+    shapes = model.cfg.full_shapes()
+    out = {}
+    for key, value in arrays.items():
+        name = key.split("/", 1)[-1]
+        rows = shapes[name][0] if name in shapes else value.shape[0]
+        out[key] = fit_vocab_rows(name, value, rows, model.cfg.vocab_size, f"checkpoint {directory}")
+    return out
+
+
 def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step: int | None = None) -> dict:
     """Load weights (and the optimizer moments when present and wanted) from the checkpoint root
     or iteration directory `path` (iteration `step` of a root when given); returns meta.
@@ -43,7 +57,13 @@ def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step:
     Every rank reads and checks the files itself, with no collective on the way, so a checkpoint
     that cannot be read (neutral_format.check_iteration) stops every rank with the same one-line
     CheckpointError and no rank is left waiting for the others."""
-    full, moments, meta = nf.load(path, step)
+    directory = nf.resolve(path, step)
+    if nf.is_torch_dist(directory):      # the torch trainer's checkpoint, renamed to the neutral names
+        from mindspeed.training import cross_format
+        full, moments, meta = cross_format.neutral_from_torch_dist(directory, optimizer is not None and load_optimizer)
+        full, moments = _fit_vocab(model, full, directory), _fit_vocab(model, moments, directory)
+    else:
+        full, moments, meta = nf.load(directory)
     try:
         model.load_full(full)
         if optimizer is not None and load_optimizer and moments is not None:

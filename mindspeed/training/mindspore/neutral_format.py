@@ -149,14 +149,22 @@ def check_safetensors(path: str) -> str | None:
     return None
 
 
+def is_torch_dist(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, ".metadata")) and not os.path.exists(os.path.join(directory, MODEL_FILE))
+
+
 def check_iteration(directory: str) -> str | None:
     """None when the neutral checkpoint in `directory` can be read (model, optimizer when present,
     meta.json); else the problem, naming the file."""
     if not os.path.isdir(directory):
         return f"{directory} is missing"
-    if os.path.isfile(os.path.join(directory, ".metadata")) and not os.path.exists(os.path.join(directory, MODEL_FILE)):
-        return (f"{directory} holds a torch_dist checkpoint (written by --backend torch), not a neutral "
-                "safetensors one")
+    if is_torch_dist(directory):      # written by the torch trainer: loads through cross_format
+        try:
+            from mindspeed.training import checkpointing
+        except ImportError:
+            return (f"{directory} holds a torch_dist checkpoint (written by --backend torch); reading it needs "
+                    "torch and megatron-core installed")
+        return checkpointing.check_iteration(directory)
     problem = check_safetensors(os.path.join(directory, MODEL_FILE))
     if problem:
         return problem

@@ -209,12 +209,14 @@ def _train(args, backend, ps, logger) -> dict:
         hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
         start = time.perf_counter()
         batches = data.micro_batches_for_step(train, consumed, a, ps.dp_rank, ps.dp_size)
-        loss, grad_norm, lr = trainer.train_step(batches, iteration + 1)
+        loss, grad_norm, _lr = trainer.train_step(batches, iteration + 1)
         elapsed = time.perf_counter() - start
         iteration += 1
         consumed += a.global_batch_size
         hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
-        steps.record(iteration, loss, elapsed, consumed=consumed, lr=lambda: lr, grad_norm=grad_norm,
+        # the lr after the step, as Megatron (and the torch trainer) logs it
+        steps.record(iteration, loss, elapsed, consumed=consumed, lr=lambda it=iteration: trainer.lr_at(it),
+                     grad_norm=grad_norm,
                      peak_mem_mb=lambda: backend.memory.peak_memory_bytes() / 2**20)
         if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at and valid is not None:
             valid_loss = trainer.evaluate(eval_batches())
