@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from mindspeed.data.indexed import DataError
+from mindspeed.data.errors import DataError
 from mindspeed.data.templates import ASSISTANT, USER, get_template
 
 IGNORE_INDEX = -100

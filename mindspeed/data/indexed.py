@@ -15,9 +15,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import (DType, IndexedDataset, IndexedDatasetBuilder,
                                                     get_bin_path, get_idx_path)
 
-
-class DataError(ValueError):
-    """Missing, truncated or corrupt dataset files."""
+from mindspeed.data.errors import DataError  # noqa: F401  (re-exported: callers import it from here too)
 
 
 def token_dtype(vocab_size: int):

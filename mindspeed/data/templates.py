@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from mindspeed.data.indexed import DataError
+from mindspeed.data.errors import DataError
 
 BOS, EOS = "<bos>", "<eos>"      # markers in a format: the tokenizer's (or the template's) special ids
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"

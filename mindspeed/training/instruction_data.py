@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from mindspeed.data.handlers import IGNORE_INDEX
-from mindspeed.data.indexed import DataError
+from mindspeed.data.errors import DataError
 from mindspeed.training.mindspore import data as ms_data
 
 COMPONENTS = ("input_ids", "labels")

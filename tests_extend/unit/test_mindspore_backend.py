@@ -51,6 +51,28 @@ def test_framework_free_modules_do_not_import_mindspore():
     assert r.stdout.strip() == "False"
 
 
+_BLOCK_TORCH = """
+import runpy, sys
+class Block:   # a MindSpore-only install: neither torch nor Megatron-Core can be imported
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "megatron"):
+            raise ImportError("no module named " + name)
+sys.meta_path.insert(0, Block())
+sys.argv = ["pretrain_gpt.py"] + {argv!r}
+runpy.run_path("tests_extend/example/pretrain_gpt.py", run_name="__main__")
+"""
+
+
+def test_mindspore_trainer_runs_without_torch_or_megatron():
+    """The MindSpore trainer (parsing, gate, data, model, a step) needs neither torch nor Megatron-Core."""
+    argv = ["--backend", "mindspore", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--eval-iters", "0", "--mock-data"]
+    r = _python(_BLOCK_TORCH.format(argv=argv), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "iteration        1/       1" in r.stdout and "lm loss:" in r.stdout
+
+
 # -- MSAdapter detection ------------------------------------------------------------------------------
 def _fake_msadapter(tmp_path):
     """An MSAdapter-style checkout: MSAdapter/mindtorch/torch/__init__.py built on MindSpore."""
