@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
                       formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("input data")
     g.add_argument("--input", nargs="+", default=None,
-                   help="files, directories or globs: .json/.jsonl/.parquet/.txt (character-level mode: "
+                   help="files, directories or globs: .json/.jsonl/.parquet/.arrow/.csv/.txt (character-level mode: "
                         ".txt/.json/.jsonl); omit for the bundled Shakespeare corpus")
     g.add_argument("--handler-name", default=None,
                    help="GeneralPretrainHandler (default with a Hugging Face tokenizer), "

@@ -1,4 +1,5 @@
-"""Input files -> records (dicts): JSON arrays, JSON lines, parquet tables, text lines.
+"""Input files -> records (dicts): JSON arrays, JSON lines, parquet tables, Arrow files (as Hugging
+Face `datasets` caches them), CSV rows (a header line names the fields), text lines.
 
 `--input` takes files, directories (every supported file below them) and globs. Each record keeps
 its origin (`file:line` or `file:row`) so a refusal can say where the bad record is.
@@ -13,7 +14,7 @@ from typing import Iterator, Sequence
 from mindspeed.data.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
-RECORD_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt")
+RECORD_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt")
 
 
 def expand_inputs(inputs: Sequence[str], suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[str]:
@@ -85,6 +86,45 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, object]]:
             row += 1
 
 
+def _arrow_rows(path: str) -> Iterator[tuple[str, object]]:
+    """An Arrow IPC stream (what `datasets` writes to its cache) or an Arrow IPC file."""
+    try:
+        import pyarrow as pa
+    except ImportError as err:
+        raise DataError(f"{path}: reading Arrow files needs pyarrow (pip install -e \".[data]\")") from err
+    try:
+        with pa.memory_map(path) as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = pa.ipc.open_file(source).read_all()
+    except Exception as err:   # ArrowInvalid / OSError for damaged files
+        raise DataError(f"{path}: not a readable Arrow file ({err})") from err
+    row = 0
+    for batch in table.to_batches(max_chunksize=1024):
+        for record in batch.to_pylist():
+            yield f"{path}:row {row}", record
+            row += 1
+
+
+def _csv_rows(path: str) -> Iterator[tuple[str, object]]:
+    """One record per row, keyed by the header line's names (values are strings)."""
+    import csv
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        if not reader.fieldnames:
+            raise DataError(f"{path}: a CSV input needs a header line naming its fields")
+        try:
+            for record in reader:
+                if None in record:     # more values than the header names
+                    raise DataError(f"{path}:{reader.line_num}: {len(record[None])} more values than the "
+                                    f"header's {len(reader.fieldnames)} fields")
+                yield f"{path}:{reader.line_num}", record
+        except csv.Error as err:
+            raise DataError(f"{path}:{reader.line_num}: not valid CSV ({err})") from err
+
+
 def _text_lines(path: str, key: str) -> Iterator[tuple[str, object]]:
     """One record per non-empty line, under `key` (Hugging Face `datasets`' text loader)."""
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -98,6 +138,10 @@ def read_records(path: str, text_key: str = "text") -> Iterator[tuple[str, dict]
     """(origin, record) pairs of one file; anything that is not a JSON object is refused."""
     if path.endswith(".parquet"):
         rows = _parquet_rows(path)
+    elif path.endswith(".arrow"):
+        rows = _arrow_rows(path)
+    elif path.endswith(".csv"):
+        rows = _csv_rows(path)
     elif path.endswith(".jsonl"):
         rows = _json_lines(path)
     elif path.endswith(".json"):

@@ -114,7 +114,7 @@ def test_sharegpt_multi_turn_with_the_tokenizers_chat_template(tok_dir, tok, tmp
     assert labels.tolist() == [IGNORE_INDEX] * len(first) + replies[0] + [IGNORE_INDEX] * len(second) + replies[1]
 
 
-def test_pretrain_handler_reads_parquet_json_and_text_with_several_keys(tok_dir, tok, tmp_path):
+def test_pretrain_handler_reads_parquet_json_csv_arrow_and_text_with_several_keys(tok_dir, tok, tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
     rows = [{"text": "say hello", "title": "the cat"}, {"text": "blue is a colour", "title": "red"}]
@@ -126,6 +126,22 @@ def test_pretrain_handler_reads_parquet_json_and_text_with_several_keys(tok_dir,
     for key in ("text", "title"):
         expected = [tok.encode(r[key]) + [tok.eod] for r in rows + rows[::-1]]
         assert [d.tolist() for d in _docs(f"{prefix}_{key}_document")] == expected
+    os.makedirs(tmp_path / "hf")                 # a CSV with a header, an Arrow stream as `datasets` caches it
+    (tmp_path / "hf" / "a.csv").write_text('text,title\n"say hello","the cat"\n')
+    with pa.OSFile(str(tmp_path / "hf" / "b.arrow"), "wb") as sink:
+        table = pa.Table.from_pylist(rows[1:])
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    _run(tok_dir, str(tmp_path / "hf"), str(tmp_path / "hf_out"), "--json-keys", "text", "title")
+    for key in ("text", "title"):
+        assert [d.tolist() for d in _docs(str(tmp_path / f"hf_out_{key}_document"))] == [tok.encode(r[key]) for r in rows]
+    (tmp_path / "bad.csv").write_text("text\nok\none,two\n")
+    from mindspeed.data.__main__ import main
+    capsys.readouterr()
+    rc = main(["--input", str(tmp_path / "bad.csv"), "--tokenizer-name-or-path", tok_dir,
+               "--output-prefix", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "bad.csv:3: 1 more values than the header's 1 fields" in err, err
     (tmp_path / "c.txt").write_text("say hello\n\nthe cat\n")                   # one record per line
     _run(tok_dir, str(tmp_path / "*.txt"), str(tmp_path / "txt"))
     assert [d.tolist() for d in _docs(str(tmp_path / "txt_text_document"))] == [tok.encode("say hello"),
