@@ -88,10 +88,12 @@ def test_tracker_and_step_errors_name_a_readable_iteration(root):
     assert f"pass the checkpoint root: --load {root} --ckpt-step 8" in message
 
 
-def test_a_torch_dist_checkpoint_is_named_as_such(tmp_path):
+def test_a_torch_dist_checkpoint_is_checked_as_one(tmp_path):
+    """The MindSpore trainer loads the torch trainer's checkpoints (cross_format): a damaged one is
+    refused by the torch_dist checks, naming the missing file."""
     it = tmp_path / "iter_0000002"
     it.mkdir()
     (it / ".metadata").write_bytes(b"")
     (tmp_path / nf.TRACKER_FILE).write_text("2")
-    assert "holds a torch_dist checkpoint (written by --backend torch)" in _refused(str(tmp_path))
+    assert f"cannot be read: {it / 'metadata.json'} is missing; no readable checkpoint is left" in _refused(str(tmp_path))
 
