@@ -335,12 +335,12 @@ def test_each_kind_of_damage_is_named_in_one_line(saved_run, tmp_path):
     message = str(ck._load_failure(root, 8, failure))
     assert f"{shard} is corrupt: tensor" in message and "--ckpt-step 4" in message and "\n" not in message
 
-    # a MindSpore (neutral safetensors) checkpoint given to the torch trainer
+    # a MindSpore (neutral safetensors) checkpoint given to the torch trainer is checked as one
     neutral = tmp_path / "neutral"
     (neutral / "iter_0000002").mkdir(parents=True)
     (neutral / "iter_0000002" / "model.safetensors").write_bytes(b"")
     (neutral / ck.TRACKER).write_text("2")
-    assert "holds a neutral safetensors checkpoint (written by --backend mindspore)" in refused(str(neutral))
+    assert f"{neutral}/iter_0000002/model.safetensors is truncated (0 bytes" in refused(str(neutral))
 
     # an intact checkpoint that does not fit the model: the first rank's reason, one line
     failure = CheckpointException("read", {1: (ValueError("shape\nmismatch"), None), 0: (KeyError("w"), None)})
