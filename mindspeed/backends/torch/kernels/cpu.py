@@ -6,8 +6,12 @@
 - attention: torch's CPU flash-attention kernel (O(s) memory, returns logsumexp) behind a custom
   autograd.Function whose backward also carries the gradient of the softmax statistics, so ring
   attention can differentiate through ring_attention_update.
+- gmm: each group's GEMM writes into its rows of one output, backward likewise (no concatenation,
+  no full-size zero weight gradient per group as the reference's autograd builds).
+- moe_permute / moe_unpermute: the scatter-adds (unpermute forward, permute backward) become
+  embedding_bag gather-sums, one parallel pass per token with no zero-filled buffer.
 - not here: matmul_add_fp32 as one in-place addmm measured ~1.06x the reference (GEMM-bound),
-  so the reference serves it; gmm, permute and ring_attention_update likewise.
+  so the reference serves it; ring_attention_update likewise.
 Semantics are those of reference.py; tests compare both, forward and backward.
 """
 from __future__ import annotations
