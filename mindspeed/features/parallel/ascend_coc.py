@@ -42,8 +42,9 @@ class AscendCoc(Feature):
              switch("--coc-fused-kernel", "Ascend's fused matmul+collective kernels (refused: none here)"))
     requires = (Cap.ASYNC_COMM, Cap.MEGATRON_CORE)
     backends = ("torch",)
-    unsupported = {"mindspore": "the MindSpore GPT's tensor-parallel layers have no CoC hook, and MindSpore "
-                                "2.10's CPU collectives are synchronous (no work handle to overlap)"}
+    unsupported = {"mindspore": "the MindSpore GPT's tensor-parallel layers have no CoC hook yet, and MsComm's "
+                                "async collectives are the synchronous defaults (MindSpore's async_op on CPU "
+                                "is not wired in nor measured)"}
     alternatives = "leave it off: Megatron's tensor-parallel layers communicate after each GEMM"
     example = ("--use-ascend-coc", "--coc-parallel-num", "2", "--tensor-model-parallel-size", "2")
     example_world = 2
