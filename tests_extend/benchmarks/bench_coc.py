@@ -11,7 +11,10 @@ Per configuration: the median of --steps steps on rank 0 after a warm-up, a barr
 step. One thread per process (so the two ranks use the machine's two cores). The load average is
 printed with the figures: the machine is shared.
 
-    python tests_extend/benchmarks/bench_coc.py [--seq 2048] [--hidden 1024] [--ffn 1024] [--steps 10]
+    python tests_extend/benchmarks/bench_coc.py [--seq 4096] [--hidden 1024] [--ffn 256] [--steps 10]
+
+The default shapes keep communication and compute of the same order (a thin FFN), where overlap
+has something to win.
 """
 from __future__ import annotations
 
@@ -104,9 +107,9 @@ def _body(rank, world_size, seq, hidden, ffn, steps):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
