@@ -5,6 +5,7 @@
   outputs and every gradient equal the non-overlapped layers' within 1e-6 (fp32). Each rank's
   input rows differ, so a chunk written to the wrong offset or reduced in the wrong order shows.
 * the layers really went through the CoC path (call counts), and not without the flag;
+* unadapt() gives Megatron its own layer methods back;
 * the built-in trainer at TP=2 with sequence parallelism: 3 steps give the same losses.
 """
 import json
@@ -66,6 +67,8 @@ def _body(rank, world_size, tmp):
     from mindspeed.training.arguments import parse_args
     from mindspeed.training.pretrain import run
     out, t0 = {}, time.monotonic()
+    from megatron.core.tensor_parallel import layers
+    originals = (layers.ColumnParallelLinear.__dict__["_forward_impl"], layers.RowParallelLinear.__dict__["forward"])
     for sp in (False, True):
         coc_megatron.CALLS.update(column=0, row=0)
         mindspeed.adapt(parse_args(TP2 + ["--mock-data"]))
@@ -82,6 +85,8 @@ def _body(rank, world_size, tmp):
             finally:
                 mindspeed.unadapt()
             out[f"sp{sp}/{name}/calls"] = dict(coc_megatron.CALLS)
+            out[f"sp{sp}/{name}/restored"] = (layers.ColumnParallelLinear.__dict__["_forward_impl"],
+                                              layers.RowParallelLinear.__dict__["forward"]) == originals
             out[f"sp{sp}/{name}/diff"] = [float((a - b).abs().max() / (b.abs().max() + 1e-30)) for a, b in zip(got, ref)]
             out[f"sp{sp}/{name}/shapes"] = [tuple(a.shape) == tuple(b.shape) for a, b in zip(got, ref)]
     out["layer-seconds"] = time.monotonic() - t0
@@ -125,6 +130,10 @@ def test_layers_go_through_coc_only_with_the_flag(runs, sp):
     assert runs[0][f"sp{sp}/calls-without"] == {"column": 0, "row": 0}
     for mode in COC:
         assert runs[0][f"sp{sp}/{mode}/calls"] == {"column": 1, "row": 1}
+
+
+def test_unadapt_restores_megatrons_layers(runs):
+    assert all(runs[0][f"sp{sp}/{mode}/restored"] for sp in (False, True) for mode in COC)
 
 
 def test_training_losses_equal_without_overlap(runs):
