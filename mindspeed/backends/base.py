@@ -45,7 +45,7 @@ class Cap:
     MATMUL_ADD_FP32 = "kernel.matmul_add_fp32"
     MOE_PERMUTE = "kernel.moe_permute"
     DROPOUT_ADD_LAYER_NORM = "kernel.dropout_add_layer_norm"
-    COC = "kernel.coc"                      # matmul + collective overlap (Ascend only)
+    ASYNC_COMM = "comm.async"               # collectives that run while the caller computes
     # autograd and memory
     CUSTOM_OP = "autograd.custom_op"
     RECOMPUTE = "memory.recompute"
@@ -133,6 +133,34 @@ class CommAPI(ABC):
 
     @abstractmethod
     def reduce_scatter_autograd(self, tensor, dim: int = 0, group=None): ...
+
+    # asynchronous variants (Cap.ASYNC_COMM): start the collective and return a handle at once;
+    # handle.wait() returns what the synchronous call would. The caller computes in between; the
+    # input must not change before wait(). The defaults run the collective synchronously (a
+    # completed handle): same result, nothing overlapped. Declare Cap.ASYNC_COMM emulated then.
+    def all_reduce_async(self, tensor, op: str = "sum", group=None) -> "CommHandle":
+        return Completed(self.all_reduce(tensor, op, group))
+
+    def all_gather_async(self, tensor, dim: int = 0, group=None) -> "CommHandle":
+        return Completed(self.all_gather(tensor, dim, group))
+
+    def reduce_scatter_async(self, tensor, dim: int = 0, group=None) -> "CommHandle":
+        return Completed(self.reduce_scatter(tensor, dim, group))
+
+
+class CommHandle(ABC):
+    """An asynchronous collective in flight; wait() blocks until it is done and returns its result."""
+
+    @abstractmethod
+    def wait(self): ...
+
+
+class Completed(CommHandle):
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
 
 
 class KernelsAPI(ABC):

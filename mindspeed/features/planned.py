@@ -74,9 +74,6 @@ planned("tp-2d", PARALLEL, "not scheduled", "2-D tensor parallelism",
         on("--tp-2d"), value("--tp-x", int), value("--tp-y", int))
 planned("multiparameter-pipeline", PARALLEL, "not scheduled", "pipeline stages passing several tensors",
         on("--use-multiparameter-pipeline-model-parallel"))
-planned("ascend-coc", FUSED, "issue 13", "tensor-parallel GEMMs overlapped chunk by chunk with communication",
-        on("--use-ascend-coc"), value("--coc-mode", int), value("--coc-parallel-num", int),
-        on("--coc-fused-kernel"))
 planned("ascend-mc2", FUSED, "not scheduled", "Ascend MC2 fused matmul + collective", on("--use-ascend-mc2"))
 planned("fusion-attn-v2", FUSED, "not scheduled", "fusion attention v2 (Ascend)", on("--use-fusion-attn-v2"))
 planned("alibi", FUSED, "not scheduled", "ALiBi position bias in the fused attention",

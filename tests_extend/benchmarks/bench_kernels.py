@@ -118,17 +118,34 @@ def bench_others(args, copy_bw):
     row(f"matmul_add_fp32 [{tokens},{k_in}]x[{tokens},{n_out}] (addmm_)", 0, ref_t, fast_t, "skipped", copy_bw)
     xg, w = torch.randn(4096, 1024), torch.randn(8, 1024, 512)
     sizes = [1024, 0, 512, 512, 1024, 0, 512, 512]
-    row("gmm [4096,1024]x8x[1024,512] (ref only)", 0,
-        best_time(fwd_bwd(lambda x, w: R.gmm(x, w, sizes, 1), [xg, w]), args.reps), None, "skipped", copy_bw)
+    row("gmm [4096,1024]x8x[1024,512] (in-place GEMMs)", 0,
+        best_time(fwd_bwd(lambda x, w: R.gmm(x, w, sizes, 1), [xg, w]), args.reps),
+        best_time(fwd_bwd(lambda x, w: C.gmm(x, w, sizes, 1), [xg, w]), args.reps), "skipped", copy_bw)
+    out, dx, dw, dy = torch.empty(4096, 512), torch.empty(4096, 1024), torch.empty(8, 1024, 512), torch.ones(4096, 512)
+
+    def gemms_alone():      # the ceiling of any gmm: its 3 GEMMs per group, no autograd, no copies
+        a = 0
+        for g, n in enumerate(sizes):
+            if n:
+                torch.mm(xg[a:a + n], w[g], out=out[a:a + n])
+                torch.mm(dy[a:a + n], w[g].t(), out=dx[a:a + n])
+                torch.mm(xg[a:a + n].t(), dy[a:a + n], out=dw[g])
+            a += n
+    row("gmm: its GEMMs alone (ceiling)", 0,
+        best_time(fwd_bwd(lambda x, w: R.gmm(x, w, sizes, 1), [xg, w]), args.reps),
+        best_time(gemms_alone, args.reps), "skipped", copy_bw)
     tok = torch.randn(4096, 1024)
     routing = torch.zeros(4096, 8, dtype=torch.bool)
     routing[torch.arange(4096)[:, None], torch.randint(0, 8, (4096, 2))] = True
 
-    def permute_roundtrip(t):
-        p, idx = R.moe_permute(t, routing)
-        return R.moe_unpermute(p, idx, None, t.shape)
-    row("moe permute+unpermute [4096,1024] E8 (ref only)", 0,
-        best_time(fwd_bwd(permute_roundtrip, [tok]), args.reps), None, "skipped", copy_bw)
+    def permute_roundtrip(kernels):
+        def fn(t):
+            p, idx = kernels.moe_permute(t, routing)
+            return kernels.moe_unpermute(p, idx, None, t.shape)
+        return fn
+    row("moe permute+unpermute [4096,1024] E8 top2", 0,
+        best_time(fwd_bwd(permute_roundtrip(R), [tok]), args.reps),
+        best_time(fwd_bwd(permute_roundtrip(C), [tok]), args.reps), "skipped", copy_bw)
 
 
 def _status_mib(key: str) -> float:
@@ -199,6 +216,8 @@ def main():
     bench_attention(args, copy_bw)
     bench_others(args, copy_bw)
     bench_attention_memory(args)
+    print(f"\nload average {tuple(round(v, 2) for v in os.getloadavg())} (1, 5, 15 min; the machine's cores: "
+          f"{os.cpu_count()})")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""CPU fast paths (fused C++ rms_norm/swiglu/rope, flash attention) against the
+"""CPU fast paths (fused C++ rms_norm/swiglu/rope, flash attention, gmm, MoE permute/unpermute) against the
 reference, forward and backward, fp32 and bf16, at docs/kernels.md tolerances."""
 import logging
 
@@ -34,7 +34,9 @@ def test_fused_cpp_kernels_build_here_and_serve_the_cpu_backend():
     kernels = TorchKernels("cpu")
     assert kernels.implementation("rms_norm") is C.rms_norm
     assert kernels.implementation("attention") is C.attention
-    assert kernels.implementation("gmm") is R.gmm          # no cpu fast path: the reference serves it
+    assert kernels.implementation("gmm") is C.gmm
+    assert kernels.implementation("moe_unpermute") is C.moe_unpermute
+    assert kernels.implementation("ring_attention_update") is R.ring_attention_update   # no cpu fast path
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -146,3 +148,44 @@ def test_missing_build_falls_back_to_pytorch_with_one_log_line(monkeypatch, capl
         "using the pure-PyTorch rms_norm/swiglu/rope"]
     torch.testing.assert_close(y1, R.rms_norm(x, g)[0])
     torch.testing.assert_close(y2, R.swiglu(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_list,kind", [([3, 0, 5, 2], 1), ([3, 3, 8, 9], 0)])   # empty group, 2 spare rows
+def test_gmm(dtype, group_list, kind):
+    x, w = _rand(12, 16, dtype=dtype), _rand(4, 16, 24, seed=1, dtype=dtype)
+    compare(lambda x, w: C.gmm(x, w, group_list, kind), lambda x, w: R.gmm(x, w, group_list, kind), [x, w], dtype)
+
+
+def _routing(tokens=10, experts=4, seed=3):
+    r = torch.rand(tokens, experts, generator=torch.Generator().manual_seed(seed)) < 0.45
+    r[0] = False                                # a token no expert takes (its row comes back zero)
+    r[1] = True                                 # and one every expert takes
+    return r
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_moe_permute_unpermute(dtype, weighted):
+    routing = _routing()
+    tokens = _rand(10, 12, dtype=dtype)
+    p_fast, idx_fast = C.moe_permute(tokens, routing)
+    p_ref, idx_ref = R.moe_permute(tokens, routing)
+    assert torch.equal(idx_fast, idx_ref) and torch.equal(p_fast, p_ref)
+    probs = _rand(int(routing.sum()), seed=2, dtype=dtype).abs()
+
+    def roundtrip(M):
+        def fn(t, *w):
+            perm, idx = M.moe_permute(t, routing)
+            return M.moe_unpermute(perm * 1.5, idx, w[0] if w else None, t.shape)
+        return fn
+    compare(roundtrip(C), roundtrip(R), [tokens, probs] if weighted else [tokens], dtype)
+
+
+def test_moe_unpermute_with_expert_probs_matches_reference():
+    """[T, E] probs with the routing map (Megatron's call) go through the reference's selection."""
+    routing, tokens = _routing(), _rand(10, 12)
+    probs = _rand(10, 4, seed=4)
+    perm, idx = R.moe_permute(tokens, routing)
+    compare(lambda p, pr: C.moe_unpermute(p, idx, pr, (10, 12), routing_map=routing),
+            lambda p, pr: R.moe_unpermute(p, idx, pr, (10, 12), routing_map=routing), [perm, probs], torch.float32)

@@ -59,7 +59,7 @@ def declared(device: str) -> dict:
         Cap.SEND_RECV: E if on_cpu else N,
         Cap.RNG_STATE: N, Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.PEAK_MEMORY: N,
         Cap.HOST_OFFLOAD: E,
-        Cap.COC: A,                      # no MindSpore matmul+collective overlap op wired in
+        Cap.ASYNC_COMM: E,               # CommAPI's synchronous defaults: correct, nothing overlapped
         Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend
         Cap.NATIVE_TRAINER: N,
         Cap.PIPELINE_PARALLEL: A, Cap.DISTRIBUTED_OPTIMIZER: A, Cap.MOE: A, Cap.PROFILER: A,

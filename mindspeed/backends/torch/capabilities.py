@@ -18,7 +18,7 @@ def declared(device: str) -> dict:
         Cap.RNG_STATE: N, Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.PEAK_MEMORY: N,
         # on cpu "host" memory is the same memory: offload is a copy, honest but no saving
         Cap.HOST_OFFLOAD: E if device == "cpu" else N,
-        Cap.COC: A,          # no chunked GEMM/collective overlap is implemented yet (--use-ascend-coc: issue 13)
+        Cap.ASYNC_COMM: N,   # gloo / nccl / hccl work handles (async_op=True)
         Cap.MEGATRON_CORE: N, Cap.NATIVE_TRAINER: A,
         Cap.PIPELINE_PARALLEL: N, Cap.DISTRIBUTED_OPTIMIZER: N, Cap.MOE: N, Cap.PROFILER: N,
     })

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mindspeed.backends.base import CommAPI
+from mindspeed.backends.base import CommAPI, CommHandle, Completed
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -21,6 +21,18 @@ class _Handles:
     def wait(self):
         for w in self.works:
             w.wait()
+
+
+class _Pending(CommHandle):
+    """A torch.distributed work handle (gloo runs it on its own thread: the caller's compute goes on);
+    `finish` turns the filled buffers into the result once the work is done."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+
+    def wait(self):
+        self.work.wait()
+        return self.finish()
 
 
 def _chunks(tensor, n, dim):
@@ -94,6 +106,33 @@ class TorchComm(CommAPI):
     def barrier(self, group=None) -> None:
         if dist.is_initialized():
             dist.barrier(group=group)
+
+    # asynchronous variants -------------------------------------------------------------------
+    def all_reduce_async(self, tensor, op="sum", group=None):
+        if op == "avg":
+            out = tensor.clone()
+            n = self.world_size(group)
+            return _Pending(dist.all_reduce(out, dist.ReduceOp.SUM, group=group, async_op=True), lambda: out / n)
+        out = tensor.clone()
+        return _Pending(dist.all_reduce(out, _OPS[op], group=group, async_op=True), lambda: out)
+
+    def all_gather_async(self, tensor, dim=0, group=None):
+        n = self.world_size(group)
+        if n == 1:
+            return Completed(tensor)
+        parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(n)]
+        work = dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True)
+        return _Pending(work, lambda: torch.cat(parts, dim=dim))
+
+    def reduce_scatter_async(self, tensor, dim=0, group=None):
+        n = self.world_size(group)
+        if n == 1:
+            return Completed(tensor)
+        if tensor.shape[dim] % n:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} does not divide by {n}")
+        parts = _chunks(tensor, n, dim)
+        out = torch.empty_like(parts[0])
+        return _Pending(dist.reduce_scatter(out, parts, group=group, async_op=True), lambda: out)
 
     # differentiable variants -----------------------------------------------------------------
     def all_to_all_autograd(self, tensor, scatter_dim, gather_dim, group=None):

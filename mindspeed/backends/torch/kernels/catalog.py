@@ -9,7 +9,8 @@ FAST_PATHS = {
     # torch_npu ops (npu.py); matmul_add_fp32 is an in-place addmm there, dropout_add_layer_norm composed
     "npu": set(KERNELS) - {"dropout_add_layer_norm"},
     "cuda": set(),         # cuda.py documents why: nothing measured there yet
-    # cpu: fused C++ (rms_norm, swiglu, rope) and torch's CPU flash attention; measured faster
-    # than the reference in tests_extend/benchmarks/bench_kernels.py. The others run the reference.
-    "cpu": {"rms_norm", "swiglu", "rope", "attention"},
+    # cpu: fused C++ (rms_norm, swiglu, rope), torch's CPU flash attention, in-place grouped GEMM,
+    # embedding-bag token permutation; measured faster than the reference in
+    # tests_extend/benchmarks/bench_kernels.py. The others run the reference.
+    "cpu": {"rms_norm", "swiglu", "rope", "attention", "gmm", "moe_permute", "moe_unpermute"},
 }

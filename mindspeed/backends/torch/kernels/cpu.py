@@ -6,8 +6,12 @@
 - attention: torch's CPU flash-attention kernel (O(s) memory, returns logsumexp) behind a custom
   autograd.Function whose backward also carries the gradient of the softmax statistics, so ring
   attention can differentiate through ring_attention_update.
+- gmm: each group's GEMM writes into its rows of one output, backward likewise (no concatenation,
+  no full-size zero weight gradient per group as the reference's autograd builds).
+- moe_permute / moe_unpermute: the scatter-adds (unpermute forward, permute backward) become
+  embedding_bag gather-sums, one parallel pass per token with no zero-filled buffer.
 - not here: matmul_add_fp32 as one in-place addmm measured ~1.06x the reference (GEMM-bound),
-  so the reference serves it; gmm, permute and ring_attention_update likewise.
+  so the reference serves it; ring_attention_update likewise.
 Semantics are those of reference.py; tests compare both, forward and backward.
 """
 from __future__ import annotations
@@ -205,3 +209,126 @@ def _attention_tnd(q, k, v, *, mask, alibi, actual_seq_qlen, actual_seq_kvlen, *
         maxes.append(mx[0].transpose(0, 1))
         sums.append(sm[0].transpose(0, 1))
     return torch.cat(outs), torch.cat(maxes), torch.cat(sums)
+
+
+# -- gmm -------------------------------------------------------------------------------------------
+class _Gmm(torch.autograd.Function):
+    """Each group's GEMM writes straight into its rows of one output (no per-group results to
+    concatenate) and backward writes dx rows and dweight[g] in place; the reference's autograd
+    instead builds a full-size zero gradient of `weight` for every `weight[g]` it indexed and sums
+    them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, sizes):
+        ctx.save_for_backward(x, weight)
+        ctx.sizes = sizes
+        out = x.new_empty(x.shape[0], weight.shape[2])
+        a = 0
+        for g, s in enumerate(sizes):
+            if s:
+                torch.mm(x[a:a + s], weight[g], out=out[a:a + s])
+            a += s
+        out[a:].zero_()                          # rows past the last group
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = x.new_empty(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = weight.new_empty(weight.shape)
+        a = 0
+        for g, s in enumerate(ctx.sizes):
+            if dx is not None and s:
+                torch.mm(dy[a:a + s], weight[g].t(), out=dx[a:a + s])
+            if dw is not None:
+                if s:
+                    torch.mm(x[a:a + s].t(), dy[a:a + s], out=dw[g])
+                else:
+                    dw[g].zero_()
+            a += s
+        if dx is not None:
+            dx[a:].zero_()
+        return dx, dw, None
+
+
+def gmm(x, weight, group_list, group_list_type: int = 0):
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
+        return reference.gmm(x, weight, group_list, group_list_type)     # reference raises or casts
+    sizes = reference.group_sizes(group_list, group_list_type, weight.shape[0], x.shape[0])
+    return _Gmm.apply(x, weight, sizes)
+
+
+# -- moe_permute / moe_unpermute -------------------------------------------------------------------
+# Permuted row p holds token sorted_indices[p]. Gathering a token's rows back is a weighted
+# bag-sum: embedding_bag over the permuted rows, bags = tokens (rows listed token by token), one
+# parallel pass with no zero-filled [T, H] buffer and no serial scatter-add (index_add).
+_BAG_DTYPES = (torch.float32, torch.float64)
+
+
+def _bags(sorted_indices, num_tokens):
+    """(rows ordered by token, offset of each token's first row) for embedding_bag."""
+    by_token = torch.argsort(sorted_indices, stable=True)
+    counts = torch.bincount(sorted_indices, minlength=num_tokens)
+    return by_token, torch.cumsum(counts, 0) - counts
+
+
+def _bag_sum(rows, by_token, offsets, weights=None):
+    return torch.nn.functional.embedding_bag(by_token, rows, offsets, mode="sum", per_sample_weights=weights)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, sorted_indices):
+        ctx.save_for_backward(sorted_indices)
+        ctx.num_tokens = tokens.shape[0]
+        return tokens.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx, dperm):
+        (sorted_indices,) = ctx.saved_tensors
+        by_token, offsets = _bags(sorted_indices, ctx.num_tokens)
+        return _bag_sum(dperm.contiguous(), by_token, offsets), None
+
+
+def moe_permute(tokens, routing_map):
+    if tokens.dim() != 2 or tokens.dtype not in _BAG_DTYPES or routing_map.dim() != 2 \
+            or tokens.shape[0] != routing_map.shape[0]:
+        return reference.moe_permute(tokens, routing_map)
+    # expert-major, token order within an expert: the nonzeros of the transposed map, row by row
+    sorted_indices = routing_map.bool().t().nonzero()[:, 1]
+    return _Permute.apply(tokens, sorted_indices), sorted_indices
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, permuted, sorted_indices, probs, num_tokens):
+        by_token, offsets = _bags(sorted_indices, num_tokens)
+        weights = None if probs is None else probs.index_select(0, by_token)
+        ctx.save_for_backward(permuted, sorted_indices, probs)
+        return _bag_sum(permuted.contiguous(), by_token, offsets, weights)
+
+    @staticmethod
+    def backward(ctx, dout):
+        permuted, sorted_indices, probs = ctx.saved_tensors
+        drows = dout.index_select(0, sorted_indices)          # each row's token gradient
+        dprobs = None
+        if probs is not None and ctx.needs_input_grad[2]:
+            dprobs = (drows * permuted).sum(-1)
+        dperm = drows if probs is None else drows * probs.unsqueeze(-1)
+        return dperm, None, dprobs, None
+
+
+def moe_unpermute(permuted_tokens, sorted_indices, probs, restore_shape, *, routing_map=None):
+    restore = tuple(restore_shape)
+    if (permuted_tokens.dim() != 2 or permuted_tokens.dtype not in _BAG_DTYPES or len(restore) != 2
+            or restore[1] != permuted_tokens.shape[1]
+            or (probs is not None and (probs.dim() != 1 or probs.dtype != permuted_tokens.dtype))):
+        # [T, E] probs, other dtypes (fp32 accumulation then cast) and bad shapes: the reference
+        return reference.moe_unpermute(permuted_tokens, sorted_indices, probs, restore_shape,
+                                       routing_map=routing_map)
+    if probs is not None and probs.shape[0] != permuted_tokens.shape[0]:
+        return reference.moe_unpermute(permuted_tokens, sorted_indices, probs, restore_shape)
+    return _Unpermute.apply(permuted_tokens, sorted_indices, probs, restore[0])

@@ -1,0 +1,75 @@
+"""--use-ascend-coc: tensor-parallel linear layers overlap their collectives with their GEMMs,
+chunk by chunk (the algorithm: features/parallel/coc.py; the Megatron-Core hook: coc_megatron.py).
+
+Flag semantics follow MindSpeed upstream: --coc-parallel-num in {1, 2, 4, 8} chunks; --coc-mode
+0 the original path, 1 the rewritten path without chunking, 2 chunked overlap, -1 (default) 2
+when --coc-parallel-num > 1 else 0. --coc-fused-kernel names Ascend's fused matmul+collective
+kernels, which no device here has: refused."""
+from __future__ import annotations
+
+from mindspeed.backends.base import Cap
+from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.registry import register
+
+PARALLEL_NUMS = (1, 2, 4, 8)
+MODES = (-1, 0, 1, 2)
+
+
+def resolved_mode(args) -> int:
+    mode = getattr(args, "coc_mode", -1)
+    if mode == -1:
+        return 2 if getattr(args, "coc_parallel_num", 1) > 1 else 0
+    return mode
+
+
+def chunks(args) -> int:
+    """GEMM pieces per layer: --coc-parallel-num in mode 2, one in mode 1 (rewritten, not split)."""
+    return args.coc_parallel_num if resolved_mode(args) == 2 else 1
+
+
+@register
+class AscendCoc(Feature):
+    id = "ascend-coc"
+    category = "parallel"
+    optimization_level = 2
+    description = ("tensor-parallel GEMMs split in chunks, each chunk's all-gather / reduce-scatter / "
+                   "all-reduce overlapped with the next chunk's GEMM (forward and backward)")
+    flags = (switch("--use-ascend-coc", "overlap tensor-parallel communication with the linear layers' GEMMs"),
+             Flag("--coc-mode", dict(type=int, default=-1,
+                                     help="0 original path, 1 rewritten without chunks, 2 chunked overlap, "
+                                          "-1 2 when --coc-parallel-num > 1 else 0")),
+             Flag("--coc-parallel-num", dict(type=int, default=1, help="chunks per GEMM: 1, 2, 4 or 8")),
+             switch("--coc-fused-kernel", "Ascend's fused matmul+collective kernels (refused: none here)"))
+    requires = (Cap.ASYNC_COMM, Cap.MEGATRON_CORE)
+    backends = ("torch",)
+    unsupported = {"mindspore": "the MindSpore GPT's tensor-parallel layers have no CoC hook yet, and MsComm's "
+                                "async collectives are the synchronous defaults (MindSpore's async_op on CPU "
+                                "is not wired in nor measured)"}
+    alternatives = "leave it off: Megatron's tensor-parallel layers communicate after each GEMM"
+    example = ("--use-ascend-coc", "--coc-parallel-num", "2", "--tensor-model-parallel-size", "2")
+    example_world = 2
+
+    def validate(self, args) -> None:
+        if args.coc_fused_kernel:
+            raise FeatureConfigError("--coc-fused-kernel: no fused matmul+collective kernel exists on this "
+                                     "device; use --coc-parallel-num 2|4|8 (chunked overlap) instead")
+        if args.coc_parallel_num not in PARALLEL_NUMS:
+            raise FeatureConfigError(f"--coc-parallel-num must be 1, 2, 4 or 8, got {args.coc_parallel_num}")
+        if args.coc_mode not in MODES:
+            raise FeatureConfigError(f"--coc-mode must be -1, 0, 1 or 2, got {args.coc_mode}")
+        if resolved_mode(args) == 0:
+            raise FeatureConfigError("--use-ascend-coc with --coc-mode 0 (or -1 with --coc-parallel-num 1) "
+                                     "runs the original path: set --coc-parallel-num 2, 4 or 8")
+        if resolved_mode(args) == 2 and args.coc_parallel_num == 1:
+            raise FeatureConfigError("--coc-mode 2 needs --coc-parallel-num 2, 4 or 8 (1 chunk overlaps nothing)")
+        tp = getattr(args, "tensor_model_parallel_size", None)
+        if tp is not None and tp < 2:
+            raise FeatureConfigError("--use-ascend-coc needs --tensor-model-parallel-size > 1 "
+                                     "(no tensor-parallel communication to overlap)")
+        if getattr(args, "defer_embedding_wgrad_compute", False):
+            raise FeatureConfigError("--use-ascend-coc does not combine with --defer-embedding-wgrad-compute")
+
+    def apply(self, ctx, args) -> None:
+        if ctx.backend_name == "torch":
+            from mindspeed.features.parallel import coc_megatron
+            coc_megatron.install(ctx.patcher, chunks(args))
