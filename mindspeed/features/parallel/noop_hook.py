@@ -2,14 +2,13 @@
 output = input) instead of TransformerLayer. Imported only when the feature is applied on torch."""
 from __future__ import annotations
 
+import inspect
 import sys
 
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mindspeed.features.fused import config_fields
-
-BUILD_LAYERS = "megatron.core.transformer.transformer_block.TransformerBlock._build_layers"
+BLOCK = "megatron.core.transformer.transformer_block.TransformerBlock"
 MEGATRON_LM_FLOPS = "megatron.training.training.num_floating_point_operations"
 
 
@@ -30,9 +29,7 @@ class NoopTransformerLayer(MegatronModule):
 def _wrap_build_layers(noop: frozenset):
     def wrap(original):
         def _build_layers(self):
-            from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-            from megatron.core.utils import get_pg_rank
-            offset = get_transformer_layer_offset(self.config, self.vp_stage, get_pg_rank(self.pg_collection.pp))
+            offset = _layer_offset(self)
             specs = self.submodules.layer_specs
             self.submodules.layer_specs = [
                 ModuleSpec(module=NoopTransformerLayer, params={"global_layer_number": offset + i + 1})
@@ -43,6 +40,23 @@ def _wrap_build_layers(noop: frozenset):
                 self.submodules.layer_specs = specs
         return _build_layers
     return wrap
+
+
+def _layer_offset(block) -> int:
+    """Global index of the block's first layer (Megatron-Core 0.12 takes the config alone)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    if "vp_stage" not in inspect.signature(get_transformer_layer_offset).parameters:
+        return get_transformer_layer_offset(block.config)
+    from megatron.core.utils import get_pg_rank
+    return get_transformer_layer_offset(block.config, block.vp_stage, get_pg_rank(block.pg_collection.pp))
+
+
+def _per_layer_keys(original):
+    """Checkpoint keys per layer (decoder.layers.N.*), not one tensor stacked over the layers: a
+    stack with the noop layers' rows missing is not a whole tensor."""
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return original(self, prefix, sharded_offsets, dict(metadata or {}, non_homogeneous_layers=True))
+    return sharded_state_dict
 
 
 def _wrap_megatron_lm_flops(noop: frozenset):
@@ -59,11 +73,8 @@ def _wrap_megatron_lm_flops(noop: frozenset):
 
 
 def install(patcher, noop: frozenset) -> None:
-    patcher.wrap(BUILD_LAYERS, _wrap_build_layers(noop), reason="--noop-layers: pass-through layers")
-    # checkpoint keys per layer (decoder.layers.N.*), not one tensor stacked over all layers:
-    # a stack with the noop layers' rows missing is not a complete tensor
-    config_fields.override(patcher, "hetereogenous_dist_checkpoint", lambda config: True,
-                           reason="--noop-layers: per-layer checkpoint keys")
+    patcher.wrap(BLOCK + "._build_layers", _wrap_build_layers(noop), reason="--noop-layers: pass-through layers")
+    patcher.wrap(BLOCK + ".sharded_state_dict", _per_layer_keys, reason="--noop-layers: per-layer checkpoint keys")
     if "megatron.training.training" in sys.modules:     # under Megatron-LM's pretrain_gpt.py
         patcher.wrap(MEGATRON_LM_FLOPS, _wrap_megatron_lm_flops(noop),
                      reason="--noop-layers: Megatron-LM's FLOP count leaves out noop layers", aliases="megatron")
