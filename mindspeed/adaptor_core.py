@@ -168,7 +168,7 @@ def set_host_flags(p: Plan, args) -> None:
     if args is None or isinstance(args, (list, tuple)):
         return
     for f in p.features:
-        for dest, value in f.host_flags.items():
+        for dest, value in f.host_values(p.args).items():
             setattr(args, dest, value)
 
 

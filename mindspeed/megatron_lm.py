@@ -141,6 +141,25 @@ class MegatronLMHooks:
         if getattr(args, "batch_invariant_mode", False) and device == "cpu":
             self._refuse("--batch-invariant-mode needs triton GPU kernels, which device cpu lacks; "
                          "drop the flag")
+        self._early_host_flags(args)
+
+    def _early_host_flags(self, args) -> None:
+        """Host flags Megatron's own checks must already see (--num-layer-list's pipeline layout)."""
+        from mindspeed.features.base import FeatureConfigError
+        from mindspeed.features.registry import all_features
+        for f in all_features():
+            if f.before_host_checks and f.enabled(args):
+                try:
+                    f.validate(args)
+                except FeatureConfigError as exc:
+                    self._refuse(str(exc))
+                values = f.host_values(args)
+                missing = [dest for dest in values if not hasattr(args, dest)]
+                if missing:      # e.g. a pipeline layout on a Megatron-LM older than core_v0.13
+                    self._refuse(f"{f.trigger(args)} needs Megatron's --{missing[0].replace('_', '-')}, "
+                                 f"which Megatron-LM {megatron_version()} lacks")
+                for dest, value in values.items():
+                    setattr(args, dest, value)
 
     def _after_megatron(self, args) -> None:
         try:

@@ -64,6 +64,7 @@ class Feature:
     # Megatron flags (dest -> value) the feature stands for: adapt(namespace) and Megatron-LM's
     # validate_args hook set them in the host's own args, so its trainer acts on them
     host_flags: dict = {}
+    before_host_checks = False         # host_values must be set before the host's own argument checks
 
     def enabled(self, args: Any) -> bool:
         """Default: the first flag is a switch that turns the feature on."""
@@ -86,6 +87,10 @@ class Feature:
             shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
             return f"{fl.name} {shown}"
         return self.flags[0].name if self.flags else self.id
+
+    def host_values(self, args: Any) -> dict:
+        """The host flags to set, given the command line's values (default: host_flags)."""
+        return dict(self.host_flags)
 
     def validate(self, args: Any) -> None:
         """Raise FeatureConfigError for bad values. Runs before process groups exist."""

@@ -60,10 +60,8 @@ planned("recompute-in-bubble", MEMORY, "not scheduled", "recompute scheduled int
 planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer sizes (Ascend)",
         value("--hccl-group-buffer"), on("--hccl-group-buffer-adaptive"),
         value("--hccl-ep-group-buffer-adaptive-factor", float))
-planned("noop-layers", PARALLEL, "issue 14", "layers that pass their input through",
-        value("--noop-layers"))
-planned("uneven-pipeline-layers", PARALLEL, "issue 14", "a different number of layers per pipeline stage",
-        value("--num-layer-list"), value("--pipeline-num-transformer-layers"))
+planned("unaligned-pipeline", PARALLEL, "issue 14", "layers per pipeline and virtual pipeline stage as a matrix",
+        value("--pipeline-num-transformer-layers"))
 planned("dualpipev", PARALLEL, "not scheduled", "DualPipeV pipeline schedule",
         value("--schedules-method", choices=["dualpipev"]), on("--dualpipev-dw-detach"))
 planned("nanopipe", PARALLEL, "not scheduled", "nano-pipe pipeline schedule",

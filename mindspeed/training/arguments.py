@@ -320,6 +320,8 @@ def _positive(args, names) -> list[str]:
 def _pipeline_split_problems(args, pp: int) -> list[str]:
     """Even stages, or Megatron's uneven first/last stage with the other stages even."""
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if getattr(args, "num_layer_list", None):
+        return []           # each stage's layers given: the uneven-pipeline-layers feature checks the list
     if first is None and last is None:
         return [] if args.num_layers % pp == 0 else [
             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"]

@@ -7,6 +7,8 @@ activations and the loss are left out, as in Megatron, so numbers compare with i
 """
 from __future__ import annotations
 
+from mindspeed.features.parallel.layers import noop_layer_set
+
 TRAINING_PASSES = 3      # forward + two backward GEMMs per forward GEMM
 FLOPS_PER_MAC = 2
 
@@ -30,7 +32,8 @@ def _mlp_macs_per_token(args) -> float:
 
 def flops_per_token(args) -> float:
     """Training FLOPs per token of one iteration (needs args.padded_vocab_size)."""
-    layers = args.num_layers * (_attention_macs_per_token(args) + _mlp_macs_per_token(args))
+    real_layers = args.num_layers - len(noop_layer_set(args))     # --noop-layers do no work
+    layers = real_layers * (_attention_macs_per_token(args) + _mlp_macs_per_token(args))
     logits = args.hidden_size * args.padded_vocab_size
     return TRAINING_PASSES * FLOPS_PER_MAC * (layers + logits)
 

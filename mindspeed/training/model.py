@@ -48,6 +48,8 @@ def transformer_config(args) -> TransformerConfig:
         virtual_pipeline_model_parallel_size=_virtual_pp(args),
         num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
         num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
+        # --num-layer-list (the uneven-pipeline-layers feature sets it through adapt(args))
+        pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout", None),
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,

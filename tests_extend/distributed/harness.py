@@ -61,12 +61,14 @@ def _worker(rank, world_size, port, fn, args, env, queue):
 
 
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180,
-                    env: dict | None = None) -> list:
+                    env: dict | None = None, daemon: bool = True) -> list:
+    """daemon=False for bodies that start processes of their own (dist_checkpointing's save does);
+    the workers are still killed when one fails or the timeout passes."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, dict(env or {}), queue),
-                         daemon=True) for r in range(world_size)]
+                         daemon=daemon) for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []

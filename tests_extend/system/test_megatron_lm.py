@@ -130,6 +130,49 @@ def test_mindspore_without_msadapter_is_refused_at_import(checkout):
     assert "iteration" not in result.stdout
 
 
+# --num-layer-list and --noop-layers through Megatron-LM's own parse_args/validate_args (no training:
+# the built-in trainer's test_pipeline_layers.py trains them): a bad list is one line; the list
+# becomes Megatron's uneven first/last stages or, where those cannot express it, its pipeline
+# layout (core_v0.13 on: on 0.12 that list is refused); Megatron-LM's FLOP count leaves the noop
+# layer out (after unadapt it equals its own count of one layer fewer). One apply per process.
+LAYER_FLAGS_CODE = """
+import os, megatron.training.training as mtt
+from mindspeed.megatron_lm import megatron_version
+def parsed(*extra):
+    sys.argv = ['pretrain_gpt.py', '--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '4',
+                '--seq-length', '64', '--max-position-embeddings', '64', '--micro-batch-size', '1',
+                '--tokenizer-type', 'NullTokenizer', '--vocab-size', '100', '--train-iters', '1', '--lr', '1e-3',
+                *extra]
+    a = margs.parse_args()
+    try:
+        margs.validate_args(a)
+    except SystemExit as exc:
+        return str(exc)
+    return a
+os.environ['WORLD_SIZE'] = '4'
+assert parsed('--pipeline-model-parallel-size', '2', '--num-layer-list', '1,2') == \\
+    'MindSpeed: --num-layer-list 1,2 sums to 3, not --num-layers 4'
+irregular = ('--pipeline-model-parallel-size', '4', '--num-layers', '8', '--num-layer-list', '1,2,3,2')
+if megatron_version() == '0.12.1':
+    assert parsed(*irregular) == ("MindSpeed: --num-layer-list 1,2,3,2 needs Megatron's "
+                                  "--pipeline-model-parallel-layout, which Megatron-LM 0.12.1 lacks")
+    args = parsed('--pipeline-model-parallel-size', '2', '--num-layer-list', '1,3', '--noop-layers', '0')
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (1, 3)
+else:
+    args = parsed(*irregular, '--noop-layers', '0')
+    assert args.pipeline_model_parallel_layout == 'Et|tt|ttt|ttL', args.pipeline_model_parallel_layout
+    assert args.virtual_pipeline_model_parallel_size is None
+args.padded_vocab_size = 128            # (set when Megatron builds its tokenizer)
+flops = mtt.num_floating_point_operations(args, 8)
+def one_layer_fewer(a):
+    a.num_layers -= 1
+    try:
+        return mtt.num_floating_point_operations(a, 8)
+    finally:
+        a.num_layers += 1
+"""
+
+
 def test_describe_lists_the_training_shim_and_unadapt_removes_it(checkout):
     code = (
         "import sys, torch; sys.argv = ['pretrain_gpt.py']\n"
@@ -141,7 +184,9 @@ def test_describe_lists_the_training_shim_and_unadapt_removes_it(checkout):
         "    assert needle in described, (needle, described)\n"
         "assert torch.cuda.device_count() == 1 and init.parse_args is margs.parse_args\n"
         "wrapped = init.initialize_megatron\n"
+        + LAYER_FLAGS_CODE +
         "import mindspeed; mindspeed.unadapt()\n"
+        "assert one_layer_fewer(args) == flops\n"
         "assert torch.cuda.device_count() == 0 and init.initialize_megatron is not wrapped\n"
         "assert 'mindspeed' not in margs.parse_args.__module__ and init.parse_args is margs.parse_args\n"
         "print('ok')\n")

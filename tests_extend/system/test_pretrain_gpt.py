@@ -76,26 +76,57 @@ def assert_learns(losses, output):
     assert "iteration       12/      12 |" in output and "lm loss:" in output and "grad norm:" in output
 
 
+TP2_SP = "tensor-parallel-2 + sequence-parallel"
+
+
+@pytest.fixture(scope="module")
+def tp2_sp_single_node(tiny_dataset, tmp_path_factory):
+    """The TP=2 + SP run on one node (2 processes): also the multi-node test's reference."""
+    loss_file = str(tmp_path_factory.mktemp("tp2sp") / "losses.jsonl")
+    output = run_example(dict(TP="2", PP="1", DATA_PATH=tiny_dataset), ["--sequence-parallel", "--log-loss-file",
+                                                                         loss_file])
+    return output, read_losses(loss_file)
+
+
 @pytest.mark.parametrize("name, env, extra", [
-    ("tensor-parallel-2 + sequence-parallel", dict(TP="2", PP="1"), ["--sequence-parallel"]),
+    (TP2_SP, dict(TP="2", PP="1"), ["--sequence-parallel"]),
     ("pipeline-parallel-2 + tensorboard + op-cal-tflops", dict(TP="1", PP="2"),
      ["--tensorboard-dir", "{tmp}/tb", "--op-cal-tflops"]),
     ("data-parallel-2 + distributed optimizer", dict(TP="1", PP="1"), ["--use-distributed-optimizer"]),
 ])
-def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extra):
+def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extra, request):
     loss_file = str(tmp_path / "losses.jsonl")
     extra = [arg.format(tmp=tmp_path) for arg in extra]
-    output = run_example(dict(env, DATA_PATH=tiny_dataset), [*extra, "--log-loss-file", loss_file])
+    if name == TP2_SP:
+        output, losses = request.getfixturevalue("tp2_sp_single_node")
+    else:
+        output = run_example(dict(env, DATA_PATH=tiny_dataset), [*extra, "--log-loss-file", loss_file])
+        losses = read_losses(loss_file)
     tp, pp = env["TP"], env["PP"]
     assert f"TP {tp} x PP {pp} x CP 1 x DP {2 // (int(tp) * int(pp))}" in output
-    assert_learns(read_losses(loss_file), output)
+    assert_learns(losses, output)
     if "--op-cal-tflops" in extra:
         _assert_tflops_and_mfu(output)
     else:                                     # the flag off: no such fields
         assert "TFLOP/s" not in output and "MFU" not in output
     if "--tensorboard-dir" in extra:
         _assert_tensorboard_events(str(tmp_path / "tb"), output)
-        _assert_plots(tmp_path, output, read_losses(loss_file))
+        _assert_plots(tmp_path, output, losses)
+
+
+def test_two_nodes_train_as_one_node(tiny_dataset, tmp_path, tp2_sp_single_node):
+    """NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT: two launches of the script on this machine, one
+    process each, acting as two nodes, train the TP=2 + SP run of one 2-process node bit for bit."""
+    port, loss_file = _free_port(), str(tmp_path / "losses.jsonl")
+    env = dict(os.environ, PYTHON=sys.executable, **TINY, TP="2", PP="1", DATA_PATH=tiny_dataset, NNODES="2",
+               NPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    nodes = [subprocess.Popen(["bash", SCRIPT, "--sequence-parallel", "--log-loss-file", loss_file], cwd=ROOT,
+                              env=dict(env, NODE_RANK=str(rank)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=LAUNCH_TIMEOUT)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "TP 2 x PP 1 x CP 1 x DP 1" in outputs[0]            # one model over the two nodes
+    assert read_losses(loss_file) == tp2_sp_single_node[1]      # ==: bit for bit
 
 
 def _assert_tflops_and_mfu(output):

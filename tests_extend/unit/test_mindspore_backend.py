@@ -240,3 +240,29 @@ def test_fused_flags_route_the_trainer_model_through_the_fast_kernels(backend, m
     assert np.abs(plain).max() > 0.1            # logits of some size, so the comparison means something
     np.testing.assert_allclose(everything, plain, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(some, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_noop_layers_pass_through_in_the_mindspore_gpt(backend):
+    """--noop-layers 0,2 of 3 layers: no weights for layers 0 and 2, and the logits are those of a
+    one-layer model whose layer holds layer 1's weights (the noop layers return their input)."""
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+
+    def model(*flags):
+        args = parse_args(["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8", *flags])
+        return GPTConfig.from_args(args, 128)
+    one, noop = model("--num-layers", "1"), model("--num-layers", "3", "--noop-layers", "0,2")
+    weights = init_full_weights(one, 5)
+    moved = {name.replace(nf.layer_name(0, ""), nf.layer_name(1, "")): w for name, w in weights.items()}
+    assert set(noop.full_shapes()) == set(moved) and noop.real_layers() == [1]
+    ps = build_parallel_state(backend.comm, 1)
+    tokens = ms.Tensor(np.random.RandomState(0).randint(0, 128, (2, 8)).astype(np.int32))
+    logits = []
+    for cfg, full in ((one, weights), (noop, moved)):
+        gpt = GPTModel(cfg, backend, ps)
+        gpt.load_full(full)
+        logits.append(gpt.logits(tokens).asnumpy())
+    assert np.abs(logits[0]).max() > 0.1
+    np.testing.assert_array_equal(logits[1], logits[0])

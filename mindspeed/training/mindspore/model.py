@@ -16,6 +16,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
+from mindspeed.features.parallel.layers import noop_layer_set
 from mindspeed.training.mindspore import neutral_format as nf
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
@@ -40,6 +41,7 @@ class GPTConfig:
     recompute: bool = False
     add_bias_linear: bool = False
     fused_kernels: frozenset = frozenset()   # kernels whose fused feature is on: the device's fast path
+    noop_layers: frozenset = frozenset()     # --noop-layers: indices of layers that pass their input through
 
     # feature id -> the kernel it switches from the reference to the device's fast path
     FEATURE_KERNELS = {"fused-rmsnorm": "rms_norm", "fused-swiglu": "swiglu", "fused-rotary-pos-emb": "rope",
@@ -58,13 +60,18 @@ class GPTConfig:
                    tied_embeddings=not args.untie_embeddings_and_output_weights,
                    init_method_std=args.init_method_std, recompute=args.recompute_granularity == "full",
                    add_bias_linear=bool(args.add_bias_linear),
-                   fused_kernels=frozenset(cls.FEATURE_KERNELS[f] for f in features if f in cls.FEATURE_KERNELS))
+                   fused_kernels=frozenset(cls.FEATURE_KERNELS[f] for f in features if f in cls.FEATURE_KERNELS),
+                   noop_layers=noop_layer_set(args))
+
+    def real_layers(self) -> list[int]:
+        """Indices of the layers that compute (the others have no weights and pass through)."""
+        return [i for i in range(self.num_layers) if i not in self.noop_layers]
 
     def full_shapes(self) -> dict:
         h, d = self.hidden_size, self.kv_channels
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
         shapes = {"embedding.word_embeddings.weight": (self.vocab_size, h)}
-        for i in range(self.num_layers):
+        for i in self.real_layers():
             shapes.update({nf.layer_name(i, "input_layernorm.weight"): (h,),
                            nf.layer_name(i, "self_attention.linear_qkv.weight"): (qkv, h),
                            nf.layer_name(i, "self_attention.linear_proj.weight"): (h, self.num_attention_heads * d),
@@ -204,7 +211,7 @@ class GPTModel:
         (the same in every row) place RoPE when the sequence is sharded by context parallelism."""
         positions = None if position_ids is None else position_ids[0]
         x = vocab_parallel_embedding(self.backend, self.ps, tokens, self.params["embedding.word_embeddings.weight"])
-        for i in range(self.cfg.num_layers):
+        for i in self.cfg.real_layers():
             if self.cfg.recompute:
                 x = self.backend.memory.recompute(lambda h, i=i: self._layer(i, h, positions), x)
             else:

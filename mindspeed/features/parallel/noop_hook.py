@@ -1,0 +1,80 @@
+"""--noop-layers on Megatron-Core: the named layers are built as NoopTransformerLayer (no parameters,
+output = input) instead of TransformerLayer. Imported only when the feature is applied on torch."""
+from __future__ import annotations
+
+import inspect
+import sys
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+BLOCK = "megatron.core.transformer.transformer_block.TransformerBlock"
+MEGATRON_LM_FLOPS = "megatron.training.training.num_floating_point_operations"
+
+
+class NoopTransformerLayer(MegatronModule):
+    """A transformer layer that returns its input. layer_number is global and 1-based, as a
+    TransformerLayer's is (the block's checkpoint keys and recompute read it)."""
+
+    def __init__(self, config, layer_number: int = 1, global_layer_number: int = 1, **_):
+        super().__init__(config)
+        self.layer_number = global_layer_number
+
+    def forward(self, hidden_states, attention_mask=None, context=None, *args, **kwargs):
+        # a copy, not the same tensor: the pipeline schedule frees a stage's output tensor after
+        # sending it, which must not free the input that backward still reads
+        return hidden_states.clone(), context
+
+
+def _wrap_build_layers(noop: frozenset):
+    def wrap(original):
+        def _build_layers(self):
+            offset = _layer_offset(self)
+            specs = self.submodules.layer_specs
+            self.submodules.layer_specs = [
+                ModuleSpec(module=NoopTransformerLayer, params={"global_layer_number": offset + i + 1})
+                if offset + i in noop else spec for i, spec in enumerate(specs)]
+            try:
+                original(self)
+            finally:                    # the spec object may be shared by other blocks
+                self.submodules.layer_specs = specs
+        return _build_layers
+    return wrap
+
+
+def _layer_offset(block) -> int:
+    """Global index of the block's first layer (Megatron-Core 0.12 takes the config alone)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    if "vp_stage" not in inspect.signature(get_transformer_layer_offset).parameters:
+        return get_transformer_layer_offset(block.config)
+    from megatron.core.utils import get_pg_rank
+    return get_transformer_layer_offset(block.config, block.vp_stage, get_pg_rank(block.pg_collection.pp))
+
+
+def _per_layer_keys(original):
+    """Checkpoint keys per layer (decoder.layers.N.*), not one tensor stacked over the layers: a
+    stack with the noop layers' rows missing is not a whole tensor."""
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return original(self, prefix, sharded_offsets, dict(metadata or {}, non_homogeneous_layers=True))
+    return sharded_state_dict
+
+
+def _wrap_megatron_lm_flops(noop: frozenset):
+    """Megatron-LM's --log-throughput counts args.num_layers layers: count the real ones."""
+    def wrap(original):
+        def num_floating_point_operations(args, batch_size):
+            args.num_layers -= len(noop)
+            try:
+                return original(args, batch_size)
+            finally:
+                args.num_layers += len(noop)
+        return num_floating_point_operations
+    return wrap
+
+
+def install(patcher, noop: frozenset) -> None:
+    patcher.wrap(BLOCK + "._build_layers", _wrap_build_layers(noop), reason="--noop-layers: pass-through layers")
+    patcher.wrap(BLOCK + ".sharded_state_dict", _per_layer_keys, reason="--noop-layers: per-layer checkpoint keys")
+    if "megatron.training.training" in sys.modules:     # under Megatron-LM's pretrain_gpt.py
+        patcher.wrap(MEGATRON_LM_FLOPS, _wrap_megatron_lm_flops(noop),
+                     reason="--noop-layers: Megatron-LM's FLOP count leaves out noop layers", aliases="megatron")

@@ -1,0 +1,116 @@
+"""--num-layer-list and --noop-layers on the torch trainer, 2 processes, one spawn for all runs (CI time);
+every run has --noop-layers 0,3 of 4 layers.
+
+* uneven stages: PP=2 with --num-layer-list 1,3 builds 1 and 3 layers on the two stages and trains
+  with the losses of PP=1 (DP=2) from the same weights. The pipeline seeds each stage differently
+  (seed + 100 x stage, as Megatron does), so both runs start from one checkpoint (--finetune: same
+  weights, fresh optimizer). Not bitwise: PP=1 with DP=2 sums the two halves of the batch's
+  gradients in an all-reduce, PP=2 with DP=1 accumulates them micro-batch by micro-batch.
+* noop layers: layers 0 and 3 are NoopTransformerLayer modules without parameters whose output
+  equals their input (seen during the PP=2 training), the others are real; a checkpoint of the
+  PP=2 model loads back (its keys are per layer) and resumes with the same losses.
+"""
+import json
+import os
+
+import pytest
+
+from tests_extend.distributed.harness import next_rendezvous, run_distributed
+
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr", "3e-3",
+        "--mock-data", "--seed", "7", "--npu-deterministic"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+NOOP = ["--noop-layers", "0,3"]      # every run: the first stage of 1,3 then holds only a noop layer
+STEPS = 3
+TOLERANCE = 1e-5   # fp32; only the order of the gradient sums differs (module docstring)
+
+
+def _losses(path):
+    with open(path) as f:
+        return [json.loads(line)["lm_loss"] for line in f]
+
+
+def _train(rank, tmp, name, flags, inspect=None):
+    import mindspeed
+    from mindspeed.training import pretrain
+    from mindspeed.training.arguments import parse_args
+    loss_file = os.path.join(tmp, name + ".jsonl")
+    next_rendezvous(rank, loss_file + ".port")
+    args = parse_args(TINY + flags + ["--log-loss-file", loss_file])
+    mindspeed.adapt(args)
+    seen = {}
+    original = pretrain.Trainer._build_model
+    if inspect is not None:     # look at the model the trainer builds, before it trains
+        pretrain.Trainer._build_model = lambda self: inspect(original(self), seen)
+    try:
+        pretrain.run(args)
+    finally:
+        pretrain.Trainer._build_model = original
+        mindspeed.unadapt()
+    return (_losses(loss_file) if rank == 0 else None), seen
+
+
+def _noop_probe(model, seen):
+    """Layer kinds, their parameter counts, and each noop layer's |output - input| during training."""
+    layers = model[0].module.decoder.layers
+    seen["layers"] = [type(layer).__name__ for layer in layers]
+    seen["params"] = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    seen["numbers"] = [layer.layer_number for layer in layers]
+    seen["identity"] = []
+
+    def record(module, inputs, kwargs, output):
+        given = kwargs.get("hidden_states", inputs[0] if inputs else None)
+        seen["identity"].append((float((output[0] - given).abs().max()), output[0] is given))
+    for layer in layers:
+        if type(layer).__name__ == "NoopTransformerLayer":
+            layer.register_forward_hook(record, with_kwargs=True)
+    return model
+
+
+def _all_runs(rank, world_size, tmp):
+    out = {}
+    ckpt, saved = os.path.join(tmp, "init"), os.path.join(tmp, "pp2")
+    _train(rank, tmp, "init", NOOP + ["--train-iters", "1", "--save", ckpt])
+    start = NOOP + ["--train-iters", str(STEPS), "--load", ckpt, "--finetune"]
+    out["pp1"], _ = _train(rank, tmp, "pp1", start)
+    uneven = PP2 + ["--num-layer-list", "1,3"]
+    out["pp2"], out["pp2/seen"] = _train(rank, tmp, "pp2", start + uneven + ["--save", saved, "--save-interval", "1"],
+                                         _noop_probe)
+    out["pp2-resumed"], _ = _train(rank, tmp, "pp2-resumed", NOOP + uneven + [
+        "--train-iters", str(STEPS), "--load", saved, "--ckpt-step", "1"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(_all_runs, world_size=2, args=(str(tmp_path_factory.mktemp("pplayers")),),
+                           timeout=400, daemon=False)    # checkpoint saves start a helper process
+
+
+def test_num_layer_list_builds_the_given_layers_per_stage(runs):
+    assert [len(runs[rank]["pp2/seen"]["layers"]) for rank in (0, 1)] == [1, 3]
+    assert runs[0]["pp2/seen"]["numbers"] == [1] and runs[1]["pp2/seen"]["numbers"] == [2, 3, 4]   # global, 1-based
+
+
+def test_uneven_stages_train_with_the_single_stage_losses(runs):
+    pp1, pp2 = runs[0]["pp1"], runs[0]["pp2"]
+    assert len(pp1) == len(pp2) == STEPS
+    assert max(abs(a - b) for a, b in zip(pp1, pp2)) <= TOLERANCE, (pp1, pp2)
+    assert pp1[0] != pp1[-1]          # it trained (losses move), so equal losses say something
+
+
+def test_noop_layers_pass_through_without_parameters(runs):
+    stage0, stage1 = runs[0]["pp2/seen"], runs[1]["pp2/seen"]
+    assert stage0["layers"] == ["NoopTransformerLayer"]
+    assert stage1["layers"] == ["TransformerLayer", "TransformerLayer", "NoopTransformerLayer"]
+    assert stage0["params"] == [0] and stage1["params"][2] == 0 and min(stage1["params"][:2]) > 0
+    for seen in (stage0, stage1):      # every micro-batch of every step: output == input, a new tensor
+        assert len(seen["identity"]) == STEPS * 4
+        assert all(diff == 0.0 and not same for diff, same in seen["identity"])
+
+
+def test_noop_model_checkpoint_resumes_with_the_same_losses(runs):
+    full, resumed = runs[0]["pp2"], runs[0]["pp2-resumed"]
+    assert len(resumed) == STEPS - 1 and resumed == full[1:]
