@@ -14,7 +14,7 @@ def saved_for_backward():
 
     def pack(t):
         s = t.untyped_storage()
-        storages[s._cdata] = s          # one entry per storage, whatever views of it were saved
+        storages.setdefault(s._cdata, (s, t.dtype))   # one entry per storage, whatever views were saved
         return t
 
     meter = _Meter(storages)
@@ -26,11 +26,46 @@ class _Meter:
     def __init__(self, storages):
         self._storages = storages
 
-    def nbytes(self, exclude=()) -> int:
-        """Saved bytes; `exclude`: tensors (parameters) whose storage is not an activation."""
+    def nbytes(self, exclude=(), dtype=None) -> int:
+        """Saved bytes; `exclude`: tensors (parameters) whose storage is not an activation;
+        `dtype`: only storages first saved as that dtype (e.g. torch.bool for masks)."""
         skip = {t.untyped_storage()._cdata for t in exclude}
-        return sum(s.nbytes() for k, s in self._storages.items() if k not in skip)
+        return sum(s.nbytes() for k, (s, dt) in self._storages.items()
+                   if k not in skip and (dtype is None or dt == dtype))
+
+    def count(self, dtype=None) -> int:
+        return sum(1 for s, dt in self._storages.values() if dtype is None or dt == dtype)
 
 
 def parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@contextlib.contextmanager
+def ms_saved_for_backward():
+    """MindSpore (PyNative): the same count through mindspore.saved_tensors_hooks. Forward and
+    backward run inside one value_and_grad call, so the function being differentiated calls
+    `meter.snapshot()` at the end of its forward; nbytes() is that snapshot."""
+    import mindspore as ms
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages.setdefault(s.data_ptr(), s)
+        return t
+
+    meter = _MsMeter(storages)
+    with ms.saved_tensors_hooks(pack, lambda t: t):
+        yield meter
+
+
+class _MsMeter:
+    def __init__(self, storages):
+        self._storages, self._snapshot = storages, None
+
+    def snapshot(self, exclude=()) -> None:
+        skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self._snapshot = sum(s.nbytes() for k, s in self._storages.items() if k not in skip)
+
+    def nbytes(self) -> int:
+        return self._snapshot
