@@ -51,7 +51,10 @@ def ms_saved_for_backward():
 
     def pack(t):
         s = t.untyped_storage()
-        storages.setdefault(s.data_ptr(), s)
+        key = s.data_ptr()
+        if key in storages and storages[key].nbytes() == 0:
+            key = (key, len(storages))    # that storage was freed: this is a new one at its address
+        storages.setdefault(key, s)
         return t
 
     meter = _MsMeter(storages)
@@ -65,7 +68,12 @@ class _MsMeter:
 
     def snapshot(self, exclude=()) -> None:
         skip = {t.untyped_storage().data_ptr() for t in exclude}
-        self._snapshot = sum(s.nbytes() for k, s in self._storages.items() if k not in skip)
+        sizes = [s.nbytes() for k, s in self._storages.items() if k not in skip]
+        self._snapshot = (sum(sizes), sizes.count(0))
 
     def nbytes(self) -> int:
-        return self._snapshot
+        return self._snapshot[0]
+
+    def freed(self) -> int:
+        """Saved storages that were empty at the snapshot (freed after use, to be rebuilt)."""
+        return self._snapshot[1]
