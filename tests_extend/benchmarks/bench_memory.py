@@ -99,8 +99,10 @@ def mask_census(opts) -> dict:
     import torch
     import mindspeed
     from tests_extend.memory_meter import saved_for_backward
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     mindspeed.unadapt()
     mindspeed.adapt([])
+    model_parallel_cuda_manual_seed(123)
     model = build(opts, {})
     tokens, labels, position_ids, mask = batch(opts, 0)
     out = {}
