@@ -49,6 +49,7 @@ class Cap:
     # autograd and memory
     CUSTOM_OP = "autograd.custom_op"
     RECOMPUTE = "memory.recompute"
+    RECOMPUTE_OUTPUT = "memory.recompute_output"   # outputs freed after their consumer, rebuilt in backward
     HOST_OFFLOAD = "memory.host_offload"
     PEAK_MEMORY = "memory.peak_stats"
     # host model the features hook into
@@ -289,6 +290,14 @@ class MemoryAPI(ABC):
     def recompute(self, fn: Callable, *args):
         """Run fn(*args) without keeping its activations; recompute them in backward."""
 
+    def recompute_output(self, fn: Callable, *args) -> "RecomputedOutput":
+        """Run fn(*args) keeping only its inputs: for a cheap op (a norm, an activation) whose
+        output the next op saves for backward. `recompute` alone cannot drop that output, since the
+        consumer holds it; here the caller frees it once the consumer has run, with
+        `handle.discard(consumer_output)`, and it is rebuilt, in place, when the consumer's output
+        gradient arrives. fn must be deterministic (no dropout)."""
+        raise NotImplementedError(f"{type(self).__name__} has no output-discarding recompute")
+
     @abstractmethod
     def offload_to_host(self, tensor): ...
 
@@ -300,6 +309,15 @@ class MemoryAPI(ABC):
 
     @abstractmethod
     def reset_peak_memory(self) -> None: ...
+
+
+class RecomputedOutput(ABC):
+    """What MemoryAPI.recompute_output returns: `output` (fn's result) and `discard`."""
+    output: Any
+
+    @abstractmethod
+    def discard(self, consumer_output) -> None:
+        """Free `output`'s memory now; rebuild it when consumer_output's gradient is computed."""
 
 
 class ProfilerAPI(ABC):

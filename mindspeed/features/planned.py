@@ -42,10 +42,6 @@ def on(name: str) -> Flag:
 
 MEMORY, PARALLEL, FUSED, MOE, LOOP = "memory", "parallel", "fused", "moe", "training"
 
-planned("recompute-activation-function", MEMORY, "issue 12", "recompute the MLP activation in backward",
-        on("--recompute-activation-function"), value("--recompute-activation-function-num-layers", int))
-planned("recompute-norm", MEMORY, "issue 12", "recompute RMSNorm/LayerNorm outputs in backward",
-        on("--recompute-norm"), value("--recompute-norm-num-layers", int))
 planned("swap-attention", MEMORY, "issue 12", "attention activations swapped to host memory",
         on("--swap-attention"), value("--swap-modules"))
 planned("reuse-fp32-param", MEMORY, "issue 12", "bf16 parameters share storage with the fp32 master copy",

@@ -19,6 +19,7 @@ FEATURE_MODULES = [
     "mindspeed.features.training.deterministic",
     "mindspeed.features.fused.features",
     "mindspeed.features.megatron_options",
+    "mindspeed.features.memory.recompute",
     "mindspeed.features.planned",
 ]
 _REGISTRY: dict[str, Feature] = {}

@@ -58,6 +58,7 @@ def declared(device: str) -> dict:
         Cap.ALL_TO_ALL: E if on_cpu else N,
         Cap.SEND_RECV: E if on_cpu else N,
         Cap.RNG_STATE: N, Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.PEAK_MEMORY: N,
+        Cap.RECOMPUTE_OUTPUT: N,
         Cap.HOST_OFFLOAD: E,
         Cap.ASYNC_COMM: E,               # CommAPI's synchronous defaults: correct, nothing overlapped
         Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend

@@ -6,7 +6,9 @@ import sys
 
 import mindspore as ms
 
-from mindspeed.backends.base import MemoryAPI
+from mindspore import nn
+
+from mindspeed.backends.base import MemoryAPI, RecomputedOutput
 
 
 class MsMemory(MemoryAPI):
@@ -16,6 +18,10 @@ class MsMemory(MemoryAPI):
     def recompute(self, fn, *args):
         # non-reentrant: fn may be any callable, and Parameters it closes over get gradients
         return ms.recompute(fn, *args, use_reentrant=False)
+
+    def recompute_output(self, fn, *args):
+        """fn's inputs must be tensors (parameters too: pass them in, so their gradients flow)."""
+        return _OutputRecompute(fn, args)
 
     def offload_to_host(self, tensor):
         # asnumpy is a host copy on every device; on cpu it saves nothing (declared emulated)
@@ -33,3 +39,55 @@ class MsMemory(MemoryAPI):
     def reset_peak_memory(self) -> None:
         if self.device != "cpu":
             ms.runtime.reset_max_memory_allocated()
+
+
+def _sync():
+    # PyNative runs ops asynchronously: the refill below is a storage copy outside that queue, so
+    # the recomputed values must exist before it and the copy must land before the consumer's
+    # backward reads them (without this, 4 of 5 runs of a probe got a wrong weight gradient)
+    from mindspore.common.api import _pynative_executor
+    _pynative_executor.sync()
+
+
+class _RecomputeCell(nn.Cell):
+    """fn's forward with a hand-written bprop, so nothing inside fn is saved for backward; the
+    bprop recomputes fn once more under a vjp (MindSpore cannot build one in the refill hook)."""
+
+    def __init__(self, handle):
+        super().__init__()
+        self.handle = handle
+
+    def construct(self, *inputs):
+        return self.handle.fn(*inputs)
+
+    def bprop(self, *args):
+        inputs, dout = args[:-2], args[-1]
+        vjp = self.handle.take_vjp(inputs)
+        grads = vjp(dout)
+        return grads if isinstance(grads, tuple) else (grads,)
+
+
+class _OutputRecompute(RecomputedOutput):
+    def __init__(self, fn, args):
+        self.fn, self._args, self._rebuilt = fn, args, False
+        self.output = _RecomputeCell(self)(*args)
+
+    def discard(self, consumer_output) -> None:
+        self.output.untyped_storage().resize_(0)    # the consumer's saved tensor keeps its metadata
+        consumer_output.register_hook(self._rebuild)
+
+    def _rebuild(self, _grad):
+        if self._rebuilt or self.fn is None:
+            return
+        self._rebuilt = True
+        fresh = self.fn(*self._args)     # a vjp here, inside backward, breaks MindSpore's grad graph
+        _sync()
+        storage = self.output.untyped_storage()
+        storage.resize_(fresh.untyped_storage().size())
+        storage.copy_(fresh.untyped_storage())
+        _sync()
+
+    def take_vjp(self, inputs):
+        vjp = ms.vjp(self.fn, *inputs)[1]
+        self.fn = self._args = None
+        return vjp

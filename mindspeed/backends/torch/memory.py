@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.utils.checkpoint
 
-from mindspeed.backends.base import AutogradAPI, MemoryAPI
+from mindspeed.backends.base import AutogradAPI, MemoryAPI, RecomputedOutput
 
 
 class TorchMemory(MemoryAPI):
@@ -16,6 +16,9 @@ class TorchMemory(MemoryAPI):
 
     def recompute(self, fn, *args):
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+    def recompute_output(self, fn, *args):
+        return _OutputRecompute(fn, args)
 
     def offload_to_host(self, tensor):
         if self.device == "cpu":
@@ -38,6 +41,70 @@ class TorchMemory(MemoryAPI):
     def reset_peak_memory(self) -> None:
         if self._accel() is not None:
             self._accel().reset_peak_memory_stats()
+
+
+class _RecomputeOutputFn(torch.autograd.Function):
+    """fn's forward without a graph (nothing inside fn is saved); only the inputs are saved.
+    Backward runs after the handle rebuilt the outputs with a graph: it backpropagates through
+    that graph, which also gives gradients to parameters fn closes over (e.g. a norm's weight)."""
+
+    @staticmethod
+    def forward(ctx, handle, *args):
+        with torch.no_grad():
+            out = handle.fn(*args)
+        ctx.save_for_backward(*[a if torch.is_tensor(a) else None for a in args])
+        ctx.handle = handle
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        handle = ctx.handle
+        inputs, outputs = handle.take_recomputed()
+        outs = [o for o in outputs if o.requires_grad]
+        torch.autograd.backward(outs, [g for o, g in zip(outputs, grads) if o.requires_grad])
+        return (None,) + tuple(x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs)
+
+
+class _OutputRecompute(RecomputedOutput):
+    def __init__(self, fn, args):
+        self.fn, self._ctx, self._recomputed = fn, None, None
+        if not torch.is_grad_enabled():          # no backward (eval): nothing to save or rebuild
+            self.output, self._live = fn(*args), False
+            return
+        self._live = True
+        self.output = _RecomputeOutputFn.apply(self, *args)
+        self._ctx = self.output.grad_fn
+
+    def _outputs(self):
+        return self.output if isinstance(self.output, tuple) else (self.output,)
+
+    def discard(self, consumer_output) -> None:
+        if not self._live or not consumer_output.requires_grad:
+            return
+        for o in self._outputs():
+            o.untyped_storage().resize_(0)      # the metadata stays: the consumer's saved tensor
+        consumer_output.register_hook(self._rebuild)
+
+    def _rebuild(self, _grad):
+        if self._recomputed is not None:
+            return
+        saved = self._ctx.saved_tensors
+        inputs = tuple(x.detach().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x for x in saved)
+        with torch.enable_grad():
+            fresh = self.fn(*inputs)
+        fresh_t = fresh if isinstance(fresh, tuple) else (fresh,)
+        with torch.no_grad():                   # refill the freed storage the consumer saved
+            for old, new in zip(self._outputs(), fresh_t):
+                old.untyped_storage().resize_(new.untyped_storage().size())
+                old.untyped_storage().copy_(new.untyped_storage())
+        self._recomputed = (inputs, fresh_t)
+
+    def take_recomputed(self):
+        if self._recomputed is None:            # never discarded: rebuild only the graph
+            self._rebuild(None)
+        inputs, outputs = self._recomputed
+        self._recomputed, self._ctx, self.fn = (), None, None
+        return inputs, outputs
 
 
 class _Ctx:

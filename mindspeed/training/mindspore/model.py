@@ -40,6 +40,8 @@ class GPTConfig:
     init_method_std: float = 0.02
     recompute: bool = False
     add_bias_linear: bool = False
+    recompute_activation_layers: int = 0     # --recompute-activation-function: the first N layers
+    recompute_norm_layers: int = 0           # --recompute-norm: the first N layers
     fused_kernels: frozenset = frozenset()   # kernels whose fused feature is on: the device's fast path
     noop_layers: frozenset = frozenset()     # --noop-layers: indices of layers that pass their input through
 
@@ -60,12 +62,22 @@ class GPTConfig:
                    tied_embeddings=not args.untie_embeddings_and_output_weights,
                    init_method_std=args.init_method_std, recompute=args.recompute_granularity == "full",
                    add_bias_linear=bool(args.add_bias_linear),
+                   recompute_activation_layers=cls._recomputed_layers(args, features, "recompute-activation-function",
+                                                                      "recompute_activation_function_num_layers"),
+                   recompute_norm_layers=cls._recomputed_layers(args, features, "recompute-norm",
+                                                                "recompute_norm_num_layers"),
                    fused_kernels=frozenset(cls.FEATURE_KERNELS[f] for f in features if f in cls.FEATURE_KERNELS),
                    noop_layers=noop_layer_set(args))
 
     def real_layers(self) -> list[int]:
         """Indices of the layers that compute (the others have no weights and pass through)."""
         return [i for i in range(self.num_layers) if i not in self.noop_layers]
+
+    @staticmethod
+    def _recomputed_layers(args, features, feature_id: str, num_layers_dest: str) -> int:
+        if feature_id not in features:
+            return 0
+        return getattr(args, num_layers_dest, None) or args.num_layers
 
     def full_shapes(self) -> dict:
         h, d = self.hidden_size, self.kv_channels
@@ -168,6 +180,20 @@ class GPTModel:
     def _norm(self, x, name):
         return self.kernel("rms_norm")(x, self.params[name], self.cfg.norm_epsilon)[0]
 
+    def _recomputed(self, layers: int, i: int, fn, *inputs):
+        """fn(*inputs), and a `done(consumer_output)` to call once fn's output has been used:
+        with recompute on for layer i, the output is then freed and rebuilt in backward."""
+        if i >= layers:
+            return fn(*inputs), lambda consumer_output: None
+        handle = self.backend.memory.recompute_output(fn, *inputs)
+        return handle.output, handle.discard
+
+    def _layer_norm(self, i, x, suffix):
+        name = nf.layer_name(i, suffix)
+        return self._recomputed(self.cfg.recompute_norm_layers, i,
+                                lambda x, w: self.kernel("rms_norm")(x, w, self.cfg.norm_epsilon)[0],
+                                x, self.params[name])
+
     def _rope_at(self, s, positions):
         if positions is None:
             return self.cos[:s], self.sin[:s]
@@ -196,15 +222,23 @@ class GPTModel:
     def _mlp(self, i, x):
         p = lambda s: self.params[nf.layer_name(i, s)]
         h = column_parallel(self.backend, self.ps, x, p("mlp.linear_fc1.weight"), self._bias(i, "mlp.linear_fc1.bias"))
-        return row_parallel(self.backend, self.ps, self.kernel("swiglu")(h, -1), p("mlp.linear_fc2.weight"),
-                            self._bias(i, "mlp.linear_fc2.bias"))
+        act, done = self._recomputed(self.cfg.recompute_activation_layers, i, lambda h: self.kernel("swiglu")(h, -1), h)
+        out = row_parallel(self.backend, self.ps, act, p("mlp.linear_fc2.weight"), self._bias(i, "mlp.linear_fc2.bias"))
+        done(out)
+        return out
 
     def _bias(self, i, suffix):
         return self.params.get(nf.layer_name(i, suffix)) if self.cfg.add_bias_linear else None
 
     def _layer(self, i, x, positions=None):
-        x = x + self._attention(i, self._norm(x, nf.layer_name(i, "input_layernorm.weight")), positions)
-        return x + self._mlp(i, self._norm(x, nf.layer_name(i, "pre_mlp_layernorm.weight")))
+        normed, done = self._layer_norm(i, x, "input_layernorm.weight")
+        attn = self._attention(i, normed, positions)
+        done(attn)
+        x = x + attn
+        normed, done = self._layer_norm(i, x, "pre_mlp_layernorm.weight")
+        mlp = self._mlp(i, normed)
+        done(mlp)
+        return x + mlp
 
     def logits(self, tokens, position_ids=None):
         """tokens [b, s] -> this rank's vocab shard of the logits [s, b, V/tp]. position_ids [b, s]
