@@ -17,6 +17,7 @@ FEATURE_MODULES = [
     "mindspeed.features.training.deterministic",
     "mindspeed.features.fused.features",
     "mindspeed.features.megatron_options",
+    "mindspeed.features.memory.swap_features",
     "mindspeed.features.planned",
 ]
 _REGISTRY: dict[str, Feature] = {}
