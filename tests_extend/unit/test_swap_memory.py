@@ -99,3 +99,39 @@ def test_unadapt_restores_what_the_swaps_patch():
     assert {"swap-attention", "swap-optimizer"} <= {f.id for f in state.plan.features}
     mindspeed.unadapt()
     assert [_raw_get(c, "__init__") is b for c, b in zip(classes, before)] == [True] * 4
+
+
+def _ms_losses(flags, steps=2):
+    """The MindSpore trainer (world of one, in this process) with `flags`: losses, the ledger, the swapper."""
+    import mindspeed
+    from mindspeed.backends import get_backend
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    from tests_extend.distributed import mindspore_parity as kit
+    args = parse_args(kit.trainer_argv(1) + ["--backend", "mindspore"] + flags, world_size=1)
+    mindspeed.adapt(args)
+    try:
+        backend = get_backend()
+        trainer = Trainer(args, backend, build_parallel_state(backend.comm, 1), GPTConfig.from_args(args, kit.VOCAB))
+        trainer.model.load_full(init_full_weights(trainer.cfg, 3))
+        losses = []
+        for step in range(steps):
+            tokens, labels, mask = kit.batch(step)
+            losses.append(trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)[0])
+        return losses, backend.memory.ledger, trainer.model
+    finally:
+        mindspeed.unadapt()
+
+
+def test_mindspore_swap_attention_same_losses_and_bytes_through_the_host():
+    pytest.importorskip("mindspore")
+    off, off_ledger, _ = _ms_losses([])
+    on, ledger, model = _ms_losses(["--swap-attention", "--swap-modules", "self_attention,mlp"])
+    assert on == off and len(set(off)) == len(off)
+    assert off_ledger.moved["host"] == 0
+    assert model.swap_modules == {"self_attention", "mlp"}
+    # every step copied each layer's saved activations out and back, and dropped the host copies
+    assert ledger.moved["host"] > 0 and ledger.moved["device"] == ledger.moved["host"]
+    assert ledger.held["host"] == 0 and ledger.peak["host"] > 0

@@ -28,10 +28,8 @@ class SwapAttention(Feature):
              Flag("--swap-modules", dict(type=str, default=None, help=(
                  "comma-separated TransformerLayer modules to swap (default self_attention; "
                  f"{', '.join(SWAPPABLE)}; upstream's input_norm, post_attention_norm)"))))
-    requires = (Cap.HOST_OFFLOAD, Cap.MEGATRON_CORE)
-    backends = ("torch",)
-    unsupported = {"mindspore": "not wired into the MindSpore GPT yet (MindSpore 2.10 has saved_tensors_hooks; "
-                                "the swapper is framework-free): use the torch backend"}
+    requires = (Cap.HOST_OFFLOAD,)
+    backends = ("torch", "mindspore")
     example = ("--swap-attention",)
 
     def validate(self, args) -> None:
@@ -46,6 +44,10 @@ class SwapAttention(Feature):
         if ctx.backend_name == "torch":
             from mindspeed.features.memory import swap_attention_megatron
             swap_attention_megatron.install(ctx.patcher, args, ctx.backend.memory)
+        else:   # the MindSpore GPT asks for (scope, module names) when it is built
+            from mindspeed.features.memory.activation_swap import ActivationSwapper
+            swapper, names = ActivationSwapper(ctx.backend.memory), swap_module_names(args)
+            ctx.add_hook("activation_swap", lambda: (swapper.scope, names))
 
 
 @register

@@ -115,6 +115,7 @@ class GPTModel:
         self._rope_tables()
         self.cp = None                 # CPGroups when context parallelism is on
         self.cp_attention = None       # the context-parallel feature's attention hook
+        self.swap_scope, self.swap_modules = None, frozenset()   # --swap-attention's hook
 
     def enable_context_parallel(self, cp_groups, attention_fn) -> None:
         """Route attention through the CP feature (written once against the backend interface)."""
@@ -195,9 +196,23 @@ class GPTModel:
     def _bias(self, i, suffix):
         return self.params.get(nf.layer_name(i, suffix)) if self.cfg.add_bias_linear else None
 
+    def enable_activation_swap(self, scope, modules) -> None:
+        """--swap-attention: the named parts of each layer run inside scope(layer number), so what they
+        save for backward waits in host memory (features/memory/activation_swap.py)."""
+        self.swap_scope, self.swap_modules = scope, frozenset(modules)
+
+    def _part(self, name, i, fn, *args):
+        if self.swap_scope is None or name not in self.swap_modules:
+            return fn(*args)
+        with self.swap_scope(i + 1):        # Megatron's layer numbers start at 1
+            return fn(*args)
+
     def _layer(self, i, x, positions=None):
-        x = x + self._attention(i, self._norm(x, nf.layer_name(i, "input_layernorm.weight")), positions)
-        return x + self._mlp(i, self._norm(x, nf.layer_name(i, "pre_mlp_layernorm.weight")))
+        norm = lambda h, w: self._norm(h, nf.layer_name(i, w))
+        h = self._part("input_layernorm", i, norm, x, "input_layernorm.weight")
+        x = x + self._part("self_attention", i, self._attention, i, h, positions)
+        h = self._part("pre_mlp_layernorm", i, norm, x, "pre_mlp_layernorm.weight")
+        return x + self._part("mlp", i, self._mlp, i, h)
 
     def logits(self, tokens, position_ids=None):
         """tokens [b, s] -> this rank's vocab shard of the logits [s, b, V/tp]. position_ids [b, s]
