@@ -174,6 +174,14 @@ def reuse_fp32_param_row(a) -> dict:
     return {"feature": "reuse-fp32-param", "status": "planned (refused): not implemented in this change"}
 
 
+def format_row(row: dict) -> str:
+    def cell(k, v):
+        if k.startswith(("device_bytes", "host_bytes", "device_peak")) and isinstance(v, (int, float)):
+            return f"{k}={v / MiB:.1f}MiB"
+        return f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+    return " | ".join(cell(k, v) for k, v in row.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
@@ -182,6 +190,7 @@ def main() -> None:
     parser.add_argument("--mbs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per case (after one warm-up)")
     parser.add_argument("--times", type=int, default=16, help="--swap-optimizer-times")
+    parser.add_argument("--only", nargs="*", choices=["swap-attention", "swap-optimizer", "reuse-fp32-param"])
     a = parser.parse_args()
     os.environ.pop("RANK", None)
     import mindspeed
@@ -191,15 +200,15 @@ def main() -> None:
     mindspeed.adapt(args)
     pretrain._init_distributed(args, "cpu")
     pretrain.init_batch_schedule(args, 0)
-    load0 = os.getloadavg()
-    rows = [swap_attention_row(a), swap_optimizer_row(a), reuse_fp32_param_row(a)]
-    load1 = os.getloadavg()
-    print(f"model: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro-batch {a.mbs}; "
-          f"load average before {load0[0]:.1f}, after {load1[0]:.1f} (1 min), {os.cpu_count()} CPUs")
-    for row in rows:
-        print(" | ".join(f"{k}={v / MiB:.1f}MiB" if k.startswith(("device_bytes", "host_bytes", "device_peak"))
-                         and isinstance(v, (int, float)) else
-                         f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    print(f"model: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro-batch {a.mbs}; {os.cpu_count()} CPUs",
+          flush=True)
+    cases = {"swap-attention": swap_attention_row, "swap-optimizer": swap_optimizer_row,
+             "reuse-fp32-param": reuse_fp32_param_row}
+    for name in a.only or list(cases):
+        load0 = os.getloadavg()[0]
+        row = cases[name](a)
+        row["load_avg_1min"] = f"{load0:.1f}->{os.getloadavg()[0]:.1f}"
+        print(format_row(row), flush=True)
     mindspeed.unadapt()
 
 
