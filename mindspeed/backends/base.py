@@ -305,6 +305,14 @@ class MemoryAPI(ABC):
     def nbytes(self, tensor) -> int:
         return int(tensor.numel()) * int(tensor.element_size())
 
+    def view_of(self, tensor):
+        """(base, recipe): the tensor whose storage `tensor` views and how make_view rebuilds it
+        from a copy of that base; (tensor, None) when it is not a view."""
+        return tensor, None
+
+    def make_view(self, base, recipe):
+        raise NotImplementedError(f"{type(self).__name__} has no views")
+
     def is_parameter(self, tensor) -> bool:
         """A trainable leaf (a weight): saved for backward by reference, never swapped."""
         return bool(getattr(tensor, "requires_grad", False)) and bool(getattr(tensor, "is_leaf", False))

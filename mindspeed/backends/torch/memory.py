@@ -34,6 +34,15 @@ class TorchMemory(MemoryAPI):
     def saved_tensors_hooks(self, pack, unpack):
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
+    def view_of(self, tensor):
+        base = tensor._base
+        if base is None or not base.is_contiguous():   # copies keep a contiguous base's layout only
+            return tensor, None
+        return base, (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset() - base.storage_offset())
+
+    def make_view(self, base, recipe):
+        return base.as_strided(*recipe)
+
     # in-place swap of a tensor that must keep its identity (optimizer states are keyed by it)
     def release_to_host(self, tensor):
         """Copy tensor to the host and free its device storage (tensor keeps shape and dtype)."""

@@ -24,14 +24,15 @@ class _Group:
         self.host, self.device, self.index = [], None, {}
 
     def pack(self, tensor):
-        # the same tensor saved twice is copied once; the weak reference tells a live tensor from
-        # a new one that took a dead one's id (an address or id alone would collide)
-        known = self.index.get(id(tensor))
-        if known is not None and known[0]() is tensor:
-            return known[1]
-        self.index[id(tensor)] = (weakref.ref(tensor), len(self.host))
-        self.host.append(self.memory.offload_to_host(tensor))
-        return len(self.host) - 1
+        # one host copy per base tensor: ops save the same data through several view objects
+        # (Megatron's attention probabilities as [b, n, s, s] and as [b*n, s, s]); the weak
+        # reference tells a live base from a new one that took a dead one's id
+        base, view = self.memory.view_of(tensor)
+        known = self.index.get(id(base))
+        if known is None or known[0]() is not base:
+            known = self.index[id(base)] = (weakref.ref(base), len(self.host))
+            self.host.append(self.memory.offload_to_host(base))
+        return known[1], view
 
     def load(self, why: str = "demand") -> None:
         if self.device is None:
@@ -39,14 +40,16 @@ class _Group:
             self.device = [self.memory.reload_to_device(h) for h in self.host]
             self.host = None             # the host copies are garbage now (the ledger drops them)
 
-    def unpack(self, slot: int):
+    def unpack(self, item):
+        slot, view = item
         if self.device is None:
             self.load()
             below = self.prev() if self.prev is not None else None
             if below is not None:        # prefetch: the layer below is next in backward
                 below.load("prefetch")
             self.prev = None
-        return self.device[slot]
+        data = self.device[slot]
+        return data if view is None else self.memory.make_view(data, view)
 
 
 class ActivationSwapper:
@@ -69,7 +72,7 @@ class ActivationSwapper:
         memory = self.memory
 
         def pack(tensor):
-            if memory.is_parameter(tensor):
+            if memory.is_parameter(tensor) or memory.is_parameter(memory.view_of(tensor)[0]):
                 return (None, tensor)
             return (group, group.pack(tensor))
 
