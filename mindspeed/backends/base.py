@@ -285,7 +285,48 @@ class AutogradAPI(ABC):
         -> input grads. `ctx.save(*tensors)` / `ctx.saved` keep what backward needs."""
 
 
+class MemoryLedger:
+    """Bytes the swap features (--swap-attention, --swap-optimizer) hold on each side.
+
+    On a CPU "host" and "device" are the same RAM, so the allocator cannot tell them apart; the
+    backends copy for real on every offload/reload and count here, per side, the bytes alive now
+    (a host copy is counted until it is garbage, through a weakref finalizer), the peak of each,
+    and the bytes moved each way."""
+
+    def __init__(self):
+        self.held = {"host": 0, "device": 0}
+        self.peak = {"host": 0, "device": 0}
+        self.moved = {"host": 0, "device": 0}     # bytes copied towards each side, in total
+
+    def hold(self, side: str, obj, nbytes: int) -> None:
+        """`obj` (a copy on `side`) holds nbytes until it is garbage-collected."""
+        import weakref
+        self.held[side] += nbytes
+        self.moved[side] += nbytes
+        self.peak[side] = max(self.peak[side], self.held[side])
+        weakref.finalize(obj, self._drop, side, nbytes)
+
+    def _drop(self, side: str, nbytes: int) -> None:
+        self.held[side] -= nbytes
+
+    def adjust(self, side: str, nbytes: int) -> None:
+        """Storage that stays one object (an optimizer state emptied and refilled in place)."""
+        self.held[side] += nbytes
+        if nbytes > 0:
+            self.moved[side] += nbytes
+        self.peak[side] = max(self.peak[side], self.held[side])
+
+    def reset_peaks(self) -> None:
+        self.peak = dict(self.held)
+
+
 class MemoryAPI(ABC):
+    @property
+    def ledger(self) -> MemoryLedger:
+        if "_ledger" not in self.__dict__:
+            self._ledger = MemoryLedger()
+        return self._ledger
+
     @abstractmethod
     def recompute(self, fn: Callable, *args):
         """Run fn(*args) without keeping its activations; recompute them in backward."""
@@ -299,10 +340,32 @@ class MemoryAPI(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no output-discarding recompute")
 
     @abstractmethod
-    def offload_to_host(self, tensor): ...
+    def offload_to_host(self, tensor):
+        """A host copy of tensor (counted in ledger.held['host'] while it lives)."""
 
     @abstractmethod
-    def reload_to_device(self, tensor): ...
+    def reload_to_device(self, tensor):
+        """A device copy of a host copy (counted in ledger.held['device'] while it lives)."""
+
+    def saved_tensors_hooks(self, pack: Callable, unpack: Callable):
+        """Context in which tensors saved for backward go through pack() and come back through
+        unpack() (--swap-attention). Backends without such a hook refuse."""
+        raise NotImplementedError(f"{type(self).__name__} has no saved-tensor hooks")
+
+    def nbytes(self, tensor) -> int:
+        return int(tensor.numel()) * int(tensor.element_size())
+
+    def view_of(self, tensor):
+        """(base, recipe): the tensor whose storage `tensor` views and how make_view rebuilds it
+        from a copy of that base; (tensor, None) when it is not a view."""
+        return tensor, None
+
+    def make_view(self, base, recipe):
+        raise NotImplementedError(f"{type(self).__name__} has no views")
+
+    def is_parameter(self, tensor) -> bool:
+        """A trainable leaf (a weight): saved for backward by reference, never swapped."""
+        return bool(getattr(tensor, "requires_grad", False)) and bool(getattr(tensor, "is_leaf", False))
 
     @abstractmethod
     def peak_memory_bytes(self) -> int: ...

@@ -42,12 +42,8 @@ def on(name: str) -> Flag:
 
 MEMORY, PARALLEL, FUSED, MOE, LOOP = "memory", "parallel", "fused", "moe", "training"
 
-planned("swap-attention", MEMORY, "issue 12", "attention activations swapped to host memory",
-        on("--swap-attention"), value("--swap-modules"))
 planned("reuse-fp32-param", MEMORY, "issue 12", "bf16 parameters share storage with the fp32 master copy",
         on("--reuse-fp32-param"))
-planned("swap-optimizer", MEMORY, "issue 12", "optimizer states in host memory, swapped in for the update",
-        on("--swap-optimizer"), value("--swap-optimizer-times", int))
 planned("adaptive-recompute", MEMORY, "not scheduled", "recompute/swap chosen from a memory budget",
         value("--adaptive-recompute-device-size", int), on("--adaptive-recompute-device-swap"),
         value("--adaptive-recompute-profiling-step", int))

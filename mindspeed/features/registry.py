@@ -20,6 +20,7 @@ FEATURE_MODULES = [
     "mindspeed.features.fused.features",
     "mindspeed.features.megatron_options",
     "mindspeed.features.memory.recompute",
+    "mindspeed.features.memory.swap_features",
     "mindspeed.features.planned",
 ]
 _REGISTRY: dict[str, Feature] = {}

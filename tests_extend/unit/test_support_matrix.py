@@ -28,7 +28,7 @@ def test_matrix_cli_lists_both_backends():
     assert "torch/npu" not in data["verified"]
     assert {row["feature"] for row in data["features"]} == {f.id for f in all_features() if not f.planned}
     assert {row["feature"] for row in data["not_implemented_yet"]} == {f.id for f in all_features() if f.planned}
-    assert "swap-attention" in {row["feature"] for row in data["not_implemented_yet"]}
+    assert "dualpipev" in {row["feature"] for row in data["not_implemented_yet"]}
 
 
 def test_readme_tables_match_the_code():

@@ -24,11 +24,24 @@ class MsMemory(MemoryAPI):
         return _OutputRecompute(fn, args)
 
     def offload_to_host(self, tensor):
-        # asnumpy is a host copy on every device; on cpu it saves nothing (declared emulated)
-        return tensor.asnumpy().copy()
+        # asnumpy is a host copy on every device; on cpu it is a real copy in the same RAM (emulated)
+        host = tensor.asnumpy().copy()
+        self.ledger.hold("host", host, int(host.nbytes))
+        return host
 
     def reload_to_device(self, tensor):
-        return ms.Tensor(tensor)
+        dev = ms.Tensor(tensor)         # copies the array (a later change to it does not show)
+        self.ledger.hold("device", dev, int(tensor.nbytes))
+        return dev
+
+    def saved_tensors_hooks(self, pack, unpack):
+        return ms.saved_tensors_hooks(pack, unpack)     # PyNative only, which the trainer runs
+
+    def nbytes(self, tensor) -> int:
+        return int(tensor.nbytes)
+
+    def is_parameter(self, tensor) -> bool:
+        return isinstance(tensor, ms.Parameter)
 
     def peak_memory_bytes(self) -> int:
         if self.device != "cpu":

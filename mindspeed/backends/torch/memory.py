@@ -22,11 +22,47 @@ class TorchMemory(MemoryAPI):
 
     def offload_to_host(self, tensor):
         if self.device == "cpu":
-            return tensor.detach().clone()   # same memory pool: a copy keeps semantics only
-        return tensor.detach().to("cpu", non_blocking=True).pin_memory()
+            host = tensor.detach().clone()   # same RAM: a real copy, so the ledger counts real bytes
+        else:   # pinned, so the copy is asynchronous; copy_ keeps stream order (no read before it lands)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor.detach(), non_blocking=True)
+        self.ledger.hold("host", host, self.nbytes(host))
+        return host
 
     def reload_to_device(self, tensor):
-        return tensor.to(self.device, non_blocking=True)
+        dev = tensor.clone() if self.device == "cpu" else tensor.to(self.device, non_blocking=True)
+        self.ledger.hold("device", dev, self.nbytes(dev))
+        return dev
+
+    def saved_tensors_hooks(self, pack, unpack):
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def view_of(self, tensor):
+        base = tensor._base
+        if base is None or not base.is_contiguous():   # copies keep a contiguous base's layout only
+            return tensor, None
+        return base, (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset() - base.storage_offset())
+
+    def make_view(self, base, recipe):
+        return base.as_strided(*recipe)
+
+    # in-place swap of a tensor that must keep its identity (optimizer states are keyed by it)
+    def release_to_host(self, tensor):
+        """Copy tensor to the host and free its device storage (tensor keeps shape and dtype)."""
+        host = self.offload_to_host(tensor)
+        tensor.untyped_storage().resize_(0)
+        self.ledger.adjust("device", -self.nbytes(tensor))
+        return host
+
+    def restore_from_host(self, tensor, host) -> None:
+        """Give tensor its device storage back, filled from host."""
+        tensor.untyped_storage().resize_(self.nbytes(tensor))
+        tensor.copy_(host, non_blocking=self.device != "cpu")
+        self.ledger.adjust("device", self.nbytes(tensor))
+
+    @staticmethod
+    def resident(tensor) -> bool:
+        return tensor.untyped_storage().nbytes() > 0
 
     def _accel(self):
         return {"cuda": torch.cuda, "npu": getattr(torch, "npu", None)}.get(self.device)

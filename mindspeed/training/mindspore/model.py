@@ -134,6 +134,7 @@ class GPTModel:
         self._rope_tables()
         self.cp = None                 # CPGroups when context parallelism is on
         self.cp_attention = None       # the context-parallel feature's attention hook
+        self.swap_scope, self.swap_modules = None, frozenset()   # --swap-attention's hook
 
     def enable_context_parallel(self, cp_groups, attention_fn) -> None:
         """Route attention through the CP feature (written once against the backend interface)."""
@@ -230,13 +231,26 @@ class GPTModel:
     def _bias(self, i, suffix):
         return self.params.get(nf.layer_name(i, suffix)) if self.cfg.add_bias_linear else None
 
+    def enable_activation_swap(self, scope, modules) -> None:
+        """--swap-attention: the named parts of each layer run inside scope(layer number), so what they
+        save for backward waits in host memory (features/memory/activation_swap.py)."""
+        self.swap_scope, self.swap_modules = scope, frozenset(modules)
+
+    def _part(self, name, i, fn, *args):
+        if self.swap_scope is None or name not in self.swap_modules:
+            return fn(*args)
+        with self.swap_scope(i + 1):        # Megatron's layer numbers start at 1
+            return fn(*args)
+
     def _layer(self, i, x, positions=None):
-        normed, done = self._layer_norm(i, x, "input_layernorm.weight")
-        attn = self._attention(i, normed, positions)
+        # each part inside its --swap-attention scope when named; norms and the activation through
+        # --recompute-norm / --recompute-activation-function (done(consumer) frees their output)
+        normed, done = self._part("input_layernorm", i, self._layer_norm, i, x, "input_layernorm.weight")
+        attn = self._part("self_attention", i, self._attention, i, normed, positions)
         done(attn)
         x = x + attn
-        normed, done = self._layer_norm(i, x, "pre_mlp_layernorm.weight")
-        mlp = self._mlp(i, normed)
+        normed, done = self._part("pre_mlp_layernorm", i, self._layer_norm, i, x, "pre_mlp_layernorm.weight")
+        mlp = self._part("mlp", i, self._mlp, i, normed)
         done(mlp)
         return x + mlp
 

@@ -29,6 +29,14 @@ def to_tensors(batch: dict) -> tuple:
     return ms.Tensor(batch["tokens"]), ms.Tensor(batch["labels"]), ms.Tensor(batch["loss_mask"])
 
 
+def _named_hook(name: str):
+    """A feature's hook for this trainer (ApplyContext.add_hook), or None."""
+    from mindspeed.adaptor_core import current
+    state = current()
+    hooks = state.context.hooks.get(name, []) if state is not None else []
+    return hooks[-1] if hooks else None
+
+
 def _cp_hook(name: str):
     from mindspeed.adaptor_core import current
     state = current()
@@ -61,6 +69,9 @@ class Trainer:
         self.lr_at = schedule.from_args(args)
         self._grad_fn = ms.value_and_grad(self.model.loss, None, weights=self.model.parameters())
         self._shard = None
+        swap = _named_hook("activation_swap")
+        if swap is not None:
+            self.model.enable_activation_swap(*swap())
         if ps.cp_size > 1:
             enable_context_parallel(args, self.model, ps)
             self._shard = _cp_hook("shard_batch")

@@ -1,0 +1,41 @@
+"""--swap-attention on Megatron-Core: each TransformerLayer's modules named by --swap-modules run
+their forward inside the activation swapper's scope (activation_swap.py)."""
+from __future__ import annotations
+
+import functools
+
+TARGET = "megatron.core.transformer.transformer_layer.TransformerLayer.__init__"
+_SWAPPER = None
+
+
+def swapper():
+    """The swapper of the current adapt() (on the live backend's memory)."""
+    return _SWAPPER
+
+
+def _swapped_forward(forward, layer: int):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with swapper().scope(layer):
+            return forward(*args, **kwargs)
+    return run
+
+
+def install(patcher, args, memory) -> None:
+    global _SWAPPER
+    from mindspeed.features.memory.activation_swap import ActivationSwapper
+    from mindspeed.features.memory.swap_features import swap_module_names
+    names = swap_module_names(args)
+    _SWAPPER = ActivationSwapper(memory)
+
+    def wrap_init(original):
+        @functools.wraps(original)
+        def init(self, *a, **kw):
+            original(self, *a, **kw)
+            for name in names:
+                module = getattr(self, name, None)
+                if module is not None and any(True for _ in module.parameters()):   # not an IdentityOp
+                    module.forward = _swapped_forward(module.forward, self.layer_number)
+        return init
+
+    patcher.wrap(TARGET, wrap_init, reason="--swap-attention: swapped modules save their activations on the host")

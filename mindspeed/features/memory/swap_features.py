@@ -1,0 +1,76 @@
+"""Memory savers that move state to host memory: --swap-attention and --swap-optimizer.
+Framework-free (the matrix imports it); the work is in activation_swap.py and the Megatron-Core
+hooks swap_attention_megatron.py / swap_optimizer_megatron.py, imported only when applied."""
+from __future__ import annotations
+
+from mindspeed.backends.base import Cap
+from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.registry import register
+
+# --swap-modules names: Megatron-Core TransformerLayer attributes, plus upstream MindSpeed's
+# legacy names for the two norms
+MODULE_ALIASES = {"input_norm": "input_layernorm", "post_attention_norm": "pre_mlp_layernorm"}
+SWAPPABLE = ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp")
+
+
+def swap_module_names(args) -> list[str]:
+    words = [w.strip() for w in (getattr(args, "swap_modules", None) or "self_attention").split(",") if w.strip()]
+    return [MODULE_ALIASES.get(w, w) for w in words]
+
+
+@register
+class SwapAttention(Feature):
+    id = "swap-attention"
+    category = "memory"
+    description = ("activations the attention saves for backward held in host memory between forward and "
+                   "backward, prefetched back layer by layer")
+    flags = (switch("--swap-attention", "keep attention activations saved for backward in host memory"),
+             Flag("--swap-modules", dict(type=str, default=None, help=(
+                 "comma-separated TransformerLayer modules to swap (default self_attention; "
+                 f"{', '.join(SWAPPABLE)}; upstream's input_norm, post_attention_norm)"))))
+    requires = (Cap.HOST_OFFLOAD,)
+    backends = ("torch", "mindspore")
+    example = ("--swap-attention",)
+
+    def validate(self, args) -> None:
+        names = swap_module_names(args)
+        bad = [n for n in names if n not in SWAPPABLE]
+        if bad or not names:
+            raise FeatureConfigError(f"--swap-modules {getattr(args, 'swap_modules', '')!r}: unknown module "
+                                     f"{', '.join(bad) or '(none given)'}; choose from {', '.join(SWAPPABLE)}, "
+                                     f"{', '.join(MODULE_ALIASES)}")
+
+    def apply(self, ctx, args) -> None:
+        if ctx.backend_name == "torch":
+            from mindspeed.features.memory import swap_attention_megatron
+            swap_attention_megatron.install(ctx.patcher, args, ctx.backend.memory)
+        else:   # the MindSpore GPT asks for (scope, module names) when it is built
+            from mindspeed.features.memory.activation_swap import ActivationSwapper
+            swapper, names = ActivationSwapper(ctx.backend.memory), swap_module_names(args)
+            ctx.add_hook("activation_swap", lambda: (swapper.scope, names))
+
+
+@register
+class SwapOptimizer(Feature):
+    id = "swap-optimizer"
+    category = "memory"
+    description = ("optimizer states (fp32 master copy, Adam moments) held in host memory, swapped in by "
+                   "chunks for the update")
+    flags = (switch("--swap-optimizer", "keep optimizer states in host memory between updates"),
+             Flag("--swap-optimizer-times", dict(type=int, default=16, help=(
+                 "chunks the update swaps the states in by (more: less device memory at once)"))))
+    requires = (Cap.HOST_OFFLOAD, Cap.MEGATRON_CORE)
+    backends = ("torch",)
+    unsupported = {"mindspore": "the MindSpore trainer's optimizer keeps its states as Parameters the update "
+                                "writes in place; no host-resident path yet: use the torch backend"}
+    example = ("--swap-optimizer",)
+
+    def validate(self, args) -> None:
+        times = getattr(args, "swap_optimizer_times", 16)
+        if times is None or times < 1:
+            raise FeatureConfigError(f"--swap-optimizer-times must be >= 1, got {times}")
+
+    def apply(self, ctx, args) -> None:
+        if ctx.backend_name == "torch":
+            from mindspeed.features.memory import swap_optimizer_megatron
+            swap_optimizer_megatron.install(ctx.patcher, args)

@@ -1,0 +1,185 @@
+"""Run in a fresh process for the swap tests (a plain process: dist_checkpointing's save starts a
+helper process, which a multiprocessing daemon may not):
+
+    python -m tests_extend.unit.swap_workers ROOT   -> one JSON line on stdout
+
+Trains the torch trainer (Megatron-Core GPT, Megatron's optimizers, mock data) with
+--swap-attention / --swap-optimizer on and off from the same seed, counts the bytes each side
+holds, and saves/loads checkpoints across the flags."""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "20", "--lr", "1e-2",
+        "--mock-data", "--tensor-model-parallel-size", "1", "--seed", "5"]
+STEPS = 4
+
+
+class _Log:
+    def print(self, *_):
+        pass
+
+
+class SavedBytes:
+    """Bytes of activations saved for backward outside any swap scope (device side), each storage
+    once; trainable leaves (weights) are not activations."""
+
+    def __init__(self):
+        self.seen, self.bytes = set(), 0
+
+    def pack(self, t):
+        if not (t.requires_grad and t.is_leaf):
+            key = t.untyped_storage().data_ptr()
+            if key not in self.seen:
+                self.seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def trainer_for(flags):
+    import mindspeed
+    from mindspeed.training import pretrain
+    from mindspeed.training.arguments import parse_args
+    args = parse_args(TINY + list(flags), world_size=1)
+    mindspeed.unadapt()
+    mindspeed.adapt(args)
+    args.device_name = "cpu"
+    args.vocab_size, args.padded_vocab_size = 60, 128
+    pretrain._set_seeds(args)
+    return args, pretrain.Trainer(args, _Log())
+
+
+class _Tok:
+    vocab_size = 60
+    eod = 0
+    unique_identifiers = {"class": "mock"}
+
+
+_DATA = []
+
+
+def batches(args, tr, consumed=0):
+    from mindspeed.training import data
+    if not _DATA:       # every run here has the same data flags: build the mock dataset once
+        _DATA.append(data.build_datasets(args, _Tok())[0])
+    return tr.iterators(_DATA[0], consumed)
+
+
+def train(args, tr, steps, consumed=0):
+    it = batches(args, tr, consumed)
+    return [tr.train_step(it)[0] for _ in range(steps)]
+
+
+def losses(flags, steps=STEPS, reports=None):
+    """Losses of `steps` updates; with `reports`, also the optimizer swap's state after them."""
+    args, tr = trainer_for(flags)
+    out = train(args, tr, steps)
+    if reports is not None:
+        reports[" ".join(flags)] = optimizer_state(tr)
+    return out
+
+
+def memory():
+    from mindspeed.backends import get_backend
+    return get_backend().memory
+
+
+def swap_attention_bytes(flags):
+    """One forward+backward: activation bytes saved on the device side, host bytes held by the swap
+    at the end of forward and after backward, and the most reloaded bytes alive during backward."""
+    args, tr = trainer_for(flags)
+    it = batches(args, tr)
+    from mindspeed.training.data import get_batch
+    batch = get_batch(it, "cpu")
+    led = memory().ledger
+    base_host, base_dev = led.held["host"], led.held["device"]
+    counter = SavedBytes()
+    model = tr.model[0]
+    with counter.hooks():
+        out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    after_forward = led.held["host"] - base_host
+    led.reset_peaks()
+    out.float().mean().backward()
+    from mindspeed.features.memory import swap_attention_megatron as sam
+    return {"device_saved": counter.bytes, "host_after_forward": after_forward,
+            "host_after_backward": led.held["host"] - base_host,
+            "device_reload_peak": led.peak["device"] - base_dev,
+            "groups": sam.swapper().groups if "--swap-attention" in flags else 0,
+            "loads": sam.swapper().loads[-4:] if "--swap-attention" in flags else []}
+
+
+def optimizer_state(tr) -> dict:
+    """Managed bytes resident on the device, host bytes, chunks run, where the states are."""
+    led = memory().ledger      # a fresh backend per trainer: its ledger counts this trainer's swap
+    opts = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+    swaps = [getattr(o, "mindspeed_swap", None) for o in opts]
+    n_params = sum(p.numel() for o in opts for g in o.optimizer.param_groups for p in g["params"])
+    return dict(attached=[s is not None for s in swaps], params=n_params, host_bytes=led.held["host"],
+                resident=sum(s.resident_bytes() for s in swaps if s),
+                managed=sum(sum(memory().nbytes(t) for t in s.tensors(s.params())) for s in swaps if s),
+                chunks=sum(s.chunks_run for s in swaps if s),
+                device_peak=max((s.device_peak for s in swaps if s), default=0))
+
+
+def checkpoint_crossing(root, on, off, steps=2, more=2):
+    """Train `steps` with flags `on`, save, train `more`; a trainer with `off` loads the checkpoint
+    and trains `more`: both continuations' losses (and the reverse)."""
+    from mindspeed.training import checkpointing, pretrain
+    import os
+    report = {}
+    for name, first, second in (("on_to_off", on, off), ("off_to_on", off, on)):
+        path = os.path.join(root, name)
+        args, tr = trainer_for(first)
+        it = batches(args, tr)
+        for _ in range(steps):
+            tr.train_step(it)
+        gbs = args.global_batch_size
+        checkpointing.save_checkpoint(path, steps, tr.model, tr.optimizer, tr.scheduler, steps * gbs)
+        cont = [tr.train_step(it)[0] for _ in range(more)]
+        args2, tr2 = trainer_for(list(second) + ["--load", path])
+        iteration, consumed = pretrain.resume(args2, tr2, _Log())
+        report[name] = {"continued": cont, "resumed": train(args2, tr2, more, consumed),
+                        "iteration": iteration}
+    return report
+
+
+def main(root: str) -> dict:
+    import os
+    os.environ.pop("RANK", None)
+    import mindspeed
+    from mindspeed.training import pretrain
+    from mindspeed.training.arguments import parse_args
+    args = parse_args(TINY, world_size=1)
+    mindspeed.adapt(args)
+    pretrain._init_distributed(args, "cpu")
+    pretrain.init_batch_schedule(args, 0)
+    bf16_dist = ["--bf16", "--use-distributed-optimizer"]
+    import time
+    t0 = time.perf_counter()
+    states = {}
+    report = {
+        "losses": {name: losses(flags, reports=states) for name, flags in (
+            ("off", []),
+            ("attention", ["--swap-attention", "--swap-modules", "input_norm,self_attention,post_attention_norm"]),
+            ("optimizer", ["--swap-optimizer", "--swap-optimizer-times", "3"]),
+            ("bf16_off", ["--bf16"]), ("bf16_optimizer", ["--bf16", "--swap-optimizer", "--swap-optimizer-times", "4"]),
+            ("bf16_dist_off", bf16_dist), ("bf16_dist_both", bf16_dist + ["--swap-attention", "--swap-optimizer"]))},
+        "attention": {"off": swap_attention_bytes([]), "on": swap_attention_bytes(["--swap-attention"])},
+        "optimizer": states,
+        "t_before_checkpoint": time.perf_counter() - t0,
+        "checkpoint": checkpoint_crossing(root, bf16_dist + ["--swap-optimizer", "--swap-attention"], bf16_dist),
+    }
+    mindspeed.unadapt()
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

@@ -1,0 +1,137 @@
+"""--swap-attention and --swap-optimizer on the torch trainer (Megatron-Core GPT, Megatron's
+optimizers): the same losses bit for bit with the flags on and off, bytes really held on the host
+side (the memory layer's ledger) and gone from the device side, checkpoints that cross the flags,
+and one-line refusals. One worker process runs every training case (swap_workers.py)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mindspeed.adaptor_core import MindSpeedConfigError, plan
+from tests_extend.unit import swap_workers
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("swap_ckpt"))
+    result = subprocess.run([sys.executable, "-m", swap_workers.__name__, root], capture_output=True, text=True,
+                            timeout=600, env={k: v for k, v in os.environ.items() if k != "RANK"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("off, on", [("off", "attention"), ("off", "optimizer"), ("bf16_off", "bf16_optimizer"),
+                                     ("bf16_dist_off", "bf16_dist_both")])
+def test_losses_are_bitwise_the_same_with_the_swap_on(report, off, on):
+    losses = report["losses"]
+    assert losses[on] == losses[off]
+    assert len(set(losses[off])) == len(losses[off])          # it trained: every step's loss differs
+
+
+def test_swap_attention_moves_saved_activations_to_the_host(report):
+    off, on = report["attention"]["off"], report["attention"]["on"]
+    moved = on["host_after_forward"]
+    assert off["host_after_forward"] == 0 and moved > 0.25 * off["device_saved"]
+    # what the host holds is what the device side no longer holds (within one shared small tensor)
+    assert off["device_saved"] - on["device_saved"] == pytest.approx(moved, rel=0.02)
+    assert on["host_after_backward"] == 0                       # host copies freed after backward
+    assert on["device_reload_peak"] == moved                    # each copy came back once
+    assert on["groups"] == 2                                    # one per layer's self_attention
+    # backward reaches layer 2 first: its group is loaded on demand and layer 1's prefetched with it
+    assert on["loads"] == [[2, "demand"], [1, "prefetch"]]
+
+
+@pytest.mark.parametrize("flags, bytes_per_param", [
+    ("--swap-optimizer --swap-optimizer-times 3", 8),                      # fp32: both moments
+    ("--bf16 --swap-optimizer --swap-optimizer-times 4", 12),              # + the fp32 master copy
+    ("--bf16 --use-distributed-optimizer --swap-attention --swap-optimizer", 12)])
+def test_swap_optimizer_keeps_states_on_the_host_between_updates(report, flags, bytes_per_param):
+    state = report["optimizer"][flags]
+    assert state["attached"] == [True]
+    assert state["resident"] == 0                                # device side: no state storage left
+    assert state["host_bytes"] == state["managed"]
+    # norm weights stay fp32 in bf16 models (no separate master): a little under 12 bytes/param
+    assert state["host_bytes"] / state["params"] == pytest.approx(bytes_per_param, rel=0.01)
+    times = int(re.search(r"times (\d+)", flags).group(1)) if "times" in flags else 16
+    steps = swap_workers.STEPS
+    assert steps * min(times, 7) <= state["chunks"] <= steps * times   # 7 = fewest params a chunk can hold here
+    assert state["device_peak"] < state["managed"] / 2            # the update never holds it all at once
+
+
+def test_without_the_flag_nothing_is_swapped(report):
+    for flags in ("", "--bf16", "--bf16 --use-distributed-optimizer"):
+        state = report["optimizer"][flags]
+        assert state["attached"] == [False] and state["host_bytes"] == 0
+
+
+@pytest.mark.parametrize("direction", ["on_to_off", "off_to_on"])
+def test_checkpoints_cross_the_swap_flags(report, direction):
+    run = report["checkpoint"][direction]
+    assert run["iteration"] == 2
+    assert run["resumed"] == run["continued"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--swap-optimizer", "--swap-optimizer-times", "0"], "--swap-optimizer-times must be >= 1, got 0"),
+    (["--swap-attention", "--swap-modules", "self_attention,attn"], "unknown module attn"),
+    (["--swap-modules", "mlp"], "--swap-modules has no effect without --swap-attention"),
+    (["--swap-optimizer-times", "2"], "--swap-optimizer-times has no effect without --swap-optimizer"),
+])
+def test_bad_swap_flags_are_refused_in_one_line(argv, message):
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(argv, unknown_flags="trainer")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unadapt_restores_what_the_swaps_patch():
+    import mindspeed
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from mindspeed.patching import _raw_get
+    classes = (TransformerLayer, Float16OptimizerWithFloat16Params, FP32Optimizer, DistributedOptimizer)
+    before = [_raw_get(c, "__init__") for c in classes]
+    state = mindspeed.adapt(["--swap-attention", "--swap-optimizer"])
+    assert [_raw_get(c, "__init__") is b for c, b in zip(classes, before)] == [False] * 4
+    assert {"swap-attention", "swap-optimizer"} <= {f.id for f in state.plan.features}
+    mindspeed.unadapt()
+    assert [_raw_get(c, "__init__") is b for c, b in zip(classes, before)] == [True] * 4
+
+
+def _ms_losses(flags, steps=2):
+    """The MindSpore trainer (world of one, in this process) with `flags`: losses, the ledger, the swapper."""
+    import mindspeed
+    from mindspeed.backends import get_backend
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    from tests_extend.distributed import mindspore_parity as kit
+    args = parse_args(kit.trainer_argv(1) + ["--backend", "mindspore"] + flags, world_size=1)
+    mindspeed.adapt(args)
+    try:
+        backend = get_backend()
+        trainer = Trainer(args, backend, build_parallel_state(backend.comm, 1), GPTConfig.from_args(args, kit.VOCAB))
+        trainer.model.load_full(init_full_weights(trainer.cfg, 3))
+        losses = []
+        for step in range(steps):
+            tokens, labels, mask = kit.batch(step)
+            losses.append(trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)[0])
+        return losses, backend.memory.ledger, trainer.model
+    finally:
+        mindspeed.unadapt()
+
+
+def test_mindspore_swap_attention_same_losses_and_bytes_through_the_host():
+    pytest.importorskip("mindspore")
+    off, off_ledger, _ = _ms_losses([])
+    on, ledger, model = _ms_losses(["--swap-attention", "--swap-modules", "self_attention,mlp"])
+    assert on == off and len(set(off)) == len(off)
+    assert off_ledger.moved["host"] == 0
+    assert model.swap_modules == {"self_attention", "mlp"}
+    # every step copied each layer's saved activations out and back, and dropped the host copies
+    assert ledger.moved["host"] > 0 and ledger.moved["device"] == ledger.moved["host"]
+    assert ledger.held["host"] == 0 and ledger.peak["host"] > 0
