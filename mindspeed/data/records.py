@@ -79,8 +79,13 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, object]]:
         table = pq.ParquetFile(path)
     except Exception as err:   # pyarrow raises ArrowInvalid / OSError variants for damaged files
         raise DataError(f"{path}: not a readable parquet file ({err})") from err
+    yield from _batched_rows(path, table.iter_batches(batch_size=1024))
+
+
+def _batched_rows(path: str, batches) -> Iterator[tuple[str, object]]:
+    """Rows of pyarrow record batches as records, numbered across the batches."""
     row = 0
-    for batch in table.iter_batches(batch_size=1024):
+    for batch in batches:
         for record in batch.to_pylist():
             yield f"{path}:row {row}", record
             row += 1
@@ -101,11 +106,7 @@ def _arrow_rows(path: str) -> Iterator[tuple[str, object]]:
                 table = pa.ipc.open_file(source).read_all()
     except Exception as err:   # ArrowInvalid / OSError for damaged files
         raise DataError(f"{path}: not a readable Arrow file ({err})") from err
-    row = 0
-    for batch in table.to_batches(max_chunksize=1024):
-        for record in batch.to_pylist():
-            yield f"{path}:row {row}", record
-            row += 1
+    yield from _batched_rows(path, table.to_batches(max_chunksize=1024))
 
 
 def _csv_rows(path: str) -> Iterator[tuple[str, object]]:
