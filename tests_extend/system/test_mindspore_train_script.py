@@ -47,8 +47,9 @@ def tiny_dataset(tmp_path_factory):
 
 
 def launch(tmp_path, name, extra_env, args=(), timeout=420, script=SCRIPT):
-    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), LOG_DIR=str(tmp_path / f"{name}_logs"),
-               **TINY, **extra_env)
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), LOG_DIR=str(tmp_path / f"{name}_logs"))
+    env.update(TINY)
+    env.update(extra_env)      # the case's own settings win over TINY's
     return subprocess.run(["bash", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
