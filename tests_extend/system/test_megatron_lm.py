@@ -43,6 +43,8 @@ CONFIGS = {
                       {"expert-parallel", "moe-grouped-gemm", "fused-moe-token-permute-and-unpermute"}),
 }
 MOCK = {"tp2-fused", "dp2-distopt-fused"}   # the others read the indexed dataset
+# CI's 40-minute budget: these train on the newest core only (cp2-ring keeps CP covered on the older one)
+NEWEST_CORE_ONLY = {"cp2-ulysses-fused", "cp4-hybrid-fused"}
 CP_TOLERANCE = 1e-4   # fp32; CP changes only the order of reductions
 
 
@@ -96,6 +98,8 @@ def single_process_losses(checkout, indexed_dataset):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_pretrain_gpt_trains(checkout, indexed_dataset, name, request):
+    if name in NEWEST_CORE_ONLY and request.node.callspec.params["checkout"] != kit.VERSIONS[-1]:
+        pytest.skip(f"{name} trains on core_v{kit.VERSIONS[-1]} only (CI time budget)")
     nproc, env, extra, expected = CONFIGS[name]
     env = dict(env, **({"MOCK_DATA": "1"} if name in MOCK else {"DATA_PATH": indexed_dataset}))
     output, losses = _train(checkout, nproc, extra, env)
