@@ -268,11 +268,9 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool = True,
-                    finetune: bool = False, step: int | None = None,
-                    vocab_size: int | None = None) -> tuple[int, int]:
+                    finetune: bool = False, step: int | None = None) -> tuple[int, int]:
     """Load into chunks/optimizer/scheduler in place; return (iteration, consumed samples).
-    A neutral checkpoint (the MindSpore trainer's) loads too (cross_format; vocab_size: the real
-    vocabulary, below which no row is dropped when the TP padding differs)."""
+    A neutral checkpoint (the MindSpore trainer's) loads too (cross_format)."""
     iteration = read_tracker(root, step)
     path = iteration_dir(root, iteration)
     use_optim = load_optim and not finetune
@@ -281,7 +279,7 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
         state.update(iteration=0, consumed_train_samples=0, opt_param_scheduler={}, checkpoint_version=0.0)
     if is_neutral(path):
         from mindspeed.training import cross_format
-        loaded = cross_format.fill_from_neutral(state, path, vocab_size or 0)
+        loaded = cross_format.fill_from_neutral(state, path)
     else:
         try:
             loaded = dist_checkpointing.load(state, path)

@@ -35,23 +35,23 @@ def _layer_keys() -> dict:
     return LAYER_KEYS
 
 
-def fit_vocab_rows(name: str, array: np.ndarray, rows: int, vocab_size: int, where: str) -> np.ndarray:
-    """`array` with `rows` rows: zero padding rows added, or padding rows (>= vocab_size) dropped."""
+def fit_vocab_rows(name: str, array: np.ndarray, rows: int) -> np.ndarray:
+    """`array` with `rows` rows for the vocabulary tensors (the converter's fit_vocab): zero padding
+    rows added or dropped. `rows` is this model's padded vocabulary, never below the real one, so
+    only padding rows are dropped."""
     if not name.endswith(VOCAB_ROWS) or array.shape[0] == rows:
         return array
-    if rows < vocab_size:
-        raise CheckpointError(f"{where}: {name} has {array.shape[0]} rows, this model {rows} (< vocabulary {vocab_size})")
-    if rows < array.shape[0]:
-        return array[:rows]
-    return np.concatenate([array, np.zeros((rows - array.shape[0],) + array.shape[1:], array.dtype)], 0)
+    import torch
+    from mindspeed.convert.layout import fit_vocab
+    return fit_vocab(torch.from_numpy(np.ascontiguousarray(array)), min(rows, array.shape[0]), rows).numpy()
 
 
 # --- neutral -> torch trainer -------------------------------------------------------------------
 class _NeutralSource:
     """Whole arrays by torch_dist key (decoder layers stacked on a leading axis, as torch_dist keeps them)."""
 
-    def __init__(self, model: dict, moments: dict | None, directory: str, vocab_size: int):
-        self.model, self.moments, self.dir, self.vocab_size = model, moments or {}, directory, vocab_size
+    def __init__(self, model: dict, moments: dict | None, directory: str):
+        self.model, self.moments, self.dir = model, moments or {}, directory
         self.num_layers = 1 + max((int(k.split(".")[2]) for k in model if k.startswith("decoder.layers.")),
                                   default=-1)
         self.stacked_suffix = {key: suffix for suffix, key in _layer_keys().items()}
@@ -96,7 +96,7 @@ class _NeutralSource:
         full = self.array(sh.key)
         pre = sh.prepend_axis_num
         name = sh.key[len(OPT_PREFIX):].partition(".")[2] if sh.key.startswith(OPT_PREFIX) else sh.key
-        full = fit_vocab_rows(name, full, sh.global_shape[pre], self.vocab_size, f"checkpoint {self.dir}")
+        full = fit_vocab_rows(name, full, sh.global_shape[pre])
         if tuple(full.shape) != tuple(sh.global_shape):
             raise CheckpointError(f"checkpoint {self.dir} does not fit this model: {sh.key} is "
                                   f"{tuple(full.shape)}, this model's {tuple(sh.global_shape)}")
@@ -106,7 +106,7 @@ class _NeutralSource:
         return sh.data
 
 
-def fill_from_neutral(state: dict, directory: str, vocab_size: int) -> dict:
+def fill_from_neutral(state: dict, directory: str) -> dict:
     """What dist_checkpointing.load(state, torch_dist_dir) returns, from the neutral checkpoint in
     `directory` instead: every ShardedTensor of the trainer's sharded state dict replaced by its
     tensor filled from the neutral arrays; iteration, samples and Adam's step from meta.json."""
@@ -117,7 +117,7 @@ def fill_from_neutral(state: dict, directory: str, vocab_size: int) -> dict:
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
     model, moments, meta = nf.load(directory)
-    source = _NeutralSource(model, moments if "optimizer" in state else None, directory, vocab_size)
+    source = _NeutralSource(model, moments if "optimizer" in state else None, directory)
     sharded, nonpersistent, factories = load_preprocess(state)
     sharded, common = extract_sharded_base(sharded)
     merge(common, nonpersistent)

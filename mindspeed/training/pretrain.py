@@ -287,8 +287,7 @@ def resume(args, trainer, logger) -> tuple[int, int]:
         return 0, 0
     iteration, consumed = checkpointing.load_checkpoint(args.load, trainer.model, trainer.optimizer,
                                                         trainer.scheduler, load_optim=not args.no_load_optim,
-                                                        finetune=args.finetune, step=args.ckpt_step,
-                                                        vocab_size=args.vocab_size)
+                                                        finetune=args.finetune, step=args.ckpt_step)
     logger.print(f"> loaded checkpoint {args.load} at iteration {iteration}")
     return iteration, consumed
 

@@ -36,7 +36,7 @@ def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -
     backend.comm.barrier()
 
 
-def _fit_vocab(model, arrays: dict | None, directory: str) -> dict | None:
+def _fit_vocab(model, arrays: dict | None) -> dict | None:
     """The torch side pads the vocabulary for its TP size: add or drop padding rows for this one."""
     if arrays is None:
         return None
@@ -46,7 +46,7 @@ def _fit_vocab(model, arrays: dict | None, directory: str) -> dict | None:
     for key, value in arrays.items():
         name = key.split("/", 1)[-1]
         rows = shapes[name][0] if name in shapes else value.shape[0]
-        out[key] = fit_vocab_rows(name, value, rows, model.cfg.vocab_size, f"checkpoint {directory}")
+        out[key] = fit_vocab_rows(name, value, rows)
     return out
 
 
@@ -61,7 +61,7 @@ def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step:
     if nf.is_torch_dist(directory):      # the torch trainer's checkpoint, renamed to the neutral names
         from mindspeed.training import cross_format
         full, moments, meta = cross_format.neutral_from_torch_dist(directory, optimizer is not None and load_optimizer)
-        full, moments = _fit_vocab(model, full, directory), _fit_vocab(model, moments, directory)
+        full, moments = _fit_vocab(model, full), _fit_vocab(model, moments)
     else:
         full, moments, meta = nf.load(directory)
     try:
