@@ -35,11 +35,6 @@ def _base(a) -> list[str]:
             "--mock-data", "--tensor-model-parallel-size", "1", "--seed", "1234"]
 
 
-class _Log:
-    def print(self, *_):
-        pass
-
-
 class _Tok:
     vocab_size = 128
     eod = 0
@@ -47,16 +42,8 @@ class _Tok:
 
 
 def _trainer(base, flags):
-    import mindspeed
-    from mindspeed.training import pretrain
-    from mindspeed.training.arguments import parse_args
-    args = parse_args(base + list(flags), world_size=1)
-    mindspeed.unadapt()
-    mindspeed.adapt(args)
-    args.device_name = "cpu"
-    args.vocab_size, args.padded_vocab_size = 128, 128
-    pretrain._set_seeds(args)
-    return args, pretrain.Trainer(args, _Log())
+    from tests_extend.unit.swap_workers import trainer_for     # the tests' set-up, at this size
+    return trainer_for(flags, base, vocab_size=_Tok.vocab_size)
 
 
 _DATA = {}

@@ -43,15 +43,16 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def trainer_for(flags):
+def trainer_for(flags, base=TINY, vocab_size=60):
+    """The built-in trainer in this process (world of one), adapted for `base + flags`."""
     import mindspeed
     from mindspeed.training import pretrain
     from mindspeed.training.arguments import parse_args
-    args = parse_args(TINY + list(flags), world_size=1)
+    args = parse_args(base + list(flags), world_size=1)
     mindspeed.unadapt()
     mindspeed.adapt(args)
     args.device_name = "cpu"
-    args.vocab_size, args.padded_vocab_size = 60, 128
+    args.vocab_size, args.padded_vocab_size = vocab_size, 128
     pretrain._set_seeds(args)
     return args, pretrain.Trainer(args, _Log())
 
