@@ -6,6 +6,10 @@ active state; `import mindspeed.megatron_adaptor` does the same from sys.argv.
 """
 __version__ = "0.1.0"
 
+from mindspeed import deferred_compile as _deferred_compile
+
+_deferred_compile.install()   # before any megatron import: its torch.compile decorations cost ~4 s per rank
+
 
 def adapt(args=None):
     from mindspeed.adaptor_core import apply_plan, plan, set_host_flags
