@@ -9,6 +9,13 @@ every run has --noop-layers 0,3 of 4 layers.
 * noop layers: layers 0 and 3 are NoopTransformerLayer modules without parameters whose output
   equals their input (seen during the PP=2 training), the others are real; a checkpoint of the
   PP=2 model loads back (its keys are per layer) and resumes with the same losses.
+* virtual pipeline with Megatron's overlap: PP=2 with --num-layers-per-virtual-pipeline-stage 1 (two
+  chunks per stage, interleaved 1F1B) and the distributed optimizer, without and with
+  --overlap-grad-reduce --overlap-param-gather: the overlap changes when the collectives run, not what
+  they sum, so the losses are the same bit for bit; and it is really on: gradient reductions start
+  before Megatron's finish_grad_sync (from the schedule, per chunk) and forward pre-hooks wait for the
+  parameter all-gathers. (DP=1 here: 2 processes keep CI time down, so the reductions themselves are
+  over one rank; the per-chunk wiring and Megatron's overlapped code paths are what run.)
 """
 import json
 import os
@@ -24,6 +31,8 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 PP2 = ["--pipeline-model-parallel-size", "2"]
 NOOP = ["--noop-layers", "0,3"]      # every run: the first stage of 1,3 then holds only a noop layer
 STEPS = 3
+VPP = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer", "--train-iters", str(STEPS)]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 TOLERANCE = 1e-5   # fp32; only the order of the gradient sums differs (module docstring)
 
 
@@ -50,6 +59,37 @@ def _train(rank, tmp, name, flags, inspect=None):
         pretrain.Trainer._build_model = original
         mindspeed.unadapt()
     return (_losses(loss_file) if rank == 0 else None), seen
+
+
+_ORIGINALS = {}
+
+
+def _count_overlapped_collectives(model, seen):
+    """Counts grad syncs started outside finish_grad_sync and param syncs awaited by forward hooks."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+    group = buffers._ParamAndGradBucketGroup
+    seen.update(early_grad_sync=0, param_sync_in_forward=0, finishing=False)
+    originals = _ORIGINALS.setdefault("group", (group.start_grad_sync, group.finish_param_sync,
+                                                group.finish_grad_sync))
+    start, finish, finish_grads = originals     # never a wrapper of the previous run's wrappers
+
+    def start_grad_sync(self, *args, **kwargs):
+        seen["early_grad_sync"] += not seen["finishing"]
+        return start(self, *args, **kwargs)
+
+    def finish_grad_sync(self, *args, **kwargs):
+        seen["finishing"] = True
+        try:
+            return finish_grads(self, *args, **kwargs)
+        finally:
+            seen["finishing"] = False
+
+    def finish_param_sync(self, *args, **kwargs):
+        seen["param_sync_in_forward"] += 1
+        return finish(self, *args, **kwargs)
+    group.start_grad_sync, group.finish_grad_sync, group.finish_param_sync = (
+        start_grad_sync, finish_grad_sync, finish_param_sync)
+    return model
 
 
 def _noop_probe(model, seen):
@@ -80,6 +120,9 @@ def _all_runs(rank, world_size, tmp):
                                          _noop_probe)
     out["pp2-resumed"], _ = _train(rank, tmp, "pp2-resumed", NOOP + uneven + [
         "--train-iters", str(STEPS), "--load", saved, "--ckpt-step", "1"])
+    out["vpp"], out["vpp/seen"] = _train(rank, tmp, "vpp", VPP, _count_overlapped_collectives)
+    out["vpp-overlap"], out["vpp-overlap/seen"] = _train(rank, tmp, "vpp-overlap", VPP + OVERLAP,
+                                                         _count_overlapped_collectives)
     return out
 
 
@@ -114,3 +157,16 @@ def test_noop_layers_pass_through_without_parameters(runs):
 def test_noop_model_checkpoint_resumes_with_the_same_losses(runs):
     full, resumed = runs[0]["pp2"], runs[0]["pp2-resumed"]
     assert len(resumed) == STEPS - 1 and resumed == full[1:]
+
+
+def test_vpp_overlap_gives_the_same_losses_bit_for_bit(runs):
+    plain, overlap = runs[0]["vpp"], runs[0]["vpp-overlap"]
+    assert len(plain) == STEPS and overlap == plain
+    assert plain[0] != plain[-1]
+
+
+def test_vpp_overlap_is_really_on(runs):
+    for rank in (0, 1):
+        plain, overlap = runs[rank]["vpp/seen"], runs[rank]["vpp-overlap/seen"]
+        assert plain["early_grad_sync"] == 0 and plain["param_sync_in_forward"] == 0, plain
+        assert overlap["early_grad_sync"] > 0 and overlap["param_sync_in_forward"] > 0, overlap
