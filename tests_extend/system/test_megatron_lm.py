@@ -80,8 +80,9 @@ def indexed_dataset(tmp_path_factory):
 
 
 def _mindspeed_features(output):
-    line = next(l for l in output.splitlines() if l.startswith("> MindSpeed backend"))
-    return set(line.split("features: ", 1)[1].split(";")[0].split(", "))
+    # anywhere in a line: the other ranks' block-buffered output can end mid-line just before rank 0's
+    line = next(l for l in output.splitlines() if "> MindSpeed backend" in l)
+    return set(line.split("> MindSpeed backend", 1)[1].split("features: ", 1)[1].split(";")[0].split(", "))
 
 
 def _train(checkout, nproc, extra, env):
