@@ -47,6 +47,7 @@ SPLIT=${SPLIT:-949,50,1}
 CKPT_DIR=${CKPT_DIR:-}                    # empty: no checkpoints
 SAVE_INTERVAL=${SAVE_INTERVAL:-}
 LOAD_DIR=${LOAD_DIR:-}
+MAX_RESTARTS=${MAX_RESTARTS:-0}            # >0: torchrun restarts a failed job; it resumes from CKPT_DIR
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-}
 MOCK_DATA=${MOCK_DATA:-0}                 # 1: Megatron's random-token dataset (no files)
 
@@ -102,6 +103,20 @@ fi
 [ -n "$NUM_EXPERTS" ] && ARGS+=(--num-experts "$NUM_EXPERTS")
 [ -n "$CKPT_DIR" ] && ARGS+=(--save "$CKPT_DIR")
 [ -n "$SAVE_INTERVAL" ] && ARGS+=(--save-interval "$SAVE_INTERVAL")
+if [ "$MAX_RESTARTS" != 0 ]; then
+  if [ -z "$CKPT_DIR" ] || [ -z "$SAVE_INTERVAL" ]; then
+    echo "error: MAX_RESTARTS=$MAX_RESTARTS needs CKPT_DIR and SAVE_INTERVAL: a restarted job resumes from the last checkpoint" >&2; exit 2
+  fi
+  # --save X --load X: the first start finds no checkpoint and starts at iteration 0, a restart resumes
+  LOAD_DIR=${LOAD_DIR:-$CKPT_DIR}
+  # torchrun's static rendezvous keeps one TCPStore across restarts, so a restarted job's process
+  # groups read the dead workers' addresses (gloo: "connection refused"); the c10d rendezvous with
+  # per-round worker stores starts every round clean
+  RDZV=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "mindspeed-$MASTER_PORT")
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+else
+  RDZV=(--node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+fi
 [ -n "$LOAD_DIR" ] && ARGS+=(--load "$LOAD_DIR")
 [ -n "$TENSORBOARD_DIR" ] && ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
 
@@ -112,7 +127,6 @@ if [ -z "$MEGATRON_LM" ]; then
     "${ARGS[@]}" "$@" || { rc=$?; [ "$rc" = 3 ] && exit 0; exit "$rc"; }   # 3: --help shown
 fi
 
-exec "$PYTHON" -m torch.distributed.run \
-  --nproc_per_node "$NPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+exec "$PYTHON" -m torch.distributed.run --max-restarts "$MAX_RESTARTS" \
+  --nproc_per_node "$NPUS_PER_NODE" --nnodes "$NNODES" "${RDZV[@]}" \
   "$ENTRY" "${ARGS[@]}" "$@"

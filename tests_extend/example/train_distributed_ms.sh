@@ -46,6 +46,9 @@ SPLIT=${SPLIT:-949,50,1}
 CKPT_DIR=${CKPT_DIR:-}                    # empty: no checkpoints
 SAVE_INTERVAL=${SAVE_INTERVAL:-}
 LOAD_DIR=${LOAD_DIR:-}
+if [ "${MAX_RESTARTS:-0}" != 0 ]; then
+  echo "error: MAX_RESTARTS: msrun does not restart failed workers and this script has no restart loop yet; rerun with LOAD_DIR=\$CKPT_DIR to resume, or use train_distributed.sh (torch), which restarts" >&2; exit 2
+fi
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)

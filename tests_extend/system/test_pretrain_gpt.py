@@ -5,8 +5,10 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -127,6 +129,63 @@ def test_two_nodes_train_as_one_node(tiny_dataset, tmp_path, tp2_sp_single_node)
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "TP 2 x PP 1 x CP 1 x DP 1" in outputs[0]            # one model over the two nodes
     assert read_losses(loss_file) == tp2_sp_single_node[1]      # ==: bit for bit
+
+
+def _workers(launcher_pid: int) -> dict[int, int]:
+    """{RANK: pid} of torchrun's worker processes (its children)."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent == launcher_pid:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+                found[int(env[b"RANK"])] = int(entry)
+        except (OSError, KeyError, ValueError):
+            continue          # gone meanwhile, or not a worker
+    return found
+
+
+def test_a_killed_worker_restarts_from_the_last_checkpoint(tiny_dataset, tmp_path):
+    """MAX_RESTARTS=1: a worker killed (SIGKILL) mid-run; torchrun restarts the job, which resumes from
+    the last checkpoint by itself (LOAD_DIR defaults to CKPT_DIR) and finishes. Only the iterations
+    since that save are redone, and they repeat the first attempt's losses bit for bit."""
+    loss_file, ckpt = tmp_path / "losses.jsonl", tmp_path / "ckpt"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               **dict(TINY, TRAIN_ITERS="20", EVAL_ITERS="0", EVAL_INTERVAL="1000"),
+               CKPT_DIR=str(ckpt), SAVE_INTERVAL="4", MAX_RESTARTS="1")
+    log = tmp_path / "job.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen(["bash", SCRIPT, "--npu-deterministic", "--log-loss-file", str(loss_file)], cwd=ROOT,
+                               env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + LAUNCH_TIMEOUT
+        while not (loss_file.exists() and loss_file.read_text().count("\n") >= 7):
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        workers = _workers(job.pid)
+        os.kill(workers[0], signal.SIGKILL)        # rank 0 (the last stage's rank 1 writes the loss file)
+        job.wait(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)      # torchrun and its workers
+    output = log.read_text()
+    assert job.returncode == 0, output[-4000:]
+    records = [json.loads(line) for line in loss_file.read_text().splitlines()]
+    iterations = [r["iteration"] for r in records]
+    restart = next(i for i in range(1, len(iterations)) if iterations[i] <= iterations[i - 1])
+    first, second = records[:restart], records[restart:]
+    killed_after, resumed_from = first[-1]["iteration"], second[0]["iteration"]
+    assert killed_after >= 7 and resumed_from > 4 and (resumed_from - 1) % 4 == 0, (killed_after, resumed_from)
+    assert resumed_from <= killed_after + 1 and [r["iteration"] for r in second] == list(range(resumed_from, 21))
+    before = {r["iteration"]: r["lm_loss"] for r in first}
+    redone = [r for r in second if r["iteration"] in before]
+    assert all(r["lm_loss"] == before[r["iteration"]] for r in redone), (redone, before)
+    assert "no checkpoint yet in this --save directory; starting from iteration 0" in output   # the first start
+    assert f"loaded checkpoint {ckpt} at iteration {resumed_from - 1}" in output, output[-3000:]  # the restart
 
 
 def _assert_tflops_and_mfu(output):
