@@ -222,14 +222,16 @@ def test_untested_megatron_version_is_refused(tmp_path):
 # built-in trainer does not share (dropout 0.1, Adam beta2 0.999) are given explicitly
 PARITY_FLAGS = NO_DROPOUT + ["--adam-beta2", "0.95", "--seed", "1234"]
 PARITY_ENV = {"NUM_LAYERS": "2", "GLOBAL_BATCH": "4"}
-# the newest core trains the parity run on an instruction dataset (--is-instruction-dataset): equal
-# losses then also show that the prompt loss mask reaches Megatron-LM's own loss_func
-INSTRUCTION = ["--is-instruction-dataset"]
+# the newest core trains the parity run on a neat-packed instruction dataset: equal losses then also
+# show that the prompt loss mask reaches Megatron-LM's own loss_func and its attention stays inside
+# each packed conversation (the built-in trainer's test_instruction_finetune.py proves its own does)
+INSTRUCTION = ["--is-instruction-dataset", "--neat-pack", "--reset-attention-mask"]
 
 
 @pytest.fixture(scope="module")
 def instruction_dataset(tmp_path_factory):
-    """Alpaca records through an instruction handler (llama2 template: prompts at label -100)."""
+    """Alpaca records through an instruction handler (llama2 template: prompts at label -100), packed
+    into samples of the parity run's length with --neat-pack."""
     pytest.importorskip("transformers")
     from tests_extend.unit import data_kit
     root = tmp_path_factory.mktemp("mlm-instruction")
@@ -237,7 +239,8 @@ def instruction_dataset(tmp_path_factory):
     assert data_kit.preprocess("--input", data_kit.write_jsonl(root / "a.jsonl", data_kit.ALPACA * 4),
                                "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
                                data_kit.make_tokenizer(str(root / "tok")), "--handler-name",
-                               "AlpacaStyleInstructionHandler", "--prompt-type", "llama2", "--output-prefix", prefix) == 0
+                               "AlpacaStyleInstructionHandler", "--prompt-type", "llama2", "--output-prefix", prefix,
+                               "--pack", "--neat-pack", "--seq-length", kit.TINY["SEQ_LENGTH"]) == 0
     return prefix
 
 
