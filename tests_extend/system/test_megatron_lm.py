@@ -157,6 +157,8 @@ def parsed(*extra):
 os.environ['WORLD_SIZE'] = '4'
 assert parsed('--pipeline-model-parallel-size', '2', '--num-layer-list', '1,2') == \\
     'MindSpeed: --num-layer-list 1,2 sums to 3, not --num-layers 4'
+assert parsed('--is-instruction-dataset', '--data-path', 'a', '--neat-pack') == \\
+    'MindSpeed: --neat-pack needs --reset-attention-mask (attention restarts at each packed sample)'
 irregular = ('--pipeline-model-parallel-size', '4', '--num-layers', '8', '--num-layer-list', '1,2,3,2')
 if megatron_version() == '0.12.1':
     assert parsed(*irregular) == ("MindSpeed: --num-layer-list 1,2,3,2 needs Megatron's "
