@@ -212,6 +212,20 @@ def test_pack_fills_fixed_length_samples_and_keeps_every_reply(tok_dir, tmp_path
     assert all(len(ids) < longest for ids, _ in _instruction(str(tmp_path / "cut")))   # longer ones dropped
 
 
+def test_neat_pack_no_token_predicts_across_a_sample_boundary(tok_dir, tmp_path):
+    """With an empty prompt (template empty) every token is learned: in a neat-packed sample the
+    last token of one conversation still must not predict the first of the next."""
+    from mindspeed.training.instruction_data import build_splits
+    records = [{"instruction": "", "input": "", "output": "blue is a colour"}] * 3
+    prefix = str(tmp_path / "neat")
+    _run(tok_dir, kit.write_jsonl(tmp_path / "a.jsonl", records), prefix, "--handler-name",
+         "AlpacaStyleInstructionHandler", "--prompt-type", "empty", "--pack", "--neat-pack", "--seq-length", "16")
+    train, _ = build_splits(prefix, "100,0,0", 16, 1, 0, neat_pack=True)
+    example = train.example(0)
+    assert example["segments"].tolist() == [1] * 4 + [2] * 4 + [3] * 4 + [0] * 4
+    assert example["loss_mask"].tolist() == ([1.0] * 3 + [0.0]) * 3 + [0.0] * 4   # 3 predictions per sample
+
+
 def test_workers_and_subsets_give_the_same_files(tok_dir, tmp_path):
     from mindspeed.data.workers import ordered_map
     assert list(ordered_map(lambda x: (x, os.getpid()), range(40), 2, chunksize=4))[0][1] != os.getpid()
