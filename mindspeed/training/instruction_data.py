@@ -46,9 +46,11 @@ class InstructionDocuments:
         # all ones: not neat-packed; a sample number > 1 or a 0 (padding): neat-packed
         neat_data = bool(len(marks.tokens)) and (int(marks.tokens.max()) > 1 or int(marks.tokens.min()) == 0)
         if neat_pack != neat_data:
+            fix = ("train with --neat-pack --reset-attention-mask (torch backend; for the MindSpore trainer "
+                   "preprocess without --neat-pack)") if neat_data else \
+                "drop --neat-pack (or preprocess with --pack --neat-pack)"
             raise DataError(f"--data-path {prefix}: the dataset was {'' if neat_data else 'not '}written with "
-                            f"--neat-pack; {'train with' if neat_data else 'drop'} --neat-pack"
-                            f"{' --reset-attention-mask' if neat_data else ' (or preprocess with --pack --neat-pack)'}")
+                            f"--neat-pack; {fix}")
         self.segments = marks if neat_pack else None
         self.prefix = prefix
 
