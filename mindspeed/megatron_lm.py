@@ -22,6 +22,7 @@ from mindspeed.adaptor_core import (AdaptState, MindSpeedConfigError, Plan, acti
                                     apply_features, plan, resolve_device, set_current, set_host_flags)
 from mindspeed.arguments import (add_mindspeed_args, known_flags, mindspeed_parser, resolve_backend_name,
                                  unknown_flag_message, unknown_options)
+from mindspeed import megatron_lm_data
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
 
 log = logging.getLogger("mindspeed")
@@ -97,6 +98,7 @@ class MegatronLMHooks:
                 if extra_args_provider is not None:
                     parser = extra_args_provider(parser)
                 add_mindspeed_args(parser)
+                megatron_lm_data.add_args(parser)
                 parser.error = _one_line_error(parser)
                 if not _transformer_engine_present():
                     # the default (transformer_engine) cannot import here: Megatron-Core's local
@@ -166,11 +168,16 @@ class MegatronLMHooks:
             p = plan(args)
         except MindSpeedConfigError as exc:
             raise SystemExit(str(exc)) from None
+        data_problems = megatron_lm_data.problems(args)
+        if data_problems:
+            self._refuse(data_problems[0])
         active = self.state.plan
         if (p.backend, p.device) != (active.backend, active.device):
             self._refuse(f"--backend/--device give {p.backend}/{p.device} but the adaptor activated "
                          f"{active.backend}/{active.device} at import; pass them on the command line")
         apply_features(self.state.context, p)
+        if getattr(args, "is_instruction_dataset", False):
+            megatron_lm_data.install(self.state.patcher)
         set_host_flags(p, args)      # after Megatron's checks (its --deterministic-mode asserts NCCL_ALGO)
         self.state.plan = p
         if int(os.environ.get("RANK", "0")) == 0:

@@ -13,7 +13,7 @@ import sys
 
 from mindspeed.training.flag_checks import ArgumentError, OneLineParser
 
-HANDLER_ONLY = ("handler_name", "prompt_type", "map_keys", "json_keys", "seq_length", "pack",
+HANDLER_ONLY = ("handler_name", "prompt_type", "map_keys", "json_keys", "seq_length", "pack", "neat_pack",
                 "overwrite_cache")
 
 
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, default=None,
                    help="instruction handlers: drop samples longer than this; with --pack the packed length")
     g.add_argument("--pack", action="store_true", help="instruction handlers: pack samples into --seq-length")
+    g.add_argument("--neat-pack", action="store_true",
+                   help="with --pack: attention_mask numbers the samples of each packed sample (0 on padding), "
+                        "so training with --neat-pack --reset-attention-mask keeps attention inside each one")
     g.add_argument("--pad-to-multiple-of", type=int, default=1,
                    help="instruction handlers: pad each sample to a multiple of this (label -100)")
 
@@ -94,7 +97,8 @@ def _run_handler(args) -> None:
     run(HandlerConfig(inputs=args.input, output_prefix=args.output_prefix, tokenizer_path=_tokenizer_folder(args),
                       handler_name=args.handler_name or "GeneralPretrainHandler", json_keys=args.json_keys,
                       prompt_type=args.prompt_type, map_keys=args.map_keys, append_eod=bool(args.append_eod),
-                      seq_length=args.seq_length, pack=args.pack, pad_to_multiple_of=args.pad_to_multiple_of,
+                      seq_length=args.seq_length, pack=args.pack, neat_pack=args.neat_pack,
+                      pad_to_multiple_of=args.pad_to_multiple_of,
                       workers=args.workers, n_subs=args.n_subs, log_interval=args.log_interval,
                       cache_dir=args.cache_dir, overwrite_cache=args.overwrite_cache))
 

@@ -13,7 +13,8 @@ import json
 import numpy as np
 
 from mindspeed.data.errors import DataError
-from mindspeed.data.templates import ASSISTANT, USER, get_template
+from mindspeed.data.templates import (ASSISTANT, FUNCTION, OBSERVATION, USER, function_call_text,
+                                      get_template)
 
 IGNORE_INDEX = -100
 INSTRUCTION_KEYS = ("input_ids", "attention_mask", "labels")
@@ -36,7 +37,8 @@ def _field(origin: str, record: dict, column: str, role: str, kind=str):
         raise DataError(f"{origin}: no {column!r} field (the {role}; map another column with --map-keys)")
     value = record[column]
     if not isinstance(value, kind):
-        raise DataError(f"{origin}: field {column!r} must be a {kind.__name__}, got {type(value).__name__}")
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise DataError(f"{origin}: field {column!r} must be a {names}, got {type(value).__name__}")
     return value
 
 
@@ -77,7 +79,8 @@ class InstructionHandler:
     def output_prefixes(self, prefix: str) -> dict:
         return {key: f"{prefix}_packed_{key}_document" for key in self.keys}
 
-    def conversation(self, origin: str, record: dict) -> tuple[list, str | None]:
+    def conversation(self, origin: str, record: dict) -> tuple[list, str | None, list | None]:
+        """(messages, system prompt, tools) of one record."""
         raise NotImplementedError
 
     def _optional(self, origin, record, name, kind):
@@ -87,9 +90,13 @@ class InstructionHandler:
         return _field(origin, record, column, f"--map-keys {name}", kind)
 
     def encode(self, origin: str, record: dict) -> dict:
-        messages, system = self.conversation(origin, record)
+        messages, system, tools = self.conversation(origin, record)
+        try:
+            turns = self.template.encode_turns(self.tokenizer, messages, system, tools)
+        except DataError as err:
+            raise DataError(f"{origin}: {err}") from err
         ids, labels = [], []
-        for prompt, reply in self.template.encode_turns(self.tokenizer, messages, system):
+        for prompt, reply in turns:
             ids += prompt + reply
             labels += [IGNORE_INDEX] * len(prompt) + reply
         if self.append_eod:
@@ -115,21 +122,48 @@ class AlpacaStyleInstructionHandler(InstructionHandler):
                 raise DataError(f"{origin}: each history entry must be a [question, reply] pair of strings")
             messages += [(USER, pair[0]), (ASSISTANT, pair[1])]
         messages += [(USER, "\n".join(t for t in (question, query) if t)), (ASSISTANT, reply)]
-        return messages, self._optional(origin, record, "system", str)
+        return messages, self._optional(origin, record, "system", str), None
 
 
 class SharegptStyleInstructionHandler(InstructionHandler):
-    """A list of turns {from: human|gpt, value: text}, optionally led by a system turn."""
+    """A list of turns {from: ROLE, value: text}, optionally led by a system turn. Prompt turns
+    (human, or observation: a tool's result) alternate with reply turns (gpt, or function_call: a
+    JSON {"name", "arguments"} call, learned like a reply), as MindSpeed-LLM's ShareGPT reader has
+    them; `tools` (a JSON list of {name, description, parameters}) is described after the system."""
     TAG_DEFAULTS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-                    "system_tag": "system"}
-    MAP_DEFAULTS = {"messages": "conversations", "system": None, "tags": None}
+                    "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
+    MAP_DEFAULTS = {"messages": "conversations", "system": None, "tools": "tools", "tags": None}
 
     def __init__(self, tokenizer, prompt_type, map_keys, append_eod):
         super().__init__(tokenizer, prompt_type, map_keys, append_eod)
         tags = map_keys.get("tags") or {}
         if not isinstance(tags, dict) or set(tags) - set(self.TAG_DEFAULTS):
             raise DataError(f"--map-keys tags must be an object with keys among {', '.join(self.TAG_DEFAULTS)}")
-        self.tags = {**self.TAG_DEFAULTS, **tags}
+        self.tags = t = {**self.TAG_DEFAULTS, **tags}
+        # turn i: a prompt role when i is even, a reply role when odd
+        self.sides = ({t["user_tag"]: USER, t["observation_tag"]: OBSERVATION},
+                      {t["assistant_tag"]: ASSISTANT, t["function_tag"]: FUNCTION})
+
+    def _tools(self, origin, record):
+        tools = self._optional(origin, record, "tools", (str, list))
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools) if tools.strip() else []
+            except json.JSONDecodeError as err:
+                raise DataError(f"{origin}: field {self.columns['tools']!r} is not valid JSON ({err.msg})") from err
+        if tools is not None and not (isinstance(tools, list) and all(
+                isinstance(x, dict) and isinstance(x.get("name"), str) for x in tools)):
+            raise DataError(f"{origin}: field {self.columns['tools']!r} must be a list of tools "
+                            "{\"name\": ..., \"description\": ..., \"parameters\": {...}}")
+        return tools or None
+
+    def _call_text(self, origin, i, content):
+        try:
+            call = json.loads(content)
+            return function_call_text(call["name"], call["arguments"])
+        except (json.JSONDecodeError, TypeError, KeyError) as err:
+            raise DataError(f"{origin}: turn {i} ({self.tags['function_tag']}) must be JSON "
+                            "{\"name\": ..., \"arguments\": {...}}") from err
 
     def conversation(self, origin, record):
         t = self.tags
@@ -137,19 +171,23 @@ class SharegptStyleInstructionHandler(InstructionHandler):
         system = self._optional(origin, record, "system", str)
         if turns and isinstance(turns[0], dict) and turns[0].get(t["role_tag"]) == t["system_tag"]:
             system, turns = turns[0].get(t["content_tag"]), turns[1:]
-        roles = {t["user_tag"]: USER, t["assistant_tag"]: ASSISTANT}
+        known = {**self.sides[0], **self.sides[1]}
         messages = []
         for i, turn in enumerate(turns):
-            want = (t["user_tag"], t["assistant_tag"])[i % 2]
-            if not isinstance(turn, dict) or turn.get(t["role_tag"]) != want \
-                    or not isinstance(turn.get(t["content_tag"]), str):
-                raise DataError(f"{origin}: turn {i} must be {{{t['role_tag']!r}: {want!r}, "
-                                f"{t['content_tag']!r}: text}} (turns alternate {t['user_tag']}/{t['assistant_tag']})")
-            messages.append((roles[want], turn[t["content_tag"]]))
+            role = turn.get(t["role_tag"]) if isinstance(turn, dict) else None
+            if role not in known:
+                raise DataError(f"{origin}: turn {i} has role {role!r}; the roles are {', '.join(known)} "
+                                f"(and {t['system_tag']} first); name others with --map-keys tags")
+            side = self.sides[i % 2]
+            if role not in side or not isinstance(turn.get(t["content_tag"]), str):
+                raise DataError(f"{origin}: turn {i} must be {{{t['role_tag']!r}: {' or '.join(map(repr, side))}, "
+                                f"{t['content_tag']!r}: text}} (prompt turns {t['user_tag']}/{t['observation_tag']} "
+                                f"alternate with reply turns {t['assistant_tag']}/{t['function_tag']})")
+            content = turn[t["content_tag"]]
+            messages.append((side[role], self._call_text(origin, i, content) if side[role] == FUNCTION else content))
         if not messages or len(messages) % 2:
-            raise DataError(f"{origin}: a conversation needs {t['user_tag']}/{t['assistant_tag']} pairs "
-                            f"({len(messages)} turns)")
-        return messages, system
+            raise DataError(f"{origin}: a conversation needs prompt/reply pairs ({len(messages)} turns)")
+        return messages, system, self._tools(origin, record)
 
 
 HANDLERS = {cls.__name__: cls for cls in (GeneralPretrainHandler, AlpacaStyleInstructionHandler,

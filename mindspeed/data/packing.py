@@ -4,6 +4,9 @@ Without --pack a sample longer than --seq-length is dropped (and counted), as Mi
 --pack fills bins of --seq-length tokens with whole samples (first-fit, longest first: the same
 input always gives the same packs) and pads each bin to exactly --seq-length with the pad token,
 label -100. --pad-to-multiple-of N pads each sample to a multiple of N the same way.
+--neat-pack (with --pack, as MindSpeed-LLM) stores in `attention_mask` the number (1, 2, ...) of the
+sample each token of a bin belongs to and 0 on the padding, so the trainer can keep attention and
+positions inside each sample.
 """
 from __future__ import annotations
 
@@ -22,11 +25,11 @@ def fits(samples: list[dict], seq_length: int | None) -> tuple[list[dict], int]:
     return kept, len(samples) - len(kept)
 
 
-def pad(sample: dict, length: int, pad_id: int) -> dict:
+def pad(sample: dict, length: int, pad_id: int, mask_fill: int = 1) -> dict:
     extra = length - len(sample["input_ids"])
     if extra <= 0:
         return sample
-    fill = {"input_ids": pad_id, "attention_mask": 1, "labels": IGNORE_INDEX}
+    fill = {"input_ids": pad_id, "attention_mask": mask_fill, "labels": IGNORE_INDEX}
     return {k: np.concatenate([v, np.full(extra, fill[k], dtype=v.dtype)]) for k, v in sample.items()}
 
 
@@ -54,10 +57,16 @@ def bins(lengths: list[int], capacity: int) -> list[list[int]]:
     return groups
 
 
-def pack(samples: list[dict], seq_length: int, pad_id: int) -> list[dict]:
+def pack(samples: list[dict], seq_length: int, pad_id: int, neat: bool = False) -> list[dict]:
     groups = bins([len(s["input_ids"]) for s in samples], seq_length)
     packed = []
     for group in groups:
-        joined = {k: np.concatenate([samples[i][k] for i in group]) for k in samples[group[0]]}
-        packed.append(pad(joined, seq_length, pad_id))
+        # --neat-pack: the sample's number within its bin replaces its all-ones mask
+        parts = [_numbered(samples[i], n + 1) if neat else samples[i] for n, i in enumerate(group)]
+        joined = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        packed.append(pad(joined, seq_length, pad_id, mask_fill=0 if neat else 1))
     return packed
+
+
+def _numbered(sample: dict, number: int) -> dict:
+    return {**sample, "attention_mask": np.full_like(sample["attention_mask"], number)}

@@ -35,6 +35,7 @@ class HandlerConfig:
     append_eod: bool = False
     seq_length: int | None = None
     pack: bool = False
+    neat_pack: bool = False                # with pack: attention_mask numbers the samples of a bin
     pad_to_multiple_of: int = 1
     workers: int = 1
     n_subs: int = 1
@@ -54,7 +55,8 @@ def _check_numbers(cfg: HandlerConfig) -> None:
 def _check_shaping(cfg: HandlerConfig, instruction: bool) -> None:
     """Flags that shape instruction samples mean nothing for pretraining documents: refuse them."""
     if not instruction:
-        given = [flag for flag, on in (("--pack", cfg.pack), ("--seq-length", cfg.seq_length is not None),
+        given = [flag for flag, on in (("--pack", cfg.pack), ("--neat-pack", cfg.neat_pack),
+                                       ("--seq-length", cfg.seq_length is not None),
                                        ("--pad-to-multiple-of", cfg.pad_to_multiple_of > 1)) if on]
         if given:
             raise DataError(f"{', '.join(given)} shape instruction samples; GeneralPretrainHandler documents "
@@ -63,6 +65,8 @@ def _check_shaping(cfg: HandlerConfig, instruction: bool) -> None:
     if cfg.json_keys is not None:
         raise DataError(f"--json-keys applies to GeneralPretrainHandler; {cfg.handler_name} reads the "
                         "columns --map-keys names")
+    if cfg.neat_pack and not cfg.pack:
+        raise DataError("--neat-pack needs --pack (it marks the samples inside packed bins)")
     if cfg.pack and cfg.seq_length is None:
         raise DataError("--pack needs --seq-length (the length of a packed sample)")
     if cfg.pack and cfg.pad_to_multiple_of > 1:
@@ -113,7 +117,7 @@ def _write(cfg, handler, tokenizer, items, prefixes: dict, workers: int, progres
         samples = progress.tick(ordered_map(lambda item: handler.encode(*item), items, workers))
         if handler.instruction and cfg.pack:
             kept, dropped = packing.fits(list(samples), cfg.seq_length)
-            samples = packing.pack(kept, cfg.seq_length, tokenizer.pad_id)
+            samples = packing.pack(kept, cfg.seq_length, tokenizer.pad_id, neat=cfg.neat_pack)
         for sample in samples:
             if handler.instruction:
                 if not cfg.pack:

@@ -6,9 +6,16 @@ with the end-of-sequence token (or the template's own stop token, e.g. <|im_end|
 Each piece is tokenized on its own, so prompt and reply ids never share a token and the prompt can
 be masked from the loss exactly. `--prompt-type tokenizer` renders with the tokenizer's own
 `chat_template` (Jinja, via `apply_chat_template`) and splits it at the turn boundaries.
+
+Tool use (MindSpeed-LLM's ShareGPT roles): a prompt turn may be a tool result (`observation`,
+rendered in the template's tool format, else as a user turn) and a reply turn a function call
+(`function`: "Action: NAME\nAction Input: ARGS" ended like a reply, so it is learned); a `tools`
+list is described after the system prompt (`tools_text`, MindSpeed's wording of upstream's default
+tool prompt).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,7 +23,8 @@ from mindspeed.data.errors import DataError
 
 BOS, EOS = "<bos>", "<eos>"      # markers in a format: the tokenizer's (or the template's) special ids
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
-Messages = Sequence[tuple[str, str]]        # (role, content), user and assistant alternating
+OBSERVATION, FUNCTION = "observation", "function"      # a tool's result (prompt side), a call (reply side)
+Messages = Sequence[tuple[str, str]]        # (role, content): user/observation and assistant/function alternating
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,8 @@ class ChatTemplate:
     default_system: str = ""
     stop_token: str | None = None       # ends replies instead of the tokenizer's eos
     system_in_user: bool = False        # llama2: the system block goes inside the first [INST]
+    observation: tuple | None = None    # a tool result turn; None: rendered as a user turn
+    function: tuple = ("{content}", EOS)   # a function call turn (its text from function_call_text)
 
     def check(self, tokenizer) -> None:
         if self.stop_token is not None and tokenizer.token_id(self.stop_token) is None:
@@ -51,11 +61,12 @@ class ChatTemplate:
                 ids += tokenizer.encode(text) if text else []
         return ids
 
-    def encode_turns(self, tokenizer, messages: Messages, system: str | None) -> list[tuple[list, list]]:
-        system = system or self.default_system
+    def encode_turns(self, tokenizer, messages: Messages, system: str | None,
+                     tools: list | None = None) -> list[tuple[list, list]]:
+        system = (system or self.default_system) + (tools_text(tools) if tools else "")
         pairs = []
         for turn in range(0, len(messages), 2):
-            (_, question), (_, answer) = messages[turn], messages[turn + 1]
+            (asker, question), (replier, answer) = messages[turn], messages[turn + 1]
             prompt = []
             if turn == 0:
                 prompt += self._ids(tokenizer, self.prefix)
@@ -65,13 +76,37 @@ class ChatTemplate:
                     prompt += self._ids(tokenizer, self.system, system)
             else:
                 prompt += self._ids(tokenizer, self.separator)
-            prompt += self._ids(tokenizer, self.user, question)
-            pairs.append((prompt, self._ids(tokenizer, self.assistant, answer)))
+            ask = self.observation if asker == OBSERVATION and self.observation else self.user
+            prompt += self._ids(tokenizer, ask, question)
+            pairs.append((prompt, self._ids(tokenizer, self.function if replier == FUNCTION else self.assistant,
+                                            answer)))
         return pairs
+
+
+def function_call_text(name: str, arguments) -> str:
+    """A function call turn's text (upstream's default function format)."""
+    return f"Action: {name}\nAction Input: {json.dumps(arguments, ensure_ascii=False)}"
+
+
+def tools_text(tools: list) -> str:
+    """The tool descriptions appended to the system prompt, with how to call one."""
+    lines = ["", "Tools you may call:"]
+    for tool in tools:
+        lines.append(f"- {tool['name']}: {tool.get('description', '')}")
+        parameters = tool.get("parameters") or {}
+        required = set(parameters.get("required", []))
+        for name, spec in (parameters.get("properties") or {}).items():
+            need = ", required" if name in required else ""
+            lines.append(f"  {name} ({spec.get('type', '')}{need}): {spec.get('description', '')}")
+    names = ", ".join(tool["name"] for tool in tools)
+    lines += ["To call a tool, answer with", f"Action: the tool name (one of {names})",
+              "Action Input: its arguments as a JSON object", ""]
+    return "\n".join(lines)
 
 
 _IM = "<|im_start|>{role}\n{content}<|im_end|>\n"
 _IM_USER = _IM.replace("{role}", "user") + "<|im_start|>assistant\n"
+_IM_TOOL = _IM.replace("{role}", "tool") + "<|im_start|>assistant\n"
 _LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
 
 TEMPLATES = {t.name: t for t in (
@@ -86,11 +121,13 @@ TEMPLATES = {t.name: t for t in (
                  user=(_LLAMA3_HEADER.replace("{role}", "user") + "{content}<|eot_id|>"
                        + _LLAMA3_HEADER.replace("{role}", "assistant"),),
                  system=(_LLAMA3_HEADER.replace("{role}", "system") + "{content}<|eot_id|>",),
+                 observation=(_LLAMA3_HEADER.replace("{role}", "tool") + "{content}<|eot_id|>"
+                              + _LLAMA3_HEADER.replace("{role}", "assistant"),),
                  stop_token="<|eot_id|>"),
     ChatTemplate("chatml", user=(_IM_USER,), system=(_IM.replace("{role}", "system"),), separator=("\n",),
-                 stop_token="<|im_end|>"),
+                 observation=(_IM_TOOL,), stop_token="<|im_end|>"),
     ChatTemplate("qwen", user=(_IM_USER,), system=(_IM.replace("{role}", "system"),), separator=("\n",),
-                 default_system="You are a helpful assistant.", stop_token="<|im_end|>"),
+                 observation=(_IM_TOOL,), default_system="You are a helpful assistant.", stop_token="<|im_end|>"),
 )}
 ALIASES = {"none": "empty"}
 TOKENIZER_TEMPLATE = "tokenizer"
@@ -107,7 +144,11 @@ class TokenizerChatTemplate:
             raise DataError(f"--prompt-type tokenizer: tokenizer {tokenizer.name!r} has no chat_template; "
                             f"choose one of {', '.join(sorted(TEMPLATES))}")
 
-    def encode_turns(self, tokenizer, messages: Messages, system: str | None) -> list[tuple[list, list]]:
+    def encode_turns(self, tokenizer, messages: Messages, system: str | None,
+                     tools: list | None = None) -> list[tuple[list, list]]:
+        if tools or any(role in (OBSERVATION, FUNCTION) for role, _ in messages):
+            raise DataError("--prompt-type tokenizer: tool turns and tools need a named --prompt-type "
+                            f"(one of {', '.join(sorted(TEMPLATES))}) that renders them")
         conversation = [{"role": SYSTEM, "content": system}] if system else []
         done, pairs = "", []
         for turn in range(0, len(messages), 2):

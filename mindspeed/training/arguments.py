@@ -192,6 +192,10 @@ def _data(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--is-instruction-dataset", action="store_true",
                    help="--data-path PREFIX is an instruction dataset (an instruction --handler-name of "
                         "`python -m mindspeed.data`): one sample per conversation, no loss on the prompt")
+    g.add_argument("--neat-pack", action="store_true",
+                   help="with --is-instruction-dataset --reset-attention-mask: the dataset was written with "
+                        "--pack --neat-pack; attention (and with --reset-position-ids, positions) stay inside "
+                        "each packed conversation")
 
 
 def _checkpointing(parser: argparse.ArgumentParser) -> None:

@@ -123,14 +123,33 @@ class InstructionGPTDataset:
         a = self.args
         attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
             tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, True)
+        if "segments" in sample:      # --neat-pack: the stored sample numbers separate, not eod tokens
+            attention_mask, position_ids = neat_pack_masks(torch.from_numpy(sample["segments"]),
+                                                           a.reset_position_ids)
         return {"tokens": tokens, "labels": torch.from_numpy(sample["labels"]),
                 "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]),
                 "attention_mask": attention_mask, "position_ids": position_ids}
 
 
+def neat_pack_masks(segments: torch.Tensor, reset_position_ids: bool):
+    """Megatron's [1, s, s] attention mask (True = hidden) letting a token see only the earlier tokens
+    of its own sample, and position ids restarting at 0 in each sample with --reset-position-ids
+    (MindSpeed-LLM's neat-pack positions; padding, segment 0, at 0)."""
+    n = segments.numel()
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    same = segments.view(-1, 1) == segments.view(1, -1)
+    positions = torch.arange(n, dtype=torch.long)
+    if reset_position_ids:
+        starts = torch.ones(n, dtype=torch.bool)
+        starts[1:] = segments[1:] != segments[:-1]
+        first = torch.cummax(torch.where(starts, positions, 0), 0).values   # where each token's run began
+        positions = torch.where(segments > 0, positions - first, 0)
+    return ~(causal & same).unsqueeze(0), positions
+
+
 def build_instruction_datasets(args, tokenizer, sizes):
     train, valid = instruction_data.build_splits(dataset_prefixes(args.data_path)[0], args.split, args.seq_length,
-                                                 args.seed, tokenizer.eod)
+                                                 args.seed, tokenizer.eod, getattr(args, "neat_pack", False))
     wrap = lambda samples, size: InstructionGPTDataset(samples, max(size, 1), args, tokenizer.eod)
     return wrap(train, sizes[0]), (wrap(valid, sizes[1]) if valid else None), None
 

@@ -6,6 +6,9 @@ must not look). One document is one sample: cut or padded to seq_length + 1 toke
 as in pretraining (tokens = ids[:-1], labels = ids[1:]); the loss mask is 1 exactly where the
 stored label of the predicted token is not -100, so prompts, system text and padding carry no loss.
 Documents are split into train/valid/test by --split and visited in a seeded order per epoch.
+--neat-pack: PREFIX_packed_attention_mask_document numbers the samples of each packed document
+(`python -m mindspeed.data --pack --neat-pack`); each example then carries `segments` and no token
+predicts across a sample boundary (the trainer keeps attention inside each segment).
 Framework-free: the MindSpore trainer uses it as it is, the torch trainer through data.py.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from mindspeed.data.errors import DataError
 from mindspeed.training.mindspore import data as ms_data
 
 COMPONENTS = ("input_ids", "labels")
+SEGMENTS = "attention_mask"         # what --neat-pack reads: sample numbers, 0 on padding
 
 
 def component_prefix(prefix: str, key: str) -> str:
@@ -26,25 +30,37 @@ def component_prefix(prefix: str, key: str) -> str:
 class InstructionDocuments:
     """Document i of the input_ids and labels datasets, checked to belong together."""
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, neat_pack: bool = False):
         try:
             self.ids, self.labels = (ms_data.IndexedTokens(component_prefix(prefix, k)) for k in COMPONENTS)
+            marks = ms_data.IndexedTokens(component_prefix(prefix, SEGMENTS))
         except ms_data.DataError as err:
             raise DataError(f"--is-instruction-dataset --data-path {prefix}: {err} (make it with "
                             "`python -m mindspeed.data --handler-name AlpacaStyleInstructionHandler ...`)") from err
-        if not np.array_equal(self.ids.seq_lengths, self.labels.seq_lengths):
-            raise DataError(f"{component_prefix(prefix, 'labels')} does not match "
-                            f"{component_prefix(prefix, 'input_ids')} (other lengths): rebuild both")
+        for other in (self.labels, marks):
+            if not np.array_equal(self.ids.seq_lengths, other.seq_lengths):
+                raise DataError(f"the datasets of {prefix!r} have other lengths than "
+                                f"{component_prefix(prefix, 'input_ids')}: rebuild them together")
         if self.ids.num_documents == 0:
             raise DataError(f"instruction dataset {prefix!r} holds no samples")
+        # all ones: not neat-packed; a sample number > 1 or a 0 (padding): neat-packed
+        neat_data = bool(len(marks.tokens)) and (int(marks.tokens.max()) > 1 or int(marks.tokens.min()) == 0)
+        if neat_pack != neat_data:
+            fix = ("train with --neat-pack --reset-attention-mask (torch backend; for the MindSpore trainer "
+                   "preprocess without --neat-pack)") if neat_data else \
+                "drop --neat-pack (or preprocess with --pack --neat-pack)"
+            raise DataError(f"--data-path {prefix}: the dataset was {'' if neat_data else 'not '}written with "
+                            f"--neat-pack; {fix}")
+        self.segments = marks if neat_pack else None
         self.prefix = prefix
 
     @property
     def num_documents(self) -> int:
         return self.ids.num_documents
 
-    def document(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.ids.document_range_tokens(i, i + 1), self.labels.document_range_tokens(i, i + 1)
+    def document(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        segments = None if self.segments is None else self.segments.document_range_tokens(i, i + 1)
+        return self.ids.document_range_tokens(i, i + 1), self.labels.document_range_tokens(i, i + 1), segments
 
 
 class InstructionSamples:
@@ -66,18 +82,22 @@ class InstructionSamples:
 
     def example(self, index: int) -> dict:
         epoch, pos = divmod(index, self.num_samples)
-        ids, labels = self.docs.document(self.first + int(self._order(epoch)[pos]))
+        ids, labels, segments = self.docs.document(self.first + int(self._order(epoch)[pos]))
         n = self.seq_length + 1
-        ids = np.concatenate([ids[:n], np.full(max(0, n - len(ids)), self.pad_id, np.int64)])
-        labels = np.concatenate([labels[:n], np.full(max(0, n - len(labels)), IGNORE_INDEX, np.int64)])
+        fit = lambda a, fill: np.concatenate([a[:n], np.full(max(0, n - len(a)), fill, np.int64)])
+        ids, labels = fit(ids, self.pad_id), fit(labels, IGNORE_INDEX)
         keep = labels[1:] != IGNORE_INDEX
-        return {"tokens": ids[:-1], "labels": np.where(keep, labels[1:], ids[1:]),
-                "loss_mask": keep.astype(np.float32)}
+        example = {"tokens": ids[:-1], "labels": np.where(keep, labels[1:], ids[1:])}
+        if segments is not None:
+            segments = fit(segments, 0)
+            keep &= segments[1:] == segments[:-1]      # the last token of a sample predicts nothing
+            example["segments"] = segments[:-1]
+        return {**example, "loss_mask": keep.astype(np.float32)}
 
 
-def build_splits(prefix: str, split: str, seq_length: int, seed: int, pad_id: int):
+def build_splits(prefix: str, split: str, seq_length: int, seed: int, pad_id: int, neat_pack: bool = False):
     """(train, valid or None) samples of PREFIX; a validation split without documents is None."""
-    docs = InstructionDocuments(prefix)
+    docs = InstructionDocuments(prefix, neat_pack)
     try:
         (t0, t1), (v0, v1), _ = ms_data.split_bounds(split, docs.num_documents)
     except ms_data.DataError as err:

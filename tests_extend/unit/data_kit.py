@@ -31,9 +31,9 @@ SHAREGPT = [
 ]
 
 
-def _words() -> list[str]:
+def _words(extra_texts=()) -> list[str]:
     from tokenizers.pre_tokenizers import Whitespace
-    texts = [TEMPLATE_WORDS, "be short blue hello"]
+    texts = [TEMPLATE_WORDS, "be short blue hello", *extra_texts]
     texts += [v for rec in ALPACA for v in rec.values()]
     seen: dict[str, None] = {}
     for text in texts:
@@ -42,11 +42,11 @@ def _words() -> list[str]:
     return list(seen)
 
 
-def make_tokenizer(out_dir: str, chat_template: bool = True) -> str:
+def make_tokenizer(out_dir: str, chat_template: bool = True, extra_texts=()) -> str:
     """A PreTrainedTokenizerFast folder: word level, bos <s>, eos </s>, pad <pad>, the ChatML tokens."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + _words())}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + _words(extra_texts))}    # extra_texts: more words
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])

@@ -114,6 +114,51 @@ def test_sharegpt_multi_turn_with_the_tokenizers_chat_template(tok_dir, tok, tmp
     assert labels.tolist() == [IGNORE_INDEX] * len(first) + replies[0] + [IGNORE_INDEX] * len(second) + replies[1]
 
 
+TOOLS = [{"name": "get_colour", "description": "the colour of a thing",
+          "parameters": {"type": "object", "properties": {"thing": {"type": "string", "description": "what"}},
+                         "required": ["thing"]}}]
+CALL = {"name": "get_colour", "arguments": {"thing": "sky"}}
+# what the qwen template must make of TOOLS: the system prompt, then the tool described (written out here)
+TOOLS_SYSTEM = ("You are a helpful assistant.\nTools you may call:\n- get_colour: the colour of a thing\n"
+                "  thing (string, required): what\nTo call a tool, answer with\n"
+                "Action: the tool name (one of get_colour)\nAction Input: its arguments as a JSON object\n")
+
+
+def test_sharegpt_tool_turns_learn_the_call_and_mask_the_tool_result(tmp_path, capsys):
+    """function_call replies are learned like gpt ones, observation turns masked like human ones
+    (qwen renders them as tool turns); `tools` are described after the system prompt; an unknown
+    role is refused in one line naming the record."""
+    from mindspeed.data.__main__ import main
+    from mindspeed.data.tokenizer import HuggingFaceTokenizer
+    call_text = 'Action: get_colour\nAction Input: {"thing": "sky"}'
+    tok_dir = kit.make_tokenizer(str(tmp_path / "tok"), extra_texts=[TOOLS_SYSTEM, call_text, "tool sky"])
+    tok = HuggingFaceTokenizer(tok_dir)
+    record = {"conversations": [{"from": "human", "value": "what is red"},
+                                {"from": "function_call", "value": json.dumps(CALL)},
+                                {"from": "observation", "value": "blue"},
+                                {"from": "gpt", "value": "blue is a colour"}], "tools": json.dumps(TOOLS)}
+    prefix = str(tmp_path / "tools")
+    _run(tok_dir, kit.write_jsonl(tmp_path / "s.jsonl", [record]), prefix,
+         "--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "qwen")
+    (ids, labels), = _instruction(prefix)
+    end = [tok.token_id("<|im_end|>")]
+    im = lambda role, text: f"<|im_start|>{role}\n{text}<|im_end|>\n"
+    turns = [(tok.encode(im("system", TOOLS_SYSTEM) + im("user", "what is red") + "<|im_start|>assistant\n"),
+              tok.encode(call_text) + end),
+             (tok.encode("\n" + im("tool", "blue") + "<|im_start|>assistant\n"), tok.encode("blue is a colour") + end)]
+    assert ids.tolist() == [t for prompt, reply in turns for t in prompt + reply]
+    assert labels.tolist() == [t for prompt, reply in turns for t in [IGNORE_INDEX] * len(prompt) + reply]
+    assert kit.SPECIALS.index("<unk>") not in ids        # every word known: a wrong text shows
+    bad = dict(record, conversations=record["conversations"][:1] + [{"from": "bot", "value": "x"}])
+    for rows, message in (([record, bad], "s.jsonl:2: turn 1 has role 'bot'"),
+                          ([dict(record, tools="[{")], "s.jsonl:1: field 'tools' is not valid JSON")):
+        rc = main(["--input", kit.write_jsonl(tmp_path / "s.jsonl", rows), "--tokenizer-name-or-path", tok_dir,
+                   "--output-prefix", str(tmp_path / "bad"), "--handler-name", "SharegptStyleInstructionHandler",
+                   "--prompt-type", "qwen"])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
 def test_pretrain_handler_reads_parquet_json_csv_arrow_and_text_with_several_keys(tok_dir, tok, tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -165,6 +210,20 @@ def test_pack_fills_fixed_length_samples_and_keeps_every_reply(tok_dir, tmp_path
     longest = max(len(ids) for ids, _ in samples)
     _run(tok_dir, data, str(tmp_path / "cut"), *flags, "--seq-length", str(longest - 1))
     assert all(len(ids) < longest for ids, _ in _instruction(str(tmp_path / "cut")))   # longer ones dropped
+
+
+def test_neat_pack_no_token_predicts_across_a_sample_boundary(tok_dir, tmp_path):
+    """With an empty prompt (template empty) every token is learned: in a neat-packed sample the
+    last token of one conversation still must not predict the first of the next."""
+    from mindspeed.training.instruction_data import build_splits
+    records = [{"instruction": "", "input": "", "output": "blue is a colour"}] * 3
+    prefix = str(tmp_path / "neat")
+    _run(tok_dir, kit.write_jsonl(tmp_path / "a.jsonl", records), prefix, "--handler-name",
+         "AlpacaStyleInstructionHandler", "--prompt-type", "empty", "--pack", "--neat-pack", "--seq-length", "16")
+    train, _ = build_splits(prefix, "100,0,0", 16, 1, 0, neat_pack=True)
+    example = train.example(0)
+    assert example["segments"].tolist() == [1] * 4 + [2] * 4 + [3] * 4 + [0] * 4
+    assert example["loss_mask"].tolist() == ([1.0] * 3 + [0.0]) * 3 + [0.0] * 4   # 3 predictions per sample
 
 
 def test_workers_and_subsets_give_the_same_files(tok_dir, tmp_path):

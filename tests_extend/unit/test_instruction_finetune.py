@@ -51,9 +51,9 @@ def _replies(tok_dir: str) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def torch_trainer(flags):
-    """The trainer's own data path and forward step on the loaded checkpoint (one process): the
-    first global batch's micro-batches and `loss_of(batch)` -> (loss sum, kept-token count)."""
+def trainer_session(flags):
+    """The loaded checkpoint in the torch trainer (one process): (args, tokenizer, loss_of) where
+    `loss_of(batch)` runs the trainer's forward step -> (loss sum, kept-token count)."""
     from mindspeed.convert.megatron_write import adapted, world_of_one
     from mindspeed.training import data, pretrain
     from mindspeed.training.arguments import parse_args
@@ -63,14 +63,23 @@ def torch_trainer(flags):
         tokenizer = data.resolve_data(args, log=lambda m: None)
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
         model = convert_kit.load_trainer_model(args)
-        train, _valid, _ = data.build_datasets(args, tokenizer)
-        batches = data.microbatches(train, 0, args)
-        micro = [next(batches) for _ in range(args.global_batch_size // args.micro_batch_size)]
 
         def loss_of(batch):
             with torch.no_grad():
                 output, loss_func = pretrain.forward_step("cpu", iter([batch]), model)
                 return loss_func(output)[1]["lm loss"]
+        yield args, tokenizer, loss_of
+
+
+@contextlib.contextmanager
+def torch_trainer(flags):
+    """The trainer's own data path and forward step on the loaded checkpoint (one process): the
+    first global batch's micro-batches and `loss_of(batch)` -> (loss sum, kept-token count)."""
+    from mindspeed.training import data
+    with trainer_session(flags) as (args, tokenizer, loss_of):
+        train, _valid, _ = data.build_datasets(args, tokenizer)
+        batches = data.microbatches(train, 0, args)
+        micro = [next(batches) for _ in range(args.global_batch_size // args.micro_batch_size)]
         yield micro, loss_of
 
 
@@ -101,6 +110,49 @@ def test_prompt_tokens_carry_no_loss_and_reply_tokens_do(setup):
         for position in (0, first - 1):                 # prompt positions: the loss does not move
             assert torch.equal(with_label(position), base)
         assert abs(float(with_label(first) - base)) > 1e-4
+
+
+def test_neat_packed_samples_have_the_losses_of_the_samples_alone(setup):
+    """--pack --neat-pack stores each bin's sample numbers; trained with --neat-pack the loss of
+    every bin is the sum of its samples' losses run one by one (attention and positions stay
+    inside each sample), and a dataset/flag mismatch is refused in one line."""
+    from mindspeed.data.indexed import DataError
+    from mindspeed.training import data, instruction_data
+    from mindspeed.training.mindspore.data import IndexedTokens
+    root, neat = setup["root"], str(setup["root"] / "data" / "neat")
+    args = ["--input", str(root / "alpaca.jsonl"), "--tokenizer-type", "PretrainedFromHF",
+            "--tokenizer-name-or-path", setup["tok"], "--handler-name", "AlpacaStyleInstructionHandler",
+            "--prompt-type", "llama2", "--output-prefix", neat, "--seq-length", "32"]
+    assert data_kit.preprocess(*args, "--neat-pack") == 2              # --neat-pack needs --pack
+    assert data_kit.preprocess(*args, "--pack", "--neat-pack") == 0
+    marks = IndexedTokens(f"{neat}_packed_attention_mask_document")
+    labels = IndexedTokens(f"{neat}_packed_labels_document")
+    bins = [marks.document_range_tokens(i, i + 1) for i in range(marks.num_documents)]
+    assert len(bins) < len(data_kit.ALPACA) * 4 and all(len(b) == 32 for b in bins)
+    for i, b in enumerate(bins):       # 1, 1, ..., 2, 2, ..., k, 0 ... 0 (padding, label -100)
+        runs = [int(v) for j, v in enumerate(b) if j == 0 or v != b[j - 1]]
+        assert runs in (list(range(1, len(runs) + 1)), list(range(1, len(runs))) + [0]), b
+        assert (labels.document_range_tokens(i, i + 1)[b == 0] == -100).all()
+    whole = ["--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids"]
+    with trainer_session(setup["flags"] + whole + ["--neat-pack", "--data-path", neat]) as (a, tokenizer, loss_of):
+        def total(prefix, neat_pack):       # every sample of the dataset, one forward each
+            a.data_path, a.neat_pack = [prefix], neat_pack
+            train = data.build_datasets(a, tokenizer)[0]
+            pairs = [loss_of({k: v.unsqueeze(0) for k, v in train[i].items()}) for i in range(train.epoch_samples)]
+            return len(pairs), sum(float(p[0]) for p in pairs), sum(int(p[1]) for p in pairs)
+        n_bins, bin_loss, bin_tokens = total(neat, True)
+        train = data.build_datasets(a, tokenizer)[0]
+        marks0, positions = train.samples.example(0)["segments"], train[0]["position_ids"].tolist()
+        expected = [0 if j == 0 or m == 0 or m != marks0[j - 1] else None for j, m in enumerate(marks0)]
+        for j, want in enumerate(expected):     # --reset-position-ids: 0 at each sample's start, then +1
+            assert positions[j] == (positions[j - 1] + 1 if want is None else 0), (positions, marks0)
+        n_alone, alone_loss, alone_tokens = total(str(root / "data" / "alpaca"), False)
+    assert (n_bins, n_alone) == (len(bins), len(data_kit.ALPACA) * 4) and bin_tokens == alone_tokens
+    assert abs(bin_loss - alone_loss) <= 1e-4 * alone_tokens, (bin_loss, alone_loss)
+    for prefix, neat_pack, message in ((neat, False, "was written with --neat-pack; train with --neat-pack"),
+                                       (str(root / "data" / "alpaca"), True, "was not written with --neat-pack")):
+        with pytest.raises(DataError, match=message):
+            instruction_data.build_splits(prefix, "100,0,0", 32, 1, 0, neat_pack)
 
 
 def _train(flags, tmp_path, *extra) -> list[float]:
@@ -146,11 +198,22 @@ def test_finetune_on_the_mindspore_trainer_sees_the_same_masked_samples(setup, t
     (["--mock-data"], "--is-instruction-dataset needs --data-path PREFIX"),
     (["--data-path", "0.5", "a", "0.5", "b"], "--is-instruction-dataset needs --data-path PREFIX"),
     (["--data-path", "a", "--data-cache-path", "c"], "--data-cache-path: an instruction dataset"),
+    (["--data-path", "a", "--neat-pack"], "--neat-pack needs --reset-attention-mask"),
 ])
 def test_instruction_flag_without_one_instruction_dataset_is_refused(argv, message):
     from mindspeed.training.arguments import ArgumentError, parse_args
     with pytest.raises(ArgumentError, match=re.escape(message)):
         parse_args(["--is-instruction-dataset", *argv], world_size=1)
+
+
+def test_neat_pack_needs_an_instruction_dataset_and_the_torch_trainer():
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    from mindspeed.training.arguments import ArgumentError, parse_args
+    with pytest.raises(ArgumentError, match=re.escape("--neat-pack reads an instruction dataset")):
+        parse_args(["--neat-pack", "--reset-attention-mask"], world_size=1)
+    neat = ["--is-instruction-dataset", "--data-path", "a", "--neat-pack", "--reset-attention-mask"]
+    with pytest.raises(MindSpeedConfigError, match="eod-reset.*mindspore"):     # per-sample masks: torch only
+        plan(neat + ["--backend", "mindspore"])
 
 
 def test_a_pretraining_dataset_is_not_read_as_an_instruction_dataset(tmp_path):
