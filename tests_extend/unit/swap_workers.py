@@ -176,6 +176,11 @@ def main(root: str) -> dict:
         "optimizer": states,
         "t_before_checkpoint": time.perf_counter() - t0,
         "checkpoint": checkpoint_crossing(root, bf16_dist + ["--swap-optimizer", "--swap-attention"], bf16_dist),
+        # Megatron's Float16 optimizer (no --use-distributed-optimizer): the norms' fp32 weights sit
+        # among bf16 biases in the no-weight-decay group
+        "checkpoint_float16": checkpoint_crossing(os.path.join(root, "float16"),
+                                                  ["--bf16", "--add-bias-linear", "--swap-optimizer"],
+                                                  ["--bf16", "--add-bias-linear"]),
     }
     mindspeed.unadapt()
     report["seconds"] = time.perf_counter() - t0
