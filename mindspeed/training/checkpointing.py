@@ -327,6 +327,8 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
                 with _float16_layout(optimizer):
                     optimizer.load_state_dict(loaded["optimizer"])
                 _restore_adam_steps(optimizer)
+            elif optimizer is not None:   # as Megatron-LM: fp32 masters from the loaded bf16/fp16 weights
+                optimizer.reload_model_params()
     except (KeyError, ValueError, RuntimeError) as err:   # state that does not fit this model
         raise CheckpointError(f"checkpoint {path} does not fit this model: {_describe(err)}") from None
     if finetune:

@@ -116,8 +116,8 @@ def attach(opt) -> SharedMasters:
     original_state_dict = opt.state_dict
 
     @functools.wraps(original_state_dict)
-    def state_dict():
-        out = original_state_dict()
+    def state_dict(*a, **kw):
+        out = original_state_dict(*a, **kw)
         copies = shared.master_copies()
         out["fp32_from_fp16_params"] = [[copies.get(id(p), p) for p in group]
                                         for group in out["fp32_from_fp16_params"]]
@@ -134,6 +134,7 @@ def attach(opt) -> SharedMasters:
             shared.to_bf16()
 
     def copy_model_to_main(state_dict=None):
+        assert state_dict is None, "--reuse-fp32-param: masters from a state dict are not supported"
         shared.clear_residuals()
 
     opt.optimizer.step = step
