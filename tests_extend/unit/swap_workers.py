@@ -172,6 +172,8 @@ def reuse_fp32_param(root, steps=20):
         first[name] = ([copies.get(id(m), m).clone() for g in opt.fp32_from_float16_groups for m in g],
                        [p.detach().clone() for g in opt.float16_groups for p in g])
         run["losses"] += [tr.train_step(it)[0] for _ in range(steps - 1)]
+        tr.optimizer.reload_model_params()            # what a model-only load calls
+        run["reloaded_masters_equal_params"] = _masters_equal_params(opt)
         out[name] = run
     (m_off, p_off), (m_on, p_on) = first["off"], first["on"]
     ties = [(m.view(torch.int32) & 0xFFFF) == 0x8000 for m in m_off]
@@ -186,16 +188,20 @@ def reuse_fp32_param(root, steps=20):
     # no-weight-decay group (what once failed: "Param id N does not match any model sharded param")
     out["checkpoint"] = checkpoint_crossing(path, ["--bf16", "--add-bias-linear", "--reuse-fp32-param"],
                                             ["--bf16", "--add-bias-linear", "--swap-optimizer"])
-    args, tr = trainer_for(["--bf16", "--add-bias-linear", "--reuse-fp32-param", "--load",
-                            os.path.join(path, "on_to_off"),
+    # a model-only load (--no-load-optim) must give the masters the loaded weights
+    args, tr = trainer_for(["--bf16", "--add-bias-linear", "--load", os.path.join(path, "on_to_off"),
                             "--no-load-optim"])
     pretrain.resume(args, tr, _Log())
     (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
-    copies = opt.mindspeed_reuse.master_copies()
-    out["model_only_load_masters_equal_params"] = all(
-        torch.equal(copies[id(m)], p.float()) for mg, pg in zip(opt.fp32_from_float16_groups, opt.float16_groups)
-        for m, p in zip(mg, pg))
+    out["model_only_load_masters_equal_params"] = _masters_equal_params(opt)
     return out
+
+
+def _masters_equal_params(opt) -> bool:
+    shared = getattr(opt, "mindspeed_reuse", None)
+    copies = shared.master_copies() if shared else {}
+    return all(torch.equal(copies.get(id(m), m), p.float())
+               for mg, pg in zip(opt.fp32_from_float16_groups, opt.float16_groups) for m, p in zip(mg, pg))
 
 
 def main(root: str) -> dict:

@@ -167,8 +167,12 @@ def test_reuse_fp32_param_checkpoints_cross_the_flag(report, direction):
     assert run["iteration"] == 2 and run["resumed"] == run["continued"]
 
 
-def test_reuse_fp32_param_model_only_load_sets_the_masters_from_the_parameters(report):
+def test_model_only_loads_set_the_masters_from_the_parameters(report):
+    # --no-load-optim with --bf16: the trainer refreshes the masters (reload_model_params) ...
     assert report["reuse"]["model_only_load_masters_equal_params"]
+    # ... which, with --reuse-fp32-param, clears the residuals of the shared buffers
+    for name in ("off", "on"):
+        assert report["reuse"][name]["reloaded_masters_equal_params"]
 
 
 @pytest.mark.parametrize("argv, message", [
