@@ -185,3 +185,14 @@ def test_bad_reuse_fp32_param_combinations_are_refused_in_one_line(argv, message
     with pytest.raises(MindSpeedConfigError) as err:
         plan(argv, unknown_flags="trainer")
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unadapt_restores_what_reuse_fp32_param_patches():
+    import mindspeed
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    from mindspeed.patching import _raw_get
+    before = _raw_get(Float16OptimizerWithFloat16Params, "__init__")
+    mindspeed.adapt(["--reuse-fp32-param", "--bf16"])
+    assert _raw_get(Float16OptimizerWithFloat16Params, "__init__") is not before
+    mindspeed.unadapt()
+    assert _raw_get(Float16OptimizerWithFloat16Params, "__init__") is before
