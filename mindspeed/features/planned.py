@@ -42,8 +42,6 @@ def on(name: str) -> Flag:
 
 MEMORY, PARALLEL, FUSED, MOE, LOOP = "memory", "parallel", "fused", "moe", "training"
 
-planned("reuse-fp32-param", MEMORY, "issue 12", "bf16 parameters share storage with the fp32 master copy",
-        on("--reuse-fp32-param"))
 planned("adaptive-recompute", MEMORY, "not scheduled", "recompute/swap chosen from a memory budget",
         value("--adaptive-recompute-device-size", int), on("--adaptive-recompute-device-swap"),
         value("--adaptive-recompute-profiling-step", int))

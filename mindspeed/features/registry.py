@@ -21,6 +21,7 @@ FEATURE_MODULES = [
     "mindspeed.features.megatron_options",
     "mindspeed.features.memory.recompute",
     "mindspeed.features.memory.swap_features",
+    "mindspeed.features.memory.reuse_fp32_param",
     "mindspeed.features.planned",
 ]
 _REGISTRY: dict[str, Feature] = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack, contextmanager
 import pickle
 
 import torch
@@ -237,6 +238,38 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
+@contextmanager
+def _float16_layout(optimizer):
+    """Megatron-Core's Float16OptimizerWithFloat16Params (--bf16/--fp16 without the distributed
+    optimizer) numbers its checkpointed parameters by `float16_groups` alone: it assumes every model
+    parameter is float16, as Megatron-LM's Float16Module makes them. The built-in trainer keeps the
+    norms' weights fp32 (Megatron-Core creates them so), and those sit among the float16 ones in the
+    optimizer's groups, so the numbering no longer matches the torch optimizer's ("Param id N does
+    not match any model sharded param"). While saving or loading, show it every parameter in its
+    group's order (an fp32 one as its own master), so ids and masters line up; an fp32 parameter's
+    master is then checkpointed too, as in Megatron-LM's all-float16 models."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    with ExitStack() as stack:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if isinstance(opt, Float16OptimizerWithFloat16Params):
+                stack.enter_context(_every_param_as_float16(opt))
+        yield
+
+
+@contextmanager
+def _every_param_as_float16(opt):
+    model_of = {id(main): model for mains, models in zip(opt.fp32_from_float16_groups, opt.float16_groups)
+                for main, model in zip(mains, models)}
+    saved = opt.float16_groups, opt.fp32_from_float16_groups
+    groups = [list(g["params"]) for g in opt.optimizer.param_groups]
+    opt.float16_groups = [[model_of.get(id(p), p) for p in g] for g in groups]
+    opt.fp32_from_float16_groups = groups
+    try:
+        yield
+    finally:
+        opt.float16_groups, opt.fp32_from_float16_groups = saved
+
+
 def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
     state = {key: _unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
     if optimizer is not None:
@@ -244,8 +277,9 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
             _init_empty_distributed_optimizer_state(optimizer)
         # dp_reshardable: Megatron-LM's default (the flattened 'fully_sharded_model_space' format
         # is rejected by dist_checkpointing 0.16)
-        state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        with _float16_layout(optimizer):
+            state["optimizer"] = optimizer.sharded_state_dict(
+                state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     return state
 
 
@@ -290,8 +324,11 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
             for key, chunk in zip(_model_keys(chunks), chunks):
                 _unwrap(chunk).load_state_dict(loaded[key])
             if use_optim:
-                optimizer.load_state_dict(loaded["optimizer"])
+                with _float16_layout(optimizer):
+                    optimizer.load_state_dict(loaded["optimizer"])
                 _restore_adam_steps(optimizer)
+            elif optimizer is not None:   # as Megatron-LM: fp32 masters from the loaded bf16/fp16 weights
+                optimizer.reload_model_params()
     except (KeyError, ValueError, RuntimeError) as err:   # state that does not fit this model
         raise CheckpointError(f"checkpoint {path} does not fit this model: {_describe(err)}") from None
     if finetune:

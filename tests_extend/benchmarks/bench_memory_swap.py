@@ -9,7 +9,8 @@ One function per feature returns a dict row (merged into bench_memory.py's table
                        bytes the swap holds on the host after forward (memory layer's ledger)
   swap_optimizer_row   optimizer-state bytes (fp32 master + Adam moments, --bf16) on the device side
                        between updates, off vs on, the most resident during the chunked update, host bytes
-  reuse_fp32_param_row not implemented (planned): says why
+  reuse_fp32_param_row  bytes of the model's parameters + fp32 masters (--bf16), off vs on, per bf16
+                       parameter and per transformer layer
 On a CPU "device" and "host" are the same RAM: the figures are the bytes each side holds, counted
 from tensor storages and the ledger (every swap is a real copy), not an allocator's peak.
 """
@@ -158,12 +159,33 @@ def swap_optimizer_row(a) -> dict:
 
 
 def reuse_fp32_param_row(a) -> dict:
-    return {"feature": "reuse-fp32-param", "status": "planned (refused): not implemented in this change"}
+    """Bytes of the model's parameters plus the optimizer's fp32 masters (--bf16, Megatron's Float16
+    optimizer), each storage once, off and on; per bf16 parameter and per transformer layer."""
+    import torch
+    from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
+    base = _base(a) + ["--bf16"]
+    res, times = {}, {}
+    for name, flags in (("off", []), ("on", ["--reuse-fp32-param"])):
+        args, tr = _trainer(base, flags)
+        times[name] = _step_times(args, tr, a.steps)
+        total, bf16, params = parameter_and_master_bytes(tr.model, tr.optimizer)
+        per_bf16 = (total - 4 * (params - bf16)) / bf16      # the norms' weights: fp32 parameters, no master
+        layer = list(tr.model[0].module.decoder.layers[0].parameters())
+        layer_bf16 = sum(p.numel() for p in layer if p.dtype == torch.bfloat16)
+        res[name] = dict(total=total, per_bf16=per_bf16,
+                         layer=layer_bf16 * per_bf16 + 4 * sum(p.numel() for p in layer) - 4 * layer_bf16)
+    off, on = res["off"], res["on"]
+    row = {"feature": "reuse-fp32-param", "device_bytes_off": off["total"], "device_bytes_on": on["total"],
+           "device_ratio_on_off": on["total"] / off["total"],
+           "bytes_per_bf16_param_off": off["per_bf16"], "bytes_per_bf16_param_on": on["per_bf16"],
+           "bytes_per_layer_off": off["layer"], "bytes_per_layer_on": on["layer"],
+           "what": "model parameters + fp32 master copies (--bf16, Float16 optimizer)"}
+    return _timing(row, times["off"], times["on"])
 
 
 def format_row(row: dict) -> str:
     def cell(k, v):
-        if k.startswith(("device_bytes", "host_bytes", "device_peak")) and isinstance(v, (int, float)):
+        if k.startswith(("device_bytes", "host_bytes", "device_peak", "bytes_per_layer")) and isinstance(v, (int, float)):
             return f"{k}={v / MiB:.1f}MiB"
         return f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
     return " | ".join(cell(k, v) for k, v in row.items())

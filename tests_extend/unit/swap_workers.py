@@ -151,6 +151,59 @@ def checkpoint_crossing(root, on, off, steps=2, more=2):
     return report
 
 
+def reuse_fp32_param(root, steps=20):
+    """--bf16 with and without --reuse-fp32-param: losses of `steps` updates; after the first update
+    the masters (fp32 copies) and where the bf16 parameters differ, with the masters' rounding ties;
+    parameter + master bytes; checkpoints across the flag; a model-only load (--no-load-optim)."""
+    import os
+    from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
+    from mindspeed.training import pretrain
+    out, first = {}, {}
+    one_micro_batch = ["--global-batch-size", "2"]       # 20 steps at half the cost
+    for name, flags in (("off", ["--bf16"]), ("on", ["--bf16", "--reuse-fp32-param"])):
+        args, tr = trainer_for(flags + one_micro_batch)
+        it = batches(args, tr)
+        (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+        shared = getattr(opt, "mindspeed_reuse", None)
+        total, bf16, params = parameter_and_master_bytes(tr.model, tr.optimizer)
+        run = {"bytes_per_bf16_param": (total - 4 * (params - bf16)) / bf16, "attached": shared is not None,
+               "losses": [tr.train_step(it)[0]]}
+        copies = shared.master_copies() if shared else {}
+        first[name] = ([copies.get(id(m), m).clone() for g in opt.fp32_from_float16_groups for m in g],
+                       [p.detach().clone() for g in opt.float16_groups for p in g])
+        run["losses"] += [tr.train_step(it)[0] for _ in range(steps - 1)]
+        tr.optimizer.reload_model_params()            # what a model-only load calls
+        run["reloaded_masters_equal_params"] = _masters_equal_params(opt)
+        out[name] = run
+    (m_off, p_off), (m_on, p_on) = first["off"], first["on"]
+    ties = [(m.view(torch.int32) & 0xFFFF) == 0x8000 for m in m_off]
+    out["after_first_update"] = {
+        "masters_bitwise": all(torch.equal(a, b) for a, b in zip(m_off, m_on)),
+        "ties": sum(int(t.sum()) for t in ties),
+        "params_differ": sum(int((a != b).sum()) for a, b in zip(p_off, p_on)),
+        "params_differ_off_ties": sum(int(((a != b) & ~t.view(a.shape)).sum()) for a, b, t in zip(p_off, p_on, ties))}
+    path = os.path.join(root, "reuse")
+    # Megatron's Float16 optimizer (no --use-distributed-optimizer) both ways, the other side with
+    # --swap-optimizer; --add-bias-linear: the norms' fp32 weights sit among bf16 biases in the
+    # no-weight-decay group (what once failed: "Param id N does not match any model sharded param")
+    out["checkpoint"] = checkpoint_crossing(path, ["--bf16", "--add-bias-linear", "--reuse-fp32-param"],
+                                            ["--bf16", "--add-bias-linear", "--swap-optimizer"])
+    # a model-only load (--no-load-optim) must give the masters the loaded weights
+    args, tr = trainer_for(["--bf16", "--add-bias-linear", "--load", os.path.join(path, "on_to_off"),
+                            "--no-load-optim"])
+    pretrain.resume(args, tr, _Log())
+    (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+    out["model_only_load_masters_equal_params"] = _masters_equal_params(opt)
+    return out
+
+
+def _masters_equal_params(opt) -> bool:
+    shared = getattr(opt, "mindspeed_reuse", None)
+    copies = shared.master_copies() if shared else {}
+    return all(torch.equal(copies.get(id(m), m), p.float())
+               for mg, pg in zip(opt.fp32_from_float16_groups, opt.float16_groups) for m, p in zip(mg, pg))
+
+
 def main(root: str) -> dict:
     import os
     os.environ.pop("RANK", None)
@@ -177,6 +230,9 @@ def main(root: str) -> dict:
         "t_before_checkpoint": time.perf_counter() - t0,
         "checkpoint": checkpoint_crossing(root, bf16_dist + ["--swap-optimizer", "--swap-attention"], bf16_dist),
     }
+    t1 = time.perf_counter()
+    report["reuse"] = reuse_fp32_param(root)
+    report["reuse_seconds"] = time.perf_counter() - t1
     mindspeed.unadapt()
     report["seconds"] = time.perf_counter() - t0
     return report

@@ -135,3 +135,64 @@ def test_mindspore_swap_attention_same_losses_and_bytes_through_the_host():
     # every step copied each layer's saved activations out and back, and dropped the host copies
     assert ledger.moved["host"] > 0 and ledger.moved["device"] == ledger.moved["host"]
     assert ledger.held["host"] == 0 and ledger.peak["host"] > 0
+
+
+# --reuse-fp32-param (same worker process: swap_workers.reuse_fp32_param)
+
+def test_reuse_fp32_param_keeps_the_losses_within_bf16_rounding(report):
+    off, on = report["reuse"]["off"]["losses"], report["reuse"]["on"]["losses"]
+    assert len(on) == 20 and on[:3] == off[:3]                 # the same update while no tie has mattered
+    assert on == pytest.approx(off, rel=1e-3)                   # bf16 ties rounded away from zero, not to even
+    assert off[-1] < off[0] - 1.5                               # it trained
+
+
+def test_reuse_fp32_param_masters_are_bitwise_and_params_differ_only_at_ties(report):
+    first = report["reuse"]["after_first_update"]
+    assert first["masters_bitwise"]
+    # a bf16 parameter differs from Megatron's round-to-nearest-even copy only where its master's low
+    # 16 bits are exactly 0x8000 (half the ties: those whose rounded-down value is even)
+    assert first["params_differ_off_ties"] == 0 and first["params_differ"] <= first["ties"]
+
+
+def test_reuse_fp32_param_stores_a_bf16_parameter_and_its_master_in_4_bytes(report):
+    assert report["reuse"]["off"]["bytes_per_bf16_param"] == 6 and not report["reuse"]["off"]["attached"]
+    assert report["reuse"]["on"]["bytes_per_bf16_param"] == 4 and report["reuse"]["on"]["attached"]
+
+
+@pytest.mark.parametrize("direction", ["on_to_off", "off_to_on"])
+def test_reuse_fp32_param_checkpoints_cross_the_flag(report, direction):
+    """Megatron's Float16 optimizer, other side with --swap-optimizer (a --bf16 checkpoint without the
+    distributed optimizer once failed: "Param id N does not match any model sharded param")."""
+    run = report["reuse"]["checkpoint"][direction]
+    assert run["iteration"] == 2 and run["resumed"] == run["continued"]
+
+
+def test_model_only_loads_set_the_masters_from_the_parameters(report):
+    # --no-load-optim with --bf16: the trainer refreshes the masters (reload_model_params) ...
+    assert report["reuse"]["model_only_load_masters_equal_params"]
+    # ... which, with --reuse-fp32-param, clears the residuals of the shared buffers
+    for name in ("off", "on"):
+        assert report["reuse"][name]["reloaded_masters_equal_params"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reuse-fp32-param"], "needs --bf16 (mixed-precision) to be on too"),
+    (["--reuse-fp32-param", "--fp16"], "--reuse-fp32-param needs --bf16"),
+    (["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer"], "not supported yet"),
+    (["--reuse-fp32-param", "--bf16", "--swap-optimizer"], "conflicts with 'swap-optimizer'"),
+])
+def test_bad_reuse_fp32_param_combinations_are_refused_in_one_line(argv, message):
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(argv, unknown_flags="trainer")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unadapt_restores_what_reuse_fp32_param_patches():
+    import mindspeed
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    from mindspeed.patching import _raw_get
+    before = _raw_get(Float16OptimizerWithFloat16Params, "__init__")
+    mindspeed.adapt(["--reuse-fp32-param", "--bf16"])
+    assert _raw_get(Float16OptimizerWithFloat16Params, "__init__") is not before
+    mindspeed.unadapt()
+    assert _raw_get(Float16OptimizerWithFloat16Params, "__init__") is before
