@@ -26,6 +26,10 @@ class MindSporeBackend(Backend):
         self.autograd = MsAutograd()
         self.memory = MsMemory(device_name)
 
+    def profiler(self, save_path, **options):
+        from mindspeed.backends.mindspore.profiler import MsProfiler
+        return MsProfiler(self.device.name, save_path, **options)
+
     @classmethod
     def declared_capabilities(cls, device: str):
         return capabilities.declared(device)

@@ -63,6 +63,7 @@ def declared(device: str) -> dict:
         Cap.ASYNC_COMM: E,               # CommAPI's synchronous defaults: correct, nothing overlapped
         Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend
         Cap.NATIVE_TRAINER: N,
-        Cap.PIPELINE_PARALLEL: A, Cap.DISTRIBUTED_OPTIMIZER: A, Cap.MOE: A, Cap.PROFILER: A,
+        Cap.PIPELINE_PARALLEL: A, Cap.DISTRIBUTED_OPTIMIZER: A, Cap.MOE: A,
+        Cap.PROFILER: N,                 # mindspore.profiler (CPU op timeline here; Ascend kernels there)
     })
     return caps

@@ -65,7 +65,7 @@ class Profiling(Feature):
     id = "profile"
     category = "observability"
     optimization_level = 0
-    description = "profile a window of steps (torch.profiler / torch_npu.profiler)"
+    description = "profile a window of steps (torch.profiler / torch_npu.profiler / mindspore.profiler)"
     example = ("--profile", "--profile-step-start", "1", "--profile-step-end", "2", "--profile-ranks", "1",
                "--profile-save-path", "TMP")
     flags = (
