@@ -111,3 +111,48 @@ def stage_forward(model, tokens: torch.Tensor, hidden_in: torch.Tensor | None = 
         model.set_input_tensor(hidden_in)
     with torch.no_grad():
         return model(tokens, positions, None)
+
+
+def ms_load(mg_dir: str, backend, tp: int = 1, world_size: int = 1, train: bool = False, seq_length: int = 16,
+            extra=()):
+    """The MindSpore trainer's GPT (in a Trainer, with Adam, when `train`) for a converted checkpoint
+    at TP `tp`, loaded by the MindSpore trainer's own loader with its defaults (optimizer state
+    wanted): the neutral copy when the directory has one, else the torch_dist files."""
+    from mindspeed.training.mindspore import checkpoint as ms_checkpoint
+    from mindspeed.training.mindspore.model import GPTConfig, GPTModel
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    args = trainer_args(mg_dir, tp=tp, world_size=world_size, extra=("--lr", "0.01", "--lr-decay-style", "constant",
+                                                                           "--seq-length", str(seq_length), *extra))
+    ps = build_parallel_state(backend.comm, tp)
+    cfg = GPTConfig.from_args(args, args.padded_vocab_size, [])
+    trainer = Trainer(args, backend, ps, cfg) if train else None
+    model = trainer.model if train else GPTModel(cfg, backend, ps)
+    ms_checkpoint.load(mg_dir, model, trainer.optimizer if train else None)
+    return trainer or model
+
+
+def ms_logits(model, tokens) -> "np.ndarray":
+    """[b, s, V] logits of the MindSpore GPT (TP shards gathered)."""
+    import mindspore as ms
+    import numpy as np
+    local = model.logits(ms.Tensor(np.asarray(tokens, np.int32)))            # [s, b, V/tp]
+    if model.ps.tp_size > 1:
+        every = model.backend.comm.all_gather(local.expand_dims(0), 0, model.ps.tp_group).asnumpy()
+        local = np.concatenate(list(every), axis=-1)
+    else:
+        local = local.asnumpy()
+    return local.transpose(1, 0, 2)
+
+
+def ms_train_steps(trainer, tokens, steps: int = 2) -> tuple[list, "np.ndarray"]:
+    """Adam steps on `tokens` (next-token loss) -> (losses, layer 0's whole q/k/v bias before and after)."""
+    import numpy as np
+    from mindspeed.training.mindspore.checkpoint import _gather_tp
+    tokens = np.asarray(tokens, np.int32)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": np.ones_like(tokens[:, 1:], np.float32)}
+    name = "decoder.layers.0.self_attention.linear_qkv.bias"
+    whole = lambda: _gather_tp(trainer.backend, trainer.ps, {name: trainer.model.params[name].asnumpy()})[name]
+    before = whole()
+    losses = [trainer.train_step([batch], it + 1)[0] for it in range(steps)]
+    return losses, np.stack([before, whole()])
