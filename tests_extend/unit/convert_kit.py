@@ -156,3 +156,28 @@ def ms_train_steps(trainer, tokens, steps: int = 2) -> tuple[list, "np.ndarray"]
     before = whole()
     losses = [trainer.train_step([batch], it + 1)[0] for it in range(steps)]
     return losses, np.stack([before, whole()])
+
+
+def write_plain_llama(out_dir: str, hidden: int, layers: int, ffn: int, vocab: int, heads: int = 8) -> int:
+    """A Llama config.json and model.safetensors written straight from tensors (no transformers
+    model: quick at a few hundred MB), tensor k filled with the value k; returns the weights' bytes."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=hidden, intermediate_size=ffn,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=256,
+                  hidden_act="silu", torch_dtype="float32")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+              "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (hidden, hidden),
+                       p + "self_attn.v_proj.weight": (hidden, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                       p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
+                       p + "mlp.down_proj.weight": (hidden, ffn)})
+    tensors = {name: torch.full(shape, float(k)) for k, (name, shape) in enumerate(shapes.items())}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
