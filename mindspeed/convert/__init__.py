@@ -6,7 +6,8 @@
 
 Modules: cli (flags), arch (config.json -> architecture, checks), layout (tensor names and the
 fused QKV / SwiGLU layouts), hf_io (safetensors in and out), megatron_write (the trainer's own
-model and save path; optionally the MindSpore trainer's neutral copy), megatron_read (either
+model, on the meta device, and save path; optionally the MindSpore trainer's neutral copy),
+torch_dist_stream (the save strategy that writes torch_dist one chunk at a time), megatron_read (either
 trainer's checkpoint -> whole tensors, one layer at a time), tokenizer_vocab (the embedding rows a
 tokenizer needs), staging (atomic --save-dir), sidecar (what the Megatron checkpoint carries for the
 way back), hf_to_mg and mg_to_hf (the two directions).

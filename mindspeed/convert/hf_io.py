@@ -1,10 +1,16 @@
 """Hugging Face checkpoint files: safetensors weights (one file or shards with an index) read one
-tensor at a time through safetensors' memory-mapped `safe_open`, and written shard by shard."""
+tensor at a time, and written shard by shard.
+
+safetensors' `safe_open` checks each file and gives the names, shapes and dtypes; the bytes of a
+tensor are then read with a plain file read into a fresh buffer instead of through safe_open's
+memory map: pages of a map stay resident (and count in the process's memory) for as long as the
+file is open, so reading a whole model through it would hold the whole model."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import struct
 from contextlib import ExitStack
 
 import torch
@@ -28,6 +34,7 @@ class HFReader:
         self.where = self._weight_map()
         self._stack = ExitStack()
         self._open: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
 
     def _weight_map(self) -> dict[str, str]:
         index = os.path.join(self.dir, INDEX_FILE)
@@ -63,10 +70,39 @@ class HFReader:
         return self._file(name).get_slice(name).get_dtype()
 
     def get(self, name: str) -> torch.Tensor:
-        return self._file(name).get_tensor(name)
+        self._file(name)          # checked by safe_open
+        fname = self.where[name]
+        if fname not in self._headers:
+            self._headers[fname] = _read_header(os.path.join(self.dir, fname))
+        data_start, header = self._headers[fname]
+        entry = header[name]
+        start, end = entry["data_offsets"]
+        dtype, shape = _DTYPES.get(entry["dtype"]), entry["shape"]
+        if dtype is None:
+            raise ConvertError(f"{name}: safetensors dtype {entry['dtype']} is not one a model's weights have")
+        buf = bytearray(end - start)
+        with open(os.path.join(self.dir, fname), "rb") as f:
+            f.seek(data_start + start)
+            if f.readinto(buf) != len(buf):
+                raise ConvertError(f"{os.path.join(self.dir, fname)} is truncated (reading {name})")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
     def close(self) -> None:
         self._stack.close()
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _read_header(path: str) -> tuple[int, dict]:
+    """(where the data starts, the JSON header) of a safetensors file (already checked by safe_open)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return 8 + length, json.loads(f.read(length))
 
 
 def _open_safetensors(path: str):

@@ -48,9 +48,6 @@ def convert(opts, log=print) -> dict:
     arch = arch_from_config(read_config(opts.load_dir), opts.model_type_hf, opts.add_qkv_bias)
     tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
     check_parallel(arch, tp, pp, opts.num_layer_list)
-    if opts.neutral_copy and (arch.qkv_bias or arch.rope_scaling_factor is not None):
-        raise ConvertError("--neutral-copy: the MindSpore trainer's GPT has no q/k/v biases and no RoPE "
-                           "scaling (leave out --neutral-copy for this model)")
     check_save_dir(opts.save_dir)
     reader = HFReader(opts.load_dir)
     try:

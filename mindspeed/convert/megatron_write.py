@@ -1,12 +1,16 @@
 """Writes a Megatron-Core checkpoint the way the built-in torch trainer does: its own GPTModel
-(mindspeed.training.model) filled with the converted tensors, saved by its own
-checkpointing.save_checkpoint (torch_dist through megatron.core.dist_checkpointing, iteration 0,
-tracker file). torch_dist stores every tensor with its global shape, so the trainer loads it at
-any TP/PP (dist_checkpointing reshards on load); the target TP only sets the vocabulary padding.
+(mindspeed.training.model) and its own checkpointing.save_checkpoint (torch_dist through
+megatron.core.dist_checkpointing, iteration 0, tracker file). torch_dist stores every tensor with its
+global shape, so the trainer loads it at any TP/PP (dist_checkpointing reshards on load); the target
+TP only sets the vocabulary padding.
 
-Everything runs in this one process, in a world of one gloo rank. The model is built without
-random initialisation and filled one tensor at a time from the memory-mapped Hugging Face files,
-so peak memory is one copy of the model in --params-dtype plus one Hugging Face layer.
+Streaming: everything runs in this one process, in a world of one gloo rank, and the trainer's
+model is built on the meta device (names, shapes, Megatron's sharded state dict: no memory).
+dist_checkpointing saves that state dict through torch_dist_stream, which asks `_Producer` for each
+chunk just before writing it; the producer reads the Hugging Face tensors of one decoder layer at a
+time. Peak memory: one decoder layer converted (plus one Hugging Face tensor being read), or the
+embedding / output layer when larger -- not the model. The neutral copy is written the same way
+(neutral_format.save_streaming), in fp32.
 """
 from __future__ import annotations
 
@@ -77,31 +81,53 @@ def trainer_args(arch: Arch, vocab: int, padded_vocab: int, params_dtype: str):
     return args
 
 
-def _fill(model, arch: Arch, reader: HFReader, vocab: int, padded_vocab: int) -> None:
-    params = dict(model.named_parameters())
-    expected = {name for name in params}
+class _Producer:
+    """Whole converted tensors by trainer name, one decoder layer kept at a time; the data of a
+    torch_dist chunk (its slice of the whole tensor) for the streaming writer."""
 
-    def put(name: str, tensor: torch.Tensor) -> None:
-        target = params[name]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ConvertError(f"{name}: converted shape {tuple(tensor.shape)} does not fit the model's "
-                               f"{tuple(target.shape)}")
-        target.data.copy_(tensor)
-        expected.discard(name)
+    def __init__(self, arch: Arch, reader: HFReader, vocab: int, padded_vocab: int):
+        from mindspeed.convert.megatron_read import LAYER_KEYS
+        self.arch, self.reader, self.vocab, self.padded = arch, reader, vocab, padded_vocab
+        self.stacked = {key: suffix for suffix, key in LAYER_KEYS.items()}
+        self._layer, self._tensors = None, {}
 
-    with torch.no_grad():
-        keep = min(vocab, arch.vocab_size)
-        put("embedding.word_embeddings.weight",
-            layout.fit_vocab(reader.get("model.embed_tokens.weight"), keep, padded_vocab))
-        for i in range(arch.num_layers):
-            hf = {name: reader.get(name) for name in layout.hf_layer_names(arch, i)}
-            for suffix, tensor in layout.hf_to_mg_layer(arch, i, hf).items():
-                put(f"decoder.layers.{i}.{suffix}", tensor)
-        put("decoder.final_layernorm.weight", reader.get("model.norm.weight"))
-        if not arch.tied_embeddings:
-            put("output_layer.weight", layout.fit_vocab(reader.get("lm_head.weight"), keep, padded_vocab))
-    if expected:
-        raise ConvertError(f"the trainer's model has parameters the conversion did not fill: {sorted(expected)}")
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        if self._layer != i:
+            self._tensors = {}     # drop the previous layer before reading the next
+            hf = {name: self.reader.get(name) for name in layout.hf_layer_names(self.arch, i)}
+            self._tensors, self._layer = layout.hf_to_mg_layer(self.arch, i, hf), i
+        return self._tensors
+
+    def whole(self, name: str) -> torch.Tensor:
+        """The converted tensor of the trainer's parameter `name` (model-local)."""
+        keep = min(self.vocab, self.arch.vocab_size)
+        if name.startswith("decoder.layers."):
+            i, suffix = name[len("decoder.layers."):].split(".", 1)
+            tensors = self.layer(int(i))
+            if suffix not in tensors:
+                raise ConvertError(f"the trainer's model has a parameter the conversion does not fill: {name}")
+            return tensors[suffix]
+        if name == "embedding.word_embeddings.weight":
+            return layout.fit_vocab(self.reader.get("model.embed_tokens.weight"), keep, self.padded)
+        if name == "output_layer.weight" and not self.arch.tied_embeddings:
+            return layout.fit_vocab(self.reader.get("lm_head.weight"), keep, self.padded)
+        if name == "decoder.final_layernorm.weight":
+            return self.reader.get("model.norm.weight")
+        raise ConvertError(f"the trainer's model has a parameter the conversion does not fill: {name}")
+
+    def chunk(self, sh) -> torch.Tensor:
+        """The data of torch_dist chunk `sh` (a ShardedTensor of the trainer's sharded state dict)."""
+        pre = sh.prepend_axis_num
+        if sh.key in self.stacked:     # decoder layers: one tensor stacked over the layers
+            if pre != 1:
+                raise ConvertError(f"{sh.key}: unexpected torch_dist layout (prepended axes {pre})")
+            whole = self.whole(f"decoder.layers.{sh.global_offset[0]}.{self.stacked[sh.key]}")
+        else:
+            whole = self.whole(sh.key)
+        if tuple(whole.shape) != tuple(sh.global_shape[pre:]):
+            raise ConvertError(f"{sh.key}: converted shape {tuple(whole.shape)} does not fit the model's "
+                               f"{tuple(sh.global_shape[pre:])}")
+        return whole[tuple(slice(o, o + n) for o, n in zip(sh.global_offset[pre:], sh.local_shape))]
 
 
 def write_megatron(root: str, arch: Arch, reader: HFReader, vocab: int, padded_vocab: int, params_dtype: str,
@@ -110,17 +136,23 @@ def write_megatron(root: str, arch: Arch, reader: HFReader, vocab: int, padded_v
     embedding/output rows cut to the tokenizer's `vocab` and padded to `padded_vocab`; with
     neutral_copy, the same weights also as the MindSpore trainer's framework-neutral safetensors
     in the same iteration directory (each trainer reads only its own files there)."""
+    from mindspeed.convert.torch_dist_stream import StreamingTorchDistSave
     from mindspeed.training import checkpointing
     from mindspeed.training.model import build_model_chunks, transformer_config
     args = trainer_args(arch, vocab, padded_vocab, params_dtype)
     with adapted(args), world_of_one():
         config = transformer_config(args)
-        config.perform_initialization = False   # every parameter is overwritten
-        model = build_model_chunks(args, config)[0]
-        _fill(model, arch, reader, vocab, padded_vocab)
-        checkpointing.save_checkpoint(root, 0, [model], None, _NoScheduler(), 0)
+        config.perform_initialization = False
+        config.use_cpu_initialization = True      # Megatron then names no device, so the meta one holds
+        with torch.device("meta"):        # the model's structure only: its data is streamed
+            model = build_model_chunks(args, config)[0]
+        producer = _Producer(arch, reader, vocab, padded_vocab)
+        checkpointing.save_checkpoint(root, 0, [model], None, _NoScheduler(), 0,
+                                      sharded_strategy=StreamingTorchDistSave(producer.chunk))
         if neutral_copy:
             from mindspeed.training.mindspore import neutral_format
-            # whole tensors under the model's own names, fp32 (numpy has no bf16)
-            arrays = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
-            neutral_format.save(root, 0, arrays, None, meta={"converted_from": "hf"})
+            # whole tensors under the model's own names, fp32 (numpy has no bf16), written one at a time
+            shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+            neutral_format.save_streaming(root, 0, shapes,
+                                          lambda name: producer.whole(name).float().numpy(),
+                                          meta={"converted_from": "hf"})

@@ -77,11 +77,9 @@ option("recompute-layer-groups", (host("--recompute-method"), host("--recompute-
 option("moe", (host("--num-experts"),), lambda a: bool(a.num_experts), "Megatron-Core mixture of experts",
        {"mindspore": f"{MS}'s GPT has dense MLPs only"}, TORCH, ("--num-experts", "4"))
 option("qkv-bias", (host("--add-qkv-bias", False),), lambda a: a.add_qkv_bias,
-       "biases on the fused q/k/v projection (Qwen2)", {"mindspore": f"{MS}'s GPT has no linear biases on q/k/v"},
-       TORCH, ("--add-qkv-bias",))
+       "biases on the fused q/k/v projection (Qwen2)", {}, "", ("--add-qkv-bias",))
 option("rope-scaling", (host("--use-rope-scaling", False), host("--rope-scaling-factor", 8.0)),
-       lambda a: a.use_rope_scaling, "Llama 3.1 RoPE frequency scaling",
-       {"mindspore": f"{MS}'s rotary embedding has no frequency scaling"}, TORCH, ("--use-rope-scaling",))
+       lambda a: a.use_rope_scaling, "Llama 3.1 RoPE frequency scaling", {}, "", ("--use-rope-scaling",))
 option("uneven-pipeline-stages", (host("--decoder-first-pipeline-num-layers"),
                                   host("--decoder-last-pipeline-num-layers")),
        lambda a: a.decoder_first_pipeline_num_layers is not None or a.decoder_last_pipeline_num_layers is not None,

@@ -283,7 +283,10 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
     return state
 
 
-def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, consumed_samples: int) -> str:
+def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, consumed_samples: int,
+                    sharded_strategy=None) -> str:
+    """sharded_strategy: dist_checkpointing's (default: Megatron's torch_dist writer; the converter
+    passes its streaming one)."""
     rank0 = torch.distributed.get_rank() == 0
     path = iteration_dir(root, iteration)
     if rank0:
@@ -292,7 +295,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
     state = _sharded_state(chunks, optimizer, is_loading=False)
     state.update(iteration=iteration, consumed_train_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
-    dist_checkpointing.save(state, path)
+    dist_checkpointing.save(state, path, sharded_strategy=sharded_strategy)
     torch.distributed.barrier()
     if rank0:
         atomic_write(os.path.join(root, TRACKER), lambda tmp: _write_text(tmp, str(iteration)), FILE_MODE)

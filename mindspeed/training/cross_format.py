@@ -169,7 +169,9 @@ def neutral_from_torch_dist(directory: str, load_optimizer: bool) -> tuple[dict,
 
     model = read("")
     moments = None
-    if load_optimizer:
+    # a model-only checkpoint (as the converter writes) has no optimizer state to want: the
+    # weights load, Adam starts fresh, as from a neutral checkpoint without optimizer.safetensors
+    if load_optimizer and any(key.startswith("optimizer.") for key in reader.meta):
         moments = {f"{m}/{k}": v for m in MOMENTS for k, v in read(f"{OPT_PREFIX}{m}.").items()}
         if not moments:
             raise CheckpointError(

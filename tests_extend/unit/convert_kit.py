@@ -111,3 +111,73 @@ def stage_forward(model, tokens: torch.Tensor, hidden_in: torch.Tensor | None = 
         model.set_input_tensor(hidden_in)
     with torch.no_grad():
         return model(tokens, positions, None)
+
+
+def ms_load(mg_dir: str, backend, tp: int = 1, world_size: int = 1, train: bool = False, seq_length: int = 16,
+            extra=()):
+    """The MindSpore trainer's GPT (in a Trainer, with Adam, when `train`) for a converted checkpoint
+    at TP `tp`, loaded by the MindSpore trainer's own loader with its defaults (optimizer state
+    wanted): the neutral copy when the directory has one, else the torch_dist files."""
+    from mindspeed.training.mindspore import checkpoint as ms_checkpoint
+    from mindspeed.training.mindspore.model import GPTConfig, GPTModel
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    args = trainer_args(mg_dir, tp=tp, world_size=world_size, extra=("--lr", "0.01", "--lr-decay-style", "constant",
+                                                                           "--seq-length", str(seq_length), *extra))
+    ps = build_parallel_state(backend.comm, tp)
+    cfg = GPTConfig.from_args(args, args.padded_vocab_size, [])
+    trainer = Trainer(args, backend, ps, cfg) if train else None
+    model = trainer.model if train else GPTModel(cfg, backend, ps)
+    ms_checkpoint.load(mg_dir, model, trainer.optimizer if train else None)
+    return trainer or model
+
+
+def ms_logits(model, tokens) -> "np.ndarray":
+    """[b, s, V] logits of the MindSpore GPT (TP shards gathered)."""
+    import mindspore as ms
+    import numpy as np
+    local = model.logits(ms.Tensor(np.asarray(tokens, np.int32)))            # [s, b, V/tp]
+    if model.ps.tp_size > 1:
+        every = model.backend.comm.all_gather(local.expand_dims(0), 0, model.ps.tp_group).asnumpy()
+        local = np.concatenate(list(every), axis=-1)
+    else:
+        local = local.asnumpy()
+    return local.transpose(1, 0, 2)
+
+
+def ms_train_steps(trainer, tokens, steps: int = 2) -> tuple[list, "np.ndarray"]:
+    """Adam steps on `tokens` (next-token loss) -> (losses, layer 0's whole q/k/v bias before and after)."""
+    import numpy as np
+    from mindspeed.training.mindspore.checkpoint import _gather_tp
+    tokens = np.asarray(tokens, np.int32)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": np.ones_like(tokens[:, 1:], np.float32)}
+    name = "decoder.layers.0.self_attention.linear_qkv.bias"
+    whole = lambda: _gather_tp(trainer.backend, trainer.ps, {name: trainer.model.params[name].asnumpy()})[name]
+    before = whole()
+    losses = [trainer.train_step([batch], it + 1)[0] for it in range(steps)]
+    return losses, np.stack([before, whole()])
+
+
+def write_plain_llama(out_dir: str, hidden: int, layers: int, ffn: int, vocab: int, heads: int = 8) -> int:
+    """A Llama config.json and model.safetensors written straight from tensors (no transformers
+    model: quick at a few hundred MB), tensor k filled with the value k; returns the weights' bytes."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=hidden, intermediate_size=ffn,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=256,
+                  hidden_act="silu", torch_dtype="float32")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+              "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (hidden, hidden),
+                       p + "self_attn.v_proj.weight": (hidden, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                       p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
+                       p + "mlp.down_proj.weight": (hidden, ffn)})
+    tensors = {name: torch.full(shape, float(k)) for k, (name, shape) in enumerate(shapes.items())}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    return sum(t.numel() * t.element_size() for t in tensors.values())

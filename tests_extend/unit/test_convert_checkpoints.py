@@ -1,13 +1,16 @@
-"""Hugging Face <-> Megatron-Core conversion, checked through the built-in trainer's own model and
-checkpoint loader: logits at TP1 (in this process), at TP2 and at PP2 (2 gloo processes), and
-HF -> MG -> HF round trips that must give back every tensor bit for bit."""
+"""Hugging Face <-> Megatron-Core conversion, checked through the built-in trainers' own models and
+checkpoint loaders: torch logits at TP1 (in this process), at TP2 and at PP2 (2 gloo processes);
+MindSpore logits at TP1 (in this process) and TP2 (one msrun launch of 2 workers), from torch_dist
+and from the neutral copy; HF -> MG -> HF round trips that must give back every tensor bit for bit."""
 from __future__ import annotations
 
 import filecmp
 import json
 import multiprocessing
 import os
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,12 +39,12 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    """Qwen2-style: q/k/v biases, tied embeddings, converted for TP1."""
+    """Qwen2-style: q/k/v biases, tied embeddings, converted for TP1 with the neutral copy."""
     root = tmp_path_factory.mktemp("qwen")
     hf, mg = str(root / "hf"), str(root / "mg")
     kit.make_hf_model(hf, "qwen2", tied=True)
     kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", "qwen2",
-                "--add-qkv-bias", "--load-dir", hf, "--save-dir", mg)
+                "--add-qkv-bias", "--neutral-copy", "--load-dir", hf, "--save-dir", mg)
     return {"hf": hf, "mg": mg, "root": root, "ref": kit.hf_logits(hf, TOKENS)}
 
 
@@ -52,15 +55,30 @@ def _tp1_logits(mg_dir: str, extra=(), tokens: torch.Tensor = TOKENS) -> torch.T
         return kit.stage_forward(kit.load_trainer_model(args), tokens)
 
 
-def test_qwen2_tp1_logits_match_hf(qwen):
-    logits = _tp1_logits(qwen["mg"])
-    assert (logits[..., :kit.VOCAB] - qwen["ref"]).abs().max() <= TOL
+def _ms_tp1_logits(mg_dir: str, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    """The MindSpore trainer's logits (its neutral copy when the directory has one, else torch_dist)."""
+    pytest.importorskip("mindspore")
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    model = kit.ms_load(mg_dir, MindSporeBackend("cpu"), seq_length=tokens.shape[1])
+    return torch.from_numpy(kit.ms_logits(model, tokens.numpy()))
+
+
+def _close(logits: torch.Tensor, ref: torch.Tensor, vocab: int = kit.VOCAB) -> bool:
+    return (logits[..., :vocab] - ref[..., :vocab]).abs().max().item() <= TOL
+
+
+def test_qwen2_tp1_logits_match_hf_on_torch_and_mindspore(qwen):
+    """--neutral-copy: one converted directory that both trainers load (each its own files); the
+    q/k/v biases reach both."""
+    assert _close(_tp1_logits(qwen["mg"]), qwen["ref"])
+    assert _close(_ms_tp1_logits(qwen["mg"]), qwen["ref"])
 
 
 def test_llama_untied_checkpoint_loads_at_tp1_too(llama):
-    # written for TP2 (vocab padded to 2 x 128): at TP1 the trainer pads alike with 256
-    logits = _tp1_logits(llama["mg"], extra=("--make-vocab-size-divisible-by", "256"))
-    assert (logits[..., :kit.VOCAB] - llama["ref"]).abs().max() <= TOL
+    # written for TP2 x PP2 (vocab padded to 2 x 128): at TP1 the trainer pads alike with 256;
+    # the MindSpore trainer (no pipeline) reads the torch_dist tensors whole
+    assert _close(_tp1_logits(llama["mg"], extra=("--make-vocab-size-divisible-by", "256")), llama["ref"])
+    assert _close(_ms_tp1_logits(llama["mg"]), llama["ref"])
 
 
 def test_llama31_rope_scaling_tp1_logits_match_hf(tmp_path):
@@ -71,10 +89,17 @@ def test_llama31_rope_scaling_tp1_logits_match_hf(tmp_path):
                "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
     kit.make_hf_model(hf, "llama", num_hidden_layers=2, rope_theta=10000.0, rope_parameters=scaling)
     kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", "llama3",
-                "--load-dir", hf, "--save-dir", mg)
+                "--neutral-copy", "--load-dir", hf, "--save-dir", mg)
     tokens = torch.randint(0, kit.VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
     ref = kit.hf_logits(hf, tokens)
-    assert (_tp1_logits(mg, tokens=tokens)[..., :kit.VOCAB] - ref).abs().max() <= TOL
+    assert _close(_tp1_logits(mg, tokens=tokens), ref)
+    assert _close(_ms_tp1_logits(mg, tokens=tokens), ref)
+    # the MindSpore GPT's scaled frequencies are Megatron-Core's, bit for bit
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from mindspeed.training.mindspore.model import llama3_scaled_inv_freq
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    assert np.array_equal(llama3_scaled_inv_freq(inv.numpy(), 8.0),
+                          RotaryEmbedding._apply_scaling(None, inv, factor=8.0).numpy())
 
 
 def test_tokenizer_smaller_than_the_embedding(tmp_path):
@@ -121,10 +146,10 @@ def _logits_at(mg_dir, tokens, tp, pp, world_size):
     return model, torch.cat(parts, dim=-1)
 
 
-def _two_rank_body(rank, world_size, mg_dir, tokens, save_dir, tied_mg_dir):
+def _two_rank_body(rank, world_size, mg_dir, tokens, save_dir, tied_mg_dir, tied_save_dir):
     """TP2 (and the trainer saving that TP2 model: a checkpoint of TP-split chunks), then PP2, then
-    PP2 of a model with tied embeddings (the last stage's output layer comes from the embedding),
-    in the same two processes."""
+    PP2 of a model with tied embeddings (the last stage's output layer comes from the embedding; the
+    trainer saves it too: a checkpoint of pipeline-split chunks), in the same two processes."""
     from megatron.core import parallel_state
     from mindspeed.convert.megatron_write import _NoScheduler, adapted
     from mindspeed.training import checkpointing
@@ -137,20 +162,26 @@ def _two_rank_body(rank, world_size, mg_dir, tokens, save_dir, tied_mg_dir):
         parallel_state.destroy_model_parallel()
         stage, pp2 = _logits_at(mg_dir, tokens, tp=1, pp=2, world_size=world_size)
         parallel_state.destroy_model_parallel()
-        _, tied_pp2 = _logits_at(tied_mg_dir, tokens, tp=1, pp=2, world_size=world_size)
+        tied_stage, tied_pp2 = _logits_at(tied_mg_dir, tokens, tp=1, pp=2, world_size=world_size)
+        checkpointing.save_checkpoint(tied_save_dir, 0, [tied_stage], None, _NoScheduler(), 0)
         parallel_state.destroy_model_parallel()
     return tp2, pp2, len(stage.decoder.layers), tied_pp2
 
 
 def test_tp2_and_pp2_logits_in_two_processes_and_back(llama, qwen, tmp_path):
-    saved = str(tmp_path / "trainer_saved_tp2")
+    saved, tied_saved = str(tmp_path / "trainer_saved_tp2"), str(tmp_path / "trainer_saved_pp2")
     (tp2_0, pp2_0, layers_0, tied_0), (tp2_1, pp2_1, layers_1, tied_1) = run_distributed(
-        _two_rank_body, world_size=2, args=(llama["mg"], TOKENS, saved, qwen["mg"]), timeout=150)
+        _two_rank_body, world_size=2, args=(llama["mg"], TOKENS, saved, qwen["mg"], tied_saved), timeout=150)
     for logits in (tp2_0, tp2_1, pp2_1):
         assert (logits[..., :kit.VOCAB] - llama["ref"]).abs().max() <= TOL
     assert (tied_1[..., :kit.VOCAB] - qwen["ref"]).abs().max() <= TOL
     assert pp2_0 is None and tied_0 is None   # first pipeline stage: no logits
     assert (layers_0, layers_1) == (1, 3)   # --num-layer-list 1,3 reached the trainer
+    # the MindSpore trainer reads those torch_dist checkpoints whole: TP-split, and pipeline-split with biases
+    for trainer_saved, converted, ref in ((saved, llama["mg"], llama["ref"]), (tied_saved, qwen["mg"], qwen["ref"])):
+        # the model's flags (kit.trainer_args reads them there), as in the converted directory
+        shutil.copyfile(os.path.join(converted, "convert_info.json"), os.path.join(trainer_saved, "convert_info.json"))
+        assert _close(_ms_tp1_logits(trainer_saved), ref)
     # the checkpoint the trainer wrote from TP2 (each tensor in two chunks) converts back bit for bit
     back = str(tmp_path / "hf_back")
     kit.convert("--load-model-type", "mg", "--save-model-type", "hf", "--model-type-hf", "llama3",
@@ -189,27 +220,34 @@ def test_bf16_round_trip_through_fp32_megatron(tmp_path):
     _assert_same_hf(hf, back)
 
 
-def test_neutral_copy_loads_in_the_mindspore_trainer_and_the_torch_one(tmp_path):
-    """--neutral-copy: one converted directory that both trainers load (each its own files)."""
-    ms = pytest.importorskip("mindspore")
-    import numpy as np
+def test_mindspore_tp2_loads_converted_checkpoints_and_trains(llama, qwen, tmp_path):
+    """One msrun launch, 2 workers at TP2: the torch_dist converted for a TP2 x PP2 target and the
+    neutral copy with q/k/v biases give Hugging Face's logits; two Adam steps on the biased model give
+    the losses and the q/k/v bias (split like the weight's rows) of the same steps at TP1."""
+    pytest.importorskip("mindspore")
     from mindspeed.backends.mindspore.backend import MindSporeBackend
-    from mindspeed.training.mindspore import checkpoint as ms_checkpoint
-    from mindspeed.training.mindspore.model import GPTConfig, GPTModel
-    from mindspeed.training.mindspore.parallel import build_parallel_state
-    hf, mg = str(tmp_path / "hf"), str(tmp_path / "mg")
-    kit.make_hf_model(hf, "llama", tied=True, num_hidden_layers=2)
-    kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--neutral-copy", "--load-dir", hf,
-                "--save-dir", mg)
-    ref = kit.hf_logits(hf, TOKENS)
-    backend = MindSporeBackend("cpu")
-    args = kit.trainer_args(mg)
-    model = GPTModel(GPTConfig.from_args(args, args.padded_vocab_size, []), backend,
-                     build_parallel_state(backend.comm, 1))
-    ms_checkpoint.load(mg, model, None, load_optimizer=False)
-    logits = model.logits(ms.Tensor(TOKENS.numpy().astype(np.int32))).asnumpy().transpose(1, 0, 2)   # [s, b, V]
-    assert np.abs(logits[..., :kit.VOCAB] - ref.numpy()).max() <= TOL
-    assert (_tp1_logits(mg)[..., :kit.VOCAB] - ref).abs().max() <= TOL
+    from tests_extend.distributed.msrun_helper import run_msrun
+    tokens = str(tmp_path / "tokens.npy")
+    np.save(tokens, TOKENS.numpy())
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "convert_ms_worker.py")
+    results = run_msrun(worker, [str(tmp_path), tokens, llama["mg"], qwen["mg"]], str(tmp_path), timeout=300)
+    assert all(r["ok"] for r in results), [r.get("error") for r in results]
+    for rank in range(2):
+        for case in (llama, qwen):
+            name = "llama" if case is llama else "qwen"
+            assert _close(torch.from_numpy(np.load(tmp_path / f"{name}_rank{rank}.npy")), case["ref"]), (name, rank)
+    # padded as at TP2 (the zero padding logits enter the softmax, as in Megatron)
+    tp1 = kit.ms_load(qwen["mg"], MindSporeBackend("cpu"), train=True, extra=("--make-vocab-size-divisible-by", "256"))
+    tp1_losses, tp1_bias = kit.ms_train_steps(tp1, TOKENS.numpy())
+    assert tp1_losses[1] < tp1_losses[0]
+    assert np.mean(tp1_bias[1] != tp1_bias[0]) > 0.95        # the biases train
+    for rank in range(2):
+        losses, bias = results[rank]["losses"], np.load(tmp_path / f"qwen_bias_rank{rank}.npy")
+        assert abs(losses[0] - tp1_losses[0]) <= 1e-5 and abs(losses[1] - tp1_losses[1]) <= 1e-3, (losses, tp1_losses)
+        assert np.array_equal(bias[0], tp1_bias[0])
+        # Adam moves every element by about lr whatever its gradient's size, so elements whose gradient
+        # is rounding noise may go either way: nearly all must agree
+        assert np.mean(np.abs(bias[1] - tp1_bias[1]) <= 1e-5) > 0.95, np.abs(bias[1] - tp1_bias[1])
 
 
 def test_mindspore_trainer_checkpoint_converts_back(llama, tmp_path):

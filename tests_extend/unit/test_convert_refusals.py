@@ -54,9 +54,6 @@ CASES = {
     "qkv bias flag on llama": (lambda m, s: hf_to_mg(m, "llama", s, "--add-qkv-bias"), "has no q/k/v biases"),
     "qwen without qkv bias flag": (lambda m, s: hf_to_mg(m, "qwen", s, "--model-type-hf", "qwen2"),
                                    "add --add-qkv-bias"),
-    "neutral copy of a model with q/k/v biases": (
-        lambda m, s: hf_to_mg(m, "qwen", s, "--model-type-hf", "qwen2", "--add-qkv-bias", "--neutral-copy"),
-        "MindSpore trainer's GPT has no q/k/v biases"),
     "model type mismatch": (lambda m, s: hf_to_mg(m, "qwen", s, "--model-type-hf", "llama3"),
                             "expects config.json model_type 'llama'"),
     "heads not divisible by TP": (lambda m, s: hf_to_mg(m, "llama", s, "--target-tensor-parallel-size", "3"),

@@ -37,7 +37,7 @@ def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -
 
 
 def _fit_vocab(model, arrays: dict | None) -> dict | None:
-    """The torch side pads the vocabulary for its TP size: add or drop padding rows for this one."""
+    """The saver padded the vocabulary for its TP size: add or drop padding rows for this one."""
     if arrays is None:
         return None
     from mindspeed.training.cross_format import fit_vocab_rows
@@ -61,9 +61,10 @@ def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step:
     if nf.is_torch_dist(directory):      # the torch trainer's checkpoint, renamed to the neutral names
         from mindspeed.training import cross_format
         full, moments, meta = cross_format.neutral_from_torch_dist(directory, optimizer is not None and load_optimizer)
-        full, moments = _fit_vocab(model, full), _fit_vocab(model, moments)
     else:
         full, moments, meta = nf.load(directory)
+    # the vocabulary is padded for the saving TP size (either trainer, or the converter's target)
+    full, moments = _fit_vocab(model, full), _fit_vocab(model, moments)
     try:
         model.load_full(full)
         if optimizer is not None and load_optimizer and moments is not None:

@@ -2,7 +2,8 @@
 
 embedding -> L x [RMSNorm -> QKV (column) -> RoPE -> causal attention -> proj (row) -> residual
 -> RMSNorm -> fc1 (column) -> SwiGLU -> fc2 (row) -> residual] -> RMSNorm -> output layer (tied or
-untied); linear biases optional (--add-bias-linear) -> vocab-parallel cross-entropy. Parameters carry Megatron-Core's state-dict names and
+untied); linear biases optional (--add-bias-linear, or q/k/v only: --add-qkv-bias, Qwen2); RoPE
+optionally with Llama 3.1's frequency scaling (--use-rope-scaling) -> vocab-parallel cross-entropy. Parameters carry Megatron-Core's state-dict names and
 per-TP-rank shapes (see neutral_format for the sharding), so checkpoints move between backends.
 Norm, SwiGLU, RoPE and attention run through the backend's kernels (features reach the model via
 the interface only).
@@ -40,6 +41,8 @@ class GPTConfig:
     init_method_std: float = 0.02
     recompute: bool = False
     add_bias_linear: bool = False
+    add_qkv_bias: bool = False               # --add-qkv-bias: biases on linear_qkv only (Qwen2)
+    rope_scaling_factor: float | None = None  # --use-rope-scaling: Llama 3.1's frequency scaling
     recompute_activation_layers: int = 0     # --recompute-activation-function: the first N layers
     recompute_norm_layers: int = 0           # --recompute-norm: the first N layers
     fused_kernels: frozenset = frozenset()   # kernels whose fused feature is on: the device's fast path
@@ -52,8 +55,7 @@ class GPTConfig:
     @classmethod
     def from_args(cls, args, padded_vocab: int, features=()) -> "GPTConfig":
         """features: ids of the enabled (adapted) features; fused ones pick the fast kernels."""
-        # LayerNorm, GELU, dropout, other position embeddings, q/k/v biases, RoPE scaling: refused by
-        # the support matrix (mindspeed/features/megatron_options.py) before a model is built
+        # LayerNorm, GELU, dropout, other position embeddings: refused by the support matrix (mindspeed/features/megatron_options.py) before a model is built
         return cls(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                    num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                    kv_channels=args.kv_channels, vocab_size=padded_vocab, seq_length=args.seq_length,
@@ -62,6 +64,9 @@ class GPTConfig:
                    tied_embeddings=not args.untie_embeddings_and_output_weights,
                    init_method_std=args.init_method_std, recompute=args.recompute_granularity == "full",
                    add_bias_linear=bool(args.add_bias_linear),
+                   add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+                   rope_scaling_factor=float(args.rope_scaling_factor) if getattr(args, "use_rope_scaling", False)
+                   else None,
                    recompute_activation_layers=cls._recomputed_layers(args, features, "recompute-activation-function",
                                                                       "recompute_activation_function_num_layers"),
                    recompute_norm_layers=cls._recomputed_layers(args, features, "recompute-norm",
@@ -90,9 +95,10 @@ class GPTConfig:
                            nf.layer_name(i, "pre_mlp_layernorm.weight"): (h,),
                            nf.layer_name(i, "mlp.linear_fc1.weight"): (2 * self.ffn_hidden_size, h),
                            nf.layer_name(i, "mlp.linear_fc2.weight"): (h, self.ffn_hidden_size)})
+            if self.add_bias_linear or self.add_qkv_bias:
+                shapes[nf.layer_name(i, "self_attention.linear_qkv.bias")] = (qkv,)
             if self.add_bias_linear:
-                shapes.update({nf.layer_name(i, "self_attention.linear_qkv.bias"): (qkv,),
-                               nf.layer_name(i, "self_attention.linear_proj.bias"): (h,),
+                shapes.update({nf.layer_name(i, "self_attention.linear_proj.bias"): (h,),
                                nf.layer_name(i, "mlp.linear_fc1.bias"): (2 * self.ffn_hidden_size,),
                                nf.layer_name(i, "mlp.linear_fc2.bias"): (h,)})
         shapes["decoder.final_layernorm.weight"] = (h,)
@@ -116,6 +122,23 @@ def init_full_weights(cfg: GPTConfig, seed: int) -> dict:
             std = scaled if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else cfg.init_method_std
             weights[name] = rng.normal(0.0, std, shape).astype(np.float32)
     return weights
+
+
+def llama3_scaled_inv_freq(inv_freq: np.ndarray, factor: float, low_freq_factor: float = 1.0,
+                           high_freq_factor: float = 4.0, old_context_len: int = 8192) -> np.ndarray:
+    """Llama 3.1's RoPE frequency scaling, step for step as Megatron-Core 0.16's
+    RotaryEmbedding._apply_scaling computes it in fp32 (only `factor` is a flag there): long
+    wavelengths are slowed by `factor`, short ones kept, the band between interpolated."""
+    f32 = np.float32
+    freqs = inv_freq.astype(f32)
+    low_wavelen, high_wavelen = f32(old_context_len / low_freq_factor), f32(old_context_len / high_freq_factor)
+    # torch evaluates `scalar / tensor` as reciprocal(tensor) * scalar: the same here, bit for bit
+    wavelen = (f32(1) / freqs) * f32(2 * math.pi)
+    scaled = np.where(wavelen > low_wavelen, freqs / f32(factor), freqs)
+    smooth = ((f32(1) / wavelen) * f32(old_context_len) - f32(low_freq_factor)) / f32(high_freq_factor - low_freq_factor)
+    smoothed = (f32(1) - smooth) * scaled / f32(factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(f32)
 
 
 class GPTModel:
@@ -168,6 +191,8 @@ class GPTModel:
         cfg = self.cfg
         dim = int(cfg.kv_channels * cfg.rotary_percent)
         inv_freq = 1.0 / (cfg.rotary_base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+        if cfg.rope_scaling_factor is not None:
+            inv_freq = llama3_scaled_inv_freq(inv_freq, cfg.rope_scaling_factor)
         freqs = np.outer(np.arange(cfg.seq_length, dtype=np.float32), inv_freq)
         emb = np.concatenate([freqs, freqs], -1)[:, None, None, :]        # [s, 1, 1, dim], rotate-half
         self.cos, self.sin = ms.Tensor(np.cos(emb)), ms.Tensor(np.sin(emb))
@@ -229,7 +254,8 @@ class GPTModel:
         return out
 
     def _bias(self, i, suffix):
-        return self.params.get(nf.layer_name(i, suffix)) if self.cfg.add_bias_linear else None
+        on = self.cfg.add_bias_linear or (self.cfg.add_qkv_bias and suffix == "self_attention.linear_qkv.bias")
+        return self.params[nf.layer_name(i, suffix)] if on else None
 
     def enable_activation_swap(self, scope, modules) -> None:
         """--swap-attention: the named parts of each layer run inside scope(layer number), so what they

@@ -90,6 +90,37 @@ def save(root: str, iteration: int, model: dict, optimizer: dict | None = None, 
     return directory
 
 
+def save_streaming(root: str, iteration: int, shapes: dict, produce, meta: dict | None = None) -> str:
+    """`save` of a model-only checkpoint whose arrays (fp32) are produced one at a time,
+    `produce(name)` in the order of `shapes` ({name: shape}): the safetensors header is known from
+    the shapes, so each array is written as soon as it is made (peak memory: one array)."""
+    private_dir(root)
+    directory = iteration_dir(root, iteration)
+    private_dir(directory)
+    entries, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * int(np.prod(shape, dtype=np.int64))
+        entries[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)          # safetensors aligns the data to 8 bytes
+
+    def write(path):
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            for name, shape in shapes.items():
+                array = np.ascontiguousarray(produce(name), dtype=np.float32)
+                if array.shape != tuple(shape):
+                    raise ValueError(f"{name}: produced shape {array.shape}, expected {tuple(shape)}")
+                f.write(array.data)
+
+    atomic_write(os.path.join(directory, MODEL_FILE), write)
+    meta = dict(meta or {}, iteration=iteration, format="mindspeed-neutral-v1")
+    atomic_write(os.path.join(directory, META_FILE), lambda p: _dump_json(meta, p))
+    atomic_write(os.path.join(root, TRACKER_FILE), lambda p: _dump_text(str(iteration), p))
+    return directory
+
+
 def _dump_json(obj, path):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
