@@ -31,6 +31,8 @@ def test_cp_attention_matches_single_process_on_mindspore(tmp_path):
 FOUR_WORKER_LABELS = ("hybrid", "double-ring")
 
 
+@pytest.mark.skipif(not os.environ.get("MINDSPEED_SLOW_TESTS"),
+                    reason="4 msrun workers on 2 cores: ~75 s, over CI's 40-minute budget; MINDSPEED_SLOW_TESTS=1 runs it")
 def test_cp4_hybrid_and_double_ring_match_single_process_on_mindspore(tmp_path):
     results = run_msrun(WORKER, [str(tmp_path), "float32", ",".join(FOUR_WORKER_LABELS)], str(tmp_path),
                         workers=4, timeout=500)

@@ -44,9 +44,9 @@ CONFIGS = {
                                "distributed-optimizer", "fused-rmsnorm", "op-cal-tflops"}),
 }
 MOCK = {"tp2-fused"}   # the others read the indexed dataset
-# CI's 40-minute budget: these train on the newest core only; the older core keeps TP=2 with the
-# fused kernels and the fp32 parity with the built-in trainer
-NEWEST_CORE_ONLY = {"pp2-vpp", "cp2-ulysses-fused", "cp2-ring", "cp4-hybrid-fused", "moe-ep2-distopt-fused"}
+# CI's 40-minute budget: training runs on the newest core only; the older core keeps the adaptor's
+# checks (parse/validate, describe, refusals) below. MINDSPEED_SLOW_TESTS=1 trains on both.
+NEWEST_CORE_ONLY = set(CONFIGS) if not os.environ.get("MINDSPEED_SLOW_TESTS") else set()
 CP_TOLERANCE = 1e-4   # fp32; CP changes only the order of reductions
 
 
@@ -102,7 +102,7 @@ def single_process_losses(checkout, indexed_dataset):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_pretrain_gpt_trains(checkout, indexed_dataset, name, request):
     if name in NEWEST_CORE_ONLY and request.node.callspec.params["checkout"] != kit.VERSIONS[-1]:
-        pytest.skip(f"{name} trains on core_v{kit.VERSIONS[-1]} only (CI time budget)")
+        pytest.skip(f"{name} trains on core_v{kit.VERSIONS[-1]} only (CI time budget; MINDSPEED_SLOW_TESTS=1 runs it)")
     nproc, env, extra, expected = CONFIGS[name]
     env = dict(env, **({"MOCK_DATA": "1"} if name in MOCK else {"DATA_PATH": indexed_dataset}))
     output, losses = _train(checkout, nproc, extra, env)
@@ -272,6 +272,8 @@ def test_same_losses_as_the_builtin_trainer(checkout, request):
     """fp32, 10 iterations: Megatron-LM's loop and MindSpeed's trainer train the same model.
     Megatron-LM 0.16 reports at iteration 2 the mean of iterations 1 and 2 (its log accumulator is
     not reset after iteration 1); the grad norm and every later loss show the step itself is equal."""
+    if NEWEST_CORE_ONLY and request.node.callspec.params["checkout"] != kit.VERSIONS[-1]:
+        pytest.skip(f"trains on core_v{kit.VERSIONS[-1]} only (CI time budget; MINDSPEED_SLOW_TESTS=1 runs it)")
     if request.node.callspec.params["checkout"] == kit.VERSIONS[-1]:
         data, extra, reference = (request.getfixturevalue("instruction_dataset"), INSTRUCTION,
                                   request.getfixturevalue("builtin_instruction_losses"))
