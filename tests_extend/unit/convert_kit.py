@@ -169,15 +169,9 @@ def write_plain_llama(out_dir: str, hidden: int, layers: int, ffn: int, vocab: i
                   hidden_act="silu", torch_dtype="float32")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
-              "model.norm.weight": (hidden,)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (hidden, hidden),
-                       p + "self_attn.v_proj.weight": (hidden, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
-                       p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
-                       p + "mlp.down_proj.weight": (hidden, ffn)})
+    from mindspeed.convert.arch import arch_from_config
+    from mindspeed.convert.layout import hf_shapes
+    shapes = hf_shapes(arch_from_config(config, "llama2", add_qkv_bias=False))
     tensors = {name: torch.full(shape, float(k)) for k, (name, shape) in enumerate(shapes.items())}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
     return sum(t.numel() * t.element_size() for t in tensors.values())
