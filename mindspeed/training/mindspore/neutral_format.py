@@ -76,14 +76,24 @@ def unshard(name: str, shards: list[np.ndarray]) -> np.ndarray:
 
 def save(root: str, iteration: int, model: dict, optimizer: dict | None = None, meta: dict | None = None) -> str:
     """Write model (and optimizer) arrays plus meta.json, then point the tracker file at them."""
-    private_dir(root)
-    directory = iteration_dir(root, iteration)
-    private_dir(directory)
+    directory = _new_iteration_dir(root, iteration)
     atomic_write(os.path.join(directory, MODEL_FILE),
                    lambda p: save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, p))
     if optimizer is not None:
         atomic_write(os.path.join(directory, OPTIMIZER_FILE),
                        lambda p: save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, p))
+    return _commit(root, directory, iteration, meta)
+
+
+def _new_iteration_dir(root: str, iteration: int) -> str:
+    private_dir(root)
+    directory = iteration_dir(root, iteration)
+    private_dir(directory)
+    return directory
+
+
+def _commit(root: str, directory: str, iteration: int, meta: dict | None) -> str:
+    """meta.json, then the tracker: a reader never sees an iteration whose files are not all written."""
     meta = dict(meta or {}, iteration=iteration, format="mindspeed-neutral-v1")
     atomic_write(os.path.join(directory, META_FILE), lambda p: _dump_json(meta, p))
     atomic_write(os.path.join(root, TRACKER_FILE), lambda p: _dump_text(str(iteration), p))
@@ -94,9 +104,7 @@ def save_streaming(root: str, iteration: int, shapes: dict, produce, meta: dict 
     """`save` of a model-only checkpoint whose arrays (fp32) are produced one at a time,
     `produce(name)` in the order of `shapes` ({name: shape}): the safetensors header is known from
     the shapes, so each array is written as soon as it is made (peak memory: one array)."""
-    private_dir(root)
-    directory = iteration_dir(root, iteration)
-    private_dir(directory)
+    directory = _new_iteration_dir(root, iteration)
     entries, offset = {}, 0
     for name, shape in shapes.items():
         size = 4 * int(np.prod(shape, dtype=np.int64))
@@ -115,10 +123,7 @@ def save_streaming(root: str, iteration: int, shapes: dict, produce, meta: dict 
                 f.write(array.data)
 
     atomic_write(os.path.join(directory, MODEL_FILE), write)
-    meta = dict(meta or {}, iteration=iteration, format="mindspeed-neutral-v1")
-    atomic_write(os.path.join(directory, META_FILE), lambda p: _dump_json(meta, p))
-    atomic_write(os.path.join(root, TRACKER_FILE), lambda p: _dump_text(str(iteration), p))
-    return directory
+    return _commit(root, directory, iteration, meta)
 
 
 def _dump_json(obj, path):
