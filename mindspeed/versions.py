@@ -17,7 +17,7 @@ PLOT_REQUIREMENTS = ["matplotlib==3.11.2"]
 # transformers: the conversion tests build tiny Llama/Qwen2 models and compare their logits, the data
 # tests tiny tokenizers; pyarrow: parquet inputs; hypothesis: the property-based flag test
 # (tests_extend/unit/test_flag_properties.py)
-TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", *DATA_REQUIREMENTS, "hypothesis==6.170.15",
+TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", "pytest-xdist==3.8.0", *DATA_REQUIREMENTS, "hypothesis==6.170.15",
                      *PLOT_REQUIREMENTS]
 # what Megatron-LM's megatron.training imports beyond megatron-core (pybind11 builds its dataset
 # helpers; einops for core_v0.12); `pip install -e ".[megatron-lm]"`
