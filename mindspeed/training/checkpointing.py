@@ -180,7 +180,7 @@ def find_damaged_tensor(directory: str) -> str | None:
                         torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
                     except Exception as err:
                         return f"{shard} is corrupt: tensor {fqn!r} at byte {offset} cannot be decoded " \
-                               f"({_describe(err)})"
+                               f"({one_line(_describe(err), 80)})"   # torch.load's own text runs to lines
         except OSError as err:
             return f"{shard} is unreadable ({_describe(err)})"
     return None

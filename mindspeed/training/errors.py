@@ -7,7 +7,7 @@ class CheckpointError(RuntimeError):
     """A --load directory or checkpoint that cannot be used. The message is one line."""
 
     def __init__(self, message: str):
-        super().__init__(one_line(message))
+        super().__init__(one_line(message, limit=2000))   # foreign error texts are cut where they are quoted
 
 
 def one_line(text: str, limit: int = 600) -> str:
