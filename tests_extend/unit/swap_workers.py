@@ -43,12 +43,12 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def trainer_for(flags, base=TINY, vocab_size=60):
-    """The built-in trainer in this process (world of one), adapted for `base + flags`."""
+def trainer_for(flags, base=TINY, vocab_size=60, world_size=1):
+    """The built-in trainer in this process (world of one unless told), adapted for `base + flags`."""
     import mindspeed
     from mindspeed.training import pretrain
     from mindspeed.training.arguments import parse_args
-    args = parse_args(base + list(flags), world_size=1)
+    args = parse_args(base + list(flags), world_size=world_size)
     mindspeed.unadapt()
     mindspeed.adapt(args)
     args.device_name = "cpu"
@@ -129,7 +129,7 @@ def optimizer_state(tr) -> dict:
                 device_peak=max((s.device_peak for s in swaps if s), default=0))
 
 
-def checkpoint_crossing(root, on, off, steps=2, more=2):
+def checkpoint_crossing(root, on, off, steps=2, more=2, world_size=1):
     """Train `steps` with flags `on`, save, train `more`; a trainer with `off` loads the checkpoint
     and trains `more`: both continuations' losses (and the reverse)."""
     from mindspeed.training import checkpointing, pretrain
@@ -137,14 +137,14 @@ def checkpoint_crossing(root, on, off, steps=2, more=2):
     report = {}
     for name, first, second in (("on_to_off", on, off), ("off_to_on", off, on)):
         path = os.path.join(root, name)
-        args, tr = trainer_for(first)
+        args, tr = trainer_for(first, world_size=world_size)
         it = batches(args, tr)
         for _ in range(steps):
             tr.train_step(it)
         gbs = args.global_batch_size
         checkpointing.save_checkpoint(path, steps, tr.model, tr.optimizer, tr.scheduler, steps * gbs)
         cont = [tr.train_step(it)[0] for _ in range(more)]
-        args2, tr2 = trainer_for(list(second) + ["--load", path])
+        args2, tr2 = trainer_for(list(second) + ["--load", path], world_size=world_size)
         iteration, consumed = pretrain.resume(args2, tr2, _Log())
         report[name] = {"continued": cont, "resumed": train(args2, tr2, more, consumed),
                         "iteration": iteration}
@@ -202,6 +202,53 @@ def _masters_equal_params(opt) -> bool:
     copies = shared.master_copies() if shared else {}
     return all(torch.equal(copies.get(id(m), m), p.float())
                for mg, pg in zip(opt.fp32_from_float16_groups, opt.float16_groups) for m, p in zip(mg, pg))
+
+
+def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
+    """DP=2 (run_distributed), --bf16 --use-distributed-optimizer with and without --reuse-fp32-param:
+    this rank's losses; the masters after the first update; bytes of the bf16 buffer, fp32 master
+    shards and residuals; checkpoints across the flag; a model-only load; the stale neighbour half
+    after an update is rewritten by the all-gather (the full buffers agree across ranks)."""
+    import os
+    import mindspeed
+    from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
+    from mindspeed.training import pretrain
+    from mindspeed.training.arguments import parse_args
+    base = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "4"]
+    args = parse_args(TINY + base, world_size=world_size)
+    mindspeed.adapt(args)
+    pretrain._init_distributed(args, "cpu")
+    pretrain.init_batch_schedule(args, rank)
+    out, first = {"rank": rank}, {}
+    for name, flags in (("off", base), ("on", base + ["--reuse-fp32-param"])):
+        args, tr = trainer_for(flags, world_size=world_size)
+        it = batches(args, tr)
+        (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+        shared = getattr(opt, "mindspeed_reuse", None)
+        total, bf16, params = parameter_and_master_bytes(tr.model, tr.optimizer)
+        buffers = [b for b in opt.buffers if b.param_dtype == torch.bfloat16]
+        run = {"attached": shared is not None, "bytes": total, "bf16_params": bf16, "params": params,
+               "bf16_buffer_bytes": sum(b.param_data.numel() * 2 for b in buffers),
+               "master_elements": sum(m.numel() for g in opt.shard_fp32_from_float16_groups for m in g),
+               "losses": [tr.train_step(it)[0]]}
+        first[name] = [(shared.read(m) if shared else m).clone() for g in opt.shard_fp32_from_float16_groups for m in g]
+        run["losses"] += [tr.train_step(it)[0] for _ in range(steps - 1)]
+        full = torch.cat([b.param_data.float() for b in buffers])
+        gathered = [torch.empty_like(full) for _ in range(world_size)]
+        torch.distributed.all_gather(gathered, full)
+        run["buffers_agree_across_ranks"] = all(torch.equal(g, gathered[0]) for g in gathered)
+        tr.optimizer.reload_model_params()           # what a model-only load calls
+        run["reloaded_masters_equal_params"] = all(
+            torch.equal((shared.read(m) if shared else m),
+                        p.detach().view(-1)[opt._get_model_param_range_map(p)["param"].start:
+                                            opt._get_model_param_range_map(p)["param"].end].float())
+            for mg, pg in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups) for m, p in zip(mg, pg))
+        out[name] = run
+    out["masters_bitwise_after_first_update"] = all(torch.equal(a, b) for a, b in zip(first["off"], first["on"]))
+    out["checkpoint"] = checkpoint_crossing(os.path.join(root, "reuse_dist"), base + ["--reuse-fp32-param"], base,
+                                            world_size=world_size)
+    mindspeed.unadapt()
+    return out
 
 
 def main(root: str) -> dict:
