@@ -210,10 +210,12 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
     shards and residuals; checkpoints across the flag; a model-only load; the stale neighbour half
     after an update is rewritten by the all-gather (the full buffers agree across ranks)."""
     import os
+    import time
     import mindspeed
     from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
     from mindspeed.training import pretrain
     from mindspeed.training.arguments import parse_args
+    t0 = time.perf_counter()
     base = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "4"]
     args = parse_args(TINY + base, world_size=world_size)
     mindspeed.adapt(args)
@@ -229,6 +231,8 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
         buffers = [b for b in opt.buffers if b.param_dtype == torch.bfloat16]
         run = {"attached": shared is not None, "bytes": total, "bf16_params": bf16, "params": params,
                "bf16_buffer_bytes": sum(b.param_data.numel() * 2 for b in buffers),
+               "other_buffer_bytes": sum(b.param_data.untyped_storage().nbytes() for b in opt.buffers
+                                         if b.param_dtype != torch.bfloat16),
                "master_elements": sum(m.numel() for g in opt.shard_fp32_from_float16_groups for m in g),
                "losses": [tr.train_step(it)[0]]}
         first[name] = [(shared.read(m) if shared else m).clone() for g in opt.shard_fp32_from_float16_groups for m in g]
@@ -248,6 +252,7 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
     out["checkpoint"] = checkpoint_crossing(os.path.join(root, "reuse_dist"), base + ["--reuse-fp32-param"], base,
                                             world_size=world_size)
     mindspeed.unadapt()
+    out["seconds"] = time.perf_counter() - t0
     return out
 
 

@@ -178,7 +178,6 @@ def test_model_only_loads_set_the_masters_from_the_parameters(report):
 @pytest.mark.parametrize("argv, message", [
     (["--reuse-fp32-param"], "needs --bf16 (mixed-precision) to be on too"),
     (["--reuse-fp32-param", "--fp16"], "--reuse-fp32-param needs --bf16"),
-    (["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer"], "not supported yet"),
     (["--reuse-fp32-param", "--bf16", "--swap-optimizer"], "conflicts with 'swap-optimizer'"),
 ])
 def test_bad_reuse_fp32_param_combinations_are_refused_in_one_line(argv, message):
@@ -187,12 +186,101 @@ def test_bad_reuse_fp32_param_combinations_are_refused_in_one_line(argv, message
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("world, tp, refused", [("1", "1", True), ("2", "2", True), ("2", "1", False),
+                                                ("4", "2", False)])
+def test_reuse_fp32_param_with_the_distributed_optimizer_needs_two_data_parallel_ranks(monkeypatch, world, tp,
+                                                                                        refused):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    argv = ["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer", "--tensor-model-parallel-size", tp]
+    if not refused:
+        assert "reuse-fp32-param" in {f.id for f in plan(argv, unknown_flags="trainer").features}
+        return
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(argv, unknown_flags="trainer")
+    assert "needs a data-parallel size >= 2" in str(err.value) and "\n" not in str(err.value)
+
+
+# --reuse-fp32-param with --use-distributed-optimizer: the layouts of one bucket (in process) ...
+
+@pytest.mark.parametrize("dp, rank", [(2, 0), (2, 1), (3, 2)])
+def test_bucket_shard_layouts_round_trip_and_touch_only_the_borrowed_shard(dp, rank):
+    import torch
+    from mindspeed.features.memory.reuse_fp32_param_distrib import BucketShard
+    n = 10                                  # chunk 3: several chunks, one partial, in both directions
+    data = torch.randn(dp * n, dtype=torch.bfloat16)
+    shard = BucketShard(data, dp, rank, chunk=3)
+    masters = torch.randn(n) * 3
+    shard.write(0, n, masters)
+    assert torch.equal(shard.read(0, n), masters)                         # exact through the bf16 layout
+    assert torch.equal(data[rank * n:(rank + 1) * n], masters.bfloat16())  # no ties in randn: as torch rounds
+    before = data.clone()
+    shard.to_fp32()
+    assert torch.equal(shard.fp32, masters)                                # the optimizer's view
+    borrowed = rank + 1 if rank == 0 else rank - 1
+    outside = torch.ones(dp * n, dtype=torch.bool)
+    outside[min(rank, borrowed) * n:(max(rank, borrowed) + 1) * n] = False
+    assert torch.equal(data[outside], before[outside])                    # other shards untouched
+    shard.fp32.add_(1.0)                                                   # an update
+    shard.to_bf16()
+    assert torch.equal(shard.read(0, n), masters + 1.0)
+    assert torch.equal(data[rank * n:(rank + 1) * n], shard.own)
+    assert torch.equal(data[outside], before[outside])
+
+
+# ... and DP=2 training (one 2-process spawn: swap_workers.reuse_fp32_param_distributed)
+
+@pytest.fixture(scope="module")
+def dist_report(tmp_path_factory):
+    from tests_extend.distributed.harness import run_distributed
+    root = str(tmp_path_factory.mktemp("reuse_dist"))
+    return run_distributed(swap_workers.reuse_fp32_param_distributed, world_size=2, args=(root,), timeout=600,
+                           daemon=False)
+
+
+def test_distributed_reuse_fp32_param_keeps_the_losses_within_bf16_rounding(dist_report):
+    for rank in dist_report:
+        off, on = rank["off"]["losses"], rank["on"]["losses"]
+        assert rank["on"]["attached"] and not rank["off"]["attached"]
+        assert len(on) == 20 and on[:3] == off[:3] and on == pytest.approx(off, rel=1e-3)
+        assert off[-1] < off[0] - 1.5
+        assert rank["masters_bitwise_after_first_update"]
+
+
+def test_distributed_reuse_fp32_param_stores_the_master_shard_in_the_bf16_buffer(dist_report):
+    for rank in dist_report:
+        off, on = rank["off"], rank["on"]
+        # per bf16 parameter, on each of DP=2 ranks: 2 (buffer) + 4/2 (fp32 shard) -> 2 + 2/2 (residual)
+        for run, per_param in ((off, 4), (on, 3)):
+            assert run["bf16_buffer_bytes"] == 2 * run["bf16_params"]
+            assert (run["bytes"] - run["other_buffer_bytes"]) / run["bf16_params"] == per_param
+        assert off["bytes"] - on["bytes"] == 4 * off["master_elements"] - off["bf16_buffer_bytes"] // 2
+
+
+def test_distributed_reuse_fp32_param_all_gather_rewrites_the_borrowed_shards(dist_report):
+    for rank in dist_report:
+        assert rank["on"]["buffers_agree_across_ranks"] and rank["off"]["buffers_agree_across_ranks"]
+
+
+def test_distributed_reuse_fp32_param_model_only_load_sets_the_masters(dist_report):
+    for rank in dist_report:
+        assert rank["on"]["reloaded_masters_equal_params"] and rank["off"]["reloaded_masters_equal_params"]
+
+
+@pytest.mark.parametrize("direction", ["on_to_off", "off_to_on"])
+def test_distributed_reuse_fp32_param_checkpoints_cross_the_flag(dist_report, direction):
+    for rank in dist_report:
+        run = rank["checkpoint"][direction]
+        assert run["iteration"] == 2 and run["resumed"] == run["continued"]
+
+
 def test_unadapt_restores_what_reuse_fp32_param_patches():
     import mindspeed
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from mindspeed.patching import _raw_get
-    before = _raw_get(Float16OptimizerWithFloat16Params, "__init__")
+    classes = (Float16OptimizerWithFloat16Params, DistributedOptimizer)
+    before = [_raw_get(c, "__init__") for c in classes]
     mindspeed.adapt(["--reuse-fp32-param", "--bf16"])
-    assert _raw_get(Float16OptimizerWithFloat16Params, "__init__") is not before
+    assert [_raw_get(c, "__init__") is b for c, b in zip(classes, before)] == [False, False]
     mindspeed.unadapt()
-    assert _raw_get(Float16OptimizerWithFloat16Params, "__init__") is before
+    assert [_raw_get(c, "__init__") is b for c, b in zip(classes, before)] == [True, True]
