@@ -186,18 +186,22 @@ def test_bad_reuse_fp32_param_combinations_are_refused_in_one_line(argv, message
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("world, tp, refused", [("1", "1", True), ("2", "2", True), ("2", "1", False),
-                                                ("4", "2", False)])
-def test_reuse_fp32_param_with_the_distributed_optimizer_needs_two_data_parallel_ranks(monkeypatch, world, tp,
+@pytest.mark.parametrize("world, more, refused", [
+    ("1", [], "data-parallel size >= 2"), ("2", ["--tensor-model-parallel-size", "2"], "data-parallel size >= 2"),
+    ("2", [], None), ("4", ["--tensor-model-parallel-size", "2"], None),
+    ("2", ["--num-experts", "4", "--expert-model-parallel-size", "2"], "expert-data-parallel size >= 2"),
+    ("4", ["--num-experts", "4", "--expert-model-parallel-size", "2"], None)])
+def test_reuse_fp32_param_with_the_distributed_optimizer_needs_two_data_parallel_ranks(monkeypatch, world, more,
                                                                                         refused):
     monkeypatch.setenv("WORLD_SIZE", world)
-    argv = ["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer", "--tensor-model-parallel-size", tp]
+    argv = ["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer"] + more
     if not refused:
         assert "reuse-fp32-param" in {f.id for f in plan(argv, unknown_flags="trainer").features}
         return
     with pytest.raises(MindSpeedConfigError) as err:
         plan(argv, unknown_flags="trainer")
-    assert "needs a data-parallel size >= 2" in str(err.value) and "\n" not in str(err.value)
+    assert f"needs the {refused}" in str(err.value) and "here it is 1:" in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 # --reuse-fp32-param with --use-distributed-optimizer: the layouts of one bucket (in process) ...

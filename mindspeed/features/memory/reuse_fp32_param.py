@@ -37,14 +37,18 @@ class ReuseFp32Param(Feature):
                                      "fp32 one; fp16 is not)")
         if getattr(args, "use_distributed_optimizer", False):
             world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "0") or 0)
-            model = 1
-            for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-                model *= getattr(args, name, 1) or 1
-            if world and world // model < 2:
-                raise FeatureConfigError("--reuse-fp32-param with --use-distributed-optimizer needs a "
-                                         "data-parallel size >= 2 (each fp32 master shard borrows a "
-                                         f"neighbour's shard of the bf16 buffer); here it is {world // model}: "
-                                         "drop --use-distributed-optimizer (Megatron's Float16 optimizer)")
+            size = lambda name: getattr(args, name, None) or 1
+            tp, pp = size("tensor_model_parallel_size"), size("pipeline_model_parallel_size")
+            dp = world // (tp * pp * size("context_parallel_size")) if world else 2
+            # MoE experts have their own optimizer over the expert-data-parallel group
+            edp = world // (size("expert_model_parallel_size") * (getattr(args, "expert_tensor_parallel_size",
+                                                                          None) or tp) * pp) if world else 2
+            if dp < 2 or (getattr(args, "num_experts", None) and edp < 2):
+                which, value = ("data-parallel", dp) if dp < 2 else ("expert-data-parallel", edp)
+                raise FeatureConfigError(f"--reuse-fp32-param with --use-distributed-optimizer needs the {which} "
+                                         "size >= 2 (each fp32 master shard borrows a neighbour's shard of the "
+                                         f"bf16 buffer); here it is {value}: drop --use-distributed-optimizer "
+                                         "(Megatron's Float16 optimizer)")
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":

@@ -167,7 +167,11 @@ class SharedShards:
 
 
 def attach(opt) -> SharedShards:
-    if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 or opt.ddp_config.use_megatron_fsdp:
+    config = opt.config          # the names differ across Megatron-Core versions (0.12: no _no_fp8 suffix)
+    precision_aware = getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                              getattr(config, "use_precision_aware_optimizer", False))
+    fsdp = any(getattr(opt.ddp_config, name, False) for name in ("use_megatron_fsdp", "use_custom_fsdp"))
+    if precision_aware or fsdp:
         raise RuntimeError("--reuse-fp32-param: the masters are held by the precision-aware optimizer "
                            "or Megatron FSDP here, not by DistributedOptimizer")
     shared = SharedShards(opt)
@@ -202,7 +206,7 @@ def attach(opt) -> SharedShards:
         saved = opt.shard_fp32_from_float16_groups, opt.model_float16_groups
         opt.shard_fp32_from_float16_groups, opt.model_float16_groups = [], []
         try:
-            original_copy_in(state_dict)
+            original_copy_in() if state_dict is None else original_copy_in(state_dict)
         finally:
             opt.shard_fp32_from_float16_groups, opt.model_float16_groups = saved
 
@@ -221,7 +225,7 @@ def attach(opt) -> SharedShards:
         original_set(model_param, {**tensors, "param": main.detach().clone()})  # the moments
         shared.write(main, tensors["param"])
 
-    original_dummy = opt._init_optimizer_states_with_dummy_values
+    original_dummy = getattr(opt, "_init_optimizer_states_with_dummy_values", None)   # 0.16; not in 0.12
 
     def init_dummy_states():
         with shared.kept():
@@ -232,7 +236,8 @@ def attach(opt) -> SharedShards:
     opt._copy_model_params_to_main_params = copy_model_to_main
     opt._get_main_param_and_optimizer_states = get_states
     opt._set_main_param_and_optimizer_states = set_states
-    opt._init_optimizer_states_with_dummy_values = init_dummy_states
+    if original_dummy is not None:
+        opt._init_optimizer_states_with_dummy_values = init_dummy_states
     return shared
 
 
