@@ -256,6 +256,52 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
     return out
 
 
+def shared_mask_report(steps=2) -> dict:
+    """The shared causal mask: the masks each layer's attention got over `steps` updates of 2
+    micro-batches (distinct objects and storages), losses against per-micro-batch stacked masks
+    (the data loader's old way), and, with no mask passed (Megatron's default mask in the softmax),
+    the bool [s, s] storages saved for backward across the layers of one forward."""
+    from mindspeed.training.data import get_batch
+    seen, out = [], {}
+
+    def capture(module, args, kwargs):
+        mask = kwargs.get("attention_mask", args[3] if len(args) > 3 else None)
+        seen.append((id(mask), mask.untyped_storage().data_ptr(), tuple(mask.shape)))
+
+    def stacked(it, mbs):     # each micro-batch its own [mbs, 1, s, s] copy, as before
+        for batch in it:
+            yield {**batch, "attention_mask": batch["attention_mask"].expand(mbs, -1, -1, -1).clone()}
+
+    for name in ("shared", "stacked"):
+        args, tr = trainer_for([])
+        it = batches(args, tr)
+        if name == "stacked":
+            it = stacked(it, args.micro_batch_size)
+        layers = tr.model[0].module.decoder.layers
+        handles = [l.self_attention.core_attention.register_forward_pre_hook(capture, with_kwargs=True)
+                   for l in layers] if name == "shared" else []
+        out[name] = [tr.train_step(it)[0] for _ in range(steps)]
+        for h in handles:
+            h.remove()
+        out["layers"], out["micro_batches"] = len(layers), steps * args.global_batch_size // args.micro_batch_size
+    out["calls"], out["mask_objects"] = len(seen), len({s[0] for s in seen})
+    out["mask_storages"], out["mask_shapes"] = len({s[1] for s in seen}), sorted({s[2] for s in seen})
+    # no mask passed: each layer's softmax asks Megatron for its default causal mask
+    batch = get_batch(batches(args, tr), "cpu")
+    seq = batch["tokens"].shape[1]
+    counter = SavedBytes()
+    masks = set()
+
+    def pack(t):
+        if t.dtype == torch.bool and t.shape[-2:] == (seq, seq):
+            masks.add(t.untyped_storage().data_ptr())
+        return t
+    with counter.hooks(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tr.model[0](batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    out["default_mask_storages_saved"] = len(masks)
+    return out
+
+
 def main(root: str) -> dict:
     import os
     os.environ.pop("RANK", None)
@@ -270,6 +316,9 @@ def main(root: str) -> dict:
     import time
     t0 = time.perf_counter()
     states = {}
+    t_mask = time.perf_counter()
+    mask = shared_mask_report()
+    mask["seconds"] = time.perf_counter() - t_mask
     report = {
         "losses": {name: losses(flags, reports=states) for name, flags in (
             ("off", []),
@@ -283,6 +332,7 @@ def main(root: str) -> dict:
         "checkpoint": checkpoint_crossing(root, bf16_dist + ["--swap-optimizer", "--swap-attention"], bf16_dist),
     }
     t1 = time.perf_counter()
+    report["mask"] = mask
     report["reuse"] = reuse_fp32_param(root)
     report["reuse_seconds"] = time.perf_counter() - t1
     mindspeed.unadapt()

@@ -288,3 +288,29 @@ def test_unadapt_restores_what_reuse_fp32_param_patches():
     assert [_raw_get(c, "__init__") is b for c, b in zip(classes, before)] == [False, False]
     mindspeed.unadapt()
     assert [_raw_get(c, "__init__") is b for c, b in zip(classes, before)] == [True, True]
+
+
+# shared attention mask (always on; same worker process: swap_workers.shared_mask_report)
+
+def test_every_layer_and_micro_batch_gets_the_one_causal_mask(report):
+    mask = report["mask"]
+    assert mask["calls"] == mask["layers"] * mask["micro_batches"] == 8
+    assert mask["mask_objects"] == 1 and mask["mask_storages"] == 1 and mask["mask_shapes"] == [[1, 1, 16, 16]]
+
+
+def test_the_shared_mask_gives_the_losses_of_per_micro_batch_masks_bit_for_bit(report):
+    mask = report["mask"]
+    assert mask["shared"] == mask["stacked"] and len(set(mask["shared"])) == len(mask["shared"])
+
+
+def test_megatron_default_causal_mask_is_built_once_for_all_layers(report):
+    # no mask passed: every layer's softmax asks for the default mask; one storage is saved, not one per layer
+    assert report["mask"]["default_mask_storages_saved"] == 1
+
+
+@pytest.mark.parametrize("flags, shared", [([], True), (["--reset-attention-mask"], False),
+                                           (["--context-parallel-size", "2"], False)])
+def test_only_the_plain_causal_mask_is_shared(flags, shared):
+    from mindspeed.features.memory.shared_mask import plain_causal
+    from mindspeed.training.arguments import parse_args
+    assert plain_causal(parse_args(flags, world_size=2)) is shared
