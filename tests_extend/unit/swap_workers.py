@@ -268,9 +268,12 @@ def shared_mask_report(steps=2) -> dict:
         mask = kwargs.get("attention_mask", args[3] if len(args) > 3 else None)
         seen.append((id(mask), mask.untyped_storage().data_ptr(), tuple(mask.shape)))
 
-    def stacked(it, mbs):     # each micro-batch its own [mbs, 1, s, s] copy, as before
+    def stacked(it, mbs):     # each micro-batch its own stack of Megatron's per-sample masks, as before
+        from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
         for batch in it:
-            yield {**batch, "attention_mask": batch["attention_mask"].expand(mbs, -1, -1, -1).clone()}
+            masks = [_get_ltor_masks_and_position_ids(t, _Tok.eod, False, False, False, True)[0]
+                     for t in batch["tokens"]]
+            yield {**batch, "attention_mask": torch.stack(masks)}
 
     for name in ("shared", "stacked"):
         args, tr = trainer_for([])
