@@ -221,8 +221,10 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
     mindspeed.adapt(args)
     pretrain._init_distributed(args, "cpu")
     pretrain.init_batch_schedule(args, rank)
+    from mindspeed.training import checkpointing
     out, first = {"rank": rank}, {}
-    for name, flags in (("off", base), ("on", base + ["--reuse-fp32-param"])):
+    runs = (("off", base), ("on", base + ["--reuse-fp32-param"]))
+    for name, flags in runs:
         args, tr = trainer_for(flags, world_size=world_size)
         it = batches(args, tr)
         (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
@@ -236,7 +238,11 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
                "master_elements": sum(m.numel() for g in opt.shard_fp32_from_float16_groups for m in g),
                "losses": [tr.train_step(it)[0]]}
         first[name] = [(shared.read(m) if shared else m).clone() for g in opt.shard_fp32_from_float16_groups for m in g]
-        run["losses"] += [tr.train_step(it)[0] for _ in range(steps - 1)]
+        run["losses"].append(tr.train_step(it)[0])
+        # a checkpoint after 2 steps, loaded below by a trainer with the flag the other way
+        checkpointing.save_checkpoint(os.path.join(root, "reuse_dist", name), 2, tr.model, tr.optimizer,
+                                      tr.scheduler, 2 * args.global_batch_size)
+        run["losses"] += [tr.train_step(it)[0] for _ in range(steps - 2)]
         full = torch.cat([b.param_data.float() for b in buffers])
         gathered = [torch.empty_like(full) for _ in range(world_size)]
         torch.distributed.all_gather(gathered, full)
@@ -249,8 +255,12 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
             for mg, pg in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups) for m, p in zip(mg, pg))
         out[name] = run
     out["masters_bitwise_after_first_update"] = all(torch.equal(a, b) for a, b in zip(first["off"], first["on"]))
-    out["checkpoint"] = checkpoint_crossing(os.path.join(root, "reuse_dist"), base + ["--reuse-fp32-param"], base,
-                                            world_size=world_size)
+    out["checkpoint"] = {}
+    for direction, saved, flags in (("on_to_off", "on", runs[0][1]), ("off_to_on", "off", runs[1][1])):
+        args, tr = trainer_for(flags + ["--load", os.path.join(root, "reuse_dist", saved)], world_size=world_size)
+        iteration, consumed = pretrain.resume(args, tr, _Log())
+        out["checkpoint"][direction] = {"iteration": iteration, "continued": out[saved]["losses"][2:4],
+                                        "resumed": train(args, tr, 2, consumed)}
     mindspeed.unadapt()
     out["seconds"] = time.perf_counter() - t0
     return out
