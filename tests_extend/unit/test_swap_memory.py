@@ -179,6 +179,8 @@ def test_model_only_loads_set_the_masters_from_the_parameters(report):
     (["--reuse-fp32-param"], "needs --bf16 (mixed-precision) to be on too"),
     (["--reuse-fp32-param", "--fp16"], "--reuse-fp32-param needs --bf16"),
     (["--reuse-fp32-param", "--bf16", "--swap-optimizer"], "conflicts with 'swap-optimizer'"),
+    (["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer", "--overlap-param-gather",
+      "--overlap-grad-reduce"], "drop --overlap-param-gather"),
 ])
 def test_bad_reuse_fp32_param_combinations_are_refused_in_one_line(argv, message):
     with pytest.raises(MindSpeedConfigError) as err:

@@ -36,6 +36,11 @@ class ReuseFp32Param(Feature):
             raise FeatureConfigError("--reuse-fp32-param needs --bf16 (a bf16 value is the high half of an "
                                      "fp32 one; fp16 is not)")
         if getattr(args, "use_distributed_optimizer", False):
+            if getattr(args, "overlap_param_gather", False):
+                # the borrowed neighbour shards hold fp32 bits until the all-gather; deferred to the next
+                # forward, anything reading the weights before it (a save, a norm) would see them
+                raise FeatureConfigError("--reuse-fp32-param with --use-distributed-optimizer needs the param "
+                                         "all-gather right after each update: drop --overlap-param-gather")
             world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "0") or 0)
             size = lambda name: getattr(args, name, None) or 1
             tp, pp = size("tensor_model_parallel_size"), size("pipeline_model_parallel_size")
