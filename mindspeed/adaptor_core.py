@@ -130,6 +130,8 @@ def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLO
         if backend_name == "torch":
             from mindspeed.backends.torch.megatron_shim import apply_device_shim
             apply_device_shim(patcher, device, megatron_lm=megatron_lm)
+            from mindspeed.features.memory import shared_mask      # always on: one causal mask object
+            shared_mask.install(patcher)
     except Exception:
         patcher.remove_all()   # never leave a half-patched process behind
         raise

@@ -224,5 +224,8 @@ def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptStat
                  aliases="megatron")
     patcher.wrap("megatron.core.utils.get_batch_on_this_cp_rank", _route_cp_batch_sharding,
                  reason="batches sharded as the active MindSpeed CP algorithm expects", aliases="megatron")
+    if ns.backend == "torch":
+        from mindspeed.features.memory import shared_mask
+        shared_mask.install_megatron_lm(patcher)
     set_current(state)
     return state

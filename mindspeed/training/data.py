@@ -21,6 +21,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 
 from mindspeed.data.indexed import DataError, check_dataset
 from mindspeed.data.tokenizer import load_tokenizer
+from mindspeed.features.memory import shared_mask
 from mindspeed.training import instruction_data
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -183,11 +184,13 @@ def microbatches(dataset, consumed_samples: int, args) -> Iterator[dict]:
     dp_size = parallel_state.get_data_parallel_world_size()
     mbs = args.micro_batch_size
     position = consumed_samples
+    shared = shared_mask.plain_causal(args)     # one mask object for every micro-batch, not a stack each
     while True:
         start = position + dp_rank * mbs
         samples = [dataset[(start + i) % len(dataset)] for i in range(mbs)]
-        yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]
-               if key in BATCH_KEYS}
+        yield {key: shared_mask.causal_mask(len(samples[0]["tokens"]), "cpu")
+               if shared and key == "attention_mask" else torch.stack([torch.as_tensor(s[key]) for s in samples])
+               for key in samples[0] if key in BATCH_KEYS}
         position += mbs * dp_size
 
 
@@ -210,7 +213,8 @@ def shard_for_context_parallel(batch: dict) -> dict:
 
 def get_batch(data_iterator, device: str) -> dict:
     batch = next(data_iterator)
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    batch = {k: shared_mask.causal_mask(v.shape[-1], device) if shared_mask.is_shared(v)
+             else v.to(device, non_blocking=True) for k, v in batch.items()}
     return shard_for_context_parallel(batch)
 
 

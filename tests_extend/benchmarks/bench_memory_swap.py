@@ -11,6 +11,8 @@ One function per feature returns a dict row (merged into bench_memory.py's table
                        between updates, off vs on, the most resident during the chunked update, host bytes
   reuse_fp32_param_row  bytes of the model's parameters + fp32 masters (--bf16), off vs on, per bf16
                        parameter and per transformer layer
+  reuse_fp32_param_distributed_row  the same with --use-distributed-optimizer at DP=2 (two processes):
+                       one rank's bf16 parameter buffer + fp32 master shard (+ residual shard)
 On a CPU "device" and "host" are the same RAM: the figures are the bytes each side holds, counted
 from tensor storages and the ledger (every swap is a real copy), not an allocator's peak.
 """
@@ -183,6 +185,46 @@ def reuse_fp32_param_row(a) -> dict:
     return _timing(row, times["off"], times["on"])
 
 
+def _reuse_distributed_body(rank, world_size, a):
+    """One rank of reuse_fp32_param_distributed_row: (bytes, bf16 params, step times) off and on."""
+    import types
+    import mindspeed
+    from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
+    from mindspeed.training import pretrain
+    from mindspeed.training.arguments import parse_args
+    from tests_extend.unit.swap_workers import trainer_for
+    a = types.SimpleNamespace(**a)
+    base = _base(a) + ["--bf16", "--use-distributed-optimizer", "--global-batch-size", str(2 * a.mbs)]
+    args = parse_args(base, world_size=world_size)
+    mindspeed.adapt(args)
+    pretrain._init_distributed(args, "cpu")
+    pretrain.init_batch_schedule(args, rank)
+    out = {}
+    for name, flags in (("off", []), ("on", ["--reuse-fp32-param"])):
+        args, tr = trainer_for(flags, base, vocab_size=_Tok.vocab_size, world_size=world_size)
+        times = _step_times(args, tr, a.steps)
+        (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+        other = sum(b.param_data.untyped_storage().nbytes() for b in opt.buffers if b.param_dtype.itemsize == 4)
+        total, bf16, _ = parameter_and_master_bytes(tr.model, tr.optimizer)
+        out[name] = dict(total=total, bf16_bytes=total - other, bf16=bf16, times=times)
+    mindspeed.unadapt()
+    return out
+
+
+def reuse_fp32_param_distributed_row(a) -> dict:
+    """--reuse-fp32-param with --use-distributed-optimizer at DP=2 (two processes): bytes one rank holds
+    for the bf16 parameter buffer, its fp32 master shard and (on) the residuals, per bf16 parameter."""
+    from tests_extend.distributed.harness import run_distributed
+    res = run_distributed(_reuse_distributed_body, world_size=2, args=(vars(a),), timeout=3600)[0]
+    off, on = res["off"], res["on"]
+    row = {"feature": "reuse-fp32-param (distributed optimizer, DP=2)", "device_bytes_off": off["total"],
+           "device_bytes_on": on["total"], "device_ratio_on_off": on["total"] / off["total"],
+           "bytes_per_bf16_param_off": off["bf16_bytes"] / off["bf16"],
+           "bytes_per_bf16_param_on": on["bf16_bytes"] / on["bf16"],
+           "what": "one rank: bf16 parameter buffer + fp32 master shard (+ residual shard)"}
+    return _timing(row, off["times"], on["times"])
+
+
 def format_row(row: dict) -> str:
     def cell(k, v):
         if k.startswith(("device_bytes", "host_bytes", "device_peak", "bytes_per_layer")) and isinstance(v, (int, float)):
@@ -199,7 +241,8 @@ def main() -> None:
     parser.add_argument("--mbs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per case (after one warm-up)")
     parser.add_argument("--times", type=int, default=16, help="--swap-optimizer-times")
-    parser.add_argument("--only", nargs="*", choices=["swap-attention", "swap-optimizer", "reuse-fp32-param"])
+    parser.add_argument("--only", nargs="*", choices=["swap-attention", "swap-optimizer", "reuse-fp32-param",
+                                                        "reuse-fp32-param-distributed"])
     a = parser.parse_args()
     os.environ.pop("RANK", None)
     import mindspeed
@@ -212,7 +255,8 @@ def main() -> None:
     print(f"model: {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro-batch {a.mbs}; {os.cpu_count()} CPUs",
           flush=True)
     cases = {"swap-attention": swap_attention_row, "swap-optimizer": swap_optimizer_row,
-             "reuse-fp32-param": reuse_fp32_param_row}
+             "reuse-fp32-param": reuse_fp32_param_row,
+             "reuse-fp32-param-distributed": reuse_fp32_param_distributed_row}
     for name in a.only or list(cases):
         load0 = os.getloadavg()[0]
         row = cases[name](a)

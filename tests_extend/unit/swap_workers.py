@@ -43,12 +43,12 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def trainer_for(flags, base=TINY, vocab_size=60):
-    """The built-in trainer in this process (world of one), adapted for `base + flags`."""
+def trainer_for(flags, base=TINY, vocab_size=60, world_size=1):
+    """The built-in trainer in this process (world of one unless told), adapted for `base + flags`."""
     import mindspeed
     from mindspeed.training import pretrain
     from mindspeed.training.arguments import parse_args
-    args = parse_args(base + list(flags), world_size=1)
+    args = parse_args(base + list(flags), world_size=world_size)
     mindspeed.unadapt()
     mindspeed.adapt(args)
     args.device_name = "cpu"
@@ -129,7 +129,7 @@ def optimizer_state(tr) -> dict:
                 device_peak=max((s.device_peak for s in swaps if s), default=0))
 
 
-def checkpoint_crossing(root, on, off, steps=2, more=2):
+def checkpoint_crossing(root, on, off, steps=2, more=2, world_size=1):
     """Train `steps` with flags `on`, save, train `more`; a trainer with `off` loads the checkpoint
     and trains `more`: both continuations' losses (and the reverse)."""
     from mindspeed.training import checkpointing, pretrain
@@ -137,14 +137,14 @@ def checkpoint_crossing(root, on, off, steps=2, more=2):
     report = {}
     for name, first, second in (("on_to_off", on, off), ("off_to_on", off, on)):
         path = os.path.join(root, name)
-        args, tr = trainer_for(first)
+        args, tr = trainer_for(first, world_size=world_size)
         it = batches(args, tr)
         for _ in range(steps):
             tr.train_step(it)
         gbs = args.global_batch_size
         checkpointing.save_checkpoint(path, steps, tr.model, tr.optimizer, tr.scheduler, steps * gbs)
         cont = [tr.train_step(it)[0] for _ in range(more)]
-        args2, tr2 = trainer_for(list(second) + ["--load", path])
+        args2, tr2 = trainer_for(list(second) + ["--load", path], world_size=world_size)
         iteration, consumed = pretrain.resume(args2, tr2, _Log())
         report[name] = {"continued": cont, "resumed": train(args2, tr2, more, consumed),
                         "iteration": iteration}
@@ -204,6 +204,117 @@ def _masters_equal_params(opt) -> bool:
                for mg, pg in zip(opt.fp32_from_float16_groups, opt.float16_groups) for m, p in zip(mg, pg))
 
 
+def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
+    """DP=2 (run_distributed), --bf16 --use-distributed-optimizer with and without --reuse-fp32-param:
+    this rank's losses; the masters after the first update; bytes of the bf16 buffer, fp32 master
+    shards and residuals; checkpoints across the flag; a model-only load; the stale neighbour half
+    after an update is rewritten by the all-gather (the full buffers agree across ranks)."""
+    import os
+    import time
+    import mindspeed
+    from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
+    from mindspeed.training import pretrain
+    from mindspeed.training.arguments import parse_args
+    t0 = time.perf_counter()
+    base = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "4"]
+    args = parse_args(TINY + base, world_size=world_size)
+    mindspeed.adapt(args)
+    pretrain._init_distributed(args, "cpu")
+    pretrain.init_batch_schedule(args, rank)
+    from mindspeed.training import checkpointing
+    out, first = {"rank": rank}, {}
+    runs = (("off", base), ("on", base + ["--reuse-fp32-param"]))
+    for name, flags in runs:
+        args, tr = trainer_for(flags, world_size=world_size)
+        it = batches(args, tr)
+        (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+        shared = getattr(opt, "mindspeed_reuse", None)
+        total, bf16, params = parameter_and_master_bytes(tr.model, tr.optimizer)
+        buffers = [b for b in opt.buffers if b.param_dtype == torch.bfloat16]
+        run = {"attached": shared is not None, "bytes": total, "bf16_params": bf16, "params": params,
+               "bf16_buffer_bytes": sum(b.param_data.numel() * 2 for b in buffers),
+               "other_buffer_bytes": sum(b.param_data.untyped_storage().nbytes() for b in opt.buffers
+                                         if b.param_dtype != torch.bfloat16),
+               "master_elements": sum(m.numel() for g in opt.shard_fp32_from_float16_groups for m in g),
+               "losses": [tr.train_step(it)[0]]}
+        first[name] = [(shared.read(m) if shared else m).clone() for g in opt.shard_fp32_from_float16_groups for m in g]
+        run["losses"].append(tr.train_step(it)[0])
+        # a checkpoint after 2 steps, loaded below by a trainer with the flag the other way
+        checkpointing.save_checkpoint(os.path.join(root, "reuse_dist", name), 2, tr.model, tr.optimizer,
+                                      tr.scheduler, 2 * args.global_batch_size)
+        run["losses"] += [tr.train_step(it)[0] for _ in range(steps - 2)]
+        full = torch.cat([b.param_data.float() for b in buffers])
+        gathered = [torch.empty_like(full) for _ in range(world_size)]
+        torch.distributed.all_gather(gathered, full)
+        run["buffers_agree_across_ranks"] = all(torch.equal(g, gathered[0]) for g in gathered)
+        tr.optimizer.reload_model_params()           # what a model-only load calls
+        run["reloaded_masters_equal_params"] = all(
+            torch.equal((shared.read(m) if shared else m),
+                        p.detach().view(-1)[opt._get_model_param_range_map(p)["param"].start:
+                                            opt._get_model_param_range_map(p)["param"].end].float())
+            for mg, pg in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups) for m, p in zip(mg, pg))
+        out[name] = run
+    out["masters_bitwise_after_first_update"] = all(torch.equal(a, b) for a, b in zip(first["off"], first["on"]))
+    out["checkpoint"] = {}
+    for direction, saved, flags in (("on_to_off", "on", runs[0][1]), ("off_to_on", "off", runs[1][1])):
+        args, tr = trainer_for(flags + ["--load", os.path.join(root, "reuse_dist", saved)], world_size=world_size)
+        iteration, consumed = pretrain.resume(args, tr, _Log())
+        out["checkpoint"][direction] = {"iteration": iteration, "continued": out[saved]["losses"][2:4],
+                                        "resumed": train(args, tr, 2, consumed)}
+    mindspeed.unadapt()
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def shared_mask_report(steps=2) -> dict:
+    """The shared causal mask: the masks each layer's attention got over `steps` updates of 2
+    micro-batches (distinct objects and storages), losses against per-micro-batch stacked masks
+    (the data loader's old way), and, with no mask passed (Megatron's default mask in the softmax),
+    the bool [s, s] storages saved for backward across the layers of one forward."""
+    from mindspeed.training.data import get_batch
+    seen, out = [], {}
+
+    def capture(module, args, kwargs):
+        mask = kwargs.get("attention_mask", args[3] if len(args) > 3 else None)
+        seen.append((id(mask), mask.untyped_storage().data_ptr(), tuple(mask.shape)))
+
+    def stacked(it, mbs):     # each micro-batch its own stack of Megatron's per-sample masks, as before
+        from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+        for batch in it:
+            masks = [_get_ltor_masks_and_position_ids(t, _Tok.eod, False, False, False, True)[0]
+                     for t in batch["tokens"]]
+            yield {**batch, "attention_mask": torch.stack(masks)}
+
+    for name in ("shared", "stacked"):
+        args, tr = trainer_for([])
+        it = batches(args, tr)
+        if name == "stacked":
+            it = stacked(it, args.micro_batch_size)
+        layers = tr.model[0].module.decoder.layers
+        handles = [l.self_attention.core_attention.register_forward_pre_hook(capture, with_kwargs=True)
+                   for l in layers] if name == "shared" else []
+        out[name] = [tr.train_step(it)[0] for _ in range(steps)]
+        for h in handles:
+            h.remove()
+        out["layers"], out["micro_batches"] = len(layers), steps * args.global_batch_size // args.micro_batch_size
+    out["calls"], out["mask_objects"] = len(seen), len({s[0] for s in seen})
+    out["mask_storages"], out["mask_shapes"] = len({s[1] for s in seen}), sorted({s[2] for s in seen})
+    # no mask passed: each layer's softmax asks Megatron for its default causal mask
+    batch = get_batch(batches(args, tr), "cpu")
+    seq = batch["tokens"].shape[1]
+    counter = SavedBytes()
+    masks = set()
+
+    def pack(t):
+        if t.dtype == torch.bool and t.shape[-2:] == (seq, seq):
+            masks.add(t.untyped_storage().data_ptr())
+        return t
+    with counter.hooks(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tr.model[0](batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    out["default_mask_storages_saved"] = len(masks)
+    return out
+
+
 def main(root: str) -> dict:
     import os
     os.environ.pop("RANK", None)
@@ -218,6 +329,9 @@ def main(root: str) -> dict:
     import time
     t0 = time.perf_counter()
     states = {}
+    t_mask = time.perf_counter()
+    mask = shared_mask_report()
+    mask["seconds"] = time.perf_counter() - t_mask
     report = {
         "losses": {name: losses(flags, reports=states) for name, flags in (
             ("off", []),
@@ -231,6 +345,7 @@ def main(root: str) -> dict:
         "checkpoint": checkpoint_crossing(root, bf16_dist + ["--swap-optimizer", "--swap-attention"], bf16_dist),
     }
     t1 = time.perf_counter()
+    report["mask"] = mask
     report["reuse"] = reuse_fp32_param(root)
     report["reuse_seconds"] = time.perf_counter() - t1
     mindspeed.unadapt()

@@ -178,8 +178,9 @@ def test_model_only_loads_set_the_masters_from_the_parameters(report):
 @pytest.mark.parametrize("argv, message", [
     (["--reuse-fp32-param"], "needs --bf16 (mixed-precision) to be on too"),
     (["--reuse-fp32-param", "--fp16"], "--reuse-fp32-param needs --bf16"),
-    (["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer"], "not supported yet"),
     (["--reuse-fp32-param", "--bf16", "--swap-optimizer"], "conflicts with 'swap-optimizer'"),
+    (["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer", "--overlap-param-gather",
+      "--overlap-grad-reduce"], "drop --overlap-param-gather"),
 ])
 def test_bad_reuse_fp32_param_combinations_are_refused_in_one_line(argv, message):
     with pytest.raises(MindSpeedConfigError) as err:
@@ -187,12 +188,58 @@ def test_bad_reuse_fp32_param_combinations_are_refused_in_one_line(argv, message
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("world, more, refused", [
+    ("1", [], "data-parallel size >= 2"), ("2", ["--tensor-model-parallel-size", "2"], "data-parallel size >= 2"),
+    ("2", [], None), ("4", ["--tensor-model-parallel-size", "2"], None),
+    ("2", ["--num-experts", "4", "--expert-model-parallel-size", "2"], "expert-data-parallel size >= 2"),
+    ("4", ["--num-experts", "4", "--expert-model-parallel-size", "2"], None)])
+def test_reuse_fp32_param_with_the_distributed_optimizer_needs_two_data_parallel_ranks(monkeypatch, world, more,
+                                                                                        refused):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    argv = ["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer"] + more
+    if not refused:
+        assert "reuse-fp32-param" in {f.id for f in plan(argv, unknown_flags="trainer").features}
+        return
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(argv, unknown_flags="trainer")
+    assert f"needs the {refused}" in str(err.value) and "here it is 1:" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 def test_unadapt_restores_what_reuse_fp32_param_patches():
     import mindspeed
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from mindspeed.patching import _raw_get
-    before = _raw_get(Float16OptimizerWithFloat16Params, "__init__")
+    classes = (Float16OptimizerWithFloat16Params, DistributedOptimizer)
+    before = [_raw_get(c, "__init__") for c in classes]
     mindspeed.adapt(["--reuse-fp32-param", "--bf16"])
-    assert _raw_get(Float16OptimizerWithFloat16Params, "__init__") is not before
+    assert [_raw_get(c, "__init__") is b for c, b in zip(classes, before)] == [False, False]
     mindspeed.unadapt()
-    assert _raw_get(Float16OptimizerWithFloat16Params, "__init__") is before
+    assert [_raw_get(c, "__init__") is b for c, b in zip(classes, before)] == [True, True]
+
+
+# shared attention mask (always on; same worker process: swap_workers.shared_mask_report)
+
+def test_every_layer_and_micro_batch_gets_the_one_causal_mask(report):
+    mask = report["mask"]
+    assert mask["calls"] == mask["layers"] * mask["micro_batches"] == 8
+    assert mask["mask_objects"] == 1 and mask["mask_storages"] == 1 and mask["mask_shapes"] == [[1, 1, 16, 16]]
+
+
+def test_the_shared_mask_gives_the_losses_of_per_micro_batch_masks_bit_for_bit(report):
+    mask = report["mask"]
+    assert mask["shared"] == mask["stacked"] and len(set(mask["shared"])) == len(mask["shared"])
+
+
+def test_megatron_default_causal_mask_is_built_once_for_all_layers(report):
+    # no mask passed: every layer's softmax asks for the default mask; one storage is saved, not one per layer
+    assert report["mask"]["default_mask_storages_saved"] == 1
+
+
+@pytest.mark.parametrize("flags, shared", [([], True), (["--reset-attention-mask"], False),
+                                           (["--context-parallel-size", "2"], False)])
+def test_only_the_plain_causal_mask_is_shared(flags, shared):
+    from mindspeed.features.memory.shared_mask import plain_causal
+    from mindspeed.training.arguments import parse_args
+    assert plain_causal(parse_args(flags, world_size=2)) is shared

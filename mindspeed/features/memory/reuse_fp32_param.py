@@ -1,7 +1,10 @@
 """--reuse-fp32-param: bf16 parameters share storage with their fp32 master copies (6 bytes per bf16
-parameter become 4). Framework-free (the matrix imports it); the Megatron-Core hook is
-reuse_fp32_param_megatron.py, imported only when applied."""
+parameter become 4; with the distributed optimizer 2 + 4/DP become 2 + 2/DP). Framework-free (the
+matrix imports it); the Megatron-Core hooks are reuse_fp32_param_megatron.py (Float16 optimizer) and
+reuse_fp32_param_distrib.py (distributed optimizer), imported only when applied."""
 from __future__ import annotations
+
+import os
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, switch
@@ -13,7 +16,8 @@ class ReuseFp32Param(Feature):
     id = "reuse-fp32-param"
     category = "memory"
     description = ("bf16 parameters stored as the high halves of their fp32 master copies (one buffer, "
-                   "4 bytes per parameter instead of 2 + 4)")
+                   "4 bytes per parameter instead of 2 + 4; with the distributed optimizer 2 + 2/DP "
+                   "instead of 2 + 4/DP)")
     flags = (switch("--reuse-fp32-param", "bf16 parameters share storage with the optimizer's fp32 master "
                     "copy (needs --bf16)"),)
     requires = (Cap.MEGATRON_CORE,)
@@ -32,11 +36,27 @@ class ReuseFp32Param(Feature):
             raise FeatureConfigError("--reuse-fp32-param needs --bf16 (a bf16 value is the high half of an "
                                      "fp32 one; fp16 is not)")
         if getattr(args, "use_distributed_optimizer", False):
-            raise FeatureConfigError("--reuse-fp32-param with --use-distributed-optimizer is not supported yet "
-                                     "(its masters are shards of DDP's parameter buffer): drop "
-                                     "--use-distributed-optimizer to use Megatron's Float16 optimizer")
+            if getattr(args, "overlap_param_gather", False):
+                # the borrowed neighbour shards hold fp32 bits until the all-gather; deferred to the next
+                # forward, anything reading the weights before it (a save, a norm) would see them
+                raise FeatureConfigError("--reuse-fp32-param with --use-distributed-optimizer needs the param "
+                                         "all-gather right after each update: drop --overlap-param-gather")
+            world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "0") or 0)
+            size = lambda name: getattr(args, name, None) or 1
+            tp, pp = size("tensor_model_parallel_size"), size("pipeline_model_parallel_size")
+            dp = world // (tp * pp * size("context_parallel_size")) if world else 2
+            # MoE experts have their own optimizer over the expert-data-parallel group
+            edp = world // (size("expert_model_parallel_size") * (getattr(args, "expert_tensor_parallel_size",
+                                                                          None) or tp) * pp) if world else 2
+            if dp < 2 or (getattr(args, "num_experts", None) and edp < 2):
+                which, value = ("data-parallel", dp) if dp < 2 else ("expert-data-parallel", edp)
+                raise FeatureConfigError(f"--reuse-fp32-param with --use-distributed-optimizer needs the {which} "
+                                         "size >= 2 (each fp32 master shard borrows a neighbour's shard of the "
+                                         f"bf16 buffer); here it is {value}: drop --use-distributed-optimizer "
+                                         "(Megatron's Float16 optimizer)")
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            from mindspeed.features.memory import reuse_fp32_param_megatron
-            reuse_fp32_param_megatron.install(ctx.patcher)
+            from mindspeed.features.memory import reuse_fp32_param_distrib, reuse_fp32_param_megatron
+            reuse_fp32_param_megatron.install(ctx.patcher)      # Float16OptimizerWithFloat16Params
+            reuse_fp32_param_distrib.install(ctx.patcher)       # DistributedOptimizer

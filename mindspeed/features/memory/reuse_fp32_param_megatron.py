@@ -159,7 +159,8 @@ def install(patcher) -> None:
 
 
 def parameter_and_master_bytes(model_chunks, optimizer) -> tuple[int, int, int]:
-    """(bytes of the model's parameters and the optimizer's fp32 masters, each storage counted once,
+    """(bytes of the model's parameters, the optimizer's fp32 masters (master shards with the distributed
+    optimizer) and --reuse-fp32-param's residuals, each storage counted once,
     elements of the bf16 parameters, elements of all parameters): what --reuse-fp32-param changes."""
     storages, bf16 = {}, 0
     params = [p for chunk in model_chunks for p in chunk.parameters()]
@@ -167,8 +168,9 @@ def parameter_and_master_bytes(model_chunks, optimizer) -> tuple[int, int, int]:
         storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
         bf16 += p.numel() if p.dtype == torch.bfloat16 else 0
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for group in getattr(opt, "fp32_from_float16_groups", []):
-            for m in group:
-                storages[m.untyped_storage().data_ptr()] = m.untyped_storage().nbytes()
+        masters = getattr(opt, "fp32_from_float16_groups", None) or getattr(opt, "shard_fp32_from_float16_groups", [])
+        residuals = [sh.residual for sh in getattr(getattr(opt, "mindspeed_reuse", None), "buckets", {}).values()]
+        for m in [m for group in masters for m in group] + residuals:
+            storages[m.untyped_storage().data_ptr()] = m.untyped_storage().nbytes()
     return sum(storages.values()), bf16, sum(p.numel() for p in params)
 

@@ -1,0 +1,254 @@
+"""--reuse-fp32-param on Megatron-Core's DistributedOptimizer (--bf16 --use-distributed-optimizer):
+each rank's fp32 master shard lives inside DDP's bf16 parameter buffer, so the separate fp32 shard
+is gone; a bf16 residual of the shard's size keeps the low 16 bits. Per bf16 parameter and rank:
+2 + 4/DP bytes become 2 + 2/DP (DP=2: 4 -> 3).
+
+Per bucket (bf16, N elements, DP shards of n; rank r owns shard r), two layouts:
+
+* bf16 layout (forward, backward, checkpoints): the bucket holds every rank's bf16 parameters, as
+  Megatron keeps it; `residual` (n bf16, separate) holds the low halves of this rank's masters.
+* fp32 layout (the inner optimizer's step): the 2n slots of the own shard and one neighbour's
+  (shards r-1 and r; shards 0 and 1 on rank 0) hold the fp32 masters, (low, high) pairs
+  interleaved (little-endian), which Megatron's shard_fp32_from_float16 tensors view.
+
+The update runs step (-> fp32 layout) then Megatron's copy of masters to the model
+(-> bf16 layout: own shard rewritten); the neighbour's half is then stale, and the param
+all-gather that follows every update (or, with --overlap-param-gather, precedes that bucket's
+next forward) rewrites it from its owner. Rounding is the Float16 path's (reuse_fp32_param_megatron):
++0x8000, high half = master rounded to nearest (ties away from zero), low half lossless.
+
+Outside the update, readers of the masters (checkpoints: _get/_set_main_param_and_optimizer_states;
+a model-only load: _copy_model_params_to_main_params; the dummy step before a load) get or set
+exact fp32 values through the bf16 layout, never disturbing the neighbour's parameters.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+import torch
+
+from mindspeed.features.memory.reuse_fp32_param_megatron import RESIDUAL_ZERO, ROUND
+
+OPTIMIZER = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+CHUNK = 1 << 20          # elements interleaved per copy: bounds the temporary to 4 MiB
+
+
+def _pairs(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """(low, high) bf16 halves -> int32 bit patterns of the fp32 masters (a new tensor)."""
+    bits = torch.stack((low, high), dim=1).view(torch.int32).view(-1)
+    return bits.sub_(ROUND)
+
+
+class BucketShard:
+    """This rank's master shard inside one bf16 bucket."""
+
+    def __init__(self, data: torch.Tensor, dp: int, rank: int, chunk: int = CHUNK):
+        n = data.numel() // dp
+        if dp < 2 or n % 2 or data.storage_offset() % 2:
+            raise RuntimeError(f"--reuse-fp32-param: a bucket of {data.numel()} elements over {dp} "
+                               "data-parallel ranks leaves no aligned neighbour shard for the fp32 masters")
+        self.n, self.chunk = n, chunk
+        self.own = data[rank * n:(rank + 1) * n]
+        start = (rank - 1) * n if rank > 0 else 0
+        self.region = data[start:start + 2 * n]
+        self.own_second = rank > 0      # rank 0 borrows shard 1 after its own, others shard r-1 before
+        self.residual = torch.empty(n, dtype=torch.bfloat16, device=data.device)
+        self.fp32 = self.region.view(torch.float32)       # valid in the fp32 layout only
+
+    def _ranges(self, forward: bool):
+        starts = range(0, self.n, self.chunk)
+        return [(s, min(s + self.chunk, self.n)) for s in (starts if forward else reversed(starts))]
+
+    @torch.no_grad()
+    def to_fp32(self) -> None:
+        # in place: every chunk reads own values no earlier chunk has overwritten (direction below)
+        for s, e in self._ranges(forward=self.own_second):
+            self.region[2 * s:2 * e].view(torch.int32).copy_(_pairs(self.residual[s:e], self.own[s:e]))
+
+    @torch.no_grad()
+    def to_bf16(self) -> None:
+        for s, e in self._ranges(forward=not self.own_second):
+            bits = self.region[2 * s:2 * e].view(torch.int32).clone().add_(ROUND)
+            halves = bits.view(torch.bfloat16).view(-1, 2)
+            self.residual[s:e].copy_(halves[:, 0])
+            self.own[s:e].copy_(halves[:, 1])
+
+    # -- exact fp32 values through the bf16 layout ------------------------------------------
+    @torch.no_grad()
+    def read(self, s: int, e: int) -> torch.Tensor:
+        return _pairs(self.residual[s:e], self.own[s:e]).view(torch.float32)
+
+    @torch.no_grad()
+    def write(self, s: int, e: int, values: torch.Tensor) -> None:
+        halves = values.detach().reshape(-1).float().clone().view(torch.int32).add_(ROUND)
+        halves = halves.view(torch.bfloat16).view(-1, 2)
+        self.residual[s:e].copy_(halves[:, 0])
+        self.own[s:e].copy_(halves[:, 1])
+
+    @torch.no_grad()
+    def clear_residual(self) -> None:
+        self.residual.view(torch.int16).fill_(RESIDUAL_ZERO)
+
+
+class SharedShards:
+    """Every bf16 bucket of one DistributedOptimizer, and where each master lives in them."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        group = opt.data_parallel_group
+        dp, rank = group.size(), group.rank()
+        self.buckets = {}               # (gbuf index, bucket id) -> BucketShard
+        for g, buffer in enumerate(opt.buffers):
+            if buffer.param_dtype != torch.bfloat16:
+                continue
+            for b, bucket in enumerate(buffer.buckets):
+                self.buckets[(g, b)] = BucketShard(bucket.param_data, dp, rank)
+        self.where = {}                 # id(master) -> (BucketShard, start, end) in the own shard
+        for models, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+            for model, main in zip(models, mains):
+                g, _, b = opt.model_param_gbuf_map[model]
+                if (g, b) not in self.buckets:
+                    continue
+                shard = self.buckets[(g, b)]
+                world = opt._get_model_param_range_map(model)["gbuf_world_in_bucket"]
+                s, e = world.start - rank * shard.n, world.end - rank * shard.n
+                assert 0 <= s <= e <= shard.n and e - s == main.numel()
+                shard.write(s, e, main)                       # residuals from the masters as they are
+                self.where[id(main)] = (shard, s, e)
+                main.data = shard.fp32[s:e]
+        self.fp32 = False
+
+    def to_fp32(self) -> None:
+        if not self.fp32:
+            for shard in self.buckets.values():
+                shard.to_fp32()
+            self.fp32 = True
+
+    def to_bf16(self) -> None:
+        if self.fp32:
+            for shard in self.buckets.values():
+                shard.to_bf16()
+            self.fp32 = False
+
+    def read(self, main) -> torch.Tensor:
+        """An fp32 copy of a master, whatever the layout."""
+        if id(main) not in self.where or self.fp32:
+            return main.detach().clone()
+        shard, s, e = self.where[id(main)]
+        return shard.read(s, e).view(main.shape)
+
+    def write(self, main, values) -> None:
+        if id(main) not in self.where:
+            main.data.copy_(values)
+        elif self.fp32:
+            main.data.copy_(values)
+        else:
+            shard, s, e = self.where[id(main)]
+            shard.write(s, e, values)
+
+    @contextmanager
+    def kept(self):
+        """Run something that may step the masters, then put the buckets' own and borrowed slots
+        and the residuals back as they were (the dummy step before a checkpoint load)."""
+        saved = [(sh, sh.region.clone(), sh.residual.clone()) for sh in self.buckets.values()]
+        fp32 = self.fp32
+        try:
+            yield
+        finally:
+            for sh, region, residual in saved:
+                sh.region.copy_(region)
+                sh.residual.copy_(residual)
+            self.fp32 = fp32
+
+    def bytes(self) -> int:
+        """Residual storage this rank adds (the masters themselves take none)."""
+        return sum(sh.residual.untyped_storage().nbytes() for sh in self.buckets.values())
+
+
+def attach(opt) -> SharedShards:
+    config = opt.config          # the names differ across Megatron-Core versions (0.12: no _no_fp8 suffix)
+    precision_aware = getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                              getattr(config, "use_precision_aware_optimizer", False))
+    fsdp = any(getattr(opt.ddp_config, name, False) for name in ("use_megatron_fsdp", "use_custom_fsdp"))
+    if precision_aware or fsdp:
+        raise RuntimeError("--reuse-fp32-param: the masters are held by the precision-aware optimizer "
+                           "or Megatron FSDP here, not by DistributedOptimizer")
+    shared = SharedShards(opt)
+    opt.mindspeed_reuse = shared
+    inner_step = opt.optimizer.step
+
+    def step(closure=None):
+        shared.to_fp32()
+        return inner_step() if closure is None else inner_step(closure)
+
+    original_copy_out = opt._copy_main_params_to_model_params
+
+    def copy_main_to_model():
+        shared.to_bf16()                 # own shard rewritten; the all-gather that follows does the rest
+        # fp32 parameters (no master of their own here) still go through Megatron's copy
+        saved = opt.shard_fp32_from_float16_groups, opt.model_float16_groups
+        opt.shard_fp32_from_float16_groups, opt.model_float16_groups = [], []
+        try:
+            original_copy_out()
+        finally:
+            opt.shard_fp32_from_float16_groups, opt.model_float16_groups = saved
+
+    original_copy_in = opt._copy_model_params_to_main_params
+
+    def copy_model_to_main(state_dict=None):
+        """Masters := the model's bf16 parameters (or a state dict's values), exactly."""
+        source = opt._build_model_param_to_state_dict_param_map(state_dict) if state_dict is not None else {}
+        for models, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+            for model, main in zip(models, mains):
+                r = opt._get_model_param_range_map(model)["param"]
+                shared.write(main, source.get(model, model).detach().view(-1)[r.start:r.end])
+        saved = opt.shard_fp32_from_float16_groups, opt.model_float16_groups
+        opt.shard_fp32_from_float16_groups, opt.model_float16_groups = [], []
+        try:
+            original_copy_in() if state_dict is None else original_copy_in(state_dict)
+        finally:
+            opt.shard_fp32_from_float16_groups, opt.model_float16_groups = saved
+
+    original_get = opt._get_main_param_and_optimizer_states
+
+    def get_states(model_param):
+        tensors = dict(original_get(model_param))
+        tensors["param"] = shared.read(tensors["param"])
+        return tensors
+
+    original_set = opt._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group, order = opt.model_param_group_index_map[model_param]
+        main = opt.optimizer.param_groups[group]["params"][order]
+        original_set(model_param, {**tensors, "param": main.detach().clone()})  # the moments
+        shared.write(main, tensors["param"])
+
+    original_dummy = getattr(opt, "_init_optimizer_states_with_dummy_values", None)   # 0.16; not in 0.12
+
+    def init_dummy_states():
+        with shared.kept():
+            original_dummy()
+
+    opt.optimizer.step = step
+    opt._copy_main_params_to_model_params = copy_main_to_model
+    opt._copy_model_params_to_main_params = copy_model_to_main
+    opt._get_main_param_and_optimizer_states = get_states
+    opt._set_main_param_and_optimizer_states = set_states
+    if original_dummy is not None:
+        opt._init_optimizer_states_with_dummy_values = init_dummy_states
+    return shared
+
+
+def install(patcher) -> None:
+    def wrap_init(original):
+        @functools.wraps(original)
+        def init(self, *a, **kw):
+            original(self, *a, **kw)
+            if not hasattr(self, "mindspeed_reuse"):
+                attach(self)
+        return init
+
+    patcher.wrap(OPTIMIZER + ".__init__", wrap_init,
+                 reason="--reuse-fp32-param: fp32 master shards stored in DDP's bf16 parameter buffer")

@@ -1,0 +1,82 @@
+"""Shared attention mask (always on, torch backend; no flag, as in upstream MindSpeed): where the
+attention mask is the plain causal one, every layer and every micro-batch gets one cached mask
+object instead of a fresh [s, s] tensor per layer (Megatron's default mask, built in each
+softmax call when no mask is passed) or per micro-batch (the data loader's stacked per-sample
+masks). The values are the same, so losses are bit for bit those of per-layer / per-micro-batch
+masks; what goes away is the allocation per micro-batch and the per-layer copies saved for
+backward (masked_fill_ keeps its mask).
+
+Plain causal: no --reset-attention-mask (eod-reset masks differ per sample), no --neat-pack, no
+context parallelism (a CP algorithm cuts the batch its own way). Nothing may write into the
+shared mask; Megatron only reads it (attention_mask_func fills the scores, not the mask).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_MASKS: dict = {}                  # (seq, device) -> [1, 1, s, s] bool, True = hidden
+
+
+def causal_mask(seq: int, device) -> torch.Tensor:
+    """The one [1, 1, seq, seq] causal mask (True above the diagonal) on `device`."""
+    key = (seq, str(torch.device(device)))
+    mask = _MASKS.get(key)
+    if mask is None:
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1).view(1, 1, seq, seq)
+        _MASKS[key] = mask
+    return mask
+
+
+def is_shared(mask) -> bool:
+    return isinstance(mask, torch.Tensor) and any(mask is m for m in _MASKS.values())
+
+
+def plain_causal(args) -> bool:
+    """Whether the run's masks are all the plain causal one (see the module's note)."""
+    return not (getattr(args, "reset_attention_mask", False) or getattr(args, "neat_pack", False)
+                or (getattr(args, "context_parallel_size", 1) or 1) > 1)
+
+
+def share_batch_mask(batch: dict) -> dict:
+    """A batch whose plain causal [b, 1, s, s] mask is replaced by the shared one (same values)."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not is_shared(mask):
+        batch["attention_mask"] = causal_mask(mask.shape[-1], mask.device)
+    return batch
+
+
+def _cached_default_mask(original):
+    cached = functools.lru_cache(maxsize=8)(original)   # Megatron's get_default_causal_mask(sq)
+
+    @functools.wraps(original)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return cached(sq)
+    return get_default_causal_mask
+
+
+def install(patcher) -> None:
+    """Both trainers (the built-in one shares its batches' masks in training/data.py)."""
+    patcher.wrap("megatron.core.transformer.utils.get_default_causal_mask", _cached_default_mask,
+                 reason="shared attention mask: one causal mask per sequence length for every layer",
+                 aliases="megatron")
+
+
+def install_megatron_lm(patcher) -> None:
+    """Megatron-LM's pretrain_gpt.py: its batches' masks (bound before the script imports the name)."""
+    patcher.wrap("megatron.training.utils.get_batch_on_this_tp_rank", _sharing_tp_batches,
+                 reason="shared attention mask: Megatron-LM's plain causal batch masks become one object",
+                 aliases="megatron")
+
+
+def _sharing_tp_batches(original):
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(*a, **kw):
+        batch = original(*a, **kw)
+        from megatron.training import get_args
+        args = get_args()
+        if isinstance(batch, dict) and plain_causal(args) and not getattr(args, "is_instruction_dataset", False):
+            share_batch_mask(batch)
+        return batch
+    return get_batch_on_this_tp_rank

@@ -1,0 +1,81 @@
+"""--reuse-fp32-param with --use-distributed-optimizer (reuse_fp32_param_distrib.py): the two layouts of
+one bucket in process, then DP=2 training in one 2-process spawn (swap_workers.reuse_fp32_param_distributed):
+losses against --bf16 alone, bytes per parameter, the borrowed shards repaired by the all-gather, a
+model-only load, checkpoints across the flag. A file of its own so CI's workers run it beside
+test_swap_memory.py."""
+import pytest
+
+from tests_extend.unit import swap_workers
+
+
+# --reuse-fp32-param with --use-distributed-optimizer: the layouts of one bucket (in process) ...
+
+@pytest.mark.parametrize("dp, rank", [(2, 0), (2, 1), (3, 2)])
+def test_bucket_shard_layouts_round_trip_and_touch_only_the_borrowed_shard(dp, rank):
+    import torch
+    from mindspeed.features.memory.reuse_fp32_param_distrib import BucketShard
+    n = 10                                  # chunk 3: several chunks, one partial, in both directions
+    data = torch.randn(dp * n, dtype=torch.bfloat16)
+    shard = BucketShard(data, dp, rank, chunk=3)
+    masters = torch.randn(n) * 3
+    shard.write(0, n, masters)
+    assert torch.equal(shard.read(0, n), masters)                         # exact through the bf16 layout
+    assert torch.equal(data[rank * n:(rank + 1) * n], masters.bfloat16())  # no ties in randn: as torch rounds
+    before = data.clone()
+    shard.to_fp32()
+    assert torch.equal(shard.fp32, masters)                                # the optimizer's view
+    borrowed = rank + 1 if rank == 0 else rank - 1
+    outside = torch.ones(dp * n, dtype=torch.bool)
+    outside[min(rank, borrowed) * n:(max(rank, borrowed) + 1) * n] = False
+    assert torch.equal(data[outside], before[outside])                    # other shards untouched
+    shard.fp32.add_(1.0)                                                   # an update
+    shard.to_bf16()
+    assert torch.equal(shard.read(0, n), masters + 1.0)
+    assert torch.equal(data[rank * n:(rank + 1) * n], shard.own)
+    assert torch.equal(data[outside], before[outside])
+
+
+# ... and DP=2 training (one 2-process spawn: swap_workers.reuse_fp32_param_distributed)
+
+@pytest.fixture(scope="module")
+def dist_report(tmp_path_factory):
+    from tests_extend.distributed.harness import run_distributed
+    root = str(tmp_path_factory.mktemp("reuse_dist"))
+    return run_distributed(swap_workers.reuse_fp32_param_distributed, world_size=2, args=(root,), timeout=600,
+                           daemon=False)
+
+
+def test_distributed_reuse_fp32_param_keeps_the_losses_within_bf16_rounding(dist_report):
+    for rank in dist_report:
+        off, on = rank["off"]["losses"], rank["on"]["losses"]
+        assert rank["on"]["attached"] and not rank["off"]["attached"]
+        assert len(on) == 20 and on[:3] == off[:3] and on == pytest.approx(off, rel=1e-3)
+        assert off[-1] < off[0] - 1.5
+        assert rank["masters_bitwise_after_first_update"]
+
+
+def test_distributed_reuse_fp32_param_stores_the_master_shard_in_the_bf16_buffer(dist_report):
+    for rank in dist_report:
+        off, on = rank["off"], rank["on"]
+        # per bf16 parameter, on each of DP=2 ranks: 2 (buffer) + 4/2 (fp32 shard) -> 2 + 2/2 (residual)
+        for run, per_param in ((off, 4), (on, 3)):
+            assert run["bf16_buffer_bytes"] == 2 * run["bf16_params"]
+            assert (run["bytes"] - run["other_buffer_bytes"]) / run["bf16_params"] == per_param
+        assert off["bytes"] - on["bytes"] == 4 * off["master_elements"] - off["bf16_buffer_bytes"] // 2
+
+
+def test_distributed_reuse_fp32_param_all_gather_rewrites_the_borrowed_shards(dist_report):
+    for rank in dist_report:
+        assert rank["on"]["buffers_agree_across_ranks"] and rank["off"]["buffers_agree_across_ranks"]
+
+
+def test_distributed_reuse_fp32_param_model_only_load_sets_the_masters(dist_report):
+    for rank in dist_report:
+        assert rank["on"]["reloaded_masters_equal_params"] and rank["off"]["reloaded_masters_equal_params"]
+
+
+@pytest.mark.parametrize("direction", ["on_to_off", "off_to_on"])
+def test_distributed_reuse_fp32_param_checkpoints_cross_the_flag(dist_report, direction):
+    for rank in dist_report:
+        run = rank["checkpoint"][direction]
+        assert run["iteration"] == 2 and run["resumed"] == run["continued"]
