@@ -98,9 +98,9 @@ def full_grads(layer, ps):
     return out
 
 
-def run_layer(layer, ps, steps: int = 3, lr: float = 0.1):
-    """`steps` SGD steps on loss = sum(y * dy) over this rank's sequence shard: per step the loss
-    (summed over the ranks), then the last step's output and full gradients."""
+def run_layer(layer, ps, steps: int = 3, lr: float = 0.02):
+    """`steps` SGD steps on loss = sum((y - target)^2) / 2 over this rank's sequence shard: per step
+    the loss (summed over the ranks), then the last step's output, input gradient and full gradients."""
     import torch
     import torch.distributed as dist
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -112,7 +112,7 @@ def run_layer(layer, ps, steps: int = 3, lr: float = 0.1):
         x = x_full[tp_rank * rows:(tp_rank + 1) * rows].clone().requires_grad_(True)
         layer.zero_grad()
         y, _ = layer(x)
-        loss = (y * dy_full[tp_rank * rows:(tp_rank + 1) * rows]).sum()
+        loss = 0.5 * (y - dy_full[tp_rank * rows:(tp_rank + 1) * rows]).pow(2).sum()
         loss.backward()
         # experts get every token routed to them (whole gradients); the router is replicated on every
         # rank (TP under SP, and DP), the shared experts over DP: sum theirs as Megatron's DDP does
