@@ -53,21 +53,38 @@ def _originals():
     return objs + [parallel_state.initialize_model_parallel]
 
 
+def _argv(flags, tp, ep, dispatcher, options):
+    from tests_extend.distributed import moe_comm_cases as mc
+    return (flags + ["--mock-data", "--num-experts", str(mc.E), "--tensor-model-parallel-size", str(tp),
+                     "--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
+            + (["--sequence-parallel"] if tp > 1 else [])
+            + (["--moe-shared-expert-overlap"] if options.get("shared_overlap") else []))
+
+
+def _groups(flags, tp, ep):
+    """Megatron's process groups for this layout (built under the flags: --moe-tp-extend-ep folds them)."""
+    import mindspeed
+    from megatron.core import parallel_state as ps
+
+    from mindspeed.training.arguments import parse_args
+    mindspeed.adapt(parse_args(_argv(flags, tp, ep, "alltoall", {})))
+    try:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    finally:
+        mindspeed.unadapt()
+
+
 def _layer_run(flags, tp, ep, dispatcher, options):
+    """The layer on the current groups, with `flags` applied, run for 3 SGD steps."""
     import mindspeed
     from megatron.core import parallel_state as ps
 
     from mindspeed.features.moe import async_comm
     from mindspeed.training.arguments import parse_args
     from tests_extend.distributed import moe_comm_cases as mc
-    mindspeed.adapt(parse_args(flags + ["--mock-data", "--num-experts", str(mc.E), "--tensor-model-parallel-size",
-                                        str(tp), "--expert-model-parallel-size", str(ep),
-                                        "--moe-token-dispatcher-type", dispatcher]
-                               + (["--sequence-parallel"] if tp > 1 else [])
-                               + (["--moe-shared-expert-overlap"] if options.get("shared_overlap") else [])))
+    mindspeed.adapt(parse_args(_argv(flags, tp, ep, dispatcher, options)))
     try:
-        ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         async_comm.reset_counts()
         layer = mc.build_layer(tp, ep, dispatcher, **options)
         losses, y, dx, grads = mc.run_layer(layer, ps)
@@ -87,24 +104,38 @@ def _compare(got, ref):
 
 
 def _body(rank, world_size, tmp):
+    import torch
+
     import mindspeed
     from mindspeed.features.moe import async_comm
     from mindspeed.training.arguments import parse_args
     from mindspeed.training.pretrain import run
+    torch.set_num_threads(1)        # tiny tensors: two ranks' thread pools would only spin against each other
     out, t0 = {}, time.monotonic()
+    out["cpu-start"] = time.process_time()
     originals = _originals()
-    refs = {}
-    for name, (flags, tp, ep, dispatcher, options) in CASES.items():
-        plain = dict(options, shared_overlap=False)
-        key = (tp, ep, dispatcher, tuple(sorted(plain.items())))
-        if key not in refs:
-            refs[key] = _layer_run([], tp, ep, dispatcher, plain)
-            out[f"plain/{key}/counts"] = refs[key]["counts"]
-        got = _layer_run(flags, tp, ep, dispatcher, options)
-        out[name] = dict(_compare(got, refs[key]), counts=got["counts"], experts=got["experts"],
-                         ep_group=got["ep_group"], plain_experts=refs[key]["experts"],
-                         plain_ep_group=refs[key]["ep_group"], restored=_originals() == originals)
+    # process groups are built once per layout (TP 2, TP 2 extended, EP 2; a build costs a few gloo
+    # rendezvous, the layer runs are small); a case runs in its layout, its reference in the plain one
+    got, refs = {}, {}
+    for tp, ep, extended in ((2, 1, False), (2, 1, True), (1, 2, False)):
+        _groups(["--moe-tp-extend-ep"] if extended else [], tp, ep)
+        for name, (flags, ctp, cep, dispatcher, options) in CASES.items():
+            if (ctp, cep) != (tp, ep):
+                continue
+            plain = dict(options, shared_overlap=False)
+            key = (tp, ep, dispatcher, tuple(sorted(plain.items())))
+            if not extended and key not in refs:
+                refs[key] = _layer_run([], tp, ep, dispatcher, plain)
+                out[f"plain/{key}/counts"] = refs[key]["counts"]
+            if extended == ("--moe-tp-extend-ep" in flags):
+                got[name] = (key, _layer_run(flags, tp, ep, dispatcher, options))
+    for name, (key, g) in got.items():
+        ref = refs[key]
+        out[name] = dict(_compare(g, ref), counts=g["counts"], experts=g["experts"], ep_group=g["ep_group"],
+                         plain_experts=ref["experts"], plain_ep_group=ref["ep_group"],
+                         restored=_originals() == originals)
     out["layer-seconds"] = time.monotonic() - t0
+    out["cpu-layers"] = time.process_time()
     from megatron.core import parallel_state
     parallel_state.destroy_model_parallel()         # the trainer builds its own groups
     for name, flags in (("off", []), ("on", TRAIN_ON)):
@@ -122,6 +153,7 @@ def _body(rank, world_size, tmp):
             with open(loss_file) as f:
                 out[f"train-{name}"] = [json.loads(line)["lm_loss"] for line in f]
     out["total-seconds"] = time.monotonic() - t0
+    out["cpu-end"] = time.process_time()
     return out
 
 
@@ -178,4 +210,5 @@ def test_training_losses_equal_without_overlap(runs):
     assert runs[0]["train-on/counts"]["overlapped_compute"] > 0
     for a, b in zip(off, on):
         assert abs(a - b) <= 1e-6 * abs(a), (off, on)
-    print(f"\nMoE comm spawn: layers {runs[0]['layer-seconds']:.1f} s, total {runs[0]['total-seconds']:.1f} s")
+    print(f"\nMoE comm spawn: layers {runs[0]['layer-seconds']:.1f} s, total {runs[0]['total-seconds']:.1f} s",
+          {k: runs[0][k] for k in ("cpu-start", "cpu-layers", "cpu-end")})
