@@ -11,7 +11,8 @@ adapts the configuration's flags, times one fwd+bwd, unadapts; the configuration
 turns step by step (the load drifts less between them). Median of --steps steps on rank 0 after a
 warm-up; one thread per process. The load average is printed with the figures (shared machine).
 
-    python tests_extend/benchmarks/bench_moe_comm.py [--tokens 4096] [--hidden 512] [--ffn 512] [--experts 8] [--steps 8]
+    python tests_extend/benchmarks/bench_moe_comm.py [--tokens 4096] [--hidden 512] [--ffn 512]
+                                                     [--experts 8] [--steps 8]
 """
 from __future__ import annotations
 

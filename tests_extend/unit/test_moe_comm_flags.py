@@ -40,7 +40,8 @@ def test_combinations_they_cannot_honour_are_refused(argv, message):
     (["--moe-tp-extend-ep"] + MOE + TP2, {"moe-tp-extend-ep"}),
     (["--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"] + MOE + EP2,
      {"moe-alltoall-overlap-comm", "moe-permutation-async-comm"}),
-    (["--moe-tp-extend-ep", "--moe-alltoall-overlap-comm"] + MOE + TP2, {"moe-tp-extend-ep", "moe-alltoall-overlap-comm"}),
+    (["--moe-tp-extend-ep", "--moe-alltoall-overlap-comm"] + MOE + TP2,
+     {"moe-tp-extend-ep", "moe-alltoall-overlap-comm"}),
     (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE + TP2,
      {"moe-permutation-async-comm"}),
 ])

@@ -56,7 +56,8 @@ def chunk_plan(sent: list[int], received: list[list[int]], ep: int, chunks: int)
         for s in range(ep):
             for k in range(local):
                 starts[s][k], at = at, at + sizes[s][k]
-        by_expert = [i for k in range(local) for s in range(ep) for i in range(starts[s][k], starts[s][k] + sizes[s][k])]
+        by_expert = [i for k in range(local) for s in range(ep)
+                     for i in range(starts[s][k], starts[s][k] + sizes[s][k])]
         plans.append(dict(rows=rows, in_splits=in_splits, out_splits=[sum(r) for r in sizes],
                           by_expert=by_expert, per_expert=[sum(sizes[s][k] for s in range(ep)) for k in range(local)]))
     return plans
