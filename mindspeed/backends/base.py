@@ -148,6 +148,13 @@ class CommAPI(ABC):
     def reduce_scatter_async(self, tensor, dim: int = 0, group=None) -> "CommHandle":
         return Completed(self.reduce_scatter(tensor, dim, group))
 
+    def all_to_all_v_async(self, tensor, output_splits, input_splits, group=None) -> "CommHandle":
+        """Uneven all-to-all along dim 0 (MoE token dispatch): rows [sum(input_splits[:i]), +
+        input_splits[i]) go to rank i; wait() gives the received rows, output_splits[i] from rank
+        i, in rank order. No generic default (the splits differ per rank, so an even all_to_all
+        cannot stand in without an extra size exchange): a backend with MoE hosts provides it."""
+        raise NotImplementedError(f"{type(self).__name__} has no uneven all-to-all")
+
 
 class CommHandle(ABC):
     """An asynchronous collective in flight; wait() blocks until it is done and returns its result."""

@@ -67,13 +67,8 @@ planned("fusion-attn-v2", FUSED, "not scheduled", "fusion attention v2 (Ascend)"
 planned("alibi", FUSED, "not scheduled", "ALiBi position bias in the fused attention",
         value("--alibi-fusion-attn-type", int), on("--alibi-diagonal-opposite"), on("--square-alibi-mask"),
         on("--fill-neg-inf"))
-planned("moe-alltoall-overlap-comm", MOE, "issue 13", "MoE dispatch/combine overlapped with expert compute",
-        on("--moe-alltoall-overlap-comm"))
-planned("moe-permutation-async-comm", MOE, "issue 13", "MoE allgather dispatcher with asynchronous permutation",
-        on("--moe-permutation-async-comm"))
 planned("moe-allgather-overlap-comm", MOE, "not scheduled", "MoE allgather dispatcher overlap",
         on("--moe-allgather-overlap-comm"))
-planned("moe-tp-extend-ep", MOE, "issue 13", "experts sharded over TP x EP", on("--moe-tp-extend-ep"))
 planned("moe-bmm-mc2", MOE, "not scheduled", "MoE batched matmul fused with communication (Ascend)",
         on("--moe-bmm-mc2"))
 planned("deepspeed-moe", MOE, "not scheduled", "DeepSpeed-style MoE (token rearrange, dropless)",

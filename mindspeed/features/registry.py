@@ -12,6 +12,7 @@ from mindspeed.features.base import Feature, FeatureConfigError
 FEATURE_MODULES = [
     "mindspeed.features.parallel.megatron_parallel",
     "mindspeed.features.parallel.ascend_coc",
+    "mindspeed.features.moe.features",
     "mindspeed.features.parallel.layers",
     "mindspeed.features.context_parallel.feature",
     "mindspeed.features.observability.profiling",

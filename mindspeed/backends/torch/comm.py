@@ -134,6 +134,14 @@ class TorchComm(CommAPI):
         out = torch.empty_like(parts[0])
         return _Pending(dist.reduce_scatter(out, parts, group=group, async_op=True), lambda: out)
 
+    def all_to_all_v_async(self, tensor, output_splits, input_splits, group=None):
+        if self.world_size(group) == 1:
+            return Completed(tensor)
+        out = tensor.new_empty((int(sum(output_splits)),) + tuple(tensor.shape[1:]))
+        work = dist.all_to_all_single(out, tensor.contiguous(), [int(s) for s in output_splits],
+                                      [int(s) for s in input_splits], group=group, async_op=True)
+        return _Pending(work, lambda: out)
+
     # differentiable variants -----------------------------------------------------------------
     def all_to_all_autograd(self, tensor, scatter_dim, gather_dim, group=None):
         return _AllToAll.apply(tensor, scatter_dim, gather_dim, group, self)

@@ -1,0 +1,148 @@
+"""The Megatron-Core hook of --moe-alltoall-overlap-comm: the alltoall dispatcher's dispatch,
+expert compute and combine run as a pipeline of CHUNKS pieces.
+
+Every expert's block of permuted rows is cut into CHUNKS near-equal parts; chunk c holds part c
+of every expert's block. All chunks' dispatch all-to-alls are started at once (with the shared
+experts' first GEMM, under --moe-shared-expert-overlap, run while the first is in flight); then for
+each chunk: wait for its tokens, sort them by local expert, run the experts, unsort, and start its
+combine all-to-all, which travels while the next chunk's experts compute. Finally every chunk's
+combined rows are put back at the rows they came from, so the dispatcher's combine_postprocess
+(unpermute) sees what Megatron's own path gives it.
+
+Each token's expert output does not depend on the other tokens, so the pipeline computes the same
+outputs; the experts' weight gradients are summed over chunks (the reduction order differs, within
+fp32 rounding). Gradients of the all-to-alls are the reverse all-to-alls (backward is synchronous).
+"""
+from __future__ import annotations
+
+import torch
+
+from mindspeed.backends import get_backend
+from mindspeed.features.moe.async_comm import computing, finish, started
+from mindspeed.features.moe.permutation_async import as_list
+
+LAYER = "megatron.core.transformer.moe.moe_layer.MoELayer"
+WHY = "--moe-alltoall-overlap-comm: alltoall dispatch/combine in chunks overlapped with the experts"
+CHUNKS = 2     # pieces per expert block: 2 already hides a chunk's all-to-all behind the other's GEMMs
+
+
+def piece(n: int, c: int, chunks: int) -> tuple[int, int]:
+    """[start, end) of part c of a block of n rows cut into `chunks` near-equal parts."""
+    base, extra = divmod(n, chunks)
+    start = c * base + min(c, extra)
+    return start, start + base + (1 if c < extra else 0)
+
+
+def chunk_plan(sent: list[int], received: list[list[int]], ep: int, chunks: int) -> list[dict]:
+    """For each chunk: the rows of the permuted local tokens it takes (`rows`), its all-to-all
+    splits, and the index that sorts the received rows by local expert (`by_expert`).
+
+    sent[e]: rows this rank sends to global expert e (expert-major order, rank j owns experts
+    j*L..j*L+L-1); received[s][k]: rows source rank s sends to this rank's local expert k."""
+    local = len(received[0])
+    offsets = [0]
+    for n in sent:
+        offsets.append(offsets[-1] + n)
+    plans = []
+    for c in range(chunks):
+        rows, in_splits = [], [0] * ep
+        for e, n in enumerate(sent):
+            a, b = piece(n, c, chunks)
+            rows.extend(range(offsets[e] + a, offsets[e] + b))
+            in_splits[e // local] += b - a
+        sizes = [[piece(received[s][k], c, chunks)[1] - piece(received[s][k], c, chunks)[0]
+                  for k in range(local)] for s in range(ep)]
+        starts, at = [[0] * local for _ in range(ep)], 0
+        for s in range(ep):
+            for k in range(local):
+                starts[s][k], at = at, at + sizes[s][k]
+        by_expert = [i for k in range(local) for s in range(ep)
+                     for i in range(starts[s][k], starts[s][k] + sizes[s][k])]
+        plans.append(dict(rows=rows, in_splits=in_splits, out_splits=[sum(r) for r in sizes],
+                          by_expert=by_expert, per_expert=[sum(sizes[s][k] for s in range(ep)) for k in range(local)]))
+    return plans
+
+
+def _applies(layer) -> bool:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    d = layer.token_dispatcher
+    return isinstance(d, MoEAlltoAllTokenDispatcher) and d.ep_size > 1 and d.tp_size == 1 and not d.drop_and_pad
+
+
+def _dispatch(original):
+    def dispatch(self, hidden_states, probs):
+        if not _applies(self):
+            return original(self, hidden_states, probs)
+        self._overlap_pending = True        # routed_experts_compute runs dispatch, experts and combine
+        return hidden_states, probs
+    return dispatch
+
+
+def _pipeline(layer, tokens, probs):
+    d, comm = layer.token_dispatcher, get_backend().comm
+    d.tokens_per_expert = d._maybe_dtoh_and_synchronize("before_ep_alltoall", d.tokens_per_expert)
+    local, ep = d.num_local_experts, d.ep_size
+    sent = [int(n) for n in d.routing_map.sum(dim=0).tolist()]
+    if local > 1:
+        received = torch.as_tensor(d.num_global_tokens_per_local_expert).reshape(ep, local).tolist()
+    else:
+        received = [[n] for n in as_list(d.output_splits)]
+    plans = chunk_plan(sent, received, ep, CHUNKS)
+    device = tokens.device
+    group = d.ep_group
+
+    def reverse(in_s, out_s):              # adjoint of an all-to-all that sent in_s rows and got out_s
+        return lambda grad: comm.all_to_all_v_async(grad, in_s, out_s, group).wait()
+
+    sends = []
+    for p in plans:                          # every dispatch starts now, in the same order on every rank
+        rows = torch.tensor(p["rows"], dtype=torch.long, device=device)
+        x, pr = tokens.index_select(0, rows), probs.index_select(0, rows)
+        sends.append((x, pr, started(comm.all_to_all_v_async(x.detach(), p["out_splits"], p["in_splits"], group)),
+                      started(comm.all_to_all_v_async(pr.detach(), p["out_splits"], p["in_splits"], group))))
+    if d.shared_experts is not None:         # --moe-shared-expert-overlap: its fc1 under the first all-to-all
+        computing()
+        d.shared_experts.linear_fc1_forward_and_act(None)
+    combines = []
+    for p, (x, pr, hx, hp) in zip(plans, sends):
+        back = reverse(p["in_splits"], p["out_splits"])
+        xt, pt = finish(hx, x, back), finish(hp, pr, back)
+        order = torch.tensor(p["by_expert"], dtype=torch.long, device=device)
+        xt, pt = xt.index_select(0, order), pt.index_select(0, order)
+        computing()                          # counted when another chunk's all-to-all is in flight
+        y, bias = layer.experts(xt, torch.tensor(p["per_expert"], dtype=torch.long), pt)
+        assert bias is None, "mlp_bias is not supported with --moe-alltoall-overlap-comm"
+        y = y.index_select(0, torch.argsort(order))                  # back to source-rank order
+        combines.append((y, started(comm.all_to_all_v_async(y.detach(), p["in_splits"], p["out_splits"], group))))
+    outs = [finish(h, y, reverse(p["out_splits"], p["in_splits"])) for p, (y, h) in zip(plans, combines)]
+    rows = torch.tensor([r for p in plans for r in p["rows"]], dtype=torch.long, device=device)
+    d.tokens_per_expert = None
+    return torch.cat(outs).index_select(0, torch.argsort(rows))
+
+
+def _routed_experts_compute(original):
+    def routed_experts_compute(self, hidden_states, probs):
+        if not self.__dict__.get("_overlap_pending", False):
+            return original(self, hidden_states, probs)
+        return _pipeline(self, hidden_states, probs), None
+    return routed_experts_compute
+
+
+def _combine(original):
+    def combine(self, output):
+        if not self.__dict__.pop("_overlap_pending", False):
+            return original(self, output)
+        return output                        # already combined, chunk by chunk
+    return combine
+
+
+def install(patcher) -> None:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from mindspeed.patching import PatchError
+    if not hasattr(MoELayer, "dispatch"):       # Megatron-LM core_v0.12's layer: token_permutation API
+        raise PatchError("--moe-alltoall-overlap-comm hooks Megatron-Core's MoELayer dispatch / "
+                         "routed_experts_compute / combine steps, which this Megatron's MoE layer lacks")
+    patcher.wrap(f"{LAYER}.dispatch", _dispatch, reason=WHY)
+    patcher.wrap(f"{LAYER}.routed_experts_compute", _routed_experts_compute, reason=WHY)
+    patcher.wrap(f"{LAYER}.combine", _combine, reason=WHY)

@@ -1,0 +1,145 @@
+"""MoE communication features (MindSpeed's flag names; rules after MindSpeed upstream's checks):
+
+* --moe-tp-extend-ep: experts sharded over TP x EP ranks, whole experts per rank (tp_extend_ep.py)
+* --moe-permutation-async-comm: the dispatcher's collectives started asynchronously, the
+  permutation bookkeeping computed while the tokens travel (permutation_async.py)
+* --moe-alltoall-overlap-comm: alltoall dispatch and combine in chunks, each chunk's all-to-all
+  overlapped with the previous chunk's expert compute (alltoall_overlap.py)
+
+Megatron-Core's MoE layer on the torch backend; the MindSpore GPT has no MoE layer.
+"""
+from __future__ import annotations
+
+from mindspeed.backends.base import Cap
+from mindspeed.features.base import Feature, FeatureConfigError, switch
+from mindspeed.features.registry import register
+
+NO_MOE_MS = "the MindSpore trainer's GPT has dense MLPs only (no MoE layer to hook)"
+
+
+def _size(args, name: str) -> int:
+    return getattr(args, name, None) or 1
+
+
+def expert_parallel(args) -> int:
+    """Ranks the experts are spread over: EP, times TP with --moe-tp-extend-ep."""
+    ep = _size(args, "expert_model_parallel_size")
+    return ep * _size(args, "tensor_model_parallel_size") if getattr(args, "moe_tp_extend_ep", False) else ep
+
+
+def _dispatcher(args):
+    return getattr(args, "moe_token_dispatcher_type", "alltoall")
+
+
+class _MoeComm(Feature):
+    category = "moe"
+    optimization_level = 2
+    requires = (Cap.MOE, Cap.MEGATRON_CORE)
+    backends = ("torch",)
+    unsupported = {"mindspore": NO_MOE_MS}
+    depends = ("moe",)
+    example_world = 2
+
+    def _common(self, args) -> None:
+        name = self.flags[0].name
+        if getattr(args, "moe_expert_capacity_factor", None) is not None:
+            raise FeatureConfigError(f"{name} supports dropless MoE only: drop --moe-expert-capacity-factor")
+        tp = _size(args, "tensor_model_parallel_size")
+        if tp > 1 and hasattr(args, "sequence_parallel") and not args.sequence_parallel:
+            raise FeatureConfigError(f"{name} at --tensor-model-parallel-size {tp} needs --sequence-parallel "
+                                     "(Megatron-Core's MoE layer trains with TP only under sequence parallelism)")
+
+
+@register
+class MoeTpExtendEp(_MoeComm):
+    id = "moe-tp-extend-ep"
+    description = "MoE experts sharded over TP x EP ranks (whole experts per rank) instead of TP inside each expert"
+    flags = (switch("--moe-tp-extend-ep", "spread whole experts over the TP x EP ranks instead of splitting "
+                                          "each expert's weights over TP"),)
+    alternatives = "leave it off: each expert's weights are split over the tensor-parallel ranks"
+    example = ("--moe-tp-extend-ep", "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel")
+
+    def validate(self, args) -> None:
+        self._common(args)
+        tp, ep = _size(args, "tensor_model_parallel_size"), _size(args, "expert_model_parallel_size")
+        if hasattr(args, "tensor_model_parallel_size") and tp < 2:
+            raise FeatureConfigError("--moe-tp-extend-ep needs --tensor-model-parallel-size > 1 "
+                                     "(with TP 1 experts are already whole)")
+        experts = getattr(args, "num_experts", None)
+        if experts and experts % (tp * ep):
+            raise FeatureConfigError(f"--moe-tp-extend-ep needs --num-experts ({experts}) divisible by "
+                                     f"tensor x expert parallel size ({tp} x {ep})")
+        if getattr(args, "expert_tensor_parallel_size", None) not in (None, tp):
+            raise FeatureConfigError("--moe-tp-extend-ep sets the expert tensor-parallel size itself: "
+                                     "drop --expert-tensor-parallel-size")
+        if getattr(args, "moe_shared_expert_overlap", False):
+            raise FeatureConfigError("--moe-tp-extend-ep does not combine with --moe-shared-expert-overlap "
+                                     "(as upstream); drop one")
+        if _dispatcher(args) not in ("alltoall", "allgather"):
+            raise FeatureConfigError("--moe-tp-extend-ep needs --moe-token-dispatcher-type alltoall or allgather")
+
+    def apply(self, ctx, args) -> None:
+        if ctx.backend_name == "torch":
+            from mindspeed.features.moe import tp_extend_ep
+            tp_extend_ep.install(ctx.patcher)
+
+
+@register
+class MoePermutationAsyncComm(_MoeComm):
+    id = "moe-permutation-async-comm"
+    description = ("MoE dispatcher collectives started asynchronously; the permutation bookkeeping is "
+                   "computed while the tokens travel")
+    flags = (switch("--moe-permutation-async-comm", "start the MoE dispatcher's collectives asynchronously "
+                                                    "and overlap them with the permutation"),)
+    requires = (Cap.MOE, Cap.MEGATRON_CORE, Cap.ASYNC_COMM)
+    alternatives = "leave it off: Megatron's dispatcher communicates synchronously"
+    example = ("--moe-permutation-async-comm", "--num-experts", "4", "--moe-token-dispatcher-type", "allgather",
+               "--expert-model-parallel-size", "2")
+
+    def validate(self, args) -> None:
+        self._common(args)
+        kind = _dispatcher(args)
+        if kind not in ("alltoall", "allgather"):
+            raise FeatureConfigError("--moe-permutation-async-comm needs --moe-token-dispatcher-type allgather "
+                                     "or alltoall")
+        tp = _size(args, "tensor_model_parallel_size")
+        ranks = expert_parallel(args) if kind == "alltoall" else _size(args, "expert_model_parallel_size") * tp
+        if hasattr(args, "expert_model_parallel_size") and ranks < 2:
+            what = "expert parallel size" if kind == "alltoall" else "tensor x expert parallel size"
+            raise FeatureConfigError(f"--moe-permutation-async-comm with the {kind} dispatcher needs {what} > 1 "
+                                     "(no dispatcher communication to overlap)")
+        if kind == "alltoall" and tp > 1 and not getattr(args, "moe_tp_extend_ep", False):
+            raise FeatureConfigError("--moe-permutation-async-comm with the alltoall dispatcher at TP > 1 needs "
+                                     "--moe-tp-extend-ep (the expert-TP gather stays synchronous)")
+
+    def apply(self, ctx, args) -> None:
+        if ctx.backend_name == "torch":
+            from mindspeed.features.moe import permutation_async
+            permutation_async.install(ctx.patcher)
+
+
+@register
+class MoeAlltoallOverlapComm(_MoeComm):
+    id = "moe-alltoall-overlap-comm"
+    description = ("MoE alltoall dispatch/combine in chunks, each chunk's all-to-all overlapped with "
+                   "expert compute (and the shared experts' first GEMM)")
+    flags = (switch("--moe-alltoall-overlap-comm", "overlap the MoE alltoall dispatch and combine with the "
+                                                   "experts' compute"),)
+    requires = (Cap.MOE, Cap.MEGATRON_CORE, Cap.ASYNC_COMM, Cap.ALL_TO_ALL)
+    alternatives = "leave it off: Megatron's alltoall dispatcher communicates before and after the experts"
+    example = ("--moe-alltoall-overlap-comm", "--num-experts", "4", "--expert-model-parallel-size", "2")
+
+    def validate(self, args) -> None:
+        self._common(args)
+        if _dispatcher(args) != "alltoall":
+            raise FeatureConfigError("--moe-alltoall-overlap-comm needs --moe-token-dispatcher-type alltoall")
+        if hasattr(args, "expert_model_parallel_size") and expert_parallel(args) < 2:
+            raise FeatureConfigError("--moe-alltoall-overlap-comm needs --expert-model-parallel-size > 1 "
+                                     "(or --moe-tp-extend-ep at TP > 1): no all-to-all to overlap")
+        if _size(args, "tensor_model_parallel_size") > 1 and not getattr(args, "moe_tp_extend_ep", False):
+            raise FeatureConfigError("--moe-alltoall-overlap-comm at TP > 1 needs --moe-tp-extend-ep (as upstream)")
+
+    def apply(self, ctx, args) -> None:
+        if ctx.backend_name == "torch":
+            from mindspeed.features.moe import alltoall_overlap
+            alltoall_overlap.install(ctx.patcher)

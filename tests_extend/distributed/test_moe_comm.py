@@ -1,0 +1,214 @@
+"""--moe-tp-extend-ep, --moe-alltoall-overlap-comm, --moe-permutation-async-comm on 2 gloo
+processes (one spawn for every check, CI time):
+
+* one Megatron-Core MoELayer (4 experts, top-2, SwiGLU) loaded from the same full weights in each
+  layout, 3 SGD steps: every step's loss, the last output, the input gradient and every full
+  gradient (expert weights gathered from wherever they live) equal the plain path's within 1e-6
+  (fp32). Each rank's tokens differ and the router spreads them unevenly, so a chunk sent to the
+  wrong rank, written to the wrong rows or reduced in the wrong order shows;
+* the layout really changed (extended: 2 experts per rank, expert-parallel group of 2 at TP 2) and
+  the collectives really ran asynchronously with expert compute between start and wait (counters),
+  and nothing async ran without the flags;
+* unadapt() gives Megatron its own methods back;
+* the built-in trainer at EP 2 with the overlap flags and shared experts: 3 steps give the same
+  losses as without.
+"""
+import json
+import os
+import time
+
+import pytest
+
+from tests_extend.distributed.harness import next_rendezvous, run_distributed
+
+# name: (flags, tp, ep, dispatcher, layer options); each compared with REF[name]
+CASES = {
+    "extend/alltoall": (["--moe-tp-extend-ep"], 2, 1, "alltoall", dict(shared=True)),
+    "extend/allgather": (["--moe-tp-extend-ep"], 2, 1, "allgather", {}),
+    "overlap": (["--moe-alltoall-overlap-comm"], 1, 2, "alltoall", {}),
+    "overlap/shared": (["--moe-alltoall-overlap-comm"], 1, 2, "alltoall", dict(shared=True, shared_overlap=True)),
+    "async/allgather": (["--moe-permutation-async-comm"], 1, 2, "allgather", {}),
+    "async/alltoall": (["--moe-permutation-async-comm"], 1, 2, "alltoall", {}),
+    "extend+overlap+async": (["--moe-tp-extend-ep", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"],
+                             2, 1, "alltoall", {}),
+}
+TRAIN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--train-iters", "3", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+         "--lr", "3e-3", "--mock-data", "--seed", "7", "--num-experts", "4", "--expert-model-parallel-size", "2",
+         "--moe-shared-expert-intermediate-size", "32"]
+TRAIN_ON = ["--moe-alltoall-overlap-comm", "--moe-permutation-async-comm", "--moe-shared-expert-overlap"]
+PATCHED = (("moe_layer", "MoELayer", "dispatch"), ("moe_layer", "MoELayer", "routed_experts_compute"),
+           ("moe_layer", "MoELayer", "combine"), ("token_dispatcher", "MoEAllGatherTokenDispatcher", "token_dispatch"),
+           ("token_dispatcher", "MoEAllGatherTokenDispatcher", "dispatch_postprocess"),
+           ("token_dispatcher", "MoEAlltoAllTokenDispatcher", "token_dispatch"))
+
+
+def _originals():
+    import importlib
+
+    from megatron.core import parallel_state
+    objs = [getattr(importlib.import_module(f"megatron.core.transformer.moe.{m}"), c).__dict__[a]
+            for m, c, a in PATCHED]
+    return objs + [parallel_state.initialize_model_parallel]
+
+
+def _argv(flags, tp, ep, dispatcher, options):
+    from tests_extend.distributed import moe_comm_cases as mc
+    return (flags + ["--mock-data", "--num-experts", str(mc.E), "--tensor-model-parallel-size", str(tp),
+                     "--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
+            + (["--sequence-parallel"] if tp > 1 else [])
+            + (["--moe-shared-expert-overlap"] if options.get("shared_overlap") else []))
+
+
+def _groups(flags, tp, ep):
+    """Megatron's process groups for this layout (built under the flags: --moe-tp-extend-ep folds them)."""
+    import mindspeed
+    from megatron.core import parallel_state as ps
+
+    from mindspeed.training.arguments import parse_args
+    mindspeed.adapt(parse_args(_argv(flags, tp, ep, "alltoall", {})))
+    try:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    finally:
+        mindspeed.unadapt()
+
+
+def _layer_run(flags, tp, ep, dispatcher, options):
+    """The layer on the current groups, with `flags` applied, run for 3 SGD steps."""
+    import mindspeed
+    from megatron.core import parallel_state as ps
+
+    from mindspeed.features.moe import async_comm
+    from mindspeed.training.arguments import parse_args
+    from tests_extend.distributed import moe_comm_cases as mc
+    mindspeed.adapt(parse_args(_argv(flags, tp, ep, dispatcher, options)))
+    try:
+        async_comm.reset_counts()
+        layer = mc.build_layer(tp, ep, dispatcher, **options)
+        losses, y, dx, grads = mc.run_layer(layer, ps)
+        return dict(losses=losses, y=y, dx=dx, grads=grads, counts=dict(async_comm.COUNTS),
+                    experts=list(layer.local_expert_indices), ep_group=ps.get_expert_model_parallel_world_size())
+    finally:
+        mindspeed.unadapt()
+
+
+def _compare(got, ref):
+    def rel(a, b):
+        return float((a - b).abs().max() / (b.abs().max() + 1e-30))
+    return dict(losses=max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])),
+                y=rel(got["y"], ref["y"]), dx=rel(got["dx"], ref["dx"]),
+                grads=max(rel(got["grads"][k], ref["grads"][k]) for k in ref["grads"]),
+                same_keys=sorted(got["grads"]) == sorted(ref["grads"]))
+
+
+def _body(rank, world_size, tmp):
+    import torch
+
+    import mindspeed
+    from mindspeed.features.moe import async_comm
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.pretrain import run
+    torch.set_num_threads(1)        # tiny tensors: two ranks' thread pools would only spin against each other
+    out, t0 = {}, time.monotonic()
+    out["cpu-start"] = time.process_time()
+    originals = _originals()
+    # process groups are built once per layout (TP 2, TP 2 extended, EP 2; a build costs a few gloo
+    # rendezvous, the layer runs are small); a case runs in its layout, its reference in the plain one
+    got, refs = {}, {}
+    for tp, ep, extended in ((2, 1, False), (2, 1, True), (1, 2, False)):
+        _groups(["--moe-tp-extend-ep"] if extended else [], tp, ep)
+        for name, (flags, ctp, cep, dispatcher, options) in CASES.items():
+            if (ctp, cep) != (tp, ep):
+                continue
+            plain = dict(options, shared_overlap=False)
+            key = (tp, ep, dispatcher, tuple(sorted(plain.items())))
+            if not extended and key not in refs:
+                refs[key] = _layer_run([], tp, ep, dispatcher, plain)
+                out[f"plain/{key}/counts"] = refs[key]["counts"]
+            if extended == ("--moe-tp-extend-ep" in flags):
+                got[name] = (key, _layer_run(flags, tp, ep, dispatcher, options))
+    for name, (key, g) in got.items():
+        ref = refs[key]
+        out[name] = dict(_compare(g, ref), counts=g["counts"], experts=g["experts"], ep_group=g["ep_group"],
+                         plain_experts=ref["experts"], plain_ep_group=ref["ep_group"],
+                         restored=_originals() == originals)
+    out["layer-seconds"] = time.monotonic() - t0
+    out["cpu-layers"] = time.process_time()
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()         # the trainer builds its own groups
+    for name, flags in (("off", []), ("on", TRAIN_ON)):
+        loss_file = os.path.join(tmp, f"{name}.jsonl")
+        next_rendezvous(rank, loss_file + ".port")
+        args = parse_args(TRAIN + flags + ["--log-loss-file", loss_file])
+        async_comm.reset_counts()
+        mindspeed.adapt(args)
+        try:
+            run(args)
+        finally:
+            mindspeed.unadapt()
+        out[f"train-{name}/counts"] = dict(async_comm.COUNTS)
+        if rank == 0:
+            with open(loss_file) as f:
+                out[f"train-{name}"] = [json.loads(line)["lm_loss"] for line in f]
+    out["total-seconds"] = time.monotonic() - t0
+    out["cpu-end"] = time.process_time()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(_body, world_size=2, args=(str(tmp_path_factory.mktemp("moe")),), timeout=400)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_losses_and_gradients_equal_the_plain_path(runs, case):
+    for rank in (0, 1):
+        r = runs[rank][case]
+        assert r["same_keys"]
+        diffs = {k: r[k] for k in ("losses", "y", "dx", "grads")}
+        assert max(diffs.values()) <= 1e-6, f"rank {rank}: relative max diffs {diffs}"
+
+
+@pytest.mark.parametrize("case", [c for c in sorted(CASES) if "extend" in c])
+def test_extended_layout_has_whole_experts_over_tp(runs, case):
+    for rank in (0, 1):
+        r = runs[rank][case]
+        assert r["plain_ep_group"] == 1 and r["plain_experts"] == [0, 1, 2, 3]
+        assert r["ep_group"] == 2 and r["experts"] == [2 * rank, 2 * rank + 1]
+
+
+# per run of 3 steps: collectives started asynchronously (each waited for), and expert computations
+# (or the shared experts' fc1) run while one was in flight. Overlap: 2 chunks x (tokens, probs,
+# combine) started, chunk 0's experts under chunk 1's dispatch and chunk 1's under chunk 0's combine
+# (+ the shared fc1); allgather async: 3 gathers, the bookkeeping under the hidden states' gather;
+# alltoall async: tokens' and probs' all-to-alls in flight together (nothing computed between).
+EXPECTED = {"extend/alltoall": (0, 0), "extend/allgather": (0, 0), "overlap": (18, 6), "overlap/shared": (18, 9),
+            "async/allgather": (9, 3), "async/alltoall": (6, 0), "extend+overlap+async": (18, 6)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_collectives_ran_async_with_compute_in_between(runs, case):
+    for rank in (0, 1):
+        counts = runs[rank][case]["counts"]
+        assert (counts["started"], counts["overlapped_compute"]) == EXPECTED[case], counts
+        assert counts["waited"] == counts["started"]
+    for key, plain in runs[0].items():
+        if key.startswith("plain/"):
+            assert plain == {"started": 0, "waited": 0, "overlapped_compute": 0}, key
+
+
+def test_unadapt_restores_megatrons_methods(runs):
+    assert all(runs[0][c]["restored"] for c in CASES)
+
+
+def test_training_losses_equal_without_overlap(runs):
+    off, on = runs[0]["train-off"], runs[0]["train-on"]
+    assert len(off) == 3 and len(on) == 3
+    assert runs[0]["train-off/counts"]["started"] == 0
+    assert runs[0]["train-on/counts"]["overlapped_compute"] > 0
+    for a, b in zip(off, on):
+        assert abs(a - b) <= 1e-6 * abs(a), (off, on)
+    print(f"\nMoE comm spawn: layers {runs[0]['layer-seconds']:.1f} s, total {runs[0]['total-seconds']:.1f} s",
+          {k: runs[0][k] for k in ("cpu-start", "cpu-layers", "cpu-end")})

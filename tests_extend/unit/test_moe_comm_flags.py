@@ -1,0 +1,50 @@
+"""--moe-tp-extend-ep, --moe-alltoall-overlap-comm, --moe-permutation-async-comm: every combination
+they cannot honour is refused in one line before any work (rules after MindSpeed upstream's), and
+the good ones plan. (The computations: tests_extend/distributed/test_moe_comm.py.)"""
+import re
+
+import pytest
+
+from mindspeed.adaptor_core import MindSpeedConfigError, plan
+
+MOE = ["--num-experts", "4"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+EP2 = ["--expert-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--moe-tp-extend-ep"] + MOE, "--moe-tp-extend-ep needs --tensor-model-parallel-size > 1"),
+    (["--moe-tp-extend-ep", "--num-experts", "6"] + TP2 + EP2,
+     "--num-experts (6) divisible by tensor x expert parallel size (2 x 2)"),
+    (["--moe-tp-extend-ep"] + TP2, "needs --num-experts (moe) to be on too"),
+    (["--moe-tp-extend-ep", "--tensor-model-parallel-size", "2"] + MOE, "needs --sequence-parallel"),
+    (["--moe-tp-extend-ep", "--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"] + MOE + TP2,
+     "does not combine with --moe-shared-expert-overlap"),
+    (["--moe-alltoall-overlap-comm"] + MOE, "--moe-alltoall-overlap-comm needs --expert-model-parallel-size > 1"),
+    (["--moe-alltoall-overlap-comm", "--moe-token-dispatcher-type", "allgather"] + MOE + EP2,
+     "--moe-alltoall-overlap-comm needs --moe-token-dispatcher-type alltoall"),
+    (["--moe-alltoall-overlap-comm", "--num-experts", "4"] + TP2 + EP2, "at TP > 1 needs --moe-tp-extend-ep"),
+    (["--moe-permutation-async-comm"] + MOE, "with the alltoall dispatcher needs expert parallel size > 1"),
+    (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE,
+     "with the allgather dispatcher needs tensor x expert parallel size > 1"),
+    (["--moe-permutation-async-comm"] + MOE + TP2 + EP2, "at TP > 1 needs --moe-tp-extend-ep"),
+    (["--backend", "mindspore", "--moe-alltoall-overlap-comm"] + MOE + EP2, "dense MLPs only"),
+])
+def test_combinations_they_cannot_honour_are_refused(argv, message):
+    with pytest.raises(MindSpeedConfigError, match="MindSpeed: .*" + re.escape(message)) as info:
+        plan(argv)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--moe-tp-extend-ep"] + MOE + TP2, {"moe-tp-extend-ep"}),
+    (["--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"] + MOE + EP2,
+     {"moe-alltoall-overlap-comm", "moe-permutation-async-comm"}),
+    (["--moe-tp-extend-ep", "--moe-alltoall-overlap-comm"] + MOE + TP2,
+     {"moe-tp-extend-ep", "moe-alltoall-overlap-comm"}),
+    (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE + TP2,
+     {"moe-permutation-async-comm"}),
+])
+def test_good_combinations_plan(argv, expected):
+    ids = {f.id for f in plan(argv).features}
+    assert expected <= ids
