@@ -88,7 +88,7 @@ def main(argv=None) -> int:
           f"vocab {a.vocab}, fp32, 1 process, {torch.get_num_threads()} torch threads, load avg {os.getloadavg()[0]:.1f}")
     print("| trainer | median step (ms) | tokens/s |")
     print("|---|---|---|")
-    for name, v in (("torch (Megatron-Core GPTModel)", t), ("mindspore (native trainer, PyNative)", m)):
+    for name, v in (("torch (Megatron-Core GPTModel)", t), (f"mindspore (native trainer, {'graph' if trainer.graph_mode else 'PyNative'})", m)):
         print(f"| {name} | {1000 * v:.1f} | {a.seq * a.mbs / v:.0f} |")
     print(f"step time ratio mindspore / torch: {m / t:.2f}x")
     return 0

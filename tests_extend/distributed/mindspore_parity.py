@@ -87,7 +87,7 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps):
     eval_loss = trainer.evaluate([{"tokens": tokens, "labels": labels, "loss_mask": mask}])
     if save_dir:
         checkpoint.save(backend, ps, save_dir, STEPS, trainer.model, trainer.optimizer, {"backend": "mindspore"})
-    return {"losses": losses, "eval_loss": eval_loss}
+    return {"losses": losses, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode}
 
 
 # -- torch side (Megatron-Core GPTModel, run inside the gloo harness) ----------------------------

@@ -152,7 +152,7 @@ def ms_train_steps(trainer, tokens, steps: int = 2) -> tuple[list, "np.ndarray"]
     tokens = np.asarray(tokens, np.int32)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": np.ones_like(tokens[:, 1:], np.float32)}
     name = "decoder.layers.0.self_attention.linear_qkv.bias"
-    whole = lambda: _gather_tp(trainer.backend, trainer.ps, {name: trainer.model.params[name].asnumpy()})[name]
+    whole = lambda: _gather_tp(trainer.backend, trainer.ps, {name: trainer.model.params[name].asnumpy().copy()})[name]
     before = whole()
     losses = [trainer.train_step([batch], it + 1)[0] for it in range(steps)]
     return losses, np.stack([before, whole()])

@@ -176,7 +176,7 @@ class GPTModel:
         for name in expected:
             shard = nf.shard_for_rank(name, np.asarray(full[name], np.float32), self.ps.tp_rank, self.ps.tp_size)
             if name in self.params:
-                self.params[name].set_data(ms.Tensor(shard))
+                ops.assign(self.params[name], ms.Tensor(shard))   # in place: a traced graph holds the storage
             else:
                 self.params[name] = ms.Parameter(ms.Tensor(shard), name=name)
 

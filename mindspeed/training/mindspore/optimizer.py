@@ -13,6 +13,7 @@ import math
 
 import mindspore as ms
 import numpy as np
+from mindspore import ops
 
 
 class Adam:
@@ -44,7 +45,8 @@ class Adam:
             if self.decays(name):
                 value = value * np.float32(1.0 - lr * self.weight_decay)
             denom = np.sqrt(v) / np.float32(bias2_sqrt) + np.float32(self.eps)
-            p.set_data(ms.Tensor((value - np.float32(lr / bias1) * m / denom).astype(np.float32)))
+            # in place (set_data would swap the storage a traced graph already holds)
+            ops.assign(p, ms.Tensor((value - np.float32(lr / bias1) * m / denom).astype(np.float32)))
 
     def state_arrays(self) -> dict:
         out = {}
