@@ -21,6 +21,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 
 from mindspeed.data.indexed import DataError, check_dataset
 from mindspeed.data.tokenizer import load_tokenizer
+from mindspeed.features import documents
 from mindspeed.training import instruction_data
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -85,7 +86,7 @@ def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=True,
+        create_attention_mask=not documents.on(args),   # varlen attention reads the EOD positions
         mid_level_dataset_surplus=0.005,
     )
 
@@ -122,13 +123,15 @@ class InstructionGPTDataset:
         tokens = torch.from_numpy(sample["tokens"])
         a = self.args
         attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
-            tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, True)
+            tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, not documents.on(a))
         if "segments" in sample:      # --neat-pack: the stored sample numbers separate, not eod tokens
             attention_mask, position_ids = neat_pack_masks(torch.from_numpy(sample["segments"]),
                                                            a.reset_position_ids)
-        return {"tokens": tokens, "labels": torch.from_numpy(sample["labels"]),
-                "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]),
-                "attention_mask": attention_mask, "position_ids": position_ids}
+        item = {"tokens": tokens, "labels": torch.from_numpy(sample["labels"]),
+                "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]), "position_ids": position_ids}
+        if attention_mask is not None:
+            item["attention_mask"] = attention_mask
+        return item
 
 
 def neat_pack_masks(segments: torch.Tensor, reset_position_ids: bool):
@@ -208,9 +211,13 @@ def shard_for_context_parallel(batch: dict) -> dict:
     return get_batch_on_this_cp_rank(batch)
 
 
-def get_batch(data_iterator, device: str) -> dict:
+def get_batch(data_iterator, device: str, eod: int | None = None) -> dict:
+    """The next micro-batch on `device`, this CP rank's part of it. With `eod` (documents.on), the
+    documents' ends are taken from the whole sequences first, for every attention layer to read."""
     batch = next(data_iterator)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if eod is not None:
+        documents.set_current([documents.ends_from_eod(row, eod) for row in batch["tokens"]])
     return shard_for_context_parallel(batch)
 
 
