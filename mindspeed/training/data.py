@@ -128,7 +128,8 @@ class InstructionGPTDataset:
             attention_mask, position_ids = neat_pack_masks(torch.from_numpy(sample["segments"]),
                                                            a.reset_position_ids)
         item = {"tokens": tokens, "labels": torch.from_numpy(sample["labels"]),
-                "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]), "position_ids": position_ids}
+                "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]), "position_ids": position_ids,
+                "length": sample["length"]}
         if attention_mask is not None:
             item["attention_mask"] = attention_mask
         return item
@@ -189,9 +190,32 @@ def microbatches(dataset, consumed_samples: int, args) -> Iterator[dict]:
     while True:
         start = position + dp_rank * mbs
         samples = [dataset[(start + i) % len(dataset)] for i in range(mbs)]
-        yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]
-               if key in BATCH_KEYS}
+        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]
+                 if key in BATCH_KEYS}
+        if getattr(args, "variable_seq_lengths", False) and "length" in samples[0]:
+            batch = cut_to_longest(batch, max(s["length"] for s in samples), args)
+        yield batch
         position += mbs * dp_size
+
+
+def length_multiple(args) -> int:
+    """What a micro-batch's length must divide by: TP with sequence parallelism, 2 x CP (the
+    load-balanced chunks)."""
+    m = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    return math.lcm(m, 2 * cp) if cp > 1 else m
+
+
+def cut_to_longest(batch: dict, longest: int, args) -> dict:
+    """--variable-seq-lengths: the micro-batch as long as its longest sample (rounded up to
+    length_multiple, at most --seq-length) instead of --seq-length; the pipeline stages exchange
+    each micro-batch's shape. What is cut is padding: no loss, and causal attention never reads it."""
+    m = length_multiple(args)
+    n = min(-(-max(longest, 1) // m) * m, args.seq_length)
+    out = {k: v[:, :n] for k, v in batch.items() if k != "attention_mask"}
+    if "attention_mask" in batch:
+        out["attention_mask"] = batch["attention_mask"][..., :n, :n]
+    return out
 
 
 def shard_for_context_parallel(batch: dict) -> dict:
