@@ -13,13 +13,17 @@ _current = {"ends": None}      # per sample: cumulative document ends over the w
 
 def on(args) -> bool:
     """The kernel path takes the documents (no dense mask is built): --reset-attention-mask with
-    flash attention or context parallelism, unless CP is asked for the batch's general mask or the
-    samples are --neat-pack segments (they bring their own mask)."""
-    cp = (getattr(args, "context_parallel_size", 1) or 1) > 1
-    return bool(getattr(args, "reset_attention_mask", False)
-                and (getattr(args, "use_flash_attn", False) or cp)
-                and getattr(args, "attention_mask_type", "causal") != "general"
-                and not getattr(args, "neat_pack", False))
+    flash attention or context parallelism (as applied: the active plan's features, so that one
+    dropped by --optimization-level falls back to the mask), unless CP is asked for the batch's
+    general mask or the samples are --neat-pack segments (they bring their own mask)."""
+    if not getattr(args, "reset_attention_mask", False) or getattr(args, "neat_pack", False) \
+            or getattr(args, "attention_mask_type", "causal") == "general":
+        return False
+    from mindspeed.adaptor_core import current
+    state = current()
+    if state is not None:
+        return any(f.id == "flash-attn" or f.category == "context_parallel" for f in state.plan.features)
+    return bool(getattr(args, "use_flash_attn", False) or (getattr(args, "context_parallel_size", 1) or 1) > 1)
 
 
 def ends_from_eod(tokens_row, eod: int) -> list[int]:

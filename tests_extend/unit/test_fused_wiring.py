@@ -136,3 +136,22 @@ def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
         assert documents.current() == [[2, 5, 8], [1, 8]]
     finally:
         documents.set_current(None)
+
+
+def test_documents_follow_the_applied_plan_not_the_flags_alone():
+    """--use-flash-attn dropped by --optimization-level 0: Megatron's attention (and its dense
+    mask) runs, so the dataset must build the mask."""
+    from mindspeed.features import documents
+    from mindspeed.training.arguments import parse_args
+    args = parse_args(["--mock-data", "--reset-attention-mask", "--use-flash-attn", "--optimization-level", "0"])
+    mindspeed.adapt(args)
+    try:
+        assert not documents.on(args)
+    finally:
+        mindspeed.unadapt()
+    args = parse_args(["--mock-data", "--reset-attention-mask", "--use-flash-attn"])
+    mindspeed.adapt(args)
+    try:
+        assert documents.on(args)
+    finally:
+        mindspeed.unadapt()

@@ -65,6 +65,9 @@ def _flash_class():
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             if self._defer(attention_bias, packed_seq_params):
+                if documents.current() is not None and self.config.context_parallel_size == 1:
+                    raise NotImplementedError("--reset-attention-mask with flash attention: attention bias, "
+                                              "packed sequences and sliding windows cannot take the documents")
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
             sq, b, heads, head_dim = query.shape
