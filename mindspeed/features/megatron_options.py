@@ -109,7 +109,8 @@ option("data-blend", (host("--data-path"),), lambda a: len(a.data_path or []) > 
        f"merge the data into one dataset, or {TORCH}", ("--data-path", "1", "DATA", "1", "DATA", "--split", "90,5,5"))
 option("eod-reset", (host("--reset-position-ids", False), host("--reset-attention-mask", False)),
        lambda a: a.reset_position_ids or a.reset_attention_mask,
-       "packed documents: positions and attention restart after each end-of-document token",
+       "packed documents: positions and attention restart after each end-of-document token (flash "
+       "attention and CP: per-document lengths, TND, no [s, s] mask)",
        {"mindspore": f"{MS} feeds whole sequences (no per-document positions or masks yet)"},
        TORCH, ("--reset-position-ids", "--reset-attention-mask"))
 option("eod-mask-loss", (host("--eod-mask-loss", False),), lambda a: a.eod_mask_loss,
@@ -168,7 +169,7 @@ option("flash-attn-band", FlashAttention.flags[1:],
        {"mindspore": f"{MS}'s attention kernels take the causal mask only"}, TORCH,
        ("--use-flash-attn", "--sparse-mode", "2"), depends=("flash-attn",))
 option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
-       "pipeline stages exchange tensor shapes first (micro-batches of different lengths)",
+       "pipeline stages exchange tensor shapes first; instruction micro-batches as long as their longest sample",
        {"mindspore": f"{MS} has no pipeline parallelism"}, TORCH,
        ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2"), example_world=2)
 option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"), host("--moe-shared-expert-overlap", False)),

@@ -21,6 +21,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 
 from mindspeed.data.indexed import DataError, check_dataset
 from mindspeed.data.tokenizer import load_tokenizer
+from mindspeed.features import documents
 from mindspeed.features.memory import shared_mask
 from mindspeed.training import instruction_data
 
@@ -86,7 +87,7 @@ def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=True,
+        create_attention_mask=not documents.on(args),   # varlen attention reads the EOD positions
         mid_level_dataset_surplus=0.005,
     )
 
@@ -123,13 +124,16 @@ class InstructionGPTDataset:
         tokens = torch.from_numpy(sample["tokens"])
         a = self.args
         attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
-            tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, True)
+            tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, not documents.on(a))
         if "segments" in sample:      # --neat-pack: the stored sample numbers separate, not eod tokens
             attention_mask, position_ids = neat_pack_masks(torch.from_numpy(sample["segments"]),
                                                            a.reset_position_ids)
-        return {"tokens": tokens, "labels": torch.from_numpy(sample["labels"]),
-                "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]),
-                "attention_mask": attention_mask, "position_ids": position_ids}
+        item = {"tokens": tokens, "labels": torch.from_numpy(sample["labels"]),
+                "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]), "position_ids": position_ids,
+                "length": sample["length"]}
+        if attention_mask is not None:
+            item["attention_mask"] = attention_mask
+        return item
 
 
 def neat_pack_masks(segments: torch.Tensor, reset_position_ids: bool):
@@ -188,10 +192,35 @@ def microbatches(dataset, consumed_samples: int, args) -> Iterator[dict]:
     while True:
         start = position + dp_rank * mbs
         samples = [dataset[(start + i) % len(dataset)] for i in range(mbs)]
-        yield {key: shared_mask.causal_mask(len(samples[0]["tokens"]), "cpu")
-               if shared and key == "attention_mask" else torch.stack([torch.as_tensor(s[key]) for s in samples])
-               for key in samples[0] if key in BATCH_KEYS}
+        batch = {key: shared_mask.causal_mask(len(samples[0]["tokens"]), "cpu")
+                 if shared and key == "attention_mask" else torch.stack([torch.as_tensor(s[key]) for s in samples])
+                 for key in samples[0] if key in BATCH_KEYS}
+        if getattr(args, "variable_seq_lengths", False) and "length" in samples[0]:
+            batch = cut_to_longest(batch, max(s["length"] for s in samples), args)
+        yield batch
         position += mbs * dp_size
+
+
+def length_multiple(args) -> int:
+    """What a micro-batch's length must divide by: TP with sequence parallelism, 2 x CP (the
+    load-balanced chunks)."""
+    m = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    return math.lcm(m, 2 * cp) if cp > 1 else m
+
+
+def cut_to_longest(batch: dict, longest: int, args) -> dict:
+    """--variable-seq-lengths: the micro-batch as long as its longest sample (rounded up to
+    length_multiple, at most --seq-length) instead of --seq-length; the pipeline stages exchange
+    each micro-batch's shape. What is cut is padding: no loss, and causal attention never reads it."""
+    m = length_multiple(args)
+    n = min(-(-max(longest, 1) // m) * m, args.seq_length)
+    out = {k: v[:, :n] for k, v in batch.items() if k != "attention_mask"}
+    if "attention_mask" in batch:
+        mask = batch["attention_mask"]
+        out["attention_mask"] = shared_mask.causal_mask(n, mask.device) if shared_mask.is_shared(mask) \
+            else mask[..., :n, :n]
+    return out
 
 
 def shard_for_context_parallel(batch: dict) -> dict:
@@ -211,10 +240,14 @@ def shard_for_context_parallel(batch: dict) -> dict:
     return get_batch_on_this_cp_rank(batch)
 
 
-def get_batch(data_iterator, device: str) -> dict:
+def get_batch(data_iterator, device: str, eod: int | None = None) -> dict:
+    """The next micro-batch on `device`, this CP rank's part of it. With `eod` (documents.on), the
+    documents' ends are taken from the whole sequences first, for every attention layer to read."""
     batch = next(data_iterator)
     batch = {k: shared_mask.causal_mask(v.shape[-1], device) if shared_mask.is_shared(v)
              else v.to(device, non_blocking=True) for k, v in batch.items()}
+    if eod is not None:
+        documents.set_current([documents.ends_from_eod(row, eod) for row in batch["tokens"]])
     return shard_for_context_parallel(batch)
 
 

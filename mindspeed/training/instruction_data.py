@@ -83,7 +83,7 @@ class InstructionSamples:
     def example(self, index: int) -> dict:
         epoch, pos = divmod(index, self.num_samples)
         ids, labels, segments = self.docs.document(self.first + int(self._order(epoch)[pos]))
-        n = self.seq_length + 1
+        n, ids_in = self.seq_length + 1, ids
         fit = lambda a, fill: np.concatenate([a[:n], np.full(max(0, n - len(a)), fill, np.int64)])
         ids, labels = fit(ids, self.pad_id), fit(labels, IGNORE_INDEX)
         keep = labels[1:] != IGNORE_INDEX
@@ -92,7 +92,8 @@ class InstructionSamples:
             segments = fit(segments, 0)
             keep &= segments[1:] == segments[:-1]      # the last token of a sample predicts nothing
             example["segments"] = segments[:-1]
-        return {**example, "loss_mask": keep.astype(np.float32)}
+        # tokens taken from the document (the rest is padding): --variable-seq-lengths cuts batches there
+        return {**example, "loss_mask": keep.astype(np.float32), "length": min(len(ids_in), n) - 1}
 
 
 def build_splits(prefix: str, split: str, seq_length: int, seed: int, pad_id: int, neat_pack: bool = False):

@@ -22,6 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed import hooks
+from mindspeed.features import documents
 from mindspeed.net import free_port
 from mindspeed.training import checkpointing, data, flag_tokenizers
 from mindspeed.training.flag_checks import LOSS_SCALE_DEFAULTS
@@ -86,9 +87,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": torch.stack([local_sum.detach(), count.detach()])}
 
 
-def forward_step(device: str, data_iterator, model):
-    batch = data.get_batch(data_iterator, device)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+def forward_step(device: str, data_iterator, model, eod: int | None = None):
+    batch = data.get_batch(data_iterator, device, eod)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -129,8 +130,9 @@ def _reduce_loss(losses_reduced: list, device: str) -> float:
 
 
 class Trainer:
-    def __init__(self, args, logger: TrainingLogger):
+    def __init__(self, args, logger: TrainingLogger, eod: int | None = None):
         self.args, self.log = args, logger
+        self.eod = eod if documents.on(args) else None     # packed documents: varlen attention
         self.device = args.device_name
         self.config = transformer_config(args)
         self.model = self._build_model()
@@ -191,7 +193,7 @@ class Trainer:
     def _run_schedule(self, iterator, forward_only: bool, num_microbatches: int | None = None):
         a = self.args
         return self.forward_backward(
-            forward_step_func=partial(forward_step, self.device), data_iterator=iterator,
+            forward_step_func=partial(forward_step, self.device, eod=self.eod), data_iterator=iterator,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=num_microbatches or self.num_microbatches,
             seq_length=a.seq_length // a.context_parallel_size,
@@ -253,6 +255,7 @@ def run(args) -> dict:
         return _train(args, tokenizer, logger, state)
     finally:
         logger.close()
+        documents.set_current(None)
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():
@@ -296,7 +299,7 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     a = args
     baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
     train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer)
-    trainer = Trainer(a, logger)
+    trainer = Trainer(a, logger, eod=tokenizer.eod if documents.on(a) else None)
     n_params = count_parameters(trainer.model)
     logger.print(f"> MindSpeed {state.plan.describe()}".replace("\n", "; "))
     logger.print(f"> world {a.world_size} = TP {a.tensor_model_parallel_size} x PP {a.pipeline_model_parallel_size}"

@@ -121,3 +121,56 @@ def run_all(kit, world_size, dtypes=("float32", "bfloat16"), cp_size=None, label
                     errs = check_case(kit, cp, case, dtype, tol)
                     results[f"cp{cp_size}/{label}/{mask_type}/nkv{nkv}/{dtype}"] = max(errs)
     return results
+
+
+# packed documents (EOD reset) per sample over s = 16 tokens: ends inside chunks and on chunk
+# borders, a one-token document, and a sample that is a single document
+DOCUMENT_ENDS = [[3, 8, 9, 13, 16], [16]]
+
+
+def document_mask(ends, s):
+    """The dense reference: causal inside each document (True = masked), [b, 1, s, s]."""
+    mask = np.ones((len(ends), 1, s, s), dtype=bool)
+    for i, row in enumerate(ends):
+        for a, b in zip([0] + row[:-1], row):
+            mask[i, 0, a:b, a:b] = ~np.tril(np.ones((b - a, b - a), dtype=bool))
+    return mask
+
+
+def check_documents(kit, cp, seed, nkv=4):
+    """CP attention given the documents' ends (no mask) against single-process attention with the
+    dense per-document mask; returns the max abs error of (out, dq, dk, dv)."""
+    case = make_case(seed, nkv=nkv)
+    case["mask"] = document_mask(DOCUMENT_ENDS, case["q"].shape[0])
+    kernels = get_backend().kernels
+    s = case["q"].shape[0]
+    mask = kit.tensor(case["mask"], "bool")
+    full = [kit.tensor(case[x], "float32") for x in ("q", "k", "v")]
+    ref_out, ref_grads = kit.run_with_grads(
+        lambda q, k, v: kernels.attention(q, k, v, layout="SBH", head_num=case["n"], mask=mask)[0],
+        full, kit.tensor(case["dout"], "float32"))
+    pos = local_positions(s, cp.algo, cp.size, cp.rank, cp.ulysses_degree)
+    out, grads = kit.run_with_grads(
+        lambda q, k, v: context_parallel_attention(q, k, v, cp, head_num=case["n"], documents=DOCUMENT_ENDS),
+        [kit.tensor(case[x][pos], "float32") for x in ("q", "k", "v")], kit.tensor(case["dout"][pos], "float32"))
+    rtol, atol = TOLERANCE["float32"]
+    errors = []
+    for name, got, want in zip(("out", "dq", "dk", "dv"), [out] + grads, [ref_out] + ref_grads):
+        np.testing.assert_allclose(got, want[pos], rtol=rtol, atol=atol,
+                                   err_msg=f"{name} differs with documents ({cp.algo}, rank {cp.rank})")
+        errors.append(float(np.abs(got - want[pos]).max()))
+    return max(errors)
+
+
+def run_documents(world_size, cp_size=None):
+    """Every algorithm with packed documents (MHA and GQA), fp32: {label/documents/nkvN: max error}."""
+    cp_size = cp_size or world_size
+    group, blocks = cp_subgroups(world_size, cp_size)
+    results = {}
+    from tests_extend.distributed import torch_kit
+    for label, algo, options in cases_for(cp_size):
+        cp = build_cp_groups(algo, group=group, all_cp_ranks=blocks, **options)
+        for nkv in (4, 2 if cp_size == 2 else 1):
+            seed = zlib.crc32(f"{label}/documents/{nkv}".encode())
+            results[f"cp{cp_size}/{label}/documents/nkv{nkv}"] = check_documents(torch_kit, cp, seed, nkv)
+    return results

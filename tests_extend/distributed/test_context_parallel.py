@@ -1,7 +1,8 @@
 """Context parallelism on the torch backend in one 4-process gloo job: CP groups of 4 (the world)
 and of 2 (two groups side by side, as with data parallelism). For every algorithm, output and
 q/k/v gradients equal single-process attention on the whole sequence (causal and general masks,
-MHA and GQA, fp32 and bf16). At CP 4: hybrid is Ulysses 2 x ring 2 (with and without a window),
+MHA and GQA, fp32 and bf16; packed documents given by their ends, against the dense per-document
+mask, fp32). At CP 4: hybrid is Ulysses 2 x ring 2 (with and without a window),
 and the double ring has two inner rings of 2; the groups actually built are checked."""
 from tests_extend.distributed import cp_cases
 from tests_extend.distributed.harness import run_distributed
@@ -13,13 +14,18 @@ def _body(rank, world_size):
     from tests_extend.distributed import torch_kit
     results = cp_cases.run_all(torch_kit, world_size, cp_size=4)
     results.update(cp_cases.run_all(torch_kit, world_size, cp_size=2))
-    return results
+    docs = cp_cases.run_documents(world_size, cp_size=4)
+    docs.update(cp_cases.run_documents(world_size, cp_size=2))
+    return results, docs
 
 
 def test_cp_attention_matches_single_process():
     results = run_distributed(_body, world_size=4, timeout=300)
     expected = {f"cp{size}/{label}" for size in (2, 4) for label, _, _ in cp_cases.cases_for(size)}
-    for per_rank in results:
+    for per_rank, docs in results:
+        # packed documents (EOD reset): every algorithm, given the documents' ends and no mask
+        assert set(docs) == {f"cp{size}/{label}/documents/nkv{nkv}" for size in (2, 4)
+                             for label, _, _ in cp_cases.cases_for(size) for nkv in (4, 2 if size == 2 else 1)}
         errors = {k: v for k, v in per_rank.items() if not k.endswith("/arrangement")}
         assert {"/".join(k.split("/")[:2]) for k in errors} == expected
         assert len(errors) == 8 * len(expected)        # 2 masks x 2 kv-head counts x 2 dtypes

@@ -34,6 +34,28 @@ STEPS = 3
 VPP = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer", "--train-iters", str(STEPS)]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 TOLERANCE = 1e-5   # fp32; only the order of the gradient sums differs (module docstring)
+INSTRUCTIONS = "INSTRUCTIONS"      # the fixture's instruction dataset (samples of 3..19 tokens)
+VARIABLE = ["--variable-seq-lengths", "--is-instruction-dataset", "--data-path", INSTRUCTIONS,
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--split", "100,0,0"]
+
+
+def _instructions(tmp) -> str:
+    """An instruction dataset of 40 samples, 3..19 tokens (cut at 17), the first third of each the
+    prompt (label -100), written as the instruction handlers write theirs (int32)."""
+    import numpy as np
+    from mindspeed.data.indexed import DatasetGroup
+    from mindspeed.training.instruction_data import COMPONENTS, SEGMENTS, component_prefix
+    prefix = os.path.join(tmp, "instructions")
+    keys = COMPONENTS + (SEGMENTS,)
+    group = DatasetGroup({k: component_prefix(prefix, k) for k in keys}, dict.fromkeys(keys, np.int32), 65,
+                         checked=["input_ids"])
+    rng = np.random.default_rng(4)
+    for _ in range(40):
+        ids = np.append(rng.integers(0, 64, rng.integers(2, 19)), 64).astype(np.int32)
+        labels = np.where(np.arange(len(ids)) < len(ids) // 3, -100, ids).astype(np.int32)
+        group.add({"input_ids": ids, "labels": labels, SEGMENTS: np.ones_like(ids)})
+    group.commit()
+    return prefix
 
 
 def _losses(path):
@@ -47,7 +69,10 @@ def _train(rank, tmp, name, flags, inspect=None):
     from mindspeed.training.arguments import parse_args
     loss_file = os.path.join(tmp, name + ".jsonl")
     next_rendezvous(rank, loss_file + ".port")
-    args = parse_args(TINY + flags + ["--log-loss-file", loss_file])
+    if INSTRUCTIONS in flags:
+        flags = [os.path.join(tmp, "instructions") if f == INSTRUCTIONS else f for f in flags]
+    base = [f for f in TINY if f != "--mock-data"] if "--data-path" in flags else TINY
+    args = parse_args(base + flags + ["--log-loss-file", loss_file])
     mindspeed.adapt(args)
     seen = {}
     original = pretrain.Trainer._build_model
@@ -109,6 +134,16 @@ def _noop_probe(model, seen):
     return model
 
 
+def _length_probe(model, seen):
+    """The sequence length of every micro-batch entering this stage's first layer (on stage 1: the
+    activations received from stage 0)."""
+    seen["lengths"] = []
+    model[0].module.decoder.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: seen["lengths"].append(
+            int(kwargs.get("hidden_states", args[0] if args else None).shape[0])), with_kwargs=True)
+    return model
+
+
 def _all_runs(rank, world_size, tmp):
     out = {}
     ckpt, saved = os.path.join(tmp, "init"), os.path.join(tmp, "pp2")
@@ -120,6 +155,8 @@ def _all_runs(rank, world_size, tmp):
                                          _noop_probe)
     out["pp2-resumed"], _ = _train(rank, tmp, "pp2-resumed", NOOP + uneven + [
         "--train-iters", str(STEPS), "--load", saved, "--ckpt-step", "1"])
+    out["var-pp1"], out["var-pp1/seen"] = _train(rank, tmp, "var-pp1", start + VARIABLE, _length_probe)
+    out["var-pp2"], out["var-pp2/seen"] = _train(rank, tmp, "var-pp2", start + PP2 + VARIABLE, _length_probe)
     out["vpp"], out["vpp/seen"] = _train(rank, tmp, "vpp", VPP, _count_overlapped_collectives)
     out["vpp-overlap"], out["vpp-overlap/seen"] = _train(rank, tmp, "vpp-overlap", VPP + OVERLAP,
                                                          _count_overlapped_collectives)
@@ -128,7 +165,9 @@ def _all_runs(rank, world_size, tmp):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(_all_runs, world_size=2, args=(str(tmp_path_factory.mktemp("pplayers")),),
+    tmp = str(tmp_path_factory.mktemp("pplayers"))
+    _instructions(tmp)
+    return run_distributed(_all_runs, world_size=2, args=(tmp,),
                            timeout=400, daemon=False)    # checkpoint saves start a helper process
 
 
@@ -170,3 +209,15 @@ def test_vpp_overlap_is_really_on(runs):
         plain, overlap = runs[rank]["vpp/seen"], runs[rank]["vpp-overlap/seen"]
         assert plain["early_grad_sync"] == 0 and plain["param_sync_in_forward"] == 0, plain
         assert overlap["early_grad_sync"] > 0 and overlap["param_sync_in_forward"] > 0, overlap
+
+
+def test_variable_seq_lengths_exchange_each_micro_batchs_shape(runs):
+    """--variable-seq-lengths on instruction data: each micro-batch is as long as its longest
+    sample, stage 1 receives those differing shapes from stage 0, and PP=2 loses what PP=1 does."""
+    stage0, stage1 = runs[0]["var-pp2/seen"]["lengths"], runs[1]["var-pp2/seen"]["lengths"]
+    assert len(stage1) == STEPS * 4 and stage1 == stage0           # what was sent arrived
+    assert len(set(stage1)) > 2 and max(stage1) <= 16 and min(stage1) < 16, stage1
+    pp1, pp2 = runs[0]["var-pp1"], runs[0]["var-pp2"]
+    assert len(pp1) == len(pp2) == STEPS
+    assert max(abs(a - b) for a, b in zip(pp1, pp2)) <= TOLERANCE, (pp1, pp2)
+    assert pp1[0] != pp1[-1]

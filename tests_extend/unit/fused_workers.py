@@ -203,7 +203,62 @@ def moe_wiring(rank, world_size):
     return report
 
 
+EOD_FLAGS = ["--use-flash-attn", "--reset-attention-mask", "--reset-position-ids"]
+DOC_LENGTHS = ([5, 11, 16], [20, 1, 11])      # per sample of SEQ = 32 tokens; each ends in an EOD token
+
+
+def _packed_documents(eod: int):
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, eod, (len(DOC_LENGTHS), sum(DOC_LENGTHS[0])), generator=g)
+    for i, lengths in enumerate(DOC_LENGTHS):
+        tokens[i, torch.tensor(lengths).cumsum(0) - 1] = eod
+    return tokens
+
+
+def eod_documents(rank, world_size):
+    """--reset-attention-mask with flash attention: the per-token loss of a packed batch against each
+    document run on its own (same weights), with every attention call's layout and mask recorded;
+    and the packed batch with the documents withheld (plain causal), which must differ."""
+    from mindspeed.features import documents
+    from tests_extend import megatron_tiny
+    backend = _with_flags(EOD_FLAGS)
+    calls = []
+    impl = backend.kernels._impl["attention"]
+
+    def recorded(*args, **kwargs):
+        calls.append((kwargs.get("layout"), kwargs.get("mask") is None))
+        return impl(*args, **kwargs)
+    backend.kernels._impl["attention"] = recorded
+    megatron_tiny.init_parallel(seed=5)
+    torch.manual_seed(5)
+    model = megatron_tiny.build_gpt(layers=2)
+    eod = megatron_tiny.VOCAB - 1
+    tokens = _packed_documents(eod)
+    labels = torch.roll(tokens, -1, 1)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    ends = [documents.ends_from_eod(row, eod) for row in tokens]
+    documents.set_current(ends)
+    packed = model(tokens, positions, None, labels=labels)
+    packed.float().sum().backward()         # the TND path's backward runs too
+    packed_calls = list(calls)
+    documents.set_current(None)
+    with torch.no_grad():
+        crossing = model(tokens, positions, None, labels=labels)
+        alone = torch.zeros_like(packed)
+        for i, row in enumerate(ends):
+            for a, b in zip([0] + row[:-1], row):
+                doc = tokens[i:i + 1, a:b]
+                alone[i, a:b] = model(doc, torch.arange(b - a).unsqueeze(0), None,
+                                      labels=labels[i:i + 1, a:b])[0]
+    backend.kernels._impl["attention"] = impl
+    import mindspeed
+    mindspeed.unadapt()
+    # the last token of a document predicts the next document's first token: the same label either way
+    return dict(ends=ends, calls=packed_calls, max_diff=float((packed.detach() - alone).abs().max()),
+                crossing_diff=float((crossing - alone).abs().max()))
+
+
 def all_reports(rank, world_size):
     """Every report above in one process (one interpreter start for the whole test module)."""
     return dict(layer=layer_wiring(rank, world_size), train=train_losses(rank, world_size),
-                moe=moe_wiring(rank, world_size))
+                moe=moe_wiring(rank, world_size), eod=eod_documents(rank, world_size))

@@ -96,3 +96,62 @@ def test_flash_attention_recognises_megatrons_plain_causal_mask():
     assert not _is_plain_causal(reset, 6, 6) and not _is_plain_causal(None, 6, 6)
     assert band_arguments(3, True, 4, 7, 0, 0) == dict(causal=False, next_tokens=3)
     assert band_arguments(4, True, 4, 4, 2, 0) == dict(causal=True, pre_tokens=2, next_tokens=0)
+
+
+def test_packed_documents_lose_what_each_document_loses_alone(reports):
+    """--reset-attention-mask with --use-flash-attn: the documents' ends go to one TND kernel call
+    per layer (no mask of any size), and a packed batch's per-token losses equal those of its
+    documents run one by one; without the ends the packed batch attends across documents."""
+    eod = reports["eod"]
+    assert eod["ends"] == [[5, 16, 32], [20, 21, 32]]
+    assert eod["calls"] == [("TND", True)] * 2                # 2 layers, forward; no [s, s] mask
+    assert eod["max_diff"] <= 1e-5
+    assert eod["crossing_diff"] > 1e-2
+
+
+def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
+    """The trainer's batch: with flash attention (or CP) and --reset-attention-mask the dataset
+    builds no attention mask and get_batch publishes each sample's document ends (a document ends
+    right after its EOD token); otherwise Megatron's dense mask stays."""
+    import torch
+    from mindspeed.features import documents
+    from mindspeed.training import data
+    from mindspeed.training.arguments import parse_args
+    base = ["--mock-data", "--seq-length", "8", "--reset-attention-mask"]
+    assert documents.on(parse_args(base + ["--use-flash-attn"]))
+    assert documents.on(parse_args(base + ["--context-parallel-size", "2"], world_size=2))
+    assert not documents.on(parse_args(base))
+    assert not documents.on(parse_args(base + ["--use-flash-attn", "--context-parallel-size", "2",
+                                               "--attention-mask-type", "general"], world_size=2))
+    flash = parse_args(base + ["--use-flash-attn"])
+    tokenizer = data.resolve_data(flash)
+    assert data._dataset_config(flash, tokenizer).create_attention_mask is False
+    assert data._dataset_config(parse_args(base), tokenizer).create_attention_mask is True
+    batch = {"tokens": torch.tensor([[1, 9, 2, 3, 9, 4, 5, 9], [9, 1, 2, 3, 4, 5, 6, 7]]),
+             "labels": torch.zeros(2, 8, dtype=torch.long)}
+    try:
+        got = data.get_batch(iter([batch]), "cpu", eod=9)
+        assert documents.current() == [[2, 5, 8], [1, 8]] and "attention_mask" not in got
+        data.get_batch(iter([batch]), "cpu", eod=None)   # the plain path leaves them alone
+        assert documents.current() == [[2, 5, 8], [1, 8]]
+    finally:
+        documents.set_current(None)
+
+
+def test_documents_follow_the_applied_plan_not_the_flags_alone():
+    """--use-flash-attn dropped by --optimization-level 0: Megatron's attention (and its dense
+    mask) runs, so the dataset must build the mask."""
+    from mindspeed.features import documents
+    from mindspeed.training.arguments import parse_args
+    args = parse_args(["--mock-data", "--reset-attention-mask", "--use-flash-attn", "--optimization-level", "0"])
+    mindspeed.adapt(args)
+    try:
+        assert not documents.on(args)
+    finally:
+        mindspeed.unadapt()
+    args = parse_args(["--mock-data", "--reset-attention-mask", "--use-flash-attn"])
+    mindspeed.adapt(args)
+    try:
+        assert documents.on(args)
+    finally:
+        mindspeed.unadapt()

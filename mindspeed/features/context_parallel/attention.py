@@ -8,11 +8,14 @@ from mindspeed.features.context_parallel.ulysses import ulysses_attention
 
 
 def context_parallel_attention(q, k, v, cp: CPGroups, *, head_num: int, causal: bool = True, mask=None,
-                               scale: float | None = None, dropout_p: float = 0.0):
+                               scale: float | None = None, dropout_p: float = 0.0, documents=None):
     """q [s_local, b, n*d], k/v [s_local, b, nkv*d] (SBH) sharded as sharding.local_positions
     says for cp.algo -> attention output [s_local, b, n*d]. mask: None or a bool mask over the
-    whole sequence (True = masked out), broadcastable to [b, n, S, S]; it replaces `causal`."""
-    common = dict(head_num=head_num, causal=causal, mask=mask, scale=scale, dropout_p=dropout_p)
+    whole sequence (True = masked out), broadcastable to [b, n, S, S]; it replaces `causal`.
+    documents: None, or per sample the cumulative ends of its packed documents over the whole
+    sequence (EOD reset): causal attention inside each document, no mask built."""
+    common = dict(head_num=head_num, causal=causal, mask=mask, scale=scale, dropout_p=dropout_p,
+                  documents=documents)
     if cp.algo == "ulysses_cp_algo":
         return ulysses_attention(q, k, v, group=cp.ulysses_group, **common)
     ring = dict(window_size=cp.window_size, overlap=cp.overlap)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+from mindspeed.features import documents
 from mindspeed.features.context_parallel import sharding
 from mindspeed.features.context_parallel.attention import context_parallel_attention
 from mindspeed.features.context_parallel.groups import build_cp_groups
@@ -79,11 +80,12 @@ def install(patcher, options: CPOptions) -> None:
             s, b, heads, head_dim = query.shape
             sk, _, kv_heads, _ = key.shape
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+            docs = None if general else documents.current()     # EOD reset: the micro-batch's documents
             out = context_parallel_attention(
                 query.reshape(s, b, heads * head_dim), key.reshape(sk, b, kv_heads * head_dim),
                 value.reshape(sk, b, kv_heads * head_dim), cp_groups(options), head_num=heads,
                 causal=causal and not general, mask=attention_mask if general else None, scale=scale,
-                dropout_p=self.attention_dropout.p if self.training else 0.0)
+                dropout_p=self.attention_dropout.p if self.training else 0.0, documents=docs)
             return out
         return forward
 

@@ -19,6 +19,7 @@ Double ring (window w > 1): blocks circle inside windows of w ranks, then hop to
 from __future__ import annotations
 
 from mindspeed.backends import get_backend
+from mindspeed.features.context_parallel import ring_documents
 from mindspeed.features.fused.ring_attention_update import merge_function
 
 
@@ -101,16 +102,22 @@ def _halves(out, mx, sm, c):
 
 def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, mask=None,
                    scale: float | None = None, window_size: int = 1, overlap: bool = False,
-                   dropout_p: float = 0.0):
+                   dropout_p: float = 0.0, documents=None):
     """q [2c, b, n*d], k/v [2c, b, nkv*d] (SBH; this ring rank's chunks r and 2N-1-r) ->
     attention output [2c, b, n*d] over the group's whole sequence. mask: None, or bool
     broadcastable to [b, n, S, S] over the group's sequence of S = 2Nc tokens (used instead of
-    `causal`)."""
+    `causal`). documents: per sample, the cumulative ends of its packed documents over the S
+    tokens: causal attention inside each document (ring_documents), instead of `causal`/`mask`."""
     backend = get_backend()
     comm, kernels = backend.comm, backend.kernels
     size, rank = comm.world_size(group), comm.rank(group)
     kw = dict(layout="SBH", head_num=head_num, scale=scale, dropout_p=dropout_p)
+    if documents is not None and mask is not None:
+        raise ValueError("ring attention: give documents or a mask, not both")
     if size == 1:
+        if documents is not None:
+            return ring_documents.diagonal(q, k, v, documents, 0, q.shape[0], head_num=head_num, scale=scale,
+                                           dropout_p=dropout_p)[0]
         return kernels.attention(q, k, v, causal=causal and mask is None, mask=mask, **kw)[0]
     if q.shape[0] % 2 or k.shape[0] != q.shape[0]:
         raise ValueError(f"ring attention: local q ({q.shape[0]} tokens) and k/v ({k.shape[0]}) must be "
@@ -125,7 +132,14 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
     for owner, rotation in ring_schedule(rank, size, window_size):
         hop = _Rotation(rotation[0], rotation[1], group) if rotation else None
         incoming = hop.start(k, v) if hop and overlap else None   # transfer while computing
-        if mask is not None:
+        if documents is not None:
+            firsts, seconds = ring_documents.blocks(q, k, v, documents, rank, owner, size, c, head_num=head_num,
+                                                    scale=scale, dropout_p=dropout_p)
+            for part in firsts:
+                first = _merge(merge, first, *part)
+            for part in seconds:
+                second = _merge(merge, second, *part)
+        elif mask is not None:
             block = mask[..., rows, :][..., chunk_positions(owner, size, c)]
             a, b = _halves(*kernels.attention(q, k, v, mask=block, **kw), c)
         elif not causal:
@@ -136,9 +150,10 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
             a, b = _halves(*kernels.attention(q, k[:c], v[:c], **kw), c)
         else:
             a, b = None, kernels.attention(q[c:], k, v, **kw)
-        if a is not None:
-            first = _merge(merge, first, *a)
-        second = _merge(merge, second, *b)
+        if documents is None:
+            if a is not None:
+                first = _merge(merge, first, *a)
+            second = _merge(merge, second, *b)
         if hop:
             if incoming is None:
                 incoming = hop.start(k, v)

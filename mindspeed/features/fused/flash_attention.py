@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 from mindspeed.backends import get_backend
+from mindspeed.features import documents
 from mindspeed.features.fused.megatron_specs import GPT_LAYER_SPECS, LOCAL_SPEC_PROVIDER, has_local_spec_provider
 
 SPARSE_MODES = (0, 1, 2, 3, 4)   # features.py lists the same modes
@@ -67,6 +68,9 @@ def _flash_class():
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             if self._defer(attention_bias, packed_seq_params):
+                if documents.current() is not None and self.config.context_parallel_size == 1:
+                    raise NotImplementedError("--reset-attention-mask with flash attention: attention bias, "
+                                              "packed sequences and sliding windows cannot take the documents")
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
             sq, b, heads, head_dim = query.shape
@@ -78,8 +82,13 @@ def _flash_class():
             # Megatron folds 1/layer_number into softmax_scale when it rescales in the softmax
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
             dropout_p = self.attention_dropout.p if self.training else 0.0
+            docs = documents.current()
+            if docs is not None:     # EOD reset: attention inside each document, no [s, s] mask
+                documents.check(docs, b, sq)
 
             def run():
+                if docs is not None:
+                    return _attend_documents(query, key, value, docs, scale=scale, dropout_p=dropout_p, **band)
                 return get_backend().kernels.attention(
                     query.reshape(sq, b, heads * head_dim), key.reshape(skv, b, kv_heads * head_dim),
                     value.reshape(skv, b, kv_heads * head_dim), layout="SBH", head_num=heads,
@@ -91,6 +100,13 @@ def _flash_class():
             return run()
 
     return FlashDotProductAttention
+
+
+def _attend_documents(query, key, value, docs, **kwargs):
+    """[s, b, n, d] q/k/v of packed documents -> [s, b, n*d] (one TND kernel call)."""
+    sq, b, heads, head_dim = query.shape
+    sbh = lambda t: t.reshape(t.shape[0], b, t.shape[2] * head_dim)
+    return documents.attention(sbh(query), sbh(key), sbh(value), docs, head_num=heads, **kwargs)[0]
 
 
 _cls = None
