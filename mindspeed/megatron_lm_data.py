@@ -29,6 +29,13 @@ def problems(args) -> list[str]:
                                                                        True):
         found.append("--neat-pack carries its per-sample attention in the batch's attention mask: "
                      "drop --no-create-attention-mask-in-dataloader")
+    if not found and getattr(args, "reset_attention_mask", False) and (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        # MindSpeed's CP attention takes the documents' ends, which only the built-in trainer's
+        # get_batch computes; Megatron-LM's batches would reach it without them
+        found.append("--reset-attention-mask with --context-parallel-size > 1 is not supported under "
+                     "Megatron-LM's pretrain_gpt.py (its batches carry no document ends for MindSpeed's CP "
+                     "attention); use tests_extend/example/pretrain_gpt.py, which keeps attention inside "
+                     "each document with CP, or --context-parallel-size 1")
     if not found and getattr(args, "is_instruction_dataset", False) and getattr(args, "sft", False):
         found.append("--is-instruction-dataset and Megatron-LM's --sft read different datasets: give one")
     return found

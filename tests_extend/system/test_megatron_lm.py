@@ -164,6 +164,8 @@ assert parsed('--pipeline-model-parallel-size', '2', '--num-layer-list', '1,2') 
     'MindSpeed: --num-layer-list 1,2 sums to 3, not --num-layers 4'
 assert parsed('--is-instruction-dataset', '--data-path', 'a', '--neat-pack') == \\
     'MindSpeed: --neat-pack needs --reset-attention-mask (attention restarts at each packed sample)'
+assert parsed('--context-parallel-size', '2', '--reset-attention-mask', '--reset-position-ids').startswith(
+    'MindSpeed: --reset-attention-mask with --context-parallel-size > 1 is not supported under Megatron-LM')
 irregular = ('--pipeline-model-parallel-size', '4', '--num-layers', '8', '--num-layer-list', '1,2,3,2')
 if megatron_version() == '0.12.1':
     assert parsed(*irregular) == ("MindSpeed: --num-layer-list 1,2,3,2 needs Megatron's "
