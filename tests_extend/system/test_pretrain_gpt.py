@@ -90,11 +90,16 @@ def tp2_sp_single_node(tiny_dataset, tmp_path_factory):
     return output, read_losses(loss_file)
 
 
+# issue 12's savers together on a pipeline (--reuse-fp32-param excludes --swap-optimizer: the DP run has it)
+MEMORY_SAVERS = ["--recompute-activation-function", "--recompute-norm", "--swap-attention", "--swap-optimizer"]
+
+
 @pytest.mark.parametrize("name, env, extra", [
     (TP2_SP, dict(TP="2", PP="1"), ["--sequence-parallel"]),
-    ("pipeline-parallel-2 + tensorboard + op-cal-tflops", dict(TP="1", PP="2"),
-     ["--tensorboard-dir", "{tmp}/tb", "--op-cal-tflops"]),
-    ("data-parallel-2 + distributed optimizer", dict(TP="1", PP="1"), ["--use-distributed-optimizer"]),
+    ("pipeline-parallel-2 + tensorboard + op-cal-tflops + memory savers", dict(TP="1", PP="2"),
+     ["--tensorboard-dir", "{tmp}/tb", "--op-cal-tflops", *MEMORY_SAVERS]),
+    ("data-parallel-2 + distributed optimizer + bf16 reuse-fp32-param", dict(TP="1", PP="1"),
+     ["--use-distributed-optimizer", "--bf16", "--reuse-fp32-param"]),
 ])
 def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extra, request):
     loss_file = str(tmp_path / "losses.jsonl")
@@ -107,6 +112,10 @@ def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extr
     tp, pp = env["TP"], env["PP"]
     assert f"TP {tp} x PP {pp} x CP 1 x DP {2 // (int(tp) * int(pp))}" in output
     assert_learns(losses, output)
+    features = next(line for line in output.splitlines() if "> MindSpeed backend" in line)
+    for flag in extra:
+        if flag.startswith("--") and flag[2:] in ("reuse-fp32-param", *(f[2:] for f in MEMORY_SAVERS)):
+            assert flag[2:] in features, (flag, features)
     if "--op-cal-tflops" in extra:
         _assert_tflops_and_mfu(output)
     else:                                     # the flag off: no such fields

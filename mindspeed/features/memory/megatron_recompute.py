@@ -1,6 +1,6 @@
 """Megatron-Core hook of --recompute-activation-function / --recompute-norm (torch backend).
 
-One wrap of TransformerLayer.__init__ marks the layers chosen by --...-num-layers (the
+A TransformerLayer construction hook (layer_init.py) marks the layers chosen by --...-num-layers (the
 constructor's `layer_number` is the index inside the model chunk, 1-based) and, for the norm
 feature, reroutes each chosen layer's input/pre-MLP norm; one wrap of MLP.forward recomputes the
 activation of the MLPs (dense, MoE experts, shared experts) inside marked layers. Everything goes
@@ -8,11 +8,10 @@ through backend.memory.recompute_output.
 """
 from __future__ import annotations
 
-import inspect
+import functools
 
 from mindspeed.backends import get_backend
 
-LAYER_INIT = "megatron.core.transformer.transformer_layer.TransformerLayer.__init__"
 MLP_FORWARD = "megatron.core.transformer.mlp.MLP.forward"
 ACT_MARK = "_mindspeed_recompute_activation"
 # (norm, the submodule that reads the norm's output and saves it for backward)
@@ -23,31 +22,26 @@ def _chosen(on: bool, limit, local_number: int) -> bool:
     return on and (limit is None or local_number <= limit)
 
 
+def _choose_layers(act, norm, layer, arguments) -> None:
+    local = arguments["layer_number"]
+    if _chosen(*act, local):
+        from megatron.core.transformer.mlp import MLP
+        for module in layer.mlp.modules():
+            if isinstance(module, MLP):
+                setattr(module, ACT_MARK, True)
+    if _chosen(*norm, local):
+        _recompute_norms(layer)
+
+
 def install(patcher, args) -> None:
-    if patcher.find(LAYER_INIT) is not None:      # both features share the hook
+    from mindspeed.features.memory import layer_init
+    if layer_init.has_hook(patcher, _choose_layers):     # both recompute features share the hook
         return
     act = (bool(getattr(args, "recompute_activation_function", False)),
            getattr(args, "recompute_activation_function_num_layers", None))
     norm = (bool(getattr(args, "recompute_norm", False)), getattr(args, "recompute_norm_num_layers", None))
-
-    def wrap_init(original):
-        signature = inspect.signature(original)
-
-        def __init__(self, *a, **kw):
-            original(self, *a, **kw)
-            bound = signature.bind(self, *a, **kw)
-            local = bound.arguments.get("layer_number", signature.parameters["layer_number"].default)
-            if _chosen(*act, local):
-                from megatron.core.transformer.mlp import MLP
-                for module in self.mlp.modules():
-                    if isinstance(module, MLP):
-                        setattr(module, ACT_MARK, True)
-            if _chosen(*norm, local):
-                _recompute_norms(self)
-        return __init__
-
-    why = "--recompute-activation-function / --recompute-norm: choose the layers"
-    patcher.wrap(LAYER_INIT, wrap_init, reason=why)
+    layer_init.add_hook(patcher, functools.partial(_choose_layers, act, norm),
+                        "--recompute-activation-function / --recompute-norm: choose the layers")
     if act[0]:
         patcher.wrap(MLP_FORWARD, _wrap_mlp_forward, reason="--recompute-activation-function")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 
-TARGET = "megatron.core.transformer.transformer_layer.TransformerLayer.__init__"
 _SWAPPER = None
 
 
@@ -23,19 +22,16 @@ def _swapped_forward(forward, layer: int):
 
 def install(patcher, args, memory) -> None:
     global _SWAPPER
+    from mindspeed.features.memory import layer_init
     from mindspeed.features.memory.activation_swap import ActivationSwapper
     from mindspeed.features.memory.swap_features import swap_module_names
     names = swap_module_names(args)
     _SWAPPER = ActivationSwapper(memory)
 
-    def wrap_init(original):
-        @functools.wraps(original)
-        def init(self, *a, **kw):
-            original(self, *a, **kw)
-            for name in names:
-                module = getattr(self, name, None)
-                if module is not None and any(True for _ in module.parameters()):   # not an IdentityOp
-                    module.forward = _swapped_forward(module.forward, self.layer_number)
-        return init
+    def swap_modules(layer, _arguments):
+        for name in names:
+            module = getattr(layer, name, None)
+            if module is not None and any(True for _ in module.parameters()):   # not an IdentityOp
+                module.forward = _swapped_forward(module.forward, layer.layer_number)
 
-    patcher.wrap(TARGET, wrap_init, reason="--swap-attention: swapped modules save their activations on the host")
+    layer_init.add_hook(patcher, swap_modules, "--swap-attention: swapped modules save their activations on the host")
