@@ -39,6 +39,21 @@ def test_fused_cpp_kernels_build_here_and_serve_the_cpu_backend():
     assert kernels.implementation("ring_attention_update") is R.ring_attention_update   # no cpu fast path
 
 
+def test_a_build_killed_earlier_does_not_stop_the_next_one():
+    """torch's loader waits forever on the `lock` file a killed build leaves (seen: a CI run hung
+    there); a fresh process finds it stale and loads the kernels."""
+    import subprocess
+    import sys
+    build_dir = csrc.cache_dir()
+    with csrc.build_lock(build_dir):
+        (build_dir / "lock").touch()          # as a killed build leaves it
+    code = ("from mindspeed.backends.torch.kernels import csrc\n"
+            "assert csrc.fused_ops() is not None, csrc.unavailable_reason()\nprint('loaded')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "loaded" in result.stdout, result.stderr[-2000:]
+    assert not (build_dir / "lock").exists()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 5, 64), (7, 130)])
 def test_rms_norm(dtype, shape):

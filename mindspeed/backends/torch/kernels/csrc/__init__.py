@@ -7,6 +7,8 @@ MINDSPEED_DISABLE_CPP_KERNELS=1 skips the build on purpose.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import threading
@@ -36,9 +38,28 @@ def _build():
     flags = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]  # fast-math: lets exp and reductions vectorize
     if os.environ.get("MINDSPEED_CPP_NATIVE", "1") == "1":
         flags.append("-march=native")   # the cache is per machine; set 0 for a portable build
-    cpp_extension.load(name=_LIB_NAME, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                       build_directory=str(cache_dir()), is_python_module=False, verbose=False)
+    build_dir = cache_dir()
+    with build_lock(build_dir):
+        cpp_extension.load(name=_LIB_NAME, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(build_dir), is_python_module=False, verbose=False)
     return torch.ops.mindspeed_cpu
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """One build at a time per cache directory, under an OS file lock that dies with its process.
+    torch's own lock (a `lock` file its loader waits on forever, even when nothing needs building)
+    stays behind when a build is killed; holding this lock, any such file is stale: removed."""
+    with open(build_dir / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("mindspeed: removing %s left by an interrupted kernel build", stale)
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def fused_ops():
