@@ -23,7 +23,6 @@ exact fp32 values through the bf16 layout, never disturbing the neighbour's para
 """
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 
 import torch
@@ -242,13 +241,6 @@ def attach(opt) -> SharedShards:
 
 
 def install(patcher) -> None:
-    def wrap_init(original):
-        @functools.wraps(original)
-        def init(self, *a, **kw):
-            original(self, *a, **kw)
-            if not hasattr(self, "mindspeed_reuse"):
-                attach(self)
-        return init
-
-    patcher.wrap(OPTIMIZER + ".__init__", wrap_init,
-                 reason="--reuse-fp32-param: fp32 master shards stored in DDP's bf16 parameter buffer")
+    from mindspeed.features.memory.reuse_fp32_param_megatron import attach_after_init
+    attach_after_init(patcher, OPTIMIZER, attach,
+                      "--reuse-fp32-param: fp32 master shards stored in DDP's bf16 parameter buffer")

@@ -145,17 +145,22 @@ def attach(opt) -> SharedMasters:
     return shared
 
 
-def install(patcher) -> None:
+def attach_after_init(patcher, optimizer_class: str, attach_fn, reason: str) -> None:
+    """Wrap an optimizer class's __init__ so each new instance gets attach_fn(instance) once."""
     def wrap_init(original):
         @functools.wraps(original)
         def init(self, *a, **kw):
             original(self, *a, **kw)
             if not hasattr(self, "mindspeed_reuse"):
-                attach(self)
+                attach_fn(self)
         return init
 
-    patcher.wrap(OPTIMIZER + ".__init__", wrap_init,
-                 reason="--reuse-fp32-param: bf16 parameters and their fp32 masters share one buffer")
+    patcher.wrap(optimizer_class + ".__init__", wrap_init, reason=reason)
+
+
+def install(patcher) -> None:
+    attach_after_init(patcher, OPTIMIZER, attach,
+                      "--reuse-fp32-param: bf16 parameters and their fp32 masters share one buffer")
 
 
 def parameter_and_master_bytes(model_chunks, optimizer) -> tuple[int, int, int]:
