@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mindspeed.features.memory.reuse_fp32_param_megatron import RESIDUAL_ZERO, ROUND
+from mindspeed.features.memory.reuse_fp32_param_megatron import RESIDUAL_ZERO, ROUND, expand_before_step
 
 OPTIMIZER = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 CHUNK = 1 << 20          # elements interleaved per copy: bounds the temporary to 4 MiB
@@ -174,12 +174,7 @@ def attach(opt) -> SharedShards:
         raise RuntimeError("--reuse-fp32-param: the masters are held by the precision-aware optimizer "
                            "or Megatron FSDP here, not by DistributedOptimizer")
     shared = SharedShards(opt)
-    opt.mindspeed_reuse = shared
-    inner_step = opt.optimizer.step
-
-    def step(closure=None):
-        shared.to_fp32()
-        return inner_step() if closure is None else inner_step(closure)
+    expand_before_step(opt, shared)
 
     original_copy_out = opt._copy_main_params_to_model_params
 
@@ -230,7 +225,6 @@ def attach(opt) -> SharedShards:
         with shared.kept():
             original_dummy()
 
-    opt.optimizer.step = step
     opt._copy_main_params_to_model_params = copy_main_to_model
     opt._copy_model_params_to_main_params = copy_model_to_main
     opt._get_main_param_and_optimizer_states = get_states

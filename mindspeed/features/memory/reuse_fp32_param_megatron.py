@@ -101,14 +101,21 @@ class SharedMasters:
         return sum(buffer.untyped_storage().nbytes() for _m, _p, buffer in self.pairs)
 
 
-def attach(opt) -> SharedMasters:
-    shared = SharedMasters(opt)
+def expand_before_step(opt, shared) -> None:
+    """Mark opt as reusing (attach once) and let its inner optimizer step on fp32 masters: shared
+    turns the buffers into fp32 first (the copy back to bf16 follows Megatron's own copy-out)."""
     opt.mindspeed_reuse = shared
     inner_step = opt.optimizer.step
 
     def step(closure=None):
         shared.to_fp32()
         return inner_step() if closure is None else inner_step(closure)
+    opt.optimizer.step = step
+
+
+def attach(opt) -> SharedMasters:
+    shared = SharedMasters(opt)
+    expand_before_step(opt, shared)
 
     def copy_main_to_model():
         shared.to_bf16()
@@ -137,7 +144,6 @@ def attach(opt) -> SharedMasters:
         assert state_dict is None, "--reuse-fp32-param: masters from a state dict are not supported"
         shared.clear_residuals()
 
-    opt.optimizer.step = step
     opt._copy_main_params_to_model_params = copy_main_to_model
     opt._copy_model_params_to_main_params = copy_model_to_main
     opt.state_dict = state_dict

@@ -10,6 +10,8 @@ Megatron-Core's MoE layer on the torch backend; the MindSpore GPT has no MoE lay
 """
 from __future__ import annotations
 
+import importlib
+
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, switch
 from mindspeed.features.registry import register
@@ -39,6 +41,12 @@ class _MoeComm(Feature):
     unsupported = {"mindspore": NO_MOE_MS}
     depends = ("moe",)
     example_world = 2
+
+    hook_module = ""           # mindspeed.features.moe.<hook_module>.install patches Megatron-Core
+
+    def apply(self, ctx, args) -> None:
+        if ctx.backend_name == "torch":
+            importlib.import_module(f"mindspeed.features.moe.{self.hook_module}").install(ctx.patcher)
 
     def _common(self, args) -> None:
         name = self.flags[0].name
@@ -78,10 +86,7 @@ class MoeTpExtendEp(_MoeComm):
         if _dispatcher(args) not in ("alltoall", "allgather"):
             raise FeatureConfigError("--moe-tp-extend-ep needs --moe-token-dispatcher-type alltoall or allgather")
 
-    def apply(self, ctx, args) -> None:
-        if ctx.backend_name == "torch":
-            from mindspeed.features.moe import tp_extend_ep
-            tp_extend_ep.install(ctx.patcher)
+    hook_module = "tp_extend_ep"
 
 
 @register
@@ -112,10 +117,7 @@ class MoePermutationAsyncComm(_MoeComm):
             raise FeatureConfigError("--moe-permutation-async-comm with the alltoall dispatcher at TP > 1 needs "
                                      "--moe-tp-extend-ep (the expert-TP gather stays synchronous)")
 
-    def apply(self, ctx, args) -> None:
-        if ctx.backend_name == "torch":
-            from mindspeed.features.moe import permutation_async
-            permutation_async.install(ctx.patcher)
+    hook_module = "permutation_async"
 
 
 @register
@@ -139,7 +141,4 @@ class MoeAlltoallOverlapComm(_MoeComm):
         if _size(args, "tensor_model_parallel_size") > 1 and not getattr(args, "moe_tp_extend_ep", False):
             raise FeatureConfigError("--moe-alltoall-overlap-comm at TP > 1 needs --moe-tp-extend-ep (as upstream)")
 
-    def apply(self, ctx, args) -> None:
-        if ctx.backend_name == "torch":
-            from mindspeed.features.moe import alltoall_overlap
-            alltoall_overlap.install(ctx.patcher)
+    hook_module = "alltoall_overlap"
