@@ -51,6 +51,11 @@ def _worker(rank, world_size, port, fn, args, env, queue):
     import torch.distributed as dist
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except BaseException as e:  # the port was taken after it was picked: run_distributed retries
+        status = "port taken" if "EADDRINUSE" in str(e) else "error"
+        queue.put((rank, status, traceback.format_exc()))
+        return
+    try:
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # report everything, including assertion failures
@@ -63,7 +68,21 @@ def _worker(rank, world_size, port, fn, args, env, queue):
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 180,
                     env: dict | None = None, daemon: bool = True) -> list:
     """daemon=False for bodies that start processes of their own (dist_checkpointing's save does);
-    the workers are still killed when one fails or the timeout passes."""
+    the workers are still killed when one fails or the timeout passes. A rendezvous port taken
+    between picking and binding it (tests run side by side) is retried with a new port, twice."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, timeout, env, daemon)
+        except _PortTaken:
+            if attempt == 2:
+                raise DistributedTestError("the rendezvous port was taken three times in a row")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_once(fn, world_size, args, timeout, env, daemon) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -71,7 +90,7 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
                          daemon=daemon) for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    results, errors, port_taken = {}, [], False
     import queue as queue_mod
     import time
     deadline = time.monotonic() + timeout
@@ -83,6 +102,10 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
             break
         if status == "ok":
             results[rank] = payload
+        elif status == "port taken":
+            port_taken = True
+            errors.append(payload)
+            break
         else:
             errors.append(f"--- rank {rank} ---\n{payload}")
             break   # the other ranks may now hang in a collective: stop them
@@ -91,6 +114,8 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
         if p.is_alive():
             p.kill()
             p.join()
+    if port_taken:
+        raise _PortTaken()
     if errors:
         raise DistributedTestError("distributed test failed:\n" + "\n".join(errors))
     if len(results) < world_size:
