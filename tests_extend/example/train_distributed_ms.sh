@@ -57,6 +57,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export GLOG_v=${GLOG_v:-3}                 # MindSpore's C++ log: errors only
 WORLD=$(( NPUS_PER_NODE * NNODES ))
 export WORLD_SIZE=$WORLD                   # the argument parser derives data-parallel size from it
+export MINDSPEED_NODE_RANK=$NODE_RANK      # pretrain_gpt.py: only node 0 runs msrun's scheduler
 
 MSRUN=$(command -v msrun || true)
 if [ -z "$MSRUN" ]; then

@@ -134,6 +134,25 @@ def test_checkpoint_crosses_to_torch_and_back_bit_for_bit(tmp_path, tiny_dataset
         assert resumed[it] == full[it], (it, resumed[it], full[it])
 
 
+def test_two_nodes_on_one_machine_train_as_one(tmp_path, tiny_dataset, full_run):
+    """Multi-node: two launches of the script acting as two nodes (NNODES=2, NODE_RANK 0 and 1, one
+    msrun worker each, TP=2 across them) meet at MASTER_ADDR:MASTER_PORT and repeat the single-node
+    2-process run's losses bit for bit (--npu-deterministic on both)."""
+    _, _, full = full_run
+    loss_file = tmp_path / "nodes.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), MASTER_ADDR="127.0.0.1", NNODES="2",
+               NPUS_PER_NODE="1", DATA_PATH=tiny_dataset, CLUSTER_TIMEOUT="120", **TINY)
+    nodes = [subprocess.Popen(["bash", SCRIPT, "--log-loss-file", str(loss_file), "--npu-deterministic"], cwd=ROOT,
+                              env=dict(env, NODE_RANK=str(rank), LOG_DIR=str(tmp_path / f"node{rank}_logs")),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=420)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    for rank in (0, 1):        # one worker per node, ranks in node order
+        assert os.listdir(tmp_path / f"node{rank}_logs").count(f"worker_{rank}.log") == 1
+    losses = {rec["iteration"]: rec["lm_loss"] for rec in map(json.loads, loss_file.read_text().splitlines())}
+    assert losses == full, (losses, full)
+
+
 def _assert_tflops_and_mfu(output):
     """The MindSpore trainer's TFLOP/s per device: the same FLOP count as the torch trainer's over the
     logged step time and 2 devices; MFU: that over the peak it measured with MindSpore's matmul."""

@@ -65,9 +65,10 @@ def trainer_session(flags):
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
         model = convert_kit.load_trainer_model(args)
 
-        def loss_of(batch):
+        def loss_of(batch, eod="trainer's"):
             with torch.no_grad():
-                eod = tokenizer.eod if documents.on(args) else None      # as the Trainer passes it
+                if eod == "trainer's":
+                    eod = tokenizer.eod if documents.on(args) else None
                 output, loss_func = pretrain.forward_step("cpu", iter([batch]), model, eod)
                 return loss_func(output)[1]["lm loss"]
         yield args, tokenizer, loss_of
@@ -150,8 +151,9 @@ def test_neat_packed_samples_have_the_losses_of_the_samples_alone(setup):
         def total(prefix, neat_pack):       # every sample of the dataset, one forward each
             a.data_path, a.neat_pack = [prefix], neat_pack
             train = data.build_datasets(a, tokenizer)[0]
-            pairs = [loss_of({k: v.unsqueeze(0) for k, v in train[i].items() if k != "length"})   # (an int)
-                     for i in range(train.epoch_samples)]
+            # packed: no EOD given, so the stored sample numbers alone must place the documents
+            pairs = [loss_of({k: v.unsqueeze(0) for k, v in train[i].items() if k != "length"},   # (an int)
+                             **({"eod": None} if neat_pack else {})) for i in range(train.epoch_samples)]
             return len(pairs), sum(float(p[0]) for p in pairs), sum(int(p[1]) for p in pairs)
         try:
             n_bins, bin_loss, bin_tokens = total(neat, True)
