@@ -36,7 +36,8 @@ def problems(args) -> list[str]:
                                                                        True):
         found.append("--neat-pack carries its per-sample attention in the batch's attention mask: "
                      "drop --no-create-attention-mask-in-dataloader")
-    if not found and getattr(args, "reset_attention_mask", False) and (getattr(args, "context_parallel_size", 1) or 1) > 1 \
+    cp = (getattr(args, "context_parallel_size", 1) or 1) > 1
+    if not found and getattr(args, "reset_attention_mask", False) and cp \
             and not (documents_possible(args) and getattr(args, "attention_mask_type", "causal") != "general"):
         # MindSpeed's CP attention takes the documents' ends, which get_batch gives it only where
         # documents_possible; elsewhere the batches would reach it without them
