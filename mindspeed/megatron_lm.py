@@ -180,6 +180,7 @@ class MegatronLMHooks:
             megatron_lm_data.install(self.state.patcher)
         set_host_flags(p, args)      # after Megatron's checks (its --deterministic-mode asserts NCCL_ALGO)
         self.state.plan = p
+        megatron_lm_data.after_plan(args)
         if int(os.environ.get("RANK", "0")) == 0:
             print("> MindSpeed " + p.describe().replace("\n", "; "), flush=True)
 
@@ -190,6 +191,7 @@ def _route_cp_batch_sharding(original):
     routes to the CP feature's sharding once that feature is applied."""
     def get_batch_on_this_cp_rank(batch, *args, **kwargs):
         from mindspeed.features.context_parallel import sharding
+        megatron_lm_data.publish_documents(batch)      # EOD reset: the document ends, before sharding
         if sharding.active():
             return sharding.get_batch_on_this_cp_rank(batch)
         return original(batch, *args, **kwargs)
@@ -227,5 +229,6 @@ def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptStat
     if ns.backend == "torch":
         from mindspeed.features.memory import shared_mask
         shared_mask.install_megatron_lm(patcher)
+    megatron_lm_data.install_documents(ctx)
     set_current(state)
     return state

@@ -1,10 +1,17 @@
-"""--is-instruction-dataset and --neat-pack under Megatron-LM's own pretrain_gpt.py.
+"""--is-instruction-dataset and --neat-pack, and packed documents, under Megatron-LM's own pretrain_gpt.py.
 
 Megatron-LM's parser has neither flag: they join it with MindSpeed's. With the flag on, the
 datasets pretrain_gpt.py asks Megatron-Core's BlendedMegatronDatasetBuilder for are the built-in
 trainer's instruction datasets (mindspeed.training.data.InstructionGPTDataset): the same samples,
 and a loss mask that is zero on prompt tokens, which Megatron-LM's own loss_func applies. The
 builder is patched (not pretrain_gpt.py's provider) because the script binds the class by name.
+
+Packed documents (--reset-attention-mask with flash attention or CP): Megatron-LM's batches carry
+no document ends, so they are computed from the tokens (the EOD id of Megatron-LM's tokenizer) when
+its get_batch hands the whole sequences to get_batch_on_this_cp_rank, before CP sharding; the
+dataset then builds no [s, s] mask. Only where every stage sees the tokens: with PP > 1 the middle
+stages get no batch (Megatron's dense mask stays there), and --neat-pack's sample numbers do not
+pass Megatron-LM's get_batch (its dense mask stays too).
 """
 from __future__ import annotations
 
@@ -29,16 +36,45 @@ def problems(args) -> list[str]:
                                                                        True):
         found.append("--neat-pack carries its per-sample attention in the batch's attention mask: "
                      "drop --no-create-attention-mask-in-dataloader")
-    if not found and getattr(args, "reset_attention_mask", False) and (getattr(args, "context_parallel_size", 1) or 1) > 1:
-        # MindSpeed's CP attention takes the documents' ends, which only the built-in trainer's
-        # get_batch computes; Megatron-LM's batches would reach it without them
-        found.append("--reset-attention-mask with --context-parallel-size > 1 is not supported under "
-                     "Megatron-LM's pretrain_gpt.py (its batches carry no document ends for MindSpeed's CP "
-                     "attention); use tests_extend/example/pretrain_gpt.py, which keeps attention inside "
-                     "each document with CP, or --context-parallel-size 1")
+    cp = (getattr(args, "context_parallel_size", 1) or 1) > 1
+    if not found and getattr(args, "reset_attention_mask", False) and cp \
+            and not (documents_possible(args) and getattr(args, "attention_mask_type", "causal") != "general"):
+        # MindSpeed's CP attention takes the documents' ends, which get_batch gives it only where
+        # documents_possible; elsewhere the batches would reach it without them
+        found.append("--reset-attention-mask with --context-parallel-size > 1 under Megatron-LM's pretrain_gpt.py "
+                     "needs the document ends from the tokens: not with --pipeline-model-parallel-size > 1, "
+                     "--neat-pack or --attention-mask-type general; use tests_extend/example/pretrain_gpt.py, "
+                     "which keeps attention inside each document there, or --context-parallel-size 1")
     if not found and getattr(args, "is_instruction_dataset", False) and getattr(args, "sft", False):
         found.append("--is-instruction-dataset and Megatron-LM's --sft read different datasets: give one")
     return found
+
+
+def documents_possible(args) -> bool:
+    """Every stage's get_batch sees the tokens (PP 1) and the documents are EOD-separated."""
+    return (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1 and not getattr(args, "neat_pack", False)
+
+
+def install_documents(ctx) -> None:
+    """At import (before pretrain_gpt.py runs): documents.on consults this host's limit."""
+    ctx.add_hook("documents_possible", documents_possible)
+
+
+def after_plan(args) -> None:
+    """Once the plan is applied: with documents on, Megatron-LM's dataset builds no [s, s] mask."""
+    from mindspeed.features import documents
+    if documents.on(args):
+        args.create_attention_mask_in_dataloader = False
+
+
+def publish_documents(batch: dict) -> None:
+    """Megatron-LM's get_batch, whole sequences in hand: each sample's document ends, from its EOD tokens."""
+    from megatron.training import get_args, get_tokenizer
+    from mindspeed.features import documents
+    tokens = batch.get("tokens")
+    if tokens is not None and documents.on(get_args()):
+        eod = get_tokenizer().eod
+        documents.set_current([documents.ends_from_eod(row, eod) for row in tokens])
 
 
 def _instruction_build(original):

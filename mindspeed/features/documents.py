@@ -15,13 +15,17 @@ def on(args) -> bool:
     """The kernel path takes the documents (no dense mask is built): --reset-attention-mask with
     flash attention or context parallelism (as applied: the active plan's features, so that one
     dropped by --optimization-level falls back to the mask), unless CP is asked for the batch's
-    general mask or the samples are --neat-pack segments (they bring their own mask)."""
-    if not getattr(args, "reset_attention_mask", False) or getattr(args, "neat_pack", False) \
+    general mask. Documents are EOD-separated, or --neat-pack's numbered samples. A host whose
+    batches cannot carry them everywhere (Megatron-LM's pretrain_gpt.py with PP > 1) says so
+    through the `documents_possible` hook; the dense mask stays there."""
+    if not getattr(args, "reset_attention_mask", False) \
             or getattr(args, "attention_mask_type", "causal") == "general":
         return False
     from mindspeed.adaptor_core import current
     state = current()
     if state is not None:
+        if not all(rule(args) for rule in state.context.hooks.get("documents_possible", [])):
+            return False
         return any(f.id == "flash-attn" or f.category == "context_parallel" for f in state.plan.features)
     return bool(getattr(args, "use_flash_attn", False) or (getattr(args, "context_parallel_size", 1) or 1) > 1)
 

@@ -25,7 +25,8 @@ from mindspeed.features import documents
 from mindspeed.features.memory import shared_mask
 from mindspeed.training import instruction_data
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+# segments: --neat-pack's sample numbers when documents.on (get_batch turns them into document ends)
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "segments")
 
 
 def dataset_prefixes(data_path) -> list[str]:
@@ -125,31 +126,42 @@ class InstructionGPTDataset:
         a = self.args
         attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
             tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, not documents.on(a))
+        item = {}
         if "segments" in sample:      # --neat-pack: the stored sample numbers separate, not eod tokens
-            attention_mask, position_ids = neat_pack_masks(torch.from_numpy(sample["segments"]),
-                                                           a.reset_position_ids)
-        item = {"tokens": tokens, "labels": torch.from_numpy(sample["labels"]),
-                "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]), "position_ids": position_ids,
-                "length": sample["length"]}
+            segments = torch.from_numpy(sample["segments"])
+            position_ids = neat_pack_positions(segments, a.reset_position_ids)
+            if documents.on(a):       # varlen attention: get_batch reads the numbers, no [s, s] mask
+                item["segments"] = segments
+            else:
+                attention_mask = neat_pack_mask(segments)
+        item.update({"tokens": tokens, "labels": torch.from_numpy(sample["labels"]),
+                     "loss_mask": loss_mask * torch.from_numpy(sample["loss_mask"]), "position_ids": position_ids,
+                     "length": sample["length"]})
         if attention_mask is not None:
             item["attention_mask"] = attention_mask
         return item
 
 
-def neat_pack_masks(segments: torch.Tensor, reset_position_ids: bool):
+def neat_pack_mask(segments: torch.Tensor) -> torch.Tensor:
     """Megatron's [1, s, s] attention mask (True = hidden) letting a token see only the earlier tokens
-    of its own sample, and position ids restarting at 0 in each sample with --reset-position-ids
-    (MindSpeed-LLM's neat-pack positions; padding, segment 0, at 0)."""
+    of its own sample (the path without flash attention or CP)."""
     n = segments.numel()
     causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
     same = segments.view(-1, 1) == segments.view(1, -1)
+    return ~(causal & same).unsqueeze(0)
+
+
+def neat_pack_positions(segments: torch.Tensor, reset_position_ids: bool) -> torch.Tensor:
+    """Position ids restarting at 0 in each sample with --reset-position-ids (MindSpeed-LLM's
+    neat-pack positions; padding, segment 0, at 0)."""
+    n = segments.numel()
     positions = torch.arange(n, dtype=torch.long)
     if reset_position_ids:
         starts = torch.ones(n, dtype=torch.bool)
         starts[1:] = segments[1:] != segments[:-1]
         first = torch.cummax(torch.where(starts, positions, 0), 0).values   # where each token's run began
         positions = torch.where(segments > 0, positions - first, 0)
-    return ~(causal & same).unsqueeze(0), positions
+    return positions
 
 
 def build_instruction_datasets(args, tokenizer, sizes):
@@ -242,11 +254,15 @@ def shard_for_context_parallel(batch: dict) -> dict:
 
 def get_batch(data_iterator, device: str, eod: int | None = None) -> dict:
     """The next micro-batch on `device`, this CP rank's part of it. With `eod` (documents.on), the
-    documents' ends are taken from the whole sequences first, for every attention layer to read."""
-    batch = next(data_iterator)
+    documents' ends are taken from the whole sequences first, for every attention layer to read;
+    --neat-pack's batches bring sample numbers (`segments`) instead, which take precedence."""
+    batch = dict(next(data_iterator))
+    segments = batch.pop("segments", None)
     batch = {k: shared_mask.causal_mask(v.shape[-1], device) if shared_mask.is_shared(v)
              else v.to(device, non_blocking=True) for k, v in batch.items()}
-    if eod is not None:
+    if segments is not None:
+        documents.set_current([documents.ends_from_segments(row) for row in segments])
+    elif eod is not None:
         documents.set_current([documents.ends_from_eod(row, eod) for row in batch["tokens"]])
     return shard_for_context_parallel(batch)
 

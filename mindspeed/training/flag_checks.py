@@ -48,9 +48,6 @@ def _instruction_problems(args) -> list[str]:
     if getattr(args, "neat_pack", False) and not args.reset_attention_mask:
         # MindSpeed-LLM's rule: the packed samples' separation is an attention-mask reset
         return ["--neat-pack needs --reset-attention-mask (attention restarts at each packed sample)"]
-    if getattr(args, "neat_pack", False) and (getattr(args, "context_parallel_size", 1) or 1) > 1:
-        return ["--neat-pack with --context-parallel-size > 1: context-parallel attention is causal over the "
-                "whole sequence, not per packed sample; drop one"]
     paths = [p for p in args.data_path or [] if not is_number(p)]
     if args.mock_data or len(paths) != 1:
         return ["--is-instruction-dataset needs --data-path PREFIX: one instruction dataset made by "

@@ -10,6 +10,10 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 
 def main(argv=None) -> int:
+    if os.environ.get("MS_ROLE") == "MS_SCHED" and os.environ.get("MINDSPEED_NODE_RANK", "0") != "0":
+        # msrun starts a scheduler on every node whose address is MASTER_ADDR: nodes sharing the
+        # master's machine would start a second one (its port is taken). Node 0's coordinates.
+        return 0
     from mindspeed.training.arguments import ArgumentError, parse_args
     try:
         args = parse_args(argv)

@@ -4,6 +4,7 @@
 #   TRAIN_ITERS=40 bash tests_extend/example/train_distributed_ms.sh
 #   TP=1 bash tests_extend/example/train_distributed_ms.sh           # pure data parallel
 #   CKPT_DIR=/tmp/ck SAVE_INTERVAL=20 bash ...; LOAD_DIR=/tmp/ck bash ...  # save, then resume
+#   CKPT_DIR=/tmp/ck SAVE_INTERVAL=20 MAX_RESTARTS=3 bash ...   # a failed job comes back from its last save
 # Extra arguments are passed to pretrain_gpt.py (later flags win). Multi-node: set NNODES,
 # NODE_RANK and MASTER_ADDR (the node running rank 0) on every node.
 set -euo pipefail
@@ -46,8 +47,14 @@ SPLIT=${SPLIT:-949,50,1}
 CKPT_DIR=${CKPT_DIR:-}                    # empty: no checkpoints
 SAVE_INTERVAL=${SAVE_INTERVAL:-}
 LOAD_DIR=${LOAD_DIR:-}
-if [ "${MAX_RESTARTS:-0}" != 0 ]; then
-  echo "error: MAX_RESTARTS: msrun does not restart failed workers and this script has no restart loop yet; rerun with LOAD_DIR=\$CKPT_DIR to resume, or use train_distributed.sh (torch), which restarts" >&2; exit 2
+# msrun (MindSpore 2.10) has no restart option: this script relaunches a failed job itself
+MAX_RESTARTS=${MAX_RESTARTS:-0}            # >0: a job that exits non-zero is relaunched; it resumes from CKPT_DIR
+if [ "$MAX_RESTARTS" != 0 ]; then
+  if [ -z "$CKPT_DIR" ] || [ -z "$SAVE_INTERVAL" ]; then
+    echo "error: MAX_RESTARTS=$MAX_RESTARTS needs CKPT_DIR and SAVE_INTERVAL: a restarted job resumes from the last checkpoint" >&2; exit 2
+  fi
+  # --save X --load X: the first start finds no checkpoint and starts at iteration 0, a restart resumes
+  LOAD_DIR=${LOAD_DIR:-$CKPT_DIR}
 fi
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -57,6 +64,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export GLOG_v=${GLOG_v:-3}                 # MindSpore's C++ log: errors only
 WORLD=$(( NPUS_PER_NODE * NNODES ))
 export WORLD_SIZE=$WORLD                   # the argument parser derives data-parallel size from it
+export MINDSPEED_NODE_RANK=$NODE_RANK      # pretrain_gpt.py: only node 0 runs msrun's scheduler
 
 MSRUN=$(command -v msrun || true)
 if [ -z "$MSRUN" ]; then
@@ -96,7 +104,14 @@ if [ -z "$DATA_PATH" ] && [ "$NODE_RANK" = 0 ]; then
   "$PYTHON" -m mindspeed.data >/dev/null
 fi
 
-exec "$MSRUN" --worker_num="$WORLD" --local_worker_num="$NPUS_PER_NODE" \
-  --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --node_rank="$NODE_RANK" \
-  --log_dir="$LOG_DIR" --join=True --cluster_time_out="$CLUSTER_TIMEOUT" --tail_worker_log=0 \
-  "$HERE/pretrain_gpt.py" "${ARGS[@]}" "$@"
+MSRUN_ARGS=(--worker_num="$WORLD" --local_worker_num="$NPUS_PER_NODE"
+  --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --node_rank="$NODE_RANK"
+  --log_dir="$LOG_DIR" --join=True --cluster_time_out="$CLUSTER_TIMEOUT" --tail_worker_log=0
+  "$HERE/pretrain_gpt.py" "${ARGS[@]}" "$@")
+[ "$MAX_RESTARTS" = 0 ] && exec "$MSRUN" "${MSRUN_ARGS[@]}"
+for (( attempt = 0; ; attempt++ )); do
+  rc=0
+  "$MSRUN" "${MSRUN_ARGS[@]}" || rc=$?
+  if [ "$rc" = 0 ] || [ "$attempt" -ge "$MAX_RESTARTS" ]; then exit "$rc"; fi
+  echo "> msrun exited with code $rc: restart $(( attempt + 1 )) of $MAX_RESTARTS, from the last checkpoint in $CKPT_DIR" >&2
+done

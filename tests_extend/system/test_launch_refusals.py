@@ -110,12 +110,12 @@ MINDSPORE_REFUSALS = [
 ]
 
 
-def _ms_launch(tmp_path, name, args):
+def _ms_launch(tmp_path, name, args, env=None):
     ms_script = pytest.importorskip("tests_extend.system.test_mindspore_train_script")
     msrun, log = _recorder(str(tmp_path / "bin"), "msrun", f"exit {LAUNCHER_REACHED}")
     path = os.path.dirname(msrun) + os.pathsep + os.environ.get("PATH", "")
     start = time.monotonic()
-    result = ms_script.launch(tmp_path, name, dict(PATH=path), args, timeout=120)
+    result = ms_script.launch(tmp_path, name, dict(env or {}, PATH=path), args, timeout=120)
     return result, time.monotonic() - start, _calls(log)
 
 
@@ -127,7 +127,18 @@ def test_mindspore_script_refuses_before_msrun(tmp_path, name, args, expected):
 
 
 def test_mindspore_script_launches_what_the_preflight_accepts(tmp_path):
-    result, _elapsed, msrun_calls = _ms_launch(tmp_path, "accepted", ["--num-layers", "2"])
+    """Also MAX_RESTARTS=2: msrun (the recorder exits non-zero) is launched 1 + 2 times, each resuming
+    from CKPT_DIR, then the script gives up with msrun's code; without CKPT_DIR it is one error line."""
+    ckpt = str(tmp_path / "ckpt")
+    result, _elapsed, msrun_calls = _ms_launch(tmp_path, "accepted", ["--num-layers", "2"],
+                                               dict(MAX_RESTARTS="2", CKPT_DIR=ckpt, SAVE_INTERVAL="4"))
     assert result.returncode == LAUNCHER_REACHED, (result.stdout + result.stderr)[-3000:]
-    assert len(msrun_calls) == 1 and "--worker_num=2" in msrun_calls[0]
+    assert len(msrun_calls) == 3 and all(call == msrun_calls[0] for call in msrun_calls), msrun_calls
+    assert "--worker_num=2" in msrun_calls[0] and f"--save {ckpt} --save-interval 4 --load {ckpt}" in msrun_calls[0]
     assert "--backend mindspore" in msrun_calls[0] and msrun_calls[0].endswith("--num-layers 2")
+    assert [line.split(":")[1].strip() for line in result.stderr.splitlines() if "restart" in line] == [
+        f"restart {n} of 2, from the last checkpoint in {ckpt}" for n in (1, 2)], result.stderr
+    result, _elapsed, msrun_calls = _ms_launch(tmp_path, "no-ckpt", [], dict(MAX_RESTARTS="1"))
+    assert result.returncode == 2 and not msrun_calls[3:], msrun_calls
+    assert result.stderr.strip() == ("error: MAX_RESTARTS=1 needs CKPT_DIR and SAVE_INTERVAL: a restarted job "
+                                     "resumes from the last checkpoint")

@@ -164,8 +164,9 @@ assert parsed('--pipeline-model-parallel-size', '2', '--num-layer-list', '1,2') 
     'MindSpeed: --num-layer-list 1,2 sums to 3, not --num-layers 4'
 assert parsed('--is-instruction-dataset', '--data-path', 'a', '--neat-pack') == \\
     'MindSpeed: --neat-pack needs --reset-attention-mask (attention restarts at each packed sample)'
-assert parsed('--context-parallel-size', '2', '--reset-attention-mask', '--reset-position-ids').startswith(
-    'MindSpeed: --reset-attention-mask with --context-parallel-size > 1 is not supported under Megatron-LM')
+# EOD reset with CP needs the document ends from the tokens: Megatron-LM's middle pipeline stages get none
+assert parsed('--context-parallel-size', '2', '--pipeline-model-parallel-size', '2', '--reset-attention-mask'
+              ).startswith('MindSpeed: --reset-attention-mask with --context-parallel-size > 1 under Megatron-LM')
 irregular = ('--pipeline-model-parallel-size', '4', '--num-layers', '8', '--num-layer-list', '1,2,3,2')
 if megatron_version() == '0.12.1':
     assert parsed(*irregular) == ("MindSpeed: --num-layer-list 1,2,3,2 needs Megatron's "
@@ -208,6 +209,53 @@ def test_describe_lists_the_training_shim_and_unadapt_removes_it(checkout):
     result = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True,
                             text=True, timeout=240)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+# Megatron-LM's own get_batch on one CPU process (initialize_megatron as pretrain() does it): with
+# --reset-attention-mask and flash attention the document ends reach MindSpeed's attention from the
+# tokens (EOD = the NullTokenizer's id 100), and pretrain_gpt.py's dataset config asks for no mask
+DOCUMENTS_CODE = """
+import os, sys, torch
+sys.argv = ['pretrain_gpt.py', '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
+            '--seq-length', '8', '--max-position-embeddings', '8', '--micro-batch-size', '2', '--mock-data',
+            '--tokenizer-type', 'NullTokenizer', '--vocab-size', '100', '--train-iters', '1', '--lr', '1e-3',
+            '--use-flash-attn', '--reset-attention-mask', '--reset-position-ids', '--distributed-backend', 'gloo']
+import mindspeed.megatron_adaptor
+import megatron.core.datasets.utils as dataset_utils
+dataset_utils.compile_helpers = lambda: None    # the C++ index builder: no dataset is built here (saves ~10 s)
+from megatron.training.initialize import initialize_megatron
+from megatron.training import get_args, get_tokenizer
+initialize_megatron()
+import pretrain_gpt
+from mindspeed.features import documents
+args = get_args()
+assert get_tokenizer().eod == 100 and args.create_attention_mask_in_dataloader is False
+cfg = pretrain_gpt.core_gpt_dataset_config_from_args(args)
+assert cfg.create_attention_mask is False and cfg.reset_attention_mask, cfg
+import argparse
+from mindspeed import megatron_lm_data
+variant = lambda **kw: argparse.Namespace(**dict(vars(args), **kw))
+assert megatron_lm_data.problems(variant(context_parallel_size=2)) == []     # CP takes the same ends
+assert not documents.on(variant(pipeline_model_parallel_size=2))             # no tokens mid-pipeline: the mask
+tokens = torch.tensor([[1, 9, 100, 3, 100, 4, 5, 100], [100, 1, 2, 3, 4, 5, 6, 7]])
+data = {'tokens': tokens, 'labels': tokens.roll(-1, 1), 'loss_mask': torch.ones(2, 8),
+        'position_ids': torch.arange(8).expand(2, 8)}
+batch = pretrain_gpt.get_batch(iter([data]))
+assert documents.current() == [[3, 5, 8], [1, 8]], documents.current()
+assert torch.equal(list(batch)[0], tokens)
+print('ok')
+"""
+
+
+def test_documents_come_from_megatron_lms_own_get_batch(checkout, request):
+    if NEWEST_CORE_ONLY and request.node.callspec.params["checkout"] != kit.VERSIONS[-1]:
+        pytest.skip(f"runs on core_v{kit.VERSIONS[-1]} only (CI time budget; MINDSPEED_SLOW_TESTS=1 runs it)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout, kit.ROOT]), RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(kit.free_port()))
+    result = subprocess.run([sys.executable, "-c", DOCUMENTS_CODE], cwd=checkout, env=env, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
+        (result.stdout + result.stderr)[-3000:]
 
 
 def test_untested_megatron_version_is_refused(tmp_path):

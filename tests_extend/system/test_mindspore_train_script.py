@@ -2,12 +2,15 @@
 (TP=2) with a tiny GPT on a tiny dataset: the loss falls, a checkpoint is written, and resuming
 from the middle checkpoint reproduces the uninterrupted run's losses; a checkpoint cut short is
 refused by every worker with one line; the checkpoint crosses to the torch trainer's launch script
-and back without losing a bit."""
+and back without losing a bit. Also: MAX_RESTARTS brings a job whose worker was killed back from its
+last checkpoint, and two launches on this machine train as two nodes."""
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -65,22 +68,101 @@ def run_script(tmp_path, name, extra_env, args=(), timeout=420, script=SCRIPT):
     return r.stdout, losses
 
 
+def run_two_nodes(tmp_path, name, extra_env, args=()):
+    """Two launches of the script acting as two nodes, meeting at 127.0.0.1:MASTER_PORT: (node 0's
+    output, the losses)."""
+    loss_file = tmp_path / f"{name}.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), MASTER_ADDR="127.0.0.1", NNODES="2",
+               NPUS_PER_NODE="1", CLUSTER_TIMEOUT="120", **TINY)
+    env.update(extra_env)
+    nodes = [subprocess.Popen(["bash", SCRIPT, "--log-loss-file", str(loss_file), *args], cwd=ROOT,
+                              env=dict(env, NODE_RANK=str(rank), LOG_DIR=str(tmp_path / f"{name}_node{rank}")),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=420)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    for rank in (0, 1):        # one worker per node, ranks in node order
+        logs = os.listdir(tmp_path / f"{name}_node{rank}")
+        assert f"worker_{rank}.log" in logs and f"worker_{1 - rank}.log" not in logs, (rank, logs)
+    losses = {rec["iteration"]: rec["lm_loss"] for rec in map(json.loads, loss_file.read_text().splitlines())}
+    return outputs[0], losses
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, tiny_dataset):
-    """8 iterations on 2 msrun workers (TP=2), checkpoints at 4 and 8."""
+    """8 iterations on 2 msrun workers (TP=2), checkpoints at 4 and 8, self-healing: MAX_RESTARTS=1
+    (msrun has no restart option; the script relaunches) and worker 1 killed (SIGKILL) once iteration 5
+    is logged, so the job comes back by itself from the step-4 checkpoint (LOAD_DIR defaults to
+    CKPT_DIR). MS_NODE_TIMEOUT: MindSpore's scheduler notices the dead worker after 5 s, not 30."""
     tmp_path = tmp_path_factory.mktemp("full")
-    ckpt = tmp_path / "ckpt"
-    out, full = run_script(tmp_path, "full", dict(DATA_PATH=tiny_dataset, CKPT_DIR=str(ckpt), SAVE_INTERVAL="4"),
-                           ["--op-cal-tflops", "--npu-deterministic"])
-    return ckpt, out, full
+    ckpt, loss_file, log = tmp_path / "ckpt", tmp_path / "full.jsonl", tmp_path / "job.log"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               LOG_DIR=str(tmp_path / "logs"), CKPT_DIR=str(ckpt), SAVE_INTERVAL="4", MAX_RESTARTS="1",
+               MS_NODE_TIMEOUT="5", **TINY)
+    with open(log, "w") as out:
+        job = subprocess.Popen(["bash", SCRIPT, "--op-cal-tflops", "--npu-deterministic", "--log-loss-file",
+                                str(loss_file)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (loss_file.exists() and loss_file.read_text().count("\n") >= 5):
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(_msrun_worker(job.pid, 1), signal.SIGKILL)
+        job.wait(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert job.returncode == 0, output[-4000:]
+    records = [json.loads(line) for line in loss_file.read_text().splitlines()]
+    return ckpt, output, records
+
+
+def _msrun_worker(launcher: int, rank: int) -> int:
+    """The pid of msrun's worker `rank` among the launch script's descendants."""
+    parents, envs = {}, {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                envs[int(entry)] = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError, IndexError):
+            continue          # gone meanwhile, or not readable
+    family, grown = {launcher}, True
+    while grown:
+        more = {pid for pid, parent in parents.items() if parent in family} - family
+        family |= more
+        grown = bool(more)
+    for pid in family:
+        env = envs.get(pid, {})
+        if env.get(b"MS_ROLE") == b"MS_WORKER" and env.get(b"RANK_ID") == str(rank).encode():
+            return pid
+    raise AssertionError(f"no msrun worker {rank} under {launcher}")
+
+
+def test_a_killed_worker_brings_the_job_back_from_the_last_checkpoint(full_run):
+    """The run above: the first attempt got past iteration 5, the restart redid 5-8 from the step-4
+    checkpoint, and the redone iterations repeat the first attempt's losses bit for bit."""
+    ckpt, output, records = full_run
+    iterations = [r["iteration"] for r in records]
+    restart = next(i for i in range(1, len(iterations)) if iterations[i] <= iterations[i - 1])
+    first, second = records[:restart], records[restart:]
+    assert first[-1]["iteration"] >= 5 and [r["iteration"] for r in second] == [5, 6, 7, 8], iterations
+    before = {r["iteration"]: r["lm_loss"] for r in first}
+    assert all(r["lm_loss"] == before[r["iteration"]] for r in second if r["iteration"] in before), records
+    assert "> msrun exited with code 1: restart 1 of 1, from the last checkpoint" in output, output[-3000:]
+    assert "no checkpoint yet in this --save directory; starting from iteration 0" in output   # the first start
+    assert f"loaded checkpoint {ckpt / 'iter_0000004'} at iteration 4" in output, output[-3000:]  # the restart
 
 
 def test_train_save_and_resume(tmp_path, tiny_dataset, full_run):
     """Also: with the step-8 model file cut short, a resume stops both workers with the same single
     line naming the file and iteration 4 with its flag, changes nothing, and that flag resumes."""
-    ckpt, out, full = full_run
+    ckpt, out, records = full_run
+    full = {r["iteration"]: r["lm_loss"] for r in records}
     assert "iteration        8/       8" in out and "lm loss:" in out and "validation loss" in out
-    _assert_tflops_and_mfu(out)
+    _assert_tflops_and_mfu(out, sum(r["iteration"] % int(TINY["LOG_INTERVAL"]) == 0 for r in records))
     assert sorted(full) == list(range(1, 9))
     assert full[7] + full[8] < full[1] + full[2] - 0.2          # it learns
     for it in (4, 8):
@@ -103,8 +185,10 @@ def test_train_save_and_resume(tmp_path, tiny_dataset, full_run):
     assert f"the last readable checkpoint is iteration 4: load it with --load {ckpt} --ckpt-step 4" in lines[0]
     assert snapshot(ckpt) == before                           # tracker and checkpoints untouched
 
-    out, resumed = run_script(tmp_path, "resumed", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ckpt)),
-                              ["--ckpt-step", "4", "--npu-deterministic"])
+    # multi-node: the resume runs as two nodes on this machine (NNODES=2, NODE_RANK 0 and 1, one msrun
+    # worker each, TP=2 across them) and repeats the single-node 2-process run's steps
+    out, resumed = run_two_nodes(tmp_path, "resumed", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ckpt)),
+                                 ["--ckpt-step", "4", "--npu-deterministic"])
     assert "TFLOP/s" not in out and "MFU" not in out                 # the flag off: no such fields
     assert f"loaded checkpoint {ckpt / 'iter_0000004'} at iteration 4" in out
     assert sorted(resumed) == [5, 6, 7, 8]
@@ -118,7 +202,8 @@ def test_checkpoint_crosses_to_torch_and_back_bit_for_bit(tmp_path, tiny_dataset
     step, iteration, samples) and saves it again as torch_dist -> the MindSpore script resumes from
     that and repeats the uninterrupted run's steps 5-8 bit for bit (same TP=2 on both sides, so the
     padded vocabulary is the same model)."""
-    ms_ckpt, _, full = full_run
+    ms_ckpt, _, records = full_run
+    full = {r["iteration"]: r["lm_loss"] for r in records}
     torch_ckpt = tmp_path / "torch_ckpt"
     out = launch(tmp_path, "torch", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ms_ckpt), CKPT_DIR=str(torch_ckpt),
                                           TRAIN_ITERS="4", EVAL_ITERS="0"), ["--ckpt-step", "4"], script=TORCH_SCRIPT)
@@ -134,7 +219,7 @@ def test_checkpoint_crosses_to_torch_and_back_bit_for_bit(tmp_path, tiny_dataset
         assert resumed[it] == full[it], (it, resumed[it], full[it])
 
 
-def _assert_tflops_and_mfu(output):
+def _assert_tflops_and_mfu(output, logged):
     """The MindSpore trainer's TFLOP/s per device: the same FLOP count as the torch trainer's over the
     logged step time and 2 devices; MFU: that over the peak it measured with MindSpore's matmul."""
     import re
@@ -149,7 +234,7 @@ def _assert_tflops_and_mfu(output):
                            r"with mindspore", output).group(1))
     lines = re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+) \| throughput per device "
                        r"\(TFLOP/s/device\): ([0-9.e+-]+) \| MFU: ([0-9.e+-]+)% \|", output)
-    assert len(lines) == int(TINY["TRAIN_ITERS"]) // int(TINY["LOG_INTERVAL"])
+    assert len(lines) == logged
     for step_ms, tflops, mfu in lines:
         expected = flops.flops_per_iteration(args, int(TINY["GLOBAL_BATCH"])) / (float(step_ms) / 1000) / 1e12 / 2
         assert float(tflops) == pytest.approx(expected, rel=2e-3)

@@ -55,6 +55,7 @@ def trainer_session(flags):
     """The loaded checkpoint in the torch trainer (one process): (args, tokenizer, loss_of) where
     `loss_of(batch)` runs the trainer's forward step -> (loss sum, kept-token count)."""
     from mindspeed.convert.megatron_write import adapted, world_of_one
+    from mindspeed.features import documents
     from mindspeed.training import data, pretrain
     from mindspeed.training.arguments import parse_args
     from mindspeed.training.model import padded_vocab_size
@@ -64,9 +65,11 @@ def trainer_session(flags):
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
         model = convert_kit.load_trainer_model(args)
 
-        def loss_of(batch):
+        def loss_of(batch, eod="trainer's"):
             with torch.no_grad():
-                output, loss_func = pretrain.forward_step("cpu", iter([batch]), model)
+                if eod == "trainer's":
+                    eod = tokenizer.eod if documents.on(args) else None
+                output, loss_func = pretrain.forward_step("cpu", iter([batch]), model, eod)
                 return loss_func(output)[1]["lm loss"]
         yield args, tokenizer, loss_of
 
@@ -115,7 +118,9 @@ def test_prompt_tokens_carry_no_loss_and_reply_tokens_do(setup):
 def test_neat_packed_samples_have_the_losses_of_the_samples_alone(setup):
     """--pack --neat-pack stores each bin's sample numbers; trained with --neat-pack the loss of
     every bin is the sum of its samples' losses run one by one (attention and positions stay
-    inside each sample), and a dataset/flag mismatch is refused in one line."""
+    inside each sample), and a dataset/flag mismatch is refused in one line. With flash attention
+    the samples reach the kernel as per-sample lengths (TND): no [s, s] mask is built."""
+    from mindspeed.backends import get_backend
     from mindspeed.data.indexed import DataError
     from mindspeed.training import data, instruction_data
     from mindspeed.training.mindspore.data import IndexedTokens
@@ -133,16 +138,35 @@ def test_neat_packed_samples_have_the_losses_of_the_samples_alone(setup):
         runs = [int(v) for j, v in enumerate(b) if j == 0 or v != b[j - 1]]
         assert runs in (list(range(1, len(runs) + 1)), list(range(1, len(runs))) + [0]), b
         assert (labels.document_range_tokens(i, i + 1)[b == 0] == -100).all()
-    whole = ["--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids"]
+    whole = ["--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids", "--use-flash-attn"]
     with trainer_session(setup["flags"] + whole + ["--neat-pack", "--data-path", neat]) as (a, tokenizer, loss_of):
+        kernels, calls = get_backend().kernels, []
+        impl = kernels._impl["attention"]
+
+        def recorded(*args, **kwargs):          # the real kernel; its layout and mask noted
+            calls.append((kwargs.get("layout"), kwargs.get("mask") is None, len(kwargs.get("actual_seq_qlen") or [])))
+            return impl(*args, **kwargs)
+        kernels._impl["attention"] = recorded
+
         def total(prefix, neat_pack):       # every sample of the dataset, one forward each
             a.data_path, a.neat_pack = [prefix], neat_pack
             train = data.build_datasets(a, tokenizer)[0]
-            pairs = [loss_of({k: v.unsqueeze(0) for k, v in train[i].items() if k != "length"})   # (an int)
-                     for i in range(train.epoch_samples)]
+            # packed: no EOD given, so the stored sample numbers alone must place the documents
+            pairs = [loss_of({k: v.unsqueeze(0) for k, v in train[i].items() if k != "length"},   # (an int)
+                             **({"eod": None} if neat_pack else {})) for i in range(train.epoch_samples)]
             return len(pairs), sum(float(p[0]) for p in pairs), sum(int(p[1]) for p in pairs)
-        n_bins, bin_loss, bin_tokens = total(neat, True)
+        try:
+            n_bins, bin_loss, bin_tokens = total(neat, True)
+        finally:
+            kernels._impl["attention"] = impl
         train = data.build_datasets(a, tokenizer)[0]
+        assert "attention_mask" not in train[0] and "segments" in train[0]
+        # one TND call per layer and bin (in the split's order), maskless, as many sequences as the
+        # bin has runs of numbers
+        runs = [len([j for j, v in enumerate(b) if j == 0 or v != b[j - 1]]) for b in bins]
+        layers = len(calls) // len(bins)
+        assert layers >= 1 and sorted(calls) == sorted(("TND", True, n) for n in runs for _ in range(layers)), \
+            (calls, runs)
         marks0, positions = train.samples.example(0)["segments"], train[0]["position_ids"].tolist()
         expected = [0 if j == 0 or m == 0 or m != marks0[j - 1] else None for j, m in enumerate(marks0)]
         for j, want in enumerate(expected):     # --reset-position-ids: 0 at each sample's start, then +1
