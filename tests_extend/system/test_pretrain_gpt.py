@@ -125,6 +125,25 @@ def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extr
         _assert_plots(tmp_path, output, losses)
 
 
+def test_memory_savers_together_at_tp2_pp2_match_the_run_without(tiny_dataset, tmp_path):
+    """Issue 12's combination on 4 processes, TP=2 x PP=2: the activation savers and --swap-optimizer
+    together give the losses of the run without them bit for bit (recompute and the swaps change
+    where tensors live, not what is computed); the feature line names each saver."""
+    short = dict(TP="2", PP="2", NPUS_PER_NODE="4", DATA_PATH=tiny_dataset, TRAIN_ITERS="6",
+                 EVAL_INTERVAL="6", EVAL_ITERS="1")
+    runs = {}
+    for name, extra in (("off", []), ("on", MEMORY_SAVERS)):
+        loss_file = str(tmp_path / f"{name}.jsonl")
+        output = run_example(short, [*extra, "--log-loss-file", loss_file])
+        assert "TP 2 x PP 2 x CP 1 x DP 1" in output
+        features = next(line for line in output.splitlines() if "> MindSpeed backend" in line)
+        for flag in MEMORY_SAVERS:
+            assert (flag[2:] in features) == (name == "on"), (flag, features)
+        runs[name] = read_losses(loss_file)
+    assert sorted(runs["on"]) == list(range(1, 7))
+    assert runs["on"] == runs["off"]
+
+
 def test_two_nodes_train_as_one_node(tiny_dataset, tmp_path, tp2_sp_single_node):
     """NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT: two launches of the script on this machine, one
     process each, acting as two nodes, train the TP=2 + SP run of one 2-process node bit for bit."""
