@@ -53,7 +53,8 @@ class ReuseFp32Param(Feature):
                 raise FeatureConfigError(f"--reuse-fp32-param with --use-distributed-optimizer needs the {which} "
                                          "size >= 2 (each fp32 master shard borrows a neighbour's shard of the "
                                          f"bf16 buffer); here it is {value}: drop --use-distributed-optimizer "
-                                         "(Megatron's Float16 optimizer)")
+                                         "(at size 1 it shards nothing; Megatron's Float16 optimizer with "
+                                         "--reuse-fp32-param holds the same 4 bytes per bf16 parameter)")
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
