@@ -167,6 +167,15 @@ assert parsed('--is-instruction-dataset', '--data-path', 'a', '--neat-pack') == 
 # EOD reset with CP needs the document ends from the tokens: Megatron-LM's middle pipeline stages get none
 assert parsed('--context-parallel-size', '2', '--pipeline-model-parallel-size', '2', '--reset-attention-mask'
               ).startswith('MindSpeed: --reset-attention-mask with --context-parallel-size > 1 under Megatron-LM')
+# MoE comm flags wrap Megatron-Core's dispatch/combine steps, which core_v0.12's MoE layer lacks
+moe = ('--num-experts', '4', '--expert-model-parallel-size', '2', '--moe-token-dispatcher-type', 'alltoall')
+if megatron_version() == '0.12.1':
+    assert parsed(*moe, '--moe-alltoall-overlap-comm') == (
+        "MindSpeed: --moe-alltoall-overlap-comm wraps Megatron-Core's MoELayer.dispatch, which Megatron-Core "
+        "0.12.1 lacks (its MoE layer predates the dispatch/combine steps): use Megatron-LM core_v0.16.1, or "
+        "drop the flag")
+    assert parsed(*moe, '--moe-permutation-async-comm').startswith(
+        "MindSpeed: --moe-permutation-async-comm wraps Megatron-Core's MoEAllGatherTokenDispatcher.token_dispatch")
 irregular = ('--pipeline-model-parallel-size', '4', '--num-layers', '8', '--num-layer-list', '1,2,3,2')
 if megatron_version() == '0.12.1':
     assert parsed(*irregular) == ("MindSpeed: --num-layer-list 1,2,3,2 needs Megatron's "

@@ -48,3 +48,13 @@ def test_combinations_they_cannot_honour_are_refused(argv, message):
 def test_good_combinations_plan(argv, expected):
     ids = {f.id for f in plan(argv).features}
     assert expected <= ids
+
+
+def test_the_gate_finds_the_megatron_core_methods_the_features_wrap():
+    """The installed Megatron-Core has every method the features wrap; a method it lacks is named
+    (Megatron-LM core_v0.12.1's refusal itself: test_megatron_lm.py's describe test)."""
+    from mindspeed.features.moe.features import MoeAlltoallOverlapComm, MoePermutationAsyncComm, missing_megatron_hook
+    for feature in (MoeAlltoallOverlapComm, MoePermutationAsyncComm):
+        assert feature.megatron_hooks and missing_megatron_hook(feature.megatron_hooks) is None
+    module, cls, methods = MoeAlltoallOverlapComm.megatron_hooks[0]
+    assert missing_megatron_hook(((module, cls, (*methods, "token_permutation_v2")),)) == f"{cls}.token_permutation_v2"

@@ -137,12 +137,7 @@ def _combine(original):
 
 
 def install(patcher) -> None:
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    from mindspeed.patching import PatchError
-    if not hasattr(MoELayer, "dispatch"):       # Megatron-LM core_v0.12's layer: token_permutation API
-        raise PatchError("--moe-alltoall-overlap-comm hooks Megatron-Core's MoELayer dispatch / "
-                         "routed_experts_compute / combine steps, which this Megatron's MoE layer lacks")
+    # the support matrix has checked these methods exist (features.MoeComm.megatron_hooks)
     patcher.wrap(f"{LAYER}.dispatch", _dispatch, reason=WHY)
     patcher.wrap(f"{LAYER}.routed_experts_compute", _routed_experts_compute, reason=WHY)
     patcher.wrap(f"{LAYER}.combine", _combine, reason=WHY)

@@ -29,6 +29,21 @@ def expert_parallel(args) -> int:
     return ep * _size(args, "tensor_model_parallel_size") if getattr(args, "moe_tp_extend_ep", False) else ep
 
 
+def missing_megatron_hook(hooks) -> str | None:
+    """The first `Class.method` of `hooks` ((module, class, methods), ...) the importable Megatron-Core
+    lacks, e.g. core_v0.12's MoE layer, which predates the dispatch/combine steps these features
+    wrap; None where all are there (or Megatron-Core is absent: the matrix refuses that itself)."""
+    for module, cls, methods in hooks:
+        try:
+            owner = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            return None
+        for method in methods:
+            if not hasattr(owner, method):
+                return f"{cls}.{method}"
+    return None
+
+
 def _dispatcher(args):
     return getattr(args, "moe_token_dispatcher_type", "alltoall")
 
@@ -43,12 +58,22 @@ class _MoeComm(Feature):
     example_world = 2
 
     hook_module = ""           # mindspeed.features.moe.<hook_module>.install patches Megatron-Core
+    megatron_hooks = ()        # ((module, class, methods), ...) that install wraps
+
+    def _megatron_has_hooks(self) -> None:
+        missing = missing_megatron_hook(self.megatron_hooks)
+        if missing:
+            from mindspeed.megatron_lm import megatron_version
+            raise FeatureConfigError(f"{self.flags[0].name} wraps Megatron-Core's {missing}, which Megatron-Core "
+                                     f"{megatron_version()} lacks (its MoE layer predates the dispatch/combine "
+                                     "steps): use Megatron-LM core_v0.16.1, or drop the flag")
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
             importlib.import_module(f"mindspeed.features.moe.{self.hook_module}").install(ctx.patcher)
 
     def _common(self, args) -> None:
+        self._megatron_has_hooks()
         name = self.flags[0].name
         if getattr(args, "moe_expert_capacity_factor", None) is not None:
             raise FeatureConfigError(f"{name} supports dropless MoE only: drop --moe-expert-capacity-factor")
@@ -118,6 +143,10 @@ class MoePermutationAsyncComm(_MoeComm):
                                      "--moe-tp-extend-ep (the expert-TP gather stays synchronous)")
 
     hook_module = "permutation_async"
+    megatron_hooks = (("megatron.core.transformer.moe.token_dispatcher", "MoEAllGatherTokenDispatcher",
+                       ("token_dispatch", "dispatch_postprocess")),
+                      ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher",
+                       ("token_dispatch",)))
 
 
 @register
@@ -142,3 +171,5 @@ class MoeAlltoallOverlapComm(_MoeComm):
             raise FeatureConfigError("--moe-alltoall-overlap-comm at TP > 1 needs --moe-tp-extend-ep (as upstream)")
 
     hook_module = "alltoall_overlap"
+    megatron_hooks = (("megatron.core.transformer.moe.moe_layer", "MoELayer",
+                       ("dispatch", "routed_experts_compute", "combine")),)

@@ -81,12 +81,7 @@ def _alltoall_dispatch(original):
 
 
 def install(patcher) -> None:
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
-
-    from mindspeed.patching import PatchError
-    if not hasattr(MoEAllGatherTokenDispatcher, "token_dispatch"):   # core_v0.12: token_permutation API
-        raise PatchError("--moe-permutation-async-comm hooks Megatron-Core's dispatcher token_dispatch / "
-                         "dispatch_postprocess steps, which this Megatron's dispatchers lack")
+    # the support matrix has checked these methods exist (features.MoeComm.megatron_hooks)
     patcher.wrap(f"{DISPATCHER}.MoEAllGatherTokenDispatcher.token_dispatch", _allgather_dispatch, reason=WHY)
     patcher.wrap(f"{DISPATCHER}.MoEAllGatherTokenDispatcher.dispatch_postprocess", _allgather_postprocess,
                  reason=WHY)
