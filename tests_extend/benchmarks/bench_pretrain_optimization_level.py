@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,9 +22,9 @@ DONE = re.compile(r"> done: \d+ iterations \| final validation loss (\S+).*throu
 
 
 def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    sys.path.insert(0, ROOT)
+    from mindspeed.net import free_port
+    return str(free_port())
 
 
 def run_once(level: int, iters: int, extra: list[str]) -> tuple[float, str]:
@@ -47,6 +46,7 @@ def main() -> None:
     parser.add_argument("extra", nargs="*")
     args = parser.parse_args()
     results: dict[int, list[float]] = {0: [], 2: []}
+    load_start = os.getloadavg()[0]
     for r in range(args.rounds):
         for level in (0, 2) if r % 2 == 0 else (2, 0):
             tps, loss = run_once(level, args.iters, args.extra)
@@ -54,7 +54,8 @@ def main() -> None:
             print(f"round {r + 1} level {level}: {tps:.0f} tokens/s (final validation loss {loss})", flush=True)
     med = {lvl: statistics.median(v) for lvl, v in results.items()}
     print(f"median tokens/s: level 0 {med[0]:.0f} | level 2 {med[2]:.0f} | "
-          f"ratio level2/level0 = {med[2] / med[0]:.2f}")
+          f"ratio level2/level0 = {med[2] / med[0]:.2f} | load average {load_start:.1f} -> "
+          f"{os.getloadavg()[0]:.1f} (rerun above 1)")
 
 
 if __name__ == "__main__":

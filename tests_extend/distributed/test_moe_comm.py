@@ -2,7 +2,7 @@
 processes (one spawn for every check, CI time):
 
 * one Megatron-Core MoELayer (4 experts, top-2, SwiGLU) loaded from the same full weights in each
-  layout, 3 SGD steps: every step's loss, the last output, the input gradient and every full
+  layout, 20 SGD steps (STEPS; the issue's count): every step's loss, the last output, the input gradient and every full
   gradient (expert weights gathered from wherever they live) equal the plain path's within 1e-6
   (fp32). Each rank's tokens differ and the router spreads them unevenly, so a chunk sent to the
   wrong rank, written to the wrong rows or reduced in the wrong order shows;
@@ -22,6 +22,7 @@ import pytest
 from tests_extend.distributed.harness import next_rendezvous, run_distributed
 
 # name: (flags, tp, ep, dispatcher, layer options); each compared with REF[name]
+STEPS = 20
 CASES = {
     "extend/alltoall": (["--moe-tp-extend-ep"], 2, 1, "alltoall", dict(shared=True)),
     "extend/allgather": (["--moe-tp-extend-ep"], 2, 1, "allgather", {}),
@@ -76,7 +77,7 @@ def _groups(flags, tp, ep):
 
 
 def _layer_run(flags, tp, ep, dispatcher, options):
-    """The layer on the current groups, with `flags` applied, run for 3 SGD steps."""
+    """The layer on the current groups, with `flags` applied, run for STEPS SGD steps."""
     import mindspeed
     from megatron.core import parallel_state as ps
 
@@ -87,7 +88,7 @@ def _layer_run(flags, tp, ep, dispatcher, options):
     try:
         async_comm.reset_counts()
         layer = mc.build_layer(tp, ep, dispatcher, **options)
-        losses, y, dx, grads = mc.run_layer(layer, ps)
+        losses, y, dx, grads = mc.run_layer(layer, ps, steps=STEPS)
         return dict(losses=losses, y=y, dx=dx, grads=grads, counts=dict(async_comm.COUNTS),
                     experts=list(layer.local_expert_indices), ep_group=ps.get_expert_model_parallel_world_size())
     finally:
@@ -179,13 +180,14 @@ def test_extended_layout_has_whole_experts_over_tp(runs, case):
         assert r["ep_group"] == 2 and r["experts"] == [2 * rank, 2 * rank + 1]
 
 
-# per run of 3 steps: collectives started asynchronously (each waited for), and expert computations
+# per step: collectives started asynchronously (each waited for), and expert computations
 # (or the shared experts' fc1) run while one was in flight. Overlap: 2 chunks x (tokens, probs,
 # combine) started, chunk 0's experts under chunk 1's dispatch and chunk 1's under chunk 0's combine
 # (+ the shared fc1); allgather async: 3 gathers, the bookkeeping under the hidden states' gather;
 # alltoall async: tokens' and probs' all-to-alls in flight together (nothing computed between).
-EXPECTED = {"extend/alltoall": (0, 0), "extend/allgather": (0, 0), "overlap": (18, 6), "overlap/shared": (18, 9),
-            "async/allgather": (9, 3), "async/alltoall": (6, 0), "extend+overlap+async": (18, 6)}
+PER_STEP = {"extend/alltoall": (0, 0), "extend/allgather": (0, 0), "overlap": (6, 2), "overlap/shared": (6, 3),
+            "async/allgather": (3, 1), "async/alltoall": (2, 0), "extend+overlap+async": (6, 2)}
+EXPECTED = {case: (started * STEPS, overlapped * STEPS) for case, (started, overlapped) in PER_STEP.items()}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
