@@ -74,6 +74,10 @@ ROPE_CASES = {   # layout: (x shape, cos shape) with partial rotary (rot 8 of 12
     "BSND": ((2, 6, 3, 12), (1, 6, 1, 8)),
     "BNSD": ((2, 3, 6, 12), (1, 1, 6, 8)),
     "full": ((6, 2, 3, 8), (6, 2, 1, 8)),
+    # the C++ row loop has three widths (rot < 32, < 64, larger): head dims 32, 64 and 128
+    "SBND_d32": ((5, 2, 3, 32), (5, 1, 1, 32)),
+    "BNSD_d64": ((2, 3, 5, 64), (1, 1, 5, 64)),
+    "BSND_d136_rot128": ((2, 5, 2, 136), (1, 5, 1, 128)),
 }
 
 
