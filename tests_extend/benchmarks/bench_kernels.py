@@ -5,8 +5,9 @@ same run, and attention peak memory vs sequence length.
     python tests_extend/benchmarks/bench_kernels.py [--quick] [--no-compile] [--threads N]
 
 One compute thread by default, as the trainer runs (OMP_NUM_THREADS=1 per process). With one
-thread the times are the calling thread's CPU time (time.thread_time), which other processes on
-the machine do not inflate the way they inflate wall-clock time; with more, wall-clock. The
+thread the times are the calling thread's CPU time (time.thread_time): a thread waiting for a core
+accrues none, so other processes inflate it less than wall-clock time (they still share caches and
+memory bandwidth: keep the load average low); with more threads, wall-clock. The
 elementwise kernels run at the rows of a micro-batch (2048 tokens) and three widths: the
 example's hidden 128 (head dim 32), the step-time issue's 512 (head dim 64) and 4096 (head dim 128).
 """
