@@ -191,6 +191,17 @@ def bench_others(args, copy_bw):
         best_time(fwd_bwd(permute_roundtrip(R), [tok]), args.reps),
         best_time(fwd_bwd(permute_roundtrip(C), [tok]), args.reps),
         compiled_time(args, permute_roundtrip(R), [tok], args.reps), copy_bw)
+    idx = routing.t().nonzero()[:, 1]
+    rows, back = torch.empty(idx.numel(), 1024), torch.empty(4096, 1024)
+
+    def row_moves_alone():  # the ceiling of any permute+unpermute: gathers and sums into preallocated rows
+        torch.index_select(tok, 0, idx, out=rows)              # permute
+        back.zero_().index_add_(0, idx, rows)                  # unpermute
+        torch.index_select(back, 0, idx, out=rows)             # unpermute backward
+        back.zero_().index_add_(0, idx, rows)                  # permute backward
+    row("moe permute+unpermute: row moves alone (ceiling)", 0,
+        best_time(fwd_bwd(permute_roundtrip(R), [tok]), args.reps), best_time(row_moves_alone, args.reps),
+        "skipped", copy_bw)
 
 
 def _status_mib(key: str) -> float:
