@@ -8,7 +8,10 @@ processes (one spawn for every check, CI time):
   wrong rank, written to the wrong rows or reduced in the wrong order shows;
 * the layout really changed (extended: 2 experts per rank, expert-parallel group of 2 at TP 2) and
   the collectives really ran asynchronously with expert compute between start and wait (counters),
+  in backward too under the overlap (expert backward while a gradient all-to-all is in flight),
   and nothing async ran without the flags;
+* the overlap's gradient all-to-alls start in one order on both ranks, every step, and that order
+  is held by graph edges (a different order on two ranks would pair wrong messages);
 * unadapt() gives Megatron its own methods back;
 * the built-in trainer at EP 2 with the overlap flags and shared experts: 3 steps give the same
   losses as without.
@@ -86,11 +89,13 @@ def _layer_run(flags, tp, ep, dispatcher, options):
     from tests_extend.distributed import moe_comm_cases as mc
     mindspeed.adapt(parse_args(_argv(flags, tp, ep, dispatcher, options)))
     try:
-        async_comm.reset_counts()
         layer = mc.build_layer(tp, ep, dispatcher, **options)
+        arrivals = mc.arrival_inputs(layer, ps)
+        async_comm.reset_counts()
         losses, y, dx, grads = mc.run_layer(layer, ps, steps=STEPS)
         return dict(losses=losses, y=y, dx=dx, grads=grads, counts=dict(async_comm.COUNTS),
-                    backward_order=list(async_comm.BACKWARD_ORDER), experts=list(layer.local_expert_indices), ep_group=ps.get_expert_model_parallel_world_size())
+                    backward_order=list(async_comm.BACKWARD_ORDER), arrivals=arrivals,
+                    experts=list(layer.local_expert_indices), ep_group=ps.get_expert_model_parallel_world_size())
     finally:
         mindspeed.unadapt()
 
@@ -132,7 +137,8 @@ def _body(rank, world_size, tmp):
                 got[name] = (key, _layer_run(flags, tp, ep, dispatcher, options))
     for name, (key, g) in got.items():
         ref = refs[key]
-        out[name] = dict(_compare(g, ref), counts=g["counts"], backward_order=g["backward_order"], experts=g["experts"], ep_group=g["ep_group"],
+        out[name] = dict(_compare(g, ref), counts=g["counts"], backward_order=g["backward_order"],
+                         arrivals=g["arrivals"], experts=g["experts"], ep_group=g["ep_group"],
                          plain_experts=ref["experts"], plain_ep_group=ref["ep_group"],
                          restored=_originals() == originals)
     out["layer-seconds"] = time.monotonic() - t0
@@ -214,6 +220,11 @@ def test_backward_all_to_alls_start_in_one_order_on_every_rank(runs, case):
     orders = [runs[rank][case]["backward_order"] for rank in (0, 1)]
     assert orders[0] == orders[1] and orders[0][-6:] == BACKWARD_ORDER, orders
     assert all(orders[0][i] == orders[0][i - 6] for i in range(6, len(orders[0]))), orders[0]
+    # the order is fixed by edges, not by autograd's choice among ready nodes: chunk 1's arrival
+    # takes chunk 0's combine as an input (on CPU autograd happens to pick this order anyway)
+    for rank in (0, 1):
+        assert runs[rank][case]["arrivals"] == [["_CombineSendBackward", "_DispatchJoinBackward"],
+                                                ["_DispatchJoinBackward"]]
 
 
 def test_unadapt_restores_megatrons_methods(runs):
