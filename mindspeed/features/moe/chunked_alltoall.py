@@ -110,7 +110,8 @@ class _DispatchArrive(torch.autograd.Function):
 
 
 class _ExpertsBackwardMark(torch.autograd.Function):
-    """Identity at a chunk's expert output: its backward is the moment that chunk's expert backward starts."""
+    """Identity on a chunk's expert output (back in source-rank order): its backward runs right before
+    that chunk's expert backward, so it counts whether a gradient all-to-all is in flight then."""
 
     @staticmethod
     def forward(ctx, y):
