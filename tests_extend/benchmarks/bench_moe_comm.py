@@ -100,7 +100,9 @@ def _body(rank, world_size, tokens, hidden, ffn, experts, steps):
         timed = _interleaved({k: step for k in configs},
                              {k: _flags(f, 1, 2, dispatcher, experts) for k, f in configs.items()}, steps)
         results.update({(f"EP=2 {dispatcher}", k): v for k, v in timed.items()})
-        results[(f"EP=2 {dispatcher}", "overlapped computations")] = async_comm.COUNTS["overlapped_compute"]
+        results[(f"EP=2 {dispatcher}", "overlapped computations")] = (
+            f"{async_comm.COUNTS['overlapped_compute']} forward, {async_comm.COUNTS['bwd_overlapped_compute']} "
+            "expert backward")
     for extended in (False, True):
         names = [k for k, (_, ext) in TP_CONFIGS.items() if ext == extended]
         flags = {k: _flags(TP_CONFIGS[k][0], 2, 1, "alltoall", experts) for k in names}

@@ -128,3 +128,23 @@ def run_layer(layer, ps, steps: int = 3, lr: float = 0.02):
             for p in layer.parameters():
                 p.add_(p.grad, alpha=-lr) if p.grad is not None else None
     return losses, y.detach().clone(), x.grad.detach().clone(), grads
+
+
+def arrival_inputs(layer, ps):
+    """One forward: for each chunk's dispatch arrival node in the autograd graph (chunked_alltoall.py),
+    the sorted names of the nodes its gradients go to. The edge from the previous chunk's combine is
+    what fixes the gradient all-to-alls' start order, whatever autograd's scheduling of ready nodes."""
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    x = inputs(0)[0][tp_rank * (S // tp):(tp_rank + 1) * (S // tp)].clone().requires_grad_(True)
+    y, _ = layer(x)
+    seen, todo, arrivals = set(), [y.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nexts = [n for n, _ in node.next_functions]
+        if node.name() == "_DispatchArriveBackward":
+            arrivals.append(sorted(n.name() for n in nexts if n is not None))
+        todo.extend(nexts)
+    return sorted(arrivals)

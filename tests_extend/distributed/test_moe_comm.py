@@ -8,7 +8,10 @@ processes (one spawn for every check, CI time):
   wrong rank, written to the wrong rows or reduced in the wrong order shows;
 * the layout really changed (extended: 2 experts per rank, expert-parallel group of 2 at TP 2) and
   the collectives really ran asynchronously with expert compute between start and wait (counters),
+  in backward too under the overlap (expert backward while a gradient all-to-all is in flight),
   and nothing async ran without the flags;
+* the overlap's gradient all-to-alls start in one order on both ranks, every step, and that order
+  is held by graph edges (a different order on two ranks would pair wrong messages);
 * unadapt() gives Megatron its own methods back;
 * the built-in trainer at EP 2 with the overlap flags and shared experts: 3 steps give the same
   losses as without.
@@ -86,10 +89,12 @@ def _layer_run(flags, tp, ep, dispatcher, options):
     from tests_extend.distributed import moe_comm_cases as mc
     mindspeed.adapt(parse_args(_argv(flags, tp, ep, dispatcher, options)))
     try:
-        async_comm.reset_counts()
         layer = mc.build_layer(tp, ep, dispatcher, **options)
+        arrivals = mc.arrival_inputs(layer, ps)
+        async_comm.reset_counts()
         losses, y, dx, grads = mc.run_layer(layer, ps, steps=STEPS)
         return dict(losses=losses, y=y, dx=dx, grads=grads, counts=dict(async_comm.COUNTS),
+                    backward_order=list(async_comm.BACKWARD_ORDER), arrivals=arrivals,
                     experts=list(layer.local_expert_indices), ep_group=ps.get_expert_model_parallel_world_size())
     finally:
         mindspeed.unadapt()
@@ -132,7 +137,8 @@ def _body(rank, world_size, tmp):
                 got[name] = (key, _layer_run(flags, tp, ep, dispatcher, options))
     for name, (key, g) in got.items():
         ref = refs[key]
-        out[name] = dict(_compare(g, ref), counts=g["counts"], experts=g["experts"], ep_group=g["ep_group"],
+        out[name] = dict(_compare(g, ref), counts=g["counts"], backward_order=g["backward_order"],
+                         arrivals=g["arrivals"], experts=g["experts"], ep_group=g["ep_group"],
                          plain_experts=ref["experts"], plain_ep_group=ref["ep_group"],
                          restored=_originals() == originals)
     out["layer-seconds"] = time.monotonic() - t0
@@ -185,20 +191,40 @@ def test_extended_layout_has_whole_experts_over_tp(runs, case):
 # combine) started, chunk 0's experts under chunk 1's dispatch and chunk 1's under chunk 0's combine
 # (+ the shared fc1); allgather async: 3 gathers, the bookkeeping under the hidden states' gather;
 # alltoall async: tokens' and probs' all-to-alls in flight together (nothing computed between).
-PER_STEP = {"extend/alltoall": (0, 0), "extend/allgather": (0, 0), "overlap": (6, 2), "overlap/shared": (6, 3),
-            "async/allgather": (3, 1), "async/alltoall": (2, 0), "extend+overlap+async": (6, 2)}
-EXPECTED = {case: (started * STEPS, overlapped * STEPS) for case, (started, overlapped) in PER_STEP.items()}
+# Backward of the overlap: 2 chunks x (reverse combine, reverse dispatch of tokens and of probs)
+# started; chunk 1's expert backward under chunk 0's reverse combine, chunk 0's under chunk 1's
+# reverse dispatch.
+PER_STEP = {"extend/alltoall": (0, 0, 0, 0), "extend/allgather": (0, 0, 0, 0), "overlap": (6, 2, 6, 2),
+            "overlap/shared": (6, 3, 6, 2), "async/allgather": (3, 1, 0, 0), "async/alltoall": (2, 0, 0, 0),
+            "extend+overlap+async": (6, 2, 6, 2)}
+EXPECTED = {case: tuple(n * STEPS for n in per_step) for case, per_step in PER_STEP.items()}
+# the gradient all-to-alls' start order (chunked_alltoall.py): the same on every rank, every step
+BACKWARD_ORDER = ["combine 0", "combine 1", "dispatch 1 tokens", "dispatch 1 probs", "dispatch 0 tokens",
+                  "dispatch 0 probs"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_collectives_ran_async_with_compute_in_between(runs, case):
     for rank in (0, 1):
         counts = runs[rank][case]["counts"]
-        assert (counts["started"], counts["overlapped_compute"]) == EXPECTED[case], counts
-        assert counts["waited"] == counts["started"]
+        assert tuple(counts[k] for k in ("started", "overlapped_compute", "bwd_started", "bwd_overlapped_compute")) \
+            == EXPECTED[case], counts
+        assert counts["waited"] == counts["started"] and counts["bwd_waited"] == counts["bwd_started"]
     for key, plain in runs[0].items():
         if key.startswith("plain/"):
-            assert plain == {"started": 0, "waited": 0, "overlapped_compute": 0}, key
+            assert not any(plain.values()), (key, plain)
+
+
+@pytest.mark.parametrize("case", [c for c in sorted(CASES) if "overlap" in c])
+def test_backward_all_to_alls_start_in_one_order_on_every_rank(runs, case):
+    orders = [runs[rank][case]["backward_order"] for rank in (0, 1)]
+    assert orders[0] == orders[1] and orders[0][-6:] == BACKWARD_ORDER, orders
+    assert all(orders[0][i] == orders[0][i - 6] for i in range(6, len(orders[0]))), orders[0]
+    # the order is fixed by edges, not by autograd's choice among ready nodes: chunk 1's arrival
+    # takes chunk 0's combine as an input (on CPU autograd happens to pick this order anyway)
+    for rank in (0, 1):
+        assert runs[rank][case]["arrivals"] == [["_CombineSendBackward", "_DispatchJoinBackward"],
+                                                ["_DispatchJoinBackward"]]
 
 
 def test_unadapt_restores_megatrons_methods(runs):
@@ -210,6 +236,7 @@ def test_training_losses_equal_without_overlap(runs):
     assert len(off) == 3 and len(on) == 3
     assert runs[0]["train-off/counts"]["started"] == 0
     assert runs[0]["train-on/counts"]["overlapped_compute"] > 0
+    assert runs[0]["train-on/counts"]["bwd_overlapped_compute"] > 0
     for a, b in zip(off, on):
         assert abs(a - b) <= 1e-6 * abs(a), (off, on)
     print(f"\nMoE comm spawn: layers {runs[0]['layer-seconds']:.1f} s, total {runs[0]['total-seconds']:.1f} s",

@@ -8,6 +8,7 @@ indexed dataset and must reproduce a single-process run's losses: the batch shar
 and RoPE positions of each CP algorithm are right, not merely trainable.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -43,6 +44,14 @@ CONFIGS = {
                                "--use-distributed-optimizer", "--op-cal-tflops"],
                               {"expert-parallel", "moe-grouped-gemm", "fused-moe-token-permute-and-unpermute",
                                "distributed-optimizer", "fused-rmsnorm", "op-cal-tflops"}),
+}
+# added where Megatron-Core has the MoE layer steps they hook (not core_v0.12.1, which refuses them:
+# the describe test): the MoE comm flags run inside Megatron-LM's own loop (chunked dispatch/combine
+# in forward and backward), with the shared experts' fc1 under the first dispatch
+NEWER_CORE_EXTRA = {
+    "moe-ep2-distopt-fused": (["--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
+                               "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"],
+                              {"moe-alltoall-overlap-comm", "moe-permutation-async-comm"}),
 }
 MOCK = {"tp2-fused"}   # the others read the indexed dataset
 # CI's 40-minute budget: training runs on the newest core only; the older core keeps the adaptor's
@@ -105,6 +114,8 @@ def test_pretrain_gpt_trains(checkout, indexed_dataset, name, request):
     if name in NEWEST_CORE_ONLY and request.node.callspec.params["checkout"] != kit.VERSIONS[-1]:
         pytest.skip(f"{name} trains on core_v{kit.VERSIONS[-1]} only (CI time budget; MINDSPEED_SLOW_TESTS=1 runs it)")
     nproc, env, extra, expected = CONFIGS[name]
+    if name in NEWER_CORE_EXTRA and request.node.callspec.params["checkout"] != "0.12.1":
+        extra, expected = extra + NEWER_CORE_EXTRA[name][0], expected | NEWER_CORE_EXTRA[name][1]
     env = dict(env, **({"MOCK_DATA": "1"} if name in MOCK else {"DATA_PATH": indexed_dataset}))
     output, losses = _train(checkout, nproc, extra, env)
     assert sorted(losses) == list(range(1, 11)), output[-3000:]
@@ -116,6 +127,8 @@ def test_pretrain_gpt_trains(checkout, indexed_dataset, name, request):
         assert losses[10] < losses[1] - 0.1, losses
     assert expected <= _mindspeed_features(output), output[-3000:]
     assert "gradient-accumulation-fusion" in _mindspeed_features(output)   # Megatron's default, MindSpeed's kernel
+    if "--moe-shared-expert-overlap" in extra:   # a Megatron option (not on the features line): its args dump
+        assert re.search(r"moe_shared_expert_overlap \.+ True", output), output[-3000:]
     # --op-cal-tflops turns on Megatron-LM's own --log-throughput (its line; MFU is the built-in trainers')
     assert ("throughput per GPU (TFLOP/s/GPU):" in output) == ("--op-cal-tflops" in extra), output[-3000:]
     if name.startswith("cp"):

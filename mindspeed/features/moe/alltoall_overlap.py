@@ -11,14 +11,18 @@ combined rows are put back at the rows they came from, so the dispatcher's combi
 
 Each token's expert output does not depend on the other tokens, so the pipeline computes the same
 outputs; the experts' weight gradients are summed over chunks (the reduction order differs, within
-fp32 rounding). Gradients of the all-to-alls are the reverse all-to-alls (backward is synchronous).
+fp32 rounding). Gradients of the all-to-alls are the reverse all-to-alls, overlapped in backward
+too: every chunk's reverse combine starts at once, each chunk's expert backward waits only for its
+own, and its reverse dispatch travels while the next chunk's expert backward runs; the order every
+rank starts them in is fixed by the graph (chunked_alltoall.py).
 """
 from __future__ import annotations
 
 import torch
 
 from mindspeed.backends import get_backend
-from mindspeed.features.moe.async_comm import computing, finish, started
+from mindspeed.features.moe.async_comm import computing
+from mindspeed.features.moe.chunked_alltoall import ChunkedAllToAll
 from mindspeed.features.moe.permutation_async import as_list
 
 LAYER = "megatron.core.transformer.moe.moe_layer.MoELayer"
@@ -89,35 +93,23 @@ def _pipeline(layer, tokens, probs):
         received = [[n] for n in as_list(d.output_splits)]
     plans = chunk_plan(sent, received, ep, CHUNKS)
     device = tokens.device
-    group = d.ep_group
-
-    def reverse(in_s, out_s):              # adjoint of an all-to-all that sent in_s rows and got out_s
-        return lambda grad: comm.all_to_all_v_async(grad, in_s, out_s, group).wait()
-
-    sends = []
-    for p in plans:                          # every dispatch starts now, in the same order on every rank
-        rows = torch.tensor(p["rows"], dtype=torch.long, device=device)
-        x, pr = tokens.index_select(0, rows), probs.index_select(0, rows)
-        sends.append((x, pr, started(comm.all_to_all_v_async(x.detach(), p["out_splits"], p["in_splits"], group)),
-                      started(comm.all_to_all_v_async(pr.detach(), p["out_splits"], p["in_splits"], group))))
+    a2a = ChunkedAllToAll(comm, d.ep_group, [(p["in_splits"], p["out_splits"]) for p in plans])
+    picks = [torch.tensor(p["rows"], dtype=torch.long, device=device) for p in plans]
+    links = a2a.dispatch([tokens.index_select(0, r) for r in picks], [probs.index_select(0, r) for r in picks])
     if d.shared_experts is not None:         # --moe-shared-expert-overlap: its fc1 under the first all-to-all
         computing()
         d.shared_experts.linear_fc1_forward_and_act(None)
-    combines = []
-    for p, (x, pr, hx, hp) in zip(plans, sends):
-        back = reverse(p["in_splits"], p["out_splits"])
-        xt, pt = finish(hx, x, back), finish(hp, pr, back)
+    combines = []                            # each chunk's combine link: the next chunk's arrival takes it
+    for c, p in enumerate(plans):
+        xt, pt = a2a.arrive(c, links[c], combines[-1] if combines else None)
         order = torch.tensor(p["by_expert"], dtype=torch.long, device=device)
         xt, pt = xt.index_select(0, order), pt.index_select(0, order)
         computing()                          # counted when another chunk's all-to-all is in flight
         y, bias = layer.experts(xt, torch.tensor(p["per_expert"], dtype=torch.long), pt)
         assert bias is None, "mlp_bias is not supported with --moe-alltoall-overlap-comm"
-        y = y.index_select(0, torch.argsort(order))                  # back to source-rank order
-        combines.append((y, started(comm.all_to_all_v_async(y.detach(), p["in_splits"], p["out_splits"], group))))
-    outs = [finish(h, y, reverse(p["out_splits"], p["in_splits"])) for p, (y, h) in zip(plans, combines)]
-    rows = torch.tensor([r for p in plans for r in p["rows"]], dtype=torch.long, device=device)
+        combines.append(a2a.send_combine(c, y.index_select(0, torch.argsort(order))))   # in source-rank order
     d.tokens_per_expert = None
-    return torch.cat(outs).index_select(0, torch.argsort(rows))
+    return torch.cat(a2a.combined(combines)).index_select(0, torch.argsort(torch.cat(picks)))
 
 
 def _routed_experts_compute(original):
