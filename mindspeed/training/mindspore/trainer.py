@@ -61,11 +61,13 @@ def enable_context_parallel(args, model, ps) -> None:
 def graph_mode_ok(cfg, ps, swap: bool) -> bool:
     """Whether the forward may run as a traced graph: not where a feature edits tensor storage or
     hooks saved tensors on the Python side (--recompute-norm/-activation-function, --swap-attention,
-    full recompute), and, until the parity test covers them traced, one rank with no TP/CP."""
+    full recompute), nor with context parallelism (its attention's ring and all-to-all are Cells
+    whose backward a trace would not call). TP (its collectives carry their gradient as primitives,
+    comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
     if os.environ.get("MINDSPEED_MS_PYNATIVE") == "1":      # debugging: op by op
         return False
     return not (swap or cfg.recompute or cfg.recompute_norm_layers or cfg.recompute_activation_layers
-                or ps.tp_size > 1 or ps.cp_size > 1 or ps.dp_size > 1)
+                or ps.cp_size > 1)
 
 
 def _tolerate_sourceless_frames() -> None:
