@@ -67,9 +67,12 @@ def _gradient_tap(out_shape: tuple, backward, key):
     return _TAPS[cache_key]
 
 
-def with_gradient(value, x, backward, key):
-    """`value` (computed from x) whose gradient w.r.t. x is backward(dout), in PyNative and in a
-    traced graph alike: stop_gradient(value) + tap(x), the tap being exact zeros forward.
-    `key` names the backward (same key, same backward): backward must use only primitives and
-    Python constants, as MindSpore compiles it into the graph's backward."""
-    return ops.stop_gradient(value) + _gradient_tap(tuple(value.shape), backward, key)(x)
+def with_gradient(forward, x, backward, key):
+    """forward(x) whose gradient w.r.t. x is backward(dout), in PyNative and in a traced graph
+    alike: forward(stop_gradient(x)) + tap(x), the tap being exact zeros forward. The stop is on
+    forward's input, not its output: autodiff then builds no backward for forward's collectives
+    at all (one past its output would still run, all-reducing zeros). `key` names the backward
+    (same key, same backward): backward must use only primitives and Python constants, as
+    MindSpore compiles it into the graph's backward."""
+    value = forward(ops.stop_gradient(x))
+    return value + _gradient_tap(tuple(value.shape), backward, key)(x)

@@ -236,7 +236,7 @@ class MsComm(CommAPI):
 
         def backward(dy):      # defs, not lambdas, throughout: MindSpore parses their source
             return self._scatter_sum(dy, dim, g, me)
-        return with_gradient(self.all_gather(tensor, dim, g), tensor, backward, ("all_gather", g.name, dim))
+        return with_gradient(lambda x: self.all_gather(x, dim, g), tensor, backward, ("all_gather", g.name, dim))
 
     def reduce_scatter_autograd(self, tensor, dim=0, group=None):
         g = self._group(group)
@@ -247,7 +247,8 @@ class MsComm(CommAPI):
 
         def backward(dy):
             return self._gather(dy, dim, g, me)
-        return with_gradient(self.reduce_scatter(tensor, dim, g), tensor, backward, ("reduce_scatter", g.name, dim))
+        return with_gradient(lambda x: self.reduce_scatter(x, dim, g), tensor, backward,
+                             ("reduce_scatter", g.name, dim))
 
     # tensor-parallel region markers (Megatron's copy_to / reduce_from), used by the trainer
     def copy_to_region(self, tensor, group=None):
@@ -258,7 +259,7 @@ class MsComm(CommAPI):
 
         def backward(dy):
             return self._sum(dy, g)
-        return with_gradient(tensor, tensor, backward, ("copy_to", g.name))
+        return with_gradient(lambda x: x, tensor, backward, ("copy_to", g.name))
 
     def reduce_from_region(self, tensor, group=None):
         """Forward sums over the group; backward identity."""
@@ -268,7 +269,7 @@ class MsComm(CommAPI):
 
         def backward(dy):
             return dy
-        return with_gradient(self._sum(tensor, g), tensor, backward, ("reduce_from",))
+        return with_gradient(lambda x: self._sum(x, g), tensor, backward, ("reduce_from",))
 
 
 class _Both:
