@@ -7,10 +7,16 @@ import re
 import mindspore as ms
 
 
+_KEPT: list = []
+
+
 def traced(fn):
     """fn as a traced graph: one launch instead of hundreds of PyNative op dispatches."""
     _tolerate_sourceless_frames()
     _skip_debug_formatting()
+    # MindSpore caches a trace under id(fn) for the life of the process: were fn freed, a later
+    # function at the same address (a second trainer's forward) would run this one's graph
+    _KEPT.append(fn)
     return ms.jit(fn, capture_mode="trace")
 
 
