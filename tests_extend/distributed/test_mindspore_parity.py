@@ -16,6 +16,7 @@ from tests_extend.distributed.harness import run_distributed  # noqa: E402
 from tests_extend.distributed.msrun_helper import run_msrun  # noqa: E402
 
 TOL = 1e-4
+NORM_RTOL = 1e-4
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_parity_worker.py")
 
 
@@ -41,6 +42,8 @@ def test_tp1_losses_match(torch_tp1, ms_tp1):
     t, m = np.array(torch_tp1["losses"]), np.array(ms_tp1["losses"])
     assert len(t) == len(m) == mp.STEPS
     np.testing.assert_allclose(m, t, atol=TOL, rtol=0)
+    # the gradient's scale too (clipping and Adam would hide a uniformly scaled gradient from the losses)
+    np.testing.assert_allclose(ms_tp1["grad_norms"], torch_tp1["grad_norms"], rtol=NORM_RTOL)
     assert m[-4:].mean() < m[:4].mean() - 0.05      # it trains: four repeated batches get easier
     assert ms_tp1["graph_mode"]      # one rank, no memory features: the traced graph is what matched
 
@@ -55,9 +58,12 @@ def test_tp2_losses_match_and_checkpoint_crosses_backends(ckpts, torch_tp1, ms_t
         assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
         t = np.array(torch_tp2[rank]["losses"])
         np.testing.assert_allclose(ms_tp2[rank]["tp2"]["losses"], t, atol=TOL, rtol=0)
+        np.testing.assert_allclose(ms_tp2[rank]["tp2"]["grad_norms"], torch_tp2[rank]["grad_norms"], rtol=NORM_RTOL)
         for run in ("tp2_sp", "cp2_ulysses_cp_algo", "cp2_megatron_cp_algo"):
             short = ms_tp2[rank][run]["losses"]
             np.testing.assert_allclose(short, t[:len(short)], atol=TOL, rtol=0, err_msg=run)
+            np.testing.assert_allclose(ms_tp2[rank][run]["grad_norms"], torch_tp2[rank]["grad_norms"][:len(short)],
+                                       rtol=NORM_RTOL, err_msg=run)
         # what matched at TP=2 (with and without SP) is the traced graph, its collectives'
         # gradients included; context parallelism runs PyNative (its attention is made of Cells)
         assert ms_tp2[rank]["tp2"]["graph_mode"] and ms_tp2[rank]["tp2_sp"]["graph_mode"]
