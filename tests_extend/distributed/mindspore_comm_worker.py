@@ -73,6 +73,24 @@ def group_checks(comm, group, members, tag, out):
     check("grad_reduce_from_region_identity",
           grad_of(lambda t: comm.reduce_from_region(t, group), w_ones * (r + 1)), w_ones * (r + 1))
 
+    # the tensor-parallel ones again inside a traced graph (the trainer's graph mode), where only
+    # a primitive's bprop counts: the same gradients
+    from mindspeed.training.mindspore.tracing import traced
+
+    def traced_grad_of(fn, w_np):
+        w = ms.Tensor(w_np)
+        return ms.grad(traced(lambda t: (fn(t) * w).sum()))(x)
+    check("traced_grad_all_gather", traced_grad_of(lambda t: comm.all_gather_autograd(t, 0, group), w_gather[r]),
+          np.split(sum(w_gather), n, 0)[r])
+    check("traced_grad_reduce_scatter",
+          traced_grad_of(lambda t: comm.reduce_scatter_autograd(t, 0, group), w_rs[r]), np.concatenate(w_rs, 0))
+    check("traced_grad_copy_to_region_sums",
+          traced_grad_of(lambda t: comm.copy_to_region(t, group), w_ones * (r + 1)),
+          w_ones * sum(i + 1 for i in range(n)))
+    check("traced_grad_reduce_from_region_identity",
+          traced_grad_of(lambda t: comm.reduce_from_region(t, group), w_ones * (r + 1)), w_ones * (r + 1))
+    check("traced_reduce_from_region_value", traced(lambda t: comm.reduce_from_region(t, group))(x), sum(every))
+
 
 def checks(backend):
     comm = backend.comm

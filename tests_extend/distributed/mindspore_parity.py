@@ -77,17 +77,18 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps):
     ps = build_parallel_state(backend.comm, tp, sp, cp)
     trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB))
     checkpoint.load(init_ckpt, trainer.model)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         tokens, labels, mask = batch(step)
-        loss, _, lr = trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)
+        loss, norm, lr = trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)
         assert abs(lr - lr_at(step)) < 1e-12
         losses.append(loss)
+        norms.append(norm)
     tokens, labels, mask = batch(EVAL_SEED)
     eval_loss = trainer.evaluate([{"tokens": tokens, "labels": labels, "loss_mask": mask}])
     if save_dir:
         checkpoint.save(backend, ps, save_dir, STEPS, trainer.model, trainer.optimizer, {"backend": "mindspore"})
-    return {"losses": losses, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode}
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode}
 
 
 # -- torch side (Megatron-Core GPTModel, run inside the gloo harness) ----------------------------
@@ -144,7 +145,7 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None):
     opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() > 1], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}],
                             lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"])
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
@@ -155,13 +156,14 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None):
                  if getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
         sq_t = torch.tensor([sq], dtype=torch.float64)
         torch.distributed.all_reduce(sq_t, group=tp_group)
-        coeff = OPT["clip"] / (float(sq_t.sqrt()) + 1e-6)
+        norms.append(float(sq_t.sqrt()))
+        coeff = OPT["clip"] / (norms[-1] + 1e-6)
         if coeff < 1.0:
             for _, p in params:
                 p.grad.mul_(coeff)
         opt.step()
         losses.append(loss.item())
-    result = {"losses": losses}
+    result = {"losses": losses, "grad_norms": norms}
     if other_ckpt:      # a checkpoint the MindSpore trainer wrote: load it here and evaluate
         fresh = build_torch_model(tp)
         load_into_torch(fresh, other_ckpt, tp_rank, tp)

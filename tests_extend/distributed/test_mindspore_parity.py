@@ -1,7 +1,8 @@
 """Acceptance of issue 5: the same GPT, the same initial weights and the same batches give the same
 losses (fp32, within 1e-4 per step over 20 steps) on Megatron-Core's GPTModel (torch, CPU) and on
 the MindSpore trainer; at TP=1 in one process and at TP=2 on 2 processes (gloo vs msrun), plus
-TP=2 with sequence parallelism and CP=2 with Ulysses and ring attention (first steps). Weights cross both ways: torch writes the initial checkpoint that
+TP=2 with sequence parallelism and CP=2 with Ulysses and ring attention (first steps); TP runs trace
+the forward into a MindSpore graph, CP runs PyNative. Weights cross both ways: torch writes the initial checkpoint that
 MindSpore loads; MindSpore writes its trained checkpoint that torch loads (at TP=2) and evaluates."""
 import os
 
@@ -15,6 +16,7 @@ from tests_extend.distributed.harness import run_distributed  # noqa: E402
 from tests_extend.distributed.msrun_helper import run_msrun  # noqa: E402
 
 TOL = 1e-4
+NORM_RTOL = 1e-4
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_parity_worker.py")
 
 
@@ -40,6 +42,8 @@ def test_tp1_losses_match(torch_tp1, ms_tp1):
     t, m = np.array(torch_tp1["losses"]), np.array(ms_tp1["losses"])
     assert len(t) == len(m) == mp.STEPS
     np.testing.assert_allclose(m, t, atol=TOL, rtol=0)
+    # the gradient's scale too (clipping and Adam would hide a uniformly scaled gradient from the losses)
+    np.testing.assert_allclose(ms_tp1["grad_norms"], torch_tp1["grad_norms"], rtol=NORM_RTOL)
     assert m[-4:].mean() < m[:4].mean() - 0.05      # it trains: four repeated batches get easier
     assert ms_tp1["graph_mode"]      # one rank, no memory features: the traced graph is what matched
 
@@ -54,9 +58,16 @@ def test_tp2_losses_match_and_checkpoint_crosses_backends(ckpts, torch_tp1, ms_t
         assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
         t = np.array(torch_tp2[rank]["losses"])
         np.testing.assert_allclose(ms_tp2[rank]["tp2"]["losses"], t, atol=TOL, rtol=0)
+        np.testing.assert_allclose(ms_tp2[rank]["tp2"]["grad_norms"], torch_tp2[rank]["grad_norms"], rtol=NORM_RTOL)
         for run in ("tp2_sp", "cp2_ulysses_cp_algo", "cp2_megatron_cp_algo"):
             short = ms_tp2[rank][run]["losses"]
             np.testing.assert_allclose(short, t[:len(short)], atol=TOL, rtol=0, err_msg=run)
+            np.testing.assert_allclose(ms_tp2[rank][run]["grad_norms"], torch_tp2[rank]["grad_norms"][:len(short)],
+                                       rtol=NORM_RTOL, err_msg=run)
+        # what matched at TP=2 (with and without SP) is the traced graph, its collectives'
+        # gradients included; context parallelism runs PyNative (its attention is made of Cells)
+        assert ms_tp2[rank]["tp2"]["graph_mode"] and ms_tp2[rank]["tp2_sp"]["graph_mode"]
+        assert not ms_tp2[rank]["cp2_ulysses_cp_algo"]["graph_mode"]
         np.testing.assert_allclose(t, torch_tp1["losses"], atol=TOL, rtol=0)
         # the MindSpore TP=1 checkpoint, loaded by Megatron-Core at TP=2, gives MindSpore's eval loss
         assert torch_tp2[rank]["eval_loss_of_other"] == pytest.approx(ms_tp1["eval_loss"], abs=TOL)

@@ -1,6 +1,8 @@
-"""custom_op on MindSpore: a Cell whose bprop is the user's backward (PyNative mode)."""
+"""custom_op on MindSpore: a Cell whose bprop is the user's backward (PyNative mode); and
+with_gradient, a custom gradient that also holds inside a jit-traced forward."""
 from __future__ import annotations
 
+import numpy as np
 from mindspore import nn, ops
 
 from mindspeed.backends.base import AutogradAPI
@@ -44,3 +46,33 @@ class MsAutograd(AutogradAPI):
             return _CustomOpCell(forward, backward)(*inputs)
         apply.__name__ = getattr(forward, "__name__", "custom_op")
         return apply
+
+
+_TAPS: dict = {}
+
+
+def _gradient_tap(out_shape: tuple, backward, key):
+    """ops.Custom (pyfunc) whose forward is zeros of out_shape and whose bprop is backward(dout).
+    A primitive's bprop is what graph autodiff of a jit-traced forward uses: the trace records
+    primitives only and never calls a Cell's bprop. Cached: one primitive per (key, shape)."""
+    cache_key = (key, out_shape)
+    if cache_key not in _TAPS:
+        def zeros(x):
+            return np.zeros(out_shape, x.dtype)
+
+        def bprop(x, out, dout):      # a def, not a lambda: MindSpore parses this function's source
+            return (backward(dout),)
+        _TAPS[cache_key] = ops.Custom(zeros, out_shape=lambda _: out_shape, out_dtype=lambda t: t,
+                                      func_type="pyfunc", bprop=bprop)
+    return _TAPS[cache_key]
+
+
+def with_gradient(forward, x, backward, key):
+    """forward(x) whose gradient w.r.t. x is backward(dout), in PyNative and in a traced graph
+    alike: forward(stop_gradient(x)) + tap(x), the tap being exact zeros forward. The stop is on
+    forward's input, not its output: autodiff then builds no backward for forward's collectives
+    at all (one past its output would still run, all-reducing zeros). `key` names the backward
+    (same key, same backward): backward must use only primitives and Python constants, as
+    MindSpore compiles it into the graph's backward."""
+    value = forward(ops.stop_gradient(x))
+    return value + _gradient_tap(tuple(value.shape), backward, key)(x)

@@ -17,7 +17,7 @@ import mindspore as ms
 from mindspore import ops
 
 from mindspeed.backends.base import CommAPI
-from mindspeed.backends.mindspore.autograd import MsAutograd
+from mindspeed.backends.mindspore.autograd import MsAutograd, with_gradient
 
 
 @dataclass(frozen=True)
@@ -123,14 +123,25 @@ class MsComm(CommAPI):
     def _sum(self, tensor, g: MsGroup):
         return self._op("all_reduce_sum", g.name)(tensor)
 
-    def _stack(self, tensor, g: MsGroup):
+    # The helpers below take this rank's group rank `me` as an argument (no lookup inside): the
+    # differentiable collectives call them from backward functions MindSpore compiles into a graph.
+    def _stack(self, tensor, g: MsGroup, me: int):
         """[n, *tensor.shape]: every group rank's tensor, in group-rank order."""
         n = len(g.ranks)
         if self.native_all or self._is_world(g):
             return self._op("all_gather", g.name)(tensor.contiguous()).reshape((n,) + tuple(tensor.shape))
-        me, zero = self.rank(g), ops.zeros_like(tensor)
+        zero = ops.zeros_like(tensor)
         padded = ops.stack([tensor if i == me else zero for i in range(n)])
         return self._sum(padded, g)
+
+    def _gather(self, tensor, dim, g: MsGroup, me: int):
+        return ops.cat(list(ops.unbind(self._stack(tensor, g, me), 0)), axis=dim)
+
+    def _scatter_sum(self, tensor, dim, g: MsGroup, me: int):
+        if self.native_all:
+            moved = ops.moveaxis(tensor, dim, 0).contiguous()
+            return ops.moveaxis(self._op("reduce_scatter", g.name)(moved), 0, dim)
+        return ops.chunk(self._sum(tensor, g), len(g.ranks), axis=dim)[me]
 
     @staticmethod
     def _check_divisible(name, tensor, dim, n):
@@ -150,7 +161,7 @@ class MsComm(CommAPI):
             return out / n if op == "avg" else out
         if self.native_all:
             return self._op(f"all_reduce_{op}", g.name)(tensor)
-        stacked = self._stack(tensor, g)
+        stacked = self._stack(tensor, g, self.rank(g))
         return stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
 
     def all_gather(self, tensor, dim=0, group=None):
@@ -158,7 +169,7 @@ class MsComm(CommAPI):
         n = self.world_size(g)
         if n == 1:
             return tensor
-        return ops.cat(list(ops.unbind(self._stack(tensor, g), 0)), axis=dim)
+        return self._gather(tensor, dim, g, self.rank(g))
 
     def reduce_scatter(self, tensor, dim=0, group=None):
         g = self._group(group)
@@ -166,10 +177,7 @@ class MsComm(CommAPI):
         if n == 1:
             return tensor
         self._check_divisible("reduce_scatter", tensor, dim, n)
-        if self.native_all:
-            moved = ops.moveaxis(tensor, dim, 0).contiguous()
-            return ops.moveaxis(self._op("reduce_scatter", g.name)(moved), 0, dim)
-        return ops.chunk(self._sum(tensor, g), n, axis=dim)[self.rank(g)]
+        return self._scatter_sum(tensor, dim, g, self.rank(g))
 
     def all_to_all(self, tensor, scatter_dim, gather_dim, group=None):
         g = self._group(group)
@@ -180,7 +188,7 @@ class MsComm(CommAPI):
         if self.native_all:
             return ops.AlltoAll(n, scatter_dim, gather_dim, g.name)(tensor)
         me = self.rank(g)
-        every = ops.unbind(self._stack(tensor, g), 0)
+        every = ops.unbind(self._stack(tensor, g, me), 0)
         return ops.cat([ops.chunk(src, n, axis=scatter_dim)[me] for src in every], axis=gather_dim)
 
     def send_recv(self, send_tensor, dst, src, group=None):
@@ -194,7 +202,7 @@ class MsComm(CommAPI):
             send = comm_func.isend(send_tensor, dst=self.global_rank(g, dst), group=g.name)
             recv = comm_func.irecv(ops.zeros_like(send_tensor), src=self.global_rank(g, src), group=g.name)
             return recv[0], _Both(send, recv[1])
-        return self._stack(send_tensor, g)[src], _Done()
+        return self._stack(send_tensor, g, self.rank(g))[src], _Done()
 
     def broadcast(self, tensor, src=0, group=None):
         g = self._group(group)
@@ -202,7 +210,7 @@ class MsComm(CommAPI):
             return tensor.copy()
         if self.native_all or self._is_world(g):
             return self._op("broadcast", g.name, self.global_rank(g, src))((tensor,))[0]
-        return self._stack(tensor, g)[src]
+        return self._stack(tensor, g, self.rank(g))[src]
 
     def barrier(self, group=None) -> None:
         if self._initialized:
@@ -215,29 +223,53 @@ class MsComm(CommAPI):
             lambda ctx, dy: (self.all_to_all(dy, gather_dim, scatter_dim, group),))
         return op(tensor)
 
+    # The four below are the tensor-parallel layers' collectives. They carry their gradient with
+    # with_gradient (a primitive's bprop), not a Cell's bprop, so they stay right inside a
+    # jit-traced forward, where MindSpore's own AllReduce backward would sum the gradient again
+    # (doubling TP gradients) and AllGather's (a ReduceScatter) has no CPU kernel.
     def all_gather_autograd(self, tensor, dim=0, group=None):
-        op = self._autograd.custom_op(lambda ctx, x: self.all_gather(x, dim, group),
-                                      lambda ctx, dy: (self.reduce_scatter(dy, dim, group),))
-        return op(tensor)
+        g = self._group(group)
+        if self.world_size(g) == 1:
+            return tensor
+
+        me = self.rank(g)
+
+        def backward(dy):      # defs, not lambdas, throughout: MindSpore parses their source
+            return self._scatter_sum(dy, dim, g, me)
+        return with_gradient(lambda x: self.all_gather(x, dim, g), tensor, backward, ("all_gather", g.name, dim))
 
     def reduce_scatter_autograd(self, tensor, dim=0, group=None):
-        op = self._autograd.custom_op(lambda ctx, x: self.reduce_scatter(x, dim, group),
-                                      lambda ctx, dy: (self.all_gather(dy, dim, group),))
-        return op(tensor)
+        g = self._group(group)
+        if self.world_size(g) == 1:
+            return tensor
+
+        me = self.rank(g)
+
+        def backward(dy):
+            return self._gather(dy, dim, g, me)
+        return with_gradient(lambda x: self.reduce_scatter(x, dim, g), tensor, backward,
+                             ("reduce_scatter", g.name, dim))
 
     # tensor-parallel region markers (Megatron's copy_to / reduce_from), used by the trainer
     def copy_to_region(self, tensor, group=None):
         """Forward identity; backward sums the gradient over the group."""
-        op = self._autograd.custom_op(lambda ctx, x: x * 1,
-                                      lambda ctx, dy: (self.all_reduce(dy, "sum", group),))
-        return op(tensor)
+        g = self._group(group)
+        if self.world_size(g) == 1:
+            return tensor
+
+        def backward(dy):
+            return self._sum(dy, g)
+        return with_gradient(lambda x: x, tensor, backward, ("copy_to", g.name))
 
     def reduce_from_region(self, tensor, group=None):
-        """Forward sums over the group; backward identity (MindSpore's own AllReduce backward
-        would sum again, doubling TP gradients)."""
-        op = self._autograd.custom_op(lambda ctx, x: self.all_reduce(x, "sum", group),
-                                      lambda ctx, dy: (dy,))
-        return op(tensor)
+        """Forward sums over the group; backward identity."""
+        g = self._group(group)
+        if self.world_size(g) == 1:
+            return tensor
+
+        def backward(dy):
+            return dy
+        return with_gradient(lambda x: self._sum(x, g), tensor, backward, ("reduce_from",))
 
 
 class _Both:

@@ -60,7 +60,10 @@ def vocab_parallel_cross_entropy(backend, ps: ParallelState, logits, target):
 
     def forward(ctx, logits, target):
         logits = logits.astype(ms.float32)
-        row_max = comm.all_reduce(logits.max(axis=-1), "max", group) if ps.tp_size > 1 else logits.max(axis=-1)
+        # the shift cancels out of the loss: no gradient through it (graph autodiff of a traced
+        # forward differentiates this function, not `backward`: it must come out the same)
+        row_max = ops.stop_gradient(logits.max(axis=-1))
+        row_max = comm.all_reduce(row_max, "max", group) if ps.tp_size > 1 else row_max
         shifted = logits - row_max.expand_dims(-1)
         in_range = ops.logical_and(target >= start, target < start + vocab_local)
         local = ops.where(in_range, target - start, ops.zeros_like(target))
@@ -68,9 +71,9 @@ def vocab_parallel_cross_entropy(backend, ps: ParallelState, logits, target):
         picked = picked * in_range.astype(ms.float32)
         exp = ops.exp(shifted)
         sum_exp = exp.sum(-1)
-        if ps.tp_size > 1:
-            picked = comm.all_reduce(picked, "sum", group)
-            sum_exp = comm.all_reduce(sum_exp, "sum", group)
+        if ps.tp_size > 1:      # each rank's share of the sum; its gradient is the sum's own
+            picked = comm.reduce_from_region(picked, group)
+            sum_exp = comm.reduce_from_region(sum_exp, group)
         ctx.save(exp / sum_exp.expand_dims(-1), local, in_range)
         return ops.log(sum_exp) - picked
 

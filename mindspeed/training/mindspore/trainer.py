@@ -3,7 +3,6 @@ main job (mindspeed/training/pretrain.py)."""
 from __future__ import annotations
 
 import os
-import re
 import time
 
 import mindspore as ms
@@ -13,8 +12,9 @@ from mindspeed import hooks
 from mindspeed.training.logger import StepRecorder
 from mindspeed.training.mindspore import checkpoint, data, neutral_format, schedule
 from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
-from mindspeed.training.mindspore.optimizer import Adam, clip_gradients, reduce_gradients
+from mindspeed.training.mindspore.optimizer import Adam, accumulate, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
+from mindspeed.training.mindspore.tracing import traced
 
 
 class TrainerConfigError(ValueError):
@@ -61,31 +61,13 @@ def enable_context_parallel(args, model, ps) -> None:
 def graph_mode_ok(cfg, ps, swap: bool) -> bool:
     """Whether the forward may run as a traced graph: not where a feature edits tensor storage or
     hooks saved tensors on the Python side (--recompute-norm/-activation-function, --swap-attention,
-    full recompute), and, until the parity test covers them traced, one rank with no TP/CP."""
+    full recompute), nor with context parallelism (its attention's ring and all-to-all are Cells
+    whose backward a trace would not call). TP (its collectives carry their gradient as primitives,
+    comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
     if os.environ.get("MINDSPEED_MS_PYNATIVE") == "1":      # debugging: op by op
         return False
     return not (swap or cfg.recompute or cfg.recompute_norm_layers or cfg.recompute_activation_layers
-                or ps.tp_size > 1 or ps.cp_size > 1 or ps.dp_size > 1)
-
-
-def _tolerate_sourceless_frames() -> None:
-    """MindSpore 2.10's trace formats every caller frame's source line even with debug logging off,
-    and fails on a frame that has none (exec'd or generated code up the stack, e.g. under pytest):
-    the same caller list, without reading source lines."""
-    import inspect
-    from mindspore.graph import jit_trace
-    if getattr(jit_trace._get_caller_lines, "_mindspeed", False):
-        return
-
-    def caller_lines():
-        files, lines = [], []
-        for info in inspect.stack(context=0):
-            if re.search(r"mindspore/common/.*\.py|mindspore/ops/.*\.py|mindspore/nn/.*\.py", info[1]) is None:
-                files.append(info[1])
-                lines.append(info[2])
-        return files, lines
-    caller_lines._mindspeed = True
-    jit_trace._get_caller_lines = caller_lines
+                or ps.cp_size > 1)
 
 
 def _traced_loss(model):
@@ -112,12 +94,12 @@ class Trainer:
             enable_context_parallel(args, self.model, ps)
             self._shard = _cp_hook("shard_batch")
         self.graph_mode = graph_mode_ok(cfg, ps, swap is not None)
-        loss = self.model.loss
+        loss, self._eval_loss = self.model.loss, self.model.loss
         if self.graph_mode:
             # the forward traced once into a MindSpore graph, differentiated by graph autodiff:
-            # one launch instead of hundreds of PyNative op dispatches (each ~0.1-1 ms on CPU)
-            _tolerate_sourceless_frames()
-            loss = ms.jit(_traced_loss(self.model), capture_mode="trace")
+            # one launch instead of hundreds of PyNative op dispatches (each ~0.1-1 ms on CPU);
+            # evaluation gets its own trace (no gradient)
+            loss, self._eval_loss = traced(_traced_loss(self.model)), traced(_traced_loss(self.model))
         self._grad_fn = ms.value_and_grad(loss, None, weights=self.model.parameters())
 
     def _inputs(self, mb: dict) -> tuple:
@@ -135,24 +117,25 @@ class Trainer:
         """One optimizer step over this rank's micro-batches -> (loss, grad norm, lr); `iteration`
         is 1-based (the lr of step iteration-1 is used, as Megatron's scheduler does)."""
         names = list(self.model.params)
-        grads, loss_sum = None, 0.0
+        grads, losses = None, []
         n = len(micro_batches)
         for mb in micro_batches:
             loss, g = self._grad_fn(*self._inputs(mb))
-            loss_sum += float(loss.asnumpy())
-            g = [x.asnumpy() / np.float32(n) if n > 1 else x.asnumpy() for x in g]
-            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            losses.append(loss)
+            grads = accumulate(grads, g, n)
         grads = reduce_gradients(self.backend, self.ps, self.model, dict(zip(names, grads)))
-        norm = clip_gradients(self.backend, self.ps, self.model, grads, self.args.clip_grad)
+        grads, norm = clip_gradients(self.backend, self.ps, self.model, grads, self.args.clip_grad)
         lr = self.lr_at(iteration - 1)
         self.optimizer.step(grads, lr)
-        return self._dp_mean(self._cp_sum(loss_sum / n)), norm, lr
+        # read back once the whole step is launched
+        loss_sum = sum(float(x.asnumpy()) for x in losses)
+        return self._dp_mean(self._cp_sum(loss_sum / n)), float(norm.asnumpy()), lr
 
     def evaluate(self, micro_batches: list) -> float | None:
         """Mean loss over the batches; None without any (--eval-iters 0), as the torch trainer."""
         if not micro_batches:
             return None
-        losses = [float(self.model.loss(*self._inputs(mb)).asnumpy()) for mb in micro_batches]
+        losses = [float(self._eval_loss(*self._inputs(mb)).asnumpy()) for mb in micro_batches]
         return self._dp_mean(self._cp_sum(sum(losses) / len(losses)))
 
     def _cp_sum(self, value: float) -> float:
