@@ -1,6 +1,6 @@
 """The mindspore backend's collectives in a real 4-process msrun job: native ones and those built
 from AllReduce on CPU (reduce_scatter, all_to_all, max/min, sub-group all_gather/broadcast,
-send_recv), plus the gradients of the differentiable variants, on the world group and on real
+send_recv), their async variants, plus the gradients of the differentiable variants, on the world group and on real
 sub-groups: pairs {0,1},{2,3} and strided pairs {0,2},{1,3}, where a process's group rank differs
 from its world rank (a mix-up of the two passes on 2 processes, not here)."""
 import os
@@ -15,7 +15,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_com
 PER_GROUP = {"all_reduce_sum", "all_reduce_avg", "all_reduce_max", "all_reduce_min", "all_gather_dim0",
              "all_gather_dim1", "reduce_scatter_dim0", "reduce_scatter_dim1", "all_to_all_0_1", "all_to_all_1_0",
              "send_recv_ring", "broadcast", "grad_all_gather", "grad_reduce_scatter", "grad_all_to_all",
-             "grad_copy_to_region_sums", "grad_reduce_from_region_identity"}
+             "grad_copy_to_region_sums", "grad_reduce_from_region_identity", "all_reduce_async",
+             "all_gather_async_dim0", "all_gather_async_dim1", "reduce_scatter_async_dim0",
+             "reduce_scatter_async_dim1", "async_input_unchanged"}
 EXPECTED = ({f"{tag}/{check}" for tag in ("world", "pairs", "strided") for check in PER_GROUP}
             | {"group_of_one/all_gather", "group_of_one/all_reduce"})
 
