@@ -12,6 +12,7 @@ step, the configurations taking turns step by step (the load drifts less between
 printed with the figures: the machine is shared.
 
     python tests_extend/benchmarks/bench_coc.py [--seq 4096] [--hidden 1024] [--ffn 256] [--steps 10]
+    python tests_extend/benchmarks/bench_coc.py --backend mindspore   # msrun, bench_coc_mindspore.py
 
 The default shapes keep communication and compute of the same order (a thin FFN), where overlap
 has something to win.
@@ -122,7 +123,10 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--backend", choices=("torch", "mindspore"), default="torch")
     args = parser.parse_args(argv)
+    if args.backend == "mindspore":
+        return main_mindspore(args)
     load_before = os.getloadavg()
     res = run_distributed(_body, world_size=2, args=(args.seq, args.hidden, args.ffn, args.steps),
                           timeout=1800)[0]
@@ -135,6 +139,33 @@ def main(argv=None):
             t = res[(sp, label)]
             print(f"  {label:22s} {t * 1e3:9.1f}   x ideal {t / ideal:5.2f}")
         print(f"  {'ideal max(comp, comm)':22s} {ideal * 1e3:9.1f}")
+    print(f"\nload average before {tuple(round(v, 2) for v in load_before)}, "
+          f"after {tuple(round(v, 2) for v in os.getloadavg())} (2 cores)")
+
+
+MS_ROWS = ("no overlap, traced", "no overlap, PyNative", "coc 2 chunks", "coc 4 chunks", "compute alone",
+           "communication alone", "probe: all-reduce then GEMMs", "probe: all-reduce async under GEMMs")
+
+
+def main_mindspore(args):
+    """The MindSpore trainer's TP=2 layers, plain and through CoC (bench_coc_mindspore.py on msrun)."""
+    import tempfile
+
+    from tests_extend.distributed.msrun_helper import run_msrun
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_coc_mindspore.py")
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as out:
+        res = run_msrun(worker, [out, args.seq, args.hidden, args.ffn, args.steps], out, timeout=1800)[0]
+    print(f"MindSpore TP=2 MLP fwd+bwd, seq {args.seq} hidden {args.hidden} ffn {args.ffn}, fp32, msrun on CPU; "
+          f"median of {args.steps} steps (ms)")
+    for sp in (True, False):
+        base = res[f"{sp}/no overlap, PyNative"]
+        print(f"\n{'sequence parallel' if sp else 'all-reduce (no SP)'}:   (x: ratio to no overlap, PyNative)")
+        for label in MS_ROWS:
+            t = res[f"{sp}/{label}"]
+            print(f"  {label:36s} {t * 1e3:9.1f}   x {t / base:5.2f}")
+        probe = res[f"{sp}/probe: all-reduce async under GEMMs"] / res[f"{sp}/probe: all-reduce then GEMMs"]
+        print(f"  async probe: overlapped / sequential = {probe:.2f} (below 1: the async all-reduce ran under the GEMMs)")
     print(f"\nload average before {tuple(round(v, 2) for v in load_before)}, "
           f"after {tuple(round(v, 2) for v in os.getloadavg())} (2 cores)")
 

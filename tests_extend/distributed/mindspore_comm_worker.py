@@ -51,6 +51,17 @@ def group_checks(comm, group, members, tag, out):
     check("send_recv_ring", recv, every[(r - 1) % n])
     check("broadcast", comm.broadcast(x, src=n - 1, group=group), every[n - 1])
 
+    # the async variants, all in flight at once (as --use-ascend-coc starts them), waited in
+    # reverse order; the caller's tensor is left as it was
+    pending = [("all_reduce_async", comm.all_reduce_async(x, "sum", group), sum(every)),
+               ("all_gather_async_dim0", comm.all_gather_async(x, 0, group), np.concatenate(every, 0)),
+               ("all_gather_async_dim1", comm.all_gather_async(x, 1, group), np.concatenate(every, 1)),
+               ("reduce_scatter_async_dim0", comm.reduce_scatter_async(x, 0, group), np.split(sum(every), n, 0)[r]),
+               ("reduce_scatter_async_dim1", comm.reduce_scatter_async(x, 1, group), np.split(sum(every), n, 1)[r])]
+    for name, handle, want in reversed(pending):
+        check(name, handle.wait(), want)
+    check("async_input_unchanged", x, every[r])
+
     # gradients of the differentiable variants: d/dx sum(op(x) * w_r) with a rank-dependent w
     def grad_of(fn, w_np):
         w = ms.Tensor(w_np)

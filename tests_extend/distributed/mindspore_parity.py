@@ -45,9 +45,10 @@ def trainer_argv(tp: int, sp: bool = False) -> list:
 
 # -- mindspore side ------------------------------------------------------------------------------
 def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = None, steps: int = STEPS,
-             cp: int = 1, cp_algo: str | None = None) -> dict:
+             cp: int = 1, cp_algo: str | None = None, extra: tuple = ()) -> dict:
     """Load the initial weights, train `steps` steps on batch(step); optionally save the result.
-    cp > 1 runs the context-parallel feature (adapted through mindspeed.adapt, as the trainer does)."""
+    cp > 1 runs the context-parallel feature, `extra` flags their features (adapted through
+    mindspeed.adapt, as the trainer does)."""
     import mindspeed
     from mindspeed.backends import get_backend
     from mindspeed.training.arguments import parse_args
@@ -56,16 +57,17 @@ def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = 
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     argv = trainer_argv(tp, sp) + (["--context-parallel-size", str(cp), "--context-parallel-algo", cp_algo]
-                                   if cp > 1 else [])
+                                   if cp > 1 else []) + list(extra)
     args = parse_args(argv, world_size=backend.comm.world_size())
-    if cp > 1:
+    adapt = cp > 1 or bool(extra)
+    if adapt:
         args.backend = "mindspore"
         mindspeed.adapt(args)
         backend = get_backend()
     try:
         return _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps)
     finally:
-        if cp > 1:
+        if adapt:
             mindspeed.unadapt()
 
 

@@ -1,5 +1,7 @@
-"""msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, and CP=2 (Ulysses and
-ring attention, through the context-parallel feature), from the same initial checkpoint. Usage: msrun ... mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
+"""msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, CP=2 (Ulysses and
+ring attention, through the context-parallel feature), and TP=2 with --use-ascend-coc with and
+without sequence parallelism, from the same initial checkpoint. Usage: msrun ...
+mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
 import os
 import sys
 import traceback
@@ -8,6 +10,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 
 SHORT_STEPS = 4   # SP on top of TP=2, and CP=2: shorter runs keep CI time down
+COC_STEPS = 3     # CoC runs PyNative (slower than the traced graph); 3 steps: 2 updates checked
+# 16 rows in 2 chunks without SP; 8 rows per rank in 4 chunks with SP (interleaved gathers)
+COC = {"tp2_coc": (False, "2"), "tp2_sp_coc": (True, "4")}
 
 
 def main(out_dir, init_ckpt):
@@ -20,6 +25,12 @@ def main(out_dir, init_ckpt):
                   "tp2_sp": ms_train(backend, 2, True, init_ckpt, steps=SHORT_STEPS)}
         for algo in ("ulysses_cp_algo", "megatron_cp_algo"):
             result[f"cp2_{algo}"] = ms_train(backend, 1, False, init_ckpt, steps=SHORT_STEPS, cp=2, cp_algo=algo)
+        from mindspeed.features.parallel import coc_mindspore
+        for name, (sp, chunks) in COC.items():
+            coc_mindspore.CALLS.update(column=0, row=0)
+            result[name] = ms_train(backend, 2, sp, init_ckpt, steps=COC_STEPS,
+                                    extra=("--use-ascend-coc", "--coc-parallel-num", chunks))
+            result[name]["calls"] = dict(coc_mindspore.CALLS)
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})

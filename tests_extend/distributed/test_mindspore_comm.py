@@ -1,7 +1,7 @@
 """The mindspore backend's collectives in a real 4-process msrun job: native ones and those built
 from AllReduce on CPU (reduce_scatter, all_to_all, max/min, sub-group all_gather/broadcast,
-send_recv), plus the gradients of the differentiable variants (the tensor-parallel ones in PyNative and
-inside a traced graph), on the world group and on real
+send_recv), their async variants, plus the gradients of the differentiable variants (the tensor-parallel
+ones in PyNative and inside a traced graph), on the world group and on real
 sub-groups: pairs {0,1},{2,3} and strided pairs {0,2},{1,3}, where a process's group rank differs
 from its world rank (a mix-up of the two passes on 2 processes, not here)."""
 import os
@@ -18,7 +18,9 @@ PER_GROUP = {"all_reduce_sum", "all_reduce_avg", "all_reduce_max", "all_reduce_m
              "send_recv_ring", "broadcast", "grad_all_gather", "grad_reduce_scatter", "grad_all_to_all",
              "grad_copy_to_region_sums", "grad_reduce_from_region_identity", "traced_grad_all_gather",
              "traced_grad_reduce_scatter", "traced_grad_copy_to_region_sums",
-             "traced_grad_reduce_from_region_identity", "traced_reduce_from_region_value"}
+             "traced_grad_reduce_from_region_identity", "traced_reduce_from_region_value", "all_reduce_async",
+             "all_gather_async_dim0", "all_gather_async_dim1", "reduce_scatter_async_dim0",
+             "reduce_scatter_async_dim1", "async_input_unchanged"}
 EXPECTED = ({f"{tag}/{check}" for tag in ("world", "pairs", "strided") for check in PER_GROUP}
             | {"group_of_one/all_gather", "group_of_one/all_reduce"})
 

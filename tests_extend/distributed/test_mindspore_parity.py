@@ -2,7 +2,8 @@
 losses (fp32, within 1e-4 per step over 20 steps) on Megatron-Core's GPTModel (torch, CPU) and on
 the MindSpore trainer; at TP=1 in one process and at TP=2 on 2 processes (gloo vs msrun), plus
 TP=2 with sequence parallelism and CP=2 with Ulysses and ring attention (first steps); TP runs trace
-the forward into a MindSpore graph, CP runs PyNative. Weights cross both ways: torch writes the initial checkpoint that
+the forward into a MindSpore graph, CP runs PyNative. TP=2 with --use-ascend-coc (PyNative), with
+and without SP, gives the plain TP=2 losses within 1e-6. Weights cross both ways: torch writes the initial checkpoint that
 MindSpore loads; MindSpore writes its trained checkpoint that torch loads (at TP=2) and evaluates."""
 import os
 
@@ -48,12 +49,17 @@ def test_tp1_losses_match(torch_tp1, ms_tp1):
     assert ms_tp1["graph_mode"]      # one rank, no memory features: the traced graph is what matched
 
 
-def test_tp2_losses_match_and_checkpoint_crosses_backends(ckpts, torch_tp1, ms_tp1):
-    torch_tp2 = run_distributed(mp.torch_train, world_size=2,
-                                args=(2, ckpts["init"], False, ckpts["ms_final"]), timeout=300)
+@pytest.fixture(scope="module")
+def ms_tp2(ckpts, torch_tp1):
+    """One msrun launch for every 2-process MindSpore run (mindspore_parity_worker.py)."""
     out_dir = ckpts["root"] / "msrun"
     out_dir.mkdir()
-    ms_tp2 = run_msrun(WORKER, [str(out_dir), ckpts["init"]], str(out_dir), workers=2, timeout=420)
+    return run_msrun(WORKER, [str(out_dir), ckpts["init"]], str(out_dir), workers=2, timeout=480)
+
+
+def test_tp2_losses_match_and_checkpoint_crosses_backends(ckpts, torch_tp1, ms_tp1, ms_tp2):
+    torch_tp2 = run_distributed(mp.torch_train, world_size=2,
+                                args=(2, ckpts["init"], False, ckpts["ms_final"]), timeout=300)
     for rank in range(2):
         assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
         t = np.array(torch_tp2[rank]["losses"])
@@ -71,3 +77,18 @@ def test_tp2_losses_match_and_checkpoint_crosses_backends(ckpts, torch_tp1, ms_t
         np.testing.assert_allclose(t, torch_tp1["losses"], atol=TOL, rtol=0)
         # the MindSpore TP=1 checkpoint, loaded by Megatron-Core at TP=2, gives MindSpore's eval loss
         assert torch_tp2[rank]["eval_loss_of_other"] == pytest.approx(ms_tp1["eval_loss"], abs=TOL)
+
+
+def test_coc_losses_match_plain_tp2(ms_tp2):
+    """--use-ascend-coc on MindSpore (chunked GEMMs, MsComm's async collectives, PyNative): the
+    losses of the plain TP=2 runs (the traced graph), with and without sequence parallelism."""
+    for rank in range(2):
+        assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
+        for run, plain in (("tp2_coc", "tp2"), ("tp2_sp_coc", "tp2_sp")):
+            coc = ms_tp2[rank][run]
+            np.testing.assert_allclose(coc["losses"], ms_tp2[rank][plain]["losses"][:len(coc["losses"])],
+                                       atol=1e-6, rtol=0, err_msg=run)
+            assert not coc["graph_mode"], run       # CoC's linears wait on collectives: PyNative
+            # every forward (3 steps + 1 evaluation) went through CoC: 2 layers x (qkv, fc1) and
+            # the output layer are column-parallel, 2 layers x (proj, fc2) row-parallel
+            assert coc["calls"] == {"column": 4 * 5, "row": 4 * 4}, run

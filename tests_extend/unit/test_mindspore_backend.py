@@ -164,6 +164,26 @@ def test_custom_op_uses_the_given_backward(backend):
     np.testing.assert_allclose(gy.asnumpy(), [0.0, 0.0])
 
 
+def test_custom_op_takes_non_tensor_inputs_in_their_places(backend):
+    """Constants between tensors (as coc.py passes group, flags and chunk counts) reach forward
+    where they were given; each tensor gets backward's gradient at its own position."""
+    def forward(ctx, x, scale, y, name):
+        assert (scale, name) == (3, "g")
+        ctx.save(y)
+        return x * y * scale
+
+    def backward(ctx, dz):
+        (y,) = ctx.saved
+        return dz * y * 10.0, None, dz * 100.0, None      # deliberately not the true gradients
+
+    op = backend.autograd.custom_op(forward, backward)
+    x, y = ms.Tensor(np.array([1.0, 2.0], np.float32)), ms.Tensor(np.array([3.0, 4.0], np.float32))
+    np.testing.assert_allclose(op(x, 3, y, "g").asnumpy(), [9.0, 24.0])
+    gx, gy = ms.grad(lambda a, b: op(a, 3, b, "g").sum(), grad_position=(0, 1))(x, y)
+    np.testing.assert_allclose(gx.asnumpy(), [30.0, 40.0])
+    np.testing.assert_allclose(gy.asnumpy(), [100.0, 100.0])
+
+
 def test_recompute_gives_the_same_gradients_including_closed_over_parameters(backend):
     w = ms.Parameter(ms.Tensor(np.array([0.5, -1.5, 2.0], np.float32)), name="w")
     x = ms.Tensor(np.array([1.0, 2.0, 3.0], np.float32))

@@ -2,6 +2,7 @@
 with_gradient, a custom gradient that also holds inside a jit-traced forward."""
 from __future__ import annotations
 
+import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
@@ -40,10 +41,25 @@ class _CustomOpCell(nn.Cell):
 
 class MsAutograd(AutogradAPI):
     def custom_op(self, forward, backward):
-        """Inputs must be tensors (pass constants through a closure); one Cell per call keeps
-        each call's ctx separate."""
+        """One Cell per call keeps each call's ctx separate. Only tensor inputs enter the Cell
+        (its bprop must return a gradient per input); the others (groups, flags, sizes) reach
+        forward in their places by closure, and backward's entries for them are dropped."""
         def apply(*inputs):
-            return _CustomOpCell(forward, backward)(*inputs)
+            at = [i for i, x in enumerate(inputs) if isinstance(x, ms.Tensor)]
+            if len(at) == len(inputs):
+                return _CustomOpCell(forward, backward)(*inputs)
+
+            def fwd(ctx, *tensors):
+                full = list(inputs)
+                for i, t in zip(at, tensors):
+                    full[i] = t
+                return forward(ctx, *full)
+
+            def bwd(ctx, *douts):
+                grads = backward(ctx, *douts)
+                grads = grads if isinstance(grads, (tuple, list)) else (grads,)
+                return tuple(grads[i] for i in at)
+            return _CustomOpCell(fwd, bwd)(*(inputs[i] for i in at))
         apply.__name__ = getattr(forward, "__name__", "custom_op")
         return apply
 

@@ -32,6 +32,9 @@ NOTES = {
         Cap.ALL_TO_ALL: "emulated: every rank's tensor gathered via AllReduce, own chunks kept",
         Cap.SEND_RECV: "emulated: collective exchange via AllReduce; all group ranks must call it together",
         Cap.HOST_OFFLOAD: "host and device memory are the same: a copy, no saving",
+        Cap.ASYNC_COMM: ("all_reduce and world-group all_gather: mint.distributed's async_op (measured to "
+                         "progress while the caller works); reduce_scatter and sub-group all_gather: the "
+                         "AllReduce emulation started asynchronously"),
     },
     "ascend": {},
 }
@@ -60,7 +63,7 @@ def declared(device: str) -> dict:
         Cap.RNG_STATE: N, Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.PEAK_MEMORY: N,
         Cap.RECOMPUTE_OUTPUT: N,
         Cap.HOST_OFFLOAD: E,
-        Cap.ASYNC_COMM: E,               # CommAPI's synchronous defaults: correct, nothing overlapped
+        Cap.ASYNC_COMM: E if on_cpu else N,   # mint.distributed async_op; on CPU partly emulated (NOTES)
         Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend
         Cap.NATIVE_TRAINER: N,
         Cap.PIPELINE_PARALLEL: A, Cap.DISTRIBUTED_OPTIMIZER: A, Cap.MOE: A,

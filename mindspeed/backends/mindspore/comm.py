@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mindspore as ms
 from mindspore import ops
 
-from mindspeed.backends.base import CommAPI
+from mindspeed.backends.base import CommAPI, CommHandle
 from mindspeed.backends.mindspore.autograd import MsAutograd, with_gradient
 
 
@@ -216,6 +216,46 @@ class MsComm(CommAPI):
         if self._initialized:
             self._sum(ms.Tensor([1.0], ms.float32), self._group(group)).asnumpy()
 
+    # asynchronous variants: mindspore.mint.distributed's async_op, which on CPU (2.10) exists
+    # for AllReduce and the list form of AllGather; the rest is the emulation above, its
+    # AllReduce started asynchronously and the slice / reshape done in wait(). The collective
+    # writes into its buffer, so the caller's tensor is copied first (it must stay unchanged).
+    def all_reduce_async(self, tensor, op="sum", group=None):
+        g = self._group(group)
+        if op != "sum" or self.world_size(g) == 1:
+            return super().all_reduce_async(tensor, op, group)
+        buf = tensor.copy()
+        return _Pending(_dist().all_reduce(buf, "sum", g.name, async_op=True), lambda: buf)
+
+    def all_gather_async(self, tensor, dim=0, group=None):
+        g = self._group(group)
+        n = self.world_size(g)
+        if n == 1:
+            return super().all_gather_async(tensor, dim, group)
+        if self.native_all or self._is_world(g):
+            parts = [ops.zeros_like(tensor) for _ in range(n)]
+            handle = _dist().all_gather(parts, tensor.contiguous(), g.name, async_op=True)
+            return _Pending(handle, lambda: ops.cat(parts, axis=dim))
+        zero, me = ops.zeros_like(tensor), self.rank(g)
+        buf = ops.stack([tensor if i == me else zero for i in range(n)])
+        handle = _dist().all_reduce(buf, "sum", g.name, async_op=True)
+        return _Pending(handle, lambda: ops.cat(list(ops.unbind(buf, 0)), axis=dim))
+
+    def reduce_scatter_async(self, tensor, dim=0, group=None):
+        g = self._group(group)
+        n = self.world_size(g)
+        if n == 1:
+            return super().reduce_scatter_async(tensor, dim, group)
+        self._check_divisible("reduce_scatter", tensor, dim, n)
+        if self.native_all:
+            moved = ops.moveaxis(tensor, dim, 0).contiguous()
+            out = ops.zeros((moved.shape[0] // n,) + tuple(moved.shape[1:]), moved.dtype)
+            handle = _dist().reduce_scatter_tensor(out, moved, "sum", g.name, async_op=True)
+            return _Pending(handle, lambda: ops.moveaxis(out, 0, dim))
+        buf, me = tensor.copy(), self.rank(g)
+        handle = _dist().all_reduce(buf, "sum", g.name, async_op=True)
+        return _Pending(handle, lambda: ops.chunk(buf, n, axis=dim)[me])
+
     # differentiable variants: backward is the adjoint collective ----------------------------------
     def all_to_all_autograd(self, tensor, scatter_dim, gather_dim, group=None):
         op = self._autograd.custom_op(
@@ -270,6 +310,22 @@ class MsComm(CommAPI):
         def backward(dy):
             return dy
         return with_gradient(lambda x: self._sum(x, g), tensor, backward, ("reduce_from",))
+
+
+def _dist():
+    import mindspore.mint.distributed as dist
+    return dist
+
+
+class _Pending(CommHandle):
+    """A collective in flight; wait() finishes it and returns finish()'s result."""
+
+    def __init__(self, handle, finish):
+        self.handle, self.finish = handle, finish
+
+    def wait(self):
+        self.handle.wait()
+        return self.finish()
 
 
 class _Both:

@@ -1,5 +1,6 @@
 """--use-ascend-coc: tensor-parallel linear layers overlap their collectives with their GEMMs,
-chunk by chunk (the algorithm: features/parallel/coc.py; the Megatron-Core hook: coc_megatron.py).
+chunk by chunk (the algorithm: features/parallel/coc.py; the Megatron-Core hook: coc_megatron.py;
+the MindSpore trainer's: coc_mindspore.py).
 
 Flag semantics follow MindSpeed upstream: --coc-parallel-num in {1, 2, 4, 8} chunks; --coc-mode
 0 the original path, 1 the rewritten path without chunking, 2 chunked overlap, -1 (default) 2
@@ -40,11 +41,9 @@ class AscendCoc(Feature):
                                           "-1 2 when --coc-parallel-num > 1 else 0")),
              Flag("--coc-parallel-num", dict(type=int, default=1, help="chunks per GEMM: 1, 2, 4 or 8")),
              switch("--coc-fused-kernel", "Ascend's fused matmul+collective kernels (refused: none here)"))
-    requires = (Cap.ASYNC_COMM, Cap.MEGATRON_CORE)
-    backends = ("torch",)
-    unsupported = {"mindspore": "the MindSpore GPT's tensor-parallel layers have no CoC hook yet, and MsComm's "
-                                "async collectives are the synchronous defaults (MindSpore's async_op on CPU "
-                                "is not wired in nor measured)"}
+    # torch: Megatron-Core's layers (coc_megatron.py); mindspore: its GPT's (coc_mindspore.py)
+    requires = (Cap.ASYNC_COMM, Cap.CUSTOM_OP)
+    backends = ("torch", "mindspore")
     alternatives = "leave it off: Megatron's tensor-parallel layers communicate after each GEMM"
     example = ("--use-ascend-coc", "--coc-parallel-num", "2", "--tensor-model-parallel-size", "2")
     example_world = 2
@@ -73,3 +72,6 @@ class AscendCoc(Feature):
         if ctx.backend_name == "torch":
             from mindspeed.features.parallel import coc_megatron
             coc_megatron.install(ctx.patcher, chunks(args))
+        else:
+            from mindspeed.features.parallel.coc_mindspore import CocLinears
+            ctx.add_hook("tensor_parallel_linear", lambda: CocLinears(chunks(args)))

@@ -22,6 +22,9 @@ def linear(x, weight):
 
 def column_parallel(backend, ps: ParallelState, x, weight, bias=None):
     """x [s(/tp with SP), b, h] -> x_full @ W_local^T: each TP rank computes its output columns."""
+    if ps.tp_size > 1 and ps.tp_linear is not None:
+        y = ps.tp_linear.column(x, weight, ps.tp_group, ps.sequence_parallel)
+        return y if bias is None else y + bias
     if ps.tp_size > 1:
         x = (backend.comm.all_gather_autograd(x, 0, ps.tp_group) if ps.sequence_parallel
              else backend.comm.copy_to_region(x, ps.tp_group))
@@ -31,6 +34,9 @@ def column_parallel(backend, ps: ParallelState, x, weight, bias=None):
 
 def row_parallel(backend, ps: ParallelState, x, weight, bias=None):
     """x [s, b, k/tp] -> sum over TP ranks of x_local @ W_local^T (scattered by seq with SP)."""
+    if ps.tp_size > 1 and ps.tp_linear is not None:
+        y = ps.tp_linear.row(x, weight, ps.tp_group, ps.sequence_parallel)
+        return y if bias is None else y + bias
     y = linear(x, weight)
     if ps.tp_size > 1:
         y = (backend.comm.reduce_scatter_autograd(y, 0, ps.tp_group) if ps.sequence_parallel

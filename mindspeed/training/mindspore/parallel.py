@@ -22,6 +22,7 @@ class ParallelState:
     cp_rank: int = 0
     cp_group: object = None
     all_cp_ranks: list = field(default_factory=list)   # every CP group's global ranks
+    tp_linear: object = None     # a feature's TP linears (--use-ascend-coc's CocLinears), else layers.py's
 
 
 def build_parallel_state(comm, tp_size: int, sequence_parallel: bool = False, cp_size: int = 1) -> ParallelState:
