@@ -1,6 +1,6 @@
 """msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, CP=2 (Ulysses and
-ring attention, through the context-parallel feature), and TP=2 with --use-ascend-coc with and
-without sequence parallelism, from the same initial checkpoint. Usage: msrun ...
+ring attention, through the context-parallel feature), TP=2 with --use-ascend-coc with and
+without sequence parallelism, and TP=2 with full recompute, from the same initial checkpoint. Usage: msrun ...
 mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
 import os
 import sys
@@ -31,6 +31,9 @@ def main(out_dir, init_ckpt):
             result[name] = ms_train(backend, 2, sp, init_ckpt, steps=COC_STEPS,
                                     extra=("--use-ascend-coc", "--coc-parallel-num", chunks))
             result[name]["calls"] = dict(coc_mindspore.CALLS)
+        # full recompute at TP=2 (PyNative): MindSpore's early stop used to break on the TP taps
+        result["tp2_recompute_full"] = ms_train(backend, 2, False, init_ckpt, steps=COC_STEPS, extra=(
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"))
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})

@@ -92,3 +92,14 @@ def test_coc_losses_match_plain_tp2(ms_tp2):
             # every forward (3 steps + 1 evaluation) went through CoC: 2 layers x (qkv, fc1) and
             # the output layer are column-parallel, 2 layers x (proj, fc2) row-parallel
             assert coc["calls"] == {"column": 4 * 5, "row": 4 * 4}, run
+
+
+def test_full_recompute_at_tp2_matches_plain_tp2(ms_tp2):
+    """--recompute-granularity full at TP=2 on MindSpore (PyNative: recompute reruns each layer in
+    backward, through the tensor-parallel collectives' gradient taps) gives plain TP=2's losses."""
+    for rank in range(2):
+        assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
+        run = ms_tp2[rank]["tp2_recompute_full"]
+        np.testing.assert_allclose(run["losses"], ms_tp2[rank]["tp2"]["losses"][:len(run["losses"])],
+                                   atol=1e-6, rtol=0)
+        assert not run["graph_mode"]

@@ -16,8 +16,11 @@ class MsMemory(MemoryAPI):
         self.device = device
 
     def recompute(self, fn, *args):
-        # non-reentrant: fn may be any callable, and Parameters it closes over get gradients
-        return ms.recompute(fn, *args, use_reentrant=False)
+        # non-reentrant: fn may be any callable, and Parameters it closes over get gradients.
+        # No early stop: it ends the rerun by raising from inside whatever op saved the last tensor,
+        # and when that op is a tensor-parallel collective's gradient tap (a Python Custom op) the
+        # exception leaves PyNative's grad stack empty ("input_args_info_stack_ is empty" at TP > 1)
+        return ms.recompute(fn, *args, use_reentrant=False, early_stop=False)
 
     def recompute_output(self, fn, *args):
         """fn's inputs must be tensors (parameters too: pass them in, so their gradients flow)."""
