@@ -111,14 +111,7 @@ def bench_elementwise(args, copy_bw):
             for name, ref, fast, inputs, nbytes in elementwise_cases(s, h, hd, dtype):
                 ref_t = best_time(fwd_bwd(ref, inputs), args.reps)
                 fast_t = best_time(fwd_bwd(fast, inputs), args.reps)
-                comp_t = "skipped"
-                if not args.no_compile:
-                    compiled = try_compile(ref)
-                    if not isinstance(compiled, str):
-                        try:
-                            comp_t = best_time(fwd_bwd(compiled, inputs), args.reps)
-                        except Exception as exc:   # noqa: BLE001
-                            comp_t = f"failed: {type(exc).__name__}"
+                comp_t = compiled_time(args, ref, inputs, args.reps)
                 row(name, nbytes, ref_t, fast_t, comp_t, copy_bw)
                 if isinstance(comp_t, float) and comp_t < fast_t:
                     print(f"|   ^ torch.compile(reference) is {fast_t / comp_t:.2f}x faster than the fast path here |")

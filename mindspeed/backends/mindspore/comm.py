@@ -130,12 +130,10 @@ class MsComm(CommAPI):
         n = len(g.ranks)
         if self.native_all or self._is_world(g):
             return self._op("all_gather", g.name)(tensor.contiguous()).reshape((n,) + tuple(tensor.shape))
-        zero = ops.zeros_like(tensor)
-        padded = ops.stack([tensor if i == me else zero for i in range(n)])
-        return self._sum(padded, g)
+        return self._sum(_padded(tensor, n, me), g)
 
     def _gather(self, tensor, dim, g: MsGroup, me: int):
-        return ops.cat(list(ops.unbind(self._stack(tensor, g, me), 0)), axis=dim)
+        return _joined(self._stack(tensor, g, me), dim)
 
     def _scatter_sum(self, tensor, dim, g: MsGroup, me: int):
         if self.native_all:
@@ -236,10 +234,9 @@ class MsComm(CommAPI):
             parts = [ops.zeros_like(tensor) for _ in range(n)]
             handle = _dist().all_gather(parts, tensor.contiguous(), g.name, async_op=True)
             return _Pending(handle, lambda: ops.cat(parts, axis=dim))
-        zero, me = ops.zeros_like(tensor), self.rank(g)
-        buf = ops.stack([tensor if i == me else zero for i in range(n)])
+        buf = _padded(tensor, n, self.rank(g))
         handle = _dist().all_reduce(buf, "sum", g.name, async_op=True)
-        return _Pending(handle, lambda: ops.cat(list(ops.unbind(buf, 0)), axis=dim))
+        return _Pending(handle, lambda: _joined(buf, dim))
 
     def reduce_scatter_async(self, tensor, dim=0, group=None):
         g = self._group(group)
@@ -310,6 +307,17 @@ class MsComm(CommAPI):
         def backward(dy):
             return dy
         return with_gradient(lambda x: self._sum(x, g), tensor, backward, ("reduce_from",))
+
+
+def _padded(tensor, n: int, me: int):
+    """[n, *tensor.shape]: zeros except slot `me`; its AllReduce(sum) is every rank's tensor."""
+    zero = ops.zeros_like(tensor)
+    return ops.stack([tensor if i == me else zero for i in range(n)])
+
+
+def _joined(stacked, dim: int):
+    """[n, ...] -> the n slices concatenated along dim (an all-gather's result)."""
+    return ops.cat(list(ops.unbind(stacked, 0)), axis=dim)
 
 
 def _dist():
