@@ -124,7 +124,8 @@ option("overlap-grad-reduce", (host("--overlap-grad-reduce", False),), lambda a:
        ("--overlap-grad-reduce",), example_world=2)
 option("overlap-param-gather", (host("--overlap-param-gather", False),), lambda a: a.overlap_param_gather,
        "distributed optimizer's parameter all-gather overlapped with the forward pass",
-       {"mindspore": f"{MS} has no distributed optimizer"}, f"drop --overlap-param-gather, or {TORCH}",
+       {"mindspore": f"{MS}'s distributed optimizer all-gathers the updated parameters right after the update "
+                     "(its forward is one traced call: no per-layer point to wait for a bucket's gather)"}, f"drop --overlap-param-gather, or {TORCH}",
        ("--use-distributed-optimizer", "--overlap-param-gather"), example_world=2)
 option("wsd-lr-schedule", (host("--lr-decay-style", "cosine"),), lambda a: a.lr_decay_style == "WSD",
        "warmup-stable-decay learning-rate schedule",

@@ -31,6 +31,8 @@ NOTES = {
         Cap.REDUCE_SCATTER: "emulated: AllReduce(sum) then keep this rank's slice",
         Cap.ALL_TO_ALL: "emulated: every rank's tensor gathered via AllReduce, own chunks kept",
         Cap.SEND_RECV: "emulated: collective exchange via AllReduce; all group ranks must call it together",
+        Cap.DISTRIBUTED_OPTIMIZER: ("reduce-scatter of the gradients and all-gather of the updated slices "
+                                    "over DP: both emulated via AllReduce(sum)"),
         Cap.HOST_OFFLOAD: "host and device memory are the same: a copy, no saving",
         Cap.ASYNC_COMM: ("all_reduce and world-group all_gather: mint.distributed's async_op (measured to "
                          "progress while the caller works); reduce_scatter and sub-group all_gather: the "
@@ -66,7 +68,10 @@ def declared(device: str) -> dict:
         Cap.ASYNC_COMM: E if on_cpu else N,   # mint.distributed async_op; on CPU partly emulated (NOTES)
         Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend
         Cap.NATIVE_TRAINER: N,
-        Cap.PIPELINE_PARALLEL: A, Cap.DISTRIBUTED_OPTIMIZER: A, Cap.MOE: A,
+        # ZeRO-1 (training/mindspore/distrib_optimizer.py): MindSpore's AdamW on this rank's slice
+        # between a reduce-scatter and an all-gather, both emulated on CPU (NOTES)
+        Cap.DISTRIBUTED_OPTIMIZER: E if on_cpu else N,
+        Cap.PIPELINE_PARALLEL: A, Cap.MOE: A,
         Cap.PROFILER: N,                 # mindspore.profiler (CPU op timeline here; Ascend kernels there)
     })
     return caps

@@ -85,7 +85,7 @@ class DistributedOptimizer(Feature):
                   megatron=True),)
     requires = (Cap.REDUCE_SCATTER, Cap.ALL_GATHER, Cap.DISTRIBUTED_OPTIMIZER)
     example, example_world = ("--use-distributed-optimizer",), 2
-    backends = ("torch",)
+    backends = ("torch", "mindspore")
     alternatives = "drop --use-distributed-optimizer (plain data parallelism works on every backend)"
 
 

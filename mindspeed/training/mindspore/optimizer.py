@@ -113,8 +113,9 @@ def _flat_all_reduce(comm, arrays: list, op: str, group) -> list:
     return [part.reshape(a.shape) for part, a in zip(ops.split(flat, sizes), arrays)]
 
 
-def reduce_gradients(backend, ps, model, grads: dict) -> dict:
-    """Sum over context-parallel ranks, average over data-parallel replicas; with SP, sum the replicated (norm, row-bias) weights'
+def reduce_gradients(backend, ps, model, grads: dict, over_dp: bool = True) -> dict:
+    """Sum over context-parallel ranks, average over data-parallel replicas (unless over_dp is
+    False: the distributed optimizer reduce-scatters them itself); with SP, sum the replicated (norm, row-bias) weights'
     partial gradients over the TP group (each rank saw only its sequence shard)."""
     comm = backend.comm
     names = list(grads)
@@ -125,7 +126,7 @@ def reduce_gradients(backend, ps, model, grads: dict) -> dict:
     if getattr(ps, "cp_size", 1) > 1:   # each CP rank's gradient covers its share of the sequence
         for n, g in zip(names, _flat_all_reduce(comm, [grads[n] for n in names], "sum", ps.cp_group)):
             grads[n] = g
-    if ps.dp_size > 1:
+    if over_dp and ps.dp_size > 1:
         for n, g in zip(names, _flat_all_reduce(comm, [grads[n] for n in names], "avg", ps.dp_group)):
             grads[n] = g
     return grads

@@ -11,6 +11,7 @@ import numpy as np
 from mindspeed import hooks
 from mindspeed.training.logger import StepRecorder
 from mindspeed.training.mindspore import checkpoint, data, neutral_format, schedule
+from mindspeed.training.mindspore.distrib_optimizer import DistributedAdam
 from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import Adam, accumulate, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
@@ -84,8 +85,10 @@ class Trainer:
         self.args, self.backend, self.ps, self.cfg = args, backend, ps, cfg
         self.model = GPTModel(cfg, backend, ps)
         self.model.load_full(init_full_weights(cfg, args.seed))
-        self.optimizer = Adam(self.model, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
-                              weight_decay=args.weight_decay)
+        adam = dict(beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.distributed_optimizer = bool(getattr(args, "use_distributed_optimizer", False))
+        self.optimizer = (DistributedAdam(self.model, backend, ps, **adam) if self.distributed_optimizer
+                          else Adam(self.model, **adam))
         self.lr_at = schedule.from_args(args)
         self._shard = None
         swap = _named_hook("activation_swap")
@@ -127,10 +130,14 @@ class Trainer:
             loss, g = self._grad_fn(*self._inputs(mb))
             losses.append(loss)
             grads = accumulate(grads, g, n)
-        grads = reduce_gradients(self.backend, self.ps, self.model, dict(zip(names, grads)))
-        grads, norm = clip_gradients(self.backend, self.ps, self.model, grads, self.args.clip_grad)
         lr = self.lr_at(iteration - 1)
-        self.optimizer.step(grads, lr)
+        grads = reduce_gradients(self.backend, self.ps, self.model, dict(zip(names, grads)),
+                                 over_dp=not self.distributed_optimizer)
+        if self.distributed_optimizer:      # reduce-scatter, clip, update its slice, all-gather
+            norm = self.optimizer.step_on_local_grads(grads, lr, self.args.clip_grad)
+        else:
+            grads, norm = clip_gradients(self.backend, self.ps, self.model, grads, self.args.clip_grad)
+            self.optimizer.step(grads, lr)
         # read back once the whole step is launched
         loss_sum = sum(float(x.asnumpy()) for x in losses)
         return self._dp_mean(self._cp_sum(loss_sum / n)), float(norm.asnumpy()), lr
