@@ -1,0 +1,31 @@
+"""msrun worker (2 processes) for test_mindspore_parity_zero.py: --use-distributed-optimizer at
+DP=2 (20 steps, a checkpoint at step RESUME_AT), resumed from that checkpoint with and without the
+flag, and at TP=2 x DP=1. Usage: msrun ... mindspore_parity_zero_worker.py OUT_DIR INIT_CKPT"""
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+
+RESUME_AT, RESUMED_STEPS, TP2_STEPS = 10, 3, 4
+
+
+def main(out_dir, init_ckpt):
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from tests_extend.distributed.mindspore_parity_zero import ms_run
+    backend = MindSporeBackend("cpu")
+    rank = backend.comm.rank()
+    ckpt = os.path.join(out_dir, "ckpt_zero")
+    try:
+        result = {"zero_dp2": ms_run(backend, init_ckpt, save_dir=ckpt, save_at=RESUME_AT)}
+        result["zero_resumed"] = ms_run(backend, init_ckpt, load=ckpt, steps=RESUMED_STEPS)
+        result["plain_resumed"] = ms_run(backend, init_ckpt, flag=False, load=ckpt, steps=RESUMED_STEPS)
+        result["zero_tp2_dp1"] = ms_run(backend, init_ckpt, tp=2, steps=TP2_STEPS)
+        write_result(out_dir, rank, {"ok": True, **result})
+    except Exception:
+        write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
