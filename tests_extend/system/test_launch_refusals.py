@@ -103,8 +103,8 @@ def test_megatron_lm_script_is_not_preflighted(tmp_path):
 
 
 MINDSPORE_REFUSALS = [
-    ("distributed optimizer", ["--use-distributed-optimizer"],
-     "(--use-distributed-optimizer) is not supported on backend 'mindspore'"),
+    ("swap optimizer", ["--swap-optimizer"],
+     "(--swap-optimizer) is not supported on backend 'mindspore'"),
     ("orphan --ckpt-step", ["--ckpt-step", "4"], "--ckpt-step needs --load"),
     ("unknown flag", ["--sequence-paralel"], "--sequence-paralel"),
 ]

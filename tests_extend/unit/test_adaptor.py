@@ -61,9 +61,9 @@ def test_import_hook_reads_only_mindspeed_flags():
 def test_import_hook_refuses_unsupported_before_work():
     code = "import mindspeed.megatron_adaptor; print('SHOULD NOT RUN')"
     out = subprocess.run([sys.executable, "-c", code, "--backend", "mindspore",
-                          "--use-distributed-optimizer"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--swap-optimizer"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "SHOULD NOT RUN" not in out.stdout
-    assert "distributed-optimizer" in out.stderr and "mindspore" in out.stderr
+    assert "swap-optimizer" in out.stderr and "mindspore" in out.stderr
 
 
 def test_bad_values_are_reported():
