@@ -52,14 +52,14 @@ def test_dp2_losses_match_torch_and_state_is_sharded(runs):
 
 def test_checkpoint_resumes_with_and_without_the_flag(runs):
     """Step RESUME_AT's checkpoint (whole per-parameter moments gathered from the slices): resumed
-    with the flag it gives the uninterrupted run's losses; without it (plain Adam, all-reduced
-    gradients), the same within float rounding of the other reduction order."""
+    with the flag it gives the uninterrupted run's losses, and without it (plain Adam, all-reduced
+    gradients) too (measured: equal; 1e-6 leaves room for another reduction order)."""
     for rank in range(2):
         ms = runs["ms"][rank]
         uninterrupted = ms["zero_dp2"]["losses"][RESUME_AT:RESUME_AT + RESUMED_STEPS]
         assert ms["zero_resumed"]["distributed"] and not ms["plain_resumed"]["distributed"]
         np.testing.assert_allclose(ms["zero_resumed"]["losses"], uninterrupted, atol=1e-6, rtol=0)
-        np.testing.assert_allclose(ms["plain_resumed"]["losses"], uninterrupted, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(ms["plain_resumed"]["losses"], uninterrupted, atol=1e-6, rtol=0)
 
 
 def test_tp2_dp1_trains_as_plain_tp(runs):
