@@ -13,7 +13,8 @@ pytest.importorskip("mindspore")
 from tests_extend.distributed import mindspore_parity as mp  # noqa: E402
 from tests_extend.distributed import mindspore_parity_zero as mz  # noqa: E402
 from tests_extend.distributed.harness import run_distributed  # noqa: E402
-from tests_extend.distributed.mindspore_parity_zero_worker import RESUME_AT, RESUMED_STEPS  # noqa: E402
+from tests_extend.distributed.mindspore_parity_zero_worker import (  # noqa: E402
+    FROM_PLAIN_STEPS, RESUME_AT, RESUMED_STEPS)
 from tests_extend.distributed.msrun_helper import run_msrun  # noqa: E402
 
 TOL = 1e-4
@@ -53,13 +54,18 @@ def test_dp2_losses_match_torch_and_state_is_sharded(runs):
 def test_checkpoint_resumes_with_and_without_the_flag(runs):
     """Step RESUME_AT's checkpoint (whole per-parameter moments gathered from the slices): resumed
     with the flag it gives the uninterrupted run's losses, and without it (plain Adam, all-reduced
-    gradients) too (measured: equal; 1e-6 leaves room for another reduction order)."""
+    gradients) too (measured: equal; 1e-6 leaves room for another reduction order). That plain run's
+    own checkpoint, resumed with the flag, continues the uninterrupted run as well."""
     for rank in range(2):
         ms = runs["ms"][rank]
         uninterrupted = ms["zero_dp2"]["losses"][RESUME_AT:RESUME_AT + RESUMED_STEPS]
         assert ms["zero_resumed"]["distributed"] and not ms["plain_resumed"]["distributed"]
         np.testing.assert_allclose(ms["zero_resumed"]["losses"], uninterrupted, atol=1e-6, rtol=0)
         np.testing.assert_allclose(ms["plain_resumed"]["losses"], uninterrupted, atol=1e-6, rtol=0)
+        at = RESUME_AT + RESUMED_STEPS
+        assert ms["zero_from_plain"]["distributed"]
+        np.testing.assert_allclose(ms["zero_from_plain"]["losses"], ms["zero_dp2"]["losses"][at:at + FROM_PLAIN_STEPS],
+                                   atol=1e-6, rtol=0)
 
 
 def test_tp2_dp1_trains_as_plain_tp(runs):
