@@ -241,7 +241,7 @@ def _train(args, backend, ps, logger) -> dict:
                  f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
     if trainer.distributed_optimizer:
         logger.print(f"> distributed optimizer: rank 0 keeps {trainer.optimizer.state_elements()} of the "
-                     f"{2 * n_params} Adam moment values of its parameters (DP {ps.dp_size} slices)")
+                     f"{2 * n_params} Adam moment values of its parameters (1/{ps.dp_size})")
     logger.print(f"> data {a.data_path or 'default'}: vocab {vocab} (padded {a.padded_vocab_size}), "
                  f"train {train.num_samples} samples of {a.seq_length + 1} tokens")
 
