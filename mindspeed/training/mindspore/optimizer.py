@@ -9,7 +9,7 @@ default param groups). Gradients stay MindSpore tensors from backward to the upd
 the norm and the clipping are small compiled graphs (mindspore.jit) over all gradients at once, and
 nothing waits for the host before the update is launched. Clipping uses Megatron's rule:
 coeff = max_norm / (norm + 1e-6), applied when below 1; the norm (fp64) counts each TP-replicated
-parameter once.
+parameter once and sums over pipeline stages.
 """
 from __future__ import annotations
 
@@ -163,6 +163,8 @@ def clip_gradients(backend, ps, model, grads: dict, max_norm: float):
     sq = _sum_of_squares(ms.mutable(tuple(counted))) if counted else ms.Tensor(0.0, ms.float64)
     if ps.tp_size > 1:
         sq = _fp64_sum_over(backend.comm, sq, ps.tp_group)
+    if getattr(ps, "pp_size", 1) > 1:    # the stages hold disjoint parameters: each counted once
+        sq = _fp64_sum_over(backend.comm, sq, ps.pp_group)
     if max_norm and max_norm > 0:
         clipped = _clipped(ms.mutable(tuple(grads.values())), sq, ms.Tensor(max_norm, ms.float64))
         grads = dict(zip(grads, clipped))
