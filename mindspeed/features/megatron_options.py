@@ -83,9 +83,9 @@ option("rope-scaling", (host("--use-rope-scaling", False), host("--rope-scaling-
 option("uneven-pipeline-stages", (host("--decoder-first-pipeline-num-layers"),
                                   host("--decoder-last-pipeline-num-layers")),
        lambda a: a.decoder_first_pipeline_num_layers is not None or a.decoder_last_pipeline_num_layers is not None,
-       "a different number of layers on the first/last pipeline stage",
-       {"mindspore": f"{MS} has no pipeline parallelism"}, TORCH,
-       ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"),
+       "a different number of layers on the first/last pipeline stage", {}, "",
+       ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+        "--untie-embeddings-and-output-weights"),
        example_world=2)
 option("layernorm", (host("--normalization", "RMSNorm"),), lambda a: a.normalization != "RMSNorm",
        "LayerNorm instead of RMSNorm", {"mindspore": f"{MS}'s GPT normalizes with RMSNorm"},
@@ -170,7 +170,8 @@ option("flash-attn-band", FlashAttention.flags[1:],
        ("--use-flash-attn", "--sparse-mode", "2"), depends=("flash-attn",))
 option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
        "pipeline stages exchange tensor shapes first; instruction micro-batches as long as their longest sample",
-       {"mindspore": f"{MS} has no pipeline parallelism"}, TORCH,
+       {"mindspore": f"{MS}'s micro-batches are all --seq-length long: its stages exchange that one shape"},
+       "leave out --variable-seq-lengths, or " + TORCH,
        ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2"), example_world=2)
 option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"), host("--moe-shared-expert-overlap", False)),
        lambda a: bool(a.moe_shared_expert_intermediate_size) or a.moe_shared_expert_overlap,

@@ -1,8 +1,12 @@
 """Megatron's 1F1B pipeline schedule for the MindSpore trainer, on two stages.
 
-Each stage runs its slice of the GPT (GPTModel.stage_forward) under mindspore.vjp, which keeps
-the forward's graph until the gradient from the next stage arrives: stage 1 returns the gradient
-of its input activation, stage 0 runs its backward from it.
+Each stage runs its slice of the GPT (GPTModel.stage_forward); stage 1 returns the gradient of
+its input activation (mindspore.vjp), stage 0 runs its backward from it. Stage 0 keeps only its
+micro-batches between its forward and its backward and runs the forward again under vjp when
+the gradient arrives (stage 0's layers recomputed, as full recompute would): PyNative keeps one
+pending backward graph per function, and a second forward under vjp before the first one's
+backward, which 1F1B's warmup does, made the first backward fail or silently use the wrong graph
+(measured on 2.10).
 
 MindSpore 2.10 has no point-to-point transfer on CPU (measured under msrun: mint.distributed.send
 looks up a group "hccl_world_group" that does not exist there, batch_isend_irecv and comm_func's
@@ -56,6 +60,11 @@ class TwoStagePipeline:
         fn = lambda h: self.model.stage_forward(h, tokens, labels, mask)
         return ms.vjp(fn, self._nothing if hidden is None else hidden, weights=self.weights)
 
+    def _first_stage_grads(self, mb, d_output):
+        """Stage 0's weight gradients for micro-batch mb, given the gradient of its output."""
+        _, vjp_fn = self._forward(None, mb)
+        return vjp_fn(d_output)[1]
+
     def train(self, micro_batches: list) -> tuple:
         """Forward and backward over the global batch's micro-batches -> (the weight gradients,
         averaged over micro-batches as Megatron does; the micro-batch losses, on the last stage)."""
@@ -64,13 +73,13 @@ class TwoStagePipeline:
         if self.ps.first_stage:
             pending = deque()
             for mb in micro_batches:
-                out, vjp_fn = self._forward(None, mb)
+                out = self.model.stage_forward(None, *_inputs(mb))     # no graph kept (see above)
                 dy = self._exchange(out, b)        # first one: only sends (warmup forward)
                 if pending:
-                    grads = accumulate(grads, vjp_fn_weights(pending.popleft(), dy), n)
-                pending.append(vjp_fn)
+                    grads = accumulate(grads, self._first_stage_grads(pending.popleft(), dy), n)
+                pending.append(mb)
             dy = self._exchange(None, b)           # cooldown: the last micro-batch's gradient
-            grads = accumulate(grads, vjp_fn_weights(pending.popleft(), dy), n)
+            grads = accumulate(grads, self._first_stage_grads(pending.popleft(), dy), n)
         else:
             hidden = self._exchange(None, b)
             for mb in micro_batches:
@@ -91,9 +100,3 @@ class TwoStagePipeline:
             else:
                 losses.append(self.model.stage_forward(self._exchange(None, b), *_inputs(mb)))
         return losses
-
-
-def vjp_fn_weights(vjp_fn, d_output):
-    """The weight gradients of a stage-0 forward, given the gradient of its output."""
-    _, weight_grads = vjp_fn(d_output)
-    return weight_grads
