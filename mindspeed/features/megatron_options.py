@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Callable
 
+from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag
 from mindspeed.features.context_parallel.feature import MASK_TYPE
 from mindspeed.features.fused.features import FlashAttention
@@ -80,13 +81,14 @@ option("qkv-bias", (host("--add-qkv-bias", False),), lambda a: a.add_qkv_bias,
        "biases on the fused q/k/v projection (Qwen2)", {}, "", ("--add-qkv-bias",))
 option("rope-scaling", (host("--use-rope-scaling", False), host("--rope-scaling-factor", 8.0)),
        lambda a: a.use_rope_scaling, "Llama 3.1 RoPE frequency scaling", {}, "", ("--use-rope-scaling",))
-option("uneven-pipeline-stages", (host("--decoder-first-pipeline-num-layers"),
+UnevenPipelineStages = option("uneven-pipeline-stages", (host("--decoder-first-pipeline-num-layers"),
                                   host("--decoder-last-pipeline-num-layers")),
        lambda a: a.decoder_first_pipeline_num_layers is not None or a.decoder_last_pipeline_num_layers is not None,
        "a different number of layers on the first/last pipeline stage", {}, "",
        ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
         "--untie-embeddings-and-output-weights"),
        example_world=2)
+UnevenPipelineStages.requires = (Cap.SEND_RECV, Cap.PIPELINE_PARALLEL)     # the stages exchange activations
 option("layernorm", (host("--normalization", "RMSNorm"),), lambda a: a.normalization != "RMSNorm",
        "LayerNorm instead of RMSNorm", {"mindspore": f"{MS}'s GPT normalizes with RMSNorm"},
        f"--normalization RMSNorm, or {TORCH}", ("--normalization", "LayerNorm"))
