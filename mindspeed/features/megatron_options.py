@@ -174,7 +174,8 @@ option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda 
        "pipeline stages exchange tensor shapes first; instruction micro-batches as long as their longest sample",
        {"mindspore": f"{MS}'s micro-batches are all --seq-length long: its stages exchange that one shape"},
        "leave out --variable-seq-lengths, or " + TORCH,
-       ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2"), example_world=2)
+       ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"),
+       example_world=2)
 option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"), host("--moe-shared-expert-overlap", False)),
        lambda a: bool(a.moe_shared_expert_intermediate_size) or a.moe_shared_expert_overlap,
        "MoE shared experts beside the routed ones (Megatron-Core's, optionally overlapped)",
