@@ -39,3 +39,27 @@ def test_sgd_with_wsd_matches_megatron_core(runs):
 def test_a_mid_run_checkpoint_resumes_sgds_momentum(runs):
     _, ms_run, _ = runs
     np.testing.assert_allclose(ms_run["resumed_losses"], ms_run["losses"][RESUME_AT:], atol=1e-6, rtol=0)
+
+
+def test_the_torch_trainers_sgd_checkpoint_gives_its_momentum_to_the_mindspore_trainer(tmp_path):
+    """The torch launch script (1 process, --optimizer sgd, 2 steps) saves torch_dist; the MindSpore
+    trainer's reader finds a momentum buffer for every weight (no Adam moments, no refusal)."""
+    import os
+    import subprocess
+    import sys
+
+    from mindspeed.net import free_port
+    from mindspeed.training.cross_format import neutral_from_torch_dist
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHON=sys.executable, TP="1", NPUS_PER_NODE="1", MASTER_PORT=str(free_port()),
+               LOG_DIR=str(tmp_path / "logs"), NUM_LAYERS="1", HIDDEN_SIZE="32", NUM_HEADS="4", SEQ_LENGTH="32",
+               MICRO_BATCH="4", GLOBAL_BATCH="4", TRAIN_ITERS="2", LR="1e-2", MIN_LR="1e-3", WARMUP_ITERS="1",
+               EVAL_INTERVAL="100", EVAL_ITERS="0", CKPT_DIR=str(tmp_path / "ckpt"))
+    r = subprocess.run(["bash", os.path.join(root, "tests_extend", "example", "train_distributed.sh"),
+                        "--optimizer", "sgd", "--mock-data"], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    model, moments, meta = neutral_from_torch_dist(str(tmp_path / "ckpt" / "iter_0000002"), True)
+    assert sorted(moments) == sorted(f"momentum_buffer/{name}" for name in model)
+    assert all(np.abs(v).max() > 0 for v in moments.values())
+    assert meta["iteration"] == 2
