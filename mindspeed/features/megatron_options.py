@@ -58,9 +58,8 @@ option("mixed-precision", (host("--bf16", False), host("--fp16", False)),
        lambda a: a.bf16 or a.fp16, "bf16/fp16 training with fp32 master weights",
        {"mindspore": f"{MS} trains in fp32 (MindSpore's CPU kernels have no bf16 matmul here)"},
        f"drop --bf16/--fp16, or {TORCH}", ("--bf16",))
-option("sgd-optimizer", (host("--optimizer", "adam"),), lambda a: a.optimizer != "adam",
-       "Megatron's SGD optimizer instead of Adam",
-       {"mindspore": f"{MS}'s optimizer is Adam (decoupled weight decay)"}, f"--optimizer adam, or {TORCH}",
+option("sgd-optimizer", (host("--optimizer", "adam"), host("--sgd-momentum", 0.9)), lambda a: a.optimizer != "adam",
+       "Megatron's SGD optimizer (momentum, L2 weight decay) instead of Adam", {}, "",
        ("--optimizer", "sgd"))
 option("selective-recompute", (host("--recompute-granularity"),),
        lambda a: a.recompute_granularity == "selective",
@@ -128,10 +127,10 @@ option("overlap-param-gather", (host("--overlap-param-gather", False),), lambda 
        "distributed optimizer's parameter all-gather overlapped with the forward pass",
        {"mindspore": f"{MS} has no distributed optimizer"}, f"drop --overlap-param-gather, or {TORCH}",
        ("--use-distributed-optimizer", "--overlap-param-gather"), example_world=2)
-option("wsd-lr-schedule", (host("--lr-decay-style", "cosine"),), lambda a: a.lr_decay_style == "WSD",
-       "warmup-stable-decay learning-rate schedule",
-       {"mindspore": f"{MS}'s schedule decays constant, linear or cosine"},
-       f"--lr-decay-style cosine, or {TORCH}", ("--lr-decay-style", "WSD"))
+option("wsd-lr-schedule", (host("--lr-decay-style", "cosine"), host("--lr-wsd-decay-iters"),
+                            host("--lr-wsd-decay-style", "exponential")), lambda a: a.lr_decay_style == "WSD",
+       "warmup-stable-decay learning-rate schedule", {}, "",
+       ("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style", "cosine"))
 option("gloo-distributed-backend", (host("--distributed-backend"),), lambda a: a.distributed_backend == "gloo",
        "torch.distributed's gloo backend for collectives",
        {"mindspore": f"{MS} communicates through MindSpore's own collectives (no --distributed-backend "

@@ -12,7 +12,7 @@ from mindspeed import hooks
 from mindspeed.training.logger import StepRecorder
 from mindspeed.training.mindspore import checkpoint, data, neutral_format, schedule
 from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
-from mindspeed.training.mindspore.optimizer import Adam, accumulate, clip_gradients, reduce_gradients
+from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
 from mindspeed.training.mindspore.pipeline import TwoStagePipeline
 from mindspeed.training.mindspore.tracing import traced
@@ -86,8 +86,7 @@ class Trainer:
         self.args, self.backend, self.ps, self.cfg = args, backend, ps, cfg
         self.model = GPTModel(cfg, backend, ps)
         self.model.load_full(init_full_weights(cfg, args.seed))
-        self.optimizer = Adam(self.model, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
-                              weight_decay=args.weight_decay)
+        self.optimizer = build_optimizer(self.model, args)
         self.lr_at = schedule.from_args(args)
         self._shard = None
         swap = _named_hook("activation_swap")
