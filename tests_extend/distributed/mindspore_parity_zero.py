@@ -16,7 +16,7 @@ def micro_batch(step: int, dp_rank: int, dp_size: int):
 
 # -- mindspore side ------------------------------------------------------------------------------
 def ms_run(backend, init_ckpt: str, *, flag: bool = True, tp: int = 1, steps: int = mp.STEPS, load: str | None = None,
-           save_dir: str | None = None, save_at: int | None = None) -> dict:
+           save_dir: str | None = None, save_at: int | None = None, extra: tuple = ()) -> dict:
     """Train `steps` steps from init_ckpt (or from checkpoint `load`, its moments and iteration
     included), through mindspeed.adapt (the support matrix gates the flag); save at step save_at."""
     import mindspeed
@@ -25,7 +25,7 @@ def ms_run(backend, init_ckpt: str, *, flag: bool = True, tp: int = 1, steps: in
     world = backend.comm.world_size()
     dp = world // tp
     argv = mp.trainer_argv(tp) + ["--global-batch-size", str(mp.MBS * dp)] + (
-        ["--use-distributed-optimizer"] if flag else [])
+        ["--use-distributed-optimizer"] if flag else []) + list(extra)
     args = parse_args(argv, world_size=world)
     args.backend = "mindspore"
     mindspeed.adapt(args)

@@ -8,7 +8,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 
-RESUME_AT, RESUMED_STEPS, FROM_PLAIN_STEPS, TP2_STEPS = 10, 2, 2, 3
+RESUME_AT, RESUMED_STEPS, FROM_PLAIN_STEPS, TP2_STEPS, SGD_STEPS = 10, 2, 2, 3, 3
 
 
 def main(out_dir, init_ckpt):
@@ -24,6 +24,9 @@ def main(out_dir, init_ckpt):
         result["plain_resumed"] = ms_run(backend, init_ckpt, flag=False, load=ckpt, steps=RESUMED_STEPS,
                                          save_dir=plain_ckpt, save_at=RESUME_AT + RESUMED_STEPS)
         result["zero_from_plain"] = ms_run(backend, init_ckpt, load=plain_ckpt, steps=FROM_PLAIN_STEPS)
+        sgd = ("--optimizer", "sgd")      # the slice's update is the trainer's SGD too
+        result["zero_sgd_dp2"] = ms_run(backend, init_ckpt, steps=SGD_STEPS, extra=sgd)
+        result["plain_sgd_dp2"] = ms_run(backend, init_ckpt, flag=False, steps=SGD_STEPS, extra=sgd)
         result["zero_tp2_dp1"] = ms_run(backend, init_ckpt, tp=2, steps=TP2_STEPS)
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:

@@ -68,10 +68,11 @@ def declared(device: str) -> dict:
         Cap.ASYNC_COMM: E if on_cpu else N,   # mint.distributed async_op; on CPU partly emulated (NOTES)
         Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend
         Cap.NATIVE_TRAINER: N,
+        # the trainer's two-stage 1F1B (training/mindspore/pipeline.py); its transfers are SEND_RECV's
+        Cap.PIPELINE_PARALLEL: N, Cap.MOE: A,
         # ZeRO-1 (training/mindspore/distrib_optimizer.py): MindSpore's AdamW on this rank's slice
         # between a reduce-scatter and an all-gather, both emulated on CPU (NOTES)
         Cap.DISTRIBUTED_OPTIMIZER: E if on_cpu else N,
-        Cap.PIPELINE_PARALLEL: A, Cap.MOE: A,
         Cap.PROFILER: N,                 # mindspore.profiler (CPU op timeline here; Ascend kernels there)
     })
     return caps

@@ -5,29 +5,30 @@ zero-padded to a multiple of DP and cut into DP equal slices; DP rank r owns sli
 AdamW's moments for it only. A flat buffer (not whole parameters per rank) is what Megatron does:
 every rank holds the same number of moment values whatever the parameter sizes. The decayed
 parameters come first and the others (1-D, biases) after, so a slice is at most two runs, one
-per weight-decay value: each run is one flat Parameter in its own AdamW group.
+per weight-decay value. The update is the trainer's own optimizer (optimizer.build_optimizer:
+MindSpore's AdamW, or SGD) over those runs as two flat Parameters, the decayed one shaped [1, n] and
+the other [n], so that Megatron's group rule (decay on matrices, not on 1-D weights) sorts them.
 
 One step: the gradients are flattened and reduce-scattered over DP (the DP mean of this slice),
-clipped by the global norm (each element counted once: slices are disjoint over DP, and a
-TP-replicated parameter counts on TP rank 0 only, as in optimizer.clip_gradients), updated by
-MindSpore's own AdamW, and the updated slices all-gathered over DP into the model's parameters.
+clipped by the global norm (each element counted once: slices are disjoint over DP, a
+TP-replicated parameter counts on TP rank 0 only, and pipeline stages add up, as in
+optimizer.clip_gradients), updated, and the updated slices all-gathered over DP into the model's
+parameters.
 
 The model's fp32 parameters stay the weights (this trainer has no bf16 master copy): the slice
 Parameters are AdamW's view of this rank's part, copied from the model before each update, so a
 load into the model between steps (checkpoint.load, load_full) is seen.
 
-Checkpoints: state_arrays gathers the slices back into whole per-parameter moments (the names
-Adam uses), so a checkpoint written with the flag loads without it and the other way round.
+Checkpoints: state_arrays gathers the slices back into whole per-parameter state (the names the
+plain optimizer uses), so a checkpoint written with the flag loads without it and the other way round.
 """
 from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
 from mindspore import ops
-from mindspore.experimental.optim import AdamW
 
-from mindspeed.training.mindspore.optimizer import (_clipped, _flatten, _fp64_sum_over,
-                                                    _quiet_constant_tuple_warning, _tensor)
+from mindspeed.training.mindspore.optimizer import _clipped, _flatten, _fp64_sum_over, _tensor, build_optimizer
 
 
 def decays(name: str, shape) -> bool:
@@ -69,31 +70,42 @@ def _masked_sum_of_squares(grad, counted):
     return ops.square((grad * counted).astype(ms.float64)).sum()
 
 
-class DistributedAdam:
-    """Adam's interface (step_count, state_arrays, load_state_arrays) plus step_on_local_grads,
-    which also reduces and clips: the gradients arrive as this rank's own (not yet DP-reduced)."""
+class _SliceModel:
+    """What optimizer.build_optimizer needs of a model: named Parameters (this rank's runs)."""
 
-    def __init__(self, model, backend, ps, *, beta1: float, beta2: float, eps: float, weight_decay: float):
+    def __init__(self, params: dict):
+        self.params = params
+
+
+class DistributedOptimizer:
+    """The plain optimizer's interface (step_count, state_arrays, load_state_arrays) plus
+    step_on_local_grads, which also reduces and clips: the gradients arrive as this rank's own
+    (SP/CP-reduced, not DP-reduced)."""
+
+    def __init__(self, model, backend, ps, args):
         self.model, self.comm, self.ps = model, backend.comm, ps
         self.names = list(model.params)
         self.layout = lay = FlatLayout({n: model.params[n].shape for n in self.names}, ps.dp_size, ps.dp_rank)
-        self._slices = [ms.Parameter(ms.Tensor(np.zeros(e - s, np.float32)), name=f"zero1.{'decayed' if d else 'kept'}")
-                        for s, e, d in lay.runs]
-        groups = [{"params": [p], "weight_decay": weight_decay if d else 0.0}
-                  for p, (_, _, d) in zip(self._slices, lay.runs)]
-        self._adamw = AdamW(groups, lr=0.0, betas=(beta1, beta2), eps=eps)
-        _quiet_constant_tuple_warning()
+        self._shapes = {f"zero1.{'decayed' if d else 'kept'}": (1, e - s) if d else (e - s,) for s, e, d in lay.runs}
+        self._inner = build_optimizer(_SliceModel({n: ms.Parameter(ms.Tensor(np.zeros(shape, np.float32)), name=n)
+                                                   for n, shape in self._shapes.items()}), args)
+        self._slices = list(self._inner.model.params.values())      # the runs' order
+        for slice_name, (_, _, d) in zip(self._shapes, lay.runs):
+            assert self._inner.decays(slice_name) == d, slice_name
         # 1 where the owned value counts in the global norm: TP-sharded, or TP rank 0 (replicated)
         counted = np.zeros(lay.shard, np.float32)
         for n, (s, e) in lay.offsets().items():
             if model.is_tp_sharded(n) or ps.tp_rank == 0:
                 counted[max(s, lay.lo) - lay.lo:max(min(e, lay.hi) - lay.lo, 0)] = 1.0
         self._counted = ms.Tensor(counted)
-        self.step_count = 0
+
+    @property
+    def step_count(self) -> int:
+        return self._inner.step_count
 
     def state_elements(self) -> int:
-        """Moment values this rank holds (exp_avg and exp_avg_sq)."""
-        return sum(int(np.prod(m.shape)) for m in list(self._adamw.exp_avg) + list(self._adamw.exp_avg_sq))
+        """Optimizer state values this rank holds."""
+        return sum(int(a.size) for a in self._inner.state_arrays().values())
 
     def _flat_params(self):
         return _flatten(ms.mutable(tuple(self.model.params[n] for n in self.layout.order)))
@@ -104,61 +116,57 @@ class DistributedAdam:
 
     def step_on_local_grads(self, grads: dict, lr: float, max_norm: float):
         """Reduce-scatter, clip, update this rank's slice, all-gather the weights -> the global norm
-        before clipping (0-d fp64 tensor). grads: this rank's gradients by name (SP/CP-reduced,
-        not DP-reduced)."""
+        before clipping (0-d fp64 tensor)."""
         lay, ps = self.layout, self.ps
-        self.step_count += 1
         flat = self._padded(_flatten(ms.mutable(tuple(_tensor(grads[n]) for n in lay.order))))
         mine = self.comm.reduce_scatter(flat, 0, ps.dp_group)
         if ps.dp_size > 1:
             mine = mine / ps.dp_size                # the DP mean, as reduce_gradients' "avg"
         sq = _masked_sum_of_squares(mine, self._counted)
-        for size, group in ((ps.dp_size, ps.dp_group), (ps.tp_size, ps.tp_group)):
+        for size, group in ((ps.dp_size, ps.dp_group), (ps.tp_size, ps.tp_group),
+                            (getattr(ps, "pp_size", 1), getattr(ps, "pp_group", None))):
             if size > 1:
                 sq = _fp64_sum_over(self.comm, sq, group)
         if max_norm and max_norm > 0:
             (mine,) = _clipped(ms.mutable((mine,)), sq, ms.Tensor(max_norm, ms.float64))
         weights = self._flat_params()
         for p, (s, e, _) in zip(self._slices, lay.runs):
-            ops.assign(p, weights[s:e])
-        for group in self._adamw.param_groups:
-            ops.assign(group["lr"], ms.Tensor(lr, ms.float32))
-        self._adamw(ms.mutable(tuple(mine[s - lay.lo:e - lay.lo] for s, e, _ in lay.runs)))
+            ops.assign(p, weights[s:e].reshape(p.shape))
+        self._inner.step({n: mine[s - lay.lo:e - lay.lo].reshape(shape)
+                          for (n, shape), (s, e, _) in zip(self._shapes.items(), lay.runs)}, lr)
         self._gather_into_model()
         return ops.sqrt(sq)
 
-    def _own_slice(self, runs_values):
-        """This rank's slice (runs + trailing padding) as one [shard] tensor."""
-        used = sum(int(v.shape[0]) for v in runs_values)
-        parts = list(runs_values) + ([ops.zeros(self.layout.shard - used, ms.float32)]
-                                     if used < self.layout.shard else [])
-        return ops.cat(parts)
-
     def _gathered(self, runs_values):
-        """Every rank's slice, joined: the whole flat buffer without its padding."""
-        whole = self.comm.all_gather(self._own_slice(runs_values), 0, self.ps.dp_group)
+        """Every rank's slice (its runs, then padding), joined: the whole flat buffer, unpadded."""
+        parts = [v.reshape(-1) for v in runs_values]
+        used = sum(int(v.shape[0]) for v in parts)
+        if used < self.layout.shard:
+            parts.append(ops.zeros(self.layout.shard - used, ms.float32))
+        whole = self.comm.all_gather(ops.cat(parts), 0, self.ps.dp_group)
         return whole[:self.layout.total]
 
     def _gather_into_model(self) -> None:
-        whole = self._gathered(list(self._slices))
+        whole = self._gathered(self._slices)
         for n, part in zip(self.layout.order, ops.split(whole, self.layout.sizes)):
             ops.assign(self.model.params[n], part.reshape(self.layout.shapes[n]))
 
     def state_arrays(self) -> dict:
-        """Whole per-parameter moments (every DP rank must call it: an all-gather)."""
-        out = {}
-        for kind, moments in (("exp_avg", self._adamw.exp_avg), ("exp_avg_sq", self._adamw.exp_avg_sq)):
-            whole = self._gathered(list(moments)).asnumpy()
+        """Whole per-parameter state, as the plain optimizer names it (every DP rank must call it:
+        an all-gather)."""
+        held, out = self._inner.state_arrays(), {}
+        for state in self._inner.STATE:
+            whole = self._gathered([ms.Tensor(held[f"{state}/{n}"]) for n in self._shapes]).asnumpy()
             for n, (s, e) in self.layout.offsets().items():
-                out[f"{kind}/{n}"] = whole[s:e].reshape(self.layout.shapes[n])
+                out[f"{state}/{n}"] = whole[s:e].reshape(self.layout.shapes[n])
         return out
 
     def load_state_arrays(self, shards: dict, step_count: int) -> None:
-        """shards: whole (TP-local) moments by name, as Adam takes them; this rank keeps its slice."""
-        lay = self.layout
-        for kind, moments in (("exp_avg", self._adamw.exp_avg), ("exp_avg_sq", self._adamw.exp_avg_sq)):
-            flat = np.concatenate([np.asarray(shards[f"{kind}/{n}"], np.float32).reshape(-1) for n in lay.order])
-            for m, (s, e, _) in zip(moments, lay.runs):
-                ops.assign(m, ms.Tensor(np.ascontiguousarray(flat[s:e])))
-        ops.assign(self._adamw.state_step, ms.Tensor(step_count, ms.int32))
-        self.step_count = step_count
+        """shards: whole (TP-local) state by name, as the plain optimizer takes it; this rank keeps
+        its slice (the plain optimizer's load checks which state it is)."""
+        lay, mine = self.layout, {}
+        for state in sorted({key.split("/", 1)[0] for key in shards}):
+            flat = np.concatenate([np.asarray(shards[f"{state}/{n}"], np.float32).reshape(-1) for n in lay.order])
+            for (n, shape), (s, e, _) in zip(self._shapes.items(), lay.runs):
+                mine[f"{state}/{n}"] = flat[s:e].reshape(shape)
+        self._inner.load_state_arrays(mine, step_count)
