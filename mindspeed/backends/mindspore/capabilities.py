@@ -70,7 +70,7 @@ def declared(device: str) -> dict:
         Cap.NATIVE_TRAINER: N,
         # the trainer's two-stage 1F1B (training/mindspore/pipeline.py); its transfers are SEND_RECV's
         Cap.PIPELINE_PARALLEL: N, Cap.MOE: A,
-        # ZeRO-1 (training/mindspore/distrib_optimizer.py): MindSpore's AdamW on this rank's slice
+        # ZeRO-1 (training/mindspore/distrib_optimizer.py): the trainer's optimizer on this rank's slice
         # between a reduce-scatter and an all-gather, both emulated on CPU (NOTES)
         Cap.DISTRIBUTED_OPTIMIZER: E if on_cpu else N,
         Cap.PROFILER: N,                 # mindspore.profiler (CPU op timeline here; Ascend kernels there)

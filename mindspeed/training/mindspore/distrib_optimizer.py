@@ -2,8 +2,9 @@
 
 Layout (Megatron's): all of this rank's parameters (its TP shards) in one flat fp32 buffer,
 zero-padded to a multiple of DP and cut into DP equal slices; DP rank r owns slice r and keeps
-AdamW's moments for it only. A flat buffer (not whole parameters per rank) is what Megatron does:
-every rank holds the same number of moment values whatever the parameter sizes. The decayed
+the optimizer's state (Adam's moments, SGD's momentum) for it only. A flat buffer (not whole
+parameters per rank) is what Megatron does: every rank holds the same number of state values
+whatever the parameter sizes. The decayed
 parameters come first and the others (1-D, biases) after, so a slice is at most two runs, one
 per weight-decay value. The update is the trainer's own optimizer (optimizer.build_optimizer:
 MindSpore's AdamW, or SGD) over those runs as two flat Parameters, the decayed one shaped [1, n] and
@@ -16,7 +17,7 @@ optimizer.clip_gradients), updated, and the updated slices all-gathered over DP 
 parameters.
 
 The model's fp32 parameters stay the weights (this trainer has no bf16 master copy): the slice
-Parameters are AdamW's view of this rank's part, copied from the model before each update, so a
+Parameters are the optimizer's view of this rank's part, copied from the model before each update, so a
 load into the model between steps (checkpoint.load, load_full) is seen.
 
 Checkpoints: state_arrays gathers the slices back into whole per-parameter state (the names the
@@ -32,7 +33,7 @@ from mindspeed.training.mindspore.optimizer import _clipped, _flatten, _fp64_sum
 
 
 def decays(name: str, shape) -> bool:
-    """Megatron-Core's default param groups (as optimizer.Adam): no decay on 1-D params and biases."""
+    """Megatron-Core's default param groups (as optimizer._MegatronGroups): no decay on 1-D params and biases."""
     return len(shape) > 1 and not name.endswith(".bias")
 
 
