@@ -1,5 +1,5 @@
 """msrun worker for test_mindspore_parity_pp.py: PP=2 (1F1B over 4 micro-batches) from the torch
-initial checkpoint, saving the trained model. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
+initial checkpoint, saving the trained model; and 2 steps with --optimizer sgd, saved. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
 import os
 import sys
 import traceback
@@ -14,7 +14,11 @@ def main(out_dir, init_ckpt, save_dir):
     backend = MindSporeBackend("cpu")
     rank = backend.comm.rank()
     try:
-        write_result(out_dir, rank, {"ok": True, "pp2": ms_train_pp(backend, 2, init_ckpt, save_dir)})
+        result = {"pp2": ms_train_pp(backend, 2, init_ckpt, save_dir)}
+        # SGD's state (a momentum buffer) saved from both stages too: 2 steps are enough to check
+        result["pp2_sgd"] = ms_train_pp(backend, 2, init_ckpt, save_dir + "_sgd", steps=2,
+                                        extra=("--optimizer", "sgd"))
+        write_result(out_dir, rank, {"ok": True, **result})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 

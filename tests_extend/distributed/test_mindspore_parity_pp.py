@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
     ms_pp2 = run_msrun(WORKER, [str(out), init, saved], str(out), workers=2, timeout=480)
     for rank in range(2):
         assert ms_pp2[rank]["ok"], ms_pp2[rank].get("error")
-    return {"torch": torch_pp1, "ms": [r["pp2"] for r in ms_pp2], "saved": saved}
+    return {"torch": torch_pp1, "ms": [r["pp2"] for r in ms_pp2], "saved": saved, "saved_sgd": saved + "_sgd"}
 
 
 def test_pp2_losses_match_torch(runs):
@@ -70,3 +70,12 @@ def test_pp2_checkpoint_loads_at_pp1(runs):
         assert trainer.evaluate(mpp.eval_batches()) == pytest.approx(runs["ms"][0]["eval_loss"], abs=1e-5)
     finally:
         mindspeed.unadapt()
+
+
+def test_pp2_checkpoint_holds_every_stages_optimizer_state(runs):
+    """Whatever the optimizer's state is called (Adam's moments, SGD's momentum), the PP=2 checkpoint
+    holds it for the parameters of both stages."""
+    from mindspeed.training.mindspore import neutral_format as nf
+    for saved, kinds in ((runs["saved"], ("exp_avg", "exp_avg_sq")), (runs["saved_sgd"], ("momentum_buffer",))):
+        params, state, _ = nf.load(saved)
+        assert sorted(state) == sorted(f"{kind}/{name}" for kind in kinds for name in params), saved

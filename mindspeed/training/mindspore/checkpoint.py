@@ -59,7 +59,9 @@ def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -
     params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.params.items()})
     moments = _gather_tp(backend, ps, optimizer.state_arrays())
     params = _gather_pp(backend, ps, model, params)
-    moments = _gather_pp(backend, ps, model, moments, ("exp_avg/", "exp_avg_sq/"))
+    # the state's kinds (Adam's two moments, SGD's momentum) are the same on every stage
+    kinds = tuple(sorted({key.split("/", 1)[0] + "/" for key in moments}))
+    moments = _gather_pp(backend, ps, model, moments, kinds)
     if backend.comm.rank() == 0:
         nf.save(root, iteration, params, moments, dict(meta, optimizer_steps=optimizer.step_count))
     backend.comm.barrier()
