@@ -1,0 +1,43 @@
+"""Model variants of the parity experiment (mindspore_parity.py): GELU MLP, LayerNorm, learned or no
+position embeddings, each as Megatron-Core's GPTModel keywords and as the trainer's flags; and the
+recompute variants (selective, uniform groups, block), which keep the default model.
+
+One torch harness process trains every variant in turn (each writes its own initial checkpoint)."""
+from __future__ import annotations
+
+import os
+
+from tests_extend.distributed import mindspore_parity as mp
+
+SHORT_STEPS = 3     # each piece alone: step 1 checks the forward, steps 2-3 the gradients' updates
+COMBINED = "gelu_layernorm_learned"
+
+# name -> (build_torch_model keywords, trainer flags, steps)
+MODEL_CASES = {
+    "default": ({}, (), mp.STEPS),
+    COMBINED: (dict(swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute"),
+               ("--no-swiglu", "--normalization", "LayerNorm", "--position-embedding-type", "learned_absolute"),
+               mp.STEPS),
+    "gelu": (dict(swiglu=False), ("--no-swiglu",), SHORT_STEPS),
+    "layernorm": (dict(normalization="LayerNorm"), ("--normalization", "LayerNorm"), SHORT_STEPS),
+    "learned_positions": (dict(position_embedding_type="learned_absolute"),
+                          ("--position-embedding-type", "learned_absolute"), SHORT_STEPS),
+    "no_positions": (dict(position_embedding_type="none"), ("--position-embedding-type", "none"), SHORT_STEPS),
+}
+
+RECOMPUTE_STEPS = 4
+RECOMPUTE_CASES = {
+    "selective": ("--recompute-granularity", "selective"),
+    "uniform2": ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),
+    "block1": ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"),
+}
+
+
+def init_ckpt(root: str, case: str) -> str:
+    return os.path.join(root, f"init_{case}")
+
+
+def torch_all(rank, world_size, root):
+    """Harness body (one process): every model case, from its own torch-initialised weights."""
+    return {case: mp.torch_train(rank, world_size, 1, init_ckpt(root, case), True, model_kw=kw, steps=steps)
+            for case, (kw, _, steps) in MODEL_CASES.items()}
