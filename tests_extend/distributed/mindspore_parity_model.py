@@ -10,11 +10,12 @@ import os
 from tests_extend.distributed import mindspore_parity as mp
 
 SHORT_STEPS = 3     # each piece alone: step 1 checks the forward, steps 2-3 the gradients' updates
+RECOMPUTE_STEPS = 4     # recompute runs PyNative (slower than the traced graph)
 COMBINED = "gelu_layernorm_learned"
 
 # name -> (build_torch_model keywords, trainer flags, steps)
 MODEL_CASES = {
-    "default": ({}, (), mp.STEPS),
+    "default": ({}, (), RECOMPUTE_STEPS),       # the recompute cases' model
     COMBINED: (dict(swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute"),
                ("--no-swiglu", "--normalization", "LayerNorm", "--position-embedding-type", "learned_absolute"),
                mp.STEPS),
@@ -25,7 +26,6 @@ MODEL_CASES = {
     "no_positions": (dict(position_embedding_type="none"), ("--position-embedding-type", "none"), SHORT_STEPS),
 }
 
-RECOMPUTE_STEPS = 4
 RECOMPUTE_CASES = {
     "selective": ("--recompute-granularity", "selective"),
     "uniform2": ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),

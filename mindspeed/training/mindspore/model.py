@@ -83,7 +83,7 @@ class GPTConfig:
                    fused_kernels=frozenset(cls.FEATURE_KERNELS[f] for f in features if f in cls.FEATURE_KERNELS),
                    noop_layers=noop_layer_set(args),
                    recompute_method=args.recompute_method or "uniform",
-                   recompute_num_layers=args.recompute_num_layers or 1,
+                   recompute_num_layers=1 if args.recompute_num_layers is None else args.recompute_num_layers,
                    recompute_core_attention=args.recompute_granularity == "selective",
                    swiglu=bool(args.swiglu), normalization=args.normalization,
                    position_embedding_type=args.position_embedding_type,

@@ -10,9 +10,9 @@ from __future__ import annotations
 def layer_chunks(layers: list, method: str | None, num_layers: int | None) -> list[tuple[list, bool]]:
     """[(layers of one chunk, recomputed?)] in order; `layers` are the ones this model runs
     (noop layers left out), so groups and blocks count computing layers."""
-    n = max(int(num_layers or 1), 1)
     if method == "uniform":
+        n = max(int(num_layers or 1), 1)
         return [(layers[start:start + n], True) for start in range(0, len(layers), n)]
     if method == "block":
-        return [([layer], pos < n) for pos, layer in enumerate(layers)]
+        return [([layer], pos < int(num_layers or 0)) for pos, layer in enumerate(layers)]
     return [([layer], False) for layer in layers]
