@@ -69,6 +69,28 @@ def test_each_model_variant_matches_torch(root, torch_runs, case):
     assert run["graph_mode"]
 
 
+def test_gelu_and_layernorm_are_torchs_exactly():
+    """The pieces alone, tighter than a loss can show: exact (erf) GELU, not the tanh approximation
+    (1e-3 apart at |x| ~ 2); LayerNorm with a weight, a bias and --norm-epsilon."""
+    import mindspore as ms
+    import torch
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from mindspeed.training.mindspore.model import GPTConfig, GPTModel
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    backend = MindSporeBackend("cpu")
+    cfg = GPTConfig(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=2,
+                    kv_channels=4, vocab_size=16, seq_length=4, norm_epsilon=1e-2, swiglu=False,
+                    normalization="LayerNorm")
+    model = GPTModel(cfg, backend, build_parallel_state(backend.comm, 1))
+    rng = np.random.RandomState(0)
+    x, w, b = (rng.normal(0, s, shape).astype(np.float32) for s, shape in ((2.0, (4, 2, 8)), (1.0, (8,)), (1.0, (8,))))
+    gelu = model._activation(ms.Tensor(x)).asnumpy()
+    np.testing.assert_allclose(gelu, torch.nn.functional.gelu(torch.from_numpy(x)).numpy(), atol=1e-6, rtol=0)
+    normed = model._normalize(ms.Tensor(x), ms.Tensor(w), ms.Tensor(b)).asnumpy()
+    expected = torch.nn.functional.layer_norm(torch.from_numpy(x), (8,), torch.from_numpy(w), torch.from_numpy(b), 1e-2)
+    np.testing.assert_allclose(normed, expected.numpy(), atol=1e-5, rtol=0)
+
+
 def test_combined_checkpoint_loads_into_megatron_at_tp2(root, ms_combined):
     kw = pm.MODEL_CASES[pm.COMBINED][0]
     # no training steps: Megatron-Core at TP=2 loads the MindSpore checkpoint (its own init sharded
