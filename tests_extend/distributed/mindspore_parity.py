@@ -78,7 +78,8 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps):
     from mindspeed.training.mindspore.trainer import Trainer
     ps = build_parallel_state(backend.comm, tp, sp, cp)
     trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB))
-    checkpoint.load(init_ckpt, trainer.model)
+    if init_ckpt:      # else the trainer's own initialisation (TP-independent, from --seed)
+        checkpoint.load(init_ckpt, trainer.model)
     losses, norms = [], []
     for step in range(steps):
         tokens, labels, mask = batch(step)

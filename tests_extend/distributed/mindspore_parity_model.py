@@ -41,3 +41,14 @@ def torch_all(rank, world_size, root):
     """Harness body (one process): every model case, from its own torch-initialised weights."""
     return {case: mp.torch_train(rank, world_size, 1, init_ckpt(root, case), True, model_kw=kw, steps=steps)
             for case, (kw, _, steps) in MODEL_CASES.items()}
+
+
+def combined_flags() -> tuple:
+    return MODEL_CASES[COMBINED][1]
+
+
+def ms_combined_tp2_sp(backend) -> dict:
+    """For the parity msrun worker: the combined variant at TP=2 with sequence parallelism (the
+    non-gated fc1 split by rows, norm biases and the position table replicated, their gradients
+    summed over TP), from the trainer's own initialisation; compared with the same run at TP=1."""
+    return mp.ms_train(backend, 2, True, None, steps=SHORT_STEPS, extra=combined_flags())

@@ -103,3 +103,17 @@ def test_full_recompute_at_tp2_matches_plain_tp2(ms_tp2):
         np.testing.assert_allclose(run["losses"], ms_tp2[rank]["tp2"]["losses"][:len(run["losses"])],
                                    atol=1e-6, rtol=0)
         assert not run["graph_mode"]
+
+
+def test_model_variants_at_tp2_sp_match_tp1(ms_tp2):
+    """GELU MLP + LayerNorm + learned positions (test_mindspore_parity_model.py checks them against
+    Megatron-Core at TP=1) at TP=2 with sequence parallelism give the TP=1 losses."""
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from tests_extend.distributed import mindspore_parity_model as pm
+    tp1 = mp.ms_train(MindSporeBackend("cpu"), 1, False, None, steps=pm.SHORT_STEPS, extra=pm.combined_flags())
+    for rank in range(2):
+        assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
+        run = ms_tp2[rank]["tp2_sp_gelu_layernorm_learned"]
+        np.testing.assert_allclose(run["losses"], tp1["losses"], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(run["grad_norms"], tp1["grad_norms"], rtol=NORM_RTOL)
+        assert run["graph_mode"]
