@@ -52,3 +52,25 @@ def ms_combined_tp2_sp(backend) -> dict:
     non-gated fc1 split by rows, norm biases and the position table replicated, their gradients
     summed over TP), from the trainer's own initialisation; compared with the same run at TP=1."""
     return mp.ms_train(backend, 2, True, None, steps=SHORT_STEPS, extra=combined_flags())
+
+
+CP_SELECTIVE_STEPS = 3
+
+
+def ms_cp2_selective_recompute(backend, init_ckpt: str) -> dict:
+    """For the parity msrun worker: selective recompute around CP=2's ring attention (made of Cells
+    with their own backward), counting the context-parallel attention's calls (the real function)."""
+    from mindspeed.features.context_parallel import attention as cp_attention
+    real, calls = cp_attention.context_parallel_attention, [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    cp_attention.context_parallel_attention = counted      # what the feature hands the trainer at adapt
+    try:
+        run = mp.ms_train(backend, 1, False, init_ckpt, steps=CP_SELECTIVE_STEPS, cp=2, cp_algo="megatron_cp_algo",
+                          extra=("--recompute-granularity", "selective"))
+    finally:
+        cp_attention.context_parallel_attention = real
+    return dict(run, attention_calls=calls[0])
