@@ -3,11 +3,14 @@
 embedding (+ learned positions) -> L x [norm -> QKV (column) -> RoPE -> causal attention -> proj (row)
 -> residual -> norm -> fc1 (column) -> SwiGLU or GELU -> fc2 (row) -> residual] -> norm -> output
 layer (tied or untied); norm is RMSNorm or LayerNorm (with bias); positions are RoPE, a learned
-table (--position-embedding-type learned_absolute) or none; linear biases optional (--add-bias-linear, or q/k/v only: --add-qkv-bias, Qwen2); RoPE
-optionally with Llama 3.1's frequency scaling (--use-rope-scaling) -> vocab-parallel cross-entropy. Parameters carry Megatron-Core's state-dict names and
-per-TP-rank shapes (see neutral_format for the sharding), so checkpoints move between backends.
-Norm, SwiGLU, RoPE and attention run through the backend's kernels (features reach the model via
-the interface only).
+table (--position-embedding-type learned_absolute) or none; linear biases optional (--add-bias-linear,
+or q/k/v only: --add-qkv-bias, Qwen2); RoPE optionally with Llama 3.1's frequency scaling
+(--use-rope-scaling) -> vocab-parallel cross-entropy. Parameters carry Megatron-Core's state-dict
+names and per-TP-rank shapes (see neutral_format for the sharding), so checkpoints move between
+backends. RMSNorm, SwiGLU, RoPE and attention run through the backend's kernels (features reach the
+model via the interface only); LayerNorm and GELU are MindSpore's own ops (no fused variant here).
+Recompute (full by layer chunks, selective around the attention core) is MindSpore's own
+(recompute_plan picks the chunks).
 """
 from __future__ import annotations
 

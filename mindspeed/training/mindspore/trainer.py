@@ -67,8 +67,8 @@ def graph_mode_ok(cfg, ps, swap: bool) -> bool:
     comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
     if os.environ.get("MINDSPEED_MS_PYNATIVE") == "1":      # debugging: op by op
         return False
-    return not (swap or cfg.recompute or cfg.recompute_core_attention or cfg.recompute_norm_layers or cfg.recompute_activation_layers
-                or ps.cp_size > 1 or ps.tp_linear is not None)
+    return not (swap or cfg.recompute or cfg.recompute_core_attention or cfg.recompute_norm_layers
+                or cfg.recompute_activation_layers or ps.cp_size > 1 or ps.tp_linear is not None)
 
 
 def _traced_loss(model):
