@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Callable
 
+from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag
 from mindspeed.features.context_parallel.feature import MASK_TYPE
 from mindspeed.features.fused.features import FlashAttention
@@ -57,9 +58,8 @@ option("mixed-precision", (host("--bf16", False), host("--fp16", False)),
        lambda a: a.bf16 or a.fp16, "bf16/fp16 training with fp32 master weights",
        {"mindspore": f"{MS} trains in fp32 (MindSpore's CPU kernels have no bf16 matmul here)"},
        f"drop --bf16/--fp16, or {TORCH}", ("--bf16",))
-option("sgd-optimizer", (host("--optimizer", "adam"),), lambda a: a.optimizer != "adam",
-       "Megatron's SGD optimizer instead of Adam",
-       {"mindspore": f"{MS}'s optimizer is Adam (decoupled weight decay)"}, f"--optimizer adam, or {TORCH}",
+option("sgd-optimizer", (host("--optimizer", "adam"), host("--sgd-momentum", 0.9)), lambda a: a.optimizer != "adam",
+       "Megatron's SGD optimizer (momentum, L2 weight decay) instead of Adam", {}, "",
        ("--optimizer", "sgd"))
 option("selective-recompute", (host("--recompute-granularity"),),
        lambda a: a.recompute_granularity == "selective",
@@ -76,13 +76,14 @@ option("qkv-bias", (host("--add-qkv-bias", False),), lambda a: a.add_qkv_bias,
        "biases on the fused q/k/v projection (Qwen2)", {}, "", ("--add-qkv-bias",))
 option("rope-scaling", (host("--use-rope-scaling", False), host("--rope-scaling-factor", 8.0)),
        lambda a: a.use_rope_scaling, "Llama 3.1 RoPE frequency scaling", {}, "", ("--use-rope-scaling",))
-option("uneven-pipeline-stages", (host("--decoder-first-pipeline-num-layers"),
+UnevenPipelineStages = option("uneven-pipeline-stages", (host("--decoder-first-pipeline-num-layers"),
                                   host("--decoder-last-pipeline-num-layers")),
        lambda a: a.decoder_first_pipeline_num_layers is not None or a.decoder_last_pipeline_num_layers is not None,
-       "a different number of layers on the first/last pipeline stage",
-       {"mindspore": f"{MS} has no pipeline parallelism"}, TORCH,
-       ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"),
+       "a different number of layers on the first/last pipeline stage", {}, "",
+       ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+        "--untie-embeddings-and-output-weights"),
        example_world=2)
+UnevenPipelineStages.requires = (Cap.SEND_RECV, Cap.PIPELINE_PARALLEL)     # the stages exchange activations
 option("layernorm", (host("--normalization", "RMSNorm"),), lambda a: a.normalization != "RMSNorm",
        "LayerNorm instead of RMSNorm", {}, "", ("--normalization", "LayerNorm"))
 option("gelu-mlp", (host("--no-swiglu", True, dest="swiglu"),), lambda a: not a.swiglu,
@@ -119,10 +120,10 @@ option("overlap-param-gather", (host("--overlap-param-gather", False),), lambda 
        "distributed optimizer's parameter all-gather overlapped with the forward pass",
        {"mindspore": f"{MS} has no distributed optimizer"}, f"drop --overlap-param-gather, or {TORCH}",
        ("--use-distributed-optimizer", "--overlap-param-gather"), example_world=2)
-option("wsd-lr-schedule", (host("--lr-decay-style", "cosine"),), lambda a: a.lr_decay_style == "WSD",
-       "warmup-stable-decay learning-rate schedule",
-       {"mindspore": f"{MS}'s schedule decays constant, linear or cosine"},
-       f"--lr-decay-style cosine, or {TORCH}", ("--lr-decay-style", "WSD"))
+option("wsd-lr-schedule", (host("--lr-decay-style", "cosine"), host("--lr-wsd-decay-iters"),
+                            host("--lr-wsd-decay-style", "exponential")), lambda a: a.lr_decay_style == "WSD",
+       "warmup-stable-decay learning-rate schedule", {}, "",
+       ("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style", "cosine"))
 option("gloo-distributed-backend", (host("--distributed-backend"),), lambda a: a.distributed_backend == "gloo",
        "torch.distributed's gloo backend for collectives",
        {"mindspore": f"{MS} communicates through MindSpore's own collectives (no --distributed-backend "
@@ -163,8 +164,10 @@ option("flash-attn-band", FlashAttention.flags[1:],
        ("--use-flash-attn", "--sparse-mode", "2"), depends=("flash-attn",))
 option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
        "pipeline stages exchange tensor shapes first; instruction micro-batches as long as their longest sample",
-       {"mindspore": f"{MS} has no pipeline parallelism"}, TORCH,
-       ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2"), example_world=2)
+       {"mindspore": f"{MS}'s micro-batches are all --seq-length long: its stages exchange that one shape"},
+       "leave out --variable-seq-lengths, or " + TORCH,
+       ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"),
+       example_world=2)
 option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"), host("--moe-shared-expert-overlap", False)),
        lambda a: bool(a.moe_shared_expert_intermediate_size) or a.moe_shared_expert_overlap,
        "MoE shared experts beside the routed ones (Megatron-Core's, optionally overlapped)",

@@ -118,7 +118,12 @@ def _training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=1e-4)
-    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "WSD"])
+    g.add_argument("--lr-decay-style", default="cosine",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: iterations of the final decay (default: a tenth of the decay iterations)")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"], help="WSD: shape of the final decay")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
@@ -293,6 +298,8 @@ def derive_args(args, world_size: int | None = None) -> None:
         args.global_batch_size = args.micro_batch_size * max(args.data_parallel_size, 1)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_wsd_decay_iters is None and args.lr_decay_style == "WSD":
+        args.lr_wsd_decay_iters = max(args.lr_decay_iters // 10, 1)
     if args.lr_warmup_fraction is not None and not args.lr_warmup_iters and 0 <= args.lr_warmup_fraction < 1:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")

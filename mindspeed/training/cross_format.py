@@ -2,8 +2,9 @@
 
 The torch trainer saves torch_dist (Megatron-Core's dist_checkpointing), the MindSpore trainer the
 framework-neutral safetensors (neutral_format). Both hold the same things under the same Megatron
-names: the weights, Adam's two moments per parameter, Adam's step count, the iteration and the
-samples consumed. This module maps one onto the other, so `--load` takes either:
+names: the weights, the optimizer's state per parameter (Adam's two moments, or SGD's momentum
+buffer), its step count, the iteration and the samples consumed; one optimizer's state offered to
+the other is refused in one line (--no-load-optim loads the weights only). This module maps one onto the other, so `--load` takes either:
 
 - torch trainer, neutral checkpoint (`fill_from_neutral`): the trainer's own sharded state dict
   (model + optimizer, at its TP/PP) is filled from the whole neutral arrays, the way
@@ -26,6 +27,7 @@ from mindspeed.training.errors import CheckpointError
 from mindspeed.training.mindspore import neutral_format as nf
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+STATES = MOMENTS + ("momentum_buffer",)      # Adam's two moments, SGD's momentum (torch's names)
 OPT_PREFIX = "optimizer.state."
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -66,10 +68,14 @@ class _NeutralSource:
         table, name = self.model, key
         if key.startswith(OPT_PREFIX):
             moment, _, name = key[len(OPT_PREFIX):].partition(".")
-            if moment not in MOMENTS:
+            if moment not in STATES:
                 raise self._refuse(key)
             if not self.moments:
                 raise CheckpointError(f"checkpoint {self.dir} holds no optimizer state: load it with --no-load-optim")
+            if not any(k.startswith(moment + "/") for k in self.moments):
+                held = ", ".join(sorted({k.split("/", 1)[0] for k in self.moments}))
+                raise CheckpointError(f"checkpoint {self.dir} holds another optimizer's state ({held}), not this "
+                                      f"--optimizer's {moment}: add --no-load-optim to load the weights only")
             table = {k.split("/", 1)[1]: v for k, v in self.moments.items() if k.startswith(moment + "/")}
         if name in self.stacked_suffix:
             suffix = self.stacked_suffix[name]
@@ -172,7 +178,7 @@ def neutral_from_torch_dist(directory: str, load_optimizer: bool) -> tuple[dict,
     # a model-only checkpoint (as the converter writes) has no optimizer state to want: the
     # weights load, Adam starts fresh, as from a neutral checkpoint without optimizer.safetensors
     if load_optimizer and any(key.startswith("optimizer.") for key in reader.meta):
-        moments = {f"{m}/{k}": v for m in MOMENTS for k, v in read(f"{OPT_PREFIX}{m}.").items()}
+        moments = {f"{m}/{k}": v for m in STATES for k, v in read(f"{OPT_PREFIX}{m}.").items()}
         if not moments:
             raise CheckpointError(
                 f"checkpoint {directory} was written by the torch trainer with Megatron's distributed optimizer "

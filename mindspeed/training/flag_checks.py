@@ -34,9 +34,18 @@ LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "
 def cross_flag_problems(args) -> list[str]:
     problems = []
     for check in (_implementation_problems, _loss_scale_problems, _rampup_problems, _tokenizer_problems,
-                  _checkpoint_problems, _moe_problems, _instruction_problems):
+                  _checkpoint_problems, _moe_problems, _instruction_problems, _wsd_problems):
         problems.extend(check(args))
     return problems
+
+
+def _wsd_problems(args) -> list[str]:
+    """The WSD flags shape only a WSD schedule: with another --lr-decay-style they would be ignored."""
+    given = ([_flag("lr_wsd_decay_iters")] if getattr(args, "lr_wsd_decay_iters", None) is not None else []) + \
+        ([_flag("lr_wsd_decay_style")] if getattr(args, "lr_wsd_decay_style", "exponential") != "exponential" else [])
+    if given and getattr(args, "lr_decay_style", None) != "WSD":
+        return [f"{', '.join(given)}: only a WSD schedule reads it (add --lr-decay-style WSD, or drop the flag)"]
+    return []
 
 
 def _instruction_problems(args) -> list[str]:

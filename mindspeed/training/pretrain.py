@@ -182,8 +182,8 @@ class Trainer:
             lr_warmup_steps=a.lr_warmup_iters * gbs, lr_decay_steps=a.lr_decay_iters * gbs,
             lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay, end_wd=a.weight_decay,
             wd_incr_steps=a.train_iters * gbs, wd_incr_style="constant",
-            wsd_decay_steps=(a.lr_decay_iters * gbs) // 10 if a.lr_decay_style == "WSD" else None,
-            lr_wsd_decay_style="linear" if a.lr_decay_style == "WSD" else None)
+            wsd_decay_steps=a.lr_wsd_decay_iters * gbs if a.lr_decay_style == "WSD" else None,
+            lr_wsd_decay_style=a.lr_wsd_decay_style)
 
     def iterators(self, dataset, consumed: int):
         """One micro-batch iterator per model chunk (virtual pipeline stages need one each)."""

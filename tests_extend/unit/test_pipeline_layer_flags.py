@@ -31,9 +31,21 @@ def test_bad_values_are_refused_in_one_line(argv, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_mindspore_refuses_uneven_stages_with_the_reason():
-    with pytest.raises(MindSpeedConfigError, match="uneven-pipeline-layers"):
-        plan(["--backend", "mindspore"] + FOUR + PP2 + ["--num-layer-list", "1,3"])
+def test_mindspore_splits_the_layers_as_megatron_and_refuses_what_its_pipeline_cannot_run():
+    untied = ["--untie-embeddings-and-output-weights"]
+    on = plan(["--backend", "mindspore"] + FOUR + PP2 + untied + ["--num-layer-list", "1,3"]).features
+    assert {f.id for f in on} == {"pipeline-parallel", "uneven-pipeline-layers"}
+    from mindspeed.training.mindspore.model import GPTConfig
+    for extra, counts in ((["--num-layer-list", "1,3"], (1, 3)), (["--decoder-first-pipeline-num-layers", "1"], (1, 3)),
+                          (["--decoder-last-pipeline-num-layers", "1"], (3, 1)), ([], (2, 2))):
+        cfg = GPTConfig.from_args(parse_args(FOUR + PP2 + untied + extra, world_size=2), 64)
+        assert cfg.pipeline_layers == counts, extra
+        assert [list(cfg.stage_layers(r)) for r in (0, 1)] == [list(range(counts[0])), list(range(counts[0], 4))]
+    for argv, line in ((PP2, "needs --untie-embeddings-and-output-weights"),
+                       (["--pipeline-model-parallel-size", "4"] + untied, "runs 2 stages"),
+                       (PP2 + untied + ["--num-layers-per-virtual-pipeline-stage", "1"], "no interleaved schedule")):
+        with pytest.raises(MindSpeedConfigError, match=line):
+            plan(["--backend", "mindspore"] + FOUR + argv)
     assert [f.id for f in plan(["--backend", "mindspore", "--noop-layers", "1"] + FOUR).features] == ["noop-layers"]
 
 

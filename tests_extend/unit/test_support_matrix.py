@@ -36,12 +36,12 @@ def test_readme_tables_match_the_code():
 
 
 def test_unsupported_feature_exits_nonzero_with_full_message():
-    out = _cli("check", "--backend", "mindspore", "--pipeline-model-parallel-size", "2")
+    out = _cli("check", "--backend", "mindspore", "--use-distributed-optimizer")
     assert out.returncode != 0
     msg = out.stderr
-    assert "pipeline-parallel" in msg                 # the feature
+    assert "distributed-optimizer" in msg             # the feature
     assert "backend 'mindspore'" in msg               # the backend
-    assert "host.pipeline_parallel" in msg            # the missing capability
+    assert "host.distributed_optimizer" in msg        # the missing capability
     assert "Alternative:" in msg and "Supported on: torch/cpu" in msg
 
 

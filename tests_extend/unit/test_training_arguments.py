@@ -166,6 +166,8 @@ def test_no_gradient_accumulation_fusion_turns_off_mindspeeds_feature_flag():
      "must be multiples of micro-batch-size x data-parallel size = 2"),
     (["--rampup-batch-size", "0", "4", "100"], "start and increment must be positive"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "give only one"),
+    (["--lr-wsd-decay-iters", "5"], "--lr-wsd-decay-iters: only a WSD schedule reads it (add --lr-decay-style WSD"),
+    (["--lr-decay-style", "cosine", "--lr-wsd-decay-style", "linear"], "--lr-wsd-decay-style: only a WSD schedule reads it"),
     (["--ckpt-format", "torch"], "--ckpt-format torch (per-rank files) is not written by the built-in trainer"),
     (["--tokenizer-type", "SentencePieceTokenizer"],
      "--tokenizer-type SentencePieceTokenizer is not available in the built-in trainer: use GPT2BPETokenizer"),

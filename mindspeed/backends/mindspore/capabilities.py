@@ -66,7 +66,8 @@ def declared(device: str) -> dict:
         Cap.ASYNC_COMM: E if on_cpu else N,   # mint.distributed async_op; on CPU partly emulated (NOTES)
         Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend
         Cap.NATIVE_TRAINER: N,
-        Cap.PIPELINE_PARALLEL: A, Cap.DISTRIBUTED_OPTIMIZER: A, Cap.MOE: A,
+        # the trainer's two-stage 1F1B (training/mindspore/pipeline.py); its transfers are SEND_RECV's
+        Cap.PIPELINE_PARALLEL: N, Cap.DISTRIBUTED_OPTIMIZER: A, Cap.MOE: A,
         Cap.PROFILER: N,                 # mindspore.profiler (CPU op timeline here; Ascend kernels there)
     })
     return caps

@@ -98,9 +98,9 @@ class UnevenPipelineLayers(Feature):
     flags = (Flag("--num-layer-list", dict(default=None, help="comma-separated layers per pipeline stage, "
                                                             "e.g. 1,3 (sums to --num-layers)")),)
     requires = (Cap.SEND_RECV, Cap.PIPELINE_PARALLEL)
-    backends = ("torch",)
-    alternatives = "leave out --num-layer-list (even stages), or use the torch backend"
-    example = ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--num-layer-list", "1,2")
+    alternatives = "leave out --num-layer-list (even stages)"
+    example = ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--num-layer-list", "1,2",
+               "--untie-embeddings-and-output-weights")
     example_world = 2
 
     def enabled(self, args) -> bool:

@@ -41,9 +41,35 @@ class PipelineParallel(_SizeFeature):
     description = "Megatron pipeline parallelism (1F1B)"
     flags = (_size_flag("--pipeline-model-parallel-size", "pipeline-parallel size"),)
     requires = (Cap.SEND_RECV, Cap.PIPELINE_PARALLEL)
-    example, example_world = ("--pipeline-model-parallel-size", "2"), 2
-    backends = ("torch",)
+    # untied: the MindSpore trainer's stages hold no shared embedding (mindspore_pipeline_problem)
+    example = ("--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights")
+    example_world = 2
     alternatives = "use --tensor-model-parallel-size or data parallelism instead"
+
+    def validate(self, args) -> None:
+        super().validate(args)
+        if getattr(args, "backend", None) == "mindspore":
+            problem = mindspore_pipeline_problem(args)
+            if problem:
+                raise FeatureConfigError(problem)
+
+
+def mindspore_pipeline_problem(args) -> str | None:
+    """What the MindSpore trainer's pipeline (training/mindspore/pipeline.py) cannot run, in one line."""
+    pp = args.pipeline_model_parallel_size
+    if pp != 2:
+        return (f"--pipeline-model-parallel-size {pp}: the MindSpore trainer's 1F1B runs 2 stages (on CPU its "
+                "transfers are exchanges both stages make together); use 2")
+    if not getattr(args, "untie_embeddings_and_output_weights", False):
+        return ("pipeline parallelism on the MindSpore trainer needs --untie-embeddings-and-output-weights "
+                "(the last stage holds no copy of the embedding to tie the output layer to)")
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
+        return ("--num-layers-per-virtual-pipeline-stage: the MindSpore trainer has no interleaved schedule; "
+                "leave it out (plain 1F1B) or use --backend torch")
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        return ("--context-parallel-size with --pipeline-model-parallel-size: the MindSpore trainer runs one "
+                "or the other; use --backend torch for both")
+    return None
 
 
 @register

@@ -1,7 +1,8 @@
 """Save/load the MindSpore trainer's state as a neutral checkpoint (see neutral_format).
 
-Tensor-parallel shards are gathered into whole tensors before rank 0 writes, and cut again on
-load, so a checkpoint written at one TP size loads at another, and on the torch side.
+Tensor-parallel shards are gathered into whole tensors, and pipeline stages' parameters onto
+rank 0, before rank 0 writes one whole model; each rank cuts out its stage and shard again on
+load, so a checkpoint written at one TP or PP size loads at another, and on the torch side.
 """
 from __future__ import annotations
 
@@ -30,10 +31,38 @@ def _gather_tp(backend, ps, arrays: dict, gated: bool = True) -> dict:
     return out
 
 
+def _gather_pp(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
+    """Every stage's whole tensors on every rank: stage p's go by a broadcast from it over the
+    pipeline group. The names and shapes of each stage's tensors follow from the config, so the
+    receivers know them without asking."""
+    if getattr(ps, "pp_size", 1) == 1:
+        return dict(arrays)
+    import mindspore as ms
+    from mindspeed.training.mindspore.parallel import ParallelState
+    out = {}
+    for stage in range(ps.pp_size):
+        shapes = type(model).stage_shapes(model.cfg, ParallelState(1, 1, 0, 0, None, None, pp_size=ps.pp_size,
+                                                                     pp_rank=stage))
+        keys = [(pre + n, s) for pre in prefixes for n, s in shapes.items()]
+        if stage == ps.pp_rank:
+            flat = ms.Tensor(np.concatenate([arrays[k].reshape(-1) for k, _ in keys]).astype(np.float32))
+        else:
+            flat = ops.zeros((sum(int(np.prod(s)) for _, s in keys),), ms.float32)
+        flat = backend.comm.broadcast(flat, stage, ps.pp_group).asnumpy()
+        start = 0
+        for k, shape in keys:
+            size = int(np.prod(shape))
+            out[k] = flat[start:start + size].reshape(shape)
+            start += size
+    return out
+
+
 def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -> None:
     gated = model.cfg.swiglu
     params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.params.items()}, gated)
     moments = _gather_tp(backend, ps, optimizer.state_arrays(), gated)
+    params = _gather_pp(backend, ps, model, params)
+    moments = _gather_pp(backend, ps, model, moments, ("exp_avg/", "exp_avg_sq/"))
     if backend.comm.rank() == 0:
         nf.save(root, iteration, params, moments, dict(meta, optimizer_steps=optimizer.step_count))
     backend.comm.barrier()

@@ -21,11 +21,11 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from mindspeed.features.parallel.layers import noop_layer_set
+from mindspeed.features.parallel.layers import layer_list, noop_layer_set
 from mindspeed.training.mindspore import neutral_format as nf
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
-from mindspeed.training.mindspore.parallel import ParallelState
+from mindspeed.training.mindspore.parallel import ParallelState, stage_layer_counts
 from mindspeed.training.mindspore.recompute_plan import layer_chunks
 
 
@@ -52,6 +52,7 @@ class GPTConfig:
     recompute_norm_layers: int = 0           # --recompute-norm: the first N layers
     fused_kernels: frozenset = frozenset()   # kernels whose fused feature is on: the device's fast path
     noop_layers: frozenset = frozenset()     # --noop-layers: indices of layers that pass their input through
+    pipeline_layers: tuple = ()              # layers per pipeline stage (empty: one stage holds all)
     recompute_method: str = "uniform"        # with recompute: uniform groups or the first N layers (recompute_plan)
     recompute_num_layers: int = 1
     recompute_core_attention: bool = False   # --recompute-granularity selective
@@ -90,7 +91,23 @@ class GPTConfig:
                    recompute_core_attention=args.recompute_granularity == "selective",
                    swiglu=bool(args.swiglu), normalization=args.normalization,
                    position_embedding_type=args.position_embedding_type,
-                   max_position_embeddings=args.max_position_embeddings or args.seq_length)
+                   max_position_embeddings=args.max_position_embeddings or args.seq_length,
+                   pipeline_layers=cls._pipeline_layers(args))
+
+    @staticmethod
+    def _pipeline_layers(args) -> tuple:
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        if pp == 1:
+            return ()
+        return tuple(stage_layer_counts(args.num_layers, pp, layer_list(args),
+                                        getattr(args, "decoder_first_pipeline_num_layers", None),
+                                        getattr(args, "decoder_last_pipeline_num_layers", None)))
+
+    def stage_layers(self, pp_rank: int) -> range:
+        """The layer indices pipeline stage pp_rank holds (all of them without PP)."""
+        counts = self.pipeline_layers or (self.num_layers,)
+        first = sum(counts[:pp_rank])
+        return range(first, first + counts[pp_rank])
 
     def real_layers(self) -> list[int]:
         """Indices of the layers that compute (the others have no weights and pass through)."""
@@ -184,6 +201,8 @@ class GPTModel:
         self.cp = None                 # CPGroups when context parallelism is on
         self.cp_attention = None       # the context-parallel feature's attention hook
         self.swap_scope, self.swap_modules = None, frozenset()   # --swap-attention's hook
+        # pipeline parallelism: this stage's slice of the layers (Megatron's split)
+        self.layers = [i for i in cfg.real_layers() if i in cfg.stage_layers(ps.pp_rank)]
 
     def enable_context_parallel(self, cp_groups, attention_fn) -> None:
         """Route attention through the CP feature (written once against the backend interface)."""
@@ -192,7 +211,7 @@ class GPTModel:
     # parameters -----------------------------------------------------------------------------------
     def load_full(self, full: dict) -> None:
         """Set parameters from whole tensors (Megatron names), keeping this TP rank's shard."""
-        expected = self.cfg.full_shapes()
+        expected = self.owned_shapes()
         missing = sorted(set(expected) - set(full))
         wrong = [f"{k}: {tuple(full[k].shape)} != {expected[k]}" for k in expected
                  if k in full and tuple(full[k].shape) != tuple(expected[k])]
@@ -206,6 +225,21 @@ class GPTModel:
                 ops.assign(self.params[name], ms.Tensor(shard))   # in place: a traced graph holds the storage
             else:
                 self.params[name] = ms.Parameter(ms.Tensor(shard), name=name)
+
+    def owned_shapes(self) -> dict:
+        """The whole shapes of the parameters this pipeline stage holds (all of them without PP)."""
+        return self.stage_shapes(self.cfg, self.ps)
+
+    @staticmethod
+    def stage_shapes(cfg: GPTConfig, ps: ParallelState) -> dict:
+        """The whole shapes of the parameters pipeline stage ps.pp_rank holds."""
+        layers = cfg.stage_layers(ps.pp_rank)
+
+        def on_stage(name):
+            if name.startswith("decoder.layers."):
+                return int(name.split(".")[2]) in layers
+            return ps.first_stage if name.startswith("embedding.") else ps.last_stage   # norm, output layer
+        return {n: s for n, s in cfg.full_shapes().items() if on_stage(n)}
 
     def parameters(self) -> list:
         return list(self.params.values())
@@ -348,15 +382,25 @@ class GPTModel:
         """tokens [b, s] -> this rank's vocab shard of the logits [s, b, V/tp]. position_ids [b, s]
         (the same in every row) place RoPE when the sequence is sharded by context parallelism."""
         positions = None if position_ids is None else position_ids[0]
+        return self._head(self._decoder(self._embed(tokens, positions), positions))
+
+    def _embed(self, tokens, positions=None):
         x = vocab_parallel_embedding(self.backend, self.ps, tokens, self.params["embedding.word_embeddings.weight"])
         if self.cfg.position_embedding_type == "learned_absolute":
             x = x + self._position_embedding(x.shape[0], positions)
+        return x
+
+    def _decoder(self, x, positions=None):
+        """This pipeline stage's layers."""
         method = self.cfg.recompute_method if self.cfg.recompute else None
-        for layers, recomputed in layer_chunks(self.cfg.real_layers(), method, self.cfg.recompute_num_layers):
+        for layers, recomputed in layer_chunks(self.layers, method, self.cfg.recompute_num_layers):
             if recomputed:     # one chunk: only its input is kept, its layers rerun in backward
                 x = self.backend.memory.recompute(lambda h, ls=layers: self._layers(ls, h, positions), x)
             else:
                 x = self._layers(layers, x, positions)
+        return x
+
+    def _head(self, x):
         x = self._norm(x, "decoder.final_layernorm.weight")
         out_w = self.params["embedding.word_embeddings.weight" if self.cfg.tied_embeddings else "output_layer.weight"]
         return column_parallel(self.backend, self.ps, x, out_w)
@@ -365,7 +409,16 @@ class GPTModel:
         """Mean cross-entropy over the tokens loss_mask keeps (Megatron's lm loss). With context
         parallelism, `denominator` is the kept-token count of the whole sequence, so the CP ranks'
         losses (and gradients) sum to the full-sequence ones."""
-        per_token = vocab_parallel_cross_entropy(self.backend, self.ps, self.logits(tokens, position_ids),
-                                                 labels.T)   # [s, b]
+        return self._masked_mean(self.logits(tokens, position_ids), labels, loss_mask, denominator)
+
+    def stage_forward(self, hidden, tokens, labels, loss_mask):
+        """One pipeline stage: the embedding of `tokens` on the first stage, else the previous
+        stage's output `hidden` [s, b, h], through this stage's layers -> the loss on the last
+        stage, else the activation for the next one."""
+        x = self._decoder(self._embed(tokens) if self.ps.first_stage else hidden)
+        return self._masked_mean(self._head(x), labels, loss_mask) if self.ps.last_stage else x
+
+    def _masked_mean(self, logits, labels, loss_mask, denominator=None):
+        per_token = vocab_parallel_cross_entropy(self.backend, self.ps, logits, labels.T)   # [s, b]
         mask = loss_mask.T.astype(ms.float32)
         return (per_token * mask).sum() / (mask.sum() if denominator is None else denominator)

@@ -1,8 +1,8 @@
 """Tensor/context/data-parallel process groups for the MindSpore trainer, on the backend's comm.
 
 Rank layout follows Megatron: tensor-parallel ranks are adjacent, then context-parallel, then
-data-parallel (rank = (dp_rank * cp + cp_rank) * tp + tp_rank). Every rank creates every group in
-the same order (collective group creation needs that).
+data-parallel, then pipeline stages (rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank).
+Every rank creates every group in the same order (collective group creation needs that).
 """
 from __future__ import annotations
 
@@ -23,24 +23,59 @@ class ParallelState:
     cp_group: object = None
     all_cp_ranks: list = field(default_factory=list)   # every CP group's global ranks
     tp_linear: object = None     # a feature's TP linears (--use-ascend-coc's CocLinears), else layers.py's
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: object = None
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
 
-def build_parallel_state(comm, tp_size: int, sequence_parallel: bool = False, cp_size: int = 1) -> ParallelState:
+def build_parallel_state(comm, tp_size: int, sequence_parallel: bool = False, cp_size: int = 1,
+                         pp_size: int = 1) -> ParallelState:
     world, rank = comm.world_size(), comm.rank()
-    if world % (tp_size * cp_size):
+    if world % (tp_size * cp_size * pp_size):
         raise ValueError(f"world size {world} is not divisible by tensor ({tp_size}) x context ({cp_size}) "
-                         "parallel sizes")
-    dp_size = world // (tp_size * cp_size)
-    at = lambda d, c, t: (d * cp_size + c) * tp_size + t
+                         f"x pipeline ({pp_size}) parallel sizes")
+    stage = world // pp_size
+    dp_size = stage // (tp_size * cp_size)
+    at = lambda p, d, c, t: p * stage + (d * cp_size + c) * tp_size + t
+    inner = [(d, c, t) for d in range(dp_size) for c in range(cp_size) for t in range(tp_size)]
     groups = {}
-    tp_lists = [[at(d, c, t) for t in range(tp_size)] for d in range(dp_size) for c in range(cp_size)]
-    cp_lists = [[at(d, c, t) for c in range(cp_size)] for d in range(dp_size) for t in range(tp_size)]
-    dp_lists = [[at(d, c, t) for d in range(dp_size)] for c in range(cp_size) for t in range(tp_size)]
-    for kind, lists in (("tp", tp_lists), ("cp", cp_lists), ("dp", dp_lists)):
+    tp_lists = [[at(p, d, c, t) for t in range(tp_size)] for p in range(pp_size) for d in range(dp_size)
+                for c in range(cp_size)]
+    cp_lists = [[at(p, d, c, t) for c in range(cp_size)] for p in range(pp_size) for d in range(dp_size)
+                for t in range(tp_size)]
+    dp_lists = [[at(p, d, c, t) for d in range(dp_size)] for p in range(pp_size) for c in range(cp_size)
+                for t in range(tp_size)]
+    pp_lists = [[at(p, d, c, t) for p in range(pp_size)] for d, c, t in inner]
+    for kind, lists in (("tp", tp_lists), ("cp", cp_lists), ("dp", dp_lists), ("pp", pp_lists)):
         for ranks in lists:
             g = comm.new_group(ranks)
             if rank in ranks:
                 groups[kind] = g
-    tp_rank, cp_rank, dp_rank = rank % tp_size, (rank // tp_size) % cp_size, rank // (tp_size * cp_size)
+    local = rank % stage
+    tp_rank, cp_rank, dp_rank = local % tp_size, (local // tp_size) % cp_size, local // (tp_size * cp_size)
     return ParallelState(tp_size, dp_size, tp_rank, dp_rank, groups["tp"], groups["dp"],
-                         sequence_parallel and tp_size > 1, cp_size, cp_rank, groups["cp"], cp_lists)
+                         sequence_parallel and tp_size > 1, cp_size, cp_rank, groups["cp"], cp_lists,
+                         pp_size=pp_size, pp_rank=rank // stage, pp_group=groups["pp"])
+
+
+def stage_layer_counts(num_layers: int, pp_size: int, layer_list=None, first=None, last=None) -> list[int]:
+    """Transformer layers per pipeline stage, as Megatron splits them: --num-layer-list when given,
+    else --decoder-first/last-pipeline-num-layers with the rest even over the middle stages, else even."""
+    if layer_list:
+        return list(layer_list)
+    if pp_size == 1:
+        return [num_layers]
+    if first is None and last is None:
+        return [num_layers // pp_size] * pp_size
+    middle = pp_size - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    counts = [rest // middle] * middle if middle else []
+    return ([first] if first is not None else []) + counts + ([last] if last is not None else [])

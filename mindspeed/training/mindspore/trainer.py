@@ -12,8 +12,9 @@ from mindspeed import hooks
 from mindspeed.training.logger import StepRecorder
 from mindspeed.training.mindspore import checkpoint, data, neutral_format, schedule
 from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
-from mindspeed.training.mindspore.optimizer import Adam, accumulate, clip_gradients, reduce_gradients
+from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
+from mindspeed.training.mindspore.pipeline import TwoStagePipeline
 from mindspeed.training.mindspore.tracing import traced
 
 
@@ -63,12 +64,14 @@ def graph_mode_ok(cfg, ps, swap: bool) -> bool:
     hooks saved tensors on the Python side (--recompute-norm/-activation-function, --swap-attention,
     full and selective recompute), nor with context parallelism (its attention's ring and all-to-all are Cells
     whose backward a trace would not call), nor with --use-ascend-coc (its linears are Cells too, and
-    wait on collectives in flight, which a graph cannot hold). TP (its collectives carry their gradient as primitives,
+    wait on collectives in flight, which a graph cannot hold), nor with pipeline parallelism (its
+stages run under mindspore.vjp between exchanges). TP (its collectives carry their gradient as primitives,
     comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
     if os.environ.get("MINDSPEED_MS_PYNATIVE") == "1":      # debugging: op by op
         return False
     return not (swap or cfg.recompute or cfg.recompute_core_attention or cfg.recompute_norm_layers
-                or cfg.recompute_activation_layers or ps.cp_size > 1 or ps.tp_linear is not None)
+                or cfg.recompute_activation_layers or ps.cp_size > 1 or ps.tp_linear is not None
+                or ps.pp_size > 1)
 
 
 def _traced_loss(model):
@@ -84,8 +87,7 @@ class Trainer:
         self.args, self.backend, self.ps, self.cfg = args, backend, ps, cfg
         self.model = GPTModel(cfg, backend, ps)
         self.model.load_full(init_full_weights(cfg, args.seed))
-        self.optimizer = Adam(self.model, beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
-                              weight_decay=args.weight_decay)
+        self.optimizer = build_optimizer(self.model, args)
         self.lr_at = schedule.from_args(args)
         self._shard = None
         swap = _named_hook("activation_swap")
@@ -105,6 +107,7 @@ class Trainer:
             # evaluation gets its own trace (no gradient)
             loss, self._eval_loss = traced(_traced_loss(self.model)), traced(_traced_loss(self.model))
         self._grad_fn = ms.value_and_grad(loss, None, weights=self.model.parameters())
+        self.pipeline = TwoStagePipeline(backend, ps, self.model) if ps.pp_size > 1 else None
 
     def _inputs(self, mb: dict) -> tuple:
         """Model inputs for one micro-batch: this CP rank's share of the sequence, its positions,
@@ -123,7 +126,9 @@ class Trainer:
         names = list(self.model.params)
         grads, losses = None, []
         n = len(micro_batches)
-        for mb in micro_batches:
+        if self.pipeline is not None:
+            grads, losses = self.pipeline.train(micro_batches)
+        for mb in micro_batches if self.pipeline is None else ():
             loss, g = self._grad_fn(*self._inputs(mb))
             losses.append(loss)
             grads = accumulate(grads, g, n)
@@ -133,14 +138,24 @@ class Trainer:
         self.optimizer.step(grads, lr)
         # read back once the whole step is launched
         loss_sum = sum(float(x.asnumpy()) for x in losses)
-        return self._dp_mean(self._cp_sum(loss_sum / n)), float(norm.asnumpy()), lr
+        return self._dp_mean(self._cp_sum(self._from_last_stage(loss_sum / n))), float(norm.asnumpy()), lr
 
     def evaluate(self, micro_batches: list) -> float | None:
         """Mean loss over the batches; None without any (--eval-iters 0), as the torch trainer."""
         if not micro_batches:
             return None
-        losses = [float(self._eval_loss(*self._inputs(mb)).asnumpy()) for mb in micro_batches]
-        return self._dp_mean(self._cp_sum(sum(losses) / len(losses)))
+        if self.pipeline is not None:
+            losses = [float(x.asnumpy()) for x in self.pipeline.evaluate(micro_batches)]
+        else:
+            losses = [float(self._eval_loss(*self._inputs(mb)).asnumpy()) for mb in micro_batches]
+        return self._dp_mean(self._cp_sum(self._from_last_stage(sum(losses) / len(micro_batches))))
+
+    def _from_last_stage(self, value: float) -> float:
+        """The loss, computed on the last pipeline stage, on every stage (for logging, as Megatron)."""
+        if self.ps.pp_size == 1:
+            return value
+        t = self.backend.comm.broadcast(ms.Tensor([value], ms.float32), self.ps.pp_size - 1, self.ps.pp_group)
+        return float(t.asnumpy()[0])
 
     def _cp_sum(self, value: float) -> float:
         if self.ps.cp_size == 1:
@@ -165,7 +180,7 @@ def setup(args):
     backend = get_backend()
     world = backend.comm.world_size()
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
-                              args.context_parallel_size)
+                              args.context_parallel_size, args.pipeline_model_parallel_size)
     if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
         args.world_size, args.data_parallel_size = world, ps.dp_size
     if args.global_batch_size % (args.micro_batch_size * ps.dp_size):
@@ -229,7 +244,8 @@ def _train(args, backend, ps, logger) -> dict:
     n_params = sum(int(np.prod(p.shape)) for p in trainer.model.parameters())
     logger.print(f"> MindSpeed backend mindspore on {backend.device.name} (MindSpore {ms.__version__}, "
                  f"{'graph (traced forward)' if trainer.graph_mode else 'PyNative'}); {describe()}")
-    logger.print(f"> world {ps.tp_size * ps.cp_size * ps.dp_size} = TP {ps.tp_size} x CP {ps.cp_size} x DP {ps.dp_size}"
+    logger.print(f"> world {ps.tp_size * ps.cp_size * ps.dp_size * ps.pp_size} = TP {ps.tp_size} x CP {ps.cp_size} "
+                 f"x DP {ps.dp_size} x PP {ps.pp_size}"
                  f"{' (sequence parallel)' if ps.sequence_parallel else ''}; micro-batches per step "
                  f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
     logger.print(f"> data {a.data_path or 'default'}: vocab {vocab} (padded {a.padded_vocab_size}), "

@@ -1,0 +1,96 @@
+"""The pipeline-parallel parity experiment (issue 15): mindspore_parity's GPT and optimizer with a
+global batch of MICRO micro-batches, trained by Megatron-Core's GPTModel on torch at PP=1
+(gradients accumulated over the micro-batches: mathematically what 1F1B computes) and by the
+MindSpore trainer at PP=2 (two msrun processes, the 1F1B schedule of pipeline.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+from tests_extend.distributed import mindspore_parity as mp
+
+MICRO = 4            # micro-batches per global batch: 1F1B's warmup, steady state and cooldown all run
+
+
+def micro_batches(step: int) -> list:
+    return [dict(zip(("tokens", "labels", "loss_mask"), mp.batch(MICRO * step + k))) for k in range(MICRO)]
+
+
+def eval_batches() -> list:
+    return [dict(zip(("tokens", "labels", "loss_mask"), mp.batch(mp.EVAL_SEED)))]
+
+
+# -- mindspore side ------------------------------------------------------------------------------
+def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, steps: int = mp.STEPS) -> dict:
+    """Through the support matrix (mindspeed.adapt) as the trainer goes; returns losses, grad norms,
+    the held-out loss, and whether the run was PyNative."""
+    import mindspeed
+    from mindspeed.backends import get_backend
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore import checkpoint
+    from mindspeed.training.mindspore.model import GPTConfig
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    argv = mp.trainer_argv(1) + ["--global-batch-size", str(mp.MBS * MICRO),
+                                 "--pipeline-model-parallel-size", str(pp)]
+    args = parse_args(argv, world_size=backend.comm.world_size())
+    args.backend = "mindspore"
+    mindspeed.adapt(args)
+    try:
+        backend = get_backend()
+        ps = build_parallel_state(backend.comm, 1, False, 1, pp)
+        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB))
+        checkpoint.load(init_ckpt, trainer.model)
+        losses, norms = [], []
+        for step in range(steps):
+            loss, norm, lr = trainer.train_step(micro_batches(step), step + 1)
+            assert abs(lr - mp.lr_at(step)) < 1e-12
+            losses.append(loss)
+            norms.append(norm)
+        eval_loss = trainer.evaluate(eval_batches())
+        if save_dir:
+            checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, {"backend": "mindspore"})
+        return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode,
+                "layers": list(trainer.model.layers), "params": sorted(trainer.model.params)}
+    finally:
+        mindspeed.unadapt()
+
+
+# -- torch side (Megatron-Core GPTModel at PP=1, in the gloo harness) ----------------------------
+def torch_train_accumulated(rank, world_size, init_ckpt):
+    """Write the initial weights, then train mp.STEPS steps of MICRO micro-batches each."""
+    import torch
+    import mindspeed
+    mindspeed.adapt([])
+    from tests_extend import megatron_tiny
+    from mindspeed.training.mindspore import neutral_format as nf
+    megatron_tiny.init_parallel(tp=1)
+    model = mp.build_torch_model(1)
+    arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
+              if torch.is_tensor(v) and not k.endswith("_extra_state") and v.is_floating_point()}
+    nf.save(init_ckpt, 0, arrays, meta={"backend": "torch"})
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": mp.OPT["weight_decay"]},
+                             {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                            lr=mp.OPT["lr"], betas=mp.OPT["betas"], eps=mp.OPT["eps"])
+    position_ids = torch.arange(mp.SEQ).unsqueeze(0).expand(mp.MBS, -1)
+    losses, norms = [], []
+    for step in range(mp.STEPS):
+        for group in opt.param_groups:
+            group["lr"] = mp.lr_at(step)
+        opt.zero_grad()
+        total = 0.0
+        for mb in micro_batches(step):
+            tokens, labels = (torch.from_numpy(mb[k].astype(np.int64)) for k in ("tokens", "labels"))
+            mask = torch.from_numpy(mb["loss_mask"])
+            loss = (model(tokens, position_ids, None, labels=labels) * mask).sum() / mask.sum()
+            (loss / MICRO).backward()          # Megatron's schedule divides by the micro-batch count
+            total += loss.item() / MICRO
+        norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in params)))
+        coeff = mp.OPT["clip"] / (norm + 1e-6)
+        if coeff < 1.0:
+            for p in params:
+                p.grad.mul_(coeff)
+        opt.step()
+        losses.append(total)
+        norms.append(norm)
+    return {"losses": losses, "grad_norms": norms}
