@@ -1,7 +1,8 @@
 """msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, CP=2 (Ulysses and
 ring attention, through the context-parallel feature), TP=2 with --use-ascend-coc with and
-without sequence parallelism, and TP=2 with full recompute, from the same initial checkpoint. Usage: msrun ...
-mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
+without sequence parallelism, TP=2 with full recompute, CP=2 with selective recompute, from the same
+initial checkpoint; and GELU + LayerNorm + learned positions at TP=2 with SP from the trainer's init.
+Usage: msrun ... mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
 import os
 import sys
 import traceback

@@ -3,7 +3,8 @@ losses (fp32, within 1e-4 per step over 20 steps) on Megatron-Core's GPTModel (t
 the MindSpore trainer; at TP=1 in one process and at TP=2 on 2 processes (gloo vs msrun), plus
 TP=2 with sequence parallelism and CP=2 with Ulysses and ring attention (first steps); TP runs trace
 the forward into a MindSpore graph, CP runs PyNative. TP=2 with --use-ascend-coc (PyNative), with
-and without SP, gives the plain TP=2 losses within 1e-6. Weights cross both ways: torch writes the initial checkpoint that
+and without SP, gives the plain TP=2 losses within 1e-6. Issue 15: GELU + LayerNorm + learned
+positions at TP=2 with SP give their TP=1 losses; selective recompute at CP=2 gives CP=2's. Weights cross both ways: torch writes the initial checkpoint that
 MindSpore loads; MindSpore writes its trained checkpoint that torch loads (at TP=2) and evaluates."""
 import os
 
