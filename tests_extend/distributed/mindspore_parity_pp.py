@@ -20,7 +20,8 @@ def eval_batches() -> list:
 
 
 # -- mindspore side ------------------------------------------------------------------------------
-def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, steps: int = mp.STEPS) -> dict:
+def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, steps: int = mp.STEPS,
+                extra: tuple = ()) -> dict:
     """Through the support matrix (mindspeed.adapt) as the trainer goes; returns losses, grad norms,
     the held-out loss, and whether the run was PyNative."""
     import mindspeed
@@ -31,7 +32,7 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     argv = mp.trainer_argv(1) + ["--global-batch-size", str(mp.MBS * MICRO),
-                                 "--pipeline-model-parallel-size", str(pp)]
+                                 "--pipeline-model-parallel-size", str(pp)] + list(extra)
     args = parse_args(argv, world_size=backend.comm.world_size())
     args.backend = "mindspore"
     mindspeed.adapt(args)

@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
     ms_pp2 = run_msrun(WORKER, [str(out), init, saved], str(out), workers=2, timeout=480)
     for rank in range(2):
         assert ms_pp2[rank]["ok"], ms_pp2[rank].get("error")
-    return {"torch": torch_pp1, "ms": [r["pp2"] for r in ms_pp2], "saved": saved}
+    return {"torch": torch_pp1, "ms": [r["pp2"] for r in ms_pp2], "saved": saved, "all": ms_pp2}
 
 
 def test_pp2_losses_match_torch(runs):
@@ -70,3 +70,16 @@ def test_pp2_checkpoint_loads_at_pp1(runs):
         assert trainer.evaluate(mpp.eval_batches()) == pytest.approx(runs["ms"][0]["eval_loss"], abs=1e-5)
     finally:
         mindspeed.unadapt()
+
+
+def test_pp2_with_recompute_gives_the_pp2_losses(runs):
+    """Selective recompute and block recompute (each stage's first layer) under the two-stage 1F1B."""
+    for rank in range(2):
+        plain = runs["ms"][rank]["losses"]
+        for name in ("pp2_selective", "pp2_block1"):
+            run = runs["all"][rank][name]["losses"]
+            np.testing.assert_allclose(run, plain[:len(run)], atol=1e-6, rtol=0, err_msg=f"{name} rank {rank}")
+        # each stage holds one of the 2 layers: selective wraps its attention, block its first layer, in
+        # every micro-batch's forward (stage 0 runs its forward again when the gradient comes back)
+        calls = {name: len(runs["all"][rank][name]["recompute_calls"]) for name in ("pp2_selective", "pp2_block1")}
+        assert calls["pp2_selective"] == calls["pp2_block1"] > 0, calls
