@@ -63,16 +63,12 @@ option("sgd-optimizer", (host("--optimizer", "adam"), host("--sgd-momentum", 0.9
        ("--optimizer", "sgd"))
 option("selective-recompute", (host("--recompute-granularity"),),
        lambda a: a.recompute_granularity == "selective",
-       "recompute only the attention core in backward",
-       {"mindspore": f"{MS} recomputes whole layers (MindSpore's Cell.recompute)"},
-       "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+       "recompute only the attention core in backward", {}, "",
        ("--recompute-granularity", "selective"))
 option("recompute-layer-groups", (host("--recompute-method"), host("--recompute-num-layers")),
        lambda a: a.recompute_granularity == "full"
        and (a.recompute_method == "block" or (a.recompute_num_layers or 1) != 1),
-       "full recompute of groups of layers (uniform N > 1) or of the first N layers (block)",
-       {"mindspore": f"{MS} recomputes each layer on its own (uniform, one layer per group)"},
-       "--recompute-method uniform --recompute-num-layers 1",
+       "full recompute of groups of layers (uniform N > 1) or of the first N layers (block)", {}, "",
        ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"))
 option("moe", (host("--num-experts"),), lambda a: bool(a.num_experts), "Megatron-Core mixture of experts",
        {"mindspore": f"{MS}'s GPT has dense MLPs only"}, TORCH, ("--num-experts", "4"))
@@ -89,19 +85,16 @@ UnevenPipelineStages = option("uneven-pipeline-stages", (host("--decoder-first-p
        example_world=2)
 UnevenPipelineStages.requires = (Cap.SEND_RECV, Cap.PIPELINE_PARALLEL)     # the stages exchange activations
 option("layernorm", (host("--normalization", "RMSNorm"),), lambda a: a.normalization != "RMSNorm",
-       "LayerNorm instead of RMSNorm", {"mindspore": f"{MS}'s GPT normalizes with RMSNorm"},
-       f"--normalization RMSNorm, or {TORCH}", ("--normalization", "LayerNorm"))
+       "LayerNorm instead of RMSNorm", {}, "", ("--normalization", "LayerNorm"))
 option("gelu-mlp", (host("--no-swiglu", True, dest="swiglu"),), lambda a: not a.swiglu,
-       "GELU MLP instead of SwiGLU", {"mindspore": f"{MS}'s GPT has a SwiGLU MLP"},
-       f"--swiglu, or {TORCH}", ("--no-swiglu",))
+       "GELU MLP instead of SwiGLU", {}, "", ("--no-swiglu",))
 option("dropout", (host("--hidden-dropout", 0.0), host("--attention-dropout", 0.0)),
        lambda a: bool(a.hidden_dropout or a.attention_dropout), "dropout in attention and after layers",
        {"mindspore": f"{MS}'s GPT has no dropout layers"}, f"--hidden-dropout 0 --attention-dropout 0, or {TORCH}",
        ("--hidden-dropout", "0.1"))
 option("learned-position-embedding", (host("--position-embedding-type", "rope"),),
-       lambda a: a.position_embedding_type != "rope", "learned absolute (or no) position embeddings",
-       {"mindspore": f"{MS}'s GPT uses rotary position embeddings"},
-       f"--position-embedding-type rope, or {TORCH}", ("--position-embedding-type", "learned_absolute"))
+       lambda a: a.position_embedding_type != "rope", "learned absolute (or no) position embeddings", {}, "",
+       ("--position-embedding-type", "learned_absolute"))
 option("batch-size-rampup", (host("--rampup-batch-size"),), lambda a: bool(a.rampup_batch_size),
        "global batch size ramp-up", {"mindspore": f"{MS}'s steps have a fixed global batch"},
        f"a fixed --global-batch-size, or {TORCH}", ("--rampup-batch-size", "2", "2", "8", "--global-batch-size", "4"))

@@ -78,7 +78,8 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps):
     from mindspeed.training.mindspore.trainer import Trainer
     ps = build_parallel_state(backend.comm, tp, sp, cp)
     trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB))
-    checkpoint.load(init_ckpt, trainer.model)
+    if init_ckpt:      # else the trainer's own initialisation (TP-independent, from --seed)
+        checkpoint.load(init_ckpt, trainer.model)
     losses, norms = [], []
     for step in range(steps):
         tokens, labels, mask = batch(step)
@@ -94,18 +95,21 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps):
 
 
 # -- torch side (Megatron-Core GPTModel, run inside the gloo harness) ----------------------------
-def build_torch_model(tp: int):
+def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNorm",
+                      position_embedding_type: str = "rope"):
+    """swiglu=False: Megatron-Core's default GELU MLP (F.gelu, not gated), as --no-swiglu."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=GROUPS, ffn_hidden_size=FFN, use_cpu_initialization=True,
-                               normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
-                               activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                               normalization=normalization, layernorm_epsilon=1e-5, gated_linear_unit=swiglu,
+                               activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
+                               add_bias_linear=False,
                                tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0)
-    return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
-                    max_sequence_length=SEQ, position_embedding_type="rope",
+    return GPTModel(config, get_gpt_layer_local_spec(normalization=normalization), vocab_size=VOCAB,
+                    max_sequence_length=SEQ, position_embedding_type=position_embedding_type,
                     share_embeddings_and_output_weights=False)
 
 
@@ -117,17 +121,18 @@ def _torch_loss(model, step):
     return (per_token * mask).sum() / mask.sum()
 
 
-def load_into_torch(model, ckpt, tp_rank, tp):
+def load_into_torch(model, ckpt, tp_rank, tp, gated: bool = True):
     import torch
-    arrays = nf.megatron_state_dict_arrays(ckpt, tp_rank, tp)
+    arrays = nf.megatron_state_dict_arrays(ckpt, tp_rank, tp, gated)
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()},
                                                 strict=False)
     assert not unexpected, unexpected
     assert all(k.endswith("_extra_state") for k in missing), missing
 
 
-def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None):
-    """Harness body: train STEPS steps; with save_init, first write the initial weights."""
+def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, model_kw=None, steps=STEPS):
+    """Harness body: train `steps` steps; with save_init, first write the initial weights.
+    model_kw: build_torch_model's keywords (the model variant)."""
     import torch
     import mindspeed
     mindspeed.adapt([])
@@ -135,20 +140,22 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None):
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=tp)
     tp_rank, tp_group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
-    model = build_torch_model(tp)
+    model_kw = dict(model_kw or {})
+    gated = model_kw.get("swiglu", True)
+    model = build_torch_model(tp, **model_kw)
     if save_init:
         assert tp == 1
         arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
                   if torch.is_tensor(v) and not k.endswith("_extra_state") and v.is_floating_point()}
         nf.save(init_ckpt, 0, arrays, meta={"backend": "torch"})
     else:
-        load_into_torch(model, init_ckpt, tp_rank, tp)
+        load_into_torch(model, init_ckpt, tp_rank, tp, gated)
     params = list(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() > 1], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}],
                             lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"])
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         opt.zero_grad()
@@ -167,8 +174,8 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None):
         losses.append(loss.item())
     result = {"losses": losses, "grad_norms": norms}
     if other_ckpt:      # a checkpoint the MindSpore trainer wrote: load it here and evaluate
-        fresh = build_torch_model(tp)
-        load_into_torch(fresh, other_ckpt, tp_rank, tp)
+        fresh = build_torch_model(tp, **model_kw)
+        load_into_torch(fresh, other_ckpt, tp_rank, tp, gated)
         with torch.no_grad():
             result["eval_loss_of_other"] = _torch_loss(fresh, EVAL_SEED).item()
     return result

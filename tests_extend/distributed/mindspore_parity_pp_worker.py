@@ -1,11 +1,34 @@
 """msrun worker for test_mindspore_parity_pp.py: PP=2 (1F1B over 4 micro-batches) from the torch
-initial checkpoint, saving the trained model; and 2 steps with --optimizer sgd, saved. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
+initial checkpoint, saving the trained model; 2 steps with --optimizer sgd, saved; 3 steps with each
+recompute method. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
+import contextlib
 import os
 import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+
+RECOMPUTE = {"pp2_selective": ("--recompute-granularity", "selective"),
+             "pp2_block1": ("--recompute-granularity", "full", "--recompute-method", "block",
+                            "--recompute-num-layers", "1")}
+
+
+@contextlib.contextmanager
+def counted_recompute():
+    """The backend's recompute (the real one), its calls counted."""
+    from mindspeed.backends.mindspore.memory import MsMemory
+    real, calls = MsMemory.recompute, []
+
+    def recompute(self, fn, *args):
+        calls.append(1)
+        return real(self, fn, *args)
+
+    MsMemory.recompute = recompute
+    try:
+        yield calls
+    finally:
+        MsMemory.recompute = real
 
 
 def main(out_dir, init_ckpt, save_dir):
@@ -18,6 +41,9 @@ def main(out_dir, init_ckpt, save_dir):
         # SGD's state (a momentum buffer) saved from both stages too: 2 steps are enough to check
         result["pp2_sgd"] = ms_train_pp(backend, 2, init_ckpt, save_dir + "_sgd", steps=2,
                                         extra=("--optimizer", "sgd"))
+        for name, flags in RECOMPUTE.items():      # recompute within each stage (issue 15), 3 steps
+            with counted_recompute() as calls:
+                result[name] = dict(ms_train_pp(backend, 2, init_ckpt, steps=3, extra=flags), recompute_calls=calls)
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})

@@ -1,7 +1,8 @@
 """msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, CP=2 (Ulysses and
 ring attention, through the context-parallel feature), TP=2 with --use-ascend-coc with and
-without sequence parallelism, and TP=2 with full recompute, from the same initial checkpoint. Usage: msrun ...
-mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
+without sequence parallelism, TP=2 with full recompute, CP=2 with selective recompute, from the same
+initial checkpoint; and GELU + LayerNorm + learned positions at TP=2 with SP from the trainer's init.
+Usage: msrun ... mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
 import os
 import sys
 import traceback
@@ -34,6 +35,9 @@ def main(out_dir, init_ckpt):
         # full recompute at TP=2 (PyNative): MindSpore's early stop used to break on the TP taps
         result["tp2_recompute_full"] = ms_train(backend, 2, False, init_ckpt, steps=COC_STEPS, extra=(
             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"))
+        from tests_extend.distributed.mindspore_parity_model import ms_combined_tp2_sp, ms_cp2_selective_recompute
+        result["tp2_sp_gelu_layernorm_learned"] = ms_combined_tp2_sp(backend)      # issue 15's model variants
+        result["cp2_selective_recompute"] = ms_cp2_selective_recompute(backend, init_ckpt)
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})

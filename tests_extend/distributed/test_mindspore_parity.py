@@ -3,7 +3,8 @@ losses (fp32, within 1e-4 per step over 20 steps) on Megatron-Core's GPTModel (t
 the MindSpore trainer; at TP=1 in one process and at TP=2 on 2 processes (gloo vs msrun), plus
 TP=2 with sequence parallelism and CP=2 with Ulysses and ring attention (first steps); TP runs trace
 the forward into a MindSpore graph, CP runs PyNative. TP=2 with --use-ascend-coc (PyNative), with
-and without SP, gives the plain TP=2 losses within 1e-6. Weights cross both ways: torch writes the initial checkpoint that
+and without SP, gives the plain TP=2 losses within 1e-6. Issue 15: GELU + LayerNorm + learned
+positions at TP=2 with SP give their TP=1 losses; selective recompute at CP=2 gives CP=2's. Weights cross both ways: torch writes the initial checkpoint that
 MindSpore loads; MindSpore writes its trained checkpoint that torch loads (at TP=2) and evaluates."""
 import os
 
@@ -103,3 +104,31 @@ def test_full_recompute_at_tp2_matches_plain_tp2(ms_tp2):
         np.testing.assert_allclose(run["losses"], ms_tp2[rank]["tp2"]["losses"][:len(run["losses"])],
                                    atol=1e-6, rtol=0)
         assert not run["graph_mode"]
+
+
+def test_model_variants_at_tp2_sp_match_tp1(ms_tp2):
+    """GELU MLP + LayerNorm + learned positions (test_mindspore_parity_model.py checks them against
+    Megatron-Core at TP=1) at TP=2 with sequence parallelism give the TP=1 losses."""
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from tests_extend.distributed import mindspore_parity_model as pm
+    tp1 = mp.ms_train(MindSporeBackend("cpu"), 1, False, None, steps=pm.SHORT_STEPS, extra=pm.combined_flags())
+    for rank in range(2):
+        assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
+        run = ms_tp2[rank]["tp2_sp_gelu_layernorm_learned"]
+        np.testing.assert_allclose(run["losses"], tp1["losses"], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(run["grad_norms"], tp1["grad_norms"], rtol=NORM_RTOL)
+        assert run["graph_mode"]
+
+
+def test_selective_recompute_with_context_parallelism(ms_tp2):
+    """--recompute-granularity selective reruns the ring attention of CP=2 in backward: the losses of
+    the CP=2 run without it."""
+    for rank in range(2):
+        assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
+        run = ms_tp2[rank]["cp2_selective_recompute"]
+        plain = ms_tp2[rank]["cp2_megatron_cp_algo"]["losses"]
+        np.testing.assert_allclose(run["losses"], plain[:len(run["losses"])], atol=1e-6, rtol=0)
+        # each layer's attention once in every forward (the steps and one evaluation), and once more
+        # in every backward
+        steps = len(run["losses"])
+        assert run["attention_calls"] == mp.LAYERS * (steps + 1) + mp.LAYERS * steps

@@ -29,7 +29,8 @@ def runs(tmp_path_factory):
     ms_pp2 = run_msrun(WORKER, [str(out), init, saved], str(out), workers=2, timeout=480)
     for rank in range(2):
         assert ms_pp2[rank]["ok"], ms_pp2[rank].get("error")
-    return {"torch": torch_pp1, "ms": [r["pp2"] for r in ms_pp2], "saved": saved, "saved_sgd": saved + "_sgd"}
+    return {"torch": torch_pp1, "ms": [r["pp2"] for r in ms_pp2], "saved": saved, "saved_sgd": saved + "_sgd",
+            "all": ms_pp2}
 
 
 def test_pp2_losses_match_torch(runs):
@@ -79,3 +80,16 @@ def test_pp2_checkpoint_holds_every_stages_optimizer_state(runs):
     for saved, kinds in ((runs["saved"], ("exp_avg", "exp_avg_sq")), (runs["saved_sgd"], ("momentum_buffer",))):
         params, state, _ = nf.load(saved)
         assert sorted(state) == sorted(f"{kind}/{name}" for kind in kinds for name in params), saved
+
+
+def test_pp2_with_recompute_gives_the_pp2_losses(runs):
+    """Selective recompute and block recompute (each stage's first layer) under the two-stage 1F1B."""
+    for rank in range(2):
+        plain = runs["ms"][rank]["losses"]
+        for name in ("pp2_selective", "pp2_block1"):
+            run = runs["all"][rank][name]["losses"]
+            np.testing.assert_allclose(run, plain[:len(run)], atol=1e-6, rtol=0, err_msg=f"{name} rank {rank}")
+        # each stage holds one of the 2 layers: selective wraps its attention, block its first layer, in
+        # every micro-batch's forward (stage 0 runs its forward again when the gradient comes back)
+        calls = {name: len(runs["all"][rank][name]["recompute_calls"]) for name in ("pp2_selective", "pp2_block1")}
+        assert calls["pp2_selective"] == calls["pp2_block1"] > 0, calls

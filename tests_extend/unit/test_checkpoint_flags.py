@@ -62,7 +62,7 @@ def test_torch_resume_leaves_the_rng_as_seeded(torch_report):
 class _Model:
     def __init__(self):
         self.ps = SimpleNamespace(tp_rank=0, tp_size=1)
-        self.cfg = SimpleNamespace(full_shapes=lambda: {})   # no vocabulary rows to fit in these checkpoints
+        self.cfg = SimpleNamespace(full_shapes=lambda: {}, swiglu=True)   # no vocabulary rows to fit here; SwiGLU fc1
         self.loaded = None
 
     def load_full(self, full):

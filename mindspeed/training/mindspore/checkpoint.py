@@ -13,8 +13,9 @@ from mindspeed.training.errors import CheckpointError
 from mindspeed.training.mindspore import neutral_format as nf
 
 
-def _gather_tp(backend, ps, arrays: dict) -> dict:
-    """Whole tensors from this TP group's shards (one collective for all of them)."""
+def _gather_tp(backend, ps, arrays: dict, gated: bool = True) -> dict:
+    """Whole tensors from this TP group's shards (one collective for all of them); gated: the MLP's
+    fc1 holds SwiGLU's [gate; up] halves."""
     if ps.tp_size == 1:
         return dict(arrays)
     import mindspore as ms
@@ -24,7 +25,8 @@ def _gather_tp(backend, ps, arrays: dict) -> dict:
     out, start = {}, 0
     for n in names:
         size = arrays[n].size
-        out[n] = nf.unshard(n, [every[r, start:start + size].reshape(arrays[n].shape) for r in range(ps.tp_size)])
+        out[n] = nf.unshard(n, [every[r, start:start + size].reshape(arrays[n].shape) for r in range(ps.tp_size)],
+                           gated)
         start += size
     return out
 
@@ -56,8 +58,9 @@ def _gather_pp(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
 
 
 def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -> None:
-    params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.params.items()})
-    moments = _gather_tp(backend, ps, optimizer.state_arrays())
+    gated = model.cfg.swiglu
+    params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.params.items()}, gated)
+    moments = _gather_tp(backend, ps, optimizer.state_arrays(), gated)
     params = _gather_pp(backend, ps, model, params)
     # the state's kinds (Adam's two moments, SGD's momentum) are the same on every stage
     kinds = tuple(sorted({key.split("/", 1)[0] + "/" for key in moments}))
@@ -100,7 +103,7 @@ def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step:
         model.load_full(full)
         if optimizer is not None and load_optimizer and moments is not None:
             ps = model.ps
-            shards = {k: np.ascontiguousarray(nf.shard_for_rank(k, v, ps.tp_rank, ps.tp_size))
+            shards = {k: np.ascontiguousarray(nf.shard_for_rank(k, v, ps.tp_rank, ps.tp_size, model.cfg.swiglu))
                       for k, v in moments.items()}
             optimizer.load_state_arrays(shards, int(meta.get("optimizer_steps", meta["iteration"])))
     except (KeyError, ValueError) as err:      # same on every rank: the files are the same

@@ -1,12 +1,16 @@
 """The GPT of the torch main job (Megatron-Core GPTModel, local spec) in MindSpore.
 
-embedding -> L x [RMSNorm -> QKV (column) -> RoPE -> causal attention -> proj (row) -> residual
--> RMSNorm -> fc1 (column) -> SwiGLU -> fc2 (row) -> residual] -> RMSNorm -> output layer (tied or
-untied); linear biases optional (--add-bias-linear, or q/k/v only: --add-qkv-bias, Qwen2); RoPE
-optionally with Llama 3.1's frequency scaling (--use-rope-scaling) -> vocab-parallel cross-entropy. Parameters carry Megatron-Core's state-dict names and
-per-TP-rank shapes (see neutral_format for the sharding), so checkpoints move between backends.
-Norm, SwiGLU, RoPE and attention run through the backend's kernels (features reach the model via
-the interface only).
+embedding (+ learned positions) -> L x [norm -> QKV (column) -> RoPE -> causal attention -> proj (row)
+-> residual -> norm -> fc1 (column) -> SwiGLU or GELU -> fc2 (row) -> residual] -> norm -> output
+layer (tied or untied); norm is RMSNorm or LayerNorm (with bias); positions are RoPE, a learned
+table (--position-embedding-type learned_absolute) or none; linear biases optional (--add-bias-linear,
+or q/k/v only: --add-qkv-bias, Qwen2); RoPE optionally with Llama 3.1's frequency scaling
+(--use-rope-scaling) -> vocab-parallel cross-entropy. Parameters carry Megatron-Core's state-dict
+names and per-TP-rank shapes (see neutral_format for the sharding), so checkpoints move between
+backends. RMSNorm, SwiGLU, RoPE and attention run through the backend's kernels (features reach the
+model via the interface only); LayerNorm and GELU are MindSpore's own ops (no fused variant here).
+Recompute (full by layer chunks, selective around the attention core) is MindSpore's own
+(recompute_plan picks the chunks).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from mindspeed.training.mindspore import neutral_format as nf
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
 from mindspeed.training.mindspore.parallel import ParallelState, stage_layer_counts
+from mindspeed.training.mindspore.recompute_plan import layer_chunks
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,13 @@ class GPTConfig:
     fused_kernels: frozenset = frozenset()   # kernels whose fused feature is on: the device's fast path
     noop_layers: frozenset = frozenset()     # --noop-layers: indices of layers that pass their input through
     pipeline_layers: tuple = ()              # layers per pipeline stage (empty: one stage holds all)
+    recompute_method: str = "uniform"        # with recompute: uniform groups or the first N layers (recompute_plan)
+    recompute_num_layers: int = 1
+    recompute_core_attention: bool = False   # --recompute-granularity selective
+    swiglu: bool = True                      # --no-swiglu: fc1 -> GELU (exact, Megatron's F.gelu) -> fc2
+    normalization: str = "RMSNorm"           # or "LayerNorm" (with bias)
+    position_embedding_type: str = "rope"    # or "learned_absolute" (a table added to the embedding), "none"
+    max_position_embeddings: int = 0         # rows of the learned table (default: seq_length)
 
     # feature id -> the kernel it switches from the reference to the device's fast path
     FEATURE_KERNELS = {"fused-rmsnorm": "rms_norm", "fused-swiglu": "swiglu", "fused-rotary-pos-emb": "rope",
@@ -56,7 +68,7 @@ class GPTConfig:
     @classmethod
     def from_args(cls, args, padded_vocab: int, features=()) -> "GPTConfig":
         """features: ids of the enabled (adapted) features; fused ones pick the fast kernels."""
-        # LayerNorm, GELU, dropout, other position embeddings: refused by the support matrix (mindspeed/features/megatron_options.py) before a model is built
+        # dropout: refused by the support matrix (mindspeed/features/megatron_options.py) before a model is built
         return cls(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                    num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                    kv_channels=args.kv_channels, vocab_size=padded_vocab, seq_length=args.seq_length,
@@ -73,7 +85,14 @@ class GPTConfig:
                    recompute_norm_layers=cls._recomputed_layers(args, features, "recompute-norm",
                                                                 "recompute_norm_num_layers"),
                    fused_kernels=frozenset(cls.FEATURE_KERNELS[f] for f in features if f in cls.FEATURE_KERNELS),
-                   noop_layers=noop_layer_set(args), pipeline_layers=cls._pipeline_layers(args))
+                   noop_layers=noop_layer_set(args),
+                   recompute_method=args.recompute_method or "uniform",
+                   recompute_num_layers=1 if args.recompute_num_layers is None else args.recompute_num_layers,
+                   recompute_core_attention=args.recompute_granularity == "selective",
+                   swiglu=bool(args.swiglu), normalization=args.normalization,
+                   position_embedding_type=args.position_embedding_type,
+                   max_position_embeddings=args.max_position_embeddings or args.seq_length,
+                   pipeline_layers=cls._pipeline_layers(args))
 
     @staticmethod
     def _pipeline_layers(args) -> tuple:
@@ -103,21 +122,29 @@ class GPTConfig:
     def full_shapes(self) -> dict:
         h, d = self.hidden_size, self.kv_channels
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
+        fc1 = (2 if self.swiglu else 1) * self.ffn_hidden_size
         shapes = {"embedding.word_embeddings.weight": (self.vocab_size, h)}
+        if self.position_embedding_type == "learned_absolute":
+            shapes["embedding.position_embeddings.weight"] = (self.max_position_embeddings or self.seq_length, h)
         for i in self.real_layers():
             shapes.update({nf.layer_name(i, "input_layernorm.weight"): (h,),
                            nf.layer_name(i, "self_attention.linear_qkv.weight"): (qkv, h),
                            nf.layer_name(i, "self_attention.linear_proj.weight"): (h, self.num_attention_heads * d),
                            nf.layer_name(i, "pre_mlp_layernorm.weight"): (h,),
-                           nf.layer_name(i, "mlp.linear_fc1.weight"): (2 * self.ffn_hidden_size, h),
+                           nf.layer_name(i, "mlp.linear_fc1.weight"): (fc1, h),
                            nf.layer_name(i, "mlp.linear_fc2.weight"): (h, self.ffn_hidden_size)})
+            if self.normalization == "LayerNorm":
+                shapes.update({nf.layer_name(i, "input_layernorm.bias"): (h,),
+                               nf.layer_name(i, "pre_mlp_layernorm.bias"): (h,)})
             if self.add_bias_linear or self.add_qkv_bias:
                 shapes[nf.layer_name(i, "self_attention.linear_qkv.bias")] = (qkv,)
             if self.add_bias_linear:
                 shapes.update({nf.layer_name(i, "self_attention.linear_proj.bias"): (h,),
-                               nf.layer_name(i, "mlp.linear_fc1.bias"): (2 * self.ffn_hidden_size,),
+                               nf.layer_name(i, "mlp.linear_fc1.bias"): (fc1,),
                                nf.layer_name(i, "mlp.linear_fc2.bias"): (h,)})
         shapes["decoder.final_layernorm.weight"] = (h,)
+        if self.normalization == "LayerNorm":
+            shapes["decoder.final_layernorm.bias"] = (h,)
         if not self.tied_embeddings:
             shapes["output_layer.weight"] = (self.vocab_size, h)
         return shapes
@@ -192,7 +219,8 @@ class GPTModel:
             raise ValueError("checkpoint does not fit this model: "
                              + "; ".join(([f"missing {', '.join(missing)}"] if missing else []) + wrong))
         for name in expected:
-            shard = nf.shard_for_rank(name, np.asarray(full[name], np.float32), self.ps.tp_rank, self.ps.tp_size)
+            shard = nf.shard_for_rank(name, np.asarray(full[name], np.float32), self.ps.tp_rank, self.ps.tp_size,
+                                      self.cfg.swiglu)
             if name in self.params:
                 ops.assign(self.params[name], ms.Tensor(shard))   # in place: a traced graph holds the storage
             else:
@@ -217,7 +245,7 @@ class GPTModel:
         return list(self.params.values())
 
     def is_tp_sharded(self, name: str) -> bool:
-        return nf.split_kind(name) != "replicated"
+        return nf.split_kind(name, self.cfg.swiglu) != "replicated"
 
     # forward ---------------------------------------------------------------------------------------
     def _rope_tables(self):
@@ -237,7 +265,15 @@ class GPTModel:
         return getattr(kernels if name in self.cfg.fused_kernels else kernels.reference, name)
 
     def _norm(self, x, name):
-        return self.kernel("rms_norm")(x, self.params[name], self.cfg.norm_epsilon)[0]
+        return self._normalize(x, self.params[name], self._norm_bias(name))
+
+    def _norm_bias(self, weight_name):
+        return self.params[weight_name[:-len("weight")] + "bias"] if self.cfg.normalization == "LayerNorm" else None
+
+    def _normalize(self, x, weight, bias=None):
+        if self.cfg.normalization == "LayerNorm":     # MindSpore's own LayerNorm (bias and eps as torch's)
+            return ops.LayerNorm(-1, -1, self.cfg.norm_epsilon)(x, weight, bias)[0]
+        return self.kernel("rms_norm")(x, weight, self.cfg.norm_epsilon)[0]
 
     def _recomputed(self, layers: int, i: int, fn, *inputs):
         """fn(*inputs), and a `done(consumer_output)` to call once fn's output has been used:
@@ -249,9 +285,10 @@ class GPTModel:
 
     def _layer_norm(self, i, x, suffix):
         name = nf.layer_name(i, suffix)
-        return self._recomputed(self.cfg.recompute_norm_layers, i,
-                                lambda x, w: self.kernel("rms_norm")(x, w, self.cfg.norm_epsilon)[0],
-                                x, self.params[name])
+        bias = self._norm_bias(name)
+        if bias is not None:
+            return self._recomputed(self.cfg.recompute_norm_layers, i, self._normalize, x, self.params[name], bias)
+        return self._recomputed(self.cfg.recompute_norm_layers, i, self._normalize, x, self.params[name])
 
     def _rope_at(self, s, positions):
         if positions is None:
@@ -267,21 +304,32 @@ class GPTModel:
         d, per_group = cfg.kv_channels, self.heads_local // self.groups_local
         qkv = qkv.reshape(s, b, self.groups_local, (per_group + 2) * d)
         q, k, v = ops.split(qkv, [per_group * d, d, d], axis=-1)
-        cos, sin = self._rope_at(s, positions)
-        q = rope(q.reshape(s, b, self.heads_local, d), cos, sin, 0)
-        k = rope(k, cos, sin, 0)
+        if cfg.position_embedding_type == "rope":
+            cos, sin = self._rope_at(s, positions)
+            q = rope(q.reshape(s, b, self.heads_local, d), cos, sin, 0)
+            k = rope(k, cos, sin, 0)
         q, k, v = q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1)
-        if self.cp is not None:      # this rank holds a shard of the sequence
-            out = self.cp_attention(q, k, v, self.cp, head_num=self.heads_local, causal=True)
+        if cfg.recompute_core_attention:     # selective recompute: only q, k, v are kept for backward
+            out = self.backend.memory.recompute(self._core_attention, q, k, v)
         else:
-            out = self.kernel("attention")(q, k, v, layout="SBH", head_num=self.heads_local, causal=True)[0]
+            out = self._core_attention(q, k, v)
         return row_parallel(self.backend, self.ps, out, p("self_attention.linear_proj.weight"),
                             self._bias(i, "self_attention.linear_proj.bias"))
+
+    def _core_attention(self, q, k, v):
+        if self.cp is not None:      # this rank holds a shard of the sequence
+            return self.cp_attention(q, k, v, self.cp, head_num=self.heads_local, causal=True)
+        return self.kernel("attention")(q, k, v, layout="SBH", head_num=self.heads_local, causal=True)[0]
+
+    def _activation(self, h):
+        if self.cfg.swiglu:
+            return self.kernel("swiglu")(h, -1)
+        return ops.gelu(h, approximate="none")       # Megatron-Core's default activation_func, F.gelu
 
     def _mlp(self, i, x):
         p = lambda s: self.params[nf.layer_name(i, s)]
         h = column_parallel(self.backend, self.ps, x, p("mlp.linear_fc1.weight"), self._bias(i, "mlp.linear_fc1.bias"))
-        act, done = self._recomputed(self.cfg.recompute_activation_layers, i, lambda h: self.kernel("swiglu")(h, -1), h)
+        act, done = self._recomputed(self.cfg.recompute_activation_layers, i, self._activation, h)
         out = row_parallel(self.backend, self.ps, act, p("mlp.linear_fc2.weight"), self._bias(i, "mlp.linear_fc2.bias"))
         done(out)
         return out
@@ -313,22 +361,43 @@ class GPTModel:
         done(mlp)
         return x + mlp
 
+    def _layers(self, layers, x, positions):
+        for i in layers:
+            x = self._layer(i, x, positions)
+        return x
+
+    def _position_embedding(self, s_local, positions):
+        """[s_local, 1, h] rows of the learned table for this rank's tokens: its CP positions, and
+        with sequence parallelism its TP rank's slice (the table's gradient is summed over TP then)."""
+        table = self.params["embedding.position_embeddings.weight"]
+        ps = self.ps
+        sp_split = ps.sequence_parallel and ps.tp_size > 1
+        rows = s_local * ps.tp_size if sp_split else s_local
+        rows_emb = table[:rows] if positions is None else ops.gather(table, positions, 0)
+        if sp_split:
+            rows_emb = rows_emb[ps.tp_rank * s_local:(ps.tp_rank + 1) * s_local]
+        return rows_emb.expand_dims(1)
+
     def logits(self, tokens, position_ids=None):
         """tokens [b, s] -> this rank's vocab shard of the logits [s, b, V/tp]. position_ids [b, s]
         (the same in every row) place RoPE when the sequence is sharded by context parallelism."""
         positions = None if position_ids is None else position_ids[0]
-        return self._head(self._decoder(self._embed(tokens), positions))
+        return self._head(self._decoder(self._embed(tokens, positions), positions))
 
-    def _embed(self, tokens):
-        return vocab_parallel_embedding(self.backend, self.ps, tokens, self.params["embedding.word_embeddings.weight"])
+    def _embed(self, tokens, positions=None):
+        x = vocab_parallel_embedding(self.backend, self.ps, tokens, self.params["embedding.word_embeddings.weight"])
+        if self.cfg.position_embedding_type == "learned_absolute":
+            x = x + self._position_embedding(x.shape[0], positions)
+        return x
 
     def _decoder(self, x, positions=None):
         """This pipeline stage's layers."""
-        for i in self.layers:
-            if self.cfg.recompute:
-                x = self.backend.memory.recompute(lambda h, i=i: self._layer(i, h, positions), x)
+        method = self.cfg.recompute_method if self.cfg.recompute else None
+        for layers, recomputed in layer_chunks(self.layers, method, self.cfg.recompute_num_layers):
+            if recomputed:     # one chunk: only its input is kept, its layers rerun in backward
+                x = self.backend.memory.recompute(lambda h, ls=layers: self._layers(ls, h, positions), x)
             else:
-                x = self._layer(i, x, positions)
+                x = self._layers(layers, x, positions)
         return x
 
     def _head(self, x):

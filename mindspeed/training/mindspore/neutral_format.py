@@ -34,15 +34,16 @@ ROW_SPLIT = ("embedding.word_embeddings.weight", "output_layer.weight", "self_at
              "self_attention.linear_qkv.bias")
 COLUMN_SPLIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 GATED_SPLIT = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")   # [gate; up]: each half split by rows, rank r holds [gate_r; up_r]
+# (a GELU MLP's fc1, --no-swiglu, has no halves: gated=False splits it by rows like linear_qkv)
 
 
 def layer_name(i: int, suffix: str) -> str:
     return f"decoder.layers.{i}.{suffix}"
 
 
-def split_kind(name: str) -> str:
+def split_kind(name: str, gated: bool = True) -> str:
     if name.endswith(GATED_SPLIT):
-        return "gated"
+        return "gated" if gated else "row"
     if name.endswith(ROW_SPLIT):
         return "row"
     if name.endswith(COLUMN_SPLIT):
@@ -50,8 +51,8 @@ def split_kind(name: str) -> str:
     return "replicated"
 
 
-def shard_for_rank(name: str, full: np.ndarray, tp_rank: int, tp_size: int) -> np.ndarray:
-    kind = split_kind(name)
+def shard_for_rank(name: str, full: np.ndarray, tp_rank: int, tp_size: int, gated: bool = True) -> np.ndarray:
+    kind = split_kind(name, gated)
     if kind == "replicated" or tp_size == 1:
         return full
     if kind == "gated":
@@ -60,8 +61,8 @@ def shard_for_rank(name: str, full: np.ndarray, tp_rank: int, tp_size: int) -> n
     return np.split(full, tp_size, axis=0 if kind == "row" else 1)[tp_rank]
 
 
-def unshard(name: str, shards: list[np.ndarray]) -> np.ndarray:
-    kind = split_kind(name)
+def unshard(name: str, shards: list[np.ndarray], gated: bool = True) -> np.ndarray:
+    kind = split_kind(name, gated)
     if kind == "replicated" or len(shards) == 1:
         return shards[0]
     if kind == "gated":
@@ -295,15 +296,16 @@ def load(path: str, step: int | None = None) -> tuple[dict, dict | None, dict]:
     return model, optimizer, meta
 
 
-def megatron_state_dict_arrays(path: str, tp_rank: int = 0, tp_size: int = 1) -> dict:
+def megatron_state_dict_arrays(path: str, tp_rank: int = 0, tp_size: int = 1, gated: bool = True) -> dict:
     """The arrays a Megatron-Core GPTModel on TP rank `tp_rank` of `tp_size` holds, by state-dict
-    name, from a neutral checkpoint. Torch side: `model.load_state_dict({k: torch.from_numpy(v)
-    for k, v in arrays.items()}, strict=False)` (strict=False for Megatron's _extra_state entries)."""
+    name, from a neutral checkpoint (gated=False: a GELU MLP's fc1). Torch side:
+    `model.load_state_dict({k: torch.from_numpy(v) for k, v in arrays.items()}, strict=False)`
+    (strict=False for Megatron's _extra_state entries)."""
     model, _, _ = load(path)
-    return {name: shard_for_rank(name, full, tp_rank, tp_size) for name, full in model.items()}
+    return {name: shard_for_rank(name, full, tp_rank, tp_size, gated) for name, full in model.items()}
 
 
-def full_arrays_from_shards(shards_by_rank: list[dict]) -> dict:
+def full_arrays_from_shards(shards_by_rank: list[dict], gated: bool = True) -> dict:
     """Whole tensors from per-TP-rank state dicts of numpy arrays (Megatron names)."""
     names = shards_by_rank[0].keys()
-    return {name: unshard(name, [s[name] for s in shards_by_rank]) for name in names}
+    return {name: unshard(name, [s[name] for s in shards_by_rank], gated) for name in names}

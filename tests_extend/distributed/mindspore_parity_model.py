@@ -1,0 +1,76 @@
+"""Model variants of the parity experiment (mindspore_parity.py): GELU MLP, LayerNorm, learned or no
+position embeddings, each as Megatron-Core's GPTModel keywords and as the trainer's flags; and the
+recompute variants (selective, uniform groups, block), which keep the default model.
+
+One torch harness process trains every variant in turn (each writes its own initial checkpoint)."""
+from __future__ import annotations
+
+import os
+
+from tests_extend.distributed import mindspore_parity as mp
+
+SHORT_STEPS = 3     # each piece alone: step 1 checks the forward, steps 2-3 the gradients' updates
+RECOMPUTE_STEPS = 4     # recompute runs PyNative (slower than the traced graph)
+COMBINED = "gelu_layernorm_learned"
+
+# name -> (build_torch_model keywords, trainer flags, steps)
+MODEL_CASES = {
+    "default": ({}, (), RECOMPUTE_STEPS),       # the recompute cases' model
+    COMBINED: (dict(swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute"),
+               ("--no-swiglu", "--normalization", "LayerNorm", "--position-embedding-type", "learned_absolute"),
+               mp.STEPS),
+    "gelu": (dict(swiglu=False), ("--no-swiglu",), SHORT_STEPS),
+    "layernorm": (dict(normalization="LayerNorm"), ("--normalization", "LayerNorm"), SHORT_STEPS),
+    "learned_positions": (dict(position_embedding_type="learned_absolute"),
+                          ("--position-embedding-type", "learned_absolute"), SHORT_STEPS),
+    "no_positions": (dict(position_embedding_type="none"), ("--position-embedding-type", "none"), SHORT_STEPS),
+}
+
+RECOMPUTE_CASES = {
+    "selective": ("--recompute-granularity", "selective"),
+    "uniform2": ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),
+    "block1": ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"),
+}
+
+
+def init_ckpt(root: str, case: str) -> str:
+    return os.path.join(root, f"init_{case}")
+
+
+def torch_all(rank, world_size, root):
+    """Harness body (one process): every model case, from its own torch-initialised weights."""
+    return {case: mp.torch_train(rank, world_size, 1, init_ckpt(root, case), True, model_kw=kw, steps=steps)
+            for case, (kw, _, steps) in MODEL_CASES.items()}
+
+
+def combined_flags() -> tuple:
+    return MODEL_CASES[COMBINED][1]
+
+
+def ms_combined_tp2_sp(backend) -> dict:
+    """For the parity msrun worker: the combined variant at TP=2 with sequence parallelism (the
+    non-gated fc1 split by rows, norm biases and the position table replicated, their gradients
+    summed over TP), from the trainer's own initialisation; compared with the same run at TP=1."""
+    return mp.ms_train(backend, 2, True, None, steps=SHORT_STEPS, extra=combined_flags())
+
+
+CP_SELECTIVE_STEPS = 3
+
+
+def ms_cp2_selective_recompute(backend, init_ckpt: str) -> dict:
+    """For the parity msrun worker: selective recompute around CP=2's ring attention (made of Cells
+    with their own backward), counting the context-parallel attention's calls (the real function)."""
+    from mindspeed.features.context_parallel import attention as cp_attention
+    real, calls = cp_attention.context_parallel_attention, [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    cp_attention.context_parallel_attention = counted      # what the feature hands the trainer at adapt
+    try:
+        run = mp.ms_train(backend, 1, False, init_ckpt, steps=CP_SELECTIVE_STEPS, cp=2, cp_algo="megatron_cp_algo",
+                          extra=("--recompute-granularity", "selective"))
+    finally:
+        cp_attention.context_parallel_attention = real
+    return dict(run, attention_calls=calls[0])
