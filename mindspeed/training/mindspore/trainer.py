@@ -63,11 +63,11 @@ def enable_context_parallel(args, model, ps) -> None:
 def graph_mode_ok(cfg, ps, swap: bool) -> bool:
     """Whether the forward may run as a traced graph: not where a feature edits tensor storage or
     hooks saved tensors on the Python side (--recompute-norm/-activation-function, --swap-attention,
-    full and selective recompute), nor with context parallelism (its attention's ring and all-to-all are Cells
-    whose backward a trace would not call), nor with --use-ascend-coc (its linears are Cells too, and
-    wait on collectives in flight, which a graph cannot hold), nor with pipeline parallelism (its
-stages run under mindspore.vjp between exchanges). TP (its collectives carry their gradient as primitives,
-    comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
+    full and selective recompute), nor with context parallelism (its attention's ring and all-to-all
+    are Cells whose backward a trace would not call), nor with --use-ascend-coc (its linears are Cells
+    too, and wait on collectives in flight, which a graph cannot hold), nor with pipeline parallelism
+    (its stages run under mindspore.vjp between exchanges). TP (its collectives carry their gradient
+    as primitives, comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
     if os.environ.get("MINDSPEED_MS_PYNATIVE") == "1":      # debugging: op by op
         return False
     return not (swap or cfg.recompute or cfg.recompute_core_attention or cfg.recompute_norm_layers
