@@ -56,7 +56,8 @@ def option(option_id: str, flags: tuple, is_on: Callable, description: str, unsu
 
 option("mixed-precision", (host("--bf16", False), host("--fp16", False)),
        lambda a: a.bf16 or a.fp16, "bf16/fp16 training with fp32 master weights",
-       {"mindspore": f"{MS} trains in fp32 (MindSpore's CPU kernels have no bf16 matmul here)"},
+       {"mindspore": f"{MS} trains in fp32 (MindSpore's CPU kernels have no bf16 matmul; fp16's "
+                    "work, but the trainer has no loss-scaled fp16 path with fp32 master weights yet)"},
        f"drop --bf16/--fp16, or {TORCH}", ("--bf16",))
 option("sgd-optimizer", (host("--optimizer", "adam"), host("--sgd-momentum", 0.9)), lambda a: a.optimizer != "adam",
        "Megatron's SGD optimizer (momentum, L2 weight decay) instead of Adam", {}, "",
