@@ -73,6 +73,25 @@ def test_mindspore_trainer_runs_without_torch_or_megatron():
     assert "iteration        1/       1" in r.stdout and "lm loss:" in r.stdout
 
 
+_POOL_SIZED = (
+    "from mindspeed.backends.mindspore.backend import MindSporeBackend\n"
+    "from mindspore.device_context.cpu import op_tuning\n"
+    "MindSporeBackend('cpu')\n"
+    "try:\n    op_tuning.threads_num(2)\n    print('UNSET')\n"
+    "except RuntimeError as e:\n    print('SET' if 'repeatedly' in str(e) else e)\n")
+
+
+@pytest.mark.parametrize("omp, expected", [("1", "SET"), ("", "UNSET")])
+def test_omp_num_threads_sizes_mindspores_cpu_kernel_pool(monkeypatch, omp, expected):
+    """The launch scripts' OMP_NUM_THREADS=1 (one compute thread per process) sizes MindSpore's CPU
+    kernel pool too, which does not read it: MindSpore allows one setting per process, so a second
+    one is refused once the backend has made it. Without the variable MindSpore keeps its own."""
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    r = _python(_POOL_SIZED)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == expected
+
+
 # -- MSAdapter detection ------------------------------------------------------------------------------
 def _fake_msadapter(tmp_path):
     """An MSAdapter-style checkout: MSAdapter/mindtorch/torch/__init__.py built on MindSpore."""

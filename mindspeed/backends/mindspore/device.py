@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 
 import mindspore as ms
 
@@ -27,6 +28,8 @@ class MsDevice(DeviceAPI):
         except RuntimeError:   # fixed once per process: a second backend object on the same device is fine
             if ms.get_context("device_target") != target:
                 raise
+        if name == "cpu":
+            _size_cpu_kernel_pool()
 
     def synchronize(self) -> None:
         ms.runtime.synchronize()
@@ -46,3 +49,17 @@ class MsDevice(DeviceAPI):
         ms_seed._KERNEL_SEED.update(copy.deepcopy(state["op_seeds"]))  # pylint: disable=protected-access
         if self.name != "cpu":    # the CPU generator's set_state kernel is not registered in 2.10
             ms.set_rng_state(state["generator"])
+
+
+def _size_cpu_kernel_pool() -> None:
+    """OMP_NUM_THREADS (the launch scripts set 1: one compute thread per process) also sizes
+    MindSpore's CPU kernel thread pool, which does not read it: otherwise every msrun worker runs a
+    pool of its own default size on the same cores."""
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if not wanted.isdigit() or int(wanted) < 1:
+        return
+    from mindspore.device_context.cpu import op_tuning
+    try:
+        op_tuning.threads_num(int(wanted))
+    except RuntimeError:      # set once per process: a second backend object keeps the first setting
+        pass
