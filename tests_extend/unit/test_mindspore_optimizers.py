@@ -1,5 +1,5 @@
-"""The MindSpore trainer's --optimizer sgd (MindSpore's own SGD) against torch.optim.SGD with
-Megatron's groups, its momentum saved and loaded, a checkpoint of the other optimizer refused in
+"""The MindSpore trainer's optimizers (MindSpore's own AdamW and SGD) against torch.optim.AdamW /
+SGD with Megatron's groups, their state saved and loaded, a checkpoint of the other optimizer refused in
 one line; and its learning-rate schedule against Megatron-Core's own OptimizerParamScheduler for
 every --lr-decay-style (each WSD decay style included)."""
 import numpy as np
@@ -19,25 +19,22 @@ def _model():
     return Model
 
 
-def test_the_trainers_sgd_matches_torch_sgd_and_round_trips_its_momentum():
-    """Momentum 0.9, L2 decay 0.5 on the matrix only, the lr changing every step; the momentum
-    buffers saved after step 2 and loaded into a fresh optimizer continue the same updates."""
-    pytest.importorskip("mindspore")
+def _matches_torch(make, torch_class, steps: int = 5, **torch_kwargs):
+    """The trainer's optimizer (`make(model)`) against `torch_class` with Megatron's groups (decay 0.5
+    on the matrix only), the lr changing every step; its state saved after step 2 and loaded into a
+    fresh optimizer continues the same updates. Returns the state it saved."""
     import torch
-
-    from mindspeed.training.mindspore.optimizer import SGD
     model = _model()
     rng = np.random.RandomState(1)
     ref = {n: torch.nn.Parameter(torch.tensor(p.asnumpy())) for n, p in model.params.items()}
-    opt = SGD(model, momentum=0.9, weight_decay=0.5)
-    torch_opt = torch.optim.SGD([{"params": [ref["fc.weight"]], "weight_decay": 0.5},
-                                 {"params": [ref["fc.bias"], ref["norm.weight"]], "weight_decay": 0.0}],
-                                lr=0.0, momentum=0.9)
-    for step in range(5):
+    opt = make(model)
+    torch_opt = torch_class([{"params": [ref["fc.weight"]], "weight_decay": 0.5},
+                             {"params": [ref["fc.bias"], ref["norm.weight"]], "weight_decay": 0.0}],
+                            lr=0.0, **torch_kwargs)
+    for step in range(steps):
         if step == 2:
             saved = opt.state_arrays()
-            assert sorted(saved) == sorted(f"momentum_buffer/{n}" for n in SHAPES)
-            opt = SGD(model, momentum=0.9, weight_decay=0.5)
+            opt = make(model)
             opt.load_state_arrays(saved, 2)
         lr = 0.05 * (step + 1)
         grads = {n: rng.randn(*s).astype(np.float32) for n, s in SHAPES.items()}
@@ -49,7 +46,29 @@ def test_the_trainers_sgd_matches_torch_sgd_and_round_trips_its_momentum():
         torch_opt.step()
         for n, p in ref.items():
             np.testing.assert_allclose(model.params[n].asnumpy(), p.detach().numpy(), rtol=0, atol=1e-6, err_msg=n)
-    assert opt.step_count == 5
+    assert opt.step_count == steps
+    return saved
+
+
+def test_the_trainers_sgd_matches_torch_sgd_and_round_trips_its_momentum():
+    """Momentum 0.9 and L2 decay (Megatron-Core's torch.optim.SGD); the momentum buffers round-trip."""
+    pytest.importorskip("mindspore")
+    import torch
+
+    from mindspeed.training.mindspore.optimizer import SGD
+    saved = _matches_torch(lambda m: SGD(m, momentum=0.9, weight_decay=0.5), torch.optim.SGD, momentum=0.9)
+    assert sorted(saved) == sorted(f"momentum_buffer/{n}" for n in SHAPES)
+
+
+def test_the_trainers_adam_matches_torch_adamw_and_round_trips_its_state():
+    """MindSpore's own AdamW is torch.optim.AdamW (Megatron's Adam); its moments and step count round-trip."""
+    pytest.importorskip("mindspore")
+    import torch
+
+    from mindspeed.training.mindspore.optimizer import Adam
+    saved = _matches_torch(lambda m: Adam(m, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.5), torch.optim.AdamW,
+                           steps=4, betas=(0.9, 0.95), eps=1e-8)
+    assert sorted(saved) == sorted(f"{k}/{n}" for k in ("exp_avg", "exp_avg_sq") for n in SHAPES)
 
 
 def test_an_optimizer_state_of_the_other_kind_is_refused_in_one_line():
