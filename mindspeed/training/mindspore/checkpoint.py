@@ -38,11 +38,9 @@ def _gather_pp(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
     if getattr(ps, "pp_size", 1) == 1:
         return dict(arrays)
     import mindspore as ms
-    from mindspeed.training.mindspore.parallel import ParallelState
     out = {}
     for stage in range(ps.pp_size):
-        shapes = type(model).stage_shapes(model.cfg, ParallelState(1, 1, 0, 0, None, None, pp_size=ps.pp_size,
-                                                                     pp_rank=stage))
+        shapes = type(model).stage_shapes(model.cfg, stage, ps.pp_size)
         keys = [(pre + n, s) for pre in prefixes for n, s in shapes.items()]
         if stage == ps.pp_rank:
             flat = ms.Tensor(np.concatenate([arrays[k].reshape(-1) for k, _ in keys]).astype(np.float32))

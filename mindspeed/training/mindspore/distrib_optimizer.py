@@ -29,12 +29,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from mindspeed.training.mindspore.optimizer import _clipped, _flatten, _fp64_sum_over, _tensor, build_optimizer
-
-
-def decays(name: str, shape) -> bool:
-    """Megatron-Core's default param groups (as optimizer._MegatronGroups): no decay on 1-D params and biases."""
-    return len(shape) > 1 and not name.endswith(".bias")
+from mindspeed.training.mindspore.optimizer import (_clipped, _flatten, _tensor, build_optimizer, decays,
+                                                    sum_of_squares_over_ranks)
 
 
 class FlatLayout:
@@ -123,11 +119,7 @@ class DistributedOptimizer:
         mine = self.comm.reduce_scatter(flat, 0, ps.dp_group)
         if ps.dp_size > 1:
             mine = mine / ps.dp_size                # the DP mean, as reduce_gradients' "avg"
-        sq = _masked_sum_of_squares(mine, self._counted)
-        for size, group in ((ps.dp_size, ps.dp_group), (ps.tp_size, ps.tp_group),
-                            (getattr(ps, "pp_size", 1), getattr(ps, "pp_group", None))):
-            if size > 1:
-                sq = _fp64_sum_over(self.comm, sq, group)
+        sq = sum_of_squares_over_ranks(self.comm, ps, _masked_sum_of_squares(mine, self._counted), over_dp=True)
         if max_norm and max_norm > 0:
             (mine,) = _clipped(ms.mutable((mine,)), sq, ms.Tensor(max_norm, ms.float64))
         weights = self._flat_params()

@@ -228,17 +228,17 @@ class GPTModel:
 
     def owned_shapes(self) -> dict:
         """The whole shapes of the parameters this pipeline stage holds (all of them without PP)."""
-        return self.stage_shapes(self.cfg, self.ps)
+        return self.stage_shapes(self.cfg, self.ps.pp_rank, self.ps.pp_size)
 
     @staticmethod
-    def stage_shapes(cfg: GPTConfig, ps: ParallelState) -> dict:
-        """The whole shapes of the parameters pipeline stage ps.pp_rank holds."""
-        layers = cfg.stage_layers(ps.pp_rank)
+    def stage_shapes(cfg: GPTConfig, pp_rank: int, pp_size: int) -> dict:
+        """The whole shapes of the parameters pipeline stage pp_rank (of pp_size) holds."""
+        layers = cfg.stage_layers(pp_rank)
 
         def on_stage(name):
             if name.startswith("decoder.layers."):
                 return int(name.split(".")[2]) in layers
-            return ps.first_stage if name.startswith("embedding.") else ps.last_stage   # norm, output layer
+            return pp_rank == 0 if name.startswith("embedding.") else pp_rank == pp_size - 1   # norm, output layer
         return {n: s for n, s in cfg.full_shapes().items() if on_stage(n)}
 
     def parameters(self) -> list:

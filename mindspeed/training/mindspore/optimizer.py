@@ -22,6 +22,11 @@ from mindspore.experimental.optim import SGD as MsSGD
 from mindspore.experimental.optim import AdamW
 
 
+def decays(name: str, shape) -> bool:
+    """Megatron-Core's default param groups: weight decay on matrices, none on 1-D params and biases."""
+    return len(shape) > 1 and not name.endswith(".bias")
+
+
 def _quiet_constant_tuple_warning() -> None:
     """The optimizers' construct slices the gradients into a tuple per group, and MindSpore's first
     compile warns about it with every gradient value printed (no recompile follows: measured); drop that one."""
@@ -59,7 +64,7 @@ class _MegatronGroups:
         self.step_count = 0
 
     def decays(self, name: str) -> bool:
-        return len(self.model.params[name].shape) > 1 and not name.endswith(".bias")
+        return decays(name, self.model.params[name].shape)
 
     def step(self, grads: dict, lr: float) -> None:
         """grads: MindSpore tensors (or numpy arrays) by parameter name."""
@@ -219,15 +224,24 @@ def _fp64_sum_over(comm, value, group):
     return comm.all_gather(ops.stack([high, low]), 0, group).astype(ms.float64).sum()
 
 
+def sum_of_squares_over_ranks(comm, ps, sq, over_dp: bool = False):
+    """This rank's squared gradient norm summed with the ranks holding the other parts: DP slices
+    (over_dp: the distributed optimizer's), TP ranks (replicated weights counted on TP rank 0 only)
+    and pipeline stages (disjoint parameters)."""
+    groups = ([(ps.dp_size, ps.dp_group)] if over_dp else []) + [
+        (ps.tp_size, ps.tp_group), (getattr(ps, "pp_size", 1), getattr(ps, "pp_group", None))]
+    for size, group in groups:
+        if size > 1:
+            sq = _fp64_sum_over(comm, sq, group)
+    return sq
+
+
 def clip_gradients(backend, ps, model, grads: dict, max_norm: float):
     """Gradients scaled to global norm <= max_norm -> (grads, the norm before clipping as a 0-d
     fp64 tensor): no host synchronisation, the update can be launched right after."""
     counted = [g for n, g in grads.items() if model.is_tp_sharded(n) or ps.tp_rank == 0]
     sq = _sum_of_squares(ms.mutable(tuple(counted))) if counted else ms.Tensor(0.0, ms.float64)
-    if ps.tp_size > 1:
-        sq = _fp64_sum_over(backend.comm, sq, ps.tp_group)
-    if getattr(ps, "pp_size", 1) > 1:    # the stages hold disjoint parameters: each counted once
-        sq = _fp64_sum_over(backend.comm, sq, ps.pp_group)
+    sq = sum_of_squares_over_ranks(backend.comm, ps, sq)
     if max_norm and max_norm > 0:
         clipped = _clipped(ms.mutable(tuple(grads.values())), sq, ms.Tensor(max_norm, ms.float64))
         grads = dict(zip(grads, clipped))

@@ -131,10 +131,11 @@ class Trainer:
         n = len(micro_batches)
         if self.pipeline is not None:
             grads, losses = self.pipeline.train(micro_batches)
-        for mb in micro_batches if self.pipeline is None else ():
-            loss, g = self._grad_fn(*self._inputs(mb))
-            losses.append(loss)
-            grads = accumulate(grads, g, n)
+        else:
+            for mb in micro_batches:
+                loss, g = self._grad_fn(*self._inputs(mb))
+                losses.append(loss)
+                grads = accumulate(grads, g, n)
         lr = self.lr_at(iteration - 1)
         grads = reduce_gradients(self.backend, self.ps, self.model, dict(zip(names, grads)),
                                  over_dp=not self.distributed_optimizer)
