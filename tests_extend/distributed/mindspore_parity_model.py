@@ -1,5 +1,5 @@
 """Model variants of the parity experiment (mindspore_parity.py): GELU MLP, LayerNorm, learned or no
-position embeddings, each as Megatron-Core's GPTModel keywords and as the trainer's flags; and the
+position embeddings, multi-head attention (as many query groups as heads), each as Megatron-Core's GPTModel keywords and as the trainer's flags; and the
 recompute variants (selective, uniform groups, block), which keep the default model.
 
 One torch harness process trains every variant in turn (each writes its own initial checkpoint)."""
@@ -24,6 +24,8 @@ MODEL_CASES = {
     "learned_positions": (dict(position_embedding_type="learned_absolute"),
                           ("--position-embedding-type", "learned_absolute"), SHORT_STEPS),
     "no_positions": (dict(position_embedding_type="none"), ("--position-embedding-type", "none"), SHORT_STEPS),
+    # one query head per group: q/k/v come out of one equal three-way split (model._attention)
+    "multi_head": (dict(num_query_groups=mp.HEADS), ("--num-query-groups", str(mp.HEADS)), SHORT_STEPS),
 }
 
 RECOMPUTE_CASES = {

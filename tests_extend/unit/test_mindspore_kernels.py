@@ -106,6 +106,15 @@ def test_attention_gqa_mask_band_alibi(kernels):
              [q, k, v, mask, alibi], grad_of=(0, 1, 2), n_outputs=3)
 
 
+def test_attention_band_with_rows_that_see_no_key(kernels):
+    """Row 0 sees no key (next_tokens -1): its output is 0, not the NaN a softmax over nothing gives;
+    the other rows take the softmax-kernel path's numbers (causal layouts above)."""
+    q, k, v = _qkv("BNSD", seed=7)
+    kw = dict(layout="BNSD", head_num=4, pre_tokens=2, next_tokens=-1)
+    _compare(lambda a, b, c: torch_ref.attention(a, b, c, **kw), lambda a, b, c: kernels.attention(a, b, c, **kw),
+             [q, k, v], grad_of=(0, 1, 2), n_outputs=3)
+
+
 def test_attention_tnd(kernels):
     r = _rng(6)
     q, k, v = (r.standard_normal((10, 2, 8)).astype(np.float32) for _ in range(3))

@@ -29,6 +29,9 @@ from mindspeed.training.mindspore.parallel import ParallelState, stage_layer_cou
 from mindspeed.training.mindspore.recompute_plan import layer_chunks
 
 
+_THIRDS = ops.Split(axis=-1, output_num=3)
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     num_layers: int
@@ -303,7 +306,9 @@ class GPTModel:
         s, b = qkv.shape[0], qkv.shape[1]
         d, per_group = cfg.kv_channels, self.heads_local // self.groups_local
         qkv = qkv.reshape(s, b, self.groups_local, (per_group + 2) * d)
-        q, k, v = ops.split(qkv, [per_group * d, d, d], axis=-1)
+        # one query head per group: equal thirds, MindSpore's Split kernel (ops.split lowers to three
+        # StridedSlice on CPU: measured 22 against 16 ms fwd+bwd at [128, 16, 4, 96])
+        q, k, v = _THIRDS(qkv) if per_group == 1 else ops.split(qkv, [per_group * d, d, d], axis=-1)
         if cfg.position_embedding_type == "rope":
             cos, sin = self._rope_at(s, positions)
             q = rope(q.reshape(s, b, self.heads_local, d), cos, sin, 0)

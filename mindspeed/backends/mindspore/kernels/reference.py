@@ -79,12 +79,21 @@ def band_mask(sq: int, skv: int, *, causal: bool, pre_tokens: int, next_tokens: 
 
 
 @functools.lru_cache(maxsize=64)
-def _band_mask_cached(sq, skv, causal, pre_tokens, next_tokens):
+def _band_mask_numpy(sq, skv, causal, pre_tokens, next_tokens):
     # built once per shape in numpy: every layer of every step asks for the same mask
     i = np.arange(sq).reshape(sq, 1)
     j = np.arange(skv).reshape(1, skv)
     nxt = min(next_tokens, 0) if causal else next_tokens
-    return ms.Tensor((j > i + nxt) | (j < i - pre_tokens))
+    return (j > i + nxt) | (j < i - pre_tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def _band_mask_cached(sq, skv, causal, pre_tokens, next_tokens):
+    return ms.Tensor(_band_mask_numpy(sq, skv, causal, pre_tokens, next_tokens))
+
+
+def _every_row_sees_a_key(sq, skv, causal, pre_tokens, next_tokens) -> bool:
+    return not _band_mask_numpy(sq, skv, causal, pre_tokens, next_tokens).all(axis=-1).any()
 
 
 def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dropout_p, alibi):
@@ -108,7 +117,15 @@ def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dr
     shift = ops.where(ops.isinf(row_max), ops.zeros_like(row_max), row_max)
     p = ops.exp(scores - shift)
     row_sum = p.sum(-1, keepdims=True)
-    probs = p / ops.where(row_sum == 0, ops.ones_like(row_sum), row_sum)
+    if mask is None and _every_row_sees_a_key(sq, skv, causal, pre_tokens, next_tokens):
+        # MindSpore's softmax kernel and its gradient: on CPU half the time of exp / sum / divide
+        # with their backward (measured fwd+bwd, [16, 4, 128, 128]: 24 ms against 52 ms). The
+        # statistics above are then used only by callers that merge partial results (ring
+        # attention); a traced graph that ignores them drops them. A row with every key masked
+        # (a user mask, a band or ring block) keeps the divide: it must come out 0, not NaN.
+        probs = ops.softmax(scores, -1)
+    else:
+        probs = p / ops.where(row_sum == 0, ops.ones_like(row_sum), row_sum)
     if dropout_p > 0:
         probs = ops.dropout(probs, p=dropout_p)
     out = _BMM(probs, _wide(v)).astype(q.dtype)
