@@ -44,13 +44,9 @@ def main(argv=None) -> int:
     mp.VOCAB, mp.SEQ, mp.MBS, mp.STEPS = a.vocab, a.seq, a.mbs, 1000
 
     model = mp.build_torch_model(1)
-    params = list(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [q for _, q in params if q.dim() > 1], "weight_decay": 0.1},
-                             {"params": [q for _, q in params if q.dim() <= 1], "weight_decay": 0.0}], lr=1e-3)
+    opt = mp.megatron_adamw(model.parameters())
     ckpt = tempfile.mkdtemp()
-    from mindspeed.training.mindspore import neutral_format as nf
-    nf.save(ckpt, 0, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
-                      if torch.is_tensor(v) and v.is_floating_point() and not k.endswith("_extra_state")})
+    mp.save_torch_init(model, ckpt)
 
     from mindspeed.backends.mindspore.backend import MindSporeBackend
     from mindspeed.training.arguments import parse_args

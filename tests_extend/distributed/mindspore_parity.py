@@ -115,6 +115,32 @@ def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNor
                     share_embeddings_and_output_weights=False)
 
 
+def save_torch_init(model, ckpt: str) -> None:
+    """The torch model's initial weights as the neutral checkpoint both sides start from."""
+    import torch
+    nf.save(ckpt, 0, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
+                      if torch.is_tensor(v) and not k.endswith("_extra_state") and v.is_floating_point()},
+            meta={"backend": "torch"})
+
+
+def megatron_adamw(params):
+    """torch.optim.AdamW over Megatron-Core's default param groups (no weight decay on 1-D
+    parameters: norms, biases) with OPT's settings; the lr is set per step."""
+    import torch
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": OPT["weight_decay"]},
+                              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                             lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"])
+
+
+def clip_like_megatron(params, norm: float, max_norm: float = OPT["clip"]) -> None:
+    """Megatron's clipping: gradients scaled by max_norm / (norm + 1e-6) when that is below 1."""
+    coeff = max_norm / (norm + 1e-6)
+    if coeff < 1.0:
+        for p in params:
+            p.grad.mul_(coeff)
+
+
 def _torch_loss(model, step):
     import torch
     tokens, labels, mask = (torch.from_numpy(a.astype(np.int64) if a.dtype != np.float32 else a) for a in batch(step))
@@ -147,15 +173,11 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, mod
     model = build_torch_model(tp, **model_kw)
     if save_init:
         assert tp == 1
-        arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
-                  if torch.is_tensor(v) and not k.endswith("_extra_state") and v.is_floating_point()}
-        nf.save(init_ckpt, 0, arrays, meta={"backend": "torch"})
+        save_torch_init(model, init_ckpt)
     else:
         load_into_torch(model, init_ckpt, tp_rank, tp, gated)
     params = list(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() > 1], "weight_decay": OPT["weight_decay"]},
-                             {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}],
-                            lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"])
+    opt = megatron_adamw(p for _, p in params)
     losses, norms = [], []
     for step in range(steps):
         for group in opt.param_groups:
@@ -168,10 +190,7 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, mod
         sq_t = torch.tensor([sq], dtype=torch.float64)
         torch.distributed.all_reduce(sq_t, group=tp_group)
         norms.append(float(sq_t.sqrt()))
-        coeff = OPT["clip"] / (norms[-1] + 1e-6)
-        if coeff < 1.0:
-            for _, p in params:
-                p.grad.mul_(coeff)
+        clip_like_megatron([p for _, p in params], norms[-1])
         opt.step()
         losses.append(loss.item())
     result = {"losses": losses, "grad_norms": norms}

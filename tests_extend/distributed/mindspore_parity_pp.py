@@ -63,16 +63,11 @@ def torch_train_accumulated(rank, world_size, init_ckpt):
     import mindspeed
     mindspeed.adapt([])
     from tests_extend import megatron_tiny
-    from mindspeed.training.mindspore import neutral_format as nf
     megatron_tiny.init_parallel(tp=1)
     model = mp.build_torch_model(1)
-    arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
-              if torch.is_tensor(v) and not k.endswith("_extra_state") and v.is_floating_point()}
-    nf.save(init_ckpt, 0, arrays, meta={"backend": "torch"})
+    mp.save_torch_init(model, init_ckpt)
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": mp.OPT["weight_decay"]},
-                             {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
-                            lr=mp.OPT["lr"], betas=mp.OPT["betas"], eps=mp.OPT["eps"])
+    opt = mp.megatron_adamw(params)
     position_ids = torch.arange(mp.SEQ).unsqueeze(0).expand(mp.MBS, -1)
     losses, norms = [], []
     for step in range(mp.STEPS):
@@ -87,10 +82,7 @@ def torch_train_accumulated(rank, world_size, init_ckpt):
             (loss / MICRO).backward()          # Megatron's schedule divides by the micro-batch count
             total += loss.item() / MICRO
         norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in params)))
-        coeff = mp.OPT["clip"] / (norm + 1e-6)
-        if coeff < 1.0:
-            for p in params:
-                p.grad.mul_(coeff)
+        mp.clip_like_megatron(params, norm)
         opt.step()
         losses.append(total)
         norms.append(norm)

@@ -76,9 +76,7 @@ def torch_train_dp(rank, world_size, init_ckpt):
     model = mp.build_torch_model(1)
     mp.load_into_torch(model, init_ckpt, 0, 1)
     params = [p for _, p in model.named_parameters()]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": mp.OPT["weight_decay"]},
-                             {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
-                            lr=mp.OPT["lr"], betas=mp.OPT["betas"], eps=mp.OPT["eps"])
+    opt = mp.megatron_adamw(params)
     losses, norms = [], []
     for step in range(mp.STEPS):
         for group in opt.param_groups:
@@ -90,10 +88,7 @@ def torch_train_dp(rank, world_size, init_ckpt):
             torch.distributed.all_reduce(p.grad, group=dp_group)
             p.grad.div_(dp)
         norms.append(float(sum(p.grad.double().square().sum() for p in params).sqrt()))
-        coeff = mp.OPT["clip"] / (norms[-1] + 1e-6)
-        if coeff < 1.0:
-            for p in params:
-                p.grad.mul_(coeff)
+        mp.clip_like_megatron(params, norms[-1])
         opt.step()
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean, group=dp_group)

@@ -84,13 +84,10 @@ def torch_train(rank, world_size, init_ckpt):
     mindspeed.adapt([])
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from mindspeed.training.mindspore import neutral_format as nf
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=1)
     model = mp.build_torch_model(1)
-    nf.save(init_ckpt, 0, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
-                           if torch.is_tensor(v) and not k.endswith("_extra_state") and v.is_floating_point()},
-            meta={"backend": "torch"})
+    mp.save_torch_init(model, init_ckpt)
     config = OptimizerConfig(optimizer="sgd", lr=SGD["lr"], min_lr=SGD["min_lr"], weight_decay=SGD["weight_decay"],
                              sgd_momentum=SGD["momentum"], clip_grad=mp.OPT["clip"])
     # what get_megatron_optimizer builds for --optimizer sgd (its fp32, non-distributed branch)
@@ -108,10 +105,7 @@ def torch_train(rank, world_size, init_ckpt):
         loss = mp._torch_loss(model, step)
         loss.backward()
         norms.append(float(np.sqrt(sum(float(p.grad.double().square().sum()) for p in params))))
-        coeff = mp.OPT["clip"] / (norms[-1] + 1e-6)
-        if coeff < 1.0:
-            for p in params:
-                p.grad.mul_(coeff)
+        mp.clip_like_megatron(params, norms[-1])
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         scheduler.step(1)
