@@ -115,6 +115,9 @@ def _mindspore_whole_sequence_only(what: str):
     def validate(self, args) -> None:
         if getattr(args, "backend", None) != "mindspore" or not self.enabled(args):
             return
+        if self.id == "eod-reset" and getattr(args, "neat_pack", False):
+            raise FeatureConfigError(f"--neat-pack: {MS} separates documents by end-of-document tokens only "
+                                     f"(not by neat-packed sample numbers); preprocess without --neat-pack, or {TORCH}")
         if (getattr(args, "context_parallel_size", 1) or 1) > 1:
             raise FeatureConfigError(f"{self.trigger(args)} with --context-parallel-size > 1: {MS}'s "
                                      f"context-parallel attention takes no {what}; drop one, or {TORCH}")
