@@ -89,10 +89,9 @@ option("layernorm", (host("--normalization", "RMSNorm"),), lambda a: a.normaliza
        "LayerNorm instead of RMSNorm", {}, "", ("--normalization", "LayerNorm"))
 option("gelu-mlp", (host("--no-swiglu", True, dest="swiglu"),), lambda a: not a.swiglu,
        "GELU MLP instead of SwiGLU", {}, "", ("--no-swiglu",))
-option("dropout", (host("--hidden-dropout", 0.0), host("--attention-dropout", 0.0)),
+Dropout = option("dropout", (host("--hidden-dropout", 0.0), host("--attention-dropout", 0.0)),
        lambda a: bool(a.hidden_dropout or a.attention_dropout), "dropout in attention and after layers",
-       {"mindspore": f"{MS}'s GPT has no dropout layers"}, f"--hidden-dropout 0 --attention-dropout 0, or {TORCH}",
-       ("--hidden-dropout", "0.1"))
+       {}, "", ("--hidden-dropout", "0.1", "--attention-dropout", "0.1"))
 option("learned-position-embedding", (host("--position-embedding-type", "rope"),),
        lambda a: a.position_embedding_type != "rope", "learned absolute (or no) position embeddings", {}, "",
        ("--position-embedding-type", "learned_absolute"))
@@ -102,16 +101,34 @@ option("batch-size-rampup", (host("--rampup-batch-size"),), lambda a: bool(a.ram
 option("data-blend", (host("--data-path"),), lambda a: len(a.data_path or []) > 1,
        "a weighted blend of several datasets", {"mindspore": f"{MS} reads one dataset prefix"},
        f"merge the data into one dataset, or {TORCH}", ("--data-path", "1", "DATA", "1", "DATA", "--split", "90,5,5"))
-option("eod-reset", (host("--reset-position-ids", False), host("--reset-attention-mask", False)),
+EodReset = option("eod-reset", (host("--reset-position-ids", False), host("--reset-attention-mask", False)),
        lambda a: a.reset_position_ids or a.reset_attention_mask,
        "packed documents: positions and attention restart after each end-of-document token (flash "
-       "attention and CP: per-document lengths, TND, no [s, s] mask)",
-       {"mindspore": f"{MS} feeds whole sequences (no per-document positions or masks yet)"},
-       TORCH, ("--reset-position-ids", "--reset-attention-mask"))
+       "attention and CP: per-document lengths, TND, no [s, s] mask; MindSpore: a dense [s, s] mask)",
+       {}, "", ("--reset-position-ids", "--reset-attention-mask"))
 option("eod-mask-loss", (host("--eod-mask-loss", False),), lambda a: a.eod_mask_loss,
-       "no loss on end-of-document tokens",
-       {"mindspore": f"{MS}'s data pipeline has no end-of-document token id to mask"}, TORCH,
-       ("--eod-mask-loss",))
+       "no loss on end-of-document tokens", {}, "", ("--eod-mask-loss",))
+
+
+def _mindspore_whole_sequence_only(what: str):
+    """validate: on the MindSpore trainer, `what` runs without context or pipeline parallelism only."""
+    def validate(self, args) -> None:
+        if getattr(args, "backend", None) != "mindspore" or not self.enabled(args):
+            return
+        if self.id == "eod-reset" and getattr(args, "neat_pack", False):
+            raise FeatureConfigError(f"--neat-pack: {MS} separates documents by end-of-document tokens only "
+                                     f"(not by neat-packed sample numbers); preprocess without --neat-pack, or {TORCH}")
+        if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+            raise FeatureConfigError(f"{self.trigger(args)} with --context-parallel-size > 1: {MS}'s "
+                                     f"context-parallel attention takes no {what}; drop one, or {TORCH}")
+        if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+            raise FeatureConfigError(f"{self.trigger(args)} with --pipeline-model-parallel-size > 1: {MS}'s "
+                                     f"pipeline stages exchange no {what}; drop one, or {TORCH}")
+    return validate
+
+
+Dropout.validate = _mindspore_whole_sequence_only("dropout masks")
+EodReset.validate = _mindspore_whole_sequence_only("document mask or positions")
 option("overlap-grad-reduce", (host("--overlap-grad-reduce", False),), lambda a: a.overlap_grad_reduce,
        "gradient all-reduce in buckets, overlapped with the backward pass",
        {"mindspore": f"{MS} reduces gradients after the backward pass (MindSpore's grad function "

@@ -45,10 +45,10 @@ def trainer_argv(tp: int, sp: bool = False) -> list:
 
 # -- mindspore side ------------------------------------------------------------------------------
 def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = None, steps: int = STEPS,
-             cp: int = 1, cp_algo: str | None = None, extra: tuple = ()) -> dict:
+             cp: int = 1, cp_algo: str | None = None, extra: tuple = (), batch_fn=None) -> dict:
     """Load the initial weights, train `steps` steps on batch(step); optionally save the result.
     cp > 1 runs the context-parallel feature, `extra` flags their features (adapted through
-    mindspeed.adapt, as the trainer does)."""
+    mindspeed.adapt, as the trainer does). batch_fn(step): the micro-batch dict instead of batch(step)."""
     import mindspeed
     from mindspeed.backends import get_backend
     from mindspeed.training.arguments import parse_args
@@ -65,13 +65,18 @@ def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = 
         mindspeed.adapt(args)
         backend = get_backend()
     try:
-        return _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps)
+        return _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn)
     finally:
         if adapt:
             mindspeed.unadapt()
 
 
-def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps):
+def _as_micro_batch(step):
+    tokens, labels, mask = batch(step)
+    return {"tokens": tokens, "labels": labels, "loss_mask": mask}
+
+
+def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=None):
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
@@ -81,14 +86,13 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps):
     if init_ckpt:      # else the trainer's own initialisation (TP-independent, from --seed)
         checkpoint.load(init_ckpt, trainer.model)
     losses, norms = [], []
+    batch_fn = batch_fn or _as_micro_batch
     for step in range(steps):
-        tokens, labels, mask = batch(step)
-        loss, norm, lr = trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)
+        loss, norm, lr = trainer.train_step([batch_fn(step)], step + 1)
         assert abs(lr - lr_at(step)) < 1e-12
         losses.append(loss)
         norms.append(norm)
-    tokens, labels, mask = batch(EVAL_SEED)
-    eval_loss = trainer.evaluate([{"tokens": tokens, "labels": labels, "loss_mask": mask}])
+    eval_loss = trainer.evaluate([batch_fn(EVAL_SEED)])
     if save_dir:
         checkpoint.save(backend, ps, save_dir, STEPS, trainer.model, trainer.optimizer, {"backend": "mindspore"})
     return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode}
@@ -141,11 +145,19 @@ def clip_like_megatron(params, norm: float, max_norm: float = OPT["clip"]) -> No
             p.grad.mul_(coeff)
 
 
-def _torch_loss(model, step):
+def _torch_loss(model, step, batch_fn=None):
+    """batch_fn(step): torch tensors tokens, labels, loss_mask, position_ids, attention_mask
+    (None: batch(step) with plain positions and the causal mask)."""
     import torch
-    tokens, labels, mask = (torch.from_numpy(a.astype(np.int64) if a.dtype != np.float32 else a) for a in batch(step))
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, -1)
-    per_token = model(tokens, position_ids, None, labels=labels)          # [b, s]
+    if batch_fn is not None:
+        mb = batch_fn(step)
+        tokens, labels, mask, position_ids, attention_mask = (mb[k] for k in ("tokens", "labels", "loss_mask",
+                                                                               "position_ids", "attention_mask"))
+    else:
+        tokens, labels, mask = (torch.from_numpy(a.astype(np.int64) if a.dtype != np.float32 else a)
+                                for a in batch(step))
+        position_ids, attention_mask = torch.arange(SEQ).unsqueeze(0).expand(MBS, -1), None
+    per_token = model(tokens, position_ids, attention_mask, labels=labels)          # [b, s]
     return (per_token * mask).sum() / mask.sum()
 
 
@@ -158,9 +170,10 @@ def load_into_torch(model, ckpt, tp_rank, tp, gated: bool = True):
     assert all(k.endswith("_extra_state") for k in missing), missing
 
 
-def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, model_kw=None, steps=STEPS):
+def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, model_kw=None, steps=STEPS,
+                batch_fn=None):
     """Harness body: train `steps` steps; with save_init, first write the initial weights.
-    model_kw: build_torch_model's keywords (the model variant)."""
+    model_kw: build_torch_model's keywords (the model variant); batch_fn: _torch_loss's."""
     import torch
     import mindspeed
     mindspeed.adapt([])
@@ -183,7 +196,7 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, mod
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         opt.zero_grad()
-        loss = _torch_loss(model, step)
+        loss = _torch_loss(model, step, batch_fn)
         loss.backward()
         sq = sum(float(p.grad.double().square().sum()) for _, p in params
                  if getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
@@ -198,5 +211,5 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, mod
         fresh = build_torch_model(tp, **model_kw)
         load_into_torch(fresh, other_ckpt, tp_rank, tp, gated)
         with torch.no_grad():
-            result["eval_loss_of_other"] = _torch_loss(fresh, EVAL_SEED).item()
+            result["eval_loss_of_other"] = _torch_loss(fresh, EVAL_SEED, batch_fn).item()
     return result

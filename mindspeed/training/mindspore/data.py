@@ -126,21 +126,37 @@ class SampleStream:
         return {"tokens": row[:-1], "labels": row[1:], "loss_mask": np.ones(self.seq_length, np.float32)}
 
 
-def micro_batch(stream, first_sample: int, mbs: int, eod_mask: int | None = None) -> dict:
-    """`mbs` consecutive examples of a stream (SampleStream, or instruction_data.InstructionSamples)."""
+def micro_batch(stream, first_sample: int, mbs: int, eod_rules=None) -> dict:
+    """`mbs` consecutive examples of a stream (SampleStream, or instruction_data.InstructionSamples);
+    eod_rules (eod.EodRules): the loss mask, positions and attention mask of packed documents."""
     examples = [stream.example(first_sample + i) for i in range(mbs)]
     tokens, labels, loss_mask = (np.stack([e[k] for e in examples]) for k in ("tokens", "labels", "loss_mask"))
-    if eod_mask is not None:
-        loss_mask[tokens == eod_mask] = 0.0
-    return {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32),
-            "loss_mask": loss_mask.astype(np.float32)}
+    batch = {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32),
+             "loss_mask": loss_mask.astype(np.float32)}
+    return batch if eod_rules is None else eod_rules.apply(batch)
 
 
-def micro_batches_for_step(stream, consumed: int, args, dp_rank: int, dp_size: int, eod_mask=None) -> list:
+def micro_batches_for_step(stream, consumed: int, args, dp_rank: int, dp_size: int, eod_rules=None) -> list:
     """This rank's micro-batches of the global batch starting at sample `consumed`."""
     mbs, per_step = args.micro_batch_size, args.micro_batch_size * dp_size
     n_micro = args.global_batch_size // per_step
-    return [micro_batch(stream, consumed + m * per_step + dp_rank * mbs, mbs, eod_mask) for m in range(n_micro)]
+    return [micro_batch(stream, consumed + m * per_step + dp_rank * mbs, mbs, eod_rules) for m in range(n_micro)]
+
+
+def eod_id(args, flag_tokenizer=None) -> int:
+    """The end-of-document token id, where the torch trainer takes it: the tokenizer the flags
+    name, mock data's character tokenizer, else the one saved beside the dataset."""
+    if flag_tokenizer is not None:
+        return int(flag_tokenizer.eod)
+    from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer
+    if args.mock_data:
+        import string
+        return CharLevelTokenizer(string.printable).eod     # the torch trainer's mock tokenizer
+    paths = list(args.data_path or [])
+    if not paths:
+        from mindspeed.data.shakespeare import ensure_dataset
+        paths = [ensure_dataset()]
+    return int(load_tokenizer(paths[-1]).eod)
 
 
 class MockStream(SampleStream):

@@ -10,7 +10,9 @@ names and per-TP-rank shapes (see neutral_format for the sharding), so checkpoin
 backends. RMSNorm, SwiGLU, RoPE and attention run through the backend's kernels (features reach the
 model via the interface only); LayerNorm and GELU are MindSpore's own ops (no fused variant here).
 Recompute (full by layer chunks, selective around the attention core) is MindSpore's own
-(recompute_plan picks the chunks).
+(recompute_plan picks the chunks). Per micro-batch the model can take `Extras`: a document mask
+(--reset-attention-mask), per-sample positions for the learned table (--reset-position-ids) and
+dropout's keep masks (drawn by dropout.py; tensors, so a recomputed forward drops the same values).
 """
 from __future__ import annotations
 
@@ -30,6 +32,21 @@ from mindspeed.training.mindspore.recompute_plan import layer_chunks
 
 
 _THIRDS = ops.Split(axis=-1, output_num=3)
+
+
+@dataclass(frozen=True)
+class Extras:
+    """Per-micro-batch model inputs beyond the tokens (all optional)."""
+    attention_mask: object = None    # [b, 1, s, s] bool, True = masked out (on top of causal)
+    embed_positions: object = None   # [b, s] rows of the learned position table per sample
+    hidden_keep: object = None       # [1 + 2 x layers, s_local, b, h]: keep mask / (1 - p); site 0 the
+                                     # embedding, then per layer after attention and after the MLP
+    probs_keep: object = None        # [layers, b, heads_local, s, s]: the attention probabilities' mask
+
+    NAMES = ("attention_mask", "embed_positions", "hidden_keep", "probs_keep")
+
+
+NO_EXTRAS = Extras()
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,8 @@ class GPTConfig:
     normalization: str = "RMSNorm"           # or "LayerNorm" (with bias)
     position_embedding_type: str = "rope"    # or "learned_absolute" (a table added to the embedding), "none"
     max_position_embeddings: int = 0         # rows of the learned table (default: seq_length)
+    hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
+    attention_dropout: float = 0.0           # on the attention probabilities (training only)
 
     # feature id -> the kernel it switches from the reference to the device's fast path
     FEATURE_KERNELS = {"fused-rmsnorm": "rms_norm", "fused-swiglu": "swiglu", "fused-rotary-pos-emb": "rope",
@@ -71,7 +90,6 @@ class GPTConfig:
     @classmethod
     def from_args(cls, args, padded_vocab: int, features=()) -> "GPTConfig":
         """features: ids of the enabled (adapted) features; fused ones pick the fast kernels."""
-        # dropout: refused by the support matrix (mindspeed/features/megatron_options.py) before a model is built
         return cls(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                    num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                    kv_channels=args.kv_channels, vocab_size=padded_vocab, seq_length=args.seq_length,
@@ -95,6 +113,8 @@ class GPTConfig:
                    swiglu=bool(args.swiglu), normalization=args.normalization,
                    position_embedding_type=args.position_embedding_type,
                    max_position_embeddings=args.max_position_embeddings or args.seq_length,
+                   hidden_dropout=float(args.hidden_dropout or 0.0),
+                   attention_dropout=float(args.attention_dropout or 0.0),
                    pipeline_layers=cls._pipeline_layers(args))
 
     @staticmethod
@@ -206,6 +226,7 @@ class GPTModel:
         self.swap_scope, self.swap_modules = None, frozenset()   # --swap-attention's hook
         # pipeline parallelism: this stage's slice of the layers (Megatron's split)
         self.layers = [i for i in cfg.real_layers() if i in cfg.stage_layers(ps.pp_rank)]
+        self._slot = {layer: pos for pos, layer in enumerate(self.layers)}   # index into the dropout masks
 
     def enable_context_parallel(self, cp_groups, attention_fn) -> None:
         """Route attention through the CP feature (written once against the backend interface)."""
@@ -298,7 +319,7 @@ class GPTModel:
             return self.cos[:s], self.sin[:s]
         return ops.gather(self.cos, positions, 0), ops.gather(self.sin, positions, 0)
 
-    def _attention(self, i, x, positions=None):
+    def _attention(self, i, x, positions=None, extras=NO_EXTRAS):
         cfg, rope = self.cfg, self.kernel("rope")
         p = lambda s: self.params[nf.layer_name(i, s)]
         qkv = column_parallel(self.backend, self.ps, x, p("self_attention.linear_qkv.weight"),
@@ -314,17 +335,23 @@ class GPTModel:
             q = rope(q.reshape(s, b, self.heads_local, d), cos, sin, 0)
             k = rope(k, cos, sin, 0)
         q, k, v = q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1)
+        core = lambda q, k, v: self._core_attention(q, k, v, i, extras)
         if cfg.recompute_core_attention:     # selective recompute: only q, k, v are kept for backward
-            out = self.backend.memory.recompute(self._core_attention, q, k, v)
+            out = self.backend.memory.recompute(core, q, k, v)
         else:
-            out = self._core_attention(q, k, v)
+            out = core(q, k, v)
         return row_parallel(self.backend, self.ps, out, p("self_attention.linear_proj.weight"),
                             self._bias(i, "self_attention.linear_proj.bias"))
 
-    def _core_attention(self, q, k, v):
+    def _core_attention(self, q, k, v, i=0, extras=NO_EXTRAS):
         if self.cp is not None:      # this rank holds a shard of the sequence
             return self.cp_attention(q, k, v, self.cp, head_num=self.heads_local, causal=True)
-        return self.kernel("attention")(q, k, v, layout="SBH", head_num=self.heads_local, causal=True)[0]
+        if extras.probs_keep is not None:   # an explicit drop mask: the reference kernel takes one
+            return self.backend.kernels.reference.attention(
+                q, k, v, layout="SBH", head_num=self.heads_local, causal=True, mask=extras.attention_mask,
+                drop_mask=extras.probs_keep[self._slot[i]])[0]
+        return self.kernel("attention")(q, k, v, layout="SBH", head_num=self.heads_local, causal=True,
+                                        mask=extras.attention_mask)[0]
 
     def _activation(self, h):
         if self.cfg.swiglu:
@@ -354,55 +381,63 @@ class GPTModel:
         with self.swap_scope(i + 1):        # Megatron's layer numbers start at 1
             return fn(*args)
 
-    def _layer(self, i, x, positions=None):
+    def _dropped(self, x, extras, site):
+        """Dropout at one site of the hidden stream (Megatron's embedding dropout and bias-dropout-add)."""
+        return x if extras.hidden_keep is None else x * extras.hidden_keep[site]
+
+    def _layer(self, i, x, positions=None, extras=NO_EXTRAS):
         # each part inside its --swap-attention scope when named; norms and the activation through
         # --recompute-norm / --recompute-activation-function (done(consumer) frees their output)
         normed, done = self._part("input_layernorm", i, self._layer_norm, i, x, "input_layernorm.weight")
-        attn = self._part("self_attention", i, self._attention, i, normed, positions)
+        attn = self._part("self_attention", i, self._attention, i, normed, positions, extras)
         done(attn)
-        x = x + attn
+        x = x + self._dropped(attn, extras, 1 + 2 * self._slot[i])
         normed, done = self._part("pre_mlp_layernorm", i, self._layer_norm, i, x, "pre_mlp_layernorm.weight")
         mlp = self._part("mlp", i, self._mlp, i, normed)
         done(mlp)
-        return x + mlp
+        return x + self._dropped(mlp, extras, 2 + 2 * self._slot[i])
 
-    def _layers(self, layers, x, positions):
+    def _layers(self, layers, x, positions, extras=NO_EXTRAS):
         for i in layers:
-            x = self._layer(i, x, positions)
+            x = self._layer(i, x, positions, extras)
         return x
 
-    def _position_embedding(self, s_local, positions):
-        """[s_local, 1, h] rows of the learned table for this rank's tokens: its CP positions, and
-        with sequence parallelism its TP rank's slice (the table's gradient is summed over TP then)."""
+    def _position_embedding(self, s_local, positions, per_sample=None):
+        """[s_local, 1 or b, h] rows of the learned table for this rank's tokens: its CP positions (or
+        per_sample [b, s], --reset-position-ids), and with sequence parallelism its TP rank's slice
+        (the table's gradient is summed over TP then)."""
         table = self.params["embedding.position_embeddings.weight"]
         ps = self.ps
         sp_split = ps.sequence_parallel and ps.tp_size > 1
         rows = s_local * ps.tp_size if sp_split else s_local
-        rows_emb = table[:rows] if positions is None else ops.gather(table, positions, 0)
+        if per_sample is not None:
+            rows_emb = ops.gather(table, per_sample.T, 0)          # [s, b, h]
+        else:
+            rows_emb = (table[:rows] if positions is None else ops.gather(table, positions, 0)).expand_dims(1)
         if sp_split:
             rows_emb = rows_emb[ps.tp_rank * s_local:(ps.tp_rank + 1) * s_local]
-        return rows_emb.expand_dims(1)
+        return rows_emb
 
-    def logits(self, tokens, position_ids=None):
+    def logits(self, tokens, position_ids=None, extras=NO_EXTRAS):
         """tokens [b, s] -> this rank's vocab shard of the logits [s, b, V/tp]. position_ids [b, s]
         (the same in every row) place RoPE when the sequence is sharded by context parallelism."""
         positions = None if position_ids is None else position_ids[0]
-        return self._head(self._decoder(self._embed(tokens, positions), positions))
+        return self._head(self._decoder(self._embed(tokens, positions, extras), positions, extras))
 
-    def _embed(self, tokens, positions=None):
+    def _embed(self, tokens, positions=None, extras=NO_EXTRAS):
         x = vocab_parallel_embedding(self.backend, self.ps, tokens, self.params["embedding.word_embeddings.weight"])
         if self.cfg.position_embedding_type == "learned_absolute":
-            x = x + self._position_embedding(x.shape[0], positions)
-        return x
+            x = x + self._position_embedding(x.shape[0], positions, extras.embed_positions)
+        return self._dropped(x, extras, 0)
 
-    def _decoder(self, x, positions=None):
+    def _decoder(self, x, positions=None, extras=NO_EXTRAS):
         """This pipeline stage's layers."""
         method = self.cfg.recompute_method if self.cfg.recompute else None
         for layers, recomputed in layer_chunks(self.layers, method, self.cfg.recompute_num_layers):
             if recomputed:     # one chunk: only its input is kept, its layers rerun in backward
-                x = self.backend.memory.recompute(lambda h, ls=layers: self._layers(ls, h, positions), x)
+                x = self.backend.memory.recompute(lambda h, ls=layers: self._layers(ls, h, positions, extras), x)
             else:
-                x = self._layers(layers, x, positions)
+                x = self._layers(layers, x, positions, extras)
         return x
 
     def _head(self, x):
@@ -410,11 +445,11 @@ class GPTModel:
         out_w = self.params["embedding.word_embeddings.weight" if self.cfg.tied_embeddings else "output_layer.weight"]
         return column_parallel(self.backend, self.ps, x, out_w)
 
-    def loss(self, tokens, labels, loss_mask, position_ids=None, denominator=None):
+    def loss(self, tokens, labels, loss_mask, position_ids=None, denominator=None, extras=NO_EXTRAS):
         """Mean cross-entropy over the tokens loss_mask keeps (Megatron's lm loss). With context
         parallelism, `denominator` is the kept-token count of the whole sequence, so the CP ranks'
         losses (and gradients) sum to the full-sequence ones."""
-        return self._masked_mean(self.logits(tokens, position_ids), labels, loss_mask, denominator)
+        return self._masked_mean(self.logits(tokens, position_ids, extras), labels, loss_mask, denominator)
 
     def stage_forward(self, hidden, tokens, labels, loss_mask):
         """One pipeline stage: the embedding of `tokens` on the first stage, else the previous

@@ -12,7 +12,9 @@ from mindspeed import hooks
 from mindspeed.training.logger import StepRecorder
 from mindspeed.training.mindspore import checkpoint, data, neutral_format, schedule
 from mindspeed.training.mindspore.distrib_optimizer import DistributedOptimizer
-from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
+from mindspeed.training.mindspore.dropout import DropoutMasks
+from mindspeed.training.mindspore.eod import EodRules
+from mindspeed.training.mindspore.model import Extras, GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
 from mindspeed.training.mindspore.pipeline import TwoStagePipeline
@@ -75,9 +77,23 @@ def graph_mode_ok(cfg, ps, swap: bool) -> bool:
                 or ps.pp_size > 1)
 
 
-def _traced_loss(model):
-    def loss(tokens, labels, loss_mask):
-        return model.loss(tokens, labels, loss_mask)
+def extras_names(args, cfg: GPTConfig, training: bool) -> tuple:
+    """The Extras a forward takes, in a fixed order (a traced graph has a fixed signature): the
+    document mask, per-sample positions where a learned table reads them (RoPE ignores them, as
+    Megatron-Core's), and in training dropout's masks."""
+    on = {"attention_mask": bool(getattr(args, "reset_attention_mask", False)),
+          "embed_positions": bool(getattr(args, "reset_position_ids", False))
+          and cfg.position_embedding_type == "learned_absolute",
+          "hidden_keep": training and cfg.hidden_dropout > 0, "probs_keep": training and cfg.attention_dropout > 0}
+    return tuple(name for name in Extras.NAMES if on[name])
+
+
+def _loss_with(model, names: tuple):
+    """model.loss over positional tensors: tokens, labels, loss_mask, [CP's positions and
+    denominator], then the Extras named by `names`."""
+    def loss(tokens, labels, loss_mask, *rest):
+        lead = len(rest) - len(names)
+        return model.loss(tokens, labels, loss_mask, *rest[:lead], extras=Extras(**dict(zip(names, rest[lead:]))))
     return loss
 
 
@@ -103,20 +119,27 @@ class Trainer:
             enable_context_parallel(args, self.model, ps)
             self._shard = _cp_hook("shard_batch")
         self.graph_mode = graph_mode_ok(cfg, ps, swap is not None)
-        loss, self._eval_loss = self.model.loss, self.model.loss
+        self.dropout = DropoutMasks(cfg, ps, args.seed, len(self.model.layers))
+        self._train_names, self._eval_names = extras_names(args, cfg, True), extras_names(args, cfg, False)
+        loss, self._eval_loss = _loss_with(self.model, self._train_names), _loss_with(self.model, self._eval_names)
         if self.graph_mode:
             # the forward traced once into a MindSpore graph, differentiated by graph autodiff:
             # one launch instead of hundreds of PyNative op dispatches (each ~0.1-1 ms on CPU);
-            # evaluation gets its own trace (no gradient)
-            loss, self._eval_loss = traced(_traced_loss(self.model)), traced(_traced_loss(self.model))
+            # evaluation gets its own trace (no gradient, no dropout)
+            loss, self._eval_loss = traced(loss), traced(self._eval_loss)
         self._grad_fn = ms.value_and_grad(loss, None, weights=self.model.parameters())
         self.pipeline = TwoStagePipeline(backend, ps, self.model) if ps.pp_size > 1 else None
 
-    def _inputs(self, mb: dict) -> tuple:
+    def _inputs(self, mb: dict, names: tuple = (), masks: dict | None = None) -> tuple:
         """Model inputs for one micro-batch: this CP rank's share of the sequence, its positions,
-        and the kept-token count of the whole sequence (so CP losses add up)."""
+        and the kept-token count of the whole sequence (so CP losses add up); then the Extras
+        `names` (the batch's document mask and positions, dropout's `masks`)."""
+        extra = {"attention_mask": mb.get("attention_mask"), "embed_positions": mb.get("position_ids"),
+                 **(masks or {})}
+        tail = tuple(ms.Tensor(extra[name]) for name in names)
         if self._shard is None:
-            return to_tensors(mb)
+            return to_tensors(mb) + tail
+        assert not tail, "the support matrix refuses document masks and dropout with context parallelism"
         b, s = mb["tokens"].shape
         full = dict(mb, position_ids=np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)))
         local = self._shard(full)
@@ -132,8 +155,9 @@ class Trainer:
         if self.pipeline is not None:
             grads, losses = self.pipeline.train(micro_batches)
         else:
-            for mb in micro_batches:
-                loss, g = self._grad_fn(*self._inputs(mb))
+            for m, mb in enumerate(micro_batches):
+                masks = self.dropout.draw(iteration, m, mb["tokens"].shape[0])
+                loss, g = self._grad_fn(*self._inputs(mb, self._train_names, masks))
                 losses.append(loss)
                 grads = accumulate(grads, g, n)
         lr = self.lr_at(iteration - 1)
@@ -155,7 +179,7 @@ class Trainer:
         if self.pipeline is not None:
             losses = [float(x.asnumpy()) for x in self.pipeline.evaluate(micro_batches)]
         else:
-            losses = [float(self._eval_loss(*self._inputs(mb)).asnumpy()) for mb in micro_batches]
+            losses = [float(self._eval_loss(*self._inputs(mb, self._eval_names)).asnumpy()) for mb in micro_batches]
         return self._dp_mean(self._cp_sum(self._from_last_stage(sum(losses) / len(micro_batches))))
 
     def _from_last_stage(self, value: float) -> float:
@@ -243,6 +267,8 @@ def _train(args, backend, ps, logger) -> dict:
             check_dataset_tokenizer(prefix, flag_tokenizer)
         a.vocab_size = flag_tokenizer.vocab_size   # build_streams takes it instead of the dataset's file
     vocab, train, valid = data.build_streams(a, log=logger.print)
+    eod_rules = EodRules.from_args(a, data.eod_id(a, flag_tokenizer)
+                                   if a.eod_mask_loss or a.reset_position_ids or a.reset_attention_mask else None)
     a.vocab_size = vocab
     a.padded_vocab_size = padded_vocab_size(vocab, a.make_vocab_size_divisible_by, ps.tp_size)
     from mindspeed.adaptor_core import current
@@ -265,7 +291,7 @@ def _train(args, backend, ps, logger) -> dict:
     iteration, consumed = resume(a, trainer, logger)
 
     eval_batches = lambda: [mb for k in range(a.eval_iters) for mb in data.micro_batches_for_step(
-        valid, k * a.global_batch_size, a, ps.dp_rank, ps.dp_size)] if valid is not None else None
+        valid, k * a.global_batch_size, a, ps.dp_rank, ps.dp_size, eod_rules)] if valid is not None else None
 
     valid_loss, last_saved = None, None
     stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
@@ -277,7 +303,7 @@ def _train(args, backend, ps, logger) -> dict:
     while iteration < stop_at:
         hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
         start = time.perf_counter()
-        batches = data.micro_batches_for_step(train, consumed, a, ps.dp_rank, ps.dp_size)
+        batches = data.micro_batches_for_step(train, consumed, a, ps.dp_rank, ps.dp_size, eod_rules)
         loss, grad_norm, _lr = trainer.train_step(batches, iteration + 1)
         elapsed = time.perf_counter() - start
         iteration += 1

@@ -96,7 +96,7 @@ def _every_row_sees_a_key(sq, skv, causal, pre_tokens, next_tokens) -> bool:
     return not _band_mask_numpy(sq, skv, causal, pre_tokens, next_tokens).all(axis=-1).any()
 
 
-def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dropout_p, alibi):
+def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dropout_p, alibi, drop_mask=None):
     b, n, sq, _ = q.shape
     nkv, skv = k.shape[1], k.shape[2]
     if n % nkv:
@@ -126,7 +126,9 @@ def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dr
         probs = ops.softmax(scores, -1)
     else:
         probs = p / ops.where(row_sum == 0, ops.ones_like(row_sum), row_sum)
-    if dropout_p > 0:
+    if drop_mask is not None:
+        probs = probs * drop_mask
+    elif dropout_p > 0:
         probs = ops.dropout(probs, p=dropout_p)
     out = _BMM(probs, _wide(v)).astype(q.dtype)
     return out, row_max.squeeze(-1), row_sum.squeeze(-1)
@@ -150,11 +152,17 @@ def check_attention_args(q, k, v, layout, head_num, dropout_p, scale):
 
 def attention(q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale=None, dropout_p: float = 0.0,
               pre_tokens: int = NO_LIMIT, next_tokens: int = NO_LIMIT, causal: bool = False,
-              actual_seq_qlen=None, actual_seq_kvlen=None, alibi=None):
-    """-> (out in `layout`, softmax_max, softmax_sum), fp32 stats [b, n, sq] (TND: [t, n])."""
+              actual_seq_qlen=None, actual_seq_kvlen=None, alibi=None, drop_mask=None):
+    """-> (out in `layout`, softmax_max, softmax_sum), fp32 stats [b, n, sq] (TND: [t, n]).
+    drop_mask [b, n, sq, skv]: the caller's own dropout of the probabilities (keep / (1 - p)), in
+    place of dropout_p's random one (the MindSpore trainer draws it: dropout.py)."""
     d, scale = check_attention_args(q, k, v, layout, head_num, dropout_p, scale)
     common = dict(scale=scale, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens,
                   dropout_p=dropout_p)
+    if drop_mask is not None:
+        if layout == "TND":
+            raise ValueError("attention: drop_mask takes the BNSD-shaped probabilities (not layout TND)")
+        common["drop_mask"] = drop_mask
     if layout == "TND":
         return _attention_tnd(q, k, v, mask=mask, alibi=alibi, actual_seq_qlen=actual_seq_qlen,
                               actual_seq_kvlen=actual_seq_kvlen, **common)
