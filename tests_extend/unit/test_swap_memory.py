@@ -176,8 +176,8 @@ def test_model_only_loads_set_the_masters_from_the_parameters(report):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--reuse-fp32-param"], "needs --bf16 (mixed-precision) to be on too"),
-    (["--reuse-fp32-param", "--fp16"], "--reuse-fp32-param needs --bf16"),
+    (["--reuse-fp32-param"], "needs --bf16 (bf16) to be on too"),
+    (["--reuse-fp32-param", "--fp16"], "--reuse-fp32-param (reuse-fp32-param) needs --bf16"),
     (["--reuse-fp32-param", "--bf16", "--swap-optimizer"], "conflicts with 'swap-optimizer'"),
     (["--reuse-fp32-param", "--bf16", "--use-distributed-optimizer", "--overlap-param-gather",
       "--overlap-grad-reduce"], "drop --overlap-param-gather"),

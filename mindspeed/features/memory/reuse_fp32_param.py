@@ -22,12 +22,11 @@ class ReuseFp32Param(Feature):
                     "copy (needs --bf16)"),)
     requires = (Cap.MEGATRON_CORE,)
     backends = ("torch",)
-    depends = ("mixed-precision",)
+    depends = ("bf16",)
     # the swap empties and refills the masters' storage, which here is the model's parameters too
     conflicts = ("swap-optimizer",)
-    unsupported = {"mindspore": "the MindSpore trainer trains in fp32 (it refuses --bf16: MindSpore's CPU "
-                                "kernels have no bf16 matmul here), so there is no bf16 copy to fold into "
-                                "the master; use --backend torch"}
+    unsupported = {"mindspore": "the MindSpore trainer refuses --bf16 (MindSpore's CPU kernels have no bf16 "
+                                "matmul here), so there is no bf16 copy to fold into the master; use --backend torch"}
     alternatives = "leave it off: bf16 parameters and fp32 masters are kept apart"
     example = ("--reuse-fp32-param", "--bf16")
 

@@ -57,7 +57,8 @@ def _gather_pp(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
 
 def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -> None:
     gated = model.cfg.swiglu
-    params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.params.items()}, gated)
+    # the fp32 weights: with --fp16 the masters (model.master_params), never the fp16 copies
+    params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.master_params().items()}, gated)
     moments = _gather_tp(backend, ps, optimizer.state_arrays(), gated)
     params = _gather_pp(backend, ps, model, params)
     # the state's kinds (Adam's two moments, SGD's momentum) are the same on every stage

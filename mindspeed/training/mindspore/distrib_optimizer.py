@@ -16,9 +16,11 @@ TP-replicated parameter counts on TP rank 0 only, and pipeline stages add up, as
 optimizer.clip_gradients), updated, and the updated slices all-gathered over DP into the model's
 parameters.
 
-The model's fp32 parameters stay the weights (this trainer has no bf16 master copy): the slice
-Parameters are the optimizer's view of this rank's part, copied from the model before each update, so a
-load into the model between steps (checkpoint.load, load_full) is seen.
+The model's fp32 parameters (with --fp16 its fp32 masters, mixed_precision.MasterWeights: the
+trainer rounds the fp16 weights from them after the update) are what it updates: the slice
+Parameters are the optimizer's view of this rank's part, copied from them before each update, so a
+load into the model between steps (checkpoint.load, load_full) is seen. So with --fp16 each rank
+keeps the whole fp32 master copy (Megatron shards it with the optimizer state).
 
 Checkpoints: state_arrays gathers the slices back into whole per-parameter state (the names the
 plain optimizer uses), so a checkpoint written with the flag loads without it and the other way round.

@@ -59,10 +59,12 @@ def vocab_parallel_embedding(backend, ps: ParallelState, tokens, weight):
 
 
 def vocab_parallel_cross_entropy(backend, ps: ParallelState, logits, target):
-    """Per-token loss [s, b] from vocab-sharded logits [s, b, V/tp] (fp32)."""
+    """Per-token loss [s, b] from vocab-sharded logits [s, b, V/tp], computed in fp32 (fp16 logits too,
+    as Megatron's)."""
     comm, group = backend.comm, ps.tp_group
     vocab_local = logits.shape[-1]
     start = ps.tp_rank * vocab_local
+    logits_dtype = logits.dtype
 
     def forward(ctx, logits, target):
         logits = logits.astype(ms.float32)
@@ -87,6 +89,6 @@ def vocab_parallel_cross_entropy(backend, ps: ParallelState, logits, target):
         softmax, local, in_range = ctx.saved
         onehot = ops.one_hot(local, vocab_local, ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32))
         grad = (softmax - onehot * in_range.astype(ms.float32).expand_dims(-1)) * dloss.expand_dims(-1)
-        return grad, None
+        return grad.astype(logits_dtype), None     # fp16 logits (--fp16) take an fp16 gradient
 
     return backend.autograd.custom_op(forward, backward)(logits, target)

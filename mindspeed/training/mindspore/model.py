@@ -82,6 +82,7 @@ class GPTConfig:
     max_position_embeddings: int = 0         # rows of the learned table (default: seq_length)
     hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
     attention_dropout: float = 0.0           # on the attention probabilities (training only)
+    params_dtype: str = "fp32"               # --fp16: fp16 weights and compute, fp32 masters (mixed_precision.py)
 
     # feature id -> the kernel it switches from the reference to the device's fast path
     FEATURE_KERNELS = {"fused-rmsnorm": "rms_norm", "fused-swiglu": "swiglu", "fused-rotary-pos-emb": "rope",
@@ -115,6 +116,7 @@ class GPTConfig:
                    max_position_embeddings=args.max_position_embeddings or args.seq_length,
                    hidden_dropout=float(args.hidden_dropout or 0.0),
                    attention_dropout=float(args.attention_dropout or 0.0),
+                   params_dtype="fp16" if getattr(args, "fp16", False) else "fp32",
                    pipeline_layers=cls._pipeline_layers(args))
 
     @staticmethod
@@ -190,6 +192,13 @@ def init_full_weights(cfg: GPTConfig, seed: int) -> dict:
     return weights
 
 
+def _set(params: dict, name: str, value) -> None:
+    if name in params:
+        ops.assign(params[name], value)   # in place: a traced graph holds the storage
+    else:
+        params[name] = ms.Parameter(value, name=name)
+
+
 def llama3_scaled_inv_freq(inv_freq: np.ndarray, factor: float, low_freq_factor: float = 1.0,
                            high_freq_factor: float = 4.0, old_context_len: int = 8192) -> np.ndarray:
     """Llama 3.1's RoPE frequency scaling, step for step as Megatron-Core 0.16's
@@ -218,6 +227,10 @@ class GPTModel:
             raise ValueError(f"{cfg.num_attention_heads} heads are not a multiple of {cfg.num_query_groups} query groups")
         self.cfg, self.backend, self.ps = cfg, backend, ps
         self.params = {}
+        # --fp16 (Megatron's Float16Module): the model computes with fp16 copies of fp32 master weights;
+        # the masters are what the optimizer updates and checkpoints hold (empty in fp32)
+        self.dtype = ms.float16 if cfg.params_dtype == "fp16" else ms.float32
+        self.masters = {}
         self.heads_local = cfg.num_attention_heads // tp
         self.groups_local = cfg.num_query_groups // tp
         self._rope_tables()
@@ -245,10 +258,20 @@ class GPTModel:
         for name in expected:
             shard = nf.shard_for_rank(name, np.asarray(full[name], np.float32), self.ps.tp_rank, self.ps.tp_size,
                                       self.cfg.swiglu)
-            if name in self.params:
-                ops.assign(self.params[name], ms.Tensor(shard))   # in place: a traced graph holds the storage
-            else:
-                self.params[name] = ms.Parameter(ms.Tensor(shard), name=name)
+            if self.dtype != ms.float32:      # the loaded fp32 values are the masters, exactly
+                _set(self.masters, name, ms.Tensor(shard))
+            _set(self.params, name, ms.Tensor(shard).astype(self.dtype))
+
+    def master_params(self) -> dict:
+        """The fp32 weights by name: what the optimizer updates and checkpoints hold (with --fp16 the
+        masters, else the parameters themselves)."""
+        return self.masters or self.params
+
+    def copy_from_masters(self) -> None:
+        """--fp16: the model's weights rounded from the updated masters (Megatron's
+        _copy_main_params_to_model_params)."""
+        for name, master in self.masters.items():
+            ops.assign(self.params[name], master.astype(self.dtype))
 
     def owned_shapes(self) -> dict:
         """The whole shapes of the parameters this pipeline stage holds (all of them without PP)."""

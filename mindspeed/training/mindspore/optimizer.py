@@ -188,17 +188,17 @@ def _tensor(g):
 
 @ms.jit
 def _divided(grads, n):
-    return tuple([g / n for g in grads])
+    return tuple([g.astype(ms.float32) / n for g in grads])
 
 
 @ms.jit
 def _add_divided(acc, grads, n):
-    return tuple([a + g / n for a, g in zip(acc, grads)])
+    return tuple([a + g.astype(ms.float32) / n for a, g in zip(acc, grads)])
 
 
 def accumulate(acc, grads, n: int):
-    """acc + grads / n (the mean over n micro-batches, summed as it comes): grads / n for the
-    first (acc None); with n == 1 the gradients as they are."""
+    """acc + grads / n (the mean over n micro-batches, summed as it comes) in fp32 (--fp16's
+    gradients too): grads / n for the first (acc None); with n == 1 the gradients as they are."""
     if n == 1:
         return tuple(grads)
     n = ms.Tensor(np.float32(n))

@@ -44,12 +44,13 @@ class TwoStagePipeline:
         cfg = model.cfg
         self._seq = cfg.seq_length // (ps.tp_size if ps.sequence_parallel else 1)
         self._hidden = cfg.hidden_size
+        self._dtype = model.dtype          # the activations' (fp16 with --fp16)
         self._nothing = ms.Tensor(0.0, ms.float32)     # stage 0's input: it embeds the tokens itself
 
     def _exchange(self, send, batch_size: int):
         """Both stages at once: `send` (None: nothing, zeros go) to the other stage; returns its tensor."""
         if send is None:
-            send = ops.zeros((self._seq, batch_size, self._hidden), ms.float32)
+            send = ops.zeros((self._seq, batch_size, self._hidden), self._dtype)
         received, handle = self.comm.send_recv(send, dst=self.peer, src=self.peer, group=self.ps.pp_group)
         handle.wait()
         return received
@@ -65,9 +66,10 @@ class TwoStagePipeline:
         _, vjp_fn = self._forward(None, mb)
         return vjp_fn(d_output)[1]
 
-    def train(self, micro_batches: list) -> tuple:
+    def train(self, micro_batches: list, loss_scale=None) -> tuple:
         """Forward and backward over the global batch's micro-batches -> (the weight gradients,
-        averaged over micro-batches as Megatron does; the micro-batch losses, on the last stage)."""
+        averaged over micro-batches as Megatron does; the micro-batch losses, on the last stage).
+        loss_scale (--fp16, a 0-d tensor): the backward starts from it instead of 1."""
         n, b = len(micro_batches), micro_batches[0]["tokens"].shape[0]
         grads, losses = None, []
         if self.ps.first_stage:
@@ -84,7 +86,8 @@ class TwoStagePipeline:
             hidden = self._exchange(None, b)
             for mb in micro_batches:
                 loss, vjp_fn = self._forward(hidden, mb)
-                (d_hidden,), g = vjp_fn(ops.ones_like(loss))
+                seed = ops.ones_like(loss) if loss_scale is None else ops.ones_like(loss) * loss_scale
+                (d_hidden,), g = vjp_fn(seed)
                 losses.append(loss)
                 grads = accumulate(grads, g, n)
                 hidden = self._exchange(d_hidden, b)   # the next input (unused after the last)

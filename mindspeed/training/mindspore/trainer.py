@@ -14,6 +14,7 @@ from mindspeed.training.mindspore import checkpoint, data, neutral_format, sched
 from mindspeed.training.mindspore.distrib_optimizer import DistributedOptimizer
 from mindspeed.training.mindspore.dropout import DropoutMasks
 from mindspeed.training.mindspore.eod import EodRules
+from mindspeed.training.mindspore.mixed_precision import MasterWeights, scaler_from_args, unscale_and_check
 from mindspeed.training.mindspore.model import Extras, GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
@@ -97,6 +98,13 @@ def _loss_with(model, names: tuple):
     return loss
 
 
+def _scaled(loss_fn):
+    """--fp16: the loss times the loss scale (a tensor input: a new scale does not retrace)."""
+    def loss(scale, *inputs):
+        return loss_fn(*inputs) * scale
+    return loss
+
+
 class Trainer:
     """Model + optimizer + one training step; usable without the data pipeline (parity tests)."""
 
@@ -105,8 +113,13 @@ class Trainer:
         self.model = GPTModel(cfg, backend, ps)
         self.model.load_full(init_full_weights(cfg, args.seed))
         self.distributed_optimizer = bool(getattr(args, "use_distributed_optimizer", False))
-        self.optimizer = (DistributedOptimizer(self.model, backend, ps, args) if self.distributed_optimizer
-                          else build_optimizer(self.model, args))
+        # --fp16: the optimizer updates the fp32 masters; the fp16 weights are copied from them
+        self.scaler = scaler_from_args(args)
+        weights = MasterWeights(self.model) if self.model.masters else self.model
+        self.optimizer = (DistributedOptimizer(weights, backend, ps, args) if self.distributed_optimizer
+                          else build_optimizer(weights, args))
+        # steps skipped on an fp16 overflow: the lr schedule does not advance on them (Megatron's)
+        self.skipped_iterations, self.last_step_skipped = 0, False
         self.lr_at = schedule.from_args(args)
         self._shard = None
         swap = _named_hook("activation_swap")
@@ -122,10 +135,12 @@ class Trainer:
         self.dropout = DropoutMasks(cfg, ps, args.seed, len(self.model.layers))
         self._train_names, self._eval_names = extras_names(args, cfg, True), extras_names(args, cfg, False)
         loss, self._eval_loss = _loss_with(self.model, self._train_names), _loss_with(self.model, self._eval_names)
+        if self.scaler is not None:
+            loss = _scaled(loss)
         if self.graph_mode:
             # the forward traced once into a MindSpore graph, differentiated by graph autodiff:
             # one launch instead of hundreds of PyNative op dispatches (each ~0.1-1 ms on CPU);
-            # evaluation gets its own trace (no gradient, no dropout)
+            # evaluation gets its own trace (no gradient, no dropout, no loss scale)
             loss, self._eval_loss = traced(loss), traced(self._eval_loss)
         self._grad_fn = ms.value_and_grad(loss, None, weights=self.model.parameters())
         self.pipeline = TwoStagePipeline(backend, ps, self.model) if ps.pp_size > 1 else None
@@ -146,21 +161,34 @@ class Trainer:
         denominator = ms.Tensor(np.float32(mb["loss_mask"].sum()))
         return to_tensors(local) + (ms.Tensor(np.ascontiguousarray(local["position_ids"])), denominator)
 
-    def train_step(self, micro_batches: list, iteration: int) -> tuple[float, float, float]:
+    def train_step(self, micro_batches: list, iteration: int) -> tuple[float, float | None, float]:
         """One optimizer step over this rank's micro-batches -> (loss, grad norm, lr); `iteration`
-        is 1-based (the lr of step iteration-1 is used, as Megatron's scheduler does)."""
+        is 1-based (the lr of the iteration-1 - skipped-th update is used, as Megatron's scheduler
+        does). With --fp16, a step whose gradients overflow is skipped on every rank
+        (last_step_skipped; grad norm None) and the loss scale lowered."""
         names = list(self.model.params)
         grads, losses = None, []
         n = len(micro_batches)
+        scale = None if self.scaler is None else ms.Tensor(self.scaler.scale, ms.float32)
         if self.pipeline is not None:
-            grads, losses = self.pipeline.train(micro_batches)
+            grads, losses = self.pipeline.train(micro_batches, scale)
         else:
             for m, mb in enumerate(micro_batches):
-                masks = self.dropout.draw(iteration, m, mb["tokens"].shape[0])
-                loss, g = self._grad_fn(*self._inputs(mb, self._train_names, masks))
+                inputs = self._inputs(mb, self._train_names, self.dropout.draw(iteration, m, mb["tokens"].shape[0]))
+                if scale is None:
+                    loss, g = self._grad_fn(*inputs)
+                else:       # (loss x scale) / scale: exact for the power-of-two scales
+                    loss, g = self._grad_fn(scale, *inputs)
+                    loss = loss / scale
                 losses.append(loss)
                 grads = accumulate(grads, g, n)
-        lr = self.lr_at(iteration - 1)
+        lr = self.lr_at(iteration - 1 - self.skipped_iterations)
+        if self.scaler is not None:
+            grads, self.last_step_skipped = unscale_and_check(self.backend.comm, grads, self.scaler)
+            self.scaler.update(self.last_step_skipped)
+        if self.last_step_skipped:
+            self.skipped_iterations += 1
+            return self._step_loss(losses, n), None, lr
         grads = reduce_gradients(self.backend, self.ps, self.model, dict(zip(names, grads)),
                                  over_dp=not self.distributed_optimizer)
         if self.distributed_optimizer:      # reduce-scatter, clip, update its slice, all-gather
@@ -168,9 +196,17 @@ class Trainer:
         else:
             grads, norm = clip_gradients(self.backend, self.ps, self.model, grads, self.args.clip_grad)
             self.optimizer.step(grads, lr)
+        self.model.copy_from_masters()
         # read back once the whole step is launched
+        return self._step_loss(losses, n), float(norm.asnumpy()), lr
+
+    def _step_loss(self, losses: list, n: int) -> float:
         loss_sum = sum(float(x.asnumpy()) for x in losses)
-        return self._dp_mean(self._cp_sum(self._from_last_stage(loss_sum / n))), float(norm.asnumpy()), lr
+        return self._dp_mean(self._cp_sum(self._from_last_stage(loss_sum / n)))
+
+    @property
+    def loss_scale(self) -> float | None:
+        return None if self.scaler is None else self.scaler.scale
 
     def evaluate(self, micro_batches: list) -> float | None:
         """Mean loss over the batches; None without any (--eval-iters 0), as the torch trainer."""
@@ -253,6 +289,9 @@ def resume(args, trainer, logger) -> tuple[int, int]:
     iteration, consumed = 0, 0
     if not args.finetune:
         iteration, consumed = int(meta["iteration"]), int(meta.get("consumed_samples", 0))
+        trainer.skipped_iterations = int(meta.get("skipped_iterations", 0))
+    if trainer.scaler is not None and not (args.no_load_optim or args.finetune):
+        trainer.scaler.load_state_dict(meta.get("grad_scaler", {}))    # Megatron keeps it with the optimizer
     logger.print(f"> loaded checkpoint {neutral_format.resolve(args.load, args.ckpt_step)} at iteration {iteration}")
     return iteration, consumed
 
@@ -299,7 +338,9 @@ def _train(args, backend, ps, logger) -> dict:
                          write_loss_file=rank_is_zero(backend), device=backend.device.name)
     logger.print(f"> training from iteration {iteration} to {stop_at}")
     save_meta = lambda: {"consumed_samples": consumed, "backend": "mindspore", "tp": ps.tp_size,
-                         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size}
+                         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                         "skipped_iterations": trainer.skipped_iterations,
+                         **({"grad_scaler": trainer.scaler.state_dict()} if trainer.scaler else {})}
     while iteration < stop_at:
         hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
         start = time.perf_counter()
@@ -310,8 +351,10 @@ def _train(args, backend, ps, logger) -> dict:
         consumed += a.global_batch_size
         hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
         # the lr after the step, as Megatron (and the torch trainer) logs it
-        steps.record(iteration, loss, elapsed, consumed=consumed, lr=lambda it=iteration: trainer.lr_at(it),
-                     grad_norm=grad_norm,
+        steps.record(iteration, loss, elapsed, consumed=consumed,
+                     lr=lambda it=iteration: trainer.lr_at(it - trainer.skipped_iterations),
+                     grad_norm=grad_norm, skipped=trainer.skipped_iterations,
+                     loss_scale=(lambda: trainer.loss_scale) if trainer.scaler else None,
                      peak_mem_mb=lambda: backend.memory.peak_memory_bytes() / 2**20)
         if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at and valid is not None:
             valid_loss = trainer.evaluate(eval_batches())

@@ -1,0 +1,122 @@
+"""The --fp16 parity experiment (test_mindspore_parity_fp16.py and its msrun worker): mindspore_parity's
+GPT, batches and optimizer settings in fp16 with fp32 masters and dynamic loss scaling, trained by
+Megatron-Core on torch (Float16Module, Float16OptimizerWithFloat16Params over torch.optim.AdamW, its
+DynamicGradScaler) and by the MindSpore trainer. The initial weights are fp16-representable, so the
+fp32 masters both sides build (torch from its fp16 weights, MindSpore from the loaded fp32 values)
+start equal."""
+from __future__ import annotations
+
+import numpy as np
+
+from tests_extend.distributed import mindspore_parity as mp
+
+# no overflow expected: the scale doubles after 10 clean steps (steps 10 and 20)
+PARITY = ("--fp16", "--initial-loss-scale", str(2.0 ** 14), "--loss-scale-window", "10")
+# forced overflows: 2**24 x gradients beyond fp16's 65504 until the scale has come down
+OVERFLOW = ("--fp16", "--initial-loss-scale", str(2.0 ** 24))
+OVERFLOW_STEPS = 9     # 7 skipped (torch's sequence), then 2 updates
+
+
+def write_init(path: str) -> None:
+    """The trainer's own initialisation (numpy, TP-independent), rounded to fp16."""
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
+    args = parse_args(mp.trainer_argv(1), world_size=1)
+    full = init_full_weights(GPTConfig.from_args(args, mp.VOCAB), args.seed)
+    nf.save(path, 0, {k: v.astype(np.float16).astype(np.float32) for k, v in full.items()}, meta={"backend": "numpy"})
+
+
+def _scaler_settings(flags) -> dict:
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore.mixed_precision import scaler_from_args
+    s = scaler_from_args(parse_args(mp.trainer_argv(1) + list(flags), world_size=1))
+    return dict(initial_scale=s.scale, min_scale=s.min_scale, growth_factor=2.0, backoff_factor=0.5,
+                growth_interval=s.window, hysteresis=s.hysteresis)
+
+
+# -- mindspore side ------------------------------------------------------------------------------
+def ms_train_fp16(backend, init_ckpt: str, flags=PARITY, steps: int = mp.STEPS, *, tp: int = 1, sp: bool = False,
+                  pp: int = 1, distributed_optimizer: bool = False, save_dir: str | None = None) -> dict:
+    """Through the support matrix (mindspeed.adapt) as the trainer goes; every DP rank trains on the
+    same batch (so DP=2 is DP=1's run). Per step: loss, grad norm (None when skipped), the loss
+    scale after the step, whether it was skipped, the lr."""
+    import mindspeed
+    from mindspeed.backends import get_backend
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore import checkpoint
+    from mindspeed.training.mindspore.model import GPTConfig
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    world = backend.comm.world_size()
+    argv = mp.trainer_argv(tp, sp) + ["--global-batch-size", str(mp.MBS * world // (tp * pp)),
+                                      "--pipeline-model-parallel-size", str(pp)] + list(flags)
+    argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
+    args = parse_args(argv + (["--untie-embeddings-and-output-weights"] if pp > 1 else []), world_size=world)
+    args.backend = "mindspore"
+    mindspeed.adapt(args)
+    try:
+        backend = get_backend()
+        ps = build_parallel_state(backend.comm, tp, sp, 1, pp)
+        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB))
+        checkpoint.load(init_ckpt, trainer.model)
+        out = {k: [] for k in ("losses", "grad_norms", "scales", "skipped", "lrs")}
+        for step in range(steps):
+            tokens, labels, mask = mp.batch(step)
+            loss, norm, lr = trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)
+            for key, value in zip(out, (loss, norm, trainer.loss_scale, trainer.last_step_skipped, lr)):
+                out[key].append(value)
+        tokens, labels, mask = mp.batch(mp.EVAL_SEED)
+        out["eval_loss"] = trainer.evaluate([{"tokens": tokens, "labels": labels, "loss_mask": mask}])
+        out["graph_mode"] = trainer.graph_mode
+        out["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.params.values()})
+        if save_dir:
+            meta = {"backend": "mindspore", "grad_scaler": trainer.scaler.state_dict(),
+                    "skipped_iterations": trainer.skipped_iterations}
+            checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, meta)
+            out["masters"] = {n: p.asnumpy().tolist() for n, p in trainer.model.masters.items()}
+        return out
+    finally:
+        mindspeed.unadapt()
+
+
+# -- torch side (Megatron-Core, in the gloo harness) ---------------------------------------------
+def _torch_fp16_run(init_ckpt: str, flags, steps: int) -> dict:
+    import torch
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+    from megatron.core.transformer.module import Float16Module
+    model = mp.build_torch_model(1)
+    mp.load_into_torch(model, init_ckpt, 0, 1)
+    model.config.fp16 = True
+    wrapped = Float16Module(model.config, model)           # fp16 weights; fp32 output (the loss)
+    params = [p for _, p in wrapped.named_parameters()]
+    inner = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": mp.OPT["weight_decay"]},
+                               {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                              lr=mp.OPT["lr"], betas=mp.OPT["betas"], eps=mp.OPT["eps"])
+    config = OptimizerConfig(fp16=True, lr=mp.OPT["lr"], clip_grad=mp.OPT["clip"])
+    opt = Float16OptimizerWithFloat16Params(inner, config, DynamicGradScaler(**_scaler_settings(flags)), None)
+    out = {k: [] for k in ("losses", "grad_norms", "scales", "skipped", "lrs")}
+    updates = 0
+    for step in range(steps):
+        lr = mp.lr_at(updates)          # Megatron's scheduler advances on successful steps only
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        loss = mp._torch_loss(wrapped, step)
+        (loss * opt.get_loss_scale()).backward()           # what Megatron's schedule's grad_scale_func does
+        ok, norm, _ = opt.step()
+        updates += int(ok)
+        for key, value in zip(out, (loss.item(), norm if ok else None, float(opt.get_loss_scale()), not ok, lr)):
+            out[key].append(value)
+    return out
+
+
+def torch_runs(rank, world_size, init_ckpt, ms_ckpt):
+    """Harness body (TP=1): fp16 with PARITY and OVERFLOW scaling, the fp32 reference, and the
+    MindSpore fp16 run's checkpoint loaded into an fp32 Megatron-Core model and evaluated (the fp32
+    run first: it adapts and initialises the process group)."""
+    fp32 = mp.torch_train(rank, world_size, 1, init_ckpt, False, other_ckpt=ms_ckpt, steps=mp.STEPS)
+    return {"fp16": _torch_fp16_run(init_ckpt, PARITY, mp.STEPS),
+            "overflow": _torch_fp16_run(init_ckpt, OVERFLOW, OVERFLOW_STEPS), "fp32": fp32}

@@ -1,0 +1,44 @@
+"""msrun worker for the --fp16 parity test: TP=2, TP=2 with sequence parallelism, DP=2 with the
+distributed optimizer and PP=2, from the same fp16-representable initial checkpoint, with
+mindspore_parity_fp16's PARITY loss scaling; and
+the overflow check with an inf on rank 1 only. Usage: msrun ... mindspore_parity_fp16_worker.py OUT_DIR INIT_CKPT"""
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+
+STEPS = 4      # short: the TP=1 run (in the test process) carries the 20-step claim
+RUNS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sp=True), "dp2_distributed_optimizer": dict(distributed_optimizer=True),
+        "pp2": dict(pp=2)}
+
+
+def overflow_seen(backend) -> bool:
+    """The trainer's overflow check where only rank 1's gradients hold an inf: every rank must see it
+    (in training, ranks' gradients differ: TP shards, pipeline stages, distributed-optimizer slices)."""
+    import mindspore as ms
+    import numpy as np
+    from mindspeed.training.mindspore.mixed_precision import LossScaler, unscale_and_check
+    grad = np.ones((4, 3), np.float16)
+    if backend.comm.rank() == 1:
+        grad[2, 1] = np.inf
+    _, found = unscale_and_check(backend.comm, (ms.Tensor(grad), ms.Tensor(np.ones(5, np.float16))), LossScaler(8.0))
+    return found
+
+
+def main(out_dir, init_ckpt):
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from tests_extend.distributed.mindspore_parity_fp16 import ms_train_fp16
+    backend = MindSporeBackend("cpu")
+    rank = backend.comm.rank()
+    try:
+        result = {name: ms_train_fp16(backend, init_ckpt, steps=STEPS, **kw) for name, kw in RUNS.items()}
+        result["overflow_on_rank1_only"] = overflow_seen(backend)
+        write_result(out_dir, rank, {"ok": True, **result})
+    except Exception:
+        write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
