@@ -80,7 +80,7 @@ class _Optimizer:
 def _ms_resume(root, *flags):
     from mindspeed.training.mindspore.trainer import resume
     args = parse_args(["--backend", "mindspore", "--load", root, *flags], world_size=1)
-    trainer = SimpleNamespace(model=_Model(), optimizer=_Optimizer())
+    trainer = SimpleNamespace(model=_Model(), optimizer=_Optimizer(), scaler=None)     # fp32: no loss scaler
     np.random.seed(4321)
     random.seed(4321)
     before = (np.random.get_state()[1].copy(), random.getstate())

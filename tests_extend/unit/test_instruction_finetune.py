@@ -237,7 +237,8 @@ def test_neat_pack_needs_an_instruction_dataset_and_the_torch_trainer():
     with pytest.raises(ArgumentError, match=re.escape("--neat-pack reads an instruction dataset")):
         parse_args(["--neat-pack", "--reset-attention-mask"], world_size=1)
     neat = ["--is-instruction-dataset", "--data-path", "a", "--neat-pack", "--reset-attention-mask"]
-    with pytest.raises(MindSpeedConfigError, match="eod-reset.*mindspore"):     # per-sample masks: torch only
+    # neat-packed sample numbers: the torch trainer's masks only (MindSpore's follow EOD tokens)
+    with pytest.raises(MindSpeedConfigError, match="--neat-pack: the MindSpore trainer separates documents"):
         plan(neat + ["--backend", "mindspore"])
 
 

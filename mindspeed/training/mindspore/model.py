@@ -373,8 +373,9 @@ class GPTModel:
             return self.backend.kernels.reference.attention(
                 q, k, v, layout="SBH", head_num=self.heads_local, causal=True, mask=extras.attention_mask,
                 drop_mask=extras.probs_keep[self._slot[i]])[0]
+        document_mask = {} if extras.attention_mask is None else {"mask": extras.attention_mask}
         return self.kernel("attention")(q, k, v, layout="SBH", head_num=self.heads_local, causal=True,
-                                        mask=extras.attention_mask)[0]
+                                        **document_mask)[0]
 
     def _activation(self, h):
         if self.cfg.swiglu:
