@@ -69,7 +69,9 @@ def declared(device: str) -> dict:
         Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend
         Cap.NATIVE_TRAINER: N,
         # the trainer's two-stage 1F1B (training/mindspore/pipeline.py); its transfers are SEND_RECV's
-        Cap.PIPELINE_PARALLEL: N, Cap.MOE: A,
+        Cap.PIPELINE_PARALLEL: N,
+        # the trainer's MoE layer (training/mindspore/moe.py); its token exchange is ALL_TO_ALL's
+        Cap.MOE: N,
         # ZeRO-1 (training/mindspore/distrib_optimizer.py): the trainer's optimizer on this rank's slice
         # between a reduce-scatter and an all-gather, both emulated on CPU (NOTES)
         Cap.DISTRIBUTED_OPTIMIZER: E if on_cpu else N,

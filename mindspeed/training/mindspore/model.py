@@ -23,6 +23,7 @@ from mindspore import ops
 
 from mindspeed.features.parallel.layers import layer_list, noop_layer_set
 from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.training.mindspore.moe import MoELayer, expert_name, expert_of, is_expert
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
 from mindspeed.training.mindspore.parallel import ParallelState, stage_layer_counts
@@ -60,6 +61,11 @@ class GPTConfig:
     normalization: str = "RMSNorm"           # or "LayerNorm" (with bias)
     position_embedding_type: str = "rope"    # or "learned_absolute" (a table added to the embedding), "none"
     max_position_embeddings: int = 0         # rows of the learned table (default: seq_length)
+    num_experts: int = 0                     # --num-experts: every layer's MLP is an MoE layer (moe.py)
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0             # each expert's FFN size (default: --ffn-hidden-size)
+    moe_aux_loss_coeff: float = 0.0
+    moe_shared_expert_size: int = 0          # --moe-shared-expert-intermediate-size (0: none)
 
     # feature id -> the kernel it switches from the reference to the device's fast path
     FEATURE_KERNELS = {"fused-rmsnorm": "rms_norm", "fused-swiglu": "swiglu", "fused-rotary-pos-emb": "rope",
@@ -92,7 +98,12 @@ class GPTConfig:
                    swiglu=bool(args.swiglu), normalization=args.normalization,
                    position_embedding_type=args.position_embedding_type,
                    max_position_embeddings=args.max_position_embeddings or args.seq_length,
-                   pipeline_layers=cls._pipeline_layers(args))
+                   pipeline_layers=cls._pipeline_layers(args),
+                   num_experts=getattr(args, "num_experts", None) or 0,
+                   moe_router_topk=getattr(args, "moe_router_topk", 2),
+                   moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
+                   moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
+                   moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0)
 
     @staticmethod
     def _pipeline_layers(args) -> tuple:
@@ -119,6 +130,18 @@ class GPTConfig:
             return 0
         return getattr(args, num_layers_dest, None) or args.num_layers
 
+    def _mlp_shapes(self, i: int) -> dict:
+        """Layer i's MoE weights: the router, every expert (global index), the shared experts."""
+        h, gate = self.hidden_size, 2 if self.swiglu else 1
+        shapes = {nf.layer_name(i, "mlp.router.weight"): (self.num_experts, h)}
+        for e in range(self.num_experts):
+            shapes.update({expert_name(i, e, "linear_fc1.weight"): (gate * self.moe_ffn_hidden_size, h),
+                           expert_name(i, e, "linear_fc2.weight"): (h, self.moe_ffn_hidden_size)})
+        if self.moe_shared_expert_size:
+            shapes.update({nf.layer_name(i, "mlp.shared_experts.linear_fc1.weight"): (gate * self.moe_shared_expert_size, h),
+                           nf.layer_name(i, "mlp.shared_experts.linear_fc2.weight"): (h, self.moe_shared_expert_size)})
+        return shapes
+
     def full_shapes(self) -> dict:
         h, d = self.hidden_size, self.kv_channels
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
@@ -130,8 +153,9 @@ class GPTConfig:
             shapes.update({nf.layer_name(i, "input_layernorm.weight"): (h,),
                            nf.layer_name(i, "self_attention.linear_qkv.weight"): (qkv, h),
                            nf.layer_name(i, "self_attention.linear_proj.weight"): (h, self.num_attention_heads * d),
-                           nf.layer_name(i, "pre_mlp_layernorm.weight"): (h,),
-                           nf.layer_name(i, "mlp.linear_fc1.weight"): (fc1, h),
+                           nf.layer_name(i, "pre_mlp_layernorm.weight"): (h,)})
+            shapes.update(self._mlp_shapes(i) if self.num_experts else
+                          {nf.layer_name(i, "mlp.linear_fc1.weight"): (fc1, h),
                            nf.layer_name(i, "mlp.linear_fc2.weight"): (h, self.ffn_hidden_size)})
             if self.normalization == "LayerNorm":
                 shapes.update({nf.layer_name(i, "input_layernorm.bias"): (h,),
@@ -203,6 +227,9 @@ class GPTModel:
         self.swap_scope, self.swap_modules = None, frozenset()   # --swap-attention's hook
         # pipeline parallelism: this stage's slice of the layers (Megatron's split)
         self.layers = [i for i in cfg.real_layers() if i in cfg.stage_layers(ps.pp_rank)]
+        self.moe_layers = {}
+        if cfg.num_experts % ps.ep_size:
+            raise ValueError(f"{cfg.num_experts} experts are not divisible by expert parallel size {ps.ep_size}")
 
     def enable_context_parallel(self, cp_groups, attention_fn) -> None:
         """Route attention through the CP feature (written once against the backend interface)."""
@@ -227,8 +254,14 @@ class GPTModel:
                 self.params[name] = ms.Parameter(ms.Tensor(shard), name=name)
 
     def owned_shapes(self) -> dict:
-        """The whole shapes of the parameters this pipeline stage holds (all of them without PP)."""
-        return self.stage_shapes(self.cfg, self.ps.pp_rank, self.ps.pp_size)
+        """The whole shapes of the parameters this pipeline stage holds (all of them without PP),
+        with expert parallelism only this EP rank's experts."""
+        return {n: s for n, s in self.stage_shapes(self.cfg, self.ps.pp_rank, self.ps.pp_size).items()
+                if not is_expert(n) or self.owns_expert(expert_of(n))}
+
+    def owns_expert(self, e: int) -> bool:
+        local = self.cfg.num_experts // self.ps.ep_size
+        return e // local == self.ps.ep_rank
 
     @staticmethod
     def stage_shapes(cfg: GPTConfig, pp_rank: int, pp_size: int) -> dict:
@@ -327,6 +360,8 @@ class GPTModel:
         return ops.gelu(h, approximate="none")       # Megatron-Core's default activation_func, F.gelu
 
     def _mlp(self, i, x):
+        if self.cfg.num_experts:
+            return self.moe_layers.setdefault(i, MoELayer(self, i))(x)
         p = lambda s: self.params[nf.layer_name(i, s)]
         h = column_parallel(self.backend, self.ps, x, p("mlp.linear_fc1.weight"), self._bias(i, "mlp.linear_fc1.bias"))
         act, done = self._recomputed(self.cfg.recompute_activation_layers, i, self._activation, h)
