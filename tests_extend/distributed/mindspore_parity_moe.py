@@ -51,7 +51,9 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
-    args = parse_args(mp.trainer_argv(1) + moe_flags(ep, shared), world_size=backend.comm.world_size())
+    world = backend.comm.world_size()
+    args = parse_args(mp.trainer_argv(1) + moe_flags(ep, shared) + ["--global-batch-size", str(mp.MBS * world)],
+                      world_size=world)
     args.backend = "mindspore"
     mindspeed.adapt(args)       # the support matrix's gate: MoE (and EP) must be accepted here
     try:
@@ -149,6 +151,9 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
         opt.zero_grad()
         loss = _loss(model, step, dp_rank)
         loss.backward()
+        for _, p in params:
+            if p.grad is None:       # an expert no token was routed to
+                p.grad = torch.zeros_like(p)
         dense_sq, expert_sq = 0.0, 0.0
         for name, p in params:
             p.grad.div_(dp)          # Megatron's DDP: scale by 1/dp, then sum over (expert-)DP
