@@ -45,6 +45,7 @@ def write_init(path: str, shared: bool, seed: int = 7) -> None:
 # -- mindspore side -------------------------------------------------------------------------------
 def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | None = None,
              steps: int = mp.STEPS) -> dict:
+    """Load init_ckpt, train `steps` steps (none: evaluate the checkpoint only), optionally save."""
     import mindspeed
     from mindspeed.training.arguments import parse_args
     from mindspeed.training.mindspore import checkpoint
@@ -126,7 +127,9 @@ def _loss(model, step, dp_rank):
     return (per_token * mask).sum() / mask.sum()
 
 
-def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS):
+def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None):
+    """Harness body: train; evaluate the result; with save_dir (EP=1) save it as a neutral
+    checkpoint; with other_ckpt, load that one into a fresh model and evaluate it too."""
     import torch
     import mindspeed
     mindspeed.adapt([])
@@ -174,12 +177,23 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean, group=dp_group)
         losses.append(mean.item() / dp)
-    result = {"losses": losses, "grad_norms": norms}
+    result = {"losses": losses, "grad_norms": norms, "eval_loss": _eval(model, dp_rank, dp_group, dp)}
+    if save_dir:
+        from mindspeed.training.mindspore import neutral_format as nf
+        assert ep == 1      # the state dict's local expert indices are the global ones
+        nf.save(save_dir, steps, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
+                                  if torch.is_tensor(v) and v.is_floating_point()}, meta={"backend": "torch"})
     if other_ckpt:      # the MindSpore run's final checkpoint, loaded here and evaluated
         fresh = build_torch_model(ep, shared)
         load_into_torch(fresh, other_ckpt, ep_rank, ep)
-        with torch.no_grad():
-            value = _loss(fresh, mp.EVAL_SEED, dp_rank).reshape(1)
-        torch.distributed.all_reduce(value, group=dp_group)
-        result["eval_loss_of_other"] = value.item() / dp
+        result["eval_loss_of_other"] = _eval(fresh, dp_rank, dp_group, dp)
     return result
+
+
+def _eval(model, dp_rank, dp_group, dp) -> float:
+    """The held-out batch's loss, averaged over DP (the MindSpore trainer's evaluate)."""
+    import torch
+    with torch.no_grad():
+        value = _loss(model, mp.EVAL_SEED, dp_rank).reshape(1)
+    torch.distributed.all_reduce(value, group=dp_group)
+    return value.item() / dp
