@@ -107,3 +107,19 @@ def test_layer_output_is_each_tokens_weighted_experts():
         for j in range(K):
             ref[t] += probs[t, j] * mlp(f"mlp.experts.local_experts.{idx[t, j]}.", flat[t:t + 1])[0]
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--tensor-model-parallel-size", "2", "--sequence-parallel"), "parallel size 1"),
+    (("--moe-token-dispatcher-type", "allgather"), "all-to-all only"),
+    (("--add-bias-linear",), "no linear biases"),
+    (("--recompute-activation-function",), "experts' activation"),
+    (("--expert-model-parallel-size", "2", "--use-distributed-optimizer"), "expert-parallel weights"),
+    (("--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"), "not overlapped"),
+])
+def test_what_the_layer_does_not_do_is_refused_in_one_line(extra, says):
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(["--backend", "mindspore", "--num-experts", "4", *extra])
+    assert says in str(err.value) and "\n" not in str(err.value)
+    plan(["--backend", "torch", "--num-experts", "4", *extra])        # Megatron-Core runs each of them
