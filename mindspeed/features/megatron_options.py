@@ -182,9 +182,17 @@ option("moe-shared-expert-overlap", (host("--moe-shared-expert-overlap", False),
        depends=("moe-shared-experts",))
 
 
+def _another_refused_on_mindspore(moe, args) -> bool:
+    from mindspeed.features.registry import all_features
+    return any(f is not moe and ("mindspore" not in f.backends or f.unsupported.get("mindspore"))
+               and f.enabled(args) for f in all_features())
+
+
 def _moe_on_mindspore(self, args) -> None:
     """What the MindSpore trainer's MoE layer (training/mindspore/moe.py) does not do, refused in one line."""
     if getattr(args, "backend", None) != "mindspore" or not getattr(args, "num_experts", None):
+        return
+    if _another_refused_on_mindspore(self, args):     # the matrix refuses the run, naming that feature
         return
     size = lambda name: getattr(args, name, 1) or 1
     limits = [(size("tensor_model_parallel_size") > 1 or size("context_parallel_size") > 1

@@ -34,6 +34,8 @@ NOTES = {
         Cap.DISTRIBUTED_OPTIMIZER: ("reduce-scatter of the gradients and all-gather of the updated slices "
                                     "over DP: both emulated via AllReduce(sum)"),
         Cap.HOST_OFFLOAD: "host and device memory are the same: a copy, no saving",
+        Cap.MOE: ("the trainer's own MoE layer (training/mindspore/moe.py, PyNative); expert parallelism "
+                  "exchanges tokens with ALL_TO_ALL (emulated here)"),
         Cap.ASYNC_COMM: ("all_reduce and world-group all_gather: mint.distributed's async_op (measured to "
                          "progress while the caller works); reduce_scatter and sub-group all_gather: the "
                          "AllReduce emulation started asynchronously"),

@@ -5,7 +5,8 @@ embedding (+ learned positions) -> L x [norm -> QKV (column) -> RoPE -> causal a
 layer (tied or untied); norm is RMSNorm or LayerNorm (with bias); positions are RoPE, a learned
 table (--position-embedding-type learned_absolute) or none; linear biases optional (--add-bias-linear,
 or q/k/v only: --add-qkv-bias, Qwen2); RoPE optionally with Llama 3.1's frequency scaling
-(--use-rope-scaling) -> vocab-parallel cross-entropy. Parameters carry Megatron-Core's state-dict
+(--use-rope-scaling) -> vocab-parallel cross-entropy; with --num-experts every MLP is Megatron-Core's
+MoE layer instead (moe.py: router, experts over the expert-parallel ranks, shared experts). Parameters carry Megatron-Core's state-dict
 names and per-TP-rank shapes (see neutral_format for the sharding), so checkpoints move between
 backends. RMSNorm, SwiGLU, RoPE and attention run through the backend's kernels (features reach the
 model via the interface only); LayerNorm and GELU are MindSpore's own ops (no fused variant here).
@@ -361,7 +362,9 @@ class GPTModel:
 
     def _mlp(self, i, x):
         if self.cfg.num_experts:
-            return self.moe_layers.setdefault(i, MoELayer(self, i))(x)
+            if i not in self.moe_layers:
+                self.moe_layers[i] = MoELayer(self, i)
+            return self.moe_layers[i](x)
         p = lambda s: self.params[nf.layer_name(i, s)]
         h = column_parallel(self.backend, self.ps, x, p("mlp.linear_fc1.weight"), self._bias(i, "mlp.linear_fc1.bias"))
         act, done = self._recomputed(self.cfg.recompute_activation_layers, i, self._activation, h)

@@ -160,7 +160,7 @@ class MoELayer:
             pairs = ops.gather(received, ms.Tensor(where.astype(np.int32)), 0)
             outputs.append(self._expert_mlp(self.first + j, pairs[:, :h], pairs[:, h]))
             at.append(where)
-        if not outputs:
-            return ops.zeros((received.shape[0], h), received.dtype) + received[:, :h] * 0.0
+        if not outputs:      # still a function of `received`: every rank's backward runs the reverse all-to-all
+            return received[:, :h] * 0.0
         return ops.unsorted_segment_sum(ops.cat(outputs, 0), ms.Tensor(np.concatenate(at).astype(np.int32)),
                                         received.shape[0])
