@@ -44,8 +44,9 @@ def write_init(path: str, shared: bool, seed: int = 7) -> None:
 
 # -- mindspore side -------------------------------------------------------------------------------
 def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | None = None,
-             steps: int = mp.STEPS) -> dict:
-    """Load init_ckpt, train `steps` steps (none: evaluate the checkpoint only), optionally save."""
+             steps: int = mp.STEPS, extra: tuple = ()) -> dict:
+    """Load init_ckpt, train `steps` steps (none: evaluate the checkpoint only), optionally save;
+    `extra`: more flags (another feature on top of MoE)."""
     import mindspeed
     from mindspeed.training.arguments import parse_args
     from mindspeed.training.mindspore import checkpoint
@@ -53,8 +54,8 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     world = backend.comm.world_size()
-    args = parse_args(mp.trainer_argv(1) + moe_flags(ep, shared) + ["--global-batch-size", str(mp.MBS * world)],
-                      world_size=world)
+    args = parse_args(mp.trainer_argv(1) + moe_flags(ep, shared) + ["--global-batch-size", str(mp.MBS * world)]
+                      + list(extra), world_size=world)
     args.backend = "mindspore"
     mindspeed.adapt(args)       # the support matrix's gate: MoE (and EP) must be accepted here
     try:

@@ -47,6 +47,10 @@ def test_ep1_with_shared_experts_matches_megatron(ckpts, torch_ep1):
     np.testing.assert_allclose(ms["grad_norms"], torch_ep1["grad_norms"], rtol=NORM_RTOL)
     assert m[-4:].mean() < m[:4].mean() - 0.05          # it trains
     assert not ms["graph_mode"]                          # MoE runs PyNative (routing-dependent shapes)
+    # full recompute reruns each MoE layer (routing, experts, the aux loss's gradient) in backward
+    recomputed = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["init_shared"], steps=3, extra=(
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"))
+    np.testing.assert_allclose(recomputed["losses"], m[:3], atol=1e-6, rtol=0)
     # torch's trained weights (neutral checkpoint, Megatron's names) evaluate the same in MindSpore
     other = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["torch_final"], steps=0)
     assert other["eval_loss"] == pytest.approx(torch_ep1["eval_loss"], abs=TOL)
