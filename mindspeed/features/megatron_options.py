@@ -74,8 +74,8 @@ option("recompute-layer-groups", (host("--recompute-method"), host("--recompute-
        and (a.recompute_method == "block" or (a.recompute_num_layers or 1) != 1),
        "full recompute of groups of layers (uniform N > 1) or of the first N layers (block)", {}, "",
        ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"))
-option("moe", (host("--num-experts"),), lambda a: bool(a.num_experts), "Megatron-Core mixture of experts",
-       {"mindspore": f"{MS}'s GPT has dense MLPs only"}, TORCH, ("--num-experts", "4"))
+Moe = option("moe", (host("--num-experts"),), lambda a: bool(a.num_experts), "Megatron-Core mixture of experts",
+             {}, "", ("--num-experts", "4", "--moe-aux-loss-coeff", "0.01"))
 option("qkv-bias", (host("--add-qkv-bias", False),), lambda a: a.add_qkv_bias,
        "biases on the fused q/k/v projection (Qwen2)", {}, "", ("--add-qkv-bias",))
 option("rope-scaling", (host("--use-rope-scaling", False), host("--rope-scaling-factor", 8.0)),
@@ -190,8 +190,47 @@ option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda 
        "leave out --variable-seq-lengths, or " + TORCH,
        ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"),
        example_world=2)
-option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"), host("--moe-shared-expert-overlap", False)),
-       lambda a: bool(a.moe_shared_expert_intermediate_size) or a.moe_shared_expert_overlap,
-       "MoE shared experts beside the routed ones (Megatron-Core's, optionally overlapped)",
-       {"mindspore": f"{MS}'s GPT has dense MLPs only"}, TORCH,
+option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"),),
+       lambda a: bool(a.moe_shared_expert_intermediate_size),
+       "MoE shared experts beside the routed ones (Megatron-Core's SharedExpertMLP)", {}, "",
        ("--num-experts", "4", "--moe-shared-expert-intermediate-size", "128"), depends=("moe",))
+option("moe-shared-expert-overlap", (host("--moe-shared-expert-overlap", False),), lambda a: a.moe_shared_expert_overlap,
+       "MoE shared experts computed while the tokens are dispatched",
+       {"mindspore": f"{MS}'s MoE layer runs the shared experts after the dispatch, not overlapped with it"},
+       f"drop --moe-shared-expert-overlap (the shared experts still run), or {TORCH}",
+       ("--num-experts", "4", "--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-overlap"),
+       depends=("moe-shared-experts",))
+
+
+def _another_refused_on_mindspore(moe, args) -> bool:
+    from mindspeed.features.registry import all_features
+    return any(f is not moe and ("mindspore" not in f.backends or f.unsupported.get("mindspore"))
+               and f.enabled(args) for f in all_features())
+
+
+def _moe_on_mindspore(self, args) -> None:
+    """What the MindSpore trainer's MoE layer (training/mindspore/moe.py) does not do, refused in one line."""
+    if getattr(args, "backend", None) != "mindspore" or not getattr(args, "num_experts", None):
+        return
+    if _another_refused_on_mindspore(self, args):     # the matrix refuses the run, naming that feature
+        return
+    size = lambda name: getattr(args, name, 1) or 1
+    limits = [(size("tensor_model_parallel_size") > 1 or size("context_parallel_size") > 1
+               or size("pipeline_model_parallel_size") > 1,
+               "runs at tensor, context and pipeline parallel size 1 (experts split over the data-parallel "
+               "ranks with --expert-model-parallel-size)"),
+              (getattr(args, "moe_token_dispatcher_type", "alltoall") == "allgather",
+               "dispatches tokens by all-to-all only: use --moe-token-dispatcher-type alltoall"),
+              (bool(getattr(args, "add_bias_linear", False)), "has no linear biases: drop --add-bias-linear"),
+              (bool(getattr(args, "recompute_activation_function", False)),
+               "does not recompute the experts' activation: drop --recompute-activation-function"),
+              (size("expert_model_parallel_size") > 1 and bool(getattr(args, "use_distributed_optimizer", False)),
+               "shards no optimizer state of expert-parallel weights: drop --use-distributed-optimizer "
+               "or --expert-model-parallel-size")]
+    problems = [why for hit, why in limits if hit]
+    if problems:
+        raise FeatureConfigError(f"--num-experts on {MS}: its MoE layer " + "; ".join(problems)
+                                 + f" (or {TORCH})")
+
+
+Moe.validate = _moe_on_mindspore

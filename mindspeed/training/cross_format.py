@@ -32,9 +32,21 @@ OPT_PREFIX = "optimizer.state."
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+# MoE layers in torch_dist (the local spec's SequentialMLP): the router and the shared experts
+# stacked by layer like the dense weights; each expert weight stacked by layer, then by global expert
+MOE_LAYER_SUFFIXES = ("mlp.router.weight", "mlp.shared_experts.linear_fc1.weight",
+                      "mlp.shared_experts.linear_fc2.weight")
+EXPERT_KEYS = {"linear_fc1.weight": "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+               "linear_fc2.weight": "decoder.layers.mlp.experts.experts.linear_fc2.weight"}
+
+
 def _layer_keys() -> dict:
-    from mindspeed.convert.megatron_read import LAYER_KEYS
-    return LAYER_KEYS
+    from mindspeed.convert.megatron_read import LAYER_KEYS, STACKED
+    return {**LAYER_KEYS, **{suffix: STACKED + suffix for suffix in MOE_LAYER_SUFFIXES}}
+
+
+def _expert_name(i: int, e: int, suffix: str) -> str:
+    return nf.layer_name(i, f"mlp.experts.local_experts.{e}.{suffix}")
 
 
 def fit_vocab_rows(name: str, array: np.ndarray, rows: int) -> np.ndarray:
@@ -57,6 +69,8 @@ class _NeutralSource:
         self.num_layers = 1 + max((int(k.split(".")[2]) for k in model if k.startswith("decoder.layers.")),
                                   default=-1)
         self.stacked_suffix = {key: suffix for suffix, key in _layer_keys().items()}
+        self.expert_suffix = {key: suffix for suffix, key in EXPERT_KEYS.items()}
+        self.num_experts = len({k.split("local_experts.")[1].split(".")[0] for k in model if "local_experts." in k})
         self._cache: dict = {}
 
     def array(self, key: str) -> np.ndarray:
@@ -77,6 +91,14 @@ class _NeutralSource:
                 raise CheckpointError(f"checkpoint {self.dir} holds another optimizer's state ({held}), not this "
                                       f"--optimizer's {moment}: add --no-load-optim to load the weights only")
             table = {k.split("/", 1)[1]: v for k, v in self.moments.items() if k.startswith(moment + "/")}
+        if name in self.expert_suffix:      # [layer, expert, ...]
+            suffix = self.expert_suffix[name]
+            names = [[_expert_name(i, e, suffix) for e in range(self.num_experts)] for i in range(self.num_layers)]
+            missing = [n for row in names for n in row if n not in table]
+            if missing or not self.num_experts:
+                held = missing[0] if missing else _expert_name(0, 0, suffix)
+                raise CheckpointError(f"checkpoint {self.dir} does not fit this model: it holds no {held}")
+            return np.stack([np.stack([table[n] for n in row]) for row in names])
         if name in self.stacked_suffix:
             suffix = self.stacked_suffix[name]
             names = [nf.layer_name(i, suffix) for i in range(self.num_layers)]
@@ -168,6 +190,11 @@ def neutral_from_torch_dist(directory: str, load_optimizer: bool) -> tuple[dict,
             if reader.has(prefix + key):
                 stacked = reader.get(prefix + key).float().numpy()
                 out.update({nf.layer_name(i, suffix): stacked[i] for i in range(stacked.shape[0])})
+        for suffix, key in EXPERT_KEYS.items():
+            if reader.has(prefix + key):
+                stacked = reader.get(prefix + key).float().numpy()      # [layer, expert, ...]
+                out.update({_expert_name(i, e, suffix): stacked[i, e] for i in range(stacked.shape[0])
+                            for e in range(stacked.shape[1])})
         for key in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"):
             if reader.has(prefix + key):
                 out[key] = reader.get(prefix + key).float().numpy()

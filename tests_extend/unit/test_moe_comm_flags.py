@@ -28,7 +28,7 @@ EP2 = ["--expert-model-parallel-size", "2"]
     (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE,
      "with the allgather dispatcher needs tensor x expert parallel size > 1"),
     (["--moe-permutation-async-comm"] + MOE + TP2 + EP2, "at TP > 1 needs --moe-tp-extend-ep"),
-    (["--backend", "mindspore", "--moe-alltoall-overlap-comm"] + MOE + EP2, "dense MLPs only"),
+    (["--backend", "mindspore", "--moe-alltoall-overlap-comm"] + MOE + EP2, "one plain all-to-all dispatch"),
 ])
 def test_combinations_they_cannot_honour_are_refused(argv, message):
     with pytest.raises(MindSpeedConfigError, match="MindSpeed: .*" + re.escape(message)) as info:

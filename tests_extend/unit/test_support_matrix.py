@@ -36,12 +36,13 @@ def test_readme_tables_match_the_code():
 
 
 def test_unsupported_feature_exits_nonzero_with_full_message():
-    out = _cli("check", "--backend", "mindspore", "--expert-model-parallel-size", "2")
+    out = _cli("check", "--backend", "mindspore", "--num-experts", "4", "--expert-model-parallel-size", "2",
+               "--moe-permutation-async-comm")
     assert out.returncode != 0
     msg = out.stderr
-    assert "expert-parallel" in msg                   # the feature
+    assert "moe-permutation-async-comm" in msg        # the feature
     assert "backend 'mindspore'" in msg               # the backend
-    assert "host.moe" in msg                          # the missing capability
+    assert "host.megatron_core" in msg                # the missing capability
     assert "Alternative:" in msg and "Supported on: torch/cpu" in msg
 
 

@@ -34,6 +34,8 @@ NOTES = {
         Cap.DISTRIBUTED_OPTIMIZER: ("reduce-scatter of the gradients and all-gather of the updated slices "
                                     "over DP: both emulated via AllReduce(sum)"),
         Cap.HOST_OFFLOAD: "host and device memory are the same: a copy, no saving",
+        Cap.MOE: ("the trainer's own MoE layer (training/mindspore/moe.py, PyNative); expert parallelism "
+                  "exchanges tokens with ALL_TO_ALL (emulated here)"),
         Cap.ASYNC_COMM: ("all_reduce and world-group all_gather: mint.distributed's async_op (measured to "
                          "progress while the caller works); reduce_scatter and sub-group all_gather: the "
                          "AllReduce emulation started asynchronously"),
@@ -69,7 +71,9 @@ def declared(device: str) -> dict:
         Cap.MEGATRON_CORE: A,            # Megatron-Core is torch code; MSAdapter runs it, not this backend
         Cap.NATIVE_TRAINER: N,
         # the trainer's two-stage 1F1B (training/mindspore/pipeline.py); its transfers are SEND_RECV's
-        Cap.PIPELINE_PARALLEL: N, Cap.MOE: A,
+        Cap.PIPELINE_PARALLEL: N,
+        # the trainer's MoE layer (training/mindspore/moe.py); its token exchange is ALL_TO_ALL's
+        Cap.MOE: N,
         # ZeRO-1 (training/mindspore/distrib_optimizer.py): the trainer's optimizer on this rank's slice
         # between a reduce-scatter and an all-gather, both emulated on CPU (NOTES)
         Cap.DISTRIBUTED_OPTIMIZER: E if on_cpu else N,

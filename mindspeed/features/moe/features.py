@@ -16,7 +16,8 @@ from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, switch
 from mindspeed.features.registry import register
 
-NO_MOE_MS = "the MindSpore trainer's GPT has dense MLPs only (no MoE layer to hook)"
+NO_MOE_MS = ("these change Megatron-Core's MoE token dispatch; the MindSpore trainer's own MoE layer "
+             "(training/mindspore/moe.py) has one plain all-to-all dispatch, without them")
 
 
 def _size(args, name: str) -> int:

@@ -78,8 +78,7 @@ class ExpertParallel(_SizeFeature):
     description = "Megatron-Core MoE expert parallelism"
     flags = (_size_flag("--expert-model-parallel-size", "expert-parallel size"),)
     requires = (Cap.ALL_TO_ALL, Cap.MOE)
-    backends = ("torch",)
-    alternatives = "use the torch backend for MoE models"
+    alternatives = "leave --expert-model-parallel-size at 1 (every rank holds every expert)"
     example, example_world = ("--expert-model-parallel-size", "2", "--num-experts", "4"), 2
 
 

@@ -1,7 +1,7 @@
 """Save/load the MindSpore trainer's state as a neutral checkpoint (see neutral_format).
 
-Tensor-parallel shards are gathered into whole tensors, and pipeline stages' parameters onto
-rank 0, before rank 0 writes one whole model; each rank cuts out its stage and shard again on
+Tensor-parallel shards are gathered into whole tensors, expert-parallel ranks' experts and
+pipeline stages' parameters onto rank 0, before rank 0 writes one whole model; each rank cuts out its stage and shard again on
 load, so a checkpoint written at one TP or PP size loads at another, and on the torch side.
 """
 from __future__ import annotations
@@ -55,14 +55,41 @@ def _gather_pp(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
     return out
 
 
+def _gather_ep(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
+    """Every expert on every rank: EP rank r's experts go by a broadcast from it over the EP group
+    (their names and shapes follow from the config, as the pipeline stages' do)."""
+    if getattr(ps, "ep_size", 1) == 1:
+        return dict(arrays)
+    import mindspore as ms
+    from mindspeed.training.mindspore.moe import expert_of, is_expert
+    out = {k: v for k, v in arrays.items() if not is_expert(k)}
+    local = model.cfg.num_experts // ps.ep_size
+    experts = {n: s for n, s in model.cfg.full_shapes().items() if is_expert(n)}
+    for r in range(ps.ep_size):
+        keys = [(pre + n, s) for pre in prefixes for n, s in experts.items() if expert_of(n) // local == r]
+        if r == ps.ep_rank:
+            flat = ms.Tensor(np.concatenate([arrays[k].reshape(-1) for k, _ in keys]).astype(np.float32))
+        else:
+            flat = ops.zeros((sum(int(np.prod(s)) for _, s in keys),), ms.float32)
+        flat = backend.comm.broadcast(flat, r, ps.ep_group).asnumpy()
+        start = 0
+        for k, shape in keys:
+            size = int(np.prod(shape))
+            out[k] = flat[start:start + size].reshape(shape)
+            start += size
+    return out
+
+
 def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -> None:
     gated = model.cfg.swiglu
     # the fp32 weights: with --fp16 the masters (model.master_params), never the fp16 copies
     params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.master_params().items()}, gated)
     moments = _gather_tp(backend, ps, optimizer.state_arrays(), gated)
+    params = _gather_ep(backend, ps, model, params)
+    kinds = tuple(sorted({key.split("/", 1)[0] + "/" for key in moments}))
+    moments = _gather_ep(backend, ps, model, moments, kinds)
     params = _gather_pp(backend, ps, model, params)
     # the state's kinds (Adam's two moments, SGD's momentum) are the same on every stage
-    kinds = tuple(sorted({key.split("/", 1)[0] + "/" for key in moments}))
     moments = _gather_pp(backend, ps, model, moments, kinds)
     if backend.comm.rank() == 0:
         nf.save(root, iteration, params, moments, dict(meta, optimizer_steps=optimizer.step_count))

@@ -5,7 +5,8 @@ embedding (+ learned positions) -> L x [norm -> QKV (column) -> RoPE -> causal a
 layer (tied or untied); norm is RMSNorm or LayerNorm (with bias); positions are RoPE, a learned
 table (--position-embedding-type learned_absolute) or none; linear biases optional (--add-bias-linear,
 or q/k/v only: --add-qkv-bias, Qwen2); RoPE optionally with Llama 3.1's frequency scaling
-(--use-rope-scaling) -> vocab-parallel cross-entropy. Parameters carry Megatron-Core's state-dict
+(--use-rope-scaling) -> vocab-parallel cross-entropy; with --num-experts every MLP is Megatron-Core's
+MoE layer instead (moe.py: router, experts over the expert-parallel ranks, shared experts). Parameters carry Megatron-Core's state-dict
 names and per-TP-rank shapes (see neutral_format for the sharding), so checkpoints move between
 backends. RMSNorm, SwiGLU, RoPE and attention run through the backend's kernels (features reach the
 model via the interface only); LayerNorm and GELU are MindSpore's own ops (no fused variant here).
@@ -25,6 +26,7 @@ from mindspore import ops
 
 from mindspeed.features.parallel.layers import layer_list, noop_layer_set
 from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.training.mindspore.moe import MoELayer, expert_name, expert_of, is_expert
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
 from mindspeed.training.mindspore.parallel import ParallelState, stage_layer_counts
@@ -83,6 +85,11 @@ class GPTConfig:
     hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
     attention_dropout: float = 0.0           # on the attention probabilities (training only)
     params_dtype: str = "fp32"               # --fp16: fp16 weights and compute, fp32 masters (mixed_precision.py)
+    num_experts: int = 0                     # --num-experts: every layer's MLP is an MoE layer (moe.py)
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0             # each expert's FFN size (default: --ffn-hidden-size)
+    moe_aux_loss_coeff: float = 0.0
+    moe_shared_expert_size: int = 0          # --moe-shared-expert-intermediate-size (0: none)
 
     # feature id -> the kernel it switches from the reference to the device's fast path
     FEATURE_KERNELS = {"fused-rmsnorm": "rms_norm", "fused-swiglu": "swiglu", "fused-rotary-pos-emb": "rope",
@@ -117,7 +124,12 @@ class GPTConfig:
                    hidden_dropout=float(args.hidden_dropout or 0.0),
                    attention_dropout=float(args.attention_dropout or 0.0),
                    params_dtype="fp16" if getattr(args, "fp16", False) else "fp32",
-                   pipeline_layers=cls._pipeline_layers(args))
+                   pipeline_layers=cls._pipeline_layers(args),
+                   num_experts=getattr(args, "num_experts", None) or 0,
+                   moe_router_topk=getattr(args, "moe_router_topk", 2),
+                   moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
+                   moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
+                   moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0)
 
     @staticmethod
     def _pipeline_layers(args) -> tuple:
@@ -144,6 +156,18 @@ class GPTConfig:
             return 0
         return getattr(args, num_layers_dest, None) or args.num_layers
 
+    def _mlp_shapes(self, i: int) -> dict:
+        """Layer i's MoE weights: the router, every expert (global index), the shared experts."""
+        h, gate = self.hidden_size, 2 if self.swiglu else 1
+        shapes = {nf.layer_name(i, "mlp.router.weight"): (self.num_experts, h)}
+        for e in range(self.num_experts):
+            shapes.update({expert_name(i, e, "linear_fc1.weight"): (gate * self.moe_ffn_hidden_size, h),
+                           expert_name(i, e, "linear_fc2.weight"): (h, self.moe_ffn_hidden_size)})
+        if self.moe_shared_expert_size:
+            shapes.update({nf.layer_name(i, "mlp.shared_experts.linear_fc1.weight"): (gate * self.moe_shared_expert_size, h),
+                           nf.layer_name(i, "mlp.shared_experts.linear_fc2.weight"): (h, self.moe_shared_expert_size)})
+        return shapes
+
     def full_shapes(self) -> dict:
         h, d = self.hidden_size, self.kv_channels
         qkv = (self.num_attention_heads + 2 * self.num_query_groups) * d
@@ -155,8 +179,9 @@ class GPTConfig:
             shapes.update({nf.layer_name(i, "input_layernorm.weight"): (h,),
                            nf.layer_name(i, "self_attention.linear_qkv.weight"): (qkv, h),
                            nf.layer_name(i, "self_attention.linear_proj.weight"): (h, self.num_attention_heads * d),
-                           nf.layer_name(i, "pre_mlp_layernorm.weight"): (h,),
-                           nf.layer_name(i, "mlp.linear_fc1.weight"): (fc1, h),
+                           nf.layer_name(i, "pre_mlp_layernorm.weight"): (h,)})
+            shapes.update(self._mlp_shapes(i) if self.num_experts else
+                          {nf.layer_name(i, "mlp.linear_fc1.weight"): (fc1, h),
                            nf.layer_name(i, "mlp.linear_fc2.weight"): (h, self.ffn_hidden_size)})
             if self.normalization == "LayerNorm":
                 shapes.update({nf.layer_name(i, "input_layernorm.bias"): (h,),
@@ -240,6 +265,9 @@ class GPTModel:
         # pipeline parallelism: this stage's slice of the layers (Megatron's split)
         self.layers = [i for i in cfg.real_layers() if i in cfg.stage_layers(ps.pp_rank)]
         self._slot = {layer: pos for pos, layer in enumerate(self.layers)}   # index into the dropout masks
+        self.moe_layers = {}
+        if cfg.num_experts % ps.ep_size:
+            raise ValueError(f"{cfg.num_experts} experts are not divisible by expert parallel size {ps.ep_size}")
 
     def enable_context_parallel(self, cp_groups, attention_fn) -> None:
         """Route attention through the CP feature (written once against the backend interface)."""
@@ -274,8 +302,14 @@ class GPTModel:
             ops.assign(self.params[name], master.astype(self.dtype))
 
     def owned_shapes(self) -> dict:
-        """The whole shapes of the parameters this pipeline stage holds (all of them without PP)."""
-        return self.stage_shapes(self.cfg, self.ps.pp_rank, self.ps.pp_size)
+        """The whole shapes of the parameters this pipeline stage holds (all of them without PP),
+        with expert parallelism only this EP rank's experts."""
+        return {n: s for n, s in self.stage_shapes(self.cfg, self.ps.pp_rank, self.ps.pp_size).items()
+                if not is_expert(n) or self.owns_expert(expert_of(n))}
+
+    def owns_expert(self, e: int) -> bool:
+        local = self.cfg.num_experts // self.ps.ep_size
+        return e // local == self.ps.ep_rank
 
     @staticmethod
     def stage_shapes(cfg: GPTConfig, pp_rank: int, pp_size: int) -> dict:
@@ -383,6 +417,10 @@ class GPTModel:
         return ops.gelu(h, approximate="none")       # Megatron-Core's default activation_func, F.gelu
 
     def _mlp(self, i, x):
+        if self.cfg.num_experts:
+            if i not in self.moe_layers:
+                self.moe_layers[i] = MoELayer(self, i)
+            return self.moe_layers[i](x)
         p = lambda s: self.params[nf.layer_name(i, s)]
         h = column_parallel(self.backend, self.ps, x, p("mlp.linear_fc1.weight"), self._bias(i, "mlp.linear_fc1.bias"))
         act, done = self._recomputed(self.cfg.recompute_activation_layers, i, self._activation, h)

@@ -19,6 +19,8 @@ import numpy as np
 from mindspore import ops
 from mindspore.experimental.optim import SGD as MsSGD
 
+from mindspeed.training.mindspore.moe import is_expert
+
 
 def decays(name: str, shape) -> bool:
     """Megatron-Core's default param groups: weight decay on matrices, none on 1-D params and biases."""
@@ -234,8 +236,14 @@ def reduce_gradients(backend, ps, model, grads: dict, over_dp: bool = True) -> d
         for n, g in zip(names, _flat_all_reduce(comm, [grads[n] for n in names], "sum", ps.cp_group)):
             grads[n] = g
     if over_dp and ps.dp_size > 1:
-        for n, g in zip(names, _flat_all_reduce(comm, [grads[n] for n in names], "avg", ps.dp_group)):
+        # with expert parallelism an expert's gradient is summed over the ranks holding that expert
+        # (the expert-data-parallel group) and divided by the DP size, as Megatron's DDP does
+        experts = [n for n in names if is_expert(n)] if getattr(ps, "ep_size", 1) > 1 else []
+        dense = [n for n in names if n not in set(experts)]
+        for n, g in zip(dense, _flat_all_reduce(comm, [grads[n] for n in dense], "avg", ps.dp_group)):
             grads[n] = g
+        for n, g in zip(experts, _flat_all_reduce(comm, [grads[n] for n in experts], "sum", ps.edp_group)):
+            grads[n] = g / ps.dp_size
     return grads
 
 
@@ -279,8 +287,13 @@ def sum_of_squares_over_ranks(comm, ps, sq, over_dp: bool = False):
 def clip_gradients(backend, ps, model, grads: dict, max_norm: float):
     """Gradients scaled to global norm <= max_norm -> (grads, the norm before clipping as a 0-d
     fp64 tensor): no host synchronisation, the update can be launched right after."""
-    counted = [g for n, g in grads.items() if model.is_tp_sharded(n) or ps.tp_rank == 0]
+    ep = getattr(ps, "ep_size", 1) > 1
+    counted = [g for n, g in grads.items() if (model.is_tp_sharded(n) or ps.tp_rank == 0)
+               and not (ep and is_expert(n))]
     sq = _sum_of_squares(ms.mutable(tuple(counted))) if counted else ms.Tensor(0.0, ms.float64)
+    if ep:      # each EP rank holds other experts: their squares add up over the EP group
+        experts = [g for n, g in grads.items() if is_expert(n)]
+        sq = sq + _fp64_sum_over(backend.comm, _sum_of_squares(ms.mutable(tuple(experts))), ps.ep_group)
     sq = sum_of_squares_over_ranks(backend.comm, ps, sq)
     if max_norm and max_norm > 0:
         clipped = _clipped(ms.mutable(tuple(grads.values())), sq, ms.Tensor(max_norm, ms.float64))

@@ -26,6 +26,10 @@ class ParallelState:
     pp_size: int = 1
     pp_rank: int = 0
     pp_group: object = None
+    ep_size: int = 1             # expert parallelism: the experts split over ep_size adjacent DP ranks
+    ep_rank: int = 0
+    ep_group: object = None
+    edp_group: object = None     # the ranks holding the same experts (expert gradients are reduced there)
 
     @property
     def first_stage(self) -> bool:
@@ -37,8 +41,10 @@ class ParallelState:
 
 
 def build_parallel_state(comm, tp_size: int, sequence_parallel: bool = False, cp_size: int = 1,
-                         pp_size: int = 1) -> ParallelState:
+                         pp_size: int = 1, ep_size: int = 1) -> ParallelState:
     world, rank = comm.world_size(), comm.rank()
+    if ep_size > 1 and (tp_size, cp_size, pp_size) != (1, 1, 1):
+        raise ValueError("expert parallelism here splits the data-parallel ranks only (TP = CP = PP = 1)")
     if world % (tp_size * cp_size * pp_size):
         raise ValueError(f"world size {world} is not divisible by tensor ({tp_size}) x context ({cp_size}) "
                          f"x pipeline ({pp_size}) parallel sizes")
@@ -61,9 +67,27 @@ def build_parallel_state(comm, tp_size: int, sequence_parallel: bool = False, cp
                 groups[kind] = g
     local = rank % stage
     tp_rank, cp_rank, dp_rank = local % tp_size, (local // tp_size) % cp_size, local // (tp_size * cp_size)
-    return ParallelState(tp_size, dp_size, tp_rank, dp_rank, groups["tp"], groups["dp"],
-                         sequence_parallel and tp_size > 1, cp_size, cp_rank, groups["cp"], cp_lists,
-                         pp_size=pp_size, pp_rank=rank // stage, pp_group=groups["pp"])
+    ps = ParallelState(tp_size, dp_size, tp_rank, dp_rank, groups["tp"], groups["dp"],
+                       sequence_parallel and tp_size > 1, cp_size, cp_rank, groups["cp"], cp_lists,
+                       pp_size=pp_size, pp_rank=rank // stage, pp_group=groups["pp"])
+    return _with_expert_groups(comm, ps, ep_size) if ep_size > 1 else ps
+
+
+def _with_expert_groups(comm, ps: ParallelState, ep_size: int) -> ParallelState:
+    """Megatron's expert layout at TP = CP = PP = 1 (order tp-ep-dp): EP groups are blocks of
+    ep_size adjacent ranks, expert-data-parallel groups the ranks ep_size apart."""
+    world, rank = comm.world_size(), comm.rank()
+    if world % ep_size:
+        raise ValueError(f"world size {world} is not divisible by expert parallel size {ep_size}")
+    ep_lists = [list(range(b, b + ep_size)) for b in range(0, world, ep_size)]
+    edp_lists = [list(range(j, world, ep_size)) for j in range(ep_size)]
+    for kind, lists in (("ep", ep_lists), ("edp", edp_lists)):
+        for ranks in lists:
+            g = comm.new_group(ranks)
+            if rank in ranks:
+                setattr(ps, f"{kind}_group", g)
+    ps.ep_size, ps.ep_rank = ep_size, rank % ep_size
+    return ps
 
 
 def stage_layer_counts(num_layers: int, pp_size: int, layer_list=None, first=None, last=None) -> list[int]:

@@ -69,13 +69,14 @@ def graph_mode_ok(cfg, ps, swap: bool) -> bool:
     full and selective recompute), nor with context parallelism (its attention's ring and all-to-all
     are Cells whose backward a trace would not call), nor with --use-ascend-coc (its linears are Cells
     too, and wait on collectives in flight, which a graph cannot hold), nor with pipeline parallelism
-    (its stages run under mindspore.vjp between exchanges). TP (its collectives carry their gradient
+    (its stages run under mindspore.vjp between exchanges), nor with MoE layers (their shapes follow
+    the routing, decided on the host each step). TP (its collectives carry their gradient
     as primitives, comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
     if os.environ.get("MINDSPEED_MS_PYNATIVE") == "1":      # debugging: op by op
         return False
     return not (swap or cfg.recompute or cfg.recompute_core_attention or cfg.recompute_norm_layers
                 or cfg.recompute_activation_layers or ps.cp_size > 1 or ps.tp_linear is not None
-                or ps.pp_size > 1)
+                or ps.pp_size > 1 or cfg.num_experts)
 
 
 def extras_names(args, cfg: GPTConfig, training: bool) -> tuple:
@@ -248,7 +249,8 @@ def setup(args):
     backend = get_backend()
     world = backend.comm.world_size()
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
-                              args.context_parallel_size, args.pipeline_model_parallel_size)
+                              args.context_parallel_size, args.pipeline_model_parallel_size,
+                              getattr(args, "expert_model_parallel_size", 1) or 1)
     if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
         args.world_size, args.data_parallel_size = world, ps.dp_size
     if args.global_batch_size % (args.micro_batch_size * ps.dp_size):
@@ -319,6 +321,7 @@ def _train(args, backend, ps, logger) -> dict:
                  f"{'graph (traced forward)' if trainer.graph_mode else 'PyNative'}); {describe()}")
     logger.print(f"> world {ps.tp_size * ps.cp_size * ps.dp_size * ps.pp_size} = TP {ps.tp_size} x CP {ps.cp_size} "
                  f"x DP {ps.dp_size} x PP {ps.pp_size}"
+                 f"{f' (MoE: {cfg.num_experts} experts, top-{cfg.moe_router_topk}, EP {ps.ep_size})' if cfg.num_experts else ''}"
                  f"{' (sequence parallel)' if ps.sequence_parallel else ''}; micro-batches per step "
                  f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
     if trainer.distributed_optimizer:

@@ -1,0 +1,200 @@
+"""MoE parity: Megatron-Core's MoE GPTModel (torch, CPU/gloo; TopKRouter, alltoall dispatcher,
+SequentialMLP experts) and the MindSpore trainer's MoE layer, from the same initial weights on the
+same batches: at EP=1 in one process (with shared experts) and at EP=2 on 2 processes (DP=2: each
+rank its own batches, tokens exchanged between the ranks' experts). The load-balancing loss is on
+(coefficient 0.1): its gradient is in the updates, while the compared loss is the lm loss alone.
+
+The torch side mirrors Megatron's DDP and optimizer for expert parallelism: dense gradients
+averaged over DP, expert gradients summed over the expert-data-parallel group and divided by the
+DP size; the clipping norm counts the dense weights once and every expert once (summed over EP)."""
+from __future__ import annotations
+
+import numpy as np
+
+from tests_extend.distributed import mindspore_parity as mp
+
+EXPERTS, TOPK, MOE_FFN, SHARED, AUX = 4, 2, 32, 16, 0.1
+EXPERT_KEY = "mlp.experts.local_experts."
+
+
+def moe_flags(ep: int, shared: bool) -> list:
+    flags = ["--num-experts", EXPERTS, "--moe-router-topk", TOPK, "--moe-ffn-hidden-size", MOE_FFN,
+             "--moe-aux-loss-coeff", AUX, "--expert-model-parallel-size", ep]
+    return [str(a) for a in flags + (["--moe-shared-expert-intermediate-size", SHARED] if shared else [])]
+
+
+def batch(step: int, dp_rank: int):
+    """Four batches per DP rank in turn, different on each rank; step EVAL_SEED: held out."""
+    seed = 5000 + dp_rank if step == mp.EVAL_SEED else 100 + 10 * dp_rank + step % 4
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(0, mp.VOCAB, (mp.MBS, mp.SEQ + 1))
+    mask = np.ones((mp.MBS, mp.SEQ), np.float32)
+    mask[0, :3] = 0.0
+    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32), mask
+
+
+def write_init(path: str, shared: bool, seed: int = 7) -> None:
+    """The initial weights (Megatron's init, the trainer's init_full_weights) as a neutral checkpoint."""
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
+    args = parse_args(mp.trainer_argv(1) + moe_flags(1, shared))
+    nf.save(path, 0, init_full_weights(GPTConfig.from_args(args, mp.VOCAB), seed), meta={"backend": "test"})
+
+
+# -- mindspore side -------------------------------------------------------------------------------
+def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | None = None,
+             steps: int = mp.STEPS, extra: tuple = ()) -> dict:
+    """Load init_ckpt, train `steps` steps (none: evaluate the checkpoint only), optionally save;
+    `extra`: more flags (another feature on top of MoE)."""
+    import mindspeed
+    from mindspeed.training.arguments import parse_args
+    from mindspeed.training.mindspore import checkpoint
+    from mindspeed.training.mindspore.model import GPTConfig
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    world = backend.comm.world_size()
+    args = parse_args(mp.trainer_argv(1) + moe_flags(ep, shared) + ["--global-batch-size", str(mp.MBS * world)]
+                      + list(extra), world_size=world)
+    args.backend = "mindspore"
+    mindspeed.adapt(args)       # the support matrix's gate: MoE (and EP) must be accepted here
+    try:
+        ps = build_parallel_state(backend.comm, 1, ep_size=ep)
+        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB))
+        checkpoint.load(init_ckpt, trainer.model)
+        losses, norms = [], []
+        for step in range(steps):
+            tokens, labels, mask = batch(step, ps.dp_rank)
+            loss, norm, _ = trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)
+            losses.append(loss)      # the DP mean, as the torch side reports per rank below
+            norms.append(norm)
+        tokens, labels, mask = batch(mp.EVAL_SEED, ps.dp_rank)
+        eval_loss = trainer.evaluate([{"tokens": tokens, "labels": labels, "loss_mask": mask}])
+        if save_dir:
+            checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, {"backend": "mindspore"})
+        return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode,
+                "params": sorted(trainer.model.params)}
+    finally:
+        mindspeed.unadapt()
+
+
+# -- torch side (inside the gloo harness) ----------------------------------------------------------
+def build_torch_model(ep: int, shared: bool):
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    config = TransformerConfig(num_layers=mp.LAYERS, hidden_size=mp.HIDDEN, num_attention_heads=mp.HEADS,
+                               num_query_groups=mp.GROUPS, ffn_hidden_size=mp.FFN, use_cpu_initialization=True,
+                               normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                               bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+                               num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
+                               moe_aux_loss_coeff=AUX, moe_token_dispatcher_type="alltoall",
+                               expert_model_parallel_size=ep,
+                               moe_shared_expert_intermediate_size=SHARED if shared else None)
+    return GPTModel(config, get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm"),
+                    vocab_size=mp.VOCAB, max_sequence_length=mp.SEQ, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False)
+
+
+def _local_name(name: str, ep_rank: int, local: int):
+    """A whole checkpoint's expert name -> this EP rank's state-dict name, or None (not its expert)."""
+    if EXPERT_KEY not in name:
+        return name
+    head, tail = name.split(EXPERT_KEY, 1)
+    e, rest = tail.split(".", 1)
+    return f"{head}{EXPERT_KEY}{int(e) - ep_rank * local}.{rest}" if int(e) // local == ep_rank else None
+
+
+def load_into_torch(model, ckpt: str, ep_rank: int, ep: int) -> None:
+    import torch
+    from mindspeed.training.mindspore import neutral_format as nf
+    full, _, _ = nf.load(ckpt)
+    local = EXPERTS // ep
+    state = {_local_name(k, ep_rank, local): torch.from_numpy(np.array(v)) for k, v in full.items()}
+    state.pop(None, None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert all(k.endswith("_extra_state") for k in missing), missing
+
+
+def _loss(model, step, dp_rank):
+    import torch
+    tokens, labels, mask = (torch.from_numpy(a.astype(np.int64) if a.dtype != np.float32 else a)
+                            for a in batch(step, dp_rank))
+    position_ids = torch.arange(mp.SEQ).unsqueeze(0).expand(mp.MBS, -1)
+    per_token = model(tokens, position_ids, None, labels=labels)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None):
+    """Harness body: train; evaluate the result; with save_dir (EP=1) save it as a neutral
+    checkpoint; with other_ckpt, load that one into a fresh model and evaluate it too."""
+    import torch
+    import mindspeed
+    mindspeed.adapt([])
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(123)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    ep_rank, ep_group = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group()
+    edp_group, dp_group = ps.get_expert_data_parallel_group(), ps.get_data_parallel_group()
+    model = build_torch_model(ep, shared)
+    load_into_torch(model, init_ckpt, ep_rank, ep)
+    params = list(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() > 1], "weight_decay": mp.OPT["weight_decay"]},
+                             {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                            lr=mp.OPT["lr"], betas=mp.OPT["betas"], eps=mp.OPT["eps"])
+    losses, norms = [], []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = mp.lr_at(step)
+        opt.zero_grad()
+        loss = _loss(model, step, dp_rank)
+        loss.backward()
+        for _, p in params:
+            if p.grad is None:       # an expert no token was routed to
+                p.grad = torch.zeros_like(p)
+        dense_sq, expert_sq = 0.0, 0.0
+        for name, p in params:
+            p.grad.div_(dp)          # Megatron's DDP: scale by 1/dp, then sum over (expert-)DP
+            if EXPERT_KEY in name:
+                torch.distributed.all_reduce(p.grad, group=edp_group)
+                expert_sq += float(p.grad.double().square().sum())
+            else:
+                torch.distributed.all_reduce(p.grad, group=dp_group)
+                dense_sq += float(p.grad.double().square().sum())
+        sq = torch.tensor([expert_sq], dtype=torch.float64)
+        torch.distributed.all_reduce(sq, group=ep_group)
+        norms.append(float((sq + dense_sq).sqrt()))
+        coeff = mp.OPT["clip"] / (norms[-1] + 1e-6)
+        if coeff < 1.0:
+            for _, p in params:
+                p.grad.mul_(coeff)
+        opt.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean, group=dp_group)
+        losses.append(mean.item() / dp)
+    result = {"losses": losses, "grad_norms": norms, "eval_loss": _eval(model, dp_rank, dp_group, dp)}
+    if save_dir:
+        from mindspeed.training.mindspore import neutral_format as nf
+        assert ep == 1      # the state dict's local expert indices are the global ones
+        nf.save(save_dir, steps, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
+                                  if torch.is_tensor(v) and v.is_floating_point()}, meta={"backend": "torch"})
+    if other_ckpt:      # the MindSpore run's final checkpoint, loaded here and evaluated
+        fresh = build_torch_model(ep, shared)
+        load_into_torch(fresh, other_ckpt, ep_rank, ep)
+        result["eval_loss_of_other"] = _eval(fresh, dp_rank, dp_group, dp)
+    return result
+
+
+def _eval(model, dp_rank, dp_group, dp) -> float:
+    """The held-out batch's loss, averaged over DP (the MindSpore trainer's evaluate)."""
+    import torch
+    with torch.no_grad():
+        value = _loss(model, mp.EVAL_SEED, dp_rank).reshape(1)
+    torch.distributed.all_reduce(value, group=dp_group)
+    return value.item() / dp

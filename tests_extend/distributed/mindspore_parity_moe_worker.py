@@ -1,0 +1,24 @@
+"""msrun worker for the MoE parity test: EP=2 on 2 processes (DP=2, each rank its own batches),
+from the initial checkpoint; the trained weights saved (experts gathered from both EP ranks).
+Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+
+
+def main(out_dir, init_ckpt, save_dir):
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from tests_extend.distributed.mindspore_parity_moe import ms_train
+    backend = MindSporeBackend("cpu")
+    rank = backend.comm.rank()
+    try:
+        write_result(out_dir, rank, {"ok": True, "ep2": ms_train(backend, 2, False, init_ckpt, save_dir=save_dir)})
+    except Exception:
+        write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,125 @@
+"""The MindSpore trainer's MoE layer (training/mindspore/moe.py) against small numpy references:
+Megatron-Core 0.16's top-k routing (top-k by logit, softmax over the k), its switch load-balancing
+loss and that loss's gradient (added where the probabilities enter, the forward unchanged), and
+one layer's output (every token the probability-weighted sum of its k experts, none dropped)."""
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+
+from mindspeed.training.mindspore import moe  # noqa: E402
+
+T, E, K, COEFF = 12, 4, 2, 0.3
+
+
+def _logits(seed=0):
+    return np.random.RandomState(seed).randn(T, E).astype(np.float32)
+
+
+def _softmax(x):
+    z = np.exp(x - x.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+def _top(logits):
+    idx = np.argsort(-logits, axis=1, kind="stable")[:, :K]
+    return idx, _softmax(np.take_along_axis(logits, idx, 1))
+
+
+def _aux_reference(logits):
+    """Switch Transformer's loss as Megatron's docstring writes it: E * coeff * sum_i f_i * P_i,
+    f_i the fraction of the T*k routings that chose expert i, P_i its mean probability."""
+    scores = _softmax(logits)
+    counts = np.zeros(E)
+    for row in np.argsort(-scores, axis=1)[:, :K]:
+        counts[row] += 1
+    return E * COEFF * np.sum(counts / (T * K) * scores.mean(0)), scores, counts
+
+
+def test_routing_is_topk_by_logit_then_softmax_over_the_k():
+    logits = _logits()
+    probs, idx = moe.route(ms.Tensor(logits), K)
+    ref_idx, ref_probs = _top(logits)
+    np.testing.assert_array_equal(idx.asnumpy(), ref_idx)
+    np.testing.assert_allclose(probs.asnumpy(), ref_probs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(probs.asnumpy().sum(1), 1.0, rtol=1e-6)
+
+
+def test_load_balancing_loss_and_its_gradient():
+    logits = _logits(1)
+    ref, scores, counts = _aux_reference(logits)
+    assert float(moe.load_balancing_loss(ms.Tensor(logits), K, COEFF).asnumpy()) == pytest.approx(ref, rel=1e-5)
+    # d/dlogits of C * sum_t sum_e s_te n_e = C * s_tj * (n_j - sum_e s_te n_e)
+    c = E * COEFF / (K * T * T)
+    ref_grad = c * scores * (counts[None] - (scores * counts[None]).sum(1, keepdims=True))
+    grad = ms.grad(lambda x: moe.load_balancing_loss(x, K, COEFF))(ms.Tensor(logits))
+    np.testing.assert_allclose(grad.asnumpy(), ref_grad, rtol=1e-4, atol=1e-9)
+
+
+def test_aux_gradient_is_added_where_the_probabilities_enter():
+    """Megatron's MoEAuxLossAutoScaler: the forward is the probabilities alone, the backward that
+    of (probabilities used) + aux loss."""
+    from mindspeed.backends.mindspore.autograd import MsAutograd
+    logits, weights = ms.Tensor(_logits(2)), ms.Tensor(np.random.RandomState(3).randn(T, K).astype(np.float32))
+
+    def attached(x):
+        probs, _ = moe.route(x, K)
+        return (moe.attach_aux_gradient(MsAutograd(), probs, moe.load_balancing_loss(x, K, COEFF)) * weights).sum()
+
+    def summed(x):
+        probs, _ = moe.route(x, K)
+        return (probs * weights).sum() + moe.load_balancing_loss(x, K, COEFF)
+
+    def plain(x):
+        return (moe.route(x, K)[0] * weights).sum()
+    assert float(attached(logits).asnumpy()) == pytest.approx(float(plain(logits).asnumpy()), abs=0)
+    np.testing.assert_allclose(ms.grad(attached)(logits).asnumpy(), ms.grad(summed)(logits).asnumpy(),
+                               rtol=1e-5, atol=1e-8)
+    assert not np.allclose(ms.grad(attached)(logits).asnumpy(), ms.grad(plain)(logits).asnumpy(), atol=1e-6)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def test_layer_output_is_each_tokens_weighted_experts():
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore import neutral_format as nf
+    backend = MindSporeBackend("cpu")
+    cfg = GPTConfig(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=2,
+                    kv_channels=4, vocab_size=32, seq_length=6, num_experts=E, moe_router_topk=K,
+                    moe_ffn_hidden_size=5, moe_shared_expert_size=3, init_method_std=0.5)
+    model = GPTModel(cfg, backend, build_parallel_state(backend.comm, 1))
+    w = init_full_weights(cfg, 4)
+    model.load_full(w)
+    x = np.random.RandomState(5).randn(6, 2, 8).astype(np.float32)
+    out = model._mlp(0, ms.Tensor(x)).asnumpy().reshape(-1, 8)
+    flat = x.reshape(-1, 8)
+    idx, probs = _top(flat @ w[nf.layer_name(0, "mlp.router.weight")].T)
+
+    def mlp(prefix, rows):
+        gate, up = np.split(rows @ w[nf.layer_name(0, prefix + "linear_fc1.weight")].T, 2, -1)
+        return (_silu(gate) * up) @ w[nf.layer_name(0, prefix + "linear_fc2.weight")].T
+    ref = mlp("mlp.shared_experts.", flat)
+    for t in range(flat.shape[0]):
+        for j in range(K):
+            ref[t] += probs[t, j] * mlp(f"mlp.experts.local_experts.{idx[t, j]}.", flat[t:t + 1])[0]
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--tensor-model-parallel-size", "2", "--sequence-parallel"), "parallel size 1"),
+    (("--moe-token-dispatcher-type", "allgather"), "all-to-all only"),
+    (("--add-bias-linear",), "no linear biases"),
+    (("--recompute-activation-function",), "experts' activation"),
+    (("--expert-model-parallel-size", "2", "--use-distributed-optimizer"), "expert-parallel weights"),
+    (("--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"), "not overlapped"),
+])
+def test_what_the_layer_does_not_do_is_refused_in_one_line(extra, says):
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(["--backend", "mindspore", "--num-experts", "4", *extra])
+    assert says in str(err.value) and "\n" not in str(err.value)
+    plan(["--backend", "torch", "--num-experts", "4", *extra])        # Megatron-Core runs each of them
