@@ -62,7 +62,9 @@ def _argv(flags, tp, ep, dispatcher, options):
     return (flags + ["--mock-data", "--num-experts", str(mc.E), "--tensor-model-parallel-size", str(tp),
                      "--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
             + (["--sequence-parallel"] if tp > 1 else [])
-            + (["--moe-shared-expert-overlap"] if options.get("shared_overlap") else []))
+            # the overlap needs shared experts (the moe-shared-expert-overlap row); the cases build theirs of size FFN
+            + (["--moe-shared-expert-intermediate-size", str(mc.FFN), "--moe-shared-expert-overlap"]
+               if options.get("shared_overlap") else []))
 
 
 def _groups(flags, tp, ep):
