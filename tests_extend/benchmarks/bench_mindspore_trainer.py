@@ -3,6 +3,9 @@ batches, one process, fp32 on CPU, measured in one run with the steps interleave
 mindspore step, ...) so both see the same machine load. Prints the medians and their ratio.
 
     python tests_extend/benchmarks/bench_mindspore_trainer.py [--layers 4 --hidden 128 --seq 128 --mbs 16 --steps 6]
+
+The thread count changes the ratio: OMP_NUM_THREADS sets torch's threads and MindSpore's CPU kernel
+pool alike (the line printed says how many torch used); measure with 1 and with the variable unset.
 """
 from __future__ import annotations
 
