@@ -37,16 +37,24 @@ def _gather_pp(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
     receivers know them without asking."""
     if getattr(ps, "pp_size", 1) == 1:
         return dict(arrays)
-    import mindspore as ms
-    out = {}
+    keys_by_stage = []
     for stage in range(ps.pp_size):
         shapes = type(model).stage_shapes(model.cfg, stage, ps.pp_size)
-        keys = [(pre + n, s) for pre in prefixes for n, s in shapes.items()]
-        if stage == ps.pp_rank:
+        keys_by_stage.append([(pre + n, s) for pre in prefixes for n, s in shapes.items()])
+    return _from_each_owner(backend, ps.pp_group, ps.pp_rank, arrays, keys_by_stage)
+
+
+def _from_each_owner(backend, group, my_rank: int, arrays: dict, keys_by_owner: list) -> dict:
+    """Tensors each held by one rank of `group`, on every rank: owner r's go by one broadcast from it
+    (keys_by_owner[r]: their (name, shape), known to every rank from the config)."""
+    import mindspore as ms
+    out = {}
+    for owner, keys in enumerate(keys_by_owner):
+        if owner == my_rank:
             flat = ms.Tensor(np.concatenate([arrays[k].reshape(-1) for k, _ in keys]).astype(np.float32))
         else:
             flat = ops.zeros((sum(int(np.prod(s)) for _, s in keys),), ms.float32)
-        flat = backend.comm.broadcast(flat, stage, ps.pp_group).asnumpy()
+        flat = backend.comm.broadcast(flat, owner, group).asnumpy()
         start = 0
         for k, shape in keys:
             size = int(np.prod(shape))
@@ -60,24 +68,13 @@ def _gather_ep(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
     (their names and shapes follow from the config, as the pipeline stages' do)."""
     if getattr(ps, "ep_size", 1) == 1:
         return dict(arrays)
-    import mindspore as ms
     from mindspeed.training.mindspore.moe import expert_of, is_expert
-    out = {k: v for k, v in arrays.items() if not is_expert(k)}
     local = model.cfg.num_experts // ps.ep_size
     experts = {n: s for n, s in model.cfg.full_shapes().items() if is_expert(n)}
-    for r in range(ps.ep_size):
-        keys = [(pre + n, s) for pre in prefixes for n, s in experts.items() if expert_of(n) // local == r]
-        if r == ps.ep_rank:
-            flat = ms.Tensor(np.concatenate([arrays[k].reshape(-1) for k, _ in keys]).astype(np.float32))
-        else:
-            flat = ops.zeros((sum(int(np.prod(s)) for _, s in keys),), ms.float32)
-        flat = backend.comm.broadcast(flat, r, ps.ep_group).asnumpy()
-        start = 0
-        for k, shape in keys:
-            size = int(np.prod(shape))
-            out[k] = flat[start:start + size].reshape(shape)
-            start += size
-    return out
+    keys_by_rank = [[(pre + n, s) for pre in prefixes for n, s in experts.items() if expert_of(n) // local == r]
+                    for r in range(ps.ep_size)]
+    return {**{k: v for k, v in arrays.items() if not is_expert(k)},
+            **_from_each_owner(backend, ps.ep_group, ps.ep_rank, arrays, keys_by_rank)}
 
 
 def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -> None:
