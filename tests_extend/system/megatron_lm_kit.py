@@ -57,6 +57,9 @@ def launch(checkout: str, nproc: int, args=(), env=None, timeout: int = 420) -> 
     full_env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(free_port()), MEGATRON_LM=checkout,
                     NPUS_PER_NODE=str(nproc), TP="1", PP="1", CP="1", EP="1", FUSED="0", **TINY)
     full_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full_env.get("PATH", "")  # helpers build
+    # each rank's lines reach the shared pipe whole: block-buffered output is flushed at 8 KB
+    # boundaries, which cut rank 0's feature line once with another rank's warning in between
+    full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
     return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)

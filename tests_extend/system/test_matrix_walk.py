@@ -100,10 +100,16 @@ def test_accepted_mindspore_cells_train(workdir, tmp_path, monkeypatch):
     for name, argv in cells:
         rc, line = walk.check_answer(argv)
         assert rc == 0, f"{name}: check refused a cell the matrix accepts: {line}"
-    spec = tmp_path / "cells.json"
-    spec.write_text(json.dumps(cells))
     worker = os.path.join(walk.ROOT, "tests_extend", "system", "matrix_walk_ms_worker.py")
-    results = run_msrun(worker, [str(spec), str(tmp_path)], str(tmp_path), timeout=900)
-    failed = {name: r for name, r in results[0].items() if not r["trained"]}
+    # two launches of half the cells each: one MindSpore process training ~40 cells in turn crashed
+    # once inside MindSpore (a segfault in _c_expression at the 30th); each launch keeps its own
+    trained = {}
+    for part, chunk in enumerate((cells[::2], cells[1::2])):
+        out = tmp_path / f"part{part}"
+        out.mkdir()
+        (out / "cells.json").write_text(json.dumps(chunk))
+        trained.update(run_msrun(worker, [str(out / "cells.json"), str(out)], str(out), timeout=900)[0])
+    assert sorted(trained) == sorted(name for name, _ in cells)
+    failed = {name: r for name, r in trained.items() if not r["trained"]}
     assert not failed, "\n".join(f"{name}: {r}" for name, r in failed.items())
     print(f"\nmindspore/cpu: {len(cells)} accepted cells trained 2 iterations on 2 processes")
