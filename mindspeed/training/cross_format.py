@@ -45,10 +45,6 @@ def _layer_keys() -> dict:
     return {**LAYER_KEYS, **{suffix: STACKED + suffix for suffix in MOE_LAYER_SUFFIXES}}
 
 
-def _expert_name(i: int, e: int, suffix: str) -> str:
-    return nf.layer_name(i, f"mlp.experts.local_experts.{e}.{suffix}")
-
-
 def fit_vocab_rows(name: str, array: np.ndarray, rows: int) -> np.ndarray:
     """`array` with `rows` rows for the vocabulary tensors (the converter's fit_vocab): zero padding
     rows added or dropped. `rows` is this model's padded vocabulary, never below the real one, so
@@ -70,7 +66,7 @@ class _NeutralSource:
                                   default=-1)
         self.stacked_suffix = {key: suffix for suffix, key in _layer_keys().items()}
         self.expert_suffix = {key: suffix for suffix, key in EXPERT_KEYS.items()}
-        self.num_experts = len({k.split("local_experts.")[1].split(".")[0] for k in model if "local_experts." in k})
+        self.num_experts = len({nf.expert_of(k) for k in model if nf.is_expert(k)})
         self._cache: dict = {}
 
     def array(self, key: str) -> np.ndarray:
@@ -93,10 +89,10 @@ class _NeutralSource:
             table = {k.split("/", 1)[1]: v for k, v in self.moments.items() if k.startswith(moment + "/")}
         if name in self.expert_suffix:      # [layer, expert, ...]
             suffix = self.expert_suffix[name]
-            names = [[_expert_name(i, e, suffix) for e in range(self.num_experts)] for i in range(self.num_layers)]
+            names = [[nf.expert_name(i, e, suffix) for e in range(self.num_experts)] for i in range(self.num_layers)]
             missing = [n for row in names for n in row if n not in table]
             if missing or not self.num_experts:
-                held = missing[0] if missing else _expert_name(0, 0, suffix)
+                held = missing[0] if missing else nf.expert_name(0, 0, suffix)
                 raise CheckpointError(f"checkpoint {self.dir} does not fit this model: it holds no {held}")
             return np.stack([np.stack([table[n] for n in row]) for row in names])
         if name in self.stacked_suffix:
@@ -193,7 +189,7 @@ def neutral_from_torch_dist(directory: str, load_optimizer: bool) -> tuple[dict,
         for suffix, key in EXPERT_KEYS.items():
             if reader.has(prefix + key):
                 stacked = reader.get(prefix + key).float().numpy()      # [layer, expert, ...]
-                out.update({_expert_name(i, e, suffix): stacked[i, e] for i in range(stacked.shape[0])
+                out.update({nf.expert_name(i, e, suffix): stacked[i, e] for i in range(stacked.shape[0])
                             for e in range(stacked.shape[1])})
         for key in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"):
             if reader.has(prefix + key):

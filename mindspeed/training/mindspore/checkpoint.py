@@ -68,12 +68,11 @@ def _gather_ep(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
     (their names and shapes follow from the config, as the pipeline stages' do)."""
     if getattr(ps, "ep_size", 1) == 1:
         return dict(arrays)
-    from mindspeed.training.mindspore.moe import expert_of, is_expert
-    local = model.cfg.num_experts // ps.ep_size
-    experts = {n: s for n, s in model.cfg.full_shapes().items() if is_expert(n)}
-    keys_by_rank = [[(pre + n, s) for pre in prefixes for n, s in experts.items() if expert_of(n) // local == r]
+    owner = lambda name: nf.expert_owner(nf.expert_of(name), model.cfg.num_experts, ps.ep_size)
+    experts = {n: s for n, s in model.cfg.full_shapes().items() if nf.is_expert(n)}
+    keys_by_rank = [[(pre + n, s) for pre in prefixes for n, s in experts.items() if owner(n) == r]
                     for r in range(ps.ep_size)]
-    return {**{k: v for k, v in arrays.items() if not is_expert(k)},
+    return {**{k: v for k, v in arrays.items() if not nf.is_expert(k)},
             **_from_each_owner(backend, ps.ep_group, ps.ep_rank, arrays, keys_by_rank)}
 
 

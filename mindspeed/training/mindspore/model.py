@@ -26,7 +26,7 @@ from mindspore import ops
 
 from mindspeed.features.parallel.layers import layer_list, noop_layer_set
 from mindspeed.training.mindspore import neutral_format as nf
-from mindspeed.training.mindspore.moe import MoELayer, expert_name, expert_of, is_expert
+from mindspeed.training.mindspore.moe import MoELayer
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
 from mindspeed.training.mindspore.parallel import ParallelState, stage_layer_counts
@@ -161,8 +161,8 @@ class GPTConfig:
         h, gate = self.hidden_size, 2 if self.swiglu else 1
         shapes = {nf.layer_name(i, "mlp.router.weight"): (self.num_experts, h)}
         for e in range(self.num_experts):
-            shapes.update({expert_name(i, e, "linear_fc1.weight"): (gate * self.moe_ffn_hidden_size, h),
-                           expert_name(i, e, "linear_fc2.weight"): (h, self.moe_ffn_hidden_size)})
+            shapes.update({nf.expert_name(i, e, "linear_fc1.weight"): (gate * self.moe_ffn_hidden_size, h),
+                           nf.expert_name(i, e, "linear_fc2.weight"): (h, self.moe_ffn_hidden_size)})
         if self.moe_shared_expert_size:
             shapes.update({nf.layer_name(i, "mlp.shared_experts.linear_fc1.weight"): (gate * self.moe_shared_expert_size, h),
                            nf.layer_name(i, "mlp.shared_experts.linear_fc2.weight"): (h, self.moe_shared_expert_size)})
@@ -305,11 +305,10 @@ class GPTModel:
         """The whole shapes of the parameters this pipeline stage holds (all of them without PP),
         with expert parallelism only this EP rank's experts."""
         return {n: s for n, s in self.stage_shapes(self.cfg, self.ps.pp_rank, self.ps.pp_size).items()
-                if not is_expert(n) or self.owns_expert(expert_of(n))}
+                if not nf.is_expert(n) or self.owns_expert(nf.expert_of(n))}
 
     def owns_expert(self, e: int) -> bool:
-        local = self.cfg.num_experts // self.ps.ep_size
-        return e // local == self.ps.ep_rank
+        return nf.expert_owner(e, self.cfg.num_experts, self.ps.ep_size) == self.ps.ep_rank
 
     @staticmethod
     def stage_shapes(cfg: GPTConfig, pp_rank: int, pp_size: int) -> dict:

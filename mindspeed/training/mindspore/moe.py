@@ -26,22 +26,6 @@ from mindspore import ops
 from mindspeed.training.mindspore import neutral_format as nf
 from mindspeed.training.mindspore.layers import linear
 
-EXPERTS = "mlp.experts.local_experts."
-
-
-def expert_name(i: int, e: int, suffix: str) -> str:
-    """The state-dict name of global expert e's weight (Megatron's names at EP 1)."""
-    return nf.layer_name(i, f"{EXPERTS}{e}.{suffix}")
-
-
-def is_expert(name: str) -> bool:
-    return EXPERTS in name
-
-
-def expert_of(name: str) -> int:
-    return int(name.split(EXPERTS, 1)[1].split(".", 1)[0])
-
-
 def route(logits, topk: int):
     """[T, E] logits -> (probs [T, k], expert indices [T, k]): top-k by logit, softmax over those."""
     top_logits, top_idx = ops.topk(logits, topk)
@@ -84,7 +68,7 @@ class MoELayer:
         return self.model.params[nf.layer_name(self.i, suffix)]
 
     def _expert_mlp(self, e, x, probs):
-        p = lambda s: self.model.params[expert_name(self.i, e, s)]
+        p = lambda s: self.model.params[nf.expert_name(self.i, e, s)]
         h = self.model._activation(linear(x, p("linear_fc1.weight")))
         return linear(h * probs.expand_dims(-1), p("linear_fc2.weight"))
 

@@ -41,6 +41,28 @@ def layer_name(i: int, suffix: str) -> str:
     return f"decoder.layers.{i}.{suffix}"
 
 
+# MoE: each expert's weights under its global index (Megatron's names at EP 1), whatever the EP size
+EXPERTS = "mlp.experts.local_experts."
+
+
+def expert_name(i: int, e: int, suffix: str) -> str:
+    """The state-dict name of layer i's global expert e's weight."""
+    return layer_name(i, f"{EXPERTS}{e}.{suffix}")
+
+
+def is_expert(name: str) -> bool:
+    return EXPERTS in name
+
+
+def expert_of(name: str) -> int:
+    return int(name.split(EXPERTS, 1)[1].split(".", 1)[0])
+
+
+def expert_owner(e: int, num_experts: int, ep_size: int) -> int:
+    """The expert-parallel rank holding global expert e: EP rank r holds a contiguous block."""
+    return e // (num_experts // ep_size)
+
+
 def split_kind(name: str, gated: bool = True) -> str:
     if name.endswith(GATED_SPLIT):
         return "gated" if gated else "row"
