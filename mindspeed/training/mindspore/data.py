@@ -152,11 +152,18 @@ def eod_id(args, flag_tokenizer=None) -> int:
     if args.mock_data:
         import string
         return CharLevelTokenizer(string.printable).eod     # the torch trainer's mock tokenizer
+    return int(load_tokenizer(dataset_prefix(args)).eod)
+
+
+def dataset_prefix(args, log=print) -> str:
+    """The one dataset prefix --data-path names (the bundled Shakespeare dataset without one)."""
     paths = list(args.data_path or [])
     if not paths:
         from mindspeed.data.shakespeare import ensure_dataset
-        paths = [ensure_dataset()]
-    return int(load_tokenizer(paths[-1]).eod)
+        paths = [ensure_dataset(log=log)]
+    if len(paths) != 1:   # blends are refused by the support matrix (data-blend); a lone weight is not
+        raise DataError(f"--data-path {' '.join(paths)}: the mindspore trainer reads one dataset prefix")
+    return paths[0]
 
 
 class MockStream(SampleStream):
@@ -172,13 +179,7 @@ def build_streams(args, log=print):
     if args.mock_data:
         vocab = int(getattr(args, "vocab_size", None) or 256)   # the torch side's mock vocab
         return vocab, MockStream(vocab, args.seq_length, args.seed), MockStream(vocab, args.seq_length, args.seed + 1)
-    paths = list(args.data_path or [])
-    if not paths:
-        from mindspeed.data.shakespeare import ensure_dataset
-        paths = [ensure_dataset(log=log)]
-    if len(paths) != 1:   # blends are refused by the support matrix (data-blend); a lone weight is not
-        raise DataError(f"--data-path {' '.join(paths)}: the mindspore trainer reads one dataset prefix")
-    prefix = paths[0]
+    prefix = dataset_prefix(args, log)
     vocab = vocab_size_of(prefix, args)
     if getattr(args, "is_instruction_dataset", False):
         from mindspeed.data.tokenizer import load_tokenizer
