@@ -134,7 +134,11 @@ def main(out_dir):
     backend = MindSporeBackend("cpu")
     rank = backend.comm.rank()
     try:
-        write_result(out_dir, rank, {"ok": True, "world": backend.comm.world_size(), "checks": checks(backend)})
+        done = checks(backend)
+        from mindspeed.backends.mindspore import comm as ms_comm
+        shm = {name: os.path.exists(group.path) for name, group in ms_comm._SHM_GROUPS.items()}
+        write_result(out_dir, rank, {"ok": True, "world": backend.comm.world_size(), "checks": done,
+                                     "shm_groups": sorted(shm), "shm_files_left": [n for n, left in shm.items() if left]})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 

@@ -25,9 +25,18 @@ EXPECTED = ({f"{tag}/{check}" for tag in ("world", "pairs", "strided") for check
             | {"group_of_one/all_gather", "group_of_one/all_reduce"})
 
 
-def test_collectives_on_the_world_and_on_real_subgroups(tmp_path):
+@pytest.mark.parametrize("transport", ["shared_memory", "mccl"])
+def test_collectives_on_the_world_and_on_real_subgroups(tmp_path, monkeypatch, transport):
+    """Both CPU transports: shared memory (the default on one x86-64 host) and MindSpore's MCCL
+    (MINDSPEED_MS_SHM_COLLECTIVES=0, what other hosts get)."""
+    if transport == "mccl":
+        monkeypatch.setenv("MINDSPEED_MS_SHM_COLLECTIVES", "0")
     results = run_msrun(WORKER, [str(tmp_path)], str(tmp_path), workers=4, timeout=300)
     for rank, res in enumerate(results):
         assert res["ok"], f"rank {rank}:\n{res.get('error')}"
         assert res["world"] == 4
         assert set(res["checks"]) == EXPECTED
+        mine = {"pairs": "0_1" if rank < 2 else "2_3", "strided": "0_2" if rank % 2 == 0 else "1_3"}
+        want = ["mccl_world_group"] + sorted(f"mindspeed_g_{ranks}" for ranks in mine.values())
+        assert res["shm_groups"] == (sorted(want) if transport == "shared_memory" else []), res["shm_groups"]
+        assert res["shm_files_left"] == []          # names removed once every member mapped them

@@ -5,7 +5,9 @@ group only. Everything else is emulated from AllReduce(sum) of a zero-padded buf
 writes its tensor into its own slot of a [n, ...] buffer of zeros, the sum is every rank's tensor
 (adding zeros is exact), and the wanted collective is a local reduction or slice of it. That costs
 n times the bandwidth of the native op and keeps the same semantics (capabilities.py says
-`emulated`). On Ascend, HCCL has every op natively.
+`emulated`). Where a group's ranks share one x86-64 host, its AllReduce(sum), AllGather and
+Broadcast go through shared memory instead of MCCL (shm_collectives.py: same ops, several times
+faster; MINDSPEED_MS_SHM_COLLECTIVES=0 keeps MCCL). On Ascend, HCCL has every op natively.
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import mindspore as ms
 from mindspore import ops
 
 from mindspeed.backends.base import CommAPI, CommHandle
+from mindspeed.backends.mindspore import shm_collectives
 from mindspeed.backends.mindspore.autograd import MsAutograd, with_gradient
+from mindspeed.backends.mindspore.device import pin_to_cores
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,8 @@ class MsGroup:
 
 
 _CREATED_GROUPS: set = set()
+_SHM_GROUPS: dict = {}         # group name -> ShmGroup, process-wide as the groups are
+_PROCS_ON_HOST: dict = {}      # "world" -> how many of the job's processes run on this host
 
 
 class _Done:
@@ -63,6 +69,9 @@ class MsComm(CommAPI):
             sys.exit(0)
         self._initialized = True
         self._world = MsGroup(GlobalComm.WORLD_COMM_GROUP, tuple(range(get_group_size())))
+        if self._world.name not in _CREATED_GROUPS and len(self._world.ranks) > 1:
+            _CREATED_GROUPS.add(self._world.name)
+            self._attach_shm(self._world)
 
     @property
     def initialized(self) -> bool:
@@ -97,10 +106,42 @@ class MsComm(CommAPI):
         from mindspore.communication import create_group
         name = "mindspeed_g_" + "_".join(map(str, ranks))
         if name not in _CREATED_GROUPS:     # process-wide: MindSpore refuses a second create_group
+            _CREATED_GROUPS.add(name)
             if self.rank() in ranks:
                 create_group(name, list(ranks))
-            _CREATED_GROUPS.add(name)
+                self._attach_shm(MsGroup(name, ranks))
         return MsGroup(name, ranks)
+
+    def _attach_shm(self, g: MsGroup) -> None:
+        """Collective over g's members (at its creation): map a shared-memory segment when every
+        member may use one and all run on this host; otherwise g keeps MCCL. On the world group, it
+        also learns which of the job's processes share this host and gives each its own CPU cores."""
+        if self.device != "cpu":
+            return
+        import numpy as np
+        me = g.ranks.index(self.rank())
+        rng = np.random.default_rng()
+        mine = np.array([shm_collectives.shm_allowed(), shm_collectives.host_id(), os.getpid() % (1 << 24),
+                         rng.integers(1 << 24)], np.float32)
+        every = self._stack(ms.Tensor(mine), g, me).asnumpy()
+        if self._is_world(g):
+            here = every[:, 1] == every[me, 1]
+            _PROCS_ON_HOST["world"] = int(here.sum())
+            pin_to_cores(int(here[:me].sum()), int(here.sum()))
+        if not every[:, 0].all() or len(set(every[:, 1].tolist())) != 1:
+            return
+        path = f"/dev/shm/mindspeed-{int(every[0, 2])}-{int(every[0, 3])}-{g.name}"
+        spin = _PROCS_ON_HOST.get("world", len(g.ranks)) <= (os.cpu_count() or 1)
+        if me == 0:
+            shm = shm_collectives.ShmGroup(path, len(g.ranks), 0, create=True, spin=spin)
+        self.barrier(g)
+        if me != 0:
+            shm = shm_collectives.ShmGroup(path, len(g.ranks), me, create=False, spin=spin)
+        self.barrier(g)
+        if me == 0:
+            shm.unlink()        # every member has it mapped: no file is left behind
+        _SHM_GROUPS[g.name] = shm
+        self._ops = {key: op for key, op in self._ops.items() if key[1] != g.name}   # the setup's MCCL ops
 
     def global_rank(self, group, group_rank: int) -> int:
         return self._group(group).ranks[group_rank]
@@ -110,6 +151,10 @@ class MsComm(CommAPI):
 
     def _op(self, kind, *key):
         if (kind, *key) not in self._ops:
+            shm = _SHM_GROUPS.get(key[0])
+            if shm is not None and kind in ("all_reduce_sum", "all_gather", "broadcast"):
+                self._ops[(kind, *key)] = shm_collectives.primitive(shm, kind, *key[1:])
+                return self._ops[(kind, *key)]
             build = {"all_reduce_sum": lambda g: ops.AllReduce(ops.ReduceOp.SUM, g),
                      "all_reduce_max": lambda g: ops.AllReduce(ops.ReduceOp.MAX, g),
                      "all_reduce_min": lambda g: ops.AllReduce(ops.ReduceOp.MIN, g),
@@ -128,7 +173,7 @@ class MsComm(CommAPI):
     def _stack(self, tensor, g: MsGroup, me: int):
         """[n, *tensor.shape]: every group rank's tensor, in group-rank order."""
         n = len(g.ranks)
-        if self.native_all or self._is_world(g):
+        if self.native_all or self._is_world(g) or g.name in _SHM_GROUPS:
             return self._op("all_gather", g.name)(tensor.contiguous()).reshape((n,) + tuple(tensor.shape))
         return self._sum(_padded(tensor, n, me), g)
 
@@ -206,6 +251,8 @@ class MsComm(CommAPI):
         g = self._group(group)
         if self.world_size(g) == 1:
             return tensor.copy()
+        if g.name in _SHM_GROUPS:
+            return self._op("broadcast", g.name, src)(tensor)
         if self.native_all or self._is_world(g):
             return self._op("broadcast", g.name, self.global_rank(g, src))((tensor,))[0]
         return self._stack(tensor, g, self.rank(g))[src]

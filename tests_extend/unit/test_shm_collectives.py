@@ -1,0 +1,102 @@
+"""The shared-memory transport of the MindSpore backend's CPU collectives (shm_collectives.ShmGroup)
+in real processes, without MindSpore: sums, gathers and broadcasts against numpy over many rounds
+(a 64-byte slot, so both slot sets are reused many times), the same bits on every rank, and an error
+(not another rank's data) when ranks call different collectives or one never arrives."""
+import multiprocessing as mp
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from mindspeed.backends.mindspore.shm_collectives import ShmGroup
+
+N = 3
+
+
+def data(rank, dtype, size=1001):
+    rng = np.random.default_rng(rank)
+    return (rng.standard_normal(size) * 10).astype(dtype)
+
+
+def _rank(path, me, script, results):
+    try:
+        group = None
+        while group is None:            # rank 0 creates the segment; the others wait for it
+            try:
+                group = ShmGroup(path, N, me, create=(me == 0), slot_bytes=64)
+            except FileNotFoundError:
+                pass
+        results.put((me, script(group, me)))
+    except Exception as e:              # noqa: BLE001 - the test inspects it
+        results.put((me, e))
+
+
+def _collectives(group, me):
+    out = {}
+    for dtype in (np.float32, np.float16, np.int64):
+        out[f"sum {dtype.__name__}"] = group.all_reduce_sum(data(me, dtype).reshape(7, 11, 13))
+    out["gather"] = group.all_gather(data(me, np.float32, 40).reshape(5, 8))
+    out["broadcast"] = group.broadcast(data(me, np.float64, 9), src=2)
+    out["empty"] = group.all_reduce_sum(np.zeros((0, 4), np.float32))
+    return out
+
+
+def _mismatched(group, me):
+    if me == 0:
+        return group.all_gather(np.ones(4, np.float32))
+    return group.all_reduce_sum(np.ones(4, np.float32))
+
+
+def _one_rank_stays_away(group, me):
+    group.timeout_s = 2.0
+    if me == 1:
+        return "stayed away"
+    return group.all_reduce_sum(np.ones(4, np.float32))
+
+
+def run(script):
+    path = f"/dev/shm/mindspeed-test-{uuid.uuid4().hex}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(path, me, script, results)) for me in range(N)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    if os.path.exists(path):
+        os.unlink(path)
+    return got
+
+
+def test_sum_gather_broadcast_match_numpy_with_the_same_bits_on_every_rank():
+    got = run(_collectives)
+    for me in range(N):
+        assert not isinstance(got[me], Exception), got[me]
+    for dtype in (np.float32, np.float16, np.int64):
+        every = [data(r, dtype).reshape(7, 11, 13) for r in range(N)]
+        want = (every[0] + every[1]) + every[2]               # group-rank order
+        for me in range(N):
+            result = got[me][f"sum {dtype.__name__}"]
+            assert result.dtype == dtype and result.shape == (7, 11, 13)
+            np.testing.assert_array_equal(result, want)
+            assert result.tobytes() == got[0][f"sum {dtype.__name__}"].tobytes()
+    gathered = np.stack([data(r, np.float32, 40).reshape(5, 8) for r in range(N)])
+    for me in range(N):
+        np.testing.assert_array_equal(got[me]["gather"], gathered)
+        np.testing.assert_array_equal(got[me]["broadcast"], data(2, np.float64, 9))
+        assert got[me]["empty"].shape == (0, 4)
+
+
+def test_different_collectives_on_two_ranks_fail_loudly():
+    got = run(_mismatched)
+    for me in range(N):
+        assert isinstance(got[me], RuntimeError) and "different collective" in str(got[me]), got[me]
+
+
+def test_a_rank_that_never_arrives_times_out_with_who_is_missing():
+    got = run(_one_rank_stays_away)
+    assert got[1] == "stayed away"
+    for me in (0, 2):
+        assert isinstance(got[me], RuntimeError) and "group ranks [1] did not arrive" in str(got[me]), got[me]
