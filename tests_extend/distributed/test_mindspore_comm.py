@@ -3,7 +3,8 @@ from AllReduce on CPU (reduce_scatter, all_to_all, max/min, sub-group all_gather
 send_recv), their async variants, plus the gradients of the differentiable variants (the tensor-parallel
 ones in PyNative and inside a traced graph), on the world group and on real
 sub-groups: pairs {0,1},{2,3} and strided pairs {0,2},{1,3}, where a process's group rank differs
-from its world rank (a mix-up of the two passes on 2 processes, not here)."""
+from its world rank (a mix-up of the two passes on 2 processes, not here). Run over both CPU
+transports: shared memory and MindSpore's MCCL."""
 import os
 
 import pytest
