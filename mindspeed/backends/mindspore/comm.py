@@ -71,7 +71,7 @@ class MsComm(CommAPI):
         self._world = MsGroup(GlobalComm.WORLD_COMM_GROUP, tuple(range(get_group_size())))
         if self._world.name not in _CREATED_GROUPS and len(self._world.ranks) > 1:
             _CREATED_GROUPS.add(self._world.name)
-            self._attach_shm(self._world)
+            self._prepare_cpu_group(self._world)
 
     @property
     def initialized(self) -> bool:
@@ -109,13 +109,14 @@ class MsComm(CommAPI):
             _CREATED_GROUPS.add(name)
             if self.rank() in ranks:
                 create_group(name, list(ranks))
-                self._attach_shm(MsGroup(name, ranks))
+                self._prepare_cpu_group(MsGroup(name, ranks))
         return MsGroup(name, ranks)
 
-    def _attach_shm(self, g: MsGroup) -> None:
-        """Collective over g's members (at its creation): map a shared-memory segment when every
-        member may use one and all run on this host; otherwise g keeps MCCL. On the world group, it
-        also learns which of the job's processes share this host and gives each its own CPU cores."""
+    def _prepare_cpu_group(self, g: MsGroup) -> None:
+        """CPU only; a collective over g's members at g's creation (one gather of each member's host).
+        Every group: map a shared-memory segment when every member may use one and all run on this
+        host; otherwise g keeps MCCL. The world group also gives each of the job's processes on this
+        host its own CPU cores (pin_to_cores)."""
         if self.device != "cpu":
             return
         import numpy as np

@@ -176,8 +176,6 @@ def primitive(group: ShmGroup, kind: str, *extra):
     same = lambda shape: shape
     dtype = lambda t: t
     if kind == "all_reduce_sum":
-        op = None
-
         def bprop(x, out, dout):
             return (op(dout),)
         op = ops.Custom(group.all_reduce_sum, same, dtype, func_type="pyfunc", bprop=bprop)
