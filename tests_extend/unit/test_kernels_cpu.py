@@ -9,6 +9,7 @@ from mindspeed.backends.torch.kernels import cpu as C
 from mindspeed.backends.torch.kernels import csrc
 from mindspeed.backends.torch.kernels import reference as R
 from mindspeed.backends.torch.kernels import TorchKernels
+from mindspeed.backends.torch.kernels.layouts import to_bnsd
 from tests_extend.unit.kernel_checks import assert_close_fp32, assert_low_precision_ok, run
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -134,6 +135,31 @@ def test_attention(dtype, layout, case):
         kw = dict(alibi=slopes * (torch.arange(s)[None] - torch.arange(s)[:, None]).float(), causal=True)
     fast, ref = _attention_pair(layout=layout, head_num=n, **kw)
     compare(fast, ref, _qkv(layout, b, n, nkv, s, s, d, dtype), dtype, n_out=2, floor=3e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,b,n,nkv,s", [("SBH", 2, 2, 2, 128), ("BSND", 1, 4, 2, 130), ("BNSD", 1, 2, 1, 200)])
+def test_block_causal_gemm_attention(dtype, layout, b, n, nkv, s):
+    """The GEMM path (whole blocks, a short last block, GQA): output, logsumexp and its gradient."""
+    d = 64
+    inputs = _qkv(layout, b, n, nkv, s, s, d, dtype)
+    q, k = (to_bnsd(t, layout, d) for t in inputs[:2])
+    assert C.gemm_attention_pays(q, k, plain_causal=True)
+    fast, ref = _attention_pair(layout=layout, head_num=n, causal=True)
+    compare(fast, ref, inputs, dtype, n_out=2, floor=3e-2)
+
+
+def test_gemm_attention_only_where_it_pays():
+    q = torch.empty(1, 2, 512, 16)
+    assert C.gemm_attention_pays(q, q, True)
+    assert not C.gemm_attention_pays(q, q, False)                         # masks, bands: flash
+    assert not C.gemm_attention_pays(q.half(), q.half(), True)            # fp16 GEMMs are slow here
+    assert not C.gemm_attention_pays(q[:, :, :256], q[:, :, :256], True)  # s * d too small
+    assert not C.gemm_attention_pays(q, q[:, :, :256], True)              # cross lengths
+    long = torch.empty(1, 1, C.GEMM_MAX_SEQ + 64, 16)
+    assert not C.gemm_attention_pays(long, long, True)
+    wide = torch.empty(64, 32, 1024, 16)                                  # 1.1 GB of probabilities
+    assert not C.gemm_attention_pays(wide, wide, True)
 
 
 def test_attention_tnd_and_cross_lengths():
