@@ -137,10 +137,16 @@ def test_attention(dtype, layout, case):
     compare(fast, ref, _qkv(layout, b, n, nkv, s, s, d, dtype), dtype, n_out=2, floor=3e-2)
 
 
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp_softmax", "torch_softmax"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout,b,n,nkv,s", [("SBH", 2, 2, 2, 128), ("BSND", 1, 4, 2, 130), ("BNSD", 1, 2, 1, 200)])
-def test_block_causal_gemm_attention(dtype, layout, b, n, nkv, s):
-    """The GEMM path (whole blocks, a short last block, GQA): output, logsumexp and its gradient."""
+def test_block_causal_gemm_attention(dtype, layout, b, n, nkv, s, cpp, monkeypatch):
+    """The GEMM path (whole blocks, a short last block, GQA): output, logsumexp and its gradient,
+    with the C++ causal softmax and with its torch-ops fallback."""
+    if not cpp:
+        monkeypatch.setenv("MINDSPEED_DISABLE_CPP_KERNELS", "1")
+        monkeypatch.setattr(csrc, "_state", {})
+    assert (csrc.fused_ops() is not None) == cpp
     d = 64
     inputs = _qkv(layout, b, n, nkv, s, s, d, dtype)
     q, k = (to_bnsd(t, layout, d) for t in inputs[:2])
@@ -154,7 +160,7 @@ def test_gemm_attention_only_where_it_pays():
     assert C.gemm_attention_pays(q, q, True)
     assert not C.gemm_attention_pays(q, q, False)                         # masks, bands: flash
     assert not C.gemm_attention_pays(q.half(), q.half(), True)            # fp16 GEMMs are slow here
-    assert not C.gemm_attention_pays(q[:, :, :256], q[:, :, :256], True)  # s * d too small
+    assert not C.gemm_attention_pays(q[:, :, :128], q[:, :, :128], True)  # s * d too small
     assert not C.gemm_attention_pays(q, q[:, :, :256], True)              # cross lengths
     long = torch.empty(1, 1, C.GEMM_MAX_SEQ + 64, 16)
     assert not C.gemm_attention_pays(long, long, True)
@@ -190,7 +196,7 @@ def test_missing_build_falls_back_to_pytorch_with_one_log_line(monkeypatch, capl
         y2 = C.swiglu(x)
     assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == [
         "mindspeed: fused C++ CPU kernels unavailable (disabled by MINDSPEED_DISABLE_CPP_KERNELS=1); "
-        "using the pure-PyTorch rms_norm/swiglu/rope"]
+        "using the pure-PyTorch rms_norm/swiglu/rope and attention softmax"]
     torch.testing.assert_close(y1, R.rms_norm(x, g)[0])
     torch.testing.assert_close(y2, R.swiglu(x))
 

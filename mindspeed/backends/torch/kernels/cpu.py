@@ -153,7 +153,7 @@ class _FlashAttention(torch.autograd.Function):
 GEMM_BLOCK = 64                      # query rows per GEMM: 64 beat 32 and 128 at s 128-1024
 GEMM_MAX_SEQ = 1024                  # flash is as fast from 2048 on, with O(s) memory
 GEMM_MAX_SAVED_BYTES = 64 << 20      # probabilities kept for backward, per call
-GEMM_MIN_SEQ_X_DIM = 8192            # below (e.g. s 128 at head dim 32) flash is 5-20 % faster
+GEMM_MIN_SEQ_X_DIM = 4096            # below (e.g. s 64 at head dim 32) flash is as fast
 
 
 def _block_starts(s: int) -> range:
@@ -185,16 +185,20 @@ class _BlockCausalAttention(torch.autograd.Function):
         out = torch.empty_like(q3)
         lse = torch.empty(b * n, s, dtype=torch.float32)
         future = torch.ones(GEMM_BLOCK, GEMM_BLOCK, dtype=torch.bool).triu_(1)
+        ops = fused_ops()      # the C++ causal softmax, or None: the same in torch ops
         probs = []
         for r0 in _block_starts(s):
             r1 = min(r0 + GEMM_BLOCK, s)
-            scores = torch.baddbmm(q3.new_empty(b * n, r1 - r0, r1), q3[:, r0:r1], k3[:, :r1].transpose(1, 2),
-                                   beta=0, alpha=scale)
-            scores[:, :, r0:].masked_fill_(future[:r1 - r0, :r1 - r0], float("-inf"))
-            row_max = scores.amax(-1)
-            p = torch.softmax(scores, -1)
-            # logsumexp = max - log(p at the max): p there is 1/sum, never underflows
-            torch.sub(row_max.float(), p.amax(-1).float().log_(), out=lse[:, r0:r1])
+            p = torch.baddbmm(q3.new_empty(b * n, r1 - r0, r1), q3[:, r0:r1], k3[:, :r1].transpose(1, 2),
+                              beta=0, alpha=scale)
+            if ops is not None:
+                lse[:, r0:r1] = ops.causal_softmax_(p, r0)
+            else:
+                p[:, :, r0:].masked_fill_(future[:r1 - r0, :r1 - r0], float("-inf"))
+                row_max = p.amax(-1)
+                p = torch.softmax(p, -1)
+                # logsumexp = max - log(p at the max): p there is 1/sum, never underflows
+                torch.sub(row_max.float(), p.amax(-1).float().log_(), out=lse[:, r0:r1])
             torch.bmm(p, v3[:, :r1], out=out[:, r0:r1])
             probs.append(p)
         ctx.save_for_backward(q3, k3, v3, out, *probs)
@@ -211,13 +215,18 @@ class _BlockCausalAttention(torch.autograd.Function):
         row_term = (dout.float() * out.float()).sum(-1)
         if dlse is not None:
             row_term = row_term - dlse.reshape(b * n, s)
-        row_term = row_term.to(q3.dtype)
+        ops = fused_ops()
+        if ops is None:
+            row_term = row_term.to(q3.dtype)
         dq, dk, dv = torch.empty_like(q3), torch.zeros_like(k3), torch.zeros_like(v3)
         for p, r0 in zip(probs, _block_starts(s)):
             r1 = min(r0 + GEMM_BLOCK, s)
             dv[:, :r1].baddbmm_(p.transpose(1, 2), dout[:, r0:r1])
             dscores = torch.bmm(dout[:, r0:r1], v3[:, :r1].transpose(1, 2))
-            dscores.sub_(row_term[:, r0:r1, None]).mul_(p)
+            if ops is not None:
+                ops.causal_softmax_grad_(dscores, p, row_term[:, r0:r1].contiguous(), r0)
+            else:
+                dscores.sub_(row_term[:, r0:r1, None]).mul_(p)
             torch.bmm(dscores, k3[:, :r1], out=dq[:, r0:r1])
             dk[:, :r1].baddbmm_(dscores.transpose(1, 2), q3[:, r0:r1], alpha=ctx.scale)
         dq.mul_(ctx.scale)

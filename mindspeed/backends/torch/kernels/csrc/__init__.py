@@ -75,7 +75,7 @@ def fused_ops():
                     _state["ops"], _state["why"] = None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if _state["ops"] is None:
                 log.warning("mindspeed: fused C++ CPU kernels unavailable (%s); using the pure-PyTorch "
-                            "rms_norm/swiglu/rope", _state["why"])
+                            "rms_norm/swiglu/rope and attention softmax", _state["why"])
         return _state["ops"]
 
 

@@ -1,4 +1,5 @@
-// Fused CPU kernels for MindSpeed (forward and backward): rms_norm, swiglu, rope.
+// Fused CPU kernels for MindSpeed (forward and backward): rms_norm, swiglu, rope, and the causal
+// softmax of the block-causal GEMM attention (cpu.py).
 // One pass over each row, fp32 (double for fp64) arithmetic, rows split across threads.
 // Semantics match mindspeed/backends/torch/kernels/reference.py (docs/kernels.md).
 // Registered as torch.ops.mindspeed_cpu.* (no pybind: cheaper to build).
@@ -8,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -354,7 +356,74 @@ at::Tensor rope_apply(const at::Tensor& x_in, const at::Tensor& cos_in, const at
   return out;
 }
 
+// ---------------------------------------------------------------- causal softmax (attention)
+// scores [batch, rows, cols]: row i is query first_row + i and sees keys 0..first_row + i (the
+// rest is the causal future). In place: the softmax over the visible keys, 0 beyond; returns the
+// fp32 logsumexp [batch, rows]. One read and one write per element instead of torch's mask,
+// max, softmax and second max.
+template <typename T>
+void causal_softmax_row(T* __restrict x, float* __restrict buf, int64_t visible, int64_t cols, float* lse) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) m = std::max(m, static_cast<float>(ld(x[j])));
+  float sum = 0.f;
+  for (int64_t j = 0; j < visible; ++j) {
+    buf[j] = vec_exp(static_cast<float>(ld(x[j])) - m);
+    sum += buf[j];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < visible; ++j) x[j] = st<T>(buf[j] * inv);
+  for (int64_t j = visible; j < cols; ++j) x[j] = st<T>(0.f);
+  *lse = m + std::log(sum);
+}
+
+at::Tensor causal_softmax_(at::Tensor scores, int64_t first_row) {
+  TORCH_CHECK(scores.dim() == 3 && scores.is_contiguous(), "causal_softmax_: contiguous [batch, rows, cols]");
+  const int64_t batch = scores.size(0), rows = scores.size(1), cols = scores.size(2);
+  TORCH_CHECK(first_row >= 0 && first_row + rows <= cols, "causal_softmax_: rows past the last key");
+  auto lse = at::empty({batch, rows}, scores.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, scores.scalar_type(), "causal_softmax_", [&] {
+    scalar_t* xp = scores.mutable_data_ptr<scalar_t>();
+    float* lp = lse.mutable_data_ptr<float>();
+    at::parallel_for(0, batch * rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(cols);
+      for (int64_t r = begin; r < end; ++r)
+        causal_softmax_row<scalar_t>(xp + r * cols, buf.data(), first_row + r % rows + 1, cols, lp + r);
+    });
+  });
+  return lse;
+}
+
+// In place dP <- P * (dP - D) over the visible keys (0 beyond): the gradient of the scores,
+// D = rowsum(dO * O) - dlse per row (fp32 [batch, rows]).
+template <typename T>
+void softmax_grad_row(T* __restrict dp, const T* __restrict p, float d, int64_t visible, int64_t cols) {
+  for (int64_t j = 0; j < visible; ++j) {
+    float pv = ld(p[j]);
+    dp[j] = st<T>(pv * (static_cast<float>(ld(dp[j])) - d));
+  }
+  for (int64_t j = visible; j < cols; ++j) dp[j] = st<T>(0.f);
+}
+
+void causal_softmax_grad_(at::Tensor dp, const at::Tensor& p, const at::Tensor& row_term, int64_t first_row) {
+  TORCH_CHECK(dp.dim() == 3 && dp.is_contiguous() && p.is_contiguous() && dp.sizes() == p.sizes() &&
+              dp.scalar_type() == p.scalar_type(), "causal_softmax_grad_: dP and P contiguous, same shape and dtype");
+  const int64_t batch = dp.size(0), rows = dp.size(1), cols = dp.size(2);
+  TORCH_CHECK(first_row >= 0 && first_row + rows <= cols, "causal_softmax_grad_: rows past the last key");
+  auto d = row_term.to(at::kFloat).contiguous();
+  TORCH_CHECK(d.numel() == batch * rows, "causal_softmax_grad_: row term must be [batch, rows]");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dp.scalar_type(), "causal_softmax_grad_", [&] {
+    scalar_t* dpp = dp.mutable_data_ptr<scalar_t>();
+    const scalar_t* pp = p.const_data_ptr<scalar_t>();
+    const float* dd = d.const_data_ptr<float>();
+    at::parallel_for(0, batch * rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        softmax_grad_row<scalar_t>(dpp + r * cols, pp + r * cols, dd[r], first_row + r % rows + 1, cols);
+    });
+  });
+}
+
 }  // namespace
+
 
 TORCH_LIBRARY(mindspeed_cpu, m) {
   m.def("rms_norm_fwd", &rms_norm_fwd);
@@ -362,4 +431,6 @@ TORCH_LIBRARY(mindspeed_cpu, m) {
   m.def("swiglu_fwd", &swiglu_fwd);
   m.def("swiglu_bwd", &swiglu_bwd);
   m.def("rope_apply", &rope_apply);
+  m.def("causal_softmax_(Tensor(a!) scores, int first_row) -> Tensor", &causal_softmax_);
+  m.def("causal_softmax_grad_(Tensor(a!) dp, Tensor p, Tensor row_term, int first_row) -> ()", &causal_softmax_grad_);
 }
