@@ -57,8 +57,9 @@ class FusedRotaryPosEmb(_FusedFeature):
 @register
 class FlashAttention(_FusedFeature):
     id = "flash-attn"
-    description = ("attention through the fused flash-attention kernel (npu_fusion_attention; torch's CPU "
-                   "flash kernel): O(s) memory, sparse modes, band, general masks, GQA")
+    description = ("attention through the fused attention kernel (npu_fusion_attention; on cpu block-causal "
+                   "GEMMs for causal self-attention up to 1024 tokens, torch's CPU flash kernel otherwise): "
+                   "sparse modes, band, general masks, GQA")
     flags = (
         switch("--use-flash-attn", "use the fused flash-attention kernel"),
         Flag("--sparse-mode", dict(type=int, default=0,

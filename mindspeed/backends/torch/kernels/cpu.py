@@ -7,9 +7,9 @@
   autograd.Function whose backward also carries the gradient of the softmax statistics, so ring
   attention can differentiate through ring_attention_update. Plain causal self-attention of up to
   1024 tokens runs block-causal batched GEMMs instead (64-query blocks against their key prefix,
-  about half the FLOPs of full attention, probabilities kept for backward within a memory cap):
-  the BLAS GEMMs run several times the flash kernel's FLOP rate, 1.1-1.7x faster fwd+bwd at
-  s 128-1024 (tests_extend/benchmarks/bench_kernels.py); flash wins beyond.
+  about half the FLOPs of full attention, probabilities kept for backward within a memory cap,
+  mask + softmax + logsumexp in one C++ pass): the BLAS GEMMs outrun the flash kernel, 1.3-1.7x
+  fwd+bwd at s 256-1024 (tests_extend/benchmarks/bench_kernels.py); flash is as fast beyond.
 - gmm: each group's GEMM writes into its rows of one output, backward likewise (no concatenation,
   no full-size zero weight gradient per group as the reference's autograd builds).
 - moe_permute / moe_unpermute: the scatter-adds (unpermute forward, permute backward) become
