@@ -112,13 +112,27 @@ def _pad_channel(t, value):
     return torch.cat((t, extra), -1)
 
 
+def _repeat_kv(k, v, groups: int):
+    """GQA: both CPU kernels want equal head counts, so each key/value head serves `groups` query heads."""
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+
+
+def _sum_kv_groups(dk, dv, groups: int):
+    """The transpose of _repeat_kv: a key/value head's gradient is the sum over its query heads."""
+    if groups == 1:
+        return dk, dv
+    b, n, s, d = dk.shape
+    return (dk.view(b, n // groups, groups, s, d).sum(2), dv.view(b, n // groups, groups, s, d).sum(2))
+
+
 class _FlashAttention(torch.autograd.Function):
     """[b, n, s, d] attention with an additive float mask (or is_causal); outputs (out, lse)."""
 
     @staticmethod
     def forward(ctx, q, k, v, float_mask, causal, scale, groups):
-        if groups > 1:   # GQA: the CPU kernel wants equal head counts
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        k, v = _repeat_kv(k, v, groups)
         out, lse = _flash_fwd(q, k, v, 0.0, causal, attn_mask=float_mask, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse, float_mask)
         ctx.causal, ctx.scale, ctx.groups = causal, scale, groups
@@ -142,10 +156,7 @@ class _FlashAttention(torch.autograd.Function):
                                     _pad_channel(v, 0.0), _pad_channel(out, -dlse), lse, 0.0, ctx.causal,
                                     attn_mask=float_mask, scale=ctx.scale)
             dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
-        if ctx.groups > 1:
-            b, n, s, d = dk.shape
-            dk = dk.view(b, n // ctx.groups, ctx.groups, s, d).sum(2)
-            dv = dv.view(b, n // ctx.groups, ctx.groups, s, d).sum(2)
+        dk, dv = _sum_kv_groups(dk, dv, ctx.groups)
         return dq, dk, dv, None, None, None, None
 
 
@@ -178,8 +189,7 @@ class _BlockCausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, groups):
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        k, v = _repeat_kv(k, v, groups)
         b, n, s, d = q.shape
         q3, k3, v3 = (t.reshape(b * n, s, d) for t in (q, k, v))
         out = torch.empty_like(q3)
@@ -224,16 +234,14 @@ class _BlockCausalAttention(torch.autograd.Function):
             dv[:, :r1].baddbmm_(p.transpose(1, 2), dout[:, r0:r1])
             dscores = torch.bmm(dout[:, r0:r1], v3[:, :r1].transpose(1, 2))
             if ops is not None:
-                ops.causal_softmax_grad_(dscores, p, row_term[:, r0:r1].contiguous(), r0)
+                ops.causal_softmax_grad_(dscores, p, row_term[:, r0:r1], r0)
             else:
                 dscores.sub_(row_term[:, r0:r1, None]).mul_(p)
             torch.bmm(dscores, k3[:, :r1], out=dq[:, r0:r1])
             dk[:, :r1].baddbmm_(dscores.transpose(1, 2), q3[:, r0:r1], alpha=ctx.scale)
         dq.mul_(ctx.scale)
         dq, dk, dv = (t.view(b, n, s, d) for t in (dq, dk, dv))
-        if ctx.groups > 1:
-            dk = dk.view(b, n // ctx.groups, ctx.groups, s, d).sum(2)
-            dv = dv.view(b, n // ctx.groups, ctx.groups, s, d).sum(2)
+        dk, dv = _sum_kv_groups(dk, dv, ctx.groups)
         return dq, dk, dv, None, None
 
 
