@@ -43,3 +43,49 @@ def atomic_write(path: str, write: Callable[[str], None], mode: int = PRIVATE_FI
 def private_dir(path: str) -> None:
     os.makedirs(path, mode=PRIVATE_DIR, exist_ok=True)
     os.chmod(path, PRIVATE_DIR)
+
+
+class UnsafeArchive(ValueError):
+    """A member of an archive would land outside the folder it is unpacked into, or is not a plain
+    file, folder or link (one line that names the member)."""
+
+
+def safe_extract(archive: str, dest: str) -> None:
+    """Unpack the tar `archive` into `dest`, refusing the whole archive (before anything is written)
+    when a member has an absolute path or `..` that leaves `dest`, is a link whose target leaves it,
+    or is a device file or FIFO. Modes lose setuid/setgid and group/other write; files belong to the
+    caller. The same check runs on every Python: tarfile's `filter="data"` exists only from 3.11.4,
+    and where it exists it runs as well."""
+    import tarfile
+    root = os.path.realpath(dest)
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        for member in members:
+            _vet_member(member, root, archive)
+            member.mode &= 0o755
+            member.uid, member.gid, member.uname, member.gname = os.getuid(), os.getgid(), "", ""
+        os.makedirs(root, exist_ok=True)
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(root, members=members, filter="data")
+        else:
+            tar.extractall(root, members=members)
+
+
+def _vet_member(member, root: str, archive: str) -> None:
+    def inside(path: str) -> bool:
+        return os.path.commonpath([root, path]) == root
+
+    where = os.path.normpath(os.path.join(root, member.name))
+    if os.path.isabs(member.name) or not inside(where):
+        raise UnsafeArchive(f"{archive}: member {member.name!r} would be written outside {root}; not unpacked")
+    if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+        raise UnsafeArchive(f"{archive}: member {member.name!r} is a device file or FIFO; not unpacked")
+    if member.issym():
+        target = os.path.normpath(os.path.join(os.path.dirname(where), member.linkname))
+    elif member.islnk():
+        target = os.path.normpath(os.path.join(root, member.linkname))
+    else:
+        return
+    if os.path.isabs(member.linkname) or not inside(target):
+        raise UnsafeArchive(f"{archive}: link {member.name!r} points to {member.linkname!r}, outside {root}; "
+                            "not unpacked")

@@ -6,7 +6,9 @@ MEGATRON_CORE = "megatron-core==0.16.1"
 NUMPY = "numpy<2"           # mindspore 2.10 is built against numpy 1.x
 MINDSPORE = "mindspore==2.10.0"
 
-CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors==0.8.0", "tensorboard==2.21.0"]
+# psutil: Megatron-Core's dist-checkpoint save imports it (every --save needs it)
+CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors==0.8.0", "tensorboard==2.21.0",
+                     "psutil==7.2.2"]
 MINDSPORE_REQUIREMENTS = [MINDSPORE, NUMPY]
 TRANSFORMERS = "transformers==5.23.0"
 # `python -m mindspeed.data` with Hugging Face tokenizers and parquet inputs: `pip install -e ".[data]"`

@@ -12,6 +12,7 @@ on that path: the tracker file and the checkpoints stay as they are.
 """
 from __future__ import annotations
 
+import enum
 import json
 import os
 from contextlib import ExitStack, contextmanager
@@ -25,6 +26,7 @@ from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write
 from mindspeed.training import checkpoint_scan
 from mindspeed.training.checkpoint_scan import iteration_dir
 from mindspeed.training.errors import CheckpointError, one_line, resume_hint, unreadable
+from mindspeed.training.save_guard import writer_failures_raise
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE_MODE, DIR_MODE = PRIVATE_FILE, PRIVATE_DIR
@@ -77,13 +79,17 @@ def _tracked_iteration(root: str) -> int:
 
 class _IndexUnpickler(pickle.Unpickler):
     """Reads torch.distributed.checkpoint's index (.metadata, a pickle) without running code: only
-    the classes such an index is made of can be named in it."""
+    the classes such an index is made of can be named in it. Python 3.11.0-3.11.4 pickle an enum
+    member as `getattr(EnumClass, 'NAME')`: `builtins.getattr` is answered with `_enum_member`, which
+    returns a member of an enum class that passed this filter and refuses every other attribute."""
     _BUILTINS = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
                  ("torch", "Size"), ("torch.serialization", "_get_layout")}
 
     def find_class(self, module, name):
         if (module, name) in self._BUILTINS:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if module.startswith("torch.distributed.checkpoint.") and not name.startswith("__"):
@@ -92,6 +98,16 @@ class _IndexUnpickler(pickle.Unpickler):
                 return obj
         raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint index never holds "
                                      "(not loaded: it could run code)")
+
+
+def _enum_member(owner, name):
+    """getattr as an index may use it: a member of one of torch.distributed.checkpoint's enums."""
+    if isinstance(owner, type) and issubclass(owner, enum.Enum) and \
+            owner.__module__.startswith("torch.distributed.checkpoint.") and \
+            isinstance(name, str) and name in owner.__members__:
+        return owner.__members__[name]
+    raise pickle.UnpicklingError(f"it asks for getattr({getattr(owner, '__qualname__', type(owner).__name__)}, "
+                                 f"{name!r}), which a checkpoint index never holds (not loaded: it could run code)")
 
 
 def read_index(directory: str):
@@ -295,7 +311,8 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
     state = _sharded_state(chunks, optimizer, is_loading=False)
     state.update(iteration=iteration, consumed_train_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
-    dist_checkpointing.save(state, path, sharded_strategy=sharded_strategy)
+    with writer_failures_raise(f"saving iteration {iteration} to {path} on rank {torch.distributed.get_rank()}"):
+        dist_checkpointing.save(state, path, sharded_strategy=sharded_strategy)
     torch.distributed.barrier()
     if rank0:
         atomic_write(os.path.join(root, TRACKER), lambda tmp: _write_text(tmp, str(iteration)), FILE_MODE)

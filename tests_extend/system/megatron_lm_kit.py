@@ -10,8 +10,8 @@ import os
 import re
 import subprocess
 import sys
-import tarfile
 
+from mindspeed.files import safe_extract
 from mindspeed.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,8 +41,7 @@ def snapshot(version: str) -> str | None:
 
 def unpack_checkout(version: str, dest: str) -> str:
     """A user's Megatron-LM checkout: the snapshot with the import line under `import torch`."""
-    with tarfile.open(snapshot(version)) as tar:
-        tar.extractall(dest, filter="data")
+    safe_extract(snapshot(version), dest)
     script = os.path.join(dest, "pretrain_gpt.py")
     lines = open(script).read().split("\n")
     at = lines.index("import torch")
