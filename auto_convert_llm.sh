@@ -14,7 +14,7 @@ usage: ./auto_convert_llm.sh [--backend torch|mindspore|both] [--venv DIR] [--py
   --backend B   what to prepare (default: both). torch: torch + Megatron-Core;
                 mindspore: adds MindSpore (numpy<2 is checked; msrun must be present)
   --venv DIR    virtual environment to create or reuse (default: ./.venv)
-  --python PY   interpreter that creates the venv (default: python3; 3.10 or newer)
+  --python PY   interpreter that creates the venv (default: python3; Python 3.11)
   --fetch       also clone MSAdapter and Megatron-LM at the commits pinned in
                 mindspeed/versions.py (GIT_PINS) into ./third_party, and install what
                 Megatron-LM's megatron.training imports (setup.py extra "megatron-lm");
@@ -59,11 +59,11 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 # --- 1. virtual environment ----------------------------------------------------------------
 step "virtual environment: $VENV"
 if [ -x "$VENV/bin/python" ]; then
+  why=$("$VENV/bin/python" "$ROOT/mindspeed/versions.py" --check-python 2>&1) || die "$VENV: $why"
   ok "reusing it"
 else
   command -v "$PYTHON_BOOT" >/dev/null || die "$PYTHON_BOOT not found (pass --python)"
-  "$PYTHON_BOOT" -c 'import sys; assert sys.version_info >= (3, 10), sys.version' \
-    || die "Python 3.10 or newer is needed"
+  why=$("$PYTHON_BOOT" "$ROOT/mindspeed/versions.py" --check-python 2>&1) || die "$why"
   "$PYTHON_BOOT" -m venv "$VENV"
   ok "created"
 fi

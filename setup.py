@@ -14,7 +14,7 @@ setup(
     description="Acceleration and portability layer for Megatron-Core training (torch and MindSpore backends)",
     packages=find_packages(include=["mindspeed", "mindspeed.*"]),
     package_data={"mindspeed": ["backends/torch/kernels/csrc/*"]},
-    python_requires=">=3.10",
+    python_requires=V["PYTHON_REQUIRES"],
     install_requires=V["CORE_REQUIREMENTS"],
     extras_require={"mindspore": V["MINDSPORE_REQUIREMENTS"], "test": V["TEST_REQUIREMENTS"],
                     "megatron-lm": V["MEGATRON_LM_REQUIREMENTS"], "data": V["DATA_REQUIREMENTS"],

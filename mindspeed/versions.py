@@ -1,6 +1,10 @@
 """Pinned versions, in one place (setup.py, .ci/run and auto_convert_llm.sh read this file).
 torch must stay pinned: an unpinned `torch` pulls a multi-GB CUDA build on CPU machines."""
 MINDSPEED = "0.1.0"
+# the Pythons MindSpeed supports: 3.11 (torch 2.13, mindspore 2.10 and megatron-core 0.16.1 all have
+# 3.11 builds; tested on 3.11.2, Debian 12's /usr/bin/python3, and 3.11.7)
+PYTHON_REQUIRES = ">=3.11,<3.12"
+PYTHON_SUPPORTED = (3, 11)
 TORCH = "torch==2.13.0"
 MEGATRON_CORE = "megatron-core==0.16.1"
 NUMPY = "numpy<2"           # mindspore 2.10 is built against numpy 1.x
@@ -37,6 +41,12 @@ GIT_PINS = {
 
 if __name__ == "__main__":   # `python mindspeed/versions.py [extra...]` prints pip requirement lines
     import sys
+    if sys.argv[1:] == ["--check-python"]:       # auto_convert_llm.sh: one line, exit 1, on another Python
+        if sys.version_info[:2] != PYTHON_SUPPORTED:
+            print(f"Python {sys.version.split()[0]} ({sys.executable}) is not supported: MindSpeed needs Python "
+                  f"{PYTHON_REQUIRES} (pass --python with a 3.11 interpreter)")
+            sys.exit(1)
+        sys.exit(0)
     groups = {"core": CORE_REQUIREMENTS, "mindspore": MINDSPORE_REQUIREMENTS, "test": TEST_REQUIREMENTS,
               "megatron-lm": MEGATRON_LM_REQUIREMENTS, "data": DATA_REQUIREMENTS, "plot": PLOT_REQUIREMENTS}
     for name in sys.argv[1:] or ["core"]:

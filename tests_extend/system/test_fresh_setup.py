@@ -71,3 +71,35 @@ def test_a_save_that_fails_on_one_rank_ends_the_job_with_one_line(tmp_path):
     assert "saving iteration 2" in errors[0] and "on rank 1" in errors[0] and "psutil" in errors[0], errors[0]
     assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
     assert took < 120, f"the job took {took:.0f} s to end"
+
+
+def _unsupported_python():
+    """Another CPython on this machine (pyenv's, or on PATH), or None."""
+    import glob
+    import shutil
+    candidates = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.*/bin/python3")))
+    candidates += [shutil.which(f"python3.{minor}") for minor in (9, 10, 12, 13)]
+    for path in filter(None, candidates):
+        version = subprocess.run([path, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                                 text=True).stdout.strip()
+        if version and version != "(3, 11)":
+            return path
+    return None
+
+
+def test_the_setup_refuses_another_python_with_one_line(tmp_path):
+    other = _unsupported_python()
+    if other is None:
+        import pytest
+        pytest.skip("no Python other than 3.11 on this machine to try")
+    venv = tmp_path / "venv"
+    done = subprocess.run(["bash", os.path.join(ROOT, "auto_convert_llm.sh"), "--python", other, "--venv", str(venv)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    errors = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(errors) == 1, done.stdout + done.stderr
+    assert errors[0].startswith("error: Python 3.") and "is not supported" in errors[0] and ">=3.11,<3.12" in errors[0]
+    assert not venv.exists()                     # refused before anything is made
+    from mindspeed import versions
+    assert versions.PYTHON_REQUIRES == ">=3.11,<3.12"
+    setup_py = open(os.path.join(ROOT, "setup.py")).read()
+    assert 'python_requires=V["PYTHON_REQUIRES"]' in setup_py    # pip refuses the same Pythons
