@@ -55,15 +55,23 @@ case "$BACKEND" in torch|mindspore|both) ;; *) echo "error: --backend must be to
 step() { printf '\n==> %s\n' "$*"; }
 ok() { printf '    ok: %s\n' "$*"; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+# one line and exit 1 unless $1 is a Python that mindspeed/versions.py supports (an interpreter too old
+# to parse versions.py gets the same kind of line)
+check_python() {
+  local why
+  why=$("$1" "$ROOT/mindspeed/versions.py" --check-python 2>&1) && return 0
+  why=$(printf '%s\n' "$why" | grep -m1 'is not supported') || why="$1 is not a supported Python: MindSpeed needs Python >=3.11,<3.12"
+  die "$why"
+}
 
 # --- 1. virtual environment ----------------------------------------------------------------
 step "virtual environment: $VENV"
 if [ -x "$VENV/bin/python" ]; then
-  why=$("$VENV/bin/python" "$ROOT/mindspeed/versions.py" --check-python 2>&1) || die "$VENV: $why"
+  check_python "$VENV/bin/python"
   ok "reusing it"
 else
   command -v "$PYTHON_BOOT" >/dev/null || die "$PYTHON_BOOT not found (pass --python)"
-  why=$("$PYTHON_BOOT" "$ROOT/mindspeed/versions.py" --check-python 2>&1) || die "$why"
+  check_python "$PYTHON_BOOT"
   "$PYTHON_BOOT" -m venv "$VENV"
   ok "created"
 fi
