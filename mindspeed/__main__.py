@@ -17,7 +17,8 @@ def main(argv=None) -> int:
     m.add_argument("--json", action="store_true", help="JSON instead of markdown")
     m.add_argument("--markdown", action="store_true", help="markdown table (default)")
     sub.add_parser("flags", help="print every MindSpeed flag as a markdown table")
-    sub.add_parser("readme", help="rewrite the generated sections of README.md in place")
+    sub.add_parser("readme", aliases=["docs"],
+                   help="rewrite the generated sections of docs/support-matrix.md and docs/flags.md in place")
     sub.add_parser("check", help="validate MindSpeed flags against the support matrix", add_help=False)
     sub.add_parser("plot", help="plot loss and throughput of training logs / TensorBoard dirs", add_help=False)
     ns, rest = parser.parse_known_args(argv)
@@ -32,9 +33,9 @@ def main(argv=None) -> int:
     if ns.command == "plot":
         from mindspeed.plotting import main as plot_main
         return plot_main(rest)
-    if ns.command == "readme":
-        from mindspeed.readme import update_readme
-        print(update_readme())
+    if ns.command in ("readme", "docs"):
+        from mindspeed.readme import update_docs
+        print(update_docs())
         return 0
     from mindspeed.adaptor_core import MindSpeedConfigError, plan
     try:

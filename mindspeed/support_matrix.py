@@ -133,7 +133,7 @@ FLAGS_END = "<!-- flags:end -->"
 
 
 def flags_markdown() -> str:
-    """Every MindSpeed flag (core and per feature), for the README."""
+    """Every MindSpeed flag (core and per feature), for docs/flags.md."""
     from mindspeed.arguments import mindspeed_parser
     parser = mindspeed_parser()
     owner = {fl.name: f for f in all_features() for fl in f.flags}
@@ -152,5 +152,6 @@ def flags_markdown() -> str:
 
 
 def readme_sections() -> dict:
-    """Generated README sections: (begin marker, end marker) -> body."""
+    """Generated docs sections: (begin marker, end marker) -> body. mindspeed/readme.py maps each
+    marker pair to its file (docs/support-matrix.md, docs/flags.md)."""
     return {(README_BEGIN, README_END): to_markdown(), (FLAGS_BEGIN, FLAGS_END): flags_markdown()}
