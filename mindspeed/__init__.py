@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 from mindspeed import deferred_compile as _deferred_compile
 
-_deferred_compile.install()   # before any megatron import: its torch.compile decorations cost ~4 s per rank
+_deferred_compile.install()   # before any megatron import: its torch.compile decorations cost seconds per rank
 
 
 def adapt(args=None):

@@ -1,4 +1,4 @@
-"""The pipeline-parallel parity experiment (issue 15): mindspore_parity's GPT and optimizer with a
+"""The pipeline-parallel parity experiment: mindspore_parity's GPT and optimizer with a
 global batch of MICRO micro-batches, trained by Megatron-Core's GPTModel on torch at PP=1
 (gradients accumulated over the micro-batches: mathematically what 1F1B computes) and by the
 MindSpore trainer at PP=2 (two msrun processes, the 1F1B schedule of pipeline.py)."""

@@ -41,7 +41,7 @@ def main(out_dir, init_ckpt, save_dir):
         # SGD's state (a momentum buffer) saved from both stages too: 2 steps are enough to check
         result["pp2_sgd"] = ms_train_pp(backend, 2, init_ckpt, save_dir + "_sgd", steps=2,
                                         extra=("--optimizer", "sgd"))
-        for name, flags in RECOMPUTE.items():      # recompute within each stage (issue 15), 3 steps
+        for name, flags in RECOMPUTE.items():      # recompute within each stage, 3 steps
             with counted_recompute() as calls:
                 result[name] = dict(ms_train_pp(backend, 2, init_ckpt, steps=3, extra=flags), recompute_calls=calls)
         write_result(out_dir, rank, {"ok": True, **result})

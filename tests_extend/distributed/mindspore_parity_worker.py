@@ -36,7 +36,7 @@ def main(out_dir, init_ckpt):
         result["tp2_recompute_full"] = ms_train(backend, 2, False, init_ckpt, steps=COC_STEPS, extra=(
             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"))
         from tests_extend.distributed.mindspore_parity_model import ms_combined_tp2_sp, ms_cp2_selective_recompute
-        result["tp2_sp_gelu_layernorm_learned"] = ms_combined_tp2_sp(backend)      # issue 15's model variants
+        result["tp2_sp_gelu_layernorm_learned"] = ms_combined_tp2_sp(backend)      # the model variants
         result["cp2_selective_recompute"] = ms_cp2_selective_recompute(backend, init_ckpt)
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:

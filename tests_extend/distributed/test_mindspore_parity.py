@@ -1,4 +1,4 @@
-"""Acceptance of issue 5: the same GPT, the same initial weights and the same batches give the same
+"""Parity of the two trainers: the same GPT, the same initial weights and the same batches give the same
 losses (fp32, within 1e-4 per step over 20 steps) on Megatron-Core's GPTModel (torch, CPU) and on
 the MindSpore trainer; at TP=1 in one process and at TP=2 on 2 processes (gloo vs msrun), plus
 TP=2 with sequence parallelism and CP=2 with Ulysses and ring attention (first steps); TP runs trace

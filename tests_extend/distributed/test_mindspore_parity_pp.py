@@ -1,4 +1,4 @@
-"""Acceptance of issue 15: pipeline parallelism on the MindSpore trainer. PP=2 under msrun (the
+"""Pipeline parallelism on the MindSpore trainer. PP=2 under msrun (the
 two-stage 1F1B of training/mindspore/pipeline.py over a global batch of 4 micro-batches, so its
 warmup, steady state and cooldown all run) gives the losses of Megatron-Core's GPTModel (torch,
 CPU) trained at PP=1 on the same global batch with gradients accumulated over the micro-batches

@@ -1,4 +1,4 @@
-"""MoE checkpoints cross between the trainers (issue 15): the torch trainer's torch_dist checkpoint
+"""MoE checkpoints cross between the trainers: the torch trainer's torch_dist checkpoint
 of an MoE GPT (router, every expert stacked [layer, expert, ...], shared experts, Adam's moments)
 loads into the MindSpore trainer, which saves it again as a neutral checkpoint holding the same
 arrays under Megatron's per-expert names; that loads back into the torch trainer, whose torch_dist

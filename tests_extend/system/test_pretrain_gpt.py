@@ -90,7 +90,7 @@ def tp2_sp_single_node(tiny_dataset, tmp_path_factory):
     return output, read_losses(loss_file)
 
 
-# issue 12's savers together on a pipeline (--reuse-fp32-param excludes --swap-optimizer: the DP run has it)
+# the memory savers together on a pipeline (--reuse-fp32-param excludes --swap-optimizer: the DP run has it)
 MEMORY_SAVERS = ["--recompute-activation-function", "--recompute-norm", "--swap-attention", "--swap-optimizer"]
 
 

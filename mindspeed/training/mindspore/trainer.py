@@ -140,7 +140,7 @@ class Trainer:
             loss = _scaled(loss)
         if self.graph_mode:
             # the forward traced once into a MindSpore graph, differentiated by graph autodiff:
-            # one launch instead of hundreds of PyNative op dispatches (each ~0.1-1 ms on CPU);
+            # one launch instead of hundreds of PyNative op dispatches;
             # evaluation gets its own trace (no gradient, no dropout, no loss scale)
             loss, self._eval_loss = traced(loss), traced(self._eval_loss)
         self._grad_fn = ms.value_and_grad(loss, None, weights=self.model.parameters())
