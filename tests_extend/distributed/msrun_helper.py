@@ -73,6 +73,8 @@ def _run_msrun(script: str, args: list, out_dir: str, workers: int, timeout: flo
         proc.communicate()
         raise MsrunError(f"msrun {os.path.basename(script)} timed out after {timeout}s\n"
                          + "\n".join(_tail(p) for p in sorted(glob.glob(os.path.join(log_dir, "worker_*.log")))))
+    if proc.returncode != 0:
+        _end_leftover_workers(proc.pid)
     results = []
     for rank in range(workers):
         path = os.path.join(out_dir, f"rank{rank}.json")
@@ -85,6 +87,15 @@ def _run_msrun(script: str, args: list, out_dir: str, workers: int, timeout: flo
         with open(path) as f:
             results.append(json.load(f))
     return results
+
+
+def _end_leftover_workers(group: int) -> None:
+    """msrun can exit after a worker died while another worker of that launch is still starting;
+    that one would write its result into the next launch's folder. End the launch's whole group."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def write_result(out_dir: str, rank: int, result) -> None:
