@@ -26,7 +26,7 @@ from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write
 from mindspeed.training import checkpoint_scan
 from mindspeed.training.checkpoint_scan import iteration_dir
 from mindspeed.training.errors import CheckpointError, one_line, resume_hint, unreadable
-from mindspeed.training.save_guard import writer_failures_raise
+from mindspeed.training.save_guard import writer_failures_reported
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE_MODE, DIR_MODE = PRIVATE_FILE, PRIVATE_DIR
@@ -311,8 +311,11 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
     state = _sharded_state(chunks, optimizer, is_loading=False)
     state.update(iteration=iteration, consumed_train_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
-    with writer_failures_raise(f"saving iteration {iteration} to {path} on rank {torch.distributed.get_rank()}"):
-        dist_checkpointing.save(state, path, sharded_strategy=sharded_strategy)
+    try:
+        with writer_failures_reported():
+            dist_checkpointing.save(state, path, sharded_strategy=sharded_strategy)
+    except CheckpointException as err:     # raised on every rank; only the coordinator has the cause
+        raise _save_failure(path, err) from None
     torch.distributed.barrier()
     if rank0:
         atomic_write(os.path.join(root, TRACKER), lambda tmp: _write_text(tmp, str(iteration)), FILE_MODE)
@@ -374,3 +377,18 @@ def _load_failure(root: str, iteration: int, err: BaseException) -> CheckpointEr
         rank, (cause, _trace) = min(err.failures.items(), key=lambda kv: kv[0])
         return CheckpointError(f"cannot load checkpoint {path}: {_describe(cause)} (rank {rank})")
     return CheckpointError(f"cannot load checkpoint {path}: {one_line(_describe(err))}")
+
+
+def _save_failure(path: str, err: BaseException) -> CheckpointError:
+    """One line for a save that failed on some rank: the first failing rank's cause where this rank
+    has it (Megatron gives it to the coordinator), else where to find it. The tracker still names
+    the last complete checkpoint."""
+    rank = torch.distributed.get_rank()
+    failures = getattr(err, "failures", None) or {}
+    if failures:
+        failed, cause = min(failures.items(), key=lambda kv: kv[0])
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        return CheckpointError(f"saving {path} failed on rank {failed}: {_describe(cause)} "
+                               f"(reported by rank {rank}; the tracker still names the last complete checkpoint)")
+    return CheckpointError(f"saving {path} failed on another rank (rank 0's error line names the cause; "
+                           f"reported by rank {rank})")

@@ -56,21 +56,23 @@ def test_save_then_resume_continues_the_run(tmp_path):
 
 def test_a_save_that_fails_on_one_rank_ends_the_job_with_one_line(tmp_path):
     """psutil missing on rank 1 only: Megatron's writer process raises before it marks itself done
-    (which used to hang every rank); now rank 1 exits with one line naming the cause, the launcher
-    ends rank 0, and the tracker names no half-written checkpoint."""
+    (which used to hang every rank); now the failure reaches Megatron's own gather, every rank exits
+    with one line (rank 0's names rank 1 and the cause), and the tracker names no half-written
+    checkpoint."""
     ckpt = tmp_path / "ckpt"
     env = dict(SAVE_ENV, CKPT_DIR=str(ckpt), MINDSPEED_TEST_NO_PSUTIL_RANK="1",
                PYTHONPATH=NO_PSUTIL + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.monotonic()
-    result = launch_example(env, timeout=180)
+    result = launch_example(env, timeout=300)
     took = time.monotonic() - start
     output = result.stdout + result.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert result.returncode != 0, output[-3000:]
-    assert len(errors) == 1, output[-4000:]
-    assert "saving iteration 2" in errors[0] and "on rank 1" in errors[0] and "psutil" in errors[0], errors[0]
+    assert len(errors) == 2, output[-4000:]                 # one per rank
+    named = [line for line in errors if "failed on rank 1" in line and "psutil" in line]
+    assert len(named) == 1 and "iter_0000002" in named[0], errors
     assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
-    assert took < 120, f"the job took {took:.0f} s to end"
+    assert took < 150, f"the job took {took:.0f} s to end"
 
 
 def _unsupported_python():
