@@ -55,5 +55,3 @@ def update_docs(root: str = ROOT) -> str:
         written.append(os.path.relpath(path, root))
     return "updated " + ", ".join(written)
 
-
-update_readme = update_docs     # the former name
