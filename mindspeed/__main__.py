@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mindspeed.errors import report
+
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     try:
         result = plan(rest, unknown_flags="trainer")    # answers for the built-in trainers' defaults
     except MindSpeedConfigError as exc:
-        print(exc, file=sys.stderr)
+        report(exc, prefix="")
         return 2
     print(result.describe())
     return 0

@@ -13,6 +13,7 @@ import warnings
 
 from mindspeed.convert.arch import HF_MODEL_TYPES
 from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import report
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -118,6 +119,6 @@ def _run(parser: argparse.ArgumentParser, opts) -> int:
             parser.error(f"--load-model-type {opts.load_model_type} --save-model-type {opts.save_model_type}: "
                          "only hf->mg and mg->hf convert")
     except ConvertError as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        report(err, prefix=f"{parser.prog}: error: ")
         return 1
     return 0

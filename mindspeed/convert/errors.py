@@ -1,7 +1,7 @@
 """The converter's one error: something the user can fix, said in one line before anything is written."""
 from __future__ import annotations
 
-from mindspeed.training.errors import one_line
+from mindspeed.errors import one_line
 
 
 class ConvertError(ValueError):

@@ -20,7 +20,7 @@ import torch
 
 from mindspeed.convert.errors import ConvertError
 from mindspeed.training.checkpoint_scan import iteration_dir
-from mindspeed.training.errors import CheckpointError
+from mindspeed.errors import CheckpointError
 
 STACKED = "decoder.layers."   # torch_dist keys of decoder layers: one tensor stacked over the layers
 # a decoder layer's parameters (model-local suffixes) -> their torch_dist key. Megatron-Core stores

@@ -11,6 +11,7 @@ import argparse
 import difflib
 import sys
 
+from mindspeed.errors import report
 from mindspeed.training.flag_checks import ArgumentError, OneLineParser
 
 HANDLER_ONLY = ("handler_name", "prompt_type", "map_keys", "json_keys", "seq_length", "pack", "neat_pack",
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     try:
         args = parse(argv)
     except ArgumentError as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err)
         return 2
     from mindspeed.data.indexed import DataError
     from mindspeed.data.tokenizer import TokenizerError
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
             raise DataError("--output-prefix is required with --input")
         _run_handler(args) if handler_mode(args) else _run_char_level(args)
     except (DataError, TokenizerError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err)
         return 2
     return 0
 

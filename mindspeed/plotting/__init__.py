@@ -4,8 +4,8 @@ more runs in one figure. A RUN is a training log (Megatron-format lines), a --lo
 from __future__ import annotations
 
 import argparse
-import sys
 
+from mindspeed.errors import report
 from mindspeed.plotting.runs import SERIES, PlotError, read_run, run_names
 
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     try:
         summary = plot(ns.runs, ns.output, ns.title)
     except (PlotError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report(exc)
         return 2
     for name, counts in summary.items():
         print(f"{name}: " + ", ".join(f"{s} {n} points" for s, n in counts.items() if n))

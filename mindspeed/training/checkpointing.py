@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write
 from mindspeed.training import checkpoint_scan
 from mindspeed.training.checkpoint_scan import iteration_dir
-from mindspeed.training.errors import CheckpointError, one_line, resume_hint, unreadable
+from mindspeed.errors import CheckpointError, one_line, resume_hint, unreadable
 from mindspeed.training.save_guard import writer_failures_reported
 
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspeed.training.errors import CheckpointError
+from mindspeed.errors import CheckpointError
 from mindspeed.training.mindspore import neutral_format as nf
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Sequence
 
+from mindspeed.errors import report
+
 WORLD_SIZE_OPTION = "--preflight-world-size"
 WORLD_SIZE_ENV = "MINDSPEED_PREFLIGHT_WORLD_SIZE"
 REFUSED, HELP_SHOWN = 2, 3     # exit codes besides 0 (the run would start)
@@ -92,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return HELP_SHOWN
     if message is None:
         return 0
-    print(f"error: {message}", file=sys.stderr)
+    report(message)
     return REFUSED
 
 

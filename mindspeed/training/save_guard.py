@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from mindspeed.training.errors import one_line
+from mindspeed.errors import one_line
 
 
 @contextmanager

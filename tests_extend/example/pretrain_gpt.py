@@ -14,17 +14,18 @@ def main(argv=None) -> int:
         # msrun starts a scheduler on every node whose address is MASTER_ADDR: nodes sharing the
         # master's machine would start a second one (its port is taken). Node 0's coordinates.
         return 0
+    from mindspeed.errors import report
     from mindspeed.training.arguments import ArgumentError, parse_args
     try:
         args = parse_args(argv)
     except ArgumentError as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err)
         return 2
     import mindspeed
     from mindspeed.adaptor_core import MindSpeedConfigError
     from mindspeed.backends import BackendUnavailableError
     from mindspeed.data import DataError, TokenizerError
-    from mindspeed.training.errors import CheckpointError
+    from mindspeed.errors import CheckpointError
     user_errors = (MindSpeedConfigError, BackendUnavailableError, DataError, TokenizerError, CheckpointError)
     try:
         if args.backend == "mindspore":
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
             from mindspeed.training.pretrain import run
             run(args)
     except user_errors as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err)
         return 2
     return 0
 

@@ -396,7 +396,7 @@ def test_each_kind_of_damage_is_named_in_one_line(saved_run, tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from mindspeed.training import checkpointing as ck
-    from mindspeed.training.errors import CheckpointError
+    from mindspeed.errors import CheckpointError
 
     def copy(name):
         root = str(tmp_path / name)

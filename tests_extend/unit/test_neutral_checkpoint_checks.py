@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from mindspeed.training.errors import CheckpointError
+from mindspeed.errors import CheckpointError
 from mindspeed.training.mindspore import neutral_format as nf
 
 

@@ -1,13 +1,15 @@
 """python -m mindspeed.training.mindspore [Megatron-style flags]: the MindSpore trainer directly."""
 import sys
 
+from mindspeed.errors import report
+
 
 def main(argv=None) -> int:
     from mindspeed.training.arguments import ArgumentError, parse_args
     try:
         args = parse_args(argv)
     except ArgumentError as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err)
         return 2
     from mindspeed.training.mindspore import run
     run(args)

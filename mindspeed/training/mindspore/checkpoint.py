@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from mindspore import ops
 
-from mindspeed.training.errors import CheckpointError
+from mindspeed.errors import CheckpointError
 from mindspeed.training.mindspore import neutral_format as nf
 
 

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from mindspeed.files import atomic_write, private_dir
 from mindspeed.training import checkpoint_scan
 from mindspeed.training.checkpoint_scan import ITERATION_DIR, iteration_dir
-from mindspeed.training.errors import CheckpointError, resume_hint, unreadable
+from mindspeed.errors import CheckpointError, resume_hint, unreadable
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"

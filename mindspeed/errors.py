@@ -2,6 +2,8 @@
 Framework-free so either trainer and the entry point can import them cheaply."""
 from __future__ import annotations
 
+import sys
+
 
 class CheckpointError(RuntimeError):
     """A --load directory or checkpoint that cannot be used. The message is one line."""
@@ -28,3 +30,11 @@ def unreadable(root: str, iteration: int, problem: str, readable: int | None) ->
     """The one-line error for a checkpoint iteration whose files cannot be read."""
     return CheckpointError(f"checkpoint iteration {iteration} in {root} cannot be read: {problem}; "
                            f"{resume_hint(root, readable)} (nothing was changed)")
+
+
+def report(message: str, prefix: str = "error: ", stream=None) -> None:
+    """Print `prefix + message` as one line with one write: ranks of a job share stderr, and a
+    separate write for the newline lets another rank's line land in the middle of this one."""
+    stream = sys.stderr if stream is None else stream
+    stream.write(f"{prefix}{message}\n")
+    stream.flush()
