@@ -7,7 +7,7 @@ import argparse
 import logging
 from dataclasses import dataclass, field
 
-from mindspeed.arguments import defaults, parse_mindspeed_args, resolve_backend_name
+from mindspeed.flags.mindspeed_flags import defaults, parse_mindspeed_args, resolve_backend_name
 from mindspeed.features.base import ApplyContext, Feature, FeatureConfigError
 from mindspeed.features.registry import all_features, enabled_features, orphan_flag_problems
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
@@ -186,6 +186,24 @@ def unadapt() -> None:
 
 def current() -> AdaptState | None:
     return _state
+
+
+def packed_documents(args) -> bool:
+    """Whether the kernel path takes packed documents (features/documents.py) (no dense mask is built): --reset-attention-mask with
+    flash attention or context parallelism (as applied: the active plan's features, so that one
+    dropped by --optimization-level falls back to the mask), unless CP is asked for the batch's
+    general mask. Documents are EOD-separated, or --neat-pack's numbered samples. A host whose
+    batches cannot carry them everywhere (Megatron-LM's pretrain_gpt.py with PP > 1) says so
+    through the `documents_possible` hook; the dense mask stays there."""
+    if not getattr(args, "reset_attention_mask", False) \
+            or getattr(args, "attention_mask_type", "causal") == "general":
+        return False
+    state = _state
+    if state is not None:
+        if not all(rule(args) for rule in state.context.parts.get("documents_possible", [])):
+            return False
+        return any(f.id == "flash-attn" or f.category == "context_parallel" for f in state.plan.features)
+    return bool(getattr(args, "use_flash_attn", False) or (getattr(args, "context_parallel_size", 1) or 1) > 1)
 
 
 def feature_ids() -> list[str]:

@@ -2,7 +2,20 @@
 Framework-free so either trainer and the entry point can import them cheaply."""
 from __future__ import annotations
 
+import argparse
 import sys
+
+
+class ArgumentError(ValueError):
+    """A flag value or combination that cannot work; raised before any work starts."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors (invalid choice, missing value, ...) raise ArgumentError with one line
+    instead of printing the usage block and exiting."""
+
+    def error(self, message):
+        raise ArgumentError(" ".join(message.split()))
 
 
 class CheckpointError(RuntimeError):
@@ -10,6 +23,13 @@ class CheckpointError(RuntimeError):
 
     def __init__(self, message: str):
         super().__init__(one_line(message, limit=2000))   # foreign error texts are cut where they are quoted
+
+
+class ConvertError(ValueError):
+    """Something the converter's user can fix, said in one line before anything is written."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
 
 
 def one_line(text: str, limit: int = 600) -> str:

@@ -1,19 +1,15 @@
-"""Training-loop events that features subscribe to (ApplyContext.add_hook) and trainers fire.
+"""Training-loop events the trainers publish to the features subscribed in the active plan.
 
-Trainers on either backend call `fire("train_step_begin", iteration=i)` and
-`fire("train_step_end", iteration=i)`; with nothing adapted or no subscriber it does nothing.
+Trainers on either backend call `fire(TRAIN_STEP_BEGIN, iteration=i)` and
+`fire(TRAIN_STEP_END, iteration=i)`; with nothing adapted or no subscriber it does nothing.
 """
 from __future__ import annotations
 
-TRAIN_STEP_BEGIN = "train_step_begin"
-TRAIN_STEP_END = "train_step_end"
-TRAIN_END = "train_end"
+from mindspeed.adaptor_core import current
+from mindspeed.features.base import TRAIN_END, TRAIN_STEP_BEGIN, TRAIN_STEP_END  # noqa: F401 (the trainers' names)
 
 
 def fire(event: str, **info) -> None:
-    from mindspeed.adaptor_core import current
     state = current()
-    if state is None:
-        return
-    for fn in state.context.hooks.get(event, []):
-        fn(**info)
+    if state is not None:
+        state.context.publish(event, **info)

@@ -20,10 +20,11 @@ import sys
 
 from mindspeed.adaptor_core import (AdaptState, MindSpeedConfigError, Plan, activate_backend,
                                     apply_features, plan, resolve_device, set_current, set_host_flags)
-from mindspeed.arguments import (add_mindspeed_args, known_flags, mindspeed_parser, resolve_backend_name,
+from mindspeed.flags.mindspeed_flags import (add_mindspeed_args, known_flags, mindspeed_parser, resolve_backend_name,
                                  unknown_flag_message, unknown_options)
 from mindspeed import megatron_lm_data
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
+from mindspeed.versions import megatron_version
 
 log = logging.getLogger("mindspeed")
 
@@ -40,10 +41,6 @@ def present() -> bool:
         return importlib.util.find_spec("megatron.training") is not None
     except ModuleNotFoundError:
         return False
-
-
-def megatron_version() -> str:
-    return importlib.import_module("megatron.core.package_info").__version__
 
 
 def check_version(version: str | None = None) -> str:

@@ -15,13 +15,17 @@ pass Megatron-LM's get_batch (its dense mask stays too).
 """
 from __future__ import annotations
 
+from mindspeed.adaptor_core import packed_documents
+from mindspeed.features import documents
+from mindspeed.flags import trainer_flags
+from mindspeed.flags.checks import instruction_problems
+
 BUILD = "megatron.core.datasets.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder.build"
 
 
 def add_args(parser) -> None:
-    from mindspeed.training import arguments
     existing = set(parser._option_string_actions)
-    donor = arguments.build_parser()     # the built-in trainers' definitions: one help text for both
+    donor = trainer_flags.build_parser()     # the built-in trainers' definitions: one help text for both
     group = parser.add_argument_group("MindSpeed instruction data")
     for flag in ("--is-instruction-dataset", "--neat-pack"):
         if flag not in existing:
@@ -30,8 +34,7 @@ def add_args(parser) -> None:
 
 
 def problems(args) -> list[str]:
-    from mindspeed.training.flag_checks import _instruction_problems
-    found = _instruction_problems(args)
+    found = instruction_problems(args)
     if not found and getattr(args, "neat_pack", False) and not getattr(args, "create_attention_mask_in_dataloader",
                                                                        True):
         found.append("--neat-pack carries its per-sample attention in the batch's attention mask: "
@@ -56,23 +59,21 @@ def documents_possible(args) -> bool:
 
 
 def install_documents(ctx) -> None:
-    """At import (before pretrain_gpt.py runs): documents.on consults this host's limit."""
-    ctx.add_hook("documents_possible", documents_possible)
+    """At import (before pretrain_gpt.py runs): adaptor_core.packed_documents consults this host's limit."""
+    ctx.provide("documents_possible", documents_possible)
 
 
 def after_plan(args) -> None:
     """Once the plan is applied: with documents on, Megatron-LM's dataset builds no [s, s] mask."""
-    from mindspeed.features import documents
-    if documents.on(args):
+    if packed_documents(args):
         args.create_attention_mask_in_dataloader = False
 
 
 def publish_documents(batch: dict) -> None:
     """Megatron-LM's get_batch, whole sequences in hand: each sample's document ends, from its EOD tokens."""
     from megatron.training import get_args, get_tokenizer
-    from mindspeed.features import documents
     tokens = batch.get("tokens")
-    if tokens is not None and documents.on(get_args()):
+    if tokens is not None and packed_documents(get_args()):
         eod = get_tokenizer().eod
         documents.set_current([documents.ends_from_eod(row, eod) for row in tokens])
 

@@ -134,7 +134,7 @@ FLAGS_END = "<!-- flags:end -->"
 
 def flags_markdown() -> str:
     """Every MindSpeed flag (core and per feature), for docs/flags.md."""
-    from mindspeed.arguments import mindspeed_parser
+    from mindspeed.flags.mindspeed_flags import mindspeed_parser
     parser = mindspeed_parser()
     owner = {fl.name: f for f in all_features() for fl in f.flags}
     lines = ["| flag | feature | level | help |", "|---|---|---|---|"]

@@ -23,8 +23,9 @@ PLOT_REQUIREMENTS = ["matplotlib==3.11.2"]
 # transformers: the conversion tests build tiny Llama/Qwen2 models and compare their logits, the data
 # tests tiny tokenizers; pyarrow: parquet inputs; hypothesis: the property-based flag test
 # (tests_extend/unit/test_flag_properties.py)
+# import-linter: the layer contracts in .importlinter, checked by `lint-imports` in .ci/run
 TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", "pytest-xdist==3.8.0", *DATA_REQUIREMENTS, "hypothesis==6.170.15",
-                     *PLOT_REQUIREMENTS]
+                     *PLOT_REQUIREMENTS, "import-linter==2.16"]
 # what Megatron-LM's megatron.training imports beyond megatron-core (pybind11 builds its dataset
 # helpers; einops for core_v0.12); `pip install -e ".[megatron-lm]"`
 MEGATRON_LM_REQUIREMENTS = ["regex==2026.11.15", "pyyaml==6.0.3", "pydantic==2.14.3", "pybind11==3.1.0",
@@ -38,6 +39,13 @@ GIT_PINS = {
     "Megatron-LM": ("https://github.com/NVIDIA/Megatron-LM.git",
                     "55ac7082517c3878ae653c07c09c534b8aed49f6"),   # tag core_v0.16.1
 }
+
+
+def megatron_version() -> str:
+    """The Megatron-Core version importable here (the wheel, or Megatron-LM's source tree)."""
+    import importlib
+    return importlib.import_module("megatron.core.package_info").__version__
+
 
 if __name__ == "__main__":   # `python mindspeed/versions.py [extra...]` prints pip requirement lines
     import sys

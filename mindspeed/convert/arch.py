@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 
-from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import ConvertError
 
 # --model-type-hf -> the config.json model_type it must carry
 HF_MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2"}

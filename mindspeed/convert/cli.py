@@ -12,7 +12,7 @@ import sys
 import warnings
 
 from mindspeed.convert.arch import HF_MODEL_TYPES
-from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import ConvertError
 from mindspeed.errors import report
 
 

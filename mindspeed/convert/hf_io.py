@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import ConvertError
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # the files next to the weights that describe the model and its tokenizer (copied as they are)

@@ -7,7 +7,7 @@ import time
 
 from mindspeed.convert import layout, sidecar
 from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipeline_split_flags, read_config
-from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import ConvertError
 from mindspeed.convert.hf_io import HFReader, copy_side_files
 from mindspeed.convert.staging import check_save_dir, staged
 from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size

@@ -1,5 +1,5 @@
 """Writes a Megatron-Core checkpoint the way the built-in torch trainer does: its own GPTModel
-(mindspeed.training.model) and its own checkpointing.save_checkpoint (torch_dist through
+(mindspeed.training.model) and its own torch_dist.save_checkpoint (torch_dist through
 megatron.core.dist_checkpointing, iteration 0, tracker file). torch_dist stores every tensor with its
 global shape, so the trainer loads it at any TP/PP (dist_checkpointing reshards on load); the target
 TP only sets the vocabulary padding.
@@ -10,7 +10,7 @@ dist_checkpointing saves that state dict through torch_dist_stream, which asks `
 chunk just before writing it; the producer reads the Hugging Face tensors of one decoder layer at a
 time. Peak memory: one decoder layer converted (plus one Hugging Face tensor being read), or the
 embedding / output layer when larger -- not the model. The neutral copy is written the same way
-(neutral_format.save_streaming), in fp32.
+(neutral.save_streaming), in fp32.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from mindspeed.convert import layout
 from mindspeed.convert.arch import Arch
-from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import ConvertError
 from mindspeed.convert.hf_io import HFReader
 
 DTYPE_FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
@@ -73,7 +73,7 @@ def adapted(args):
 
 
 def trainer_args(arch: Arch, vocab: int, padded_vocab: int, params_dtype: str):
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(arch.trainer_flags() + DTYPE_FLAGS[params_dtype] +
                       ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1),
                        "--seq-length", "16", "--mock-data", "--backend", "torch", "--device", "cpu"], world_size=1)
@@ -86,7 +86,7 @@ class _Producer:
     torch_dist chunk (its slice of the whole tensor) for the streaming writer."""
 
     def __init__(self, arch: Arch, reader: HFReader, vocab: int, padded_vocab: int):
-        from mindspeed.convert.megatron_read import LAYER_KEYS
+        from mindspeed.checkpoint.megatron_read import LAYER_KEYS
         self.arch, self.reader, self.vocab, self.padded = arch, reader, vocab, padded_vocab
         self.stacked = {key: suffix for suffix, key in LAYER_KEYS.items()}
         self._layer, self._tensors = None, {}
@@ -137,7 +137,7 @@ def write_megatron(root: str, arch: Arch, reader: HFReader, vocab: int, padded_v
     neutral_copy, the same weights also as the MindSpore trainer's framework-neutral safetensors
     in the same iteration directory (each trainer reads only its own files there)."""
     from mindspeed.convert.torch_dist_stream import StreamingTorchDistSave
-    from mindspeed.training import checkpointing
+    from mindspeed.checkpoint import torch_dist
     from mindspeed.training.model import build_model_chunks, transformer_config
     args = trainer_args(arch, vocab, padded_vocab, params_dtype)
     with adapted(args), world_of_one():
@@ -147,12 +147,12 @@ def write_megatron(root: str, arch: Arch, reader: HFReader, vocab: int, padded_v
         with torch.device("meta"):        # the model's structure only: its data is streamed
             model = build_model_chunks(args, config)[0]
         producer = _Producer(arch, reader, vocab, padded_vocab)
-        checkpointing.save_checkpoint(root, 0, [model], None, _NoScheduler(), 0,
+        torch_dist.save_checkpoint(root, 0, [model], None, _NoScheduler(), 0,
                                       sharded_strategy=StreamingTorchDistSave(producer.chunk))
         if neutral_copy:
-            from mindspeed.training.mindspore import neutral_format
+            from mindspeed.checkpoint import neutral
             # whole tensors under the model's own names, fp32 (numpy has no bf16), written one at a time
             shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-            neutral_format.save_streaming(root, 0, shapes,
+            neutral.save_streaming(root, 0, shapes,
                                           lambda name: producer.whole(name).float().numpy(),
                                           meta={"converted_from": "hf"})

@@ -11,9 +11,9 @@ import torch
 
 from mindspeed.convert import layout, sidecar
 from mindspeed.convert.arch import Arch, arch_from_config, read_config
-from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import ConvertError
 from mindspeed.convert.hf_io import HFWriter, copy_side_files
-from mindspeed.convert.megatron_read import LAYER_SUFFIXES, open_checkpoint
+from mindspeed.checkpoint.megatron_read import LAYER_SUFFIXES, open_checkpoint
 from mindspeed.convert.staging import check_save_dir, staged
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 
-from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import ConvertError
 
 
 def check_save_dir(save_dir: str) -> None:

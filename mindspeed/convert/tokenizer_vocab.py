@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import ConvertError
 
 
 def tokenizer_vocab_size(path: str) -> int:

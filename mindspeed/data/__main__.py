@@ -12,7 +12,7 @@ import difflib
 import sys
 
 from mindspeed.errors import report
-from mindspeed.training.flag_checks import ArgumentError, OneLineParser
+from mindspeed.errors import ArgumentError, OneLineParser
 
 HANDLER_ONLY = ("handler_name", "prompt_type", "map_keys", "json_keys", "seq_length", "pack", "neat_pack",
                 "overwrite_cache")
@@ -81,7 +81,7 @@ def handler_mode(args) -> bool:
 
 
 def _tokenizer_folder(args) -> str | None:
-    from mindspeed.data.indexed import DataError
+    from mindspeed.data.errors import DataError
     if args.tokenizer_name_or_path and args.tokenizer_model and args.tokenizer_name_or_path != args.tokenizer_model:
         raise DataError("--tokenizer-name-or-path and --tokenizer-model name different tokenizers: give one")
     if args.tokenizer_type not in (None, "PretrainedFromHF", "HuggingFaceTokenizer"):
@@ -91,7 +91,7 @@ def _tokenizer_folder(args) -> str | None:
 
 
 def _run_handler(args) -> None:
-    from mindspeed.data.indexed import DataError
+    from mindspeed.data.errors import DataError
     from mindspeed.data.pipeline import HandlerConfig, run
     if args.json_key is not None or args.chunk_chars:
         raise DataError("--json-key / --chunk-chars are character-level options; with handlers use --json-keys")
@@ -105,7 +105,7 @@ def _run_handler(args) -> None:
 
 
 def _run_char_level(args) -> None:
-    from mindspeed.data.indexed import DataError
+    from mindspeed.data.errors import DataError
     from mindspeed.data.preprocess import PreprocessConfig, preprocess
     defaults = build_parser().parse_args([])
     given = [f"--{name.replace('_', '-')}" for name in HANDLER_ONLY + ("workers", "n_subs", "pad_to_multiple_of",
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     except ArgumentError as err:
         report(err)
         return 2
-    from mindspeed.data.indexed import DataError
+    from mindspeed.data.errors import DataError
     from mindspeed.data.tokenizer import TokenizerError
     try:
         if args.input is None:

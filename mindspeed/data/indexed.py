@@ -1,9 +1,8 @@
-"""Write and check Megatron indexed datasets (<prefix>.bin + <prefix>.idx).
+"""Write Megatron indexed datasets (<prefix>.bin + <prefix>.idx); `indexed_reader` reads and checks them.
 
 Writing goes through megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder; files land
 under a temporary name and are renamed at the end, so an interrupted run never leaves a
-half-written dataset that looks complete. `check_dataset` turns a missing, truncated or corrupt
-pair into a clear DataError before training starts.
+half-written dataset that looks complete.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import (DType, IndexedDataset, IndexedDatasetBuilder,
                                                     get_bin_path, get_idx_path)
 
-from mindspeed.data.errors import DataError  # noqa: F401  (re-exported: callers import it from here too)
+from mindspeed.data.errors import DataError
 
 
 def token_dtype(vocab_size: int):
@@ -94,30 +93,3 @@ def write_dataset(prefix: str, documents: Iterable[np.ndarray], vocab_size: int)
         group.abort()
         raise
     return {"documents": group.documents, "tokens": group.tokens, "dtype": np.dtype(dtype).name}
-
-
-def check_dataset(prefix: str, vocab_size: int | None = None) -> IndexedDataset:
-    """Open the dataset and verify header, sizes and (optionally) the token range."""
-    bin_path, idx_path = get_bin_path(prefix), get_idx_path(prefix)
-    missing = [p for p in (bin_path, idx_path) if not os.path.isfile(p)]
-    if missing:
-        raise DataError(f"dataset {prefix!r} is missing {', '.join(missing)}; build it with "
-                        "`python -m mindspeed.data --input FILE... --output-prefix PREFIX`")
-    try:
-        ds = IndexedDataset(prefix)
-    except (AssertionError, ValueError, OSError, KeyError) as err:
-        raise DataError(f"dataset index {idx_path!r} is corrupt or not a Megatron index: {err}") from err
-    index = ds.index
-    expected = int(np.sum(index.sequence_lengths, dtype=np.int64)) * index.dtype_size
-    actual = os.path.getsize(bin_path)
-    if actual != expected:
-        raise DataError(f"dataset {bin_path!r} has {actual} bytes but its index describes {expected}: "
-                        "the files are truncated or do not belong together; rebuild them")
-    if len(index) == 0:
-        raise DataError(f"dataset {prefix!r} holds no sequences")
-    if vocab_size is not None:
-        sample = np.asarray(ds.get(0))
-        if sample.size and int(sample.max()) >= vocab_size:
-            raise DataError(f"dataset {prefix!r} holds token ids >= vocab size {vocab_size}: "
-                            "it was made with a different tokenizer")
-    return ds

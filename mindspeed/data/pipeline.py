@@ -17,7 +17,8 @@ import numpy as np
 
 from mindspeed.data import cache, packing
 from mindspeed.data.handlers import build_handler, parse_map_keys
-from mindspeed.data.indexed import DataError, DatasetGroup, remove_dataset, token_dtype
+from mindspeed.data.errors import DataError
+from mindspeed.data.indexed import DatasetGroup, remove_dataset, token_dtype
 from mindspeed.data.records import RECORD_SUFFIXES, all_records, expand_inputs
 from mindspeed.data.tokenizer import HuggingFaceTokenizer, save_tokenizer, tokenizer_path
 from mindspeed.data.workers import ordered_map

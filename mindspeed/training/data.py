@@ -19,11 +19,13 @@ from megatron.core.datasets.gpt_dataset import (GPTDataset, GPTDatasetConfig, Mo
 from megatron.core.datasets.indexed_dataset import get_bin_path
 from megatron.core.datasets.utils import get_blend_from_list
 
-from mindspeed.data.indexed import DataError, check_dataset
+from mindspeed.data.errors import DataError
+from mindspeed.data.indexed_reader import check_dataset, split_bounds
 from mindspeed.data.tokenizer import load_tokenizer
+from mindspeed.adaptor_core import packed_documents
 from mindspeed.features import documents
 from mindspeed.features.memory import shared_mask
-from mindspeed.training import instruction_data
+from mindspeed.data import instruction_samples
 
 # segments: --neat-pack's sample numbers when documents.on (get_batch turns them into document ends)
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "segments")
@@ -35,13 +37,13 @@ def dataset_prefixes(data_path) -> list[str]:
     return blend
 
 
-def indexed_prefixes(args, components=instruction_data.COMPONENTS) -> list[str]:
+def indexed_prefixes(args, components=instruction_samples.COMPONENTS) -> list[str]:
     """The indexed datasets behind --data-path: its prefixes, or with --is-instruction-dataset
     each prefix's `components` (input_ids and labels)."""
     prefixes = dataset_prefixes(args.data_path)
     if not getattr(args, "is_instruction_dataset", False):
         return prefixes
-    return [instruction_data.component_prefix(p, key) for p in prefixes for key in components]
+    return [instruction_samples.component_prefix(p, key) for p in prefixes for key in components]
 
 
 def token_prefixes(args) -> list[str]:
@@ -70,7 +72,7 @@ def unigram_entropy(prefixes: list[str], vocab_size: int) -> float:
     """Loss (nats/token) of the best context-free model: the entropy of token frequencies."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for prefix in prefixes:
-        index_dtype = check_dataset(prefix).index.dtype
+        index_dtype = check_dataset(prefix).dtype
         tokens = np.memmap(get_bin_path(prefix), dtype=index_dtype, mode="r")
         counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
     p = counts[counts > 0] / counts.sum()
@@ -88,7 +90,7 @@ def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=not documents.on(args),   # varlen attention reads the EOD positions
+        create_attention_mask=not packed_documents(args),   # varlen attention reads the EOD positions
         mid_level_dataset_surplus=0.005,
     )
 
@@ -96,10 +98,9 @@ def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
 def check_splits_have_documents(args, sizes) -> None:
     """Megatron's GPTDataset loops forever building a split with no document (its epoch count
     never reaches the samples asked for); a blend builds every split with a weight. Refuse first."""
-    from mindspeed.training.mindspore.data import split_bounds   # numpy only: shared with that trainer
     prefixes = dataset_prefixes(args.data_path)
     for prefix in prefixes:
-        documents = len(check_dataset(prefix).index.document_indices) - 1
+        documents = check_dataset(prefix).num_documents
         for name, size, (start, end), weight in zip(("train", "valid", "test"), sizes,
                                                     split_bounds(args.split, documents),
                                                     (args.split.replace("/", ",").split(",") + ["0", "0"])[:3]):
@@ -113,7 +114,7 @@ class InstructionGPTDataset:
     """Instruction samples as GPTDataset items: Megatron's own masks and positions (so --reset-*
     and --eod-mask-loss act as in pretraining), the loss mask also zero on the prompt."""
 
-    def __init__(self, samples: instruction_data.InstructionSamples, length: int, args, eod: int):
+    def __init__(self, samples: instruction_samples.InstructionSamples, length: int, args, eod: int):
         self.samples, self.length, self.args, self.eod = samples, length, args, eod
         self.epoch_samples = samples.num_samples      # one epoch (len() is the whole run's)
 
@@ -125,12 +126,12 @@ class InstructionGPTDataset:
         tokens = torch.from_numpy(sample["tokens"])
         a = self.args
         attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
-            tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, not documents.on(a))
+            tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, not packed_documents(a))
         item = {}
         if "segments" in sample:      # --neat-pack: the stored sample numbers separate, not eod tokens
             segments = torch.from_numpy(sample["segments"])
             position_ids = neat_pack_positions(segments, a.reset_position_ids)
-            if documents.on(a):       # varlen attention: get_batch reads the numbers, no [s, s] mask
+            if packed_documents(a):       # varlen attention: get_batch reads the numbers, no [s, s] mask
                 item["segments"] = segments
             else:
                 attention_mask = neat_pack_mask(segments)
@@ -165,7 +166,7 @@ def neat_pack_positions(segments: torch.Tensor, reset_position_ids: bool) -> tor
 
 
 def build_instruction_datasets(args, tokenizer, sizes):
-    train, valid = instruction_data.build_splits(dataset_prefixes(args.data_path)[0], args.split, args.seq_length,
+    train, valid = instruction_samples.build_splits(dataset_prefixes(args.data_path)[0], args.split, args.seq_length,
                                                  args.seed, tokenizer.eod, getattr(args, "neat_pack", False))
     wrap = lambda samples, size: InstructionGPTDataset(samples, max(size, 1), args, tokenizer.eod)
     return wrap(train, sizes[0]), (wrap(valid, sizes[1]) if valid else None), None
@@ -238,16 +239,16 @@ def cut_to_longest(batch: dict, longest: int, args) -> dict:
 def shard_for_context_parallel(batch: dict) -> dict:
     """THE place where a batch is cut for context parallelism (identity when cp size is 1).
 
-    A CP feature registers its sharding as the `shard_batch` hook (ApplyContext.add_hook); without
+    A CP feature provides its sharding as the `shard_batch` part (ApplyContext.provide); without
     one, Megatron-Core's own load-balanced split (2*cp chunks, rank r keeps r and 2cp-1-r) is used.
     """
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
     from mindspeed.adaptor_core import current
     state = current()
-    hooks = state.context.hooks.get("shard_batch", []) if state is not None else []
-    if hooks:
-        return hooks[-1](batch)
+    shard = state.context.part("shard_batch") if state is not None else None
+    if shard is not None:
+        return shard(batch)
     from megatron.core.utils import get_batch_on_this_cp_rank
     return get_batch_on_this_cp_rank(batch)
 

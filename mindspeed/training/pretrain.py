@@ -22,10 +22,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed import hooks
+from mindspeed.adaptor_core import packed_documents
 from mindspeed.features import documents
 from mindspeed.net import free_port
-from mindspeed.training import checkpointing, data, flag_tokenizers
-from mindspeed.training.flag_checks import LOSS_SCALE_DEFAULTS
+from mindspeed.training import data
+from mindspeed.data import flag_tokenizers
+from mindspeed.checkpoint import torch_dist as checkpointing
+from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
 from mindspeed.training.logger import StepRecorder, TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, padded_vocab_size, transformer_config
 
@@ -132,7 +135,7 @@ def _reduce_loss(losses_reduced: list, device: str) -> float:
 class Trainer:
     def __init__(self, args, logger: TrainingLogger, eod: int | None = None):
         self.args, self.log = args, logger
-        self.eod = eod if documents.on(args) else None     # packed documents: varlen attention
+        self.eod = eod if packed_documents(args) else None     # packed documents: varlen attention
         self.device = args.device_name
         self.config = transformer_config(args)
         self.model = self._build_model()
@@ -269,7 +272,7 @@ def resolve_tokenizer(args, log=print):
     if tokenizer is None:
         return data.resolve_data(args, log=log)
     if not args.mock_data:
-        from mindspeed.data.indexed import check_dataset
+        from mindspeed.data.indexed_reader import check_dataset
         for prefix in data.indexed_prefixes(args):
             check_dataset(prefix)
         for prefix in data.dataset_prefixes(args.data_path):
@@ -299,7 +302,7 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     a = args
     baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
     train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer)
-    trainer = Trainer(a, logger, eod=tokenizer.eod if documents.on(a) else None)
+    trainer = Trainer(a, logger, eod=tokenizer.eod if packed_documents(a) else None)
     n_params = count_parameters(trainer.model)
     logger.print(f"> MindSpeed {state.plan.describe()}".replace("\n", "; "))
     logger.print(f"> world {a.world_size} = TP {a.tensor_model_parallel_size} x PP {a.pipeline_model_parallel_size}"

@@ -52,7 +52,7 @@ def _body(rank, world_size, seq, hidden, ffn, steps):
 
     import mindspeed
     from mindspeed.features.parallel import coc
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     torch.set_num_threads(1)
     rows, part = seq // 2, ffn // 2
     results = {}

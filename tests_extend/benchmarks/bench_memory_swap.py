@@ -191,7 +191,7 @@ def _reuse_distributed_body(rank, world_size, a):
     import mindspeed
     from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
     from mindspeed.training import pretrain
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from tests_extend.unit.swap_workers import trainer_for
     a = types.SimpleNamespace(**a)
     base = _base(a) + ["--bf16", "--use-distributed-optimizer", "--global-batch-size", str(2 * a.mbs)]
@@ -247,7 +247,7 @@ def main() -> None:
     os.environ.pop("RANK", None)
     import mindspeed
     from mindspeed.training import pretrain
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(_base(a), world_size=1)
     mindspeed.adapt(args)
     pretrain._init_distributed(args, "cpu")

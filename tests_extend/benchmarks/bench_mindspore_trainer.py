@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     mp.save_torch_init(model, ckpt)
 
     from mindspeed.backends.mindspore.backend import MindSporeBackend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state

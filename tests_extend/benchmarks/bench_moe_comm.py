@@ -56,7 +56,7 @@ def _layer(tp, ep, dispatcher, tokens, hidden, ffn, experts):
 
 
 def _flags(flags, tp, ep, dispatcher, experts):
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     return parse_args(flags + ["--mock-data", "--num-experts", str(experts), "--tensor-model-parallel-size", str(tp),
                                "--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
                       + (["--sequence-parallel"] if tp > 1 else []))

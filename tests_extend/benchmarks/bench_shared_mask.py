@@ -49,7 +49,7 @@ def main() -> None:
     import mindspeed
     from megatron.core.fusions import fused_softmax
     from mindspeed.training import pretrain
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.data import get_batch
     from tests_extend.benchmarks.bench_memory_swap import _base, _iterator, _trainer
     a.steps = 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.checkpoint import neutral as nf
 from mindspeed.training.mindspore.schedule import learning_rate
 
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, MBS = 2, 32, 4, 2, 64, 64, 16, 2
@@ -51,7 +51,7 @@ def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = 
     mindspeed.adapt, as the trainer does). batch_fn(step): the micro-batch dict instead of batch(step)."""
     import mindspeed
     from mindspeed.backends import get_backend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state

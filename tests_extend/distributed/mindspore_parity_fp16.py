@@ -19,8 +19,8 @@ OVERFLOW_STEPS = 9     # 7 skipped (torch's sequence), then 2 updates
 
 def write_init(path: str) -> None:
     """The trainer's own initialisation (numpy, TP-independent), rounded to fp16."""
-    from mindspeed.training.arguments import parse_args
-    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.checkpoint import neutral as nf
     from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
     args = parse_args(mp.trainer_argv(1), world_size=1)
     full = init_full_weights(GPTConfig.from_args(args, mp.VOCAB), args.seed)
@@ -28,7 +28,7 @@ def write_init(path: str) -> None:
 
 
 def _scaler_settings(flags) -> dict:
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore.mixed_precision import scaler_from_args
     s = scaler_from_args(parse_args(mp.trainer_argv(1) + list(flags), world_size=1))
     return dict(initial_scale=s.scale, min_scale=s.min_scale, growth_factor=2.0, backoff_factor=0.5,
@@ -43,7 +43,7 @@ def ms_train_fp16(backend, init_ckpt: str, flags=PARITY, steps: int = mp.STEPS, 
     scale after the step, whether it was skipped, the lr."""
     import mindspeed
     from mindspeed.backends import get_backend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state

@@ -35,8 +35,8 @@ def batch(step: int, dp_rank: int):
 
 def write_init(path: str, shared: bool, seed: int = 7) -> None:
     """The initial weights (Megatron's init, the trainer's init_full_weights) as a neutral checkpoint."""
-    from mindspeed.training.arguments import parse_args
-    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.checkpoint import neutral as nf
     from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
     args = parse_args(mp.trainer_argv(1) + moe_flags(1, shared))
     nf.save(path, 0, init_full_weights(GPTConfig.from_args(args, mp.VOCAB), seed), meta={"backend": "test"})
@@ -48,7 +48,7 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
     """Load init_ckpt, train `steps` steps (none: evaluate the checkpoint only), optionally save;
     `extra`: more flags (another feature on top of MoE)."""
     import mindspeed
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
@@ -109,7 +109,7 @@ def _local_name(name: str, ep_rank: int, local: int):
 
 def load_into_torch(model, ckpt: str, ep_rank: int, ep: int) -> None:
     import torch
-    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.checkpoint import neutral as nf
     full, _, _ = nf.load(ckpt)
     local = EXPERTS // ep
     state = {_local_name(k, ep_rank, local): torch.from_numpy(np.array(v)) for k, v in full.items()}
@@ -180,7 +180,7 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
         losses.append(mean.item() / dp)
     result = {"losses": losses, "grad_norms": norms, "eval_loss": _eval(model, dp_rank, dp_group, dp)}
     if save_dir:
-        from mindspeed.training.mindspore import neutral_format as nf
+        from mindspeed.checkpoint import neutral as nf
         assert ep == 1      # the state dict's local expert indices are the global ones
         nf.save(save_dir, steps, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
                                   if torch.is_tensor(v) and v.is_floating_point()}, meta={"backend": "torch"})

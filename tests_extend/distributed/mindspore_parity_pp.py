@@ -26,7 +26,7 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
     the held-out loss, and whether the run was PyNative. `extra`: more trainer flags."""
     import mindspeed
     from mindspeed.backends import get_backend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state

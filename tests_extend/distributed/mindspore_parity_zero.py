@@ -21,7 +21,7 @@ def ms_run(backend, init_ckpt: str, *, flag: bool = True, tp: int = 1, steps: in
     included), through mindspeed.adapt (the support matrix gates the flag); save at step save_at."""
     import mindspeed
     from mindspeed.backends import get_backend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     world = backend.comm.world_size()
     dp = world // tp
     argv = mp.trainer_argv(tp) + ["--global-batch-size", str(mp.MBS * dp)] + (

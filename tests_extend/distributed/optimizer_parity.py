@@ -25,7 +25,7 @@ def extra_flags() -> list:
 
 # -- mindspore side ------------------------------------------------------------------------------
 def _ms_trainer(backend, init_ckpt):
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
@@ -53,7 +53,7 @@ def ms_train(init_ckpt: str, ckpt_dir: str, resume_at: int) -> dict:
     checkpoint in a fresh trainer: the momentum must come back for the losses to repeat."""
     import mindspeed
     from mindspeed.backends import get_backend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
     gate = parse_args(mp.trainer_argv(1) + extra_flags(), world_size=1)
     gate.backend = "mindspore"

@@ -64,7 +64,7 @@ def _body(rank, world_size, tmp):
 
     import mindspeed
     from mindspeed.features.parallel import coc_megatron
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.pretrain import run
     out, t0 = {}, time.monotonic()
     from megatron.core.tensor_parallel import layers

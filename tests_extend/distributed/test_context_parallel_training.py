@@ -65,7 +65,7 @@ def _documents(tmp) -> str:
 def _train_all(rank, world_size, runs, tmp):
     import mindspeed
     from mindspeed.features.context_parallel import megatron_hook
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.pretrain import run
     losses = {}
     for name, extra in runs.items():

@@ -21,7 +21,7 @@ def _train_twice(rank, world_size, tmp):
     import torch
 
     import mindspeed
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.pretrain import run
     out = {}
     for name, layout in LAYOUTS.items():

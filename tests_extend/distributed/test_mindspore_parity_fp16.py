@@ -77,7 +77,7 @@ def test_overflow_skips_steps_and_lowers_the_scale_as_megatron(ms_runs, torch_ru
 
 
 def test_checkpoint_holds_fp32_masters_and_the_scaler(paths, ms_runs, torch_runs):
-    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.checkpoint import neutral as nf
     params, moments, meta = nf.load(nf.resolve(paths["ms_final"], None))
     masters = ms_runs["fp16"]["masters"]
     for name, value in params.items():
@@ -94,7 +94,7 @@ def test_checkpoint_holds_fp32_masters_and_the_scaler(paths, ms_runs, torch_runs
 
 def test_resume_restores_masters_scaler_and_skip_count(paths, ms_runs):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer, resume

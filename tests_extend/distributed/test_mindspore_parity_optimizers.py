@@ -49,7 +49,7 @@ def test_the_torch_trainers_sgd_checkpoint_gives_its_momentum_to_the_mindspore_t
     import sys
 
     from mindspeed.net import free_port
-    from mindspeed.training.cross_format import neutral_from_torch_dist
+    from mindspeed.checkpoint.cross_format import neutral_from_torch_dist
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHON=sys.executable, TP="1", NPUS_PER_NODE="1", MASTER_PORT=str(free_port()),
                LOG_DIR=str(tmp_path / "logs"), NUM_LAYERS="1", HIDDEN_SIZE="32", NUM_HEADS="4", SEQ_LENGTH="32",

@@ -55,7 +55,7 @@ def test_pp2_checkpoint_loads_at_pp1(runs):
     the trainer at PP=1 loads it and evaluates the held-out batch to PP=2's loss."""
     import mindspeed
     from mindspeed.backends import get_backend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
@@ -76,7 +76,7 @@ def test_pp2_checkpoint_loads_at_pp1(runs):
 def test_pp2_checkpoint_holds_every_stages_optimizer_state(runs):
     """Whatever the optimizer's state is called (Adam's moments, SGD's momentum), the PP=2 checkpoint
     holds it for the parameters of both stages."""
-    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.checkpoint import neutral as nf
     for saved, kinds in ((runs["saved"], ("exp_avg", "exp_avg_sq")), (runs["saved_sgd"], ("momentum_buffer",))):
         params, state, _ = nf.load(saved)
         assert sorted(state) == sorted(f"{kind}/{name}" for kind in kinds for name in params), saved

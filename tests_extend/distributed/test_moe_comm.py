@@ -72,7 +72,7 @@ def _groups(flags, tp, ep):
     import mindspeed
     from megatron.core import parallel_state as ps
 
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     mindspeed.adapt(parse_args(_argv(flags, tp, ep, "alltoall", {})))
     try:
         ps.destroy_model_parallel()
@@ -87,7 +87,7 @@ def _layer_run(flags, tp, ep, dispatcher, options):
     from megatron.core import parallel_state as ps
 
     from mindspeed.features.moe import async_comm
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from tests_extend.distributed import moe_comm_cases as mc
     mindspeed.adapt(parse_args(_argv(flags, tp, ep, dispatcher, options)))
     try:
@@ -116,7 +116,7 @@ def _body(rank, world_size, tmp):
 
     import mindspeed
     from mindspeed.features.moe import async_comm
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.pretrain import run
     torch.set_num_threads(1)        # tiny tensors: two ranks' thread pools would only spin against each other
     out, t0 = {}, time.monotonic()

@@ -44,7 +44,7 @@ def _instructions(tmp) -> str:
     prompt (label -100), written as the instruction handlers write theirs (int32)."""
     import numpy as np
     from mindspeed.data.indexed import DatasetGroup
-    from mindspeed.training.instruction_data import COMPONENTS, SEGMENTS, component_prefix
+    from mindspeed.data.instruction_samples import COMPONENTS, SEGMENTS, component_prefix
     prefix = os.path.join(tmp, "instructions")
     keys = COMPONENTS + (SEGMENTS,)
     group = DatasetGroup({k: component_prefix(prefix, k) for k in keys}, dict.fromkeys(keys, np.int32), 65,
@@ -66,7 +66,7 @@ def _losses(path):
 def _train(rank, tmp, name, flags, inspect=None):
     import mindspeed
     from mindspeed.training import pretrain
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     loss_file = os.path.join(tmp, name + ".jsonl")
     next_rendezvous(rank, loss_file + ".port")
     if INSTRUCTIONS in flags:

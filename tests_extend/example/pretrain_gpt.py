@@ -14,8 +14,8 @@ def main(argv=None) -> int:
         # msrun starts a scheduler on every node whose address is MASTER_ADDR: nodes sharing the
         # master's machine would start a second one (its port is taken). Node 0's coordinates.
         return 0
-    from mindspeed.errors import report
-    from mindspeed.training.arguments import ArgumentError, parse_args
+    from mindspeed.errors import ArgumentError, report
+    from mindspeed.flags.trainer_flags import parse_args
     try:
         args = parse_args(argv)
     except ArgumentError as err:
@@ -30,9 +30,8 @@ def main(argv=None) -> int:
     try:
         if args.backend == "mindspore":
             from mindspeed.training import mindspore as ms_trainer   # imported only when asked for
-            from mindspeed.training.mindspore.data import DataError as MindSporeDataError
             from mindspeed.training.mindspore.trainer import TrainerConfigError
-            user_errors += (MindSporeDataError, TrainerConfigError)
+            user_errors += (TrainerConfigError,)
             ms_trainer.run(args)
         else:
             mindspeed.adapt(args)      # device shim + enabled features, before the model exists

@@ -123,7 +123,7 @@ fi
 # the trainer's refusals (flags, sizes, the support matrix) come out here as one `error:` line and
 # nothing is launched; Megatron-LM's own parser is not MindSpeed's, so its script is not checked
 if [ -z "$MEGATRON_LM" ]; then
-  "$PYTHON" -m mindspeed.training.preflight --preflight-world-size $(( NPUS_PER_NODE * NNODES )) \
+  "$PYTHON" -m mindspeed.preflight --preflight-world-size $(( NPUS_PER_NODE * NNODES )) \
     "${ARGS[@]}" "$@" || { rc=$?; [ "$rc" = 3 ] && exit 0; exit "$rc"; }   # 3: --help shown
 fi
 

@@ -96,7 +96,7 @@ ARGS=(
 
 # the trainer's refusals (flags, sizes, the support matrix) come out here as one `error:` line and
 # nothing is launched (msrun would add its own failure report)
-"$PYTHON" -m mindspeed.training.preflight --preflight-world-size "$WORLD" "${ARGS[@]}" "$@" \
+"$PYTHON" -m mindspeed.preflight --preflight-world-size "$WORLD" "${ARGS[@]}" "$@" \
   || { rc=$?; [ "$rc" = 3 ] && exit 0; exit "$rc"; }   # 3: --help shown
 
 # the default dataset is built once here, not by every worker at once

@@ -1,5 +1,5 @@
 """A flag the trainer refuses stops train_distributed.sh / train_distributed_ms.sh with the trainer's
-one `error:` line (the preflight, mindspeed.training.preflight) before torchrun/msrun start: no
+one `error:` line (the preflight, mindspeed.preflight) before torchrun/msrun start: no
 launcher traceback, nothing launched. The launchers are replaced by recorders, so a launch that
 should not happen is seen (and does not train)."""
 import os
@@ -75,7 +75,7 @@ def test_torch_script_launches_what_the_preflight_accepts(tmp_path):
     result = launch_example(dict(PYTHON=python, TP="1", PP="2"), ["--num-layers", "4"], timeout=120)
     assert result.returncode == LAUNCHER_REACHED, (result.stdout + result.stderr)[-3000:]
     calls = _calls(log)
-    assert calls[0].startswith("-m mindspeed.training.preflight --preflight-world-size 2 ")
+    assert calls[0].startswith("-m mindspeed.preflight --preflight-world-size 2 ")
     assert calls[-1].startswith("-m torch.distributed.run") and "pretrain_gpt.py" in calls[-1]
     assert calls[-1].endswith("--num-layers 4") and calls[0].endswith("--num-layers 4")
 

@@ -160,7 +160,7 @@ def test_mindspore_without_msadapter_is_refused_at_import(checkout):
 # layer out (after unadapt it equals its own count of one layer fewer). One apply per process.
 LAYER_FLAGS_CODE = """
 import os, megatron.training.training as mtt
-from mindspeed.megatron_lm import megatron_version
+from mindspeed.versions import megatron_version
 def parsed(*extra):
     sys.argv = ['pretrain_gpt.py', '--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '4',
                 '--seq-length', '64', '--max-position-embeddings', '64', '--micro-batch-size', '1',

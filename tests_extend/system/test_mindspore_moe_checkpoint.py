@@ -30,14 +30,14 @@ def _run(backend, *extra):
 
 
 def _torch_dist(path):
-    from mindspeed.convert.megatron_read import TorchDistReader
+    from mindspeed.checkpoint.megatron_read import TorchDistReader
     reader = TorchDistReader(os.path.join(path, "iter_0000002"))
     return {k: reader.get(k).float().numpy() for k in reader.meta
             if ("mlp." in k or "exp_avg" in k) and "_extra_state" not in k}
 
 
 def test_moe_checkpoint_crosses_both_ways(tmp_path):
-    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.checkpoint import neutral as nf
     torch_ckpt, ms_ckpt, back = (str(tmp_path / n) for n in ("torch", "ms", "back"))
     _run("torch", "--save", torch_ckpt)
     out = _run("mindspore", "--load", torch_ckpt, "--save", ms_ckpt)

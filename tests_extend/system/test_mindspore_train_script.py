@@ -227,7 +227,7 @@ def _assert_tflops_and_mfu(output, logged):
     import re
 
     from mindspeed.training import flops
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(["--num-layers", TINY["NUM_LAYERS"], "--hidden-size", TINY["HIDDEN_SIZE"],
                        "--num-attention-heads", TINY["NUM_HEADS"], "--seq-length", TINY["SEQ_LENGTH"],
                        "--swiglu"], world_size=2)

@@ -220,7 +220,7 @@ def _assert_tflops_and_mfu(output):
     """Each logged TFLOP/s per device is the model's FLOPs per iteration / the logged step time /
     2 devices, and MFU is that over the device peak the run stated."""
     from mindspeed.training import flops
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(["--num-layers", TINY["NUM_LAYERS"], "--hidden-size", TINY["HIDDEN_SIZE"],
                        "--num-attention-heads", TINY["NUM_HEADS"], "--seq-length", TINY["SEQ_LENGTH"],
                        "--swiglu"], world_size=2)
@@ -395,7 +395,7 @@ def test_each_kind_of_damage_is_named_in_one_line(saved_run, tmp_path):
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from mindspeed.training import checkpointing as ck
+    from mindspeed.checkpoint import torch_dist as ck
     from mindspeed.errors import CheckpointError
 
     def copy(name):

@@ -49,7 +49,7 @@ def torch_resume_report(root: str) -> dict:
     """Train one optimizer step, save at iteration 1, then resume fresh trainers with each flag."""
     import mindspeed
     from mindspeed.training import pretrain
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
 
     def trainer_for(*flags):
         args = parse_args(TINY + list(flags), world_size=1)
@@ -66,7 +66,7 @@ def torch_resume_report(root: str) -> dict:
         for p in chunk.parameters():
             p.main_grad.copy_(torch.full_like(p, 0.01))
     trainer.optimizer.step()
-    from mindspeed.training import checkpointing
+    from mindspeed.checkpoint import torch_dist as checkpointing
     checkpointing.save_checkpoint(root, 1, trainer.model, trainer.optimizer, trainer.scheduler, 2)
     saved = {"moments": _moments(trainer.optimizer), "weights": _weights(trainer),
              "lr": trainer.optimizer.param_groups[0]["lr"]}

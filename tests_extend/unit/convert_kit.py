@@ -76,7 +76,7 @@ def read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
 def trainer_args(mg_dir: str, tp: int = 1, pp: int = 1, world_size: int = 1, extra=()):
     """The trainer's own argument parsing for the converted model, as convert_info.json says."""
     from mindspeed.convert.sidecar import read_info
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     info = read_info(mg_dir)
     flags = list(info["trainer_flags"])
     if pp == 1 and "--decoder-first-pipeline-num-layers" in flags:   # the converted split is for PP > 1
@@ -94,7 +94,7 @@ def trainer_args(mg_dir: str, tp: int = 1, pp: int = 1, world_size: int = 1, ext
 
 def load_trainer_model(args):
     """The trainer's model at this rank, loaded by the trainer's checkpointing (--finetune)."""
-    from mindspeed.training import checkpointing
+    from mindspeed.checkpoint import torch_dist as checkpointing
     from mindspeed.training.model import build_model_chunks, transformer_config
     chunks = build_model_chunks(args, transformer_config(args))
     checkpointing.load_checkpoint(args.load, chunks, None, None, finetune=True)

@@ -19,11 +19,11 @@ def main(hf_dir: str, save_dir: str, *flags: str) -> None:
     import io
     # everything the conversion imports, before the baseline is taken
     import megatron.core.dist_checkpointing  # noqa: F401
-    import mindspeed.training.checkpointing  # noqa: F401
+    import mindspeed.checkpoint.torch_dist  # noqa: F401
     import mindspeed.training.model  # noqa: F401
     from mindspeed.convert import hf_to_mg, megatron_write, torch_dist_stream  # noqa: F401
     from mindspeed.convert.cli import main as convert
-    from mindspeed.training.mindspore import neutral_format  # noqa: F401
+    from mindspeed.checkpoint import neutral as neutral_format  # noqa: F401
     base = rss_bytes()
     with contextlib.redirect_stdout(io.StringIO()):
         rc = convert(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf_dir,

@@ -47,7 +47,7 @@ def trainer_for(flags, base=TINY, vocab_size=60, world_size=1):
     """The built-in trainer in this process (world of one unless told), adapted for `base + flags`."""
     import mindspeed
     from mindspeed.training import pretrain
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(base + list(flags), world_size=world_size)
     mindspeed.unadapt()
     mindspeed.adapt(args)
@@ -132,7 +132,8 @@ def optimizer_state(tr) -> dict:
 def checkpoint_crossing(root, on, off, steps=2, more=2, world_size=1):
     """Train `steps` with flags `on`, save, train `more`; a trainer with `off` loads the checkpoint
     and trains `more`: both continuations' losses (and the reverse)."""
-    from mindspeed.training import checkpointing, pretrain
+    from mindspeed.training import pretrain
+    from mindspeed.checkpoint import torch_dist as checkpointing
     import os
     report = {}
     for name, first, second in (("on_to_off", on, off), ("off_to_on", off, on)):
@@ -214,14 +215,14 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
     import mindspeed
     from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
     from mindspeed.training import pretrain
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     t0 = time.perf_counter()
     base = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "4"]
     args = parse_args(TINY + base, world_size=world_size)
     mindspeed.adapt(args)
     pretrain._init_distributed(args, "cpu")
     pretrain.init_batch_schedule(args, rank)
-    from mindspeed.training import checkpointing
+    from mindspeed.checkpoint import torch_dist as checkpointing
     out, first = {"rank": rank}, {}
     runs = (("off", base), ("on", base + ["--reuse-fp32-param"]))
     for name, flags in runs:
@@ -320,7 +321,7 @@ def main(root: str) -> dict:
     os.environ.pop("RANK", None)
     import mindspeed
     from mindspeed.training import pretrain
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(TINY, world_size=1)
     mindspeed.adapt(args)
     pretrain._init_distributed(args, "cpu")

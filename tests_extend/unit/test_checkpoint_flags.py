@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mindspeed.training.arguments import ArgumentError, parse_args
+from mindspeed.errors import ArgumentError
+from mindspeed.flags.trainer_flags import parse_args
 from tests_extend.unit import checkpoint_flag_workers
 
 
@@ -92,7 +93,7 @@ def _ms_resume(root, *flags):
 @pytest.fixture
 def neutral_checkpoint(tmp_path):
     pytest.importorskip("mindspore")
-    from mindspeed.training.mindspore import neutral_format
+    from mindspeed.checkpoint import neutral as neutral_format
     root = str(tmp_path / "ckpt")
     weights = np.arange(6, dtype=np.float32).reshape(2, 3)
     neutral_format.save(root, 3, {"final_norm.weight": weights},

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mindspeed.training import checkpointing as ck
+from mindspeed.checkpoint import torch_dist as ck
 
 
 class _EnumsByGetattr(pickle.Pickler):

@@ -9,7 +9,7 @@ from mindspeed.features.context_parallel.ulysses import kv_repeats
 
 
 def _plan(*argv, **extra):
-    from mindspeed.arguments import parse_mindspeed_args
+    from mindspeed.flags.mindspeed_flags import parse_mindspeed_args
     args = parse_mindspeed_args(list(argv))
     for k, v in extra.items():
         setattr(args, k, v)

@@ -111,7 +111,7 @@ def test_tokenizer_smaller_than_the_embedding(tmp_path):
     kit.write_tokenizer_json(os.path.join(hf, "tokenizer.json"), 100)
     kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir", mg,
                 "--tokenizer-model", os.path.join(hf, "tokenizer.json"), "--make-vocab-size-divisible-by", "8")
-    from mindspeed.convert.megatron_read import open_checkpoint
+    from mindspeed.checkpoint.megatron_read import open_checkpoint
     assert open_checkpoint(mg).shape("embedding.word_embeddings.weight") == (104, kit.HIDDEN)
     tokens = TOKENS % 100
     logits = _tp1_logits(mg, tokens=tokens)
@@ -152,7 +152,7 @@ def _two_rank_body(rank, world_size, mg_dir, tokens, save_dir, tied_mg_dir, tied
     trainer saves it too: a checkpoint of pipeline-split chunks), in the same two processes."""
     from megatron.core import parallel_state
     from mindspeed.convert.megatron_write import _NoScheduler, adapted
-    from mindspeed.training import checkpointing
+    from mindspeed.checkpoint import torch_dist as checkpointing
     with adapted(kit.trainer_args(mg_dir, tp=2, world_size=world_size)):
         model, tp2 = _logits_at(mg_dir, tokens, tp=2, pp=1, world_size=world_size)
         # Megatron's checkpoint writer starts a multiprocessing manager; the harness's ranks are
@@ -253,8 +253,8 @@ def test_mindspore_tp2_loads_converted_checkpoints_and_trains(llama, qwen, tmp_p
 
 def test_mindspore_trainer_checkpoint_converts_back(llama, tmp_path):
     """A neutral-only checkpoint (as the MindSpore trainer saves) -> Hugging Face, bit for bit."""
-    from mindspeed.training.mindspore import neutral_format
-    from mindspeed.convert.megatron_read import open_checkpoint
+    from mindspeed.checkpoint import neutral as neutral_format
+    from mindspeed.checkpoint.megatron_read import open_checkpoint
     reader = open_checkpoint(llama["mg"])   # torch_dist: the model-local names, whole tensors
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
     arrays = {n: reader.get(n).numpy() for n in names}

@@ -6,7 +6,7 @@ import torch
 
 from mindspeed.convert import layout
 from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipeline_split_flags
-from mindspeed.convert.errors import ConvertError
+from mindspeed.errors import ConvertError
 
 ARCH = Arch(num_layers=1, hidden_size=2, ffn_hidden_size=4, num_heads=4, num_kv_heads=2, head_dim=1,
             vocab_size=8, norm_epsilon=1e-5, rope_theta=1e4, rope_scaling_factor=None, tied_embeddings=True, qkv_bias=True,

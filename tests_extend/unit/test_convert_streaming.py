@@ -31,7 +31,7 @@ def test_hf_to_mg_peak_memory_is_a_fraction_of_the_model(tmp_path):
                                          f"{size / 2**20:.0f} MiB model")
     # what was written is the model (tensor k of the Hugging Face file holds the value k)
     from mindspeed.convert.hf_io import HFReader
-    from mindspeed.convert.megatron_read import NeutralReader, TorchDistReader
+    from mindspeed.checkpoint.megatron_read import NeutralReader, TorchDistReader
     directory = os.path.join(mg, "iter_0000000")
     hf_reader = HFReader(hf)
     fc1 = torch.cat([hf_reader.get(f"model.layers.13.mlp.{x}_proj.weight") for x in ("gate", "up")])

@@ -28,9 +28,9 @@ def tok(tok_dir):
 
 
 def _docs(prefix: str) -> list[np.ndarray]:
-    from mindspeed.data.indexed import check_dataset
+    from mindspeed.data.indexed_reader import check_dataset
     ds = check_dataset(prefix)
-    return [np.asarray(ds.get(i), dtype=np.int64) for i in range(len(ds))]
+    return [ds.sequence(i).astype(np.int64) for i in range(ds.num_sequences)]
 
 
 def _instruction(prefix: str) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -215,7 +215,7 @@ def test_pack_fills_fixed_length_samples_and_keeps_every_reply(tok_dir, tmp_path
 def test_neat_pack_no_token_predicts_across_a_sample_boundary(tok_dir, tmp_path):
     """With an empty prompt (template empty) every token is learned: in a neat-packed sample the
     last token of one conversation still must not predict the first of the next."""
-    from mindspeed.training.instruction_data import build_splits
+    from mindspeed.data.instruction_samples import build_splits
     records = [{"instruction": "", "input": "", "output": "blue is a colour"}] * 3
     prefix = str(tmp_path / "neat")
     _run(tok_dir, kit.write_jsonl(tmp_path / "a.jsonl", records), prefix, "--handler-name",

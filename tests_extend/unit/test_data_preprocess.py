@@ -11,7 +11,8 @@ import pytest
 
 from mindspeed.data import shakespeare
 from mindspeed.data.__main__ import main as data_main
-from mindspeed.data.indexed import DataError, check_dataset
+from mindspeed.data.errors import DataError
+from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.data.preprocess import PreprocessConfig, preprocess
 from mindspeed.data.tokenizer import CharLevelTokenizer, HuggingFaceTokenizer, TokenizerError, load_tokenizer
 
@@ -40,9 +41,9 @@ def test_preprocess_text_files_reads_back_exact_tokens(tmp_path):
     assert stats["documents"] == 2 and stats["tokens"] == len(TEXT_A) + len(TEXT_B) + 2
     tok = load_tokenizer(prefix)
     ds = check_dataset(prefix, tok.vocab_size)
-    first = np.asarray(ds.get(0))
+    first = ds.sequence(0)
     assert first[-1] == tok.eod and tok.detokenize(first[:-1]) == TEXT_A
-    assert tok.detokenize(np.asarray(ds.get(1))[:-1]) == TEXT_B
+    assert tok.detokenize(ds.sequence(1)[:-1]) == TEXT_B
     for suffix in (".bin", ".idx", ".tokenizer.json"):
         assert stat.S_IMODE(os.stat(prefix + suffix).st_mode) == 0o640
 
@@ -56,7 +57,7 @@ def test_preprocess_jsonl_and_chunking(tmp_path):
     assert stats["documents"] > 2          # long documents were cut into pieces
     tok = load_tokenizer(prefix)
     ds = check_dataset(prefix)
-    text = "".join(tok.detokenize(np.asarray(ds.get(i))[:-1]) for i in range(len(ds)))
+    text = "".join(tok.detokenize(ds.sequence(i)[:-1]) for i in range(ds.num_sequences))
     assert text == TEXT_A + TEXT_B         # cutting loses nothing
 
 
@@ -72,6 +73,25 @@ def test_missing_input_and_missing_dataset(tmp_path):
         preprocess(PreprocessConfig(inputs=[str(tmp_path / "nope.txt")], output_prefix=str(tmp_path / "x")))
     with pytest.raises(DataError, match="missing"):
         check_dataset(str(tmp_path / "nothing"))
+
+
+def test_the_reader_sees_what_megatron_reads(tmp_path):
+    # One reader for both trainers: it must agree with Megatron-Core's own IndexedDataset.
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from mindspeed.data.indexed import DatasetGroup
+    prefix = str(tmp_path / "multi")
+    group = DatasetGroup({"": prefix}, {"": np.uint16})
+    group.add({"": np.arange(7, dtype=np.int64)})
+    group.add({"": np.array([5, 4, 3], dtype=np.int64)})
+    group.builders[""].add_document(np.array([9, 9]), [1, 1])     # one document of two sequences
+    group.documents += 1
+    group.commit()
+    ours, theirs = check_dataset(prefix), IndexedDataset(prefix)
+    assert ours.dtype == theirs.index.dtype and ours.num_sequences == len(theirs) == 4
+    assert ours.num_documents == len(theirs.index.document_indices) - 1 == 3
+    for i in range(len(theirs)):
+        assert ours.sequence(i).tolist() == np.asarray(theirs.get(i)).tolist()
+    assert ours.document_range_tokens(1, 3).tolist() == [5, 4, 3, 9, 9]
 
 
 def test_truncated_and_corrupt_dataset_are_reported(tmp_path):

@@ -42,10 +42,10 @@ from hypothesis.control import currently_in_test_context
 
 from mindspeed.__main__ import main as mindspeed_main
 from mindspeed.adaptor_core import MindSpeedConfigError, plan
-from mindspeed.arguments import mindspeed_parser, trainer_parser
+from mindspeed.flags.mindspeed_flags import mindspeed_parser, trainer_parser
 from mindspeed.features.registry import all_features
-from mindspeed.training.arguments import CHECKPOINT_TRACKER, build_parser, parse_args
-from mindspeed.training.flag_checks import ArgumentError, is_number
+from mindspeed.flags.trainer_flags import CHECKPOINT_TRACKER, build_parser, parse_args
+from mindspeed.flags.checks import ArgumentError, is_number
 
 BACKENDS = ("torch", "mindspore")
 EXAMPLES = 500    # derandomized: the same command lines every run (CI time: ~20 s per 500)

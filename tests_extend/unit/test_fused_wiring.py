@@ -114,14 +114,15 @@ def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
     builds no attention mask and get_batch publishes each sample's document ends (a document ends
     right after its EOD token); otherwise Megatron's dense mask stays."""
     import torch
+    from mindspeed.adaptor_core import packed_documents
     from mindspeed.features import documents
     from mindspeed.training import data
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     base = ["--mock-data", "--seq-length", "8", "--reset-attention-mask"]
-    assert documents.on(parse_args(base + ["--use-flash-attn"]))
-    assert documents.on(parse_args(base + ["--context-parallel-size", "2"], world_size=2))
-    assert not documents.on(parse_args(base))
-    assert not documents.on(parse_args(base + ["--use-flash-attn", "--context-parallel-size", "2",
+    assert packed_documents(parse_args(base + ["--use-flash-attn"]))
+    assert packed_documents(parse_args(base + ["--context-parallel-size", "2"], world_size=2))
+    assert not packed_documents(parse_args(base))
+    assert not packed_documents(parse_args(base + ["--use-flash-attn", "--context-parallel-size", "2",
                                                "--attention-mask-type", "general"], world_size=2))
     flash = parse_args(base + ["--use-flash-attn"])
     tokenizer = data.resolve_data(flash)
@@ -142,16 +143,16 @@ def test_documents_follow_the_applied_plan_not_the_flags_alone():
     """--use-flash-attn dropped by --optimization-level 0: Megatron's attention (and its dense
     mask) runs, so the dataset must build the mask."""
     from mindspeed.features import documents
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(["--mock-data", "--reset-attention-mask", "--use-flash-attn", "--optimization-level", "0"])
     mindspeed.adapt(args)
     try:
-        assert not documents.on(args)
+        assert not packed_documents(args)
     finally:
         mindspeed.unadapt()
     args = parse_args(["--mock-data", "--reset-attention-mask", "--use-flash-attn"])
     mindspeed.adapt(args)
     try:
-        assert documents.on(args)
+        assert packed_documents(args)
     finally:
         mindspeed.unadapt()

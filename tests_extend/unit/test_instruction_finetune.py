@@ -57,7 +57,7 @@ def trainer_session(flags):
     from mindspeed.convert.megatron_write import adapted, world_of_one
     from mindspeed.features import documents
     from mindspeed.training import data, pretrain
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.model import padded_vocab_size
     args = parse_args(flags + ["--backend", "torch", "--device", "cpu"], world_size=1)
     with adapted(args), world_of_one():
@@ -121,9 +121,10 @@ def test_neat_packed_samples_have_the_losses_of_the_samples_alone(setup):
     inside each sample), and a dataset/flag mismatch is refused in one line. With flash attention
     the samples reach the kernel as per-sample lengths (TND): no [s, s] mask is built."""
     from mindspeed.backends import get_backend
-    from mindspeed.data.indexed import DataError
-    from mindspeed.training import data, instruction_data
-    from mindspeed.training.mindspore.data import IndexedTokens
+    from mindspeed.data.errors import DataError
+    from mindspeed.training import data
+    from mindspeed.data import instruction_samples as instruction_data
+    from mindspeed.data.indexed_reader import IndexedTokens
     root, neat = setup["root"], str(setup["root"] / "data" / "neat")
     args = ["--input", str(root / "alpaca.jsonl"), "--tokenizer-type", "PretrainedFromHF",
             "--tokenizer-name-or-path", setup["tok"], "--handler-name", "AlpacaStyleInstructionHandler",
@@ -205,7 +206,7 @@ def test_finetune_on_the_mindspore_trainer_sees_the_same_masked_samples(setup, t
     """Its micro-batches equal the torch trainer's; its first loss (the mean of the micro-batch
     losses, as its loop logs it) is the torch model's on them: the neutral copy loaded, prompts masked."""
     pytest.importorskip("mindspore")
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import data as ms_data
     micro, sums = first_step(setup["flags"])
     args = parse_args(setup["flags"] + ["--backend", "mindspore"], world_size=1)
@@ -226,14 +227,16 @@ def test_finetune_on_the_mindspore_trainer_sees_the_same_masked_samples(setup, t
     (["--data-path", "a", "--neat-pack"], "--neat-pack needs --reset-attention-mask"),
 ])
 def test_instruction_flag_without_one_instruction_dataset_is_refused(argv, message):
-    from mindspeed.training.arguments import ArgumentError, parse_args
+    from mindspeed.errors import ArgumentError
+    from mindspeed.flags.trainer_flags import parse_args
     with pytest.raises(ArgumentError, match=re.escape(message)):
         parse_args(["--is-instruction-dataset", *argv], world_size=1)
 
 
 def test_neat_pack_needs_an_instruction_dataset_and_the_torch_trainer():
     from mindspeed.adaptor_core import MindSpeedConfigError, plan
-    from mindspeed.training.arguments import ArgumentError, parse_args
+    from mindspeed.errors import ArgumentError
+    from mindspeed.flags.trainer_flags import parse_args
     with pytest.raises(ArgumentError, match=re.escape("--neat-pack reads an instruction dataset")):
         parse_args(["--neat-pack", "--reset-attention-mask"], world_size=1)
     neat = ["--is-instruction-dataset", "--data-path", "a", "--neat-pack", "--reset-attention-mask"]
@@ -243,10 +246,10 @@ def test_neat_pack_needs_an_instruction_dataset_and_the_torch_trainer():
 
 
 def test_a_pretraining_dataset_is_not_read_as_an_instruction_dataset(tmp_path):
-    from mindspeed.data.indexed import DataError
+    from mindspeed.data.errors import DataError
     from mindspeed.data.preprocess import PreprocessConfig, preprocess
     from mindspeed.training import data
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     (tmp_path / "a.txt").write_text("plain text " * 20)
     prefix = str(tmp_path / "plain")
     preprocess(PreprocessConfig(inputs=[str(tmp_path / "a.txt")], output_prefix=prefix), log=lambda m: None)

@@ -141,7 +141,7 @@ def test_missing_mindspore_names_the_install_command():
 
 def test_missing_mindspore_refuses_the_trainer_before_work():
     r = _python(_HIDE_MINDSPORE + (
-        "from mindspeed.training.arguments import parse_args\n"
+        "from mindspeed.flags.trainer_flags import parse_args\n"
         "from mindspeed.training import mindspore as trainer\n"
         "try:\n    trainer.run(parse_args(['--backend', 'mindspore', '--mock-data']))\n"
         "except Exception as e:\n    print('REFUSED', type(e).__name__, e)\n"))
@@ -246,7 +246,7 @@ def test_fused_flags_route_the_trainer_model_through_the_fast_kernels(backend, m
     its features name and the plain model none, and both must give the same logits, i.e. the
     MindSpore reference kernels agree with the independent ones inside the real model."""
     from mindspeed.backends.base import DispatchKernels
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from tests_extend.unit import ms_numpy_kernels as fast
@@ -284,8 +284,8 @@ def test_fused_flags_route_the_trainer_model_through_the_fast_kernels(backend, m
 def test_noop_layers_pass_through_in_the_mindspore_gpt(backend):
     """--noop-layers 0,2 of 3 layers: no weights for layers 0 and 2, and the logits are those of a
     one-layer model whose layer holds layer 1's weights (the noop layers return their input)."""
-    from mindspeed.training.arguments import parse_args
-    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.checkpoint import neutral as nf
     from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
     from mindspeed.training.mindspore.parallel import build_parallel_state
 

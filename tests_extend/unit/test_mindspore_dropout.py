@@ -27,7 +27,7 @@ def backend():
 
 
 def _args(*flags):
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     return parse_args(mp.trainer_argv(1) + list(flags))
 
 
@@ -119,7 +119,7 @@ def test_each_hidden_site_is_where_megatron_drops(backend):
     """Scaling site k's mask by 2 equals doubling the weight that produces that site's input: the
     word embedding (site 0), each layer's attention output projection (1 + 2j) and fc2 (2 + 2j).
     All-ones masks (hidden and attention) leave the logits exactly as without dropout."""
-    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.checkpoint import neutral as nf
     from mindspeed.training.mindspore.model import Extras, init_full_weights
     model = _trainer(backend, *DROP).model
     cfg = model.cfg

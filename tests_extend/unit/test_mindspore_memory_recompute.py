@@ -18,7 +18,7 @@ CASES = {
 
 def _train(features, num_layers_flags=()):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from tests_extend.memory_meter import ms_saved_for_backward

@@ -86,7 +86,7 @@ def test_layer_output_is_each_tokens_weighted_experts():
     from mindspeed.backends.mindspore.backend import MindSporeBackend
     from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
     from mindspeed.training.mindspore.parallel import build_parallel_state
-    from mindspeed.training.mindspore import neutral_format as nf
+    from mindspeed.checkpoint import neutral as nf
     backend = MindSporeBackend("cpu")
     cfg = GPTConfig(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=2,
                     kv_channels=4, vocab_size=32, seq_length=6, num_experts=E, moe_router_topk=K,

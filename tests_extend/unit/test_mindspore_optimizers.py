@@ -116,7 +116,7 @@ def test_the_schedule_is_megatrons_optimizer_param_scheduler(style, wsd_style, w
 
 
 def test_wsd_flags_default_to_a_tenth_of_the_decay_and_megatrons_exponential():
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(["--lr-decay-style", "WSD", "--train-iters", "50"], world_size=1)
     assert (args.lr_wsd_decay_iters, args.lr_wsd_decay_style) == (5, "exponential")
     args = parse_args(["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "9", "--lr-wsd-decay-style", "cosine"],

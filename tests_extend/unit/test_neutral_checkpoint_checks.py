@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mindspeed.errors import CheckpointError
-from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.checkpoint import neutral as nf
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 from mindspeed.adaptor_core import MindSpeedConfigError, plan
 from mindspeed.features.parallel.layers import host_split, layout_string
 from mindspeed.training import flops
-from mindspeed.training.arguments import parse_args
+from mindspeed.flags.trainer_flags import parse_args
 
 FOUR = ["--num-layers", "4"]
 PP2 = ["--pipeline-model-parallel-size", "2"]

@@ -1,4 +1,4 @@
-"""mindspeed.training.preflight in-process: the launch's world size reaches parse_args, refusals
+"""mindspeed.preflight in-process: the launch's world size reaches parse_args, refusals
 and its own option errors are one `error:` line with exit 2, and a torch preflight stays light
 (no megatron.core, no MindSpore). The launch scripts' use: tests_extend/system/test_launch_refusals.py."""
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mindspeed.training import preflight
+from mindspeed import preflight
 
 SIZES = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--micro-batch-size", "1"]
 
@@ -47,7 +47,7 @@ def test_help_is_not_a_refusal(capsys):
 
 
 def test_a_torch_preflight_imports_neither_megatron_core_nor_mindspore():
-    code = ("import sys; from mindspeed.training.preflight import main; rc = main(['--preflight-world-size', '2']);"
+    code = ("import sys; from mindspeed.preflight import main; rc = main(['--preflight-world-size', '2']);"
             "print(rc, sorted(m for m in ('megatron.core', 'mindspore') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.split("\n")[-2] == "0 []", result.stdout + result.stderr

@@ -27,7 +27,7 @@ def test_profile_window_writes_a_trace_per_rank(tmp_path):
                              "--profile-level", "level1", "--profile-save-path", str(tmp_path)])
     try:
         _train(6)
-        (profiler,) = state.context.hooks["profilers"]
+        profiler = state.context.part("profiler")
     finally:
         mindspeed.unadapt()
     trace, summary = profiler.paths
@@ -44,7 +44,7 @@ def test_profile_other_ranks_only_writes_nothing(tmp_path):
                              "--profile-ranks", "3", "--profile-save-path", str(tmp_path)])
     try:
         _train(2)
-        (profiler,) = state.context.hooks["profilers"]
+        profiler = state.context.part("profiler")
     finally:
         mindspeed.unadapt()
     assert profiler.paths == [] and not os.listdir(tmp_path)
@@ -69,7 +69,7 @@ def test_mindspore_profile_window_writes_mindspore_trace(tmp_path):
             (square if it == 1 else dense)(x).sum().asnumpy()
             hooks.fire(hooks.TRAIN_STEP_END, iteration=it)
         hooks.fire(hooks.TRAIN_END)
-        (profiler,) = state.context.hooks["profilers"]
+        profiler = state.context.part("profiler")
     finally:
         mindspeed.unadapt()
     (trace,) = [p for p in profiler.paths if p.endswith("trace_view.json")]

@@ -105,7 +105,7 @@ def _ms_losses(flags, steps=2):
     """The MindSpore trainer (world of one, in this process) with `flags`: losses, the ledger, the swapper."""
     import mindspeed
     from mindspeed.backends import get_backend
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
@@ -241,5 +241,5 @@ def test_megatron_default_causal_mask_is_built_once_for_all_layers(report):
                                            (["--context-parallel-size", "2"], False)])
 def test_only_the_plain_causal_mask_is_shared(flags, shared):
     from mindspeed.features.memory.shared_mask import plain_causal
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     assert plain_causal(parse_args(flags, world_size=2)) is shared

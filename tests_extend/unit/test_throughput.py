@@ -5,7 +5,7 @@ import re
 import pytest
 
 from mindspeed.training import flops, peak
-from mindspeed.training.arguments import parse_args
+from mindspeed.flags.trainer_flags import parse_args
 from mindspeed.training.logger import StepRecorder, TrainingLogger
 
 

@@ -8,7 +8,7 @@ import torch
 
 from mindspeed.data.tokenizer import TokenizerError
 from mindspeed.training import flops, model
-from mindspeed.training.arguments import parse_args
+from mindspeed.flags.trainer_flags import parse_args
 from mindspeed.training.logger import StepRecorder, TrainingLogger
 
 
@@ -93,7 +93,7 @@ def _gpt2_files(tmp_path, vocab='{"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}',
 
 
 def test_gpt2_bpe_and_null_tokenizers_report_megatrons_sizes(tmp_path):
-    from mindspeed.training.flag_tokenizers import from_flags
+    from mindspeed.data.flag_tokenizers import from_flags
     vocab, merges = _gpt2_files(tmp_path)
     gpt2 = from_flags(_args("--vocab-file", vocab, "--merge-file", merges, "--mock-data"))
     assert (gpt2.vocab_size, gpt2.eod) == (4, 3)
@@ -109,13 +109,13 @@ def test_gpt2_bpe_and_null_tokenizers_report_megatrons_sizes(tmp_path):
     ('{"<|endoftext|>": 0}', "a b c\n", "is not a GPT-2 merges.txt (line 'a b c')"),
 ])
 def test_bad_gpt2_vocabulary_files_are_reported(tmp_path, vocab, merges, message):
-    from mindspeed.training.flag_tokenizers import GPT2VocabTokenizer
+    from mindspeed.data.flag_tokenizers import GPT2VocabTokenizer
     with pytest.raises(TokenizerError, match=re.escape(message)):
         GPT2VocabTokenizer(*_gpt2_files(tmp_path, vocab, merges))
 
 
 def test_gpt2_tokenizer_is_checked_against_the_dataset(tmp_path):
-    from mindspeed.data.indexed import DataError
+    from mindspeed.data.errors import DataError
     from mindspeed.data.preprocess import PreprocessConfig, preprocess
     from mindspeed.training.pretrain import resolve_tokenizer
     text = tmp_path / "a.txt"

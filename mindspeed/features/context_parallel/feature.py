@@ -83,8 +83,8 @@ class _ContextParallel(Feature):
             provider = parallel_state.get_context_parallel_group
         ctx.patcher.replace(f"{sharding.__name__}._state", sharding.options_state(self.algo, u, provider),
                             reason=f"batch sharding for {self.algo}")
-        ctx.add_hook("shard_batch", sharding.get_batch_on_this_cp_rank)
-        ctx.add_hook("context_parallel_attention", context_parallel_attention)
+        ctx.provide("shard_batch", sharding.get_batch_on_this_cp_rank)
+        ctx.provide("context_parallel_attention", context_parallel_attention)
 
 
 @register

@@ -47,7 +47,7 @@ class SwapAttention(Feature):
         else:   # the MindSpore GPT asks for (scope, module names) when it is built
             from mindspeed.features.memory.activation_swap import ActivationSwapper
             swapper, names = ActivationSwapper(ctx.backend.memory), swap_module_names(args)
-            ctx.add_hook("activation_swap", lambda: (swapper.scope, names))
+            ctx.provide("activation_swap", lambda: (swapper.scope, names))
 
 
 @register

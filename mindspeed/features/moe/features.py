@@ -64,7 +64,7 @@ class _MoeComm(Feature):
     def _megatron_has_hooks(self) -> None:
         missing = missing_megatron_hook(self.megatron_hooks)
         if missing:
-            from mindspeed.megatron_lm import megatron_version
+            from mindspeed.versions import megatron_version
             raise FeatureConfigError(f"{self.flags[0].name} wraps Megatron-Core's {missing}, which Megatron-Core "
                                      f"{megatron_version()} lacks (its MoE layer predates the dispatch/combine "
                                      "steps): use Megatron-LM core_v0.16.1, or drop the flag")

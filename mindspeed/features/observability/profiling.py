@@ -1,15 +1,15 @@
 """--profile: profile a window of training steps on the ranks asked for, written per rank.
 
-Written against the backend's ProfilerAPI; the trainer only fires step events (mindspeed.hooks).
+Written against the backend's ProfilerAPI; the trainer only publishes step events (ApplyContext.publish).
 """
 from __future__ import annotations
 
 import logging
 import os
 
-from mindspeed import hooks
 from mindspeed.backends.base import Cap
-from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.base import (TRAIN_END, TRAIN_STEP_BEGIN, TRAIN_STEP_END, Feature, FeatureConfigError, Flag,
+                                     switch)
 from mindspeed.features.registry import register
 
 log = logging.getLogger("mindspeed")
@@ -92,7 +92,7 @@ class Profiling(Feature):
 
     def apply(self, ctx, args) -> None:
         profiler = StepProfiler(ctx.backend, args)
-        ctx.add_hook(hooks.TRAIN_STEP_BEGIN, profiler.on_step_begin)
-        ctx.add_hook(hooks.TRAIN_STEP_END, profiler.on_step_end)
-        ctx.add_hook(hooks.TRAIN_END, profiler.on_train_end)
-        ctx.hooks.setdefault("profilers", []).append(profiler)
+        ctx.subscribe(TRAIN_STEP_BEGIN, profiler.on_step_begin)
+        ctx.subscribe(TRAIN_STEP_END, profiler.on_step_end)
+        ctx.subscribe(TRAIN_END, profiler.on_train_end)
+        ctx.provide("profiler", profiler)

@@ -74,4 +74,4 @@ class AscendCoc(Feature):
             coc_megatron.install(ctx.patcher, chunks(args))
         else:
             from mindspeed.features.parallel.coc_mindspore import CocLinears
-            ctx.add_hook("tensor_parallel_linear", lambda: CocLinears(chunks(args)))
+            ctx.provide("tensor_parallel_linear", lambda: CocLinears(chunks(args)))

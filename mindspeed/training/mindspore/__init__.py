@@ -1,6 +1,6 @@
 """MindSpeed's native MindSpore GPT trainer: `--backend mindspore` (launch with msrun).
 
-`run(args)` takes the namespace of mindspeed.training.arguments.parse_args. Importing this
+`run(args)` takes the namespace of mindspeed.flags.trainer_flags.parse_args. Importing this
 package does not import MindSpore; run() does (and names the install command if it is missing).
 """
 from __future__ import annotations

@@ -5,7 +5,8 @@ from mindspeed.errors import report
 
 
 def main(argv=None) -> int:
-    from mindspeed.training.arguments import ArgumentError, parse_args
+    from mindspeed.errors import ArgumentError
+    from mindspeed.flags.trainer_flags import parse_args
     try:
         args = parse_args(argv)
     except ArgumentError as err:

@@ -10,7 +10,7 @@ import numpy as np
 from mindspore import ops
 
 from mindspeed.errors import CheckpointError
-from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.checkpoint import neutral as nf
 
 
 def _gather_tp(backend, ps, arrays: dict, gated: bool = True) -> dict:
@@ -96,7 +96,7 @@ def _fit_vocab(model, arrays: dict | None) -> dict | None:
     """The saver padded the vocabulary for its TP size: add or drop padding rows for this one."""
     if arrays is None:
         return None
-    from mindspeed.training.cross_format import fit_vocab_rows
+    from mindspeed.checkpoint.cross_format import fit_vocab_rows
     shapes = model.cfg.full_shapes()
     out = {}
     for key, value in arrays.items():
@@ -115,7 +115,7 @@ def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step:
     CheckpointError and no rank is left waiting for the others."""
     directory = nf.resolve(path, step)
     if nf.is_torch_dist(directory):      # the torch trainer's checkpoint, renamed to the neutral names
-        from mindspeed.training import cross_format
+        from mindspeed.checkpoint import cross_format
         full, moments, meta = cross_format.neutral_from_torch_dist(directory, optimizer is not None and load_optimizer)
     else:
         full, moments, meta = nf.load(directory)

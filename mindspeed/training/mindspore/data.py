@@ -1,6 +1,5 @@
-"""Megatron indexed datasets (.bin/.idx) read with numpy, and the trainer's batches.
+"""The MindSpore trainer's batches from Megatron indexed datasets (read by mindspeed.data.indexed_reader).
 
-Reads the files mindspeed.data writes (Megatron's MMIDIDX format) without torch or Megatron.
 Documents are split into train/valid/test by --split (contiguous document ranges, as Megatron
 does); each split's tokens form one stream cut into samples of seq_length+1 tokens, visited in a
 seeded random order per epoch. Global batch k is samples [k*gbs, (k+1)*gbs); data-parallel rank r
@@ -10,78 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 
 import numpy as np
 
-_HEADER = b"MMIDIDX\x00\x00"
-_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-           8: np.uint16}
-
-
-class DataError(ValueError):
-    pass
-
-
-class IndexedTokens:
-    """The token stream of a Megatron indexed dataset (memory-mapped)."""
-
-    def __init__(self, prefix: str):
-        idx, binf = prefix + ".idx", prefix + ".bin"
-        missing = [p for p in (idx, binf) if not os.path.isfile(p)]
-        if missing:
-            raise DataError(f"dataset {prefix!r} is missing {', '.join(missing)}; build it with "
-                            "`python -m mindspeed.data --input FILE... --output-prefix PREFIX`")
-        with open(idx, "rb") as f:
-            head = f.read(len(_HEADER) + 8 + 1 + 8 + 8)
-        if len(head) < 34 or head[:9] != _HEADER:
-            raise DataError(f"{idx!r} is not a Megatron indexed-dataset index (bad header)")
-        version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
-        if version != 1 or code not in _DTYPES:
-            raise DataError(f"{idx!r}: unsupported index version {version} or dtype code {code}")
-        self.dtype = np.dtype(_DTYPES[code])
-        offset = 34
-        self.seq_lengths = np.memmap(idx, np.int32, "r", offset, n_seq)
-        offset += n_seq * 4
-        self.seq_pointers = np.memmap(idx, np.int64, "r", offset, n_seq)
-        offset += n_seq * 8
-        self.doc_index = np.memmap(idx, np.int64, "r", offset, n_doc)
-        expected = int(self.seq_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
-        if os.path.getsize(binf) != expected:
-            raise DataError(f"{binf!r} has {os.path.getsize(binf)} bytes but its index describes {expected}: "
-                            "truncated or mismatched files; rebuild them")
-        self.tokens = np.memmap(binf, self.dtype, "r")
-
-    @property
-    def num_documents(self) -> int:
-        return len(self.doc_index) - 1
-
-    def document_range_tokens(self, first_doc: int, end_doc: int) -> np.ndarray:
-        """Tokens of documents [first_doc, end_doc) (contiguous in the .bin file)."""
-        if end_doc <= first_doc:
-            return np.zeros(0, np.int64)
-        first_seq, end_seq = int(self.doc_index[first_doc]), int(self.doc_index[end_doc])
-        start = int(self.seq_pointers[first_seq]) // self.dtype.itemsize
-        stop = int(self.seq_pointers[end_seq - 1]) // self.dtype.itemsize + int(self.seq_lengths[end_seq - 1])
-        return np.asarray(self.tokens[start:stop], dtype=np.int64)
-
-
-def split_bounds(split: str, num_docs: int) -> list[tuple[int, int]]:
-    """Megatron's split string ("949,50,1") -> document ranges for train, valid, test."""
-    try:
-        weights = [float(w) for w in split.replace("/", ",").split(",")]
-    except ValueError as err:
-        raise DataError(f"--split {split!r} must be comma-separated numbers") from err
-    weights = (weights + [0.0, 0.0, 0.0])[:3]
-    if sum(weights) <= 0 or any(w < 0 for w in weights):
-        raise DataError(f"--split {split!r} needs non-negative weights with a positive sum")
-    total = sum(weights)
-    ends, acc = [0], 0.0
-    for w in weights:
-        acc += w / total
-        ends.append(int(round(acc * num_docs)))
-    ends[-1] = num_docs
-    return [(ends[i], ends[i + 1]) for i in range(3)]
+from mindspeed.data.errors import DataError
+from mindspeed.data.indexed_reader import IndexedTokens, split_bounds
 
 
 def vocab_size_of(prefix: str, args) -> int:
@@ -127,7 +59,7 @@ class SampleStream:
 
 
 def micro_batch(stream, first_sample: int, mbs: int, eod_rules=None) -> dict:
-    """`mbs` consecutive examples of a stream (SampleStream, or instruction_data.InstructionSamples);
+    """`mbs` consecutive examples of a stream (SampleStream, or instruction_samples.InstructionSamples);
     eod_rules (eod.EodRules): the loss mask, positions and attention mask of packed documents."""
     examples = [stream.example(first_sample + i) for i in range(mbs)]
     tokens, labels, loss_mask = (np.stack([e[k] for e in examples]) for k in ("tokens", "labels", "loss_mask"))
@@ -183,7 +115,7 @@ def build_streams(args, log=print):
     vocab = vocab_size_of(prefix, args)
     if getattr(args, "is_instruction_dataset", False):
         from mindspeed.data.tokenizer import load_tokenizer
-        from mindspeed.training.instruction_data import build_splits
+        from mindspeed.data.instruction_samples import build_splits
         train, valid = build_splits(prefix, args.split, args.seq_length, args.seed, load_tokenizer(prefix).eod)
         return vocab, train, valid
     ds = IndexedTokens(prefix)

@@ -13,7 +13,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from mindspeed.training.flag_checks import LOSS_SCALE_DEFAULTS
+from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
 
 
 class LossScaler:

@@ -25,7 +25,7 @@ import numpy as np
 from mindspore import ops
 
 from mindspeed.features.parallel.layers import layer_list, noop_layer_set
-from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.checkpoint import neutral as nf
 from mindspeed.training.mindspore.moe import MoELayer
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)

@@ -23,7 +23,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.checkpoint import neutral as nf
 from mindspeed.training.mindspore.layers import linear
 
 def route(logits, topk: int):

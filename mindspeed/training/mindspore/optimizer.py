@@ -19,7 +19,7 @@ import numpy as np
 from mindspore import ops
 from mindspore.experimental.optim import SGD as MsSGD
 
-from mindspeed.training.mindspore.neutral_format import is_expert
+from mindspeed.checkpoint.neutral import is_expert
 
 
 def decays(name: str, shape) -> bool:

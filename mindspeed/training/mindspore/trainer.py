@@ -10,7 +10,8 @@ import numpy as np
 
 from mindspeed import hooks
 from mindspeed.training.logger import StepRecorder
-from mindspeed.training.mindspore import checkpoint, data, neutral_format, schedule
+from mindspeed.training.mindspore import checkpoint, data, schedule
+from mindspeed.checkpoint import neutral as neutral_format
 from mindspeed.training.mindspore.distrib_optimizer import DistributedOptimizer
 from mindspeed.training.mindspore.dropout import DropoutMasks
 from mindspeed.training.mindspore.eod import EodRules
@@ -36,21 +37,18 @@ def to_tensors(batch: dict) -> tuple:
 
 
 def _named_hook(name: str):
-    """A feature's hook for this trainer (ApplyContext.add_hook), or None."""
+    """A part a feature provides to this trainer (ApplyContext.provide), or None."""
     from mindspeed.adaptor_core import current
     state = current()
-    hooks = state.context.hooks.get(name, []) if state is not None else []
-    return hooks[-1] if hooks else None
+    return state.context.part(name) if state is not None else None
 
 
 def _cp_hook(name: str):
-    from mindspeed.adaptor_core import current
-    state = current()
-    hooks = state.context.hooks.get(name, []) if state is not None else []
-    if not hooks:
+    part = _named_hook(name)
+    if part is None:
         raise TrainerConfigError("--context-parallel-size > 1 needs a context-parallel algorithm "
                                  "(--context-parallel-algo ulysses_cp_algo | megatron_cp_algo | hybrid_cp_algo)")
-    return hooks[-1]
+    return part
 
 
 def enable_context_parallel(args, model, ps) -> None:
@@ -301,7 +299,7 @@ def resume(args, trainer, logger) -> tuple[int, int]:
 def _train(args, backend, ps, logger) -> dict:
     from mindspeed.backends.mindspore.msadapter import describe
     a = args
-    from mindspeed.training.flag_tokenizers import check_dataset_tokenizer, from_flags
+    from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, from_flags
     flag_tokenizer = from_flags(a)        # GPT2BPETokenizer / NullTokenizer: the flags give the vocabulary
     if flag_tokenizer is not None:
         for prefix in ([] if a.mock_data else a.data_path or []):

@@ -17,7 +17,7 @@ import numpy as np
 
 from mindspeed.data.handlers import IGNORE_INDEX
 from mindspeed.data.errors import DataError
-from mindspeed.training.mindspore import data as ms_data
+from mindspeed.data.indexed_reader import IndexedTokens, split_bounds
 
 COMPONENTS = ("input_ids", "labels")
 SEGMENTS = "attention_mask"         # what --neat-pack reads: sample numbers, 0 on padding
@@ -32,9 +32,9 @@ class InstructionDocuments:
 
     def __init__(self, prefix: str, neat_pack: bool = False):
         try:
-            self.ids, self.labels = (ms_data.IndexedTokens(component_prefix(prefix, k)) for k in COMPONENTS)
-            marks = ms_data.IndexedTokens(component_prefix(prefix, SEGMENTS))
-        except ms_data.DataError as err:
+            self.ids, self.labels = (IndexedTokens(component_prefix(prefix, k)) for k in COMPONENTS)
+            marks = IndexedTokens(component_prefix(prefix, SEGMENTS))
+        except DataError as err:
             raise DataError(f"--is-instruction-dataset --data-path {prefix}: {err} (make it with "
                             "`python -m mindspeed.data --handler-name AlpacaStyleInstructionHandler ...`)") from err
         for other in (self.labels, marks):
@@ -100,8 +100,8 @@ def build_splits(prefix: str, split: str, seq_length: int, seed: int, pad_id: in
     """(train, valid or None) samples of PREFIX; a validation split without documents is None."""
     docs = InstructionDocuments(prefix, neat_pack)
     try:
-        (t0, t1), (v0, v1), _ = ms_data.split_bounds(split, docs.num_documents)
-    except ms_data.DataError as err:
+        (t0, t1), (v0, v1), _ = split_bounds(split, docs.num_documents)
+    except DataError as err:
         raise DataError(str(err)) from err
     train = InstructionSamples(docs, t0, t1, seq_length, seed, pad_id, "train")
     valid = InstructionSamples(docs, v0, v1, seq_length, seed + 1, pad_id, "validation") if v1 > v0 else None

@@ -20,8 +20,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from mindspeed.files import atomic_write, private_dir
-from mindspeed.training import checkpoint_scan
-from mindspeed.training.checkpoint_scan import ITERATION_DIR, iteration_dir
+from mindspeed.checkpoint import scan
+from mindspeed.checkpoint.scan import ITERATION_DIR, iteration_dir
 from mindspeed.errors import CheckpointError, resume_hint, unreadable
 
 MODEL_FILE = "model.safetensors"
@@ -219,11 +219,11 @@ def check_iteration(directory: str) -> str | None:
         return f"{directory} is missing"
     if is_torch_dist(directory):      # written by the torch trainer: loads through cross_format
         try:
-            from mindspeed.training import checkpointing
+            from mindspeed.checkpoint import torch_dist
         except ImportError:
             return (f"{directory} holds a torch_dist checkpoint (written by --backend torch); reading it needs "
                     "torch and megatron-core installed")
-        return checkpointing.check_iteration(directory)
+        return torch_dist.check_iteration(directory)
     problem = check_safetensors(os.path.join(directory, MODEL_FILE))
     if problem:
         return problem
@@ -247,7 +247,7 @@ def check_iteration(directory: str) -> str | None:
 
 def last_readable(root: str, exclude: int | None = None) -> int | None:
     """The newest iteration under root (other than `exclude`) whose files pass check_iteration."""
-    return checkpoint_scan.last_readable(root, check_iteration, exclude)
+    return scan.last_readable(root, check_iteration, exclude)
 
 
 def _split(path: str) -> tuple[str, int | None]:

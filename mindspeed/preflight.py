@@ -1,6 +1,6 @@
 """The trainer's refusals, before anything is launched: one process, no process group.
 
-    python -m mindspeed.training.preflight [--preflight-world-size N] <pretrain_gpt.py's arguments>
+    python -m mindspeed.preflight [--preflight-world-size N] <pretrain_gpt.py's arguments>
 
 does what tests_extend/example/pretrain_gpt.py does before any work (parse_args, then the support
 matrix gate `mindspeed.adaptor_core.plan`, which applies nothing) and exits 2 with its one
@@ -37,7 +37,7 @@ def refusal_errors() -> tuple[type[BaseException], ...]:
     included when its module is loaded (importing it imports MindSpore)."""
     from mindspeed.adaptor_core import MindSpeedConfigError
     from mindspeed.backends import BackendUnavailableError
-    from mindspeed.training.arguments import ArgumentError
+    from mindspeed.errors import ArgumentError
     errors: tuple[type[BaseException], ...] = (ArgumentError, MindSpeedConfigError, BackendUnavailableError)
     trainer = sys.modules.get("mindspeed.training.mindspore.trainer")
     if trainer is not None:
@@ -48,7 +48,7 @@ def refusal_errors() -> tuple[type[BaseException], ...]:
 def refusal(argv: Sequence[str], world_size: int | None = None) -> str | None:
     """The trainer's one-line refusal of `argv` at `world_size` processes, or None if it would start."""
     from mindspeed.adaptor_core import plan
-    from mindspeed.training.arguments import parse_args
+    from mindspeed.flags.trainer_flags import parse_args
     try:
         args = parse_args(list(argv), world_size=world_size)
         plan(args)

@@ -23,10 +23,10 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write
-from mindspeed.training import checkpoint_scan
-from mindspeed.training.checkpoint_scan import iteration_dir
+from mindspeed.checkpoint import scan
+from mindspeed.checkpoint.scan import iteration_dir
 from mindspeed.errors import CheckpointError, one_line, resume_hint, unreadable
-from mindspeed.training.save_guard import writer_failures_reported
+from mindspeed.checkpoint.save_guard import writer_failures_reported
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE_MODE, DIR_MODE = PRIVATE_FILE, PRIVATE_DIR
@@ -136,8 +136,8 @@ def check_iteration(directory: str) -> str | None:
     if not os.path.isdir(directory):
         return f"{directory} is missing"
     if is_neutral(directory):      # written by the MindSpore trainer: loads through cross_format
-        from mindspeed.training.mindspore import neutral_format
-        return neutral_format.check_iteration(directory)
+        from mindspeed.checkpoint import neutral
+        return neutral.check_iteration(directory)
     for name in (FORMAT_FILE, COMMON_FILE, INDEX_FILE):
         if not os.path.isfile(os.path.join(directory, name)):
             return f"{os.path.join(directory, name)} is missing"
@@ -204,7 +204,7 @@ def find_damaged_tensor(directory: str) -> str | None:
 
 def last_readable(root: str, exclude: int | None = None) -> int | None:
     """The newest iteration under root (other than `exclude`) whose files pass check_iteration."""
-    return checkpoint_scan.last_readable(root, check_iteration, exclude)
+    return scan.last_readable(root, check_iteration, exclude)
 
 
 def _write_text(path: str, text: str) -> None:
@@ -335,7 +335,7 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
     if not finetune:
         state.update(iteration=0, consumed_train_samples=0, opt_param_scheduler={}, checkpoint_version=0.0)
     if is_neutral(path):
-        from mindspeed.training import cross_format
+        from mindspeed.checkpoint import cross_format
         loaded = cross_format.fill_from_neutral(state, path)
     else:
         try:

@@ -1,26 +1,15 @@
 """Checks of the Megatron flags beyond sizes: implementation switches MindSpeed does not ship
 (refused with what to use instead), fp16 loss scaling, batch size ramp-up and tokenizers.
-Framework-free; `arguments.validate_args` collects their one-line problems.
+Framework-free; `trainer_flags.validate_args` collects their one-line problems.
 """
 from __future__ import annotations
 
-import argparse
 import os
 
-
-class ArgumentError(ValueError):
-    """A flag value or combination that cannot work; raised before any work starts."""
+from mindspeed.errors import ArgumentError
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors (invalid choice, missing value, ...) raise ArgumentError with one line
-    instead of printing the usage block and exiting."""
-
-    def error(self, message):
-        raise ArgumentError(" ".join(message.split()))
-
-
-# Megatron's --tokenizer-type values; the trainers implement the first four (flag_tokenizers.py)
+# Megatron's --tokenizer-type values; the trainers implement the first four (data/flag_tokenizers.py)
 TOKENIZER_TYPES = ["CharLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer",
                    "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
                    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
@@ -34,7 +23,7 @@ LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "
 def cross_flag_problems(args) -> list[str]:
     problems = []
     for check in (_implementation_problems, _loss_scale_problems, _rampup_problems, _tokenizer_problems,
-                  _checkpoint_problems, _moe_problems, _instruction_problems, _wsd_problems):
+                  _checkpoint_problems, _moe_problems, instruction_problems, _wsd_problems):
         problems.extend(check(args))
     return problems
 
@@ -48,7 +37,7 @@ def _wsd_problems(args) -> list[str]:
     return []
 
 
-def _instruction_problems(args) -> list[str]:
+def instruction_problems(args) -> list[str]:
     """An instruction dataset is one prefix of files an instruction handler wrote; the GPTDataset
     options that have no meaning for it are refused rather than ignored."""
     if not getattr(args, "is_instruction_dataset", False):

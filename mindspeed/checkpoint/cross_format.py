@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from mindspeed.errors import CheckpointError
-from mindspeed.training.mindspore import neutral_format as nf
+from mindspeed.checkpoint import neutral as nf
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATES = MOMENTS + ("momentum_buffer",)      # Adam's two moments, SGD's momentum (torch's names)
@@ -41,19 +41,19 @@ EXPERT_KEYS = {"linear_fc1.weight": "decoder.layers.mlp.experts.experts.linear_f
 
 
 def _layer_keys() -> dict:
-    from mindspeed.convert.megatron_read import LAYER_KEYS, STACKED
+    from mindspeed.checkpoint.megatron_read import LAYER_KEYS, STACKED
     return {**LAYER_KEYS, **{suffix: STACKED + suffix for suffix in MOE_LAYER_SUFFIXES}}
 
 
 def fit_vocab_rows(name: str, array: np.ndarray, rows: int) -> np.ndarray:
-    """`array` with `rows` rows for the vocabulary tensors (the converter's fit_vocab): zero padding
-    rows added or dropped. `rows` is this model's padded vocabulary, never below the real one, so
-    only padding rows are dropped."""
+    """`array` with `rows` rows for the vocabulary tensors: zero padding rows added or dropped.
+    `rows` is this model's padded vocabulary, never below the real one, so only padding rows are
+    dropped."""
     if not name.endswith(VOCAB_ROWS) or array.shape[0] == rows:
         return array
-    import torch
-    from mindspeed.convert.layout import fit_vocab
-    return fit_vocab(torch.from_numpy(np.ascontiguousarray(array)), min(rows, array.shape[0]), rows).numpy()
+    if array.shape[0] > rows:
+        return array[:rows]
+    return np.concatenate([array, np.zeros((rows - array.shape[0], *array.shape[1:]), array.dtype)])
 
 
 # --- neutral -> torch trainer -------------------------------------------------------------------
@@ -176,7 +176,7 @@ def neutral_from_torch_dist(directory: str, load_optimizer: bool) -> tuple[dict,
     except ImportError:
         raise CheckpointError(f"checkpoint {directory} was written by the torch trainer; reading it needs torch "
                               "(pip install torch), or convert it where torch is installed") from None
-    from mindspeed.convert.megatron_read import TorchDistReader
+    from mindspeed.checkpoint.megatron_read import TorchDistReader
     reader = TorchDistReader(directory)
     common = torch.load(f"{directory}/common.pt", map_location="cpu", weights_only=False)
 

@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from mindspeed.convert.errors import ConvertError
-from mindspeed.training.checkpoint_scan import iteration_dir
+from mindspeed.errors import ConvertError
+from mindspeed.checkpoint.scan import iteration_dir
 from mindspeed.errors import CheckpointError
 
 STACKED = "decoder.layers."   # torch_dist keys of decoder layers: one tensor stacked over the layers
@@ -41,17 +41,17 @@ def open_checkpoint(root: str):
     """The reader for the iteration the tracker names, checked as the trainers check it before a
     load: torch_dist when the directory holds one (it keeps the parameters' dtype), else the
     MindSpore trainer's neutral safetensors."""
-    from mindspeed.training import checkpointing
+    from mindspeed.checkpoint import torch_dist
     try:
-        directory = iteration_dir(root, checkpointing.read_tracker(root))   # checks either format
+        directory = iteration_dir(root, torch_dist.read_tracker(root))   # checks either format
     except CheckpointError as err:
         raise ConvertError(str(err)) from None
-    return NeutralReader(directory) if checkpointing.is_neutral(directory) else TorchDistReader(directory)
+    return NeutralReader(directory) if torch_dist.is_neutral(directory) else TorchDistReader(directory)
 
 
 class TorchDistReader:
     def __init__(self, directory: str):
-        from mindspeed.training.checkpointing import read_index
+        from mindspeed.checkpoint.torch_dist import read_index
         self.dir = directory
         index = read_index(directory)
         self.meta = index.state_dict_metadata
@@ -119,7 +119,7 @@ class NeutralReader:
 
     def __init__(self, directory: str):
         from safetensors import safe_open
-        from mindspeed.training.mindspore.neutral_format import MODEL_FILE
+        from mindspeed.checkpoint.neutral import MODEL_FILE
         self.dir = directory
         self._file = safe_open(os.path.join(directory, MODEL_FILE), framework="pt")
         self._names = set(self._file.keys())

@@ -2,7 +2,7 @@
 
 Megatron-LM's own `megatron/training/arguments.py` is not on PyPI, so this parser carries the
 subset of its flags the trainers use, with Megatron's names and defaults. MindSpeed's own flags are
-added by `mindspeed.arguments.add_mindspeed_args` (it skips options defined here).
+added by `mindspeed.flags.mindspeed_flags.add_mindspeed_args` (it skips options defined here).
 
 Every flag here is acted on by the trainers. Megatron flags that need what MindSpeed does not ship
 (Transformer Engine, cuDNN fused attention, legacy models, other tokenizers) are accepted so that
@@ -18,8 +18,8 @@ import argparse
 import os
 from typing import Sequence
 
-from mindspeed.training.flag_checks import (LOSS_SCALE_DEFAULTS, TOKENIZER_TYPES,  # noqa: F401 (re-exported)
-                                            ArgumentError, OneLineParser, cross_flag_problems)
+from mindspeed.errors import ArgumentError, OneLineParser
+from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems
 
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"   # in both trainers' checkpoint roots
@@ -231,7 +231,7 @@ def _logging(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
-    """Megatron's flags only (no MindSpeed flags; see mindspeed.arguments.add_mindspeed_args)."""
+    """Megatron's flags only (no MindSpeed flags; see mindspeed.flags.mindspeed_flags.add_mindspeed_args)."""
     parser = OneLineParser(prog=prog, allow_abbrev=False,
                            description="GPT pretraining on Megatron-Core with MindSpeed")
     for add in (_network, _implementation, _training, _parallel, _data, _checkpointing, _logging):
@@ -242,7 +242,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
 def _full_parser() -> argparse.ArgumentParser:
     parser = build_parser()
     try:
-        from mindspeed.arguments import add_mindspeed_args
+        from mindspeed.flags.mindspeed_flags import add_mindspeed_args
     except ImportError:      # the lead's module not present yet: Megatron flags only
         return parser
     add_mindspeed_args(parser)
@@ -254,7 +254,7 @@ def parse_args(argv: Sequence[str] | None = None, *, with_mindspeed: bool = True
     """Parse argv (sys.argv[1:] when None), derive defaults and validate."""
     parser = _full_parser() if with_mindspeed else build_parser()
     args, extras = parser.parse_known_args(argv)
-    from mindspeed.arguments import refuse_unknown
+    from mindspeed.flags.mindspeed_flags import refuse_unknown
     refuse_unknown(parser, extras)
     derive_args(args, world_size)
     validate_args(args)
@@ -262,9 +262,9 @@ def parse_args(argv: Sequence[str] | None = None, *, with_mindspeed: bool = True
 
 
 def backend_name(args) -> str:
-    """--backend / --ai-framework come from MindSpeed's flags (mindspeed.arguments)."""
+    """--backend / --ai-framework come from MindSpeed's flags (mindspeed.flags.mindspeed_flags)."""
     try:
-        from mindspeed.arguments import resolve_backend_name
+        from mindspeed.flags.mindspeed_flags import resolve_backend_name
     except ImportError:
         return getattr(args, "backend", None) or os.environ.get("MINDSPEED_BACKEND", "torch")
     try:
