@@ -142,7 +142,7 @@ def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
 def test_documents_follow_the_applied_plan_not_the_flags_alone():
     """--use-flash-attn dropped by --optimization-level 0: Megatron's attention (and its dense
     mask) runs, so the dataset must build the mask."""
-    from mindspeed.features import documents
+    from mindspeed.adaptor_core import packed_documents
     from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(["--mock-data", "--reset-attention-mask", "--use-flash-attn", "--optimization-level", "0"])
     mindspeed.adapt(args)
