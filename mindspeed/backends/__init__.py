@@ -17,6 +17,7 @@ _CAPABILITY_TABLES = {  # framework-free modules: the matrix reads these without
     "mindspore": "mindspeed.backends.mindspore.capabilities",
 }
 _active: Backend | None = None
+_by_tensor: dict = {}    # framework -> backend made for a tensor of it while none of its kind was active
 
 
 class BackendUnavailableError(RuntimeError):
@@ -43,15 +44,47 @@ def set_backend(name: str | None = None, device: str | None = None) -> Backend:
     return _active
 
 
+NO_BACKEND = ("no MindSpeed backend is active: call mindspeed.adapt(args) (or "
+              "mindspeed.backends.set_backend('torch' | 'mindspore')) first")
+
+
 def get_backend() -> Backend:
-    """The active backend; the torch backend on the best device if none was chosen yet."""
-    return _active if _active is not None else set_backend()
+    """The active backend. None chosen yet is an error: nothing is built behind the caller's back."""
+    if _active is None:
+        raise BackendUnavailableError(NO_BACKEND)
+    return _active
+
+
+def framework_of(tensor) -> str | None:
+    """'torch' or 'mindspore' for a tensor of that framework (MSAdapter's torch tensors are
+    MindSpore's), else None."""
+    for cls in type(tensor).__mro__:
+        root = cls.__module__.split(".")[0]
+        if root in _CLASSES:
+            return root
+    return None
+
+
+def backend_for(tensor) -> Backend:
+    """The backend of the framework `tensor` belongs to: the active one when it is that framework's,
+    else that framework's backend on the best device (made once, not activated)."""
+    name = framework_of(tensor)
+    if name is None:
+        raise BackendUnavailableError(f"a {type(tensor).__name__} is not a torch or MindSpore tensor; "
+                                      "MindSpeed's ops take the tensors of a framework it has a backend for")
+    if _active is not None and _active.name == name:
+        return _active
+    if name not in _by_tensor:
+        _by_tensor[name] = backend_class(name)(device=None)
+    return _by_tensor[name]
 
 
 def reset_backend() -> None:
     global _active
     _active = None
+    _by_tensor.clear()
 
 
-__all__ = ["Backend", "Cap", "Level", "get_backend", "set_backend", "reset_backend", "backend_class",
+__all__ = ["Backend", "Cap", "Level", "get_backend", "backend_for", "framework_of", "set_backend", "reset_backend",
+           "backend_class",
            "capability_table", "BACKEND_NAMES", "BackendUnavailableError"]

@@ -5,31 +5,31 @@ active backend's kernels: npu ops on Ascend, fast CPU paths, or the reference im
 """
 from __future__ import annotations
 
-from mindspeed.backends import get_backend
+from mindspeed.backends import backend_for
 
 __all__ = ["rms_norm", "swiglu", "npu_rotary_position_embedding", "fusion_attention", "npu_fusion_attention",
            "npu_gmm", "npu_matmul_add_fp32", "npu_moe_token_permute", "npu_moe_token_unpermute",
            "npu_ring_attention_update", "npu_dropout_add_layer_norm"]
 
 
-
-def _kernels():
-    return get_backend().kernels
+def _kernels(tensor):
+    """The kernels of `tensor`'s framework (the active backend when it is that framework's)."""
+    return backend_for(tensor).kernels
 
 
 def rms_norm(x, gamma, epsilon: float = 1e-6):
     """-> (y, rstd): y = cast(x * rsqrt(mean(x^2) + eps)) * gamma; rstd fp32."""
-    return _kernels().rms_norm(x, gamma, epsilon)
+    return _kernels(x).rms_norm(x, gamma, epsilon)
 
 
 def swiglu(x, dim: int = -1):
     """silu(first half of x along dim) * second half."""
-    return _kernels().swiglu(x, dim)
+    return _kernels(x).swiglu(x, dim)
 
 
 def npu_rotary_position_embedding(x, cos, sin, mode: int = 0):
     """Rotary embedding: mode 0 rotate-half, 1 interleaved; the first cos.shape[-1] channels rotate."""
-    return _kernels().rope(x, cos, sin, mode)
+    return _kernels(x).rope(x, cos, sin, mode)
 
 
 def fusion_attention(query, key, value, head_num: int, input_layout: str, *, pse=None, atten_mask=None,
@@ -48,7 +48,7 @@ def fusion_attention(query, key, value, head_num: int, input_layout: str, *, pse
     skv = key.shape[0 if input_layout in ("SBH", "TND") else (2 if input_layout == "BNSD" else 1)]
     band = {0: dict(pre_tokens=pre_tokens, next_tokens=next_tokens), 1: {}, 2: dict(causal=True),
             3: dict(next_tokens=skv - sq), 4: dict(pre_tokens=pre_tokens, next_tokens=next_tokens)}[sparse_mode]
-    return _kernels().attention(query, key, value, layout=input_layout, head_num=head_num, mask=atten_mask,
+    return _kernels(query).attention(query, key, value, layout=input_layout, head_num=head_num, mask=atten_mask,
                                 scale=scale, dropout_p=1.0 - keep_prob, actual_seq_qlen=actual_seq_qlen,
                                 actual_seq_kvlen=actual_seq_kvlen, alibi=None if pse is None else pse * scale, **band)
 
@@ -63,7 +63,7 @@ def npu_gmm(x, weight, *, bias=None, group_list=None, group_type: int = 0, group
         raise ValueError(f"npu_gmm: only group_type 0 (groups along M) is supported, got {group_type}")
     if group_list is None:
         raise ValueError("npu_gmm: group_list is required")
-    out = _kernels().gmm(x, weight, group_list, group_list_type)
+    out = _kernels(x).gmm(x, weight, group_list, group_list_type)
     if bias is not None:
         sizes = get_sizes(group_list, group_list_type)
         out = out + bias.repeat_interleave(_as_tensor(sizes, out.device), dim=0, output_size=out.shape[0])
@@ -82,12 +82,12 @@ def _as_tensor(values, device):
 
 def npu_matmul_add_fp32(total_input, grad_output, main_grad):
     """In place main_grad += grad_output^T @ total_input, in fp32."""
-    return _kernels().matmul_add_fp32(total_input, grad_output, main_grad)
+    return _kernels(total_input).matmul_add_fp32(total_input, grad_output, main_grad)
 
 
 def npu_moe_token_permute(tokens, routing_map):
     """-> (permuted_tokens, sorted_indices); routing_map [T, E] bool, expert-major order."""
-    return _kernels().moe_permute(tokens, routing_map)
+    return _kernels(tokens).moe_permute(tokens, routing_map)
 
 
 def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, restore_shape=None, routing_map=None):
@@ -95,7 +95,7 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, restore
     if restore_shape is None:
         rows = int(sorted_indices.max()) + 1 if sorted_indices.numel() else 0
         restore_shape = (probs.shape[0] if probs is not None and probs.dim() == 2 else rows, permuted_tokens.shape[-1])
-    return _kernels().moe_unpermute(permuted_tokens, sorted_indices, probs, restore_shape, routing_map=routing_map)
+    return _kernels(permuted_tokens).moe_unpermute(permuted_tokens, sorted_indices, probs, restore_shape, routing_map=routing_map)
 
 
 def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out, cur_softmax_max,
@@ -103,7 +103,7 @@ def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum,
     """Online-softmax merge of two partial attention results -> (out, max, sum)."""
     if actual_seq_qlen is not None and layout != "TND":
         raise ValueError("npu_ring_attention_update: actual_seq_qlen is only meaningful with layout TND")
-    return _kernels().ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out,
+    return _kernels(prev_attn_out).ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out,
                                             cur_softmax_max, cur_softmax_sum, layout=layout)
 
 
@@ -113,7 +113,7 @@ def npu_dropout_add_layer_norm(x0, residual, weight, bias, dropout_p: float, eps
     """layer_norm(dropout(x0 * rowscale * layerscale) + residual) -> (out, mask) or (out, z, mask)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"npu_dropout_add_layer_norm: dropout_p must be in [0, 1), got {dropout_p}")
-    return _kernels().dropout_add_layer_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscale=rowscale,
+    return _kernels(x0).dropout_add_layer_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscale=rowscale,
                                              layerscale=layerscale, prenorm=prenorm,
                                              residual_in_fp32=residual_in_fp32,
                                              return_dropout_mask=return_dropout_mask)

@@ -249,6 +249,7 @@ from megatron.training.initialize import initialize_megatron
 from megatron.training import get_args, get_tokenizer
 initialize_megatron()
 import pretrain_gpt
+from mindspeed.adaptor_core import packed_documents
 from mindspeed.features import documents
 args = get_args()
 assert get_tokenizer().eod == 100 and args.create_attention_mask_in_dataloader is False
@@ -258,7 +259,7 @@ import argparse
 from mindspeed import megatron_lm_data
 variant = lambda **kw: argparse.Namespace(**dict(vars(args), **kw))
 assert megatron_lm_data.problems(variant(context_parallel_size=2)) == []     # CP takes the same ends
-assert not documents.on(variant(pipeline_model_parallel_size=2))             # no tokens mid-pipeline: the mask
+assert not packed_documents(variant(pipeline_model_parallel_size=2))             # no tokens mid-pipeline: the mask
 tokens = torch.tensor([[1, 9, 100, 3, 100, 4, 5, 100], [100, 1, 2, 3, 4, 5, 6, 7]])
 data = {'tokens': tokens, 'labels': tokens.roll(-1, 1), 'loss_mask': torch.ones(2, 8),
         'position_ids': torch.arange(8).expand(2, 8)}

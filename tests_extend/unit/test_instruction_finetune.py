@@ -55,6 +55,7 @@ def trainer_session(flags):
     """The loaded checkpoint in the torch trainer (one process): (args, tokenizer, loss_of) where
     `loss_of(batch)` runs the trainer's forward step -> (loss sum, kept-token count)."""
     from mindspeed.convert.megatron_write import adapted, world_of_one
+    from mindspeed.adaptor_core import packed_documents
     from mindspeed.features import documents
     from mindspeed.training import data, pretrain
     from mindspeed.flags.trainer_flags import parse_args
@@ -68,7 +69,7 @@ def trainer_session(flags):
         def loss_of(batch, eod="trainer's"):
             with torch.no_grad():
                 if eod == "trainer's":
-                    eod = tokenizer.eod if documents.on(args) else None
+                    eod = tokenizer.eod if packed_documents(args) else None
                 output, loss_func = pretrain.forward_step("cpu", iter([batch]), model, eod)
                 return loss_func(output)[1]["lm loss"]
         yield args, tokenizer, loss_of

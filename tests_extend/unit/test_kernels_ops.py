@@ -90,3 +90,28 @@ def test_dropout_add_layer_norm_and_bad_arguments():
         ops.fusion_attention(x[None, None], x[None, None], x[None, None], 1, "BNSD", keep_prob=0.0)
     with pytest.raises(ValueError, match="group_type 0"):
         ops.npu_gmm(x, _rand(2, 8, 3), group_list=[1, 2], group_type=1)
+
+
+def test_no_backend_is_built_behind_the_callers_back():
+    from mindspeed.backends import BackendUnavailableError, get_backend, reset_backend
+    reset_backend()
+    with pytest.raises(BackendUnavailableError, match=r"mindspeed.adapt\(args\)"):
+        get_backend()
+
+
+def test_an_op_uses_the_backend_of_its_tensors_framework():
+    import numpy as np
+    from mindspeed import backends
+    backends.reset_backend()
+    x, g = _rand(3, 16), _rand(16, seed=1)
+    torch.testing.assert_close(ops.rms_norm(x, g, 1e-6)[0], R.rms_norm(x, g, 1e-6)[0])
+    assert backends.backend_for(x).name == "torch"
+    with pytest.raises(backends.BackendUnavailableError):
+        backends.get_backend()                 # the op's backend was not made the active one
+    with pytest.raises(backends.BackendUnavailableError, match="ndarray is not a torch or MindSpore tensor"):
+        ops.swiglu(np.zeros((2, 4)))
+    active = backends.set_backend("torch", "cpu")
+    try:
+        assert backends.backend_for(x) is active
+    finally:
+        backends.reset_backend()
