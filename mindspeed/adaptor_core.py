@@ -125,7 +125,7 @@ def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLO
         raise MindSpeedConfigError(f"MindSpeed: backend '{backend_name}' is unavailable: {exc}") from exc
     try:
         if backend_name == "torch":
-            from mindspeed.backends.torch.megatron_shim import apply_device_shim  # imports torch (framework-free module)
+            from mindspeed.backends.torch.megatron_shim import apply_device_shim  # imports torch (see resolve_device)
             apply_device_shim(patcher, device, megatron_lm=megatron_lm)
             from mindspeed.features.memory import shared_mask  # always on: one causal mask object; imports torch
             shared_mask.install(patcher)
