@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
-from mindspeed.features.memory import megatron_recompute
 from mindspeed.features.registry import register
 
 
@@ -25,6 +24,7 @@ class _OutputRecompute(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":       # mindspore: the trainer reads the flags (GPTConfig)
+            from mindspeed.features.memory import megatron_recompute  # hook may import Megatron (.importlinter)
             megatron_recompute.install(ctx.patcher, args)
 
     @property
