@@ -12,12 +12,12 @@ _deferred_compile.install()   # before any megatron import: its torch.compile de
 
 
 def adapt(args=None):
-    from mindspeed.adaptor_core import apply_plan, plan, set_host_flags
+    from mindspeed.adaptor_core import apply_plan, plan, set_host_flags  # cycle: adaptor_core imports mindspeed
     state = apply_plan(plan(args))
     set_host_flags(state.plan, args)
     return state
 
 
 def unadapt() -> None:
-    from mindspeed.adaptor_core import unadapt as _unadapt
+    from mindspeed.adaptor_core import unadapt as _unadapt  # cycle (see adapt)
     _unadapt()

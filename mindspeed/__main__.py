@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mindspeed import support_matrix
+from mindspeed.adaptor_core import MindSpeedConfigError, plan
 from mindspeed.errors import report
+from mindspeed.plotting import main as plot_main
+from mindspeed.readme import update_docs
 
 
 def main(argv=None) -> int:
@@ -25,21 +29,16 @@ def main(argv=None) -> int:
     sub.add_parser("plot", help="plot loss and throughput of training logs / TensorBoard dirs", add_help=False)
     ns, rest = parser.parse_known_args(argv)
     if ns.command == "matrix":
-        from mindspeed import support_matrix
         print(support_matrix.to_json() if ns.json else support_matrix.to_markdown())
         return 0
     if ns.command == "flags":
-        from mindspeed import support_matrix
         print(support_matrix.flags_markdown())
         return 0
     if ns.command == "plot":
-        from mindspeed.plotting import main as plot_main
         return plot_main(rest)
     if ns.command in ("readme", "docs"):
-        from mindspeed.readme import update_docs
         print(update_docs())
         return 0
-    from mindspeed.adaptor_core import MindSpeedConfigError, plan
     try:
         result = plan(rest, unknown_flags="trainer")    # answers for the built-in trainers' defaults
     except MindSpeedConfigError as exc:

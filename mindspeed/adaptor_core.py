@@ -7,6 +7,9 @@ import argparse
 import logging
 from dataclasses import dataclass, field
 
+from mindspeed.backends import reset_backend, set_backend
+from mindspeed.backends.mindspore.device_select import select_device as ms_select
+from mindspeed.backends.mindspore.msadapter import msadapter_active
 from mindspeed.flags.mindspeed_flags import defaults, parse_mindspeed_args, resolve_backend_name
 from mindspeed.features.base import ApplyContext, Feature, FeatureConfigError
 from mindspeed.features.registry import all_features, enabled_features, orphan_flag_problems
@@ -55,10 +58,6 @@ def _as_namespace(args, unknown: str) -> argparse.Namespace:
 
 
 def _msadapter_active() -> bool:
-    try:
-        from mindspeed.backends.mindspore.msadapter import msadapter_active
-    except ImportError:
-        return False
     return msadapter_active()
 
 
@@ -71,9 +70,8 @@ def _user_chose_backend(args) -> bool:
 def resolve_device(backend: str, requested: str) -> str:
     requested = _DEVICE_ALIASES[backend].get(requested, requested)
     if backend == "torch":
-        from mindspeed.backends.torch.device import select_device
+        from mindspeed.backends.torch.device import select_device  # imports torch: adaptor_core stays framework-free
         return select_device(requested)
-    from mindspeed.backends.mindspore.device_select import select_device as ms_select
     return ms_select(requested)
 
 
@@ -121,16 +119,15 @@ def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLO
                      megatron_lm: bool = False) -> ApplyContext:
     """Create the backend and apply its device shim (plus the Megatron-LM training shim when the
     user's script is Megatron-LM's own)."""
-    from mindspeed.backends import set_backend
     try:
         backend = set_backend(backend_name, device)
     except ImportError as exc:
         raise MindSpeedConfigError(f"MindSpeed: backend '{backend_name}' is unavailable: {exc}") from exc
     try:
         if backend_name == "torch":
-            from mindspeed.backends.torch.megatron_shim import apply_device_shim
+            from mindspeed.backends.torch.megatron_shim import apply_device_shim  # imports torch (see resolve_device)
             apply_device_shim(patcher, device, megatron_lm=megatron_lm)
-            from mindspeed.features.memory import shared_mask      # always on: one causal mask object
+            from mindspeed.features.memory import shared_mask  # always on: one causal mask object; imports torch
             shared_mask.install(patcher)
     except Exception:
         patcher.remove_all()   # never leave a half-patched process behind
@@ -180,7 +177,6 @@ def unadapt() -> None:
     if _state is not None:
         _state.patcher.remove_all()
     _state = None
-    from mindspeed.backends import reset_backend
     reset_backend()
 
 

@@ -18,8 +18,12 @@ import logging
 import os
 import sys
 
-from mindspeed.adaptor_core import (AdaptState, MindSpeedConfigError, Plan, activate_backend,
-                                    apply_features, plan, resolve_device, set_current, set_host_flags)
+from mindspeed.adaptor_core import (AdaptState, MindSpeedConfigError, Plan, _msadapter_active, activate_backend,
+                                    apply_features, current, plan, resolve_device, set_current, set_host_flags,
+                                    unadapt)
+from mindspeed.features.base import FeatureConfigError
+from mindspeed.features.context_parallel import sharding
+from mindspeed.features.registry import all_features
 from mindspeed.flags.mindspeed_flags import (add_mindspeed_args, known_flags, mindspeed_parser, resolve_backend_name,
                                  unknown_flag_message, unknown_options)
 from mindspeed import megatron_lm_data
@@ -118,10 +122,10 @@ class MegatronLMHooks:
         raise SystemExit(f"MindSpeed: {message}")
 
     def _before_megatron(self, args) -> None:
-        from mindspeed.backends.torch.device import dist_backend_for
         device = self.state.plan.device
         if self.state.plan.backend != "torch":
             return
+        from mindspeed.backends.torch.device import dist_backend_for  # imports torch: torch backend only
         wanted, given = dist_backend_for(device), getattr(args, "distributed_backend", None)
         gloo_on_accelerator = given == "gloo" and device != "cpu"   # the user's explicit choice
         if given in ("nccl", "hccl", "gloo") and given != wanted and not gloo_on_accelerator:
@@ -144,8 +148,6 @@ class MegatronLMHooks:
 
     def _early_host_flags(self, args) -> None:
         """Host flags Megatron's own checks must already see (--num-layer-list's pipeline layout)."""
-        from mindspeed.features.base import FeatureConfigError
-        from mindspeed.features.registry import all_features
         for f in all_features():
             if f.before_host_checks and f.enabled(args):
                 try:
@@ -187,7 +189,6 @@ def _route_cp_batch_sharding(original):
     algorithms each expect their own. Bound at import, before pretrain_gpt.py imports the name;
     routes to the CP feature's sharding once that feature is applied."""
     def get_batch_on_this_cp_rank(batch, *args, **kwargs):
-        from mindspeed.features.context_parallel import sharding
         megatron_lm_data.publish_documents(batch)      # EOD reset: the document ends, before sharding
         if sharding.active():
             return sharding.get_batch_on_this_cp_rank(batch)
@@ -197,7 +198,6 @@ def _route_cp_batch_sharding(original):
 
 def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptState:
     """The import hook under Megatron-LM: version check, backend + device shim, parser hooks."""
-    from mindspeed.adaptor_core import _msadapter_active, current, unadapt
     if current() is not None:
         unadapt()
     check_version()
@@ -224,7 +224,7 @@ def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptStat
     patcher.wrap("megatron.core.utils.get_batch_on_this_cp_rank", _route_cp_batch_sharding,
                  reason="batches sharded as the active MindSpeed CP algorithm expects", aliases="megatron")
     if ns.backend == "torch":
-        from mindspeed.features.memory import shared_mask
+        from mindspeed.features.memory import shared_mask  # imports torch: torch backend only
         shared_mask.install_megatron_lm(patcher)
     megatron_lm_data.install_documents(ctx)
     set_current(state)

@@ -86,7 +86,7 @@ def _instruction_build(original):
             return original(self)
         if not self.is_built_on_rank():
             return [None, None, None]
-        from mindspeed.training.data import build_instruction_datasets
+        from mindspeed.training.data import build_instruction_datasets  # Megatron-Core: megatron_lm loads us first
         return list(build_instruction_datasets(args, self.config.tokenizer, [s or 0 for s in self.sizes]))
     return build
 

@@ -20,7 +20,11 @@ import os
 import sys
 from typing import Sequence
 
-from mindspeed.errors import report
+from mindspeed import adaptor_core
+from mindspeed.adaptor_core import MindSpeedConfigError
+from mindspeed.backends import BackendUnavailableError
+from mindspeed.errors import ArgumentError, report
+from mindspeed.flags.trainer_flags import parse_args
 
 WORLD_SIZE_OPTION = "--preflight-world-size"
 WORLD_SIZE_ENV = "MINDSPEED_PREFLIGHT_WORLD_SIZE"
@@ -35,9 +39,6 @@ def refusal_errors() -> tuple[type[BaseException], ...]:
     """What the trainer reports as a one-line `error:` before work (pretrain_gpt.py's user errors
     that can come from parsing and the gate). The MindSpore trainer's TrainerConfigError is
     included when its module is loaded (importing it imports MindSpore)."""
-    from mindspeed.adaptor_core import MindSpeedConfigError
-    from mindspeed.backends import BackendUnavailableError
-    from mindspeed.errors import ArgumentError
     errors: tuple[type[BaseException], ...] = (ArgumentError, MindSpeedConfigError, BackendUnavailableError)
     trainer = sys.modules.get("mindspeed.training.mindspore.trainer")
     if trainer is not None:
@@ -47,11 +48,9 @@ def refusal_errors() -> tuple[type[BaseException], ...]:
 
 def refusal(argv: Sequence[str], world_size: int | None = None) -> str | None:
     """The trainer's one-line refusal of `argv` at `world_size` processes, or None if it would start."""
-    from mindspeed.adaptor_core import plan
-    from mindspeed.flags.trainer_flags import parse_args
     try:
         args = parse_args(list(argv), world_size=world_size)
-        plan(args)
+        adaptor_core.plan(args)
     except Exception as err:
         if not isinstance(err, refusal_errors()):   # looked up now: the gate may have loaded the trainer
             raise

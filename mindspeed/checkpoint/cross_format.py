@@ -41,7 +41,7 @@ EXPERT_KEYS = {"linear_fc1.weight": "decoder.layers.mlp.experts.experts.linear_f
 
 
 def _layer_keys() -> dict:
-    from mindspeed.checkpoint.megatron_read import LAYER_KEYS, STACKED
+    from mindspeed.checkpoint.megatron_read import LAYER_KEYS, STACKED  # imports torch; read by the MindSpore trainer
     return {**LAYER_KEYS, **{suffix: STACKED + suffix for suffix in MOE_LAYER_SUFFIXES}}
 
 
@@ -176,7 +176,7 @@ def neutral_from_torch_dist(directory: str, load_optimizer: bool) -> tuple[dict,
     except ImportError:
         raise CheckpointError(f"checkpoint {directory} was written by the torch trainer; reading it needs torch "
                               "(pip install torch), or convert it where torch is installed") from None
-    from mindspeed.checkpoint.megatron_read import TorchDistReader
+    from mindspeed.checkpoint.megatron_read import TorchDistReader  # imports torch (checked above)
     reader = TorchDistReader(directory)
     common = torch.load(f"{directory}/common.pt", map_location="cpu", weights_only=False)
 

@@ -19,6 +19,7 @@ import os
 import torch
 
 from mindspeed.errors import ConvertError
+from mindspeed.checkpoint.neutral import MODEL_FILE
 from mindspeed.checkpoint.scan import iteration_dir
 from mindspeed.errors import CheckpointError
 
@@ -41,7 +42,7 @@ def open_checkpoint(root: str):
     """The reader for the iteration the tracker names, checked as the trainers check it before a
     load: torch_dist when the directory holds one (it keeps the parameters' dtype), else the
     MindSpore trainer's neutral safetensors."""
-    from mindspeed.checkpoint import torch_dist
+    from mindspeed.checkpoint import torch_dist  # imports Megatron-Core: mg->hf conversion reads with torch alone
     try:
         directory = iteration_dir(root, torch_dist.read_tracker(root))   # checks either format
     except CheckpointError as err:
@@ -51,7 +52,7 @@ def open_checkpoint(root: str):
 
 class TorchDistReader:
     def __init__(self, directory: str):
-        from mindspeed.checkpoint.torch_dist import read_index
+        from mindspeed.checkpoint.torch_dist import read_index  # imports Megatron-Core (see open_checkpoint)
         self.dir = directory
         index = read_index(directory)
         self.meta = index.state_dict_metadata
@@ -119,7 +120,6 @@ class NeutralReader:
 
     def __init__(self, directory: str):
         from safetensors import safe_open
-        from mindspeed.checkpoint.neutral import MODEL_FILE
         self.dir = directory
         self._file = safe_open(os.path.join(directory, MODEL_FILE), framework="pt")
         self._names = set(self._file.keys())

@@ -219,7 +219,7 @@ def check_iteration(directory: str) -> str | None:
         return f"{directory} is missing"
     if is_torch_dist(directory):      # written by the torch trainer: loads through cross_format
         try:
-            from mindspeed.checkpoint import torch_dist
+            from mindspeed.checkpoint import torch_dist  # torch + Megatron-Core: may be absent (MindSpore trainer)
         except ImportError:
             return (f"{directory} holds a torch_dist checkpoint (written by --backend torch); reading it needs "
                     "torch and megatron-core installed")

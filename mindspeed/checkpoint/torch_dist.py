@@ -23,7 +23,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write
-from mindspeed.checkpoint import scan
+from mindspeed.checkpoint import cross_format, neutral, scan
 from mindspeed.checkpoint.scan import iteration_dir
 from mindspeed.errors import CheckpointError, one_line, resume_hint, unreadable
 from mindspeed.checkpoint.save_guard import writer_failures_reported
@@ -136,7 +136,6 @@ def check_iteration(directory: str) -> str | None:
     if not os.path.isdir(directory):
         return f"{directory} is missing"
     if is_neutral(directory):      # written by the MindSpore trainer: loads through cross_format
-        from mindspeed.checkpoint import neutral
         return neutral.check_iteration(directory)
     for name in (FORMAT_FILE, COMMON_FILE, INDEX_FILE):
         if not os.path.isfile(os.path.join(directory, name)):
@@ -335,7 +334,6 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
     if not finetune:
         state.update(iteration=0, consumed_train_samples=0, opt_param_scheduler={}, checkpoint_version=0.0)
     if is_neutral(path):
-        from mindspeed.checkpoint import cross_format
         loaded = cross_format.fill_from_neutral(state, path)
     else:
         try:

@@ -106,14 +106,14 @@ def _run(parser: argparse.ArgumentParser, opts) -> int:
     direction = (opts.load_model_type, opts.save_model_type)
     try:
         if direction == ("hf", "mg"):
-            from mindspeed.convert import hf_to_mg
+            from mindspeed.convert import hf_to_mg  # imports torch: usage errors come first, in one line
             hf_to_mg.convert(opts)
         elif direction == ("mg", "hf"):
             if opts.target_tensor_parallel_size != 1 or opts.target_pipeline_parallel_size != 1 \
                     or opts.num_layer_list:
                 raise ConvertError("mg->hf writes one unsharded Hugging Face model: leave out "
                                    "--target-*-parallel-size and --num-layer-list")
-            from mindspeed.convert import mg_to_hf
+            from mindspeed.convert import mg_to_hf  # imports torch (as hf_to_mg)
             mg_to_hf.convert(opts)
         else:
             parser.error(f"--load-model-type {opts.load_model_type} --save-model-type {opts.save_model_type}: "

@@ -5,7 +5,7 @@ import os
 import re
 import time
 
-from mindspeed.convert import layout, sidecar
+from mindspeed.convert import layout, megatron_write, sidecar
 from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipeline_split_flags, read_config
 from mindspeed.errors import ConvertError
 from mindspeed.convert.hf_io import HFReader, copy_side_files
@@ -55,9 +55,9 @@ def convert(opts, log=print) -> dict:
         from mindspeed.training.model import padded_vocab_size   # imports Megatron: after the checks
         vocab = vocab_from_tokenizer or arch.vocab_size
         padded = padded_vocab_size(vocab, opts.make_vocab_size_divisible_by, tp)
-        from mindspeed.convert.megatron_write import write_megatron
         with staged(opts.save_dir) as tmp:
-            write_megatron(tmp, arch, reader, vocab, padded, opts.params_dtype, neutral_copy=opts.neutral_copy)
+            megatron_write.write_megatron(tmp, arch, reader, vocab, padded, opts.params_dtype,
+                                          neutral_copy=opts.neutral_copy)
             side = os.path.join(tmp, sidecar.HF_CONFIG_DIR)
             os.makedirs(side)
             extra = (opts.tokenizer_model,) if opts.tokenizer_model and os.path.isfile(opts.tokenizer_model) else ()

@@ -18,10 +18,16 @@ from contextlib import contextmanager
 
 import torch
 
+import mindspeed
+from mindspeed.adaptor_core import current
+from mindspeed.checkpoint import neutral
+from mindspeed.checkpoint.megatron_read import LAYER_KEYS
 from mindspeed.convert import layout
 from mindspeed.convert.arch import Arch
 from mindspeed.errors import ConvertError
 from mindspeed.convert.hf_io import HFReader
+from mindspeed.flags.trainer_flags import parse_args
+from mindspeed.net import free_port
 
 DTYPE_FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 
@@ -39,7 +45,6 @@ class _NoScheduler:
 def world_of_one():
     """A one-rank gloo process group and Megatron's parallel state at TP=PP=1 (left as found)."""
     from megatron.core import parallel_state, tensor_parallel
-    from mindspeed.net import free_port
     created = not torch.distributed.is_initialized()
     if created:
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
@@ -60,8 +65,6 @@ def world_of_one():
 @contextmanager
 def adapted(args):
     """MindSpeed's device shim (CPU stand-ins for Megatron's CUDA-only calls), as the trainer has it."""
-    import mindspeed
-    from mindspeed.adaptor_core import current
     if current() is not None:
         yield
         return
@@ -73,7 +76,6 @@ def adapted(args):
 
 
 def trainer_args(arch: Arch, vocab: int, padded_vocab: int, params_dtype: str):
-    from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(arch.trainer_flags() + DTYPE_FLAGS[params_dtype] +
                       ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1),
                        "--seq-length", "16", "--mock-data", "--backend", "torch", "--device", "cpu"], world_size=1)
@@ -86,7 +88,6 @@ class _Producer:
     torch_dist chunk (its slice of the whole tensor) for the streaming writer."""
 
     def __init__(self, arch: Arch, reader: HFReader, vocab: int, padded_vocab: int):
-        from mindspeed.checkpoint.megatron_read import LAYER_KEYS
         self.arch, self.reader, self.vocab, self.padded = arch, reader, vocab, padded_vocab
         self.stacked = {key: suffix for suffix, key in LAYER_KEYS.items()}
         self._layer, self._tensors = None, {}
@@ -136,9 +137,9 @@ def write_megatron(root: str, arch: Arch, reader: HFReader, vocab: int, padded_v
     embedding/output rows cut to the tokenizer's `vocab` and padded to `padded_vocab`; with
     neutral_copy, the same weights also as the MindSpore trainer's framework-neutral safetensors
     in the same iteration directory (each trainer reads only its own files there)."""
-    from mindspeed.convert.torch_dist_stream import StreamingTorchDistSave
-    from mindspeed.checkpoint import torch_dist
-    from mindspeed.training.model import build_model_chunks, transformer_config
+    from mindspeed.convert.torch_dist_stream import StreamingTorchDistSave  # Megatron-Core: after hf_to_mg's checks
+    from mindspeed.checkpoint import torch_dist  # imports Megatron-Core (as above)
+    from mindspeed.training.model import build_model_chunks, transformer_config  # imports Megatron-Core (as above)
     args = trainer_args(arch, vocab, padded_vocab, params_dtype)
     with adapted(args), world_of_one():
         config = transformer_config(args)
@@ -150,7 +151,6 @@ def write_megatron(root: str, arch: Arch, reader: HFReader, vocab: int, padded_v
         torch_dist.save_checkpoint(root, 0, [model], None, _NoScheduler(), 0,
                                       sharded_strategy=StreamingTorchDistSave(producer.chunk))
         if neutral_copy:
-            from mindspeed.checkpoint import neutral
             # whole tensors under the model's own names, fp32 (numpy has no bf16), written one at a time
             shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
             neutral.save_streaming(root, 0, shapes,

@@ -11,6 +11,9 @@ import argparse
 import difflib
 import sys
 
+from mindspeed.data.errors import DataError
+from mindspeed.data.shakespeare import ensure_dataset
+from mindspeed.data.tokenizer import TokenizerError
 from mindspeed.errors import report
 from mindspeed.errors import ArgumentError, OneLineParser
 
@@ -81,7 +84,6 @@ def handler_mode(args) -> bool:
 
 
 def _tokenizer_folder(args) -> str | None:
-    from mindspeed.data.errors import DataError
     if args.tokenizer_name_or_path and args.tokenizer_model and args.tokenizer_name_or_path != args.tokenizer_model:
         raise DataError("--tokenizer-name-or-path and --tokenizer-model name different tokenizers: give one")
     if args.tokenizer_type not in (None, "PretrainedFromHF", "HuggingFaceTokenizer"):
@@ -91,8 +93,7 @@ def _tokenizer_folder(args) -> str | None:
 
 
 def _run_handler(args) -> None:
-    from mindspeed.data.errors import DataError
-    from mindspeed.data.pipeline import HandlerConfig, run
+    from mindspeed.data.pipeline import HandlerConfig, run  # imports Megatron-Core: --help and refusals stay light
     if args.json_key is not None or args.chunk_chars:
         raise DataError("--json-key / --chunk-chars are character-level options; with handlers use --json-keys")
     run(HandlerConfig(inputs=args.input, output_prefix=args.output_prefix, tokenizer_path=_tokenizer_folder(args),
@@ -105,8 +106,7 @@ def _run_handler(args) -> None:
 
 
 def _run_char_level(args) -> None:
-    from mindspeed.data.errors import DataError
-    from mindspeed.data.preprocess import PreprocessConfig, preprocess
+    from mindspeed.data.preprocess import PreprocessConfig, preprocess  # imports Megatron-Core (as pipeline)
     defaults = build_parser().parse_args([])
     given = [f"--{name.replace('_', '-')}" for name in HANDLER_ONLY + ("workers", "n_subs", "pad_to_multiple_of",
                                                                       "log_interval", "cache_dir")
@@ -141,13 +141,10 @@ def main(argv=None) -> int:
     except ArgumentError as err:
         report(err)
         return 2
-    from mindspeed.data.errors import DataError
-    from mindspeed.data.tokenizer import TokenizerError
     try:
         if args.input is None:
             if handler_mode(args):
                 raise DataError("--input is required with a tokenizer folder or --handler-name")
-            from mindspeed.data.shakespeare import ensure_dataset
             print(f"> default dataset ready: {ensure_dataset(args.cache_dir)}")
             return 0
         if not args.output_prefix:

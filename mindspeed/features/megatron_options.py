@@ -15,7 +15,7 @@ from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag
 from mindspeed.features.context_parallel.feature import MASK_TYPE
 from mindspeed.features.fused.features import FlashAttention
-from mindspeed.features.registry import register
+from mindspeed.features.registry import all_features, register
 
 MS = "the MindSpore trainer"
 TORCH = "use --backend torch"
@@ -203,7 +203,6 @@ option("moe-shared-expert-overlap", (host("--moe-shared-expert-overlap", False),
 
 
 def _another_refused_on_mindspore(moe, args) -> bool:
-    from mindspeed.features.registry import all_features
     return any(f is not moe and ("mindspore" not in f.backends or f.unsupported.get("mindspore"))
                and f.enabled(args) for f in all_features())
 

@@ -55,7 +55,7 @@ def trainer_parser(host_defaults: bool = True) -> argparse.ArgumentParser:
     """The built-in trainers' Megatron-style parser with MindSpeed's flags: every flag `check`,
     `adapt(argv)` and the trainers know. host_defaults=False: a Megatron flag not given is left
     out of the namespace (its value is the host's: e.g. a user's own model), not the trainer's."""
-    from mindspeed.flags.trainer_flags import build_parser
+    from mindspeed.flags.trainer_flags import build_parser  # cycle: trainer_flags imports this module
     parser = build_parser(prog="mindspeed")
     if not host_defaults:
         for action in parser._actions:

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from mindspeed.errors import ArgumentError, OneLineParser
 from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems
+from mindspeed.flags.mindspeed_flags import add_mindspeed_args, refuse_unknown, resolve_backend_name
 
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"   # in both trainers' checkpoint roots
@@ -241,10 +242,6 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
 
 def _full_parser() -> argparse.ArgumentParser:
     parser = build_parser()
-    try:
-        from mindspeed.flags.mindspeed_flags import add_mindspeed_args
-    except ImportError:      # the lead's module not present yet: Megatron flags only
-        return parser
     add_mindspeed_args(parser)
     return parser
 
@@ -254,7 +251,6 @@ def parse_args(argv: Sequence[str] | None = None, *, with_mindspeed: bool = True
     """Parse argv (sys.argv[1:] when None), derive defaults and validate."""
     parser = _full_parser() if with_mindspeed else build_parser()
     args, extras = parser.parse_known_args(argv)
-    from mindspeed.flags.mindspeed_flags import refuse_unknown
     refuse_unknown(parser, extras)
     derive_args(args, world_size)
     validate_args(args)
@@ -263,10 +259,6 @@ def parse_args(argv: Sequence[str] | None = None, *, with_mindspeed: bool = True
 
 def backend_name(args) -> str:
     """--backend / --ai-framework come from MindSpeed's flags (mindspeed.flags.mindspeed_flags)."""
-    try:
-        from mindspeed.flags.mindspeed_flags import resolve_backend_name
-    except ImportError:
-        return getattr(args, "backend", None) or os.environ.get("MINDSPEED_BACKEND", "torch")
     try:
         return resolve_backend_name(args)
     except ValueError as err:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from mindspeed.errors import report
+from mindspeed.plotting import figure
 from mindspeed.plotting.runs import SERIES, PlotError, read_run, run_names
 
 
@@ -20,7 +21,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plot(paths: list[str], output: str, title: str | None = None) -> dict:
     """Draw the runs into `output`; returns {run name: {series: number of points}}."""
-    from mindspeed.plotting import figure
     runs = [read_run(path, name) for path, name in zip(paths, run_names(paths))]
     fig = figure.draw(runs, title)
     figure.save(fig, output)

@@ -21,8 +21,9 @@ from megatron.core.datasets.utils import get_blend_from_list
 
 from mindspeed.data.errors import DataError
 from mindspeed.data.indexed_reader import check_dataset, split_bounds
-from mindspeed.data.tokenizer import load_tokenizer
-from mindspeed.adaptor_core import packed_documents
+from mindspeed.data.shakespeare import ensure_dataset
+from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer
+from mindspeed.adaptor_core import current, packed_documents
 from mindspeed.features import documents
 from mindspeed.features.memory import shared_mask
 from mindspeed.data import instruction_samples
@@ -54,11 +55,9 @@ def token_prefixes(args) -> list[str]:
 def resolve_data(args, log=print):
     """Fill args.data_path (default corpus) and return the tokenizer; check every dataset file."""
     if args.mock_data:
-        from mindspeed.data.tokenizer import CharLevelTokenizer
         import string
         return CharLevelTokenizer(string.printable)
     if not args.data_path:
-        from mindspeed.data.shakespeare import ensure_dataset
         args.data_path = [ensure_dataset(log=log)]
     for prefix in indexed_prefixes(args):
         check_dataset(prefix)       # missing / truncated / corrupt files first
@@ -244,7 +243,6 @@ def shard_for_context_parallel(batch: dict) -> dict:
     """
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
-    from mindspeed.adaptor_core import current
     state = current()
     shard = state.context.part("shard_batch") if state is not None else None
     if shard is not None:

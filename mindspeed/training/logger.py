@@ -10,6 +10,7 @@ import datetime
 import json
 import sys
 
+from mindspeed.training import peak
 from mindspeed.training.flops import tflops_per_device, throughput_requested
 
 
@@ -99,8 +100,7 @@ class StepRecorder:
         self.logger, self.args = logger, args
         self.peak = None
         if logger.is_writer and throughput_requested(args):     # only the writer logs MFU
-            from mindspeed.training.peak import device_peak
-            self.peak = device_peak(args.backend, device, args.params_dtype)
+            self.peak = peak.device_peak(args.backend, device, args.params_dtype)
             logger.print(f"> device peak for MFU: {self.peak.describe()}")
         self.tokens_per_step, self.stop_at = tokens_per_step, stop_at
         self.losses: list[float] = []

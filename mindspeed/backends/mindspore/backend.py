@@ -5,29 +5,25 @@ from __future__ import annotations
 from mindspeed.backends.base import Backend
 from mindspeed.backends.mindspore import capabilities
 from mindspeed.backends.mindspore.device_select import import_mindspore, select_device
+from mindspeed.backends.mindspore.profiler import MsProfiler
 
 
 class MindSporeBackend(Backend):
     name = "mindspore"
 
     def __init__(self, device: str | None = None):
-        import_mindspore()     # a clear install message before anything else
-        from mindspeed.backends.mindspore.autograd import MsAutograd
-        from mindspeed.backends.mindspore.comm import MsComm
-        from mindspeed.backends.mindspore.device import MsDevice
-        from mindspeed.backends.mindspore.kernels import MsKernels
-        from mindspeed.backends.mindspore.memory import MsMemory
-        from mindspeed.backends.mindspore.tensors import MsTensors
+        import_mindspore()     # a clear install message (and GLOG_v) before anything else
+        from mindspeed.backends.mindspore import (  # these import MindSpore: after import_mindspore()
+            autograd, comm, device as ms_device, kernels, memory, tensors)
         device_name = select_device(device)
-        self.device = MsDevice(device_name)
-        self.comm = MsComm(device_name)
-        self.kernels = MsKernels(device_name)
-        self.tensors = MsTensors()
-        self.autograd = MsAutograd()
-        self.memory = MsMemory(device_name)
+        self.device = ms_device.MsDevice(device_name)
+        self.comm = comm.MsComm(device_name)
+        self.kernels = kernels.MsKernels(device_name)
+        self.tensors = tensors.MsTensors()
+        self.autograd = autograd.MsAutograd()
+        self.memory = memory.MsMemory(device_name)
 
     def profiler(self, save_path, **options):
-        from mindspeed.backends.mindspore.profiler import MsProfiler
         return MsProfiler(self.device.name, save_path, **options)
 
     @classmethod

@@ -7,6 +7,7 @@ from mindspeed.backends.torch.comm import TorchComm
 from mindspeed.backends.torch.device import TorchDevice, select_device
 from mindspeed.backends.torch.kernels import TorchKernels
 from mindspeed.backends.torch.memory import TorchAutograd, TorchMemory
+from mindspeed.backends.torch.profiler import TorchProfiler
 from mindspeed.backends.torch.tensors import TorchTensors
 
 
@@ -23,7 +24,6 @@ class TorchBackend(Backend):
         self.memory = TorchMemory(device_name)
 
     def profiler(self, save_path, **options):
-        from mindspeed.backends.torch.profiler import TorchProfiler
         return TorchProfiler(self.device.name, save_path, **options)
 
     @classmethod

@@ -13,6 +13,8 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
+
 log = logging.getLogger("mindspeed")
 
 
@@ -277,7 +279,6 @@ def apply_device_shim(patcher, device: str, megatron_lm: bool = False) -> None:
     """megatron_lm: the user's script is Megatron-LM's own (megatron.training on top of core)."""
     if device == "cpu":
         if megatron_lm:   # before megatron.training (and with it megatron.core) is imported
-            from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
             apply_cpu_training_shim(patcher)
         apply_cpu_shim(patcher)
     elif device == "npu":

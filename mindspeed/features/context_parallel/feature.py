@@ -10,6 +10,7 @@ import os
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
 from mindspeed.features.context_parallel import sharding
+from mindspeed.features.context_parallel.attention import context_parallel_attention
 from mindspeed.features.context_parallel.groups import ALGOS, MASK_TYPES, check_options
 from mindspeed.features.context_parallel.ulysses import kv_repeats
 from mindspeed.features.registry import register
@@ -73,11 +74,10 @@ class _ContextParallel(Feature):
                                      "(megatron_cp_algo / hybrid_cp_algo), not ulysses_cp_algo")
 
     def apply(self, ctx, args) -> None:
-        from mindspeed.features.context_parallel.attention import context_parallel_attention
         u = getattr(args, "ulysses_degree_in_cp", None)
         provider = None
         if ctx.backend_name == "torch":
-            from mindspeed.features.context_parallel import megatron_hook
+            from mindspeed.features.context_parallel import megatron_hook  # hook may import Megatron (.importlinter)
             megatron_hook.install(ctx.patcher, megatron_hook.CPOptions(args))
             from megatron.core import parallel_state
             provider = parallel_state.get_context_parallel_group

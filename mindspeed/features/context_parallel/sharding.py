@@ -6,6 +6,7 @@ chunks j and 2R-1-j of 2R; Ulysses rank i = r % u takes the i-th contiguous part
 """
 from __future__ import annotations
 
+from mindspeed.backends import get_backend
 from mindspeed.features.context_parallel.groups import check_options
 from mindspeed.features.context_parallel.ring import chunk_positions
 
@@ -75,7 +76,6 @@ def get_batch_on_this_cp_rank(batch: dict, group=None) -> dict:
     without context parallelism)."""
     if _state["options"] is None:
         return batch
-    from mindspeed.backends import get_backend
     comm = get_backend().comm
     if group is None and _state["group_provider"] is not None:
         group = _state["group_provider"]()

@@ -41,7 +41,7 @@ def _is_plain_causal(mask, sq: int, skv: int) -> bool:
     """True when `mask` (True = masked) is exactly the top-left causal mask for every batch/head."""
     if mask is None or tuple(mask.shape[-2:]) != (sq, skv):
         return False
-    from mindspeed.features.memory.shared_mask import is_shared
+    from mindspeed.features.memory.shared_mask import is_shared  # imports torch: this module stays framework-free
     if is_shared(mask):      # the shared causal mask: no s x s comparison per layer
         return True
     import torch

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from mindspeed.backends import get_backend
+from mindspeed.features.memory import layer_init
 
 MLP_FORWARD = "megatron.core.transformer.mlp.MLP.forward"
 ACT_MARK = "_mindspeed_recompute_activation"
@@ -34,7 +35,6 @@ def _choose_layers(act, norm, layer, arguments) -> None:
 
 
 def install(patcher, args) -> None:
-    from mindspeed.features.memory import layer_init
     if layer_init.has_hook(patcher, _choose_layers):     # both recompute features share the hook
         return
     act = (bool(getattr(args, "recompute_activation_function", False)),

@@ -24,7 +24,7 @@ class _OutputRecompute(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":       # mindspore: the trainer reads the flags (GPTConfig)
-            from mindspeed.features.memory import megatron_recompute
+            from mindspeed.features.memory import megatron_recompute  # hook may import Megatron (.importlinter)
             megatron_recompute.install(ctx.patcher, args)
 
     @property

@@ -57,6 +57,7 @@ class ReuseFp32Param(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            from mindspeed.features.memory import reuse_fp32_param_distrib, reuse_fp32_param_megatron
+            from mindspeed.features.memory import (  # these import torch: feature modules stay framework-free
+                reuse_fp32_param_distrib, reuse_fp32_param_megatron)
             reuse_fp32_param_megatron.install(ctx.patcher)      # Float16OptimizerWithFloat16Params
             reuse_fp32_param_distrib.install(ctx.patcher)       # DistributedOptimizer

@@ -27,7 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
-from mindspeed.features.memory.reuse_fp32_param_megatron import RESIDUAL_ZERO, ROUND, expand_before_step
+from mindspeed.features.memory.reuse_fp32_param_megatron import (RESIDUAL_ZERO, ROUND, attach_after_init,
+                                                                  expand_before_step)
 
 OPTIMIZER = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 CHUNK = 1 << 20          # elements interleaved per copy: bounds the temporary to 4 MiB
@@ -235,6 +236,5 @@ def attach(opt) -> SharedShards:
 
 
 def install(patcher) -> None:
-    from mindspeed.features.memory.reuse_fp32_param_megatron import attach_after_init
     attach_after_init(patcher, OPTIMIZER, attach,
                       "--reuse-fp32-param: fp32 master shards stored in DDP's bf16 parameter buffer")

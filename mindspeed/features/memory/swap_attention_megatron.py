@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import functools
 
+from mindspeed.features.memory import layer_init
+from mindspeed.features.memory.activation_swap import ActivationSwapper
+
 _SWAPPER = None
 
 
@@ -20,12 +23,9 @@ def _swapped_forward(forward, layer: int):
     return run
 
 
-def install(patcher, args, memory) -> None:
+def install(patcher, names: list[str], memory) -> None:
+    """names: the TransformerLayer modules to swap (swap_features.swap_module_names)."""
     global _SWAPPER
-    from mindspeed.features.memory import layer_init
-    from mindspeed.features.memory.activation_swap import ActivationSwapper
-    from mindspeed.features.memory.swap_features import swap_module_names
-    names = swap_module_names(args)
     _SWAPPER = ActivationSwapper(memory)
 
     def swap_modules(layer, _arguments):

@@ -1,10 +1,13 @@
 """Memory savers that move state to host memory: --swap-attention and --swap-optimizer.
 Framework-free (the matrix imports it); the work is in activation_swap.py and the Megatron-Core
-hooks swap_attention_megatron.py / swap_optimizer_megatron.py, imported only when applied."""
+hooks swap_attention_megatron.py / swap_optimizer_megatron.py (framework-free at import too: they
+reach torch and Megatron through the backend and the patch manager, when applied)."""
 from __future__ import annotations
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.memory import swap_attention_megatron, swap_optimizer_megatron
+from mindspeed.features.memory.activation_swap import ActivationSwapper
 from mindspeed.features.registry import register
 
 # --swap-modules names: Megatron-Core TransformerLayer attributes, plus upstream MindSpeed's
@@ -42,10 +45,8 @@ class SwapAttention(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            from mindspeed.features.memory import swap_attention_megatron
-            swap_attention_megatron.install(ctx.patcher, args, ctx.backend.memory)
+            swap_attention_megatron.install(ctx.patcher, swap_module_names(args), ctx.backend.memory)
         else:   # the MindSpore GPT asks for (scope, module names) when it is built
-            from mindspeed.features.memory.activation_swap import ActivationSwapper
             swapper, names = ActivationSwapper(ctx.backend.memory), swap_module_names(args)
             ctx.provide("activation_swap", lambda: (swapper.scope, names))
 
@@ -73,5 +74,4 @@ class SwapOptimizer(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            from mindspeed.features.memory import swap_optimizer_megatron
             swap_optimizer_megatron.install(ctx.patcher, args)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 
+from mindspeed.backends import get_backend
+
 OPTIMIZERS = ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
               "megatron.core.optimizer.optimizer.FP32Optimizer",
               "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer")
@@ -145,7 +147,6 @@ def _copy_groups_only(opt, kind, chunk):
 
 def attach(opt, times: int) -> OptimizerSwap:
     """Give one Megatron optimizer instance host-resident states."""
-    from mindspeed.backends import get_backend
     swap = OptimizerSwap(opt, times, get_backend().memory)
     opt.mindspeed_swap = swap
     original_step = opt.optimizer.step

@@ -15,6 +15,7 @@ import importlib
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, switch
 from mindspeed.features.registry import register
+from mindspeed.versions import megatron_version
 
 NO_MOE_MS = ("these change Megatron-Core's MoE token dispatch; the MindSpore trainer's own MoE layer "
              "(training/mindspore/moe.py) has one plain all-to-all dispatch, without them")
@@ -64,7 +65,6 @@ class _MoeComm(Feature):
     def _megatron_has_hooks(self) -> None:
         missing = missing_megatron_hook(self.megatron_hooks)
         if missing:
-            from mindspeed.versions import megatron_version
             raise FeatureConfigError(f"{self.flags[0].name} wraps Megatron-Core's {missing}, which Megatron-Core "
                                      f"{megatron_version()} lacks (its MoE layer predates the dispatch/combine "
                                      "steps): use Megatron-LM core_v0.16.1, or drop the flag")

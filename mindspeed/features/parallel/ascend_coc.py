@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.parallel import coc_megatron
+from mindspeed.features.parallel.coc_mindspore import CocLinears
 from mindspeed.features.registry import register
 
 PARALLEL_NUMS = (1, 2, 4, 8)
@@ -70,8 +72,6 @@ class AscendCoc(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            from mindspeed.features.parallel import coc_megatron
             coc_megatron.install(ctx.patcher, chunks(args))
         else:
-            from mindspeed.features.parallel.coc_mindspore import CocLinears
             ctx.provide("tensor_parallel_linear", lambda: CocLinears(chunks(args)))

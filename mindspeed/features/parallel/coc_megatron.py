@@ -5,6 +5,7 @@ its tensor-parallel group. Layers with nothing to overlap keep Megatron's path: 
 layer), a group of one."""
 from __future__ import annotations
 
+from mindspeed.backends import get_backend
 from mindspeed.features.parallel import coc
 
 LAYERS = "megatron.core.tensor_parallel.layers"
@@ -14,7 +15,6 @@ CALLS = {"column": 0, "row": 0}
 
 
 def _group_size(group) -> int:
-    from mindspeed.backends import get_backend
     return get_backend().comm.world_size(group)
 
 

@@ -85,7 +85,7 @@ class NoopLayers(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            from mindspeed.features.parallel import noop_hook
+            from mindspeed.features.parallel import noop_hook  # imports Megatron-Core: features stay framework-free
             noop_hook.install(ctx.patcher, noop_layer_set(args))
 
 

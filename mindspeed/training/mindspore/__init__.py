@@ -5,11 +5,12 @@ package does not import MindSpore; run() does (and names the install command if 
 """
 from __future__ import annotations
 
+from mindspeed.backends.mindspore.device_select import import_mindspore
+
 
 def run(args) -> dict:
-    from mindspeed.backends.mindspore.device_select import import_mindspore
     import_mindspore()
-    from mindspeed.training.mindspore.trainer import run as _run
+    from mindspeed.training.mindspore.trainer import run as _run  # imports MindSpore: after import_mindspore()
     return _run(args)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from mindspore import ops
 
 from mindspeed.errors import CheckpointError
+from mindspeed.checkpoint import cross_format
 from mindspeed.checkpoint import neutral as nf
 
 
@@ -96,13 +97,12 @@ def _fit_vocab(model, arrays: dict | None) -> dict | None:
     """The saver padded the vocabulary for its TP size: add or drop padding rows for this one."""
     if arrays is None:
         return None
-    from mindspeed.checkpoint.cross_format import fit_vocab_rows
     shapes = model.cfg.full_shapes()
     out = {}
     for key, value in arrays.items():
         name = key.split("/", 1)[-1]
         rows = shapes[name][0] if name in shapes else value.shape[0]
-        out[key] = fit_vocab_rows(name, value, rows)
+        out[key] = cross_format.fit_vocab_rows(name, value, rows)
     return out
 
 
@@ -115,7 +115,6 @@ def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step:
     CheckpointError and no rank is left waiting for the others."""
     directory = nf.resolve(path, step)
     if nf.is_torch_dist(directory):      # the torch trainer's checkpoint, renamed to the neutral names
-        from mindspeed.checkpoint import cross_format
         full, moments, meta = cross_format.neutral_from_torch_dist(directory, optimizer is not None and load_optimizer)
     else:
         full, moments, meta = nf.load(directory)

@@ -14,6 +14,9 @@ import numpy as np
 
 from mindspeed.data.errors import DataError
 from mindspeed.data.indexed_reader import IndexedTokens, split_bounds
+from mindspeed.data.instruction_samples import build_splits
+from mindspeed.data.shakespeare import ensure_dataset
+from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer
 
 
 def vocab_size_of(prefix: str, args) -> int:
@@ -28,7 +31,6 @@ def vocab_size_of(prefix: str, args) -> int:
         desc = json.load(f)
     if desc.get("type") == "CharLevel":
         return len(desc["chars"]) + 2
-    from mindspeed.data.tokenizer import load_tokenizer    # HF tokenizers need their library
     return int(load_tokenizer(prefix).vocab_size)
 
 
@@ -80,7 +82,6 @@ def eod_id(args, flag_tokenizer=None) -> int:
     name, mock data's character tokenizer, else the one saved beside the dataset."""
     if flag_tokenizer is not None:
         return int(flag_tokenizer.eod)
-    from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer
     if args.mock_data:
         import string
         return CharLevelTokenizer(string.printable).eod     # the torch trainer's mock tokenizer
@@ -91,7 +92,6 @@ def dataset_prefix(args, log=print) -> str:
     """The one dataset prefix --data-path names (the bundled Shakespeare dataset without one)."""
     paths = list(args.data_path or [])
     if not paths:
-        from mindspeed.data.shakespeare import ensure_dataset
         paths = [ensure_dataset(log=log)]
     if len(paths) != 1:   # blends are refused by the support matrix (data-blend); a lone weight is not
         raise DataError(f"--data-path {' '.join(paths)}: the mindspore trainer reads one dataset prefix")
@@ -114,8 +114,6 @@ def build_streams(args, log=print):
     prefix = dataset_prefix(args, log)
     vocab = vocab_size_of(prefix, args)
     if getattr(args, "is_instruction_dataset", False):
-        from mindspeed.data.tokenizer import load_tokenizer
-        from mindspeed.data.instruction_samples import build_splits
         train, valid = build_splits(prefix, args.split, args.seq_length, args.seed, load_tokenizer(prefix).eod)
         return vocab, train, valid
     ds = IndexedTokens(prefix)
