@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from functools import partial
 
 import torch
@@ -21,12 +20,11 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from mindspeed import hooks
 from mindspeed.features import documents
 from mindspeed.net import free_port
-from mindspeed.training import checkpointing, data, flag_tokenizers
+from mindspeed.training import checkpointing, data, flag_tokenizers, loop
 from mindspeed.training.flag_checks import LOSS_SCALE_DEFAULTS
-from mindspeed.training.logger import StepRecorder, TrainingLogger
+from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, padded_vocab_size, transformer_config
 
 
@@ -295,6 +293,10 @@ def resume(args, trainer, logger) -> tuple[int, int]:
     return iteration, consumed
 
 
+# the summary run() returns, in this order (tests and users read it)
+SUMMARY_KEYS = ("iteration", "final_valid_loss", "unigram_baseline", "tokens_per_s", "parameters")
+
+
 def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     a = args
     baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
@@ -311,52 +313,25 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
         logger.print(f"> unigram baseline (entropy of token frequencies): {baseline:.4f} nats/token")
 
     iteration, consumed = resume(a, trainer, logger)
-    train_iter = trainer.iterators(train_ds, consumed)
-    skipped, valid_loss, last_saved = 0, None, None
-    stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
-    steps = StepRecorder(logger, a, tokens_per_step=a.global_batch_size * a.seq_length, stop_at=stop_at,
-                         write_loss_file=torch.distributed.get_rank() == 0, device=a.device_name)
-    logger.print(f"> training from iteration {iteration} to {stop_at}")
-    if a.rampup_batch_size:
-        start_gbs, increment, ramp_samples = a.rampup_batch_size
-        logger.print(f"> global batch size ramps up from {start_gbs} by {increment} over {ramp_samples} samples "
-                     f"to {a.global_batch_size}")
-    while iteration < stop_at:
-        hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
-        num_microbatches, batch_size = step_batch(consumed)
-        start = time.perf_counter()
-        loss, grad_norm, ok = trainer.train_step(train_iter, num_microbatches, batch_size)
-        elapsed = time.perf_counter() - start
-        iteration += 1
-        hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
-        consumed += batch_size
-        skipped += 0 if ok else 1
-        steps.record(iteration, loss, elapsed, consumed=consumed,
-                     lr=lambda: trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
-                     grad_norm=grad_norm, peak_mem_mb=_peak_memory_mb, skipped=skipped, batch_size=batch_size,
-                     loss_scale=(lambda: float(trainer.optimizer.get_loss_scale())) if a.fp16 else None)
-        if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at:
-            valid_loss = trainer.evaluate(valid_ds)
-            if valid_loss is not None:
-                logger.validation(iteration, valid_loss)
-        if a.save and a.save_interval and iteration % a.save_interval == 0:
-            last_saved = checkpointing.save_checkpoint(a.save, iteration, trainer.model, trainer.optimizer,
-                                                       trainer.scheduler, consumed)
-            logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
-    hooks.fire(hooks.TRAIN_END, iteration=iteration)
-    steps.close()
-    if a.save and last_saved != checkpointing.iteration_dir(a.save, iteration):
-        checkpointing.save_checkpoint(a.save, iteration, trainer.model, trainer.optimizer, trainer.scheduler,
-                                      consumed)
-        logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
-    valid_loss = trainer.evaluate(valid_ds)
-    tokens_per_s = steps.tokens_per_s
-    if valid_loss is not None:
-        logger.validation(iteration, valid_loss, label="final validation")
-    summary = {"iteration": iteration, "final_valid_loss": valid_loss, "unigram_baseline": baseline,
-               "tokens_per_s": tokens_per_s, "parameters": n_params}
-    base = f" (unigram baseline {baseline:.4f})" if baseline is not None else ""
-    vl = f"{valid_loss:.4f}" if valid_loss is not None else "n/a"
-    logger.print(f"> done: {iteration} iterations | final validation loss {vl}{base} | "
-                 f"throughput {tokens_per_s:.0f} tokens/s")
-    return summary
+    parts = loop_parts(a, trainer, trainer.iterators(train_ds, consumed), valid_ds)
+    report = loop.RunReport(parameters=n_params, summary_keys=SUMMARY_KEYS, device=a.device_name,
+                            write_loss_file=torch.distributed.get_rank() == 0, unigram_baseline=baseline)
+    return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed))
+
+
+def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:
+    """This trainer's side of the shared outer loop (training/loop.py)."""
+    def step(iteration: int, consumed: int, batch_size: int) -> loop.StepResult:
+        # the micro-batch count step_batch set for this step (the loop asked batch_size first)
+        loss, grad_norm, ok = trainer.train_step(train_iter, get_num_microbatches(), batch_size)
+        return loop.StepResult(loss, grad_norm, applied=bool(ok))
+
+    def save(iteration: int, consumed: int) -> str:
+        return checkpointing.save_checkpoint(args.save, iteration, trainer.model, trainer.optimizer,
+                                             trainer.scheduler, consumed)
+
+    return loop.TrainParts(
+        step=step, evaluate=lambda: trainer.evaluate(valid_ds), save=save,
+        lr=lambda _iteration: trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
+        peak_memory_mb=_peak_memory_mb, batch_size=lambda consumed: step_batch(consumed)[1],
+        loss_scale=(lambda: float(trainer.optimizer.get_loss_scale())) if args.fp16 else None)
