@@ -202,6 +202,8 @@ def test_the_summary_has_the_trainers_keys_in_its_order_and_the_done_line_its_ba
     assert summary["step_time_s"] is not None   # steps 2 and 3 (the first one's setup time is left out)
     assert re.search(r"^> done: 3 iterations \| final validation loss 2\.5000 \| throughput \d+ tokens/s$",
                      capsys.readouterr().out, re.M)
+    summary = _run(FakeFramework(monkeypatch), _args("--train-iters", "1"), summary_keys=("parameters", "iteration"))
+    assert list(summary.items()) == [("parameters", 123), ("iteration", 1)]     # the trainer's order, not the loop's
 
 
 @pytest.mark.parametrize("iterations, exit_interval, expected", [(10, None, 10), (10, 4, 4), (3, 7, 3)])
