@@ -8,6 +8,7 @@ import time
 from mindspeed.convert import layout, megatron_write, sidecar
 from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipeline_split_flags, read_config
 from mindspeed.errors import ConvertError
+from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.convert.hf_io import HFReader, copy_side_files
 from mindspeed.convert.staging import check_save_dir, staged
 from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size
@@ -52,7 +53,6 @@ def convert(opts, log=print) -> dict:
     reader = HFReader(opts.load_dir)
     try:
         check_tensors(reader, arch)
-        from mindspeed.training.model import padded_vocab_size   # imports Megatron: after the checks
         vocab = vocab_from_tokenizer or arch.vocab_size
         padded = padded_vocab_size(vocab, opts.make_vocab_size_divisible_by, tp)
         with staged(opts.save_dir) as tmp:

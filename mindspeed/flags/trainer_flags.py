@@ -265,6 +265,12 @@ def backend_name(args) -> str:
         raise ArgumentError(str(err)) from err
 
 
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocab so each TP shard of the embedding has the same size."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
 def derive_args(args, world_size: int | None = None) -> None:
     """Fill values Megatron derives from others (world size from WORLD_SIZE when not given)."""
     args.backend = backend_name(args)

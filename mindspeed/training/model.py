@@ -19,12 +19,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron pads the vocab so each TP shard of the embedding has the same size."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
 def transformer_config(args) -> TransformerConfig:
     dtype = DTYPES[args.params_dtype]
     return TransformerConfig(

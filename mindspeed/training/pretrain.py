@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from functools import partial
 
 import torch
@@ -21,22 +20,25 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from mindspeed import hooks
-from mindspeed.adaptor_core import packed_documents
-from mindspeed.features import documents
-from mindspeed.net import free_port
-from mindspeed.training import data
+import mindspeed
+from mindspeed.adaptor_core import current, packed_documents
+from mindspeed.backends import get_backend
+from mindspeed.backends.torch.device import dist_backend_for
+from mindspeed.checkpoint import torch_dist
 from mindspeed.data import flag_tokenizers
-from mindspeed.checkpoint import torch_dist as checkpointing
+from mindspeed.data.indexed_reader import check_dataset
+from mindspeed.features import documents
 from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
-from mindspeed.training.logger import StepRecorder, TrainingLogger
-from mindspeed.training.model import build_model_chunks, count_parameters, padded_vocab_size, transformer_config
+from mindspeed.flags.trainer_flags import padded_vocab_size
+from mindspeed.net import free_port
+from mindspeed.training import data, loop
+from mindspeed.training.logger import TrainingLogger
+from mindspeed.training.model import build_model_chunks, count_parameters, transformer_config
 
 
 def process_group_backend(requested: str | None, device: str) -> str:
     """Megatron scripts say `--distributed-backend nccl` meaning "the accelerator's collective
     library": nccl and hccl (and no flag) pick the device's one; gloo is taken as asked."""
-    from mindspeed.backends.torch.device import dist_backend_for
     return "gloo" if requested == "gloo" else dist_backend_for(device)
 
 
@@ -69,10 +71,8 @@ def _set_seeds(args) -> None:
 
 
 def _adapt(args):
-    from mindspeed.adaptor_core import current
     state = current()
     if state is None:
-        import mindspeed
         state = mindspeed.adapt(args)
     return state
 
@@ -231,7 +231,6 @@ class Trainer:
 
 
 def _peak_memory_mb() -> float:
-    from mindspeed.backends import get_backend
     return get_backend().memory.peak_memory_bytes() / 2**20
 
 
@@ -248,7 +247,7 @@ def run(args) -> dict:
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     if args.load:
-        checkpointing.read_tracker(args.load, args.ckpt_step)
+        torch_dist.read_tracker(args.load, args.ckpt_step)
 
     _init_distributed(args, args.device_name)
     _set_seeds(args)
@@ -272,7 +271,6 @@ def resolve_tokenizer(args, log=print):
     if tokenizer is None:
         return data.resolve_data(args, log=log)
     if not args.mock_data:
-        from mindspeed.data.indexed_reader import check_dataset
         for prefix in data.indexed_prefixes(args):
             check_dataset(prefix)
         for prefix in data.dataset_prefixes(args.data_path):
@@ -291,11 +289,15 @@ def resume(args, trainer, logger) -> tuple[int, int]:
         logger.print(args.load_note)
     if not args.load:
         return 0, 0
-    iteration, consumed = checkpointing.load_checkpoint(args.load, trainer.model, trainer.optimizer,
+    iteration, consumed = torch_dist.load_checkpoint(args.load, trainer.model, trainer.optimizer,
                                                         trainer.scheduler, load_optim=not args.no_load_optim,
                                                         finetune=args.finetune, step=args.ckpt_step)
     logger.print(f"> loaded checkpoint {args.load} at iteration {iteration}")
     return iteration, consumed
+
+
+# the summary run() returns, in this order (tests and users read it)
+SUMMARY_KEYS = ("iteration", "final_valid_loss", "unigram_baseline", "tokens_per_s", "parameters")
 
 
 def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
@@ -314,52 +316,25 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
         logger.print(f"> unigram baseline (entropy of token frequencies): {baseline:.4f} nats/token")
 
     iteration, consumed = resume(a, trainer, logger)
-    train_iter = trainer.iterators(train_ds, consumed)
-    skipped, valid_loss, last_saved = 0, None, None
-    stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
-    steps = StepRecorder(logger, a, tokens_per_step=a.global_batch_size * a.seq_length, stop_at=stop_at,
-                         write_loss_file=torch.distributed.get_rank() == 0, device=a.device_name)
-    logger.print(f"> training from iteration {iteration} to {stop_at}")
-    if a.rampup_batch_size:
-        start_gbs, increment, ramp_samples = a.rampup_batch_size
-        logger.print(f"> global batch size ramps up from {start_gbs} by {increment} over {ramp_samples} samples "
-                     f"to {a.global_batch_size}")
-    while iteration < stop_at:
-        hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
-        num_microbatches, batch_size = step_batch(consumed)
-        start = time.perf_counter()
-        loss, grad_norm, ok = trainer.train_step(train_iter, num_microbatches, batch_size)
-        elapsed = time.perf_counter() - start
-        iteration += 1
-        hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
-        consumed += batch_size
-        skipped += 0 if ok else 1
-        steps.record(iteration, loss, elapsed, consumed=consumed,
-                     lr=lambda: trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
-                     grad_norm=grad_norm, peak_mem_mb=_peak_memory_mb, skipped=skipped, batch_size=batch_size,
-                     loss_scale=(lambda: float(trainer.optimizer.get_loss_scale())) if a.fp16 else None)
-        if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at:
-            valid_loss = trainer.evaluate(valid_ds)
-            if valid_loss is not None:
-                logger.validation(iteration, valid_loss)
-        if a.save and a.save_interval and iteration % a.save_interval == 0:
-            last_saved = checkpointing.save_checkpoint(a.save, iteration, trainer.model, trainer.optimizer,
-                                                       trainer.scheduler, consumed)
-            logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
-    hooks.fire(hooks.TRAIN_END, iteration=iteration)
-    steps.close()
-    if a.save and last_saved != checkpointing.iteration_dir(a.save, iteration):
-        checkpointing.save_checkpoint(a.save, iteration, trainer.model, trainer.optimizer, trainer.scheduler,
-                                      consumed)
-        logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
-    valid_loss = trainer.evaluate(valid_ds)
-    tokens_per_s = steps.tokens_per_s
-    if valid_loss is not None:
-        logger.validation(iteration, valid_loss, label="final validation")
-    summary = {"iteration": iteration, "final_valid_loss": valid_loss, "unigram_baseline": baseline,
-               "tokens_per_s": tokens_per_s, "parameters": n_params}
-    base = f" (unigram baseline {baseline:.4f})" if baseline is not None else ""
-    vl = f"{valid_loss:.4f}" if valid_loss is not None else "n/a"
-    logger.print(f"> done: {iteration} iterations | final validation loss {vl}{base} | "
-                 f"throughput {tokens_per_s:.0f} tokens/s")
-    return summary
+    parts = loop_parts(a, trainer, trainer.iterators(train_ds, consumed), valid_ds)
+    report = loop.RunReport(parameters=n_params, summary_keys=SUMMARY_KEYS, device=a.device_name,
+                            write_loss_file=torch.distributed.get_rank() == 0, unigram_baseline=baseline)
+    return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed), publish=state.context.publish)
+
+
+def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:
+    """This trainer's side of the shared outer loop (training/loop.py)."""
+    def step(iteration: int, consumed: int, batch_size: int) -> loop.StepResult:
+        # the micro-batch count step_batch set for this step (the loop asked batch_size first)
+        loss, grad_norm, ok = trainer.train_step(train_iter, get_num_microbatches(), batch_size)
+        return loop.StepResult(loss, grad_norm, applied=bool(ok))
+
+    def save(iteration: int, consumed: int) -> str:
+        return torch_dist.save_checkpoint(args.save, iteration, trainer.model, trainer.optimizer,
+                                             trainer.scheduler, consumed)
+
+    return loop.TrainParts(
+        step=step, evaluate=lambda: trainer.evaluate(valid_ds), save=save,
+        lr=lambda _iteration: trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
+        peak_memory_mb=_peak_memory_mb, batch_size=lambda consumed: step_batch(consumed)[1],
+        loss_scale=(lambda: float(trainer.optimizer.get_loss_scale())) if args.fp16 else None)

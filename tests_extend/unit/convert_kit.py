@@ -87,7 +87,7 @@ def trainer_args(mg_dir: str, tp: int = 1, pp: int = 1, world_size: int = 1, ext
     args = parse_args(flags + ["--load", mg_dir, "--finetune", "--mock-data", "--tokenizer-type", "NullTokenizer",
                                "--vocab-size", str(info["vocab_size"] - 1), "--seq-length", "16",
                                "--backend", "torch", "--device", "cpu", *extra], world_size=world_size)
-    from mindspeed.training.model import padded_vocab_size
+    from mindspeed.flags.trainer_flags import padded_vocab_size
     args.padded_vocab_size = padded_vocab_size(info["vocab_size"], args.make_vocab_size_divisible_by, tp)
     return args
 

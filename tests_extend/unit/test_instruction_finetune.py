@@ -59,7 +59,7 @@ def trainer_session(flags):
     from mindspeed.features import documents
     from mindspeed.training import data, pretrain
     from mindspeed.flags.trainer_flags import parse_args
-    from mindspeed.training.model import padded_vocab_size
+    from mindspeed.flags.trainer_flags import padded_vocab_size
     args = parse_args(flags + ["--backend", "torch", "--device", "cpu"], world_size=1)
     with adapted(args), world_of_one():
         tokenizer = data.resolve_data(args, log=lambda m: None)

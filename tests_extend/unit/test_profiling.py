@@ -5,28 +5,28 @@ import pytest
 import torch
 
 import mindspeed
-from mindspeed import hooks
+from mindspeed.features.base import TRAIN_END, TRAIN_STEP_BEGIN, TRAIN_STEP_END
 from mindspeed.adaptor_core import MindSpeedConfigError, plan
 
 
-def _train(steps):
+def _train(steps, publish):
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for it in range(steps):
-        hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=it)
+        publish(TRAIN_STEP_BEGIN, iteration=it)
         loss = model(torch.randn(4, 16)).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
-        hooks.fire(hooks.TRAIN_STEP_END, iteration=it)
-    hooks.fire(hooks.TRAIN_END)
+        publish(TRAIN_STEP_END, iteration=it)
+    publish(TRAIN_END)
 
 
 def test_profile_window_writes_a_trace_per_rank(tmp_path):
     state = mindspeed.adapt(["--profile", "--profile-step-start", "2", "--profile-step-end", "4",
                              "--profile-level", "level1", "--profile-save-path", str(tmp_path)])
     try:
-        _train(6)
+        _train(6, state.context.publish)
         profiler = state.context.part("profiler")
     finally:
         mindspeed.unadapt()
@@ -43,7 +43,7 @@ def test_profile_other_ranks_only_writes_nothing(tmp_path):
     state = mindspeed.adapt(["--profile", "--profile-step-start", "0", "--profile-step-end", "1",
                              "--profile-ranks", "3", "--profile-save-path", str(tmp_path)])
     try:
-        _train(2)
+        _train(2, state.context.publish)
         profiler = state.context.part("profiler")
     finally:
         mindspeed.unadapt()
@@ -65,10 +65,10 @@ def test_mindspore_profile_window_writes_mindspore_trace(tmp_path):
         dense, square = ms.nn.Dense(16, 16), ms.nn.Dense(16, 16)
         x = ms.Tensor(np.ones((4, 16), np.float32))
         for it in range(3):   # step 1 (the window) runs the second layer only: its ops are the trace's
-            hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=it)
+            state.context.publish(TRAIN_STEP_BEGIN, iteration=it)
             (square if it == 1 else dense)(x).sum().asnumpy()
-            hooks.fire(hooks.TRAIN_STEP_END, iteration=it)
-        hooks.fire(hooks.TRAIN_END)
+            state.context.publish(TRAIN_STEP_END, iteration=it)
+        state.context.publish(TRAIN_END)
         profiler = state.context.part("profiler")
     finally:
         mindspeed.unadapt()

@@ -3,15 +3,21 @@ main job (mindspeed/training/pretrain.py)."""
 from __future__ import annotations
 
 import os
-import time
 
 import mindspore as ms
 import numpy as np
 
-from mindspeed import hooks
-from mindspeed.training.logger import StepRecorder
+import mindspeed
+from mindspeed.adaptor_core import current
+from mindspeed.backends import get_backend
+from mindspeed.backends.mindspore.msadapter import describe
+from mindspeed.checkpoint import neutral
+from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, from_flags
+from mindspeed.features.context_parallel.groups import build_cp_groups
+from mindspeed.flags.trainer_flags import padded_vocab_size
+from mindspeed.training import loop
+from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.mindspore import checkpoint, data, schedule
-from mindspeed.checkpoint import neutral as neutral_format
 from mindspeed.training.mindspore.distrib_optimizer import DistributedOptimizer
 from mindspeed.training.mindspore.dropout import DropoutMasks
 from mindspeed.training.mindspore.eod import EodRules
@@ -27,18 +33,12 @@ class TrainerConfigError(ValueError):
     """A flag the mindspore trainer cannot honour; raised before any work starts."""
 
 
-def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by * tp
-    return ((vocab + multiple - 1) // multiple) * multiple
-
-
 def to_tensors(batch: dict) -> tuple:
     return ms.Tensor(batch["tokens"]), ms.Tensor(batch["labels"]), ms.Tensor(batch["loss_mask"])
 
 
 def _named_hook(name: str):
     """A part a feature provides to this trainer (ApplyContext.provide), or None."""
-    from mindspeed.adaptor_core import current
     state = current()
     return state.context.part(name) if state is not None else None
 
@@ -53,7 +53,6 @@ def _cp_hook(name: str):
 
 def enable_context_parallel(args, model, ps) -> None:
     """Shard the sequence over the CP group: the CP feature's groups, batch sharding and attention."""
-    from mindspeed.features.context_parallel.groups import build_cp_groups
     cp = build_cp_groups(args.context_parallel_algo, group=ps.cp_group, all_cp_ranks=ps.all_cp_ranks,
                          ulysses_degree=getattr(args, "ulysses_degree_in_cp", None),
                          window_size=getattr(args, "cp_window_size", 1) or 1,
@@ -240,8 +239,6 @@ class Trainer:
 def setup(args):
     """Gate the requested features (support matrix), create the backend and the process groups,
     fix up sizes; no data, no model yet."""
-    import mindspeed
-    from mindspeed.backends import get_backend
     args.backend = "mindspore"
     mindspeed.adapt(args)        # the support matrix (the one gate) refuses what this trainer cannot run
     backend = get_backend()
@@ -266,13 +263,11 @@ def run(args) -> dict:
     os.umask(0o027)
     backend, ps = setup(args)
     rank = backend.comm.rank()
-    from mindspeed.training.logger import TrainingLogger
     logger = TrainingLogger(args, is_writer=rank == 0)
     try:
         return _train(args, backend, ps, logger)
     finally:
         logger.close()
-        import mindspeed
         mindspeed.unadapt()
 
 
@@ -292,15 +287,40 @@ def resume(args, trainer, logger) -> tuple[int, int]:
         trainer.skipped_iterations = int(meta.get("skipped_iterations", 0))
     if trainer.scaler is not None and not (args.no_load_optim or args.finetune):
         trainer.scaler.load_state_dict(meta.get("grad_scaler", {}))    # Megatron keeps it with the optimizer
-    logger.print(f"> loaded checkpoint {neutral_format.resolve(args.load, args.ckpt_step)} at iteration {iteration}")
+    logger.print(f"> loaded checkpoint {neutral.resolve(args.load, args.ckpt_step)} at iteration {iteration}")
     return iteration, consumed
 
 
+# the summary run() returns, in this order (tests and users read it)
+SUMMARY_KEYS = ("iteration", "final_valid_loss", "tokens_per_s", "parameters", "losses", "step_time_s")
+
+
 def _train(args, backend, ps, logger) -> dict:
-    from mindspeed.backends.mindspore.msadapter import describe
     a = args
-    from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, from_flags
-    flag_tokenizer = from_flags(a)        # GPT2BPETokenizer / NullTokenizer: the flags give the vocabulary
+    vocab, train, valid, eod_rules = _data(a, logger)
+    a.vocab_size = vocab
+    a.padded_vocab_size = padded_vocab_size(vocab, a.make_vocab_size_divisible_by, ps.tp_size)
+    state = current()
+    cfg = GPTConfig.from_args(a, a.padded_vocab_size, [f.id for f in state.plan.features] if state else ())
+    trainer = Trainer(a, backend, ps, cfg)
+    n_params = sum(int(np.prod(p.shape)) for p in trainer.model.parameters())
+    _print_setup(a, logger, backend, ps, cfg, trainer, n_params)
+    logger.print(f"> data {a.data_path or 'default'}: vocab {vocab} (padded {a.padded_vocab_size}), "
+                 f"train {train.num_samples} samples of {a.seq_length + 1} tokens")
+
+    iteration, consumed = resume(a, trainer, logger)
+    parts = loop_parts(a, backend, ps, trainer, (train, valid, eod_rules))
+    report = loop.RunReport(parameters=n_params, summary_keys=SUMMARY_KEYS, device=backend.device.name,
+                            write_loss_file=rank_is_zero(backend))
+    return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed, trainer.skipped_iterations),
+                      publish=state.context.publish if state else loop.no_subscribers)
+
+
+def _data(args, logger):
+    """(vocab size, train stream, validation stream or None, EOD rules): the flags' tokenizer
+    (GPT2BPETokenizer / NullTokenizer) gives the vocabulary where one is named."""
+    a = args
+    flag_tokenizer = from_flags(a)
     if flag_tokenizer is not None:
         for prefix in ([] if a.mock_data else a.data_path or []):
             check_dataset_tokenizer(prefix, flag_tokenizer)
@@ -308,78 +328,52 @@ def _train(args, backend, ps, logger) -> dict:
     vocab, train, valid = data.build_streams(a, log=logger.print)
     eod_rules = EodRules.from_args(a, data.eod_id(a, flag_tokenizer)
                                    if a.eod_mask_loss or a.reset_position_ids or a.reset_attention_mask else None)
-    a.vocab_size = vocab
-    a.padded_vocab_size = padded_vocab_size(vocab, a.make_vocab_size_divisible_by, ps.tp_size)
-    from mindspeed.adaptor_core import current
-    state = current()
-    cfg = GPTConfig.from_args(a, a.padded_vocab_size, [f.id for f in state.plan.features] if state else ())
-    trainer = Trainer(a, backend, ps, cfg)
-    n_params = sum(int(np.prod(p.shape)) for p in trainer.model.parameters())
-    logger.print(f"> MindSpeed backend mindspore on {backend.device.name} (MindSpore {ms.__version__}, "
-                 f"{'graph (traced forward)' if trainer.graph_mode else 'PyNative'}); {describe()}")
-    logger.print(f"> world {ps.tp_size * ps.cp_size * ps.dp_size * ps.pp_size} = TP {ps.tp_size} x CP {ps.cp_size} "
-                 f"x DP {ps.dp_size} x PP {ps.pp_size}"
-                 f"{f' (MoE: {cfg.num_experts} experts, top-{cfg.moe_router_topk}, EP {ps.ep_size})' if cfg.num_experts else ''}"
-                 f"{' (sequence parallel)' if ps.sequence_parallel else ''}; micro-batches per step "
-                 f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
+    return vocab, train, valid, eod_rules
+
+
+def _print_setup(args, logger, backend, ps, cfg, trainer, n_params) -> None:
+    a, say = args, logger.print
+    say(f"> MindSpeed backend mindspore on {backend.device.name} (MindSpore {ms.__version__}, "
+        f"{'graph (traced forward)' if trainer.graph_mode else 'PyNative'}); {describe()}")
+    say(f"> world {ps.tp_size * ps.cp_size * ps.dp_size * ps.pp_size} = TP {ps.tp_size} x CP {ps.cp_size} "
+        f"x DP {ps.dp_size} x PP {ps.pp_size}"
+        f"{f' (MoE: {cfg.num_experts} experts, top-{cfg.moe_router_topk}, EP {ps.ep_size})' if cfg.num_experts else ''}"
+        f"{' (sequence parallel)' if ps.sequence_parallel else ''}; micro-batches per step "
+        f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
     if trainer.distributed_optimizer:
-        logger.print(f"> distributed optimizer: rank 0 keeps {trainer.optimizer.state_elements()} optimizer state "
-                     f"values for its {n_params} parameters (a 1/{ps.dp_size} slice)")
-    logger.print(f"> data {a.data_path or 'default'}: vocab {vocab} (padded {a.padded_vocab_size}), "
-                 f"train {train.num_samples} samples of {a.seq_length + 1} tokens")
+        say(f"> distributed optimizer: rank 0 keeps {trainer.optimizer.state_elements()} optimizer state "
+            f"values for its {n_params} parameters (a 1/{ps.dp_size} slice)")
 
-    iteration, consumed = resume(a, trainer, logger)
 
-    eval_batches = lambda: [mb for k in range(a.eval_iters) for mb in data.micro_batches_for_step(
-        valid, k * a.global_batch_size, a, ps.dp_rank, ps.dp_size, eod_rules)] if valid is not None else None
+def loop_parts(args, backend, ps, trainer: Trainer, streams: tuple) -> loop.TrainParts:
+    """This trainer's side of the shared outer loop (training/loop.py); streams: (train,
+    validation or None, EOD rules)."""
+    a, (train, valid, eod_rules) = args, streams
 
-    valid_loss, last_saved = None, None
-    stop_at = min(a.train_iters, a.exit_interval) if a.exit_interval else a.train_iters
-    steps = StepRecorder(logger, a, tokens_per_step=a.global_batch_size * a.seq_length, stop_at=stop_at,
-                         write_loss_file=rank_is_zero(backend), device=backend.device.name)
-    logger.print(f"> training from iteration {iteration} to {stop_at}")
-    save_meta = lambda: {"consumed_samples": consumed, "backend": "mindspore", "tp": ps.tp_size,
-                         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-                         "skipped_iterations": trainer.skipped_iterations,
-                         **({"grad_scaler": trainer.scaler.state_dict()} if trainer.scaler else {})}
-    while iteration < stop_at:
-        hooks.fire(hooks.TRAIN_STEP_BEGIN, iteration=iteration + 1)
-        start = time.perf_counter()
+    def step(iteration: int, consumed: int, _batch_size: int) -> loop.StepResult:
         batches = data.micro_batches_for_step(train, consumed, a, ps.dp_rank, ps.dp_size, eod_rules)
-        loss, grad_norm, _lr = trainer.train_step(batches, iteration + 1)
-        elapsed = time.perf_counter() - start
-        iteration += 1
-        consumed += a.global_batch_size
-        hooks.fire(hooks.TRAIN_STEP_END, iteration=iteration)
-        # the lr after the step, as Megatron (and the torch trainer) logs it
-        steps.record(iteration, loss, elapsed, consumed=consumed,
-                     lr=lambda it=iteration: trainer.lr_at(it - trainer.skipped_iterations),
-                     grad_norm=grad_norm, skipped=trainer.skipped_iterations,
-                     loss_scale=(lambda: trainer.loss_scale) if trainer.scaler else None,
-                     peak_mem_mb=lambda: backend.memory.peak_memory_bytes() / 2**20)
-        if a.eval_interval and iteration % a.eval_interval == 0 and iteration != stop_at and valid is not None:
-            valid_loss = trainer.evaluate(eval_batches())
-            if valid_loss is not None:
-                logger.validation(iteration, valid_loss)
-        if a.save and a.save_interval and iteration % a.save_interval == 0:
-            checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, save_meta())
-            last_saved = iteration
-            logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
-    hooks.fire(hooks.TRAIN_END, iteration=iteration)
-    steps.close()
-    if a.save and last_saved != iteration:
-        checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, save_meta())
-        logger.print(f"> saved checkpoint at iteration {iteration} to {a.save}")
-    if valid is not None:
-        valid_loss = trainer.evaluate(eval_batches())
-        if valid_loss is not None:
-            logger.validation(iteration, valid_loss, label="final validation")
-    tokens_per_s = steps.tokens_per_s
-    vl = f"{valid_loss:.4f}" if valid_loss is not None else "n/a"
-    logger.print(f"> done: {iteration} iterations | final validation loss {vl} | throughput {tokens_per_s:.0f} tokens/s")
-    return {"iteration": iteration, "final_valid_loss": valid_loss, "tokens_per_s": tokens_per_s,
-            "parameters": n_params, "losses": steps.losses,
-            "step_time_s": steps.step_time_s}
+        loss, grad_norm, _lr = trainer.train_step(batches, iteration)
+        return loop.StepResult(loss, grad_norm, applied=not trainer.last_step_skipped)
+
+    def evaluate() -> float | None:
+        if valid is None:
+            return None
+        return trainer.evaluate([mb for k in range(a.eval_iters) for mb in data.micro_batches_for_step(
+            valid, k * a.global_batch_size, a, ps.dp_rank, ps.dp_size, eod_rules)])
+
+    def save(iteration: int, consumed: int) -> None:
+        meta = {"consumed_samples": consumed, "backend": "mindspore", "tp": ps.tp_size,
+                "num_layers": trainer.cfg.num_layers, "hidden_size": trainer.cfg.hidden_size,
+                "skipped_iterations": trainer.skipped_iterations,
+                **({"grad_scaler": trainer.scaler.state_dict()} if trainer.scaler else {})}
+        checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, meta)
+
+    return loop.TrainParts(
+        step=step, evaluate=evaluate, save=save,
+        lr=lambda iteration: trainer.lr_at(iteration - trainer.skipped_iterations),
+        peak_memory_mb=lambda: backend.memory.peak_memory_bytes() / 2**20,
+        batch_size=lambda _consumed: a.global_batch_size,   # fixed: the support matrix refuses a ramp-up
+        loss_scale=(lambda: trainer.loss_scale) if trainer.scaler else None)
 
 
 def rank_is_zero(backend) -> bool:

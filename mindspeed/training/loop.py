@@ -1,0 +1,159 @@
+"""The outer training loop, written once for both trainers (torch: training/pretrain.py,
+MindSpore: training/mindspore/trainer.py).
+
+As torchtitan's train.py with its TrainSpec: each framework hands the loop its parts (TrainParts:
+run one global batch, evaluate, save, and the readers the step log needs), and the loop owns the
+rest: counting iterations from the resumed one to the exit rule, consumed samples, the step log
+(StepRecorder), the loop events the features subscribed to, the eval and save schedules, the final save and validation, and the
+"> done:" line and summary. Plain Python: no framework is imported here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mindspeed.features.base import TRAIN_END, TRAIN_STEP_BEGIN, TRAIN_STEP_END
+from mindspeed.training.logger import StepRecorder, TrainingLogger
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step over a global batch, as the framework saw it."""
+    loss: float                 # mean token loss over every rank's micro-batches
+    grad_norm: float | None     # None where there is none (a skipped fp16 step)
+    applied: bool = True        # False: the update was skipped (fp16 overflow); the log counts these
+
+
+@dataclass(frozen=True)
+class TrainParts:
+    """A framework's side of the loop. Iterations are 1-based: step `iteration` ends at it."""
+    step: Callable[[int, int, int], StepResult]  # (iteration, consumed samples before it, its batch size)
+    evaluate: Callable[[], float | None]         # validation loss; None: no validation data, --eval-iters 0
+    save: Callable[[int, int], object]           # (iteration, consumed samples): a checkpoint under --save
+    lr: Callable[[int], float]                   # the lr after step `iteration` (the one Megatron logs)
+    peak_memory_mb: Callable[[], float]
+    batch_size: Callable[[int], int]             # global batch of the step starting at consumed samples
+    loss_scale: Callable[[], float] | None = None  # fp16's; None: no loss-scale column
+    # the readers (lr, peak_memory_mb, loss_scale) are called only on iterations that log
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What the run's log and summary show beyond the loop's own counts."""
+    parameters: int                  # on rank 0
+    summary_keys: tuple[str, ...]    # the trainer's summary, in its order (tests and users read it)
+    device: str                      # MFU's peak FLOP/s is this device's
+    write_loss_file: bool            # --log-loss-file: one writer (rank 0)
+    unigram_baseline: float | None = None   # shown in the done line when measured
+
+
+@dataclass
+class Progress:
+    """Where training stands: zeros for a fresh run, else the loaded checkpoint's counts."""
+    iteration: int = 0
+    consumed: int = 0
+    skipped: int = 0     # steps whose update was skipped
+
+
+def stop_iteration(args) -> int:
+    """The iteration training ends at: --train-iters, or --exit-interval when it comes first."""
+    return min(args.train_iters, args.exit_interval) if args.exit_interval else args.train_iters
+
+
+def should_stop(progress: Progress, stop_at: int) -> bool:
+    """The exit rule, asked before every step: the one place a further exit condition
+    (a wall-clock limit, a signal) would join."""
+    return progress.iteration >= stop_at
+
+
+def eval_due(args, iteration: int, stop_at: int) -> bool:
+    """Every --eval-interval iterations, except the last one: the final validation follows it."""
+    return bool(args.eval_interval) and iteration % args.eval_interval == 0 and iteration != stop_at
+
+
+def save_due(args, iteration: int) -> bool:
+    return bool(args.save and args.save_interval) and iteration % args.save_interval == 0
+
+
+def no_subscribers(event: str, **info) -> None:
+    pass
+
+
+def train(args, logger: TrainingLogger, parts: TrainParts, report: RunReport, start: Progress,
+          publish: Callable[..., None] = no_subscribers) -> dict:
+    """Steps from `start` until the exit rule stops them, then the final save (unless the last
+    iteration's interval save has it) and validation; returns the trainer's summary. `publish`
+    tells the features' subscribers the loop events (ApplyContext.publish of the applied plan)."""
+    stop_at = stop_iteration(args)
+    steps = StepRecorder(logger, args, tokens_per_step=args.global_batch_size * args.seq_length, stop_at=stop_at,
+                         write_loss_file=report.write_loss_file, device=report.device)
+    _announce(args, logger, start.iteration, stop_at)
+    progress = dataclasses.replace(start)
+    last_saved = None
+    while not should_stop(progress, stop_at):
+        _step(parts, steps, progress, publish)
+        if eval_due(args, progress.iteration, stop_at):
+            _validate(logger, parts, progress.iteration)
+        if save_due(args, progress.iteration):
+            _save(args, logger, parts, progress)
+            last_saved = progress.iteration
+    publish(TRAIN_END, iteration=progress.iteration)
+    steps.close()
+    if args.save and last_saved != progress.iteration:
+        _save(args, logger, parts, progress)
+    valid_loss = _validate(logger, parts, progress.iteration, label="final validation")
+    return _finish(logger, report, progress.iteration, valid_loss, steps)
+
+
+def _announce(args, logger: TrainingLogger, iteration: int, stop_at: int) -> None:
+    logger.print(f"> training from iteration {iteration} to {stop_at}")
+    if args.rampup_batch_size:      # torch only: the support matrix refuses it on MindSpore
+        start_gbs, increment, ramp_samples = args.rampup_batch_size
+        logger.print(f"> global batch size ramps up from {start_gbs} by {increment} over {ramp_samples} samples "
+                     f"to {args.global_batch_size}")
+
+
+def _step(parts: TrainParts, steps: StepRecorder, progress: Progress, publish: Callable[..., None]) -> None:
+    """One global batch: the events around it, its time (the batch size is decided outside it, the
+    data is read inside), the counts, the step log."""
+    publish(TRAIN_STEP_BEGIN, iteration=progress.iteration + 1)
+    batch_size = parts.batch_size(progress.consumed)
+    start = time.perf_counter()
+    result = parts.step(progress.iteration + 1, progress.consumed, batch_size)
+    elapsed = time.perf_counter() - start
+    progress.iteration += 1
+    publish(TRAIN_STEP_END, iteration=progress.iteration)
+    progress.consumed += batch_size
+    progress.skipped += 0 if result.applied else 1
+    iteration = progress.iteration
+    steps.record(iteration, result.loss, elapsed, consumed=progress.consumed, lr=lambda: parts.lr(iteration),
+                 grad_norm=result.grad_norm, peak_mem_mb=parts.peak_memory_mb, skipped=progress.skipped,
+                 batch_size=batch_size, loss_scale=parts.loss_scale)
+
+
+def _validate(logger: TrainingLogger, parts: TrainParts, iteration: int, label: str = "validation") -> float | None:
+    loss = parts.evaluate()
+    if loss is not None:
+        logger.validation(iteration, loss, label=label)
+    return loss
+
+
+def _save(args, logger: TrainingLogger, parts: TrainParts, progress: Progress) -> None:
+    parts.save(progress.iteration, progress.consumed)
+    logger.print(f"> saved checkpoint at iteration {progress.iteration} to {args.save}")
+
+
+def _finish(logger: TrainingLogger, report: RunReport, iteration: int, valid_loss: float | None,
+            steps: StepRecorder) -> dict:
+    """The "> done:" line and the trainer's summary: its keys, in its order."""
+    baseline = report.unigram_baseline
+    vl = f"{valid_loss:.4f}" if valid_loss is not None else "n/a"
+    base = f" (unigram baseline {baseline:.4f})" if baseline is not None else ""
+    logger.print(f"> done: {iteration} iterations | final validation loss {vl}{base} | "
+                 f"throughput {steps.tokens_per_s:.0f} tokens/s")
+    known = {"iteration": iteration, "final_valid_loss": valid_loss, "unigram_baseline": baseline,
+             "tokens_per_s": steps.tokens_per_s, "parameters": report.parameters,
+             "losses": steps.losses, "step_time_s": steps.step_time_s}
+    return {key: known[key] for key in report.summary_keys}
