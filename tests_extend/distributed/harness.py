@@ -56,6 +56,8 @@ def _worker(rank, world_size, port, fn, args, env, queue):
         queue.put((rank, status, traceback.format_exc()))
         return
     try:
+        from mindspeed.backends import set_backend
+        set_backend("torch", "cpu")      # what a torch job on CPU adapts to; a body that adapts replaces it
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # report everything, including assertion failures
