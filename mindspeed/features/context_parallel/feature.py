@@ -9,8 +9,7 @@ import os
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
-from mindspeed.features.context_parallel import sharding
-from mindspeed.features.context_parallel.attention import context_parallel_attention
+from mindspeed.features.context_parallel import attention, sharding
 from mindspeed.features.context_parallel.groups import ALGOS, MASK_TYPES, check_options
 from mindspeed.features.context_parallel.ulysses import kv_repeats
 from mindspeed.features.registry import register
@@ -84,7 +83,7 @@ class _ContextParallel(Feature):
         ctx.patcher.replace(f"{sharding.__name__}._state", sharding.options_state(self.algo, u, provider),
                             reason=f"batch sharding for {self.algo}")
         ctx.provide("shard_batch", sharding.get_batch_on_this_cp_rank)
-        ctx.provide("context_parallel_attention", context_parallel_attention)
+        ctx.provide("context_parallel_attention", attention.context_parallel_attention)   # read at apply
 
 
 @register
