@@ -9,6 +9,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+import uuid
 
 from tests_extend.distributed.harness import free_port
 
@@ -58,7 +60,9 @@ def run_msrun(script: str, args: list, out_dir: str, *, workers: int = 2, timeou
 def _run_msrun(script: str, args: list, out_dir: str, workers: int, timeout: float) -> list:
     bindir = os.path.dirname(sys.executable)
     # PYTHONFAULTHANDLER: a worker that dies of a signal inside MindSpore prints its Python stack to its log
+    launch = uuid.uuid4().hex       # in every process of this launch's environment: found and ended after it
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), GLOG_v="3", PYTHONFAULTHANDLER="1",
+               MINDSPEED_MSRUN_LAUNCH=launch,
                PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
     log_dir = os.path.join(out_dir, "msrun_logs")
     cmd = [os.path.join(bindir, "msrun"), f"--worker_num={workers}", f"--local_worker_num={workers}",
@@ -74,7 +78,7 @@ def _run_msrun(script: str, args: list, out_dir: str, workers: int, timeout: flo
         raise MsrunError(f"msrun {os.path.basename(script)} timed out after {timeout}s\n"
                          + "\n".join(_tail(p) for p in sorted(glob.glob(os.path.join(log_dir, "worker_*.log")))))
     if proc.returncode != 0:
-        _end_leftover_workers(proc.pid)
+        _end_leftover_workers(proc.pid, launch)
     results = []
     for rank in range(workers):
         path = os.path.join(out_dir, f"rank{rank}.json")
@@ -89,13 +93,38 @@ def _run_msrun(script: str, args: list, out_dir: str, workers: int, timeout: flo
     return results
 
 
-def _end_leftover_workers(group: int) -> None:
+def _end_leftover_workers(group: int, launch: str) -> None:
     """msrun can exit after a worker died while another worker of that launch is still starting;
-    that one would write its result into the next launch's folder. End the launch's whole group."""
+    that one would write its result into the next launch's folder. End the launch's whole group,
+    and every process carrying the launch's mark (msrun's workers may sit in groups of their own),
+    until none is left."""
     try:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    mark = f"MINDSPEED_MSRUN_LAUNCH={launch}".encode()
+    for _ in range(100):
+        left = [pid for pid in _pids() if mark in _environ(pid)]
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != os.getpid()]
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:       # gone, or not ours
+        return b""
 
 
 def write_result(out_dir: str, rank: int, result) -> None:
