@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import os
 
-from mindspeed.errors import ArgumentError
-
-
 # Megatron's --tokenizer-type values; the trainers implement the first four (data/flag_tokenizers.py)
 TOKENIZER_TYPES = ["CharLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer",
                    "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",

@@ -45,7 +45,8 @@ from mindspeed.adaptor_core import MindSpeedConfigError, plan
 from mindspeed.flags.mindspeed_flags import mindspeed_parser, trainer_parser
 from mindspeed.features.registry import all_features
 from mindspeed.flags.trainer_flags import CHECKPOINT_TRACKER, build_parser, parse_args
-from mindspeed.flags.checks import ArgumentError, is_number
+from mindspeed.errors import ArgumentError
+from mindspeed.flags.checks import is_number
 
 BACKENDS = ("torch", "mindspore")
 EXAMPLES = 500    # derandomized: the same command lines every run (CI time: ~20 s per 500)

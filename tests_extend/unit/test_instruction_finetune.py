@@ -56,7 +56,6 @@ def trainer_session(flags):
     `loss_of(batch)` runs the trainer's forward step -> (loss sum, kept-token count)."""
     from mindspeed.convert.megatron_write import adapted, world_of_one
     from mindspeed.adaptor_core import packed_documents
-    from mindspeed.features import documents
     from mindspeed.training import data, pretrain
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.flags.trainer_flags import padded_vocab_size

@@ -197,7 +197,7 @@ def test_the_whole_gpt3_script_with_transformer_engine_is_refused_before_any_wor
 
 def test_uneven_first_and_last_pipeline_stages():
     from mindspeed.flags.trainer_flags import parse_args
-    from mindspeed.flags.checks import ArgumentError
+    from mindspeed.errors import ArgumentError
     base = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
     args = parse_args(base + ["--decoder-first-pipeline-num-layers", "1"], world_size=2)
     assert args.decoder_first_pipeline_num_layers == 1
