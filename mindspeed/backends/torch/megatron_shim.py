@@ -176,6 +176,21 @@ def _wrap_all_to_all(original):
     return all_to_all
 
 
+def _wrap_p2p_ops(original):
+    """Megatron frees a pipeline stage's output right after posting its send (deallocate_output_tensor
+    swaps the tensor's storage). On CUDA the caching allocator holds that memory until the send's
+    stream is done; gloo reads the buffer from its own thread after isend returns, so it sent memory
+    already reused: run-to-run different losses under the interleaved schedule, NaN under load.
+    Each send gets a copy of its own, which only the pending send holds."""
+
+    def p2p_ops(*, tensor_send_prev, tensor_send_next, **kwargs):
+        def own(tensor):
+            return None if tensor is None else tensor.clone()
+        return original(tensor_send_prev=own(tensor_send_prev), tensor_send_next=own(tensor_send_next), **kwargs)
+
+    return p2p_ops
+
+
 def _wrap_tensor_type(original):
     """Megatron's optimizers and grad clipping check `t.type() == 'torch.cuda.FloatTensor'`:
     report cpu tensors under the cuda type name (conversions with a dtype argument are untouched)."""
@@ -226,6 +241,9 @@ def apply_cpu_shim(patcher) -> None:
                  reason="allow torch norms under sequence parallelism (no Apex/TE)")
     patcher.wrap("megatron.core.tensor_parallel.mappings.all_to_all", _wrap_all_to_all,
                  reason="gloo all_to_all needs list split sizes", aliases="megatron")
+    # the overlapped (interleaved-schedule) sends; the batched ones are waited on before Megatron frees
+    patcher.wrap("megatron.core.pipeline_parallel.p2p_communication._p2p_ops", _wrap_p2p_ops,
+                 reason="gloo reads a send buffer after isend returns: each send owns its buffer")
     patcher.wrap("torch.Tensor.type", _wrap_tensor_type,
                  reason="Megatron optimizers check tensor.type() == 'torch.cuda.FloatTensor'")
     _define_missing_te_names(patcher)
