@@ -116,15 +116,15 @@ def _announce(args, logger: TrainingLogger, iteration: int, stop_at: int) -> Non
 
 
 def _step(parts: TrainParts, steps: StepRecorder, progress: Progress, publish: Callable[..., None]) -> None:
-    """One global batch: the events around it, its time (the batch size is decided outside it, the
-    data is read inside), the counts, the step log."""
+    """One global batch: the events around it, its time (the events, the batch size and the data
+    read included), the counts, the step log."""
+    start = time.perf_counter()     # the subscribers' work counts in the step's time
     publish(TRAIN_STEP_BEGIN, iteration=progress.iteration + 1)
     batch_size = parts.batch_size(progress.consumed)
-    start = time.perf_counter()
     result = parts.step(progress.iteration + 1, progress.consumed, batch_size)
-    elapsed = time.perf_counter() - start
     progress.iteration += 1
     publish(TRAIN_STEP_END, iteration=progress.iteration)
+    elapsed = time.perf_counter() - start
     progress.consumed += batch_size
     progress.skipped += 0 if result.applied else 1
     iteration = progress.iteration
