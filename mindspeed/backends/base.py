@@ -209,6 +209,11 @@ class KernelsAPI(ABC):
         """In place main_grad += dy^T @ x in fp32; returns main_grad."""
 
     @abstractmethod
+    def grouped_matmul_add_fp32(self, x, dy, group_list, main_grad, group_list_type: int = 0):
+        """In place main_grad (G*K*N values, read as [G, K, N]) [g] += x_g^T @ dy_g in fp32, with
+        x [M, K] and dy [M, N] rows split into groups as gmm's; returns main_grad."""
+
+    @abstractmethod
     def moe_permute(self, tokens, routing_map):
         """-> (permuted_tokens, sorted_indices); routing_map [T, E] bool, expert-major order."""
 
@@ -218,9 +223,11 @@ class KernelsAPI(ABC):
 
 
 KERNEL_NAMES = ("rms_norm", "swiglu", "rope", "attention", "ring_attention_update", "gmm",
-                "matmul_add_fp32", "moe_permute", "moe_unpermute", "dropout_add_layer_norm")
+                "matmul_add_fp32", "grouped_matmul_add_fp32", "moe_permute", "moe_unpermute",
+                "dropout_add_layer_norm")
 
 #: capability -> the kernels that must all have a fast path for the capability to be native
+#: (grouped_matmul_add_fp32 has none: the gmm weight-gradient fusion, served by the reference everywhere)
 KERNEL_CAPS = {
     Cap.RMS_NORM: ("rms_norm",),
     Cap.SWIGLU: ("swiglu",),

@@ -2,10 +2,20 @@
 active backend's kernels: npu ops on Ascend, fast CPU paths, or the reference implementation.
 
     from mindspeed.ops import rms_norm, swiglu, fusion_attention
+
+Upstream MindSpeed's op modules live beside it with upstream's signatures (docs/kernels.md lists
+them), e.g. `from mindspeed.ops.gmm import npu_gmm`.
 """
 from __future__ import annotations
 
 from mindspeed.backends import backend_for
+# Upstream's op modules named like a flat op below, loaded before the defs: loading a submodule binds
+# it to the package attribute of its name, so a first import after the defs would shadow the flat op.
+import mindspeed.ops.npu_moe_token_permute  # noqa: E402,F401
+import mindspeed.ops.npu_moe_token_unpermute  # noqa: E402,F401
+import mindspeed.ops.npu_ring_attention_update  # noqa: E402,F401
+from mindspeed.ops.gmm import grouped_gemm
+from mindspeed.ops.npu_rotary_position_embedding import npu_rotary_position_embedding
 
 __all__ = ["rms_norm", "swiglu", "npu_rotary_position_embedding", "fusion_attention", "npu_fusion_attention",
            "npu_gmm", "npu_matmul_add_fp32", "npu_moe_token_permute", "npu_moe_token_unpermute",
@@ -25,11 +35,6 @@ def rms_norm(x, gamma, epsilon: float = 1e-6):
 def swiglu(x, dim: int = -1):
     """silu(first half of x along dim) * second half."""
     return _kernels(x).swiglu(x, dim)
-
-
-def npu_rotary_position_embedding(x, cos, sin, mode: int = 0):
-    """Rotary embedding: mode 0 rotate-half, 1 interleaved; the first cos.shape[-1] channels rotate."""
-    return _kernels(x).rope(x, cos, sin, mode)
 
 
 def fusion_attention(query, key, value, head_num: int, input_layout: str, *, pse=None, atten_mask=None,
@@ -59,25 +64,7 @@ npu_fusion_attention = fusion_attention
 def npu_gmm(x, weight, *, bias=None, group_list=None, group_type: int = 0, group_list_type: int = 0):
     """Grouped matmul: x [M, K] rows sorted by group, weight [G, K, N]; group_list cumulative
     ends (group_list_type 0) or sizes (1). Only group_type 0 (split M) is supported."""
-    if group_type != 0:
-        raise ValueError(f"npu_gmm: only group_type 0 (groups along M) is supported, got {group_type}")
-    if group_list is None:
-        raise ValueError("npu_gmm: group_list is required")
-    out = _kernels(x).gmm(x, weight, group_list, group_list_type)
-    if bias is not None:
-        sizes = get_sizes(group_list, group_list_type)
-        out = out + bias.repeat_interleave(_as_tensor(sizes, out.device), dim=0, output_size=out.shape[0])
-    return out
-
-
-def get_sizes(group_list, group_list_type: int) -> list[int]:
-    values = [int(v) for v in (group_list.tolist() if hasattr(group_list, "tolist") else group_list)]
-    return values if group_list_type == 1 else [e - s for s, e in zip([0] + values[:-1], values)]
-
-
-def _as_tensor(values, device):
-    import torch
-    return torch.tensor(values, device=device)
+    return grouped_gemm("npu_gmm", x, weight, bias, group_list, group_type, group_list_type)
 
 
 def npu_matmul_add_fp32(total_input, grad_output, main_grad):

@@ -248,6 +248,30 @@ def matmul_add_fp32(x, dy, main_grad):
     return main_grad
 
 
+def grouped_matmul_add_fp32(x, dy, group_list, main_grad, group_list_type: int = 0):
+    """In place main_grad (read as [G, K, N]) [g] += x_g^T @ dy_g in fp32; returns main_grad."""
+    if main_grad.dtype != ms.float32:
+        raise ValueError(f"grouped_matmul_add_fp32: main_grad must be float32, got {main_grad.dtype}")
+    if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0]:
+        raise ValueError(f"grouped_matmul_add_fp32: expected x [M, K] and dy [M, N], got {tuple(x.shape)} "
+                         f"and {tuple(dy.shape)}")
+    num_groups, k, n = len(group_list), x.shape[1], dy.shape[1]
+    if main_grad.size != num_groups * k * n:
+        raise ValueError(f"grouped_matmul_add_fp32: main_grad {tuple(main_grad.shape)} does not hold "
+                         f"[{num_groups}, {k}, {n}] (groups, K, N)")
+    sizes = group_sizes(group_list, group_list_type, num_groups, x.shape[0])
+    parts, start = [], 0
+    for size in sizes:
+        if size:   # MindSpore CPU kernels reject empty operands: an empty group adds zeros
+            parts.append(ops.matmul(x[start:start + size].astype(ms.float32).T, dy[start:start + size].astype(ms.float32)))
+        else:
+            parts.append(ops.zeros((k, n), ms.float32))
+        start += size
+    # MindSpore slices are copies: one assign of the whole buffer keeps the update in place
+    main_grad.assign_value(main_grad + ops.stack(parts).reshape(main_grad.shape))
+    return main_grad
+
+
 # -- MoE token permutation ------------------------------------------------------------------------
 def moe_permute(tokens, routing_map):
     """-> (permuted [P, H] expert-major, token order within an expert; sorted_indices [P])."""

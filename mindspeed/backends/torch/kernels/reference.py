@@ -210,6 +210,28 @@ def matmul_add_fp32(x, dy, main_grad):
     return main_grad
 
 
+def grouped_matmul_add_fp32(x, dy, group_list, main_grad, group_list_type: int = 0):
+    """In place main_grad (read as [G, K, N]) [g] += x_g^T @ dy_g in fp32: the weight gradient of gmm
+    accumulated into Megatron's fp32 main_grad. x [M, K], dy [M, N] rows grouped as gmm's (rows past
+    the last group add nothing); G = len(group_list). Returns main_grad."""
+    if main_grad.dtype != torch.float32:
+        raise ValueError(f"grouped_matmul_add_fp32: main_grad must be float32, got {main_grad.dtype}")
+    if x.dim() != 2 or dy.dim() != 2 or x.shape[0] != dy.shape[0]:
+        raise ValueError(f"grouped_matmul_add_fp32: expected x [M, K] and dy [M, N], got {tuple(x.shape)} "
+                         f"and {tuple(dy.shape)}")
+    num_groups = len(group_list)
+    if main_grad.numel() != num_groups * x.shape[1] * dy.shape[1]:
+        raise ValueError(f"grouped_matmul_add_fp32: main_grad {tuple(main_grad.shape)} does not hold "
+                         f"[{num_groups}, {x.shape[1]}, {dy.shape[1]}] (groups, K, N)")
+    sizes = group_sizes(group_list, group_list_type, num_groups, x.shape[0])
+    per_group = main_grad.view(num_groups, x.shape[1], dy.shape[1])      # a view: the adds land in main_grad
+    start = 0
+    for g, size in enumerate(sizes):
+        per_group[g].addmm_(x[start:start + size].t().float(), dy[start:start + size].float())
+        start += size
+    return main_grad
+
+
 # -- MoE token permutation ------------------------------------------------------------------------
 def moe_permute(tokens, routing_map):
     """tokens [T, H], routing_map [T, E] bool -> (permuted [P, H] expert-major, token order within
