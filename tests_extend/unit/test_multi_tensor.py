@@ -7,7 +7,7 @@ import torch
 from megatron.core import utils as megatron_utils
 from megatron.core.optimizer import clip_grads, optimizer as megatron_optimizer
 
-from mindspeed.backends.torch.cuda_to_cpu import apply_cuda_to_cpu
+from mindspeed.backends.torch.megatron_shim import CudaToCpuMode
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor, foreach_l2_norm, foreach_scale
 from mindspeed.patching import PatchManager
 
@@ -22,12 +22,8 @@ def _grads(dtype, seed=0):
 def test_l2_norm_equals_megatrons_fallback(dtype):
     grads = _grads(dtype)
     ours, _ = foreach_l2_norm(2048 * 32, None, [grads], False)
-    shim = PatchManager()
-    apply_cuda_to_cpu(shim)       # Megatron's fallback puts its result on device "cuda"
-    try:
+    with CudaToCpuMode():     # Megatron's fallback puts its result on device "cuda"
         theirs, _ = megatron_utils.local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
-    finally:
-        shim.remove_all()
     assert ours.dtype == torch.float32 and ours.shape == (1,)
     assert torch.equal(ours, theirs.cpu())
 

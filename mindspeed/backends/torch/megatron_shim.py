@@ -11,8 +11,8 @@ import copy
 import logging
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from mindspeed.backends.torch.cuda_to_cpu import apply_cuda_to_cpu
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
 
@@ -89,6 +89,32 @@ def _set_rng_state(new_state, device=-1, *args, **kwargs):
 
 def _memory_stat(*args, **kwargs):
     return 0
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites device='cuda' (and Tensor.cuda()) to cpu inside Megatron-Core's calls; drops
+    pin_memory requests (CPU-only torch has no pinned allocator)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False   # no pinned allocator without an accelerator
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
 
 
 class _CpuRNGTrackerMixin:
@@ -224,7 +250,8 @@ def apply_cpu_shim(patcher) -> None:
     _define_missing_te_names(patcher)
     _skip_empty_fp8_quantize(patcher)
     apply_foreach_multi_tensor(patcher)
-    apply_cuda_to_cpu(patcher)
+    patcher.enter("torch.overrides.TorchFunctionMode[CudaToCpuMode]", CudaToCpuMode(),
+                  reason="device='cuda' / .cuda() -> cpu")
 
 
 def _define_missing_te_names(patcher) -> None:
