@@ -22,7 +22,7 @@ def main(out_dir, mode):
         raise ValueError("a Python error in the worker")
     if rank == 1 and launches == 1:
         faulthandler._sigsegv()
-    write_result(out_dir, rank, {"launch": launches})
+    write_result(out_dir, rank, {"launch": launches, "mark": os.environ.get("MINDSPEED_MSRUN_LAUNCH")})
 
 
 if __name__ == "__main__":
