@@ -8,9 +8,9 @@ arithmetic (the same norms, the same products), so training is unchanged bit for
 """
 from __future__ import annotations
 
-import importlib
-
 import torch
+
+from mindspeed.patching import resolve
 
 # (module, attribute) pairs that bind Megatron's fallbacks when Apex / TE are absent
 _L2_NORM_SITES = ("megatron.core.optimizer.clip_grads.l2_norm_impl",)
@@ -50,5 +50,5 @@ def apply_foreach_multi_tensor(patcher) -> None:
 
 
 def _current(site: str):
-    module, _, attr = site.rpartition(".")
-    return getattr(importlib.import_module(module), attr, None)
+    owner, attr = resolve(site)
+    return getattr(owner, attr, None)
