@@ -14,7 +14,6 @@ import pytest
 from tests_extend.unit import data_kit as kit
 
 pytest.importorskip("transformers")
-pytest.importorskip("yaml")
 
 # the guide's YAML (its section 3.3.3), keys and values as it writes them; the paths are substituted
 GUIDE_YAML = """\
