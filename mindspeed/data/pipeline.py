@@ -117,8 +117,10 @@ def _dtypes(handler, tokenizer) -> dict:
     return {k: np.int32 if handler.instruction else token_dtype(tokenizer.vocab_size) for k in handler.keys}
 
 
-def _write(cfg, handler, tokenizer, items, prefixes: dict, workers: int, progress: Progress) -> dict:
-    """Encode `items` ((origin, record) pairs) and write the datasets at `prefixes`."""
+def _write(cfg, handler, tokenizer, items, prefixes: dict, workers: int, progress: Progress,
+           part: bool = False) -> dict:
+    """Encode `items` ((origin, record) pairs) and write the datasets at `prefixes` (`part`: one of
+    --n-subs, which may end up empty)."""
     group = DatasetGroup(prefixes, _dtypes(handler, tokenizer), tokenizer.vocab_size, checked=handler.token_keys)
     dropped = skipped = 0
     try:
@@ -142,7 +144,7 @@ def _write(cfg, handler, tokenizer, items, prefixes: dict, workers: int, progres
                 if not sample:
                     continue
             group.add(sample)
-        group.commit()
+        group.commit(allow_empty=part)
     except BaseException:
         group.abort()
         raise
@@ -157,14 +159,15 @@ def _write_subsets(cfg, handler, tokenizer, files, prefixes: dict, log) -> dict:
 
     def job(i):
         progress = Progress(log, cfg.log_interval, f"[part {i + 1}/{n}] ", int(bounds[i + 1] - bounds[i]))
-        return _write(cfg, handler, tokenizer, records[bounds[i]:bounds[i + 1]], parts[i], 1, progress)
+        return _write(cfg, handler, tokenizer, records[bounds[i]:bounds[i + 1]], parts[i], 1, progress, part=True)
 
     try:
         results = list(ordered_map(job, range(n), min(cfg.workers, n), chunksize=1))
         group = DatasetGroup(prefixes, _dtypes(handler, tokenizer))
         try:
-            for part in parts:
-                group.append(part)
+            for part, result in zip(parts, results):
+                if result["documents"]:          # Megatron's reader cannot map an empty part
+                    group.append(part)
             group.commit()
         except BaseException:
             group.abort()

@@ -5,6 +5,7 @@ qwen_r1 template, --dataset-additional-keys; YAML files refused in one line."""
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import io
 import os
 
@@ -129,6 +130,13 @@ def test_r1_history_system_seq_length_and_null_answers(tok_dir, tok, tmp_path):
     last = tok.encode(R1_PROMPT.format(question="what is red"))        # an empty system: the default one
     assert _read(prefix, "input_ids") == [first, last]
     assert _read(prefix, "labels") == [tok.encode("hello"), tok.encode("red is a colour")]
+    # --n-subs 3: the null answer's part is empty; the joined files are the same
+    rc, out, err = _main(*base, "--output-prefix", prefix + "subs", "--workers", "2", "--n-subs", "3")
+    assert rc == 0, err
+    for key in ("input_ids", "attention_mask", "labels"):
+        for ext in (".bin", ".idx"):
+            assert filecmp.cmp(f"{prefix}_packed_{key}_document{ext}", f"{prefix}subs_packed_{key}_document{ext}",
+                               shallow=False)
     # seq_length: a record is kept only while each of its arrays is shorter (MindSpeed-RL's rule)
     assert len(first) > len(last)
     rc, out, err = _main(*base, "--output-prefix", prefix + "cut", "--seq-length", str(len(first)))
