@@ -63,14 +63,14 @@ GUIDE_MG_TO_HF = {
        --save-dir /home/ma-user/work/models/Qwen/Qwen2.5-7B \
        --model-type-hf llama2 --params-dtype bf16""",
 }
-# the guide's models, tiny: (where, tied embeddings, heads, key/value heads, the target TP)
+# the guide's models, tiny: (its path prefix, name, tied embeddings, heads, key/value heads, the target TP)
 MODELS = {"0.5b": ("/root/llm_dataset/models", "Qwen2.5-0.5B", True, 4, 2, 2),
           "7b": ("/home/ma-user/work/models", "Qwen2.5-7B", False, 8, 4, 4)}
 
 
 def guide_argv(command: str, root) -> list[str]:
     """The converter's arguments of a guide command, as a shell splits it, its paths under `root`."""
-    for prefix, _, *_ in MODELS.values():
+    for prefix, *_ in MODELS.values():
         command = command.replace(prefix, str(root) + prefix)
     words = shlex.split(command.replace("\\\n", " "), comments=True)
     assert words[:2] == ["python", "convert_ckpt.py"], words
@@ -172,7 +172,7 @@ def test_guide_mg_to_hf_writes_mg2hg_and_leaves_the_model_alone(guide, model, tm
 def _variant(root, model: str, tmp_path, **config) -> list[str]:
     """The guide's hf->mg command for a copy of `model` whose config.json has `config` changed."""
     copy = tmp_path / "models" / "Qwen" / MODELS[model][1]
-    shutil.copytree(hf_dir(root, model), copy)
+    shutil.copytree(hf_dir(root, model), copy, ignore=shutil.ignore_patterns("mg2hg"))
     data = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**data, **config}))
     argv = guide_argv(GUIDE_HF_TO_MG[model], root)
@@ -249,7 +249,7 @@ def test_mg_to_hf_refuses_a_tied_config_for_an_untied_checkpoint(guide, tmp_path
     """The 7B checkpoint has its own output layer: a config that ties the embeddings would drop it."""
     root = guide[0]
     copy = tmp_path / "Qwen2.5-7B"
-    shutil.copytree(hf_dir(root, "7b"), copy)
+    shutil.copytree(hf_dir(root, "7b"), copy, ignore=shutil.ignore_patterns("mg2hg"))
     data = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**data, "tie_word_embeddings": True}))
     argv = guide_argv(GUIDE_MG_TO_HF["7b"], root)
