@@ -26,6 +26,7 @@ class ModelSource:
     args: object        # the trainer's argument namespace for this launch
     origin: str         # "torch", "mindspore" (the trainer that wrote it) or "convert"
     vocab_size: int     # the model's real vocabulary (rows beyond it are padding)
+    run_args: dict      # the run's own values (run_flags.json), empty for a conversion
 
 
 def read_source(load_dir: str, world_size: int) -> ModelSource:
@@ -49,7 +50,7 @@ def read_source(load_dir: str, world_size: int) -> ModelSource:
         raise InferenceError(f"the model flags of {load_dir} hold no vocabulary size")
     _set_layout(args, world_size, load_dir)
     args.load = load_dir
-    return ModelSource(args=args, origin=origin, vocab_size=int(vocab))
+    return ModelSource(args=args, origin=origin, vocab_size=int(vocab), run_args=dict(body["args"]) if body else {})
 
 
 def _from_run(body: dict, load_dir: str):
@@ -59,11 +60,9 @@ def _from_run(body: dict, load_dir: str):
     except ArgumentError as err:
         raise InferenceError(f"cannot rebuild the flags of {load_dir}: {err}") from None
     for key, value in saved.items():
-        if hasattr(args, key):
-            setattr(args, key, value)
+        setattr(args, key, value)
     args.backend = "torch"          # the model is rebuilt on Megatron-Core whichever trainer wrote it
-    if not saved.get("padded_vocab_size"):
-        args.padded_vocab_size = None
+    args.padded_vocab_size = saved.get("padded_vocab_size")
     return args
 
 
