@@ -95,8 +95,9 @@ class InstructionHandler:
 
     def _optional(self, origin, record, name, kind):
         column = self.columns.get(name)
-        # a role mapped to "" is not used (MindSpeed-LLM's configs write "query": "")
-        if not column or (column not in record and name not in self.explicit):
+        # a role mapped to "" is not used (MindSpeed-LLM's configs write "query": ""); a null value is
+        # a record without it (a parquet column holds null where a record has no system prompt)
+        if not column or (column not in record and name not in self.explicit) or record.get(column, 0) is None:
             return None
         return _field(origin, record, column, f"--map-keys {name}", kind)
 
