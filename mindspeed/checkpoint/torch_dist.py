@@ -150,7 +150,12 @@ def check_iteration(directory: str) -> str | None:
     except (OSError, ValueError) as err:
         return f"{path} is unreadable ({_describe(err)})"
     path = os.path.join(directory, COMMON_FILE)
-XX
+    try:
+        load_common(path)
+    except UnsafeCommonState as err:
+        return str(err)
+    except Exception as err:   # a damaged zip or pickle surfaces as several exception types
+        return f"{path} is unreadable ({_describe(err)})"
     path = os.path.join(directory, INDEX_FILE)
     try:
         index = read_index(directory)
