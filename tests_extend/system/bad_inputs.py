@@ -22,9 +22,16 @@ MODEL = ("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
          "--train-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1",
          "--split", "80,10,10")
+# what the torch trainer prints on every run once it builds the model (Megatron-Core's and torch's
+# deprecation warnings, Megatron's rerun state machine): before a checkpoint's refusal too
+MODEL_BUILD_NOISE = (r".*UserWarning: full scope is deprecated.*", r".*FutureWarning: Please use DTensor instead.*",
+                     r".*FutureWarning: `load_state_dict` is deprecated.*",
+                     r"  (warnings\.warn\(|return func\(\*args, \*\*kwargs\)|checkpoint\.load_state_dict\()",
+                     r"Implicit initialization of Rerun State Machine!",
+                     r"RerunStateMachine initialized in mode RerunMode\.DISABLED")
 BIGGER = tuple("64" if prev == "--hidden-size" else a for prev, a in zip(("",) + MODEL, MODEL))
 ENTRY_COMMANDS = {"trainer": "pretrain_gpt.py", "mindspore": "pretrain_gpt.py --backend mindspore",
-                  "data": "python -m mindspeed.data", "convert": "python -m mindspeed.convert"}
+                  "data": "python -m mindspeed.data", "convert": "python convert_ckpt.py"}
 
 
 @dataclass(frozen=True)
@@ -35,12 +42,13 @@ class Case:
     argv: tuple
     inputs: tuple           # files and folders that must be left as they were
     message: str            # the one stderr line
+    noise: tuple = ()       # other stderr lines the run prints before it (regexes): Megatron's, on every run
 
 
-def trainer(name, bad_input, data="good", extra=(), inputs=None, message="", model=MODEL):
+def trainer(name, bad_input, data="good", extra=(), inputs=None, message="", model=MODEL, noise=()):
     return Case(name, "trainer", bad_input, (*model, "--data-path", f"{{ws}}/{data}", *extra),
                 tuple(inputs or (f"{{ws}}/{data}.bin", f"{{ws}}/{data}.idx", f"{{ws}}/{data}.tokenizer.json")),
-                message)
+                message, noise)
 
 
 def hf_to_mg(name, bad_input, model_dir, message):
@@ -51,23 +59,31 @@ def hf_to_mg(name, bad_input, model_dir, message):
 
 CASES = [
     trainer("truncated-bin", "`.bin` shorter than its `.idx` says", "trunc_bin",
-            message="error: dataset '{ws}/trunc_bin.bin' has 2000 bytes but its index describes …"),
+            message="error: dataset '{ws}/trunc_bin.bin' has 2000 bytes but its index describes 12602 (uint16 tokens): "
+                    "the files are truncated or do not belong together; rebuild them"),
     trainer("truncated-idx", "`.idx` cut short", "trunc_idx",
-            message="error: dataset index '{ws}/trunc_idx.idx' is truncated: …; rebuild the dataset"),
+            message="error: dataset index '{ws}/trunc_idx.idx' is truncated: it is 40 bytes, its header describes 642; "
+                    "rebuild the dataset"),
     trainer("corrupt-idx", "`.idx` that is not a Megatron index (bad header)", "corrupt_idx",
             message="error: dataset index '{ws}/corrupt_idx.idx' is corrupt or not a Megatron index (bad header)"),
     trainer("idx-other-dtype", "`.idx` of another token dtype (int32) next to a uint16 `.bin`", "dtype_idx",
-            message="error: dataset '{ws}/dtype_idx.bin' has … bytes but its index describes … (int32 tokens): …"),
+            message="error: dataset '{ws}/dtype_idx.bin' has 12602 bytes but its index describes 25204 (int32 tokens): "
+                    "the files are truncated or do not belong together; rebuild them"),
     trainer("tokenizer-not-json", "the dataset's `.tokenizer.json` does not parse", "bad_tok",
-            message="error: tokenizer file '{ws}/bad_tok.tokenizer.json' is unreadable or corrupt: …"),
+            message="error: tokenizer file '{ws}/bad_tok.tokenizer.json' is unreadable or corrupt: Expecting value: "
+                    "line 1 column 42 (char 41)"),
     trainer("split-without-documents", "a dataset too small for `--split` (one document)", "one_doc",
             message="error: dataset '{ws}/one_doc' has 1 document(s): its valid split (--split 80,10,10) gets none; "
                     "add documents or change --split"),
     trainer("load-neither-format", "`--load` folder holding neither trainer's checkpoint", extra=("--load", "{ws}/plain"),
-            inputs=("{ws}/plain",), message="error: --load path '{ws}/plain' holds …"),
+            inputs=("{ws}/plain",), message="error: --load path '{ws}/plain' holds no latest_checkpointed_iteration.txt: "
+                                       "not a checkpoint directory written by --save"),
     trainer("load-other-model-size", "a checkpoint of another model size (hidden 32, model hidden 64)",
             extra=("--load", "{ws}/ckpt"), inputs=("{ws}/ckpt",), model=BIGGER,
-            message="error: checkpoint {ws}/ckpt/iter_0000002 does not fit this model: …"),
+            message="error: cannot load checkpoint {ws}/ckpt/iter_0000002: CheckpointingException: Global shape "
+                    "mismatch for loaded (torch.Size([2, 32])) and expected ((2, 64)) tensor for key "
+                    "decoder.layers.self_attention.linear_qkv.layer_norm_weight (rank 0)",
+            noise=MODEL_BUILD_NOISE),
     trainer("common-pt-foreign-global", "`common.pt` that names a function (a pickle that would run code)",
             extra=("--load", "{ws}/evil"), inputs=("{ws}/evil",),
             message="error: checkpoint iteration 2 in {ws}/evil cannot be read: {ws}/evil/iter_0000002/common.pt "
@@ -75,17 +91,18 @@ CASES = [
                     "code); no readable checkpoint is left in {ws}/evil (nothing was changed)"),
     Case("jsonl-not-json", "data", "a JSONL line that is not JSON",
          ("--input", "{ws}/broken.jsonl", "--output-prefix", "{ws}/out/broken"), ("{ws}/broken.jsonl",),
-         "error: {ws}/broken.jsonl:2: not valid JSON (…)"),
+         "error: {ws}/broken.jsonl:2: not valid JSON (Expecting value)"),
     Case("empty-corpus", "data", "an empty corpus (an empty text file)",
          ("--input", "{ws}/empty.txt", "--output-prefix", "{ws}/out/empty"), ("{ws}/empty.txt",),
          "error: no documents for '{ws}/out/empty': every input record was empty or dropped"),
     hf_to_mg("truncated-safetensors", "a truncated `model.safetensors`", "hf_truncated",
-             "python -m mindspeed.convert: error: {ws}/hf_truncated/model.safetensors is not a readable safetensors "
-             "file (…)"),
+             "convert_ckpt.py: error: {ws}/hf_truncated/model.safetensors is not a readable safetensors file (Error "
+             "while deserializing header: incomplete metadata, file not fully covered)"),
     hf_to_mg("config-other-shape", "a `config.json` whose sizes do not match the weights", "hf_config_shape",
-             "python -m mindspeed.convert: error: …config.json implies …"),
+             "convert_ckpt.py: error: model.layers.0.mlp.gate_proj.weight has shape (96, 64), config.json implies "
+             "(192, 64)"),
     hf_to_mg("config-not-object", "a `config.json` that is a JSON list", "hf_config_list",
-             "python -m mindspeed.convert: error: {ws}/hf_config_list/config.json is not a Hugging Face config "
+             "convert_ckpt.py: error: {ws}/hf_config_list/config.json is not a Hugging Face config "
              "(not a JSON object)"),
 ]
 

@@ -36,7 +36,7 @@ def _trainer_main():
 
 
 def entry_points() -> dict:
-    from mindspeed.convert.cli import main as convert_main
+    from mindspeed.convert.cli import main as convert_main   # convert_ckpt.py's main
     from mindspeed.data.__main__ import main as data_main
     import mindspeed.data.pipeline  # noqa: F401  imported by the data CLI once it runs
     return {"trainer": _trainer_main(), "data": data_main, "convert": convert_main}
