@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -177,8 +178,13 @@ def flag_fragment(draw, spec: Spec) -> Fragment:
     return Fragment((spec.name, value), (spec.name,), clean)
 
 
+@functools.lru_cache(maxsize=None)
+def _fragment_of(spec: Spec):
+    return flag_fragment(spec)      # one strategy per flag, not a new one per draw
+
+
 def _from(specs):
-    return st.sampled_from(specs).flatmap(flag_fragment)
+    return st.sampled_from(specs).flatmap(_fragment_of)
 
 
 @st.composite
@@ -251,11 +257,13 @@ def unknown_fragment(draw) -> Fragment:
 _JUNK = st.sampled_from(["--", "-", "", "x", "-1", "3", "-x", "--=1"]).map(lambda t: Fragment((t,), (), False))
 
 
+_PARTS = st.sampled_from([_from(CATALOGUE_FLAGS)] * 5 + [_from(TRAINER_FLAGS)] * 4 + [_from(CORE_FLAGS)]
+                         + [parallel_fragment()] * 2 + [path_fragment()] * 2 + [unknown_fragment()] + [_JUNK])
+
+
 @st.composite
 def command_line(draw):
-    parts = [_from(CATALOGUE_FLAGS)] * 5 + [_from(TRAINER_FLAGS)] * 4 + [_from(CORE_FLAGS)] \
-        + [parallel_fragment()] * 2 + [path_fragment()] * 2 + [unknown_fragment()] + [_JUNK]
-    fragments = draw(st.lists(st.sampled_from(parts).flatmap(lambda s: s), max_size=6))
+    fragments = draw(st.lists(_PARTS.flatmap(lambda s: s), max_size=6))
     world = draw(st.integers(1, 8))
     backend = draw(st.sampled_from(BACKENDS))
     backend_first = draw(st.booleans())
