@@ -33,7 +33,7 @@ def load_common(path: str) -> dict:
         with torch.serialization.safe_globals(COMMON_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        # torch's text runs to paragraphs and suggests weights_only=False: only the global is kept
+        # torch's text runs to paragraphs and suggests turning the weights-only load off: only the global is kept
         found = _GLOBAL.search(str(err)) if "GLOBAL" in str(err) else None
         if found is None:
             raise
