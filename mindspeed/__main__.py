@@ -6,6 +6,7 @@ the built-in trainers' defaults).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from mindspeed import support_matrix
@@ -15,8 +16,10 @@ from mindspeed.plotting import main as plot_main
 from mindspeed.readme import update_docs
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+@functools.lru_cache(maxsize=1)
+def command_parser() -> argparse.ArgumentParser:
+    """The subcommands' parser: built once (argparse looks up its message catalogue for every
+    parser it makes, a file-system search each time), then only parsed with."""
     parser = argparse.ArgumentParser(prog="python -m mindspeed")
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("matrix", help="print the support matrix")
@@ -27,7 +30,12 @@ def main(argv=None) -> int:
                    help="rewrite the generated sections of docs/support-matrix.md and docs/flags.md in place")
     sub.add_parser("check", help="validate MindSpeed flags against the support matrix", add_help=False)
     sub.add_parser("plot", help="plot loss and throughput of training logs / TensorBoard dirs", add_help=False)
-    ns, rest = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns, rest = command_parser().parse_known_args(argv)
     if ns.command == "matrix":
         print(support_matrix.to_json() if ns.json else support_matrix.to_markdown())
         return 0

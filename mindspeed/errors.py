@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 
 class ArgumentError(ValueError):
@@ -66,3 +67,10 @@ def report(message: str, prefix: str = "error: ", stream=None) -> None:
     stream = sys.stderr if stream is None else stream
     stream.write(f"{prefix}{message}\n")
     stream.flush()
+
+
+def hide_fallback_warnings() -> None:
+    """Megatron-Core warns on import, once per module, that Apex or Transformer Engine is not
+    installed and it falls back to torch's own code: noise on every run of a CPU job, and lines
+    before an entry point's one-line refusal. Hidden for the rest of the process."""
+    warnings.filterwarnings("ignore", message=r"(Transformer Engine|Apex)[\w ]* not installed", category=UserWarning)

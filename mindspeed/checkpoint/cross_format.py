@@ -114,7 +114,7 @@ class _NeutralSource:
 
     def fill(self, sh):
         """Copy this rank's part of the whole array into the ShardedTensor's tensor; return the tensor."""
-        import torch
+        import torch  # noqa: F401  (installed? the readers below import it)
         if getattr(sh, "flattened_range", None) is not None:
             raise self._refuse(sh.key)
         full = self.array(sh.key)
@@ -172,13 +172,16 @@ def neutral_from_torch_dist(directory: str, load_optimizer: bool) -> tuple[dict,
     """(model arrays, optimizer arrays or None, meta) under the neutral names, from a torch_dist
     iteration directory (already checked readable)."""
     try:
-        import torch
+        import torch  # noqa: F401  (installed? the readers below import it)
     except ImportError:
         raise CheckpointError(f"checkpoint {directory} was written by the torch trainer; reading it needs torch "
                               "(pip install torch), or convert it where torch is installed") from None
-    from mindspeed.checkpoint.megatron_read import TorchDistReader  # imports torch (checked above)
-    reader = TorchDistReader(directory)
-    common = torch.load(f"{directory}/common.pt", map_location="cpu", weights_only=False)
+    from mindspeed.checkpoint import common_state, megatron_read  # import torch, Megatron-Core (checked above)
+    reader = megatron_read.TorchDistReader(directory)
+    try:
+        common = common_state.load_common(f"{directory}/common.pt")
+    except common_state.UnsafeCommonState as err:
+        raise CheckpointError(str(err)) from None
 
     def read(prefix: str) -> dict:
         out = {}

@@ -1,5 +1,6 @@
 """Checkpoints through megatron.core.dist_checkpointing (torch_dist format: sharded, reshardable,
-no pickled code on load; common state is read with torch.load's default weights_only=True).
+no pickled code on load; common.pt is read with torch's weights-only unpickler and only the types
+Megatron puts there, `common_state`).
 
 Layout (Megatron's): <dir>/latest_checkpointed_iteration.txt and <dir>/iter_0000010/...
 Everything written here is files 0640 / directories 0750.
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write
 from mindspeed.checkpoint import cross_format, neutral, scan
+from mindspeed.checkpoint.common_state import UnsafeCommonState, load_common
 from mindspeed.checkpoint.scan import iteration_dir
 from mindspeed.errors import CheckpointError, one_line, resume_hint, unreadable
 from mindspeed.checkpoint.save_guard import writer_failures_reported
@@ -149,7 +151,9 @@ def check_iteration(directory: str) -> str | None:
         return f"{path} is unreadable ({_describe(err)})"
     path = os.path.join(directory, COMMON_FILE)
     try:
-        torch.load(path, map_location="cpu", weights_only=True)
+        load_common(path)
+    except UnsafeCommonState as err:
+        return str(err)
     except Exception as err:   # a damaged zip or pickle surfaces as several exception types
         return f"{path} is unreadable ({_describe(err)})"
     path = os.path.join(directory, INDEX_FILE)

@@ -17,8 +17,7 @@ from mindspeed.data.config_file import config_defaults
 from mindspeed.data.errors import DataError
 from mindspeed.data.shakespeare import ensure_dataset
 from mindspeed.data.tokenizer import TokenizerError
-from mindspeed.errors import report
-from mindspeed.errors import ArgumentError, OneLineParser
+from mindspeed.errors import ArgumentError, OneLineParser, hide_fallback_warnings, report
 
 HANDLER_ONLY = ("handler_name", "prompt_type", "map_keys", "json_keys", "seq_length", "pack", "neat_pack",
                 "overwrite_cache", "dataset_additional_keys")
@@ -157,6 +156,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    hide_fallback_warnings()
     try:
         args = parse(argv)
     except ArgumentError as err:

@@ -49,8 +49,9 @@ class IndexedTokens:
         expected = int(self.seq_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
         actual = os.path.getsize(binf)
         if actual != expected:
-            raise DataError(f"dataset {binf!r} has {actual} bytes but its index describes {expected}: "
-                            "the files are truncated or do not belong together; rebuild them")
+            raise DataError(f"dataset {binf!r} has {actual} bytes but its index describes {expected} "
+                            f"({self.dtype.name} tokens): the files are truncated or do not belong together; "
+                            "rebuild them")
         self.tokens = np.memmap(binf, self.dtype, "r") if expected else np.zeros(0, self.dtype)
 
     @property

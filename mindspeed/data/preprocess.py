@@ -79,6 +79,8 @@ def preprocess(cfg: PreprocessConfig, log=print) -> dict:
 
     def encoded():
         for text in texts:
+            if not text:
+                continue          # an empty document: an end-of-document token alone is no document
             ids = tokenizer.tokenize(text)
             yield np.append(ids, tokenizer.eod) if cfg.append_eod else ids
 

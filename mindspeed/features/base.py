@@ -6,6 +6,7 @@ MindSpore GPT on the mindspore backend) to that logic.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,8 +30,8 @@ class Flag:
             return self.kwargs["default"]
         return False if self.kwargs.get("action") == "store_true" else None
 
-    @property
-    def dest(self) -> str:
+    @functools.cached_property
+    def dest(self) -> str:              # read for every flag on every check: computed once
         return self.kwargs.get("dest") or self.name.lstrip("-").replace("-", "_")
 
 

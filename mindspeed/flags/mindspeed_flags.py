@@ -47,14 +47,32 @@ def add_mindspeed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
+_PARSERS: dict = {}
+
+
+def shared_parser(kind, build) -> argparse.ArgumentParser:
+    """`build()`, built once per kind, $MINDSPEED_DEVICE (a default) and set of registered features,
+    then shared: callers only parse with it, never change it. Building one (hundreds of
+    add_argument calls) was most of what a `check` or a parse_args cost."""
+    features = all_features()
+    key = (kind, os.environ.get("MINDSPEED_DEVICE", "auto"), tuple(id(f) for f in features))
+    if key not in _PARSERS:
+        _PARSERS[key] = (build(), features)     # the features kept alive: their ids stay theirs
+    return _PARSERS[key][0]
+
+
 def mindspeed_parser() -> argparse.ArgumentParser:
-    return add_mindspeed_args(OneLineParser(add_help=False, allow_abbrev=False))
+    return shared_parser("mindspeed", lambda: add_mindspeed_args(OneLineParser(add_help=False, allow_abbrev=False)))
 
 
 def trainer_parser(host_defaults: bool = True) -> argparse.ArgumentParser:
     """The built-in trainers' Megatron-style parser with MindSpeed's flags: every flag `check`,
     `adapt(argv)` and the trainers know. host_defaults=False: a Megatron flag not given is left
     out of the namespace (its value is the host's: e.g. a user's own model), not the trainer's."""
+    return shared_parser(("trainer", host_defaults), lambda: _build_trainer_parser(host_defaults))
+
+
+def _build_trainer_parser(host_defaults: bool) -> argparse.ArgumentParser:
     from mindspeed.flags.trainer_flags import build_parser  # cycle: trainer_flags imports this module
     parser = build_parser(prog="mindspeed")
     if not host_defaults:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from mindspeed.errors import ArgumentError, OneLineParser
 from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems
-from mindspeed.flags.mindspeed_flags import add_mindspeed_args, refuse_unknown, resolve_backend_name
+from mindspeed.flags.mindspeed_flags import add_mindspeed_args, refuse_unknown, resolve_backend_name, shared_parser
 
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"   # in both trainers' checkpoint roots
@@ -241,9 +241,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
 
 
 def _full_parser() -> argparse.ArgumentParser:
-    parser = build_parser()
-    add_mindspeed_args(parser)
-    return parser
+    return shared_parser("pretrain_gpt.py", lambda: add_mindspeed_args(build_parser()))
 
 
 def parse_args(argv: Sequence[str] | None = None, *, with_mindspeed: bool = True,

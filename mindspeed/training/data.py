@@ -94,16 +94,18 @@ def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
     )
 
 
-def check_splits_have_documents(args, sizes) -> None:
+def check_splits_have_documents(args) -> None:
     """Megatron's GPTDataset loops forever building a split with no document (its epoch count
-    never reaches the samples asked for); a blend builds every split with a weight. Refuse first."""
+    never reaches the samples asked for), and every split with a weight is built, even one asked for
+    no samples (--eval-iters 0). Refuse first."""
     prefixes = dataset_prefixes(args.data_path)
     for prefix in prefixes:
         documents = check_dataset(prefix).num_documents
-        for name, size, (start, end), weight in zip(("train", "valid", "test"), sizes,
-                                                    split_bounds(args.split, documents),
-                                                    (args.split.replace("/", ",").split(",") + ["0", "0"])[:3]):
-            wanted = float(weight) > 0 and (size > 0 or len(prefixes) > 1)   # weight 0: never built
+        for name, (start, end), weight in zip(("train", "valid", "test"), split_bounds(args.split, documents),
+                                              (args.split.replace("/", ",").split(",") + ["0", "0"])[:3]):
+            # weight 0: never built; any other weight is built, even for 0 samples (its extra token
+            # alone is one more than an empty split ever holds)
+            wanted = float(weight) > 0
             if wanted and end <= start:
                 raise DataError(f"dataset {prefix!r} has {documents} document(s): its {name} split "
                                 f"(--split {args.split}) gets none; add documents or change --split")
@@ -178,7 +180,7 @@ def build_datasets(args, tokenizer):
     if getattr(args, "is_instruction_dataset", False):
         return build_instruction_datasets(args, tokenizer, sizes)
     if not args.mock_data:
-        check_splits_have_documents(args, sizes)
+        check_splits_have_documents(args)
     cls = MockGPTDataset if args.mock_data else GPTDataset
     cfg = _dataset_config(args, tokenizer)   # no blend -> Megatron's mock mode
     try:

@@ -14,8 +14,9 @@ def main(argv=None) -> int:
         # msrun starts a scheduler on every node whose address is MASTER_ADDR: nodes sharing the
         # master's machine would start a second one (its port is taken). Node 0's coordinates.
         return 0
-    from mindspeed.errors import ArgumentError, report
+    from mindspeed.errors import ArgumentError, hide_fallback_warnings, report
     from mindspeed.flags.trainer_flags import parse_args
+    hide_fallback_warnings()
     try:
         args = parse_args(argv)
     except ArgumentError as err:

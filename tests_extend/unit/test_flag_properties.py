@@ -8,7 +8,8 @@ flags (`build_parser()._actions`), parallel sizes (TP/PP/CP/EP 1..4, world size 
 missing paths, valid and invalid values (wrong types, values outside choices, missing values,
 stray tokens), unknown flags and one-edit misspellings of known ones, and `--backend torch|mindspore`
 (drawn per example, first or last: each backend gets about half of the examples; running both per
-example would double the ~50 ms an example costs, nearly all of it argparse building the parsers).
+example would double what an example costs). The parsers are built once and shared
+(mindspeed_flags.shared_parser): building them was most of an example's time.
 For each command line:
   1. `mindspeed.__main__.main(["check", *argv])` returns 0, or 2 with exactly one non-empty line on
      stderr; it never raises or prints a traceback. Logging goes where the CLI's goes (stderr via
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -49,7 +51,7 @@ from mindspeed.errors import ArgumentError
 from mindspeed.flags.checks import is_number
 
 BACKENDS = ("torch", "mindspore")
-EXAMPLES = 500    # derandomized: the same command lines every run (CI time: ~20 s per 500)
+EXAMPLES = 1000   # derandomized: the same command lines every run
 PATH_TOKENS = ("@FILE", "@DIR", "@CKPT", "@MISSING")   # resolved per run in a temporary folder
 NEVER_DRAWN = {"-h", "--help"}   # argparse's help prints the usage and exits (SystemExit) by design
 
@@ -176,8 +178,13 @@ def flag_fragment(draw, spec: Spec) -> Fragment:
     return Fragment((spec.name, value), (spec.name,), clean)
 
 
+@functools.lru_cache(maxsize=None)
+def _fragment_of(spec: Spec):
+    return flag_fragment(spec)      # one strategy per flag, not a new one per draw
+
+
 def _from(specs):
-    return st.sampled_from(specs).flatmap(flag_fragment)
+    return st.sampled_from(specs).flatmap(_fragment_of)
 
 
 @st.composite
@@ -250,11 +257,13 @@ def unknown_fragment(draw) -> Fragment:
 _JUNK = st.sampled_from(["--", "-", "", "x", "-1", "3", "-x", "--=1"]).map(lambda t: Fragment((t,), (), False))
 
 
+_PARTS = st.sampled_from([_from(CATALOGUE_FLAGS)] * 5 + [_from(TRAINER_FLAGS)] * 4 + [_from(CORE_FLAGS)]
+                         + [parallel_fragment()] * 2 + [path_fragment()] * 2 + [unknown_fragment()] + [_JUNK])
+
+
 @st.composite
 def command_line(draw):
-    parts = [_from(CATALOGUE_FLAGS)] * 5 + [_from(TRAINER_FLAGS)] * 4 + [_from(CORE_FLAGS)] \
-        + [parallel_fragment()] * 2 + [path_fragment()] * 2 + [unknown_fragment()] + [_JUNK]
-    fragments = draw(st.lists(st.sampled_from(parts).flatmap(lambda s: s), max_size=6))
+    fragments = draw(st.lists(_PARTS.flatmap(lambda s: s), max_size=6))
     world = draw(st.integers(1, 8))
     backend = draw(st.sampled_from(BACKENDS))
     backend_first = draw(st.booleans())

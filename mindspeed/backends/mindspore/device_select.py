@@ -12,9 +12,15 @@ DEVICE_ENV = "MINDSPEED_DEVICE"
 _MS_TARGETS = {"cpu": "CPU", "ascend": "Ascend"}
 
 
+def quiet_mindspore_logs() -> None:
+    """MindSpore's logs (C++ and Python): errors only, unless the user asks (GLOG_v). Read when
+    MindSpore is first imported: else its probe for an Ascend device prints four warning lines."""
+    os.environ.setdefault("GLOG_v", "3")
+
+
 def import_mindspore():
     """mindspore, or a BackendUnavailableError that names the install command."""
-    os.environ.setdefault("GLOG_v", "3")   # MindSpore's C++ logs: errors only, unless the user asks
+    quiet_mindspore_logs()
     try:
         return importlib.import_module("mindspore")
     except ImportError as exc:
