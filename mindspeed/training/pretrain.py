@@ -313,6 +313,11 @@ def check_lora_checkpoints(args, lora) -> None:
     if args.load and "lora" in torch_dist.read_common(args.load, args.ckpt_step):
         raise CheckpointError(f"--load {args.load} holds only LoRA adapters: give it as --lora-load, and the "
                               "base model's checkpoint as --load")
+    if args.lora_load and args.save and os.path.realpath(args.lora_load) == os.path.realpath(args.save) \
+            and not os.path.isfile(os.path.join(args.lora_load, torch_dist.TRACKER)):
+        # Megatron's auto-resume idiom (--save X --lora-load X) on its first run: nothing to resume yet
+        args.load_note = f"> --lora-load {args.lora_load}: no adapters yet in this --save directory; new adapters"
+        args.lora_load = None
     if args.lora_load:
         saved = torch_dist.read_common(args.lora_load).get("lora")
         if saved is None:

@@ -107,6 +107,9 @@ def test_wrong_checkpoints_and_settings_are_refused_in_one_line(lora_run, base_m
         args.load, args.lora_load = load, lora_load
         with pytest.raises(CheckpointError, match=re.escape(message)):
             check_lora_checkpoints(args, part)
+    args.save = args.lora_load = str(tmp_path / "first_run")     # --save X --lora-load X, X still empty
+    check_lora_checkpoints(args, part)
+    assert args.lora_load is None and "no adapters yet" in args.load_note
     args.load, args.lora_load = mg, lora_dir
     part.settings = dict(part.settings, r=8)
     with pytest.raises(CheckpointError, match="holds adapters with r 4, alpha 8 on linear_fc1"):
