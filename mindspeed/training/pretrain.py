@@ -301,11 +301,17 @@ def resume(args, trainer, logger) -> tuple[int, int]:
         return resume_lora(args, trainer, logger)
     if not args.load:
         return 0, 0
-    iteration, consumed = torch_dist.load_checkpoint(args.load, trainer.model, trainer.optimizer,
-                                                        trainer.scheduler, load_optim=not args.no_load_optim,
-                                                        finetune=args.finetune, step=args.ckpt_step)
+    iteration, consumed = _load_training_state(args.load, trainer, args, step=args.ckpt_step)
     logger.print(f"> loaded checkpoint {args.load} at iteration {iteration}")
     return iteration, consumed
+
+
+def _load_training_state(root: str, trainer, args, step: int | None = None, only=None) -> tuple[int, int]:
+    """The model (the tensors `only` selects), the optimizer unless --no-load-optim / --finetune,
+    the schedule and the counters from `root`."""
+    return torch_dist.load_checkpoint(root, trainer.model, trainer.optimizer, trainer.scheduler,
+                                      load_optim=not args.no_load_optim, finetune=args.finetune, step=step,
+                                      only=only)
 
 
 def check_lora_checkpoints(args, lora) -> None:
@@ -340,9 +346,7 @@ def resume_lora(args, trainer, logger) -> tuple[int, int]:
         logger.print(f"> loaded base model {args.load} (frozen)")
     if not args.lora_load:
         return 0, 0
-    iteration, consumed = torch_dist.load_checkpoint(args.lora_load, trainer.model, trainer.optimizer,
-                                                     trainer.scheduler, load_optim=not args.no_load_optim,
-                                                     finetune=args.finetune, only=lora.is_adapter_key)
+    iteration, consumed = _load_training_state(args.lora_load, trainer, args, only=lora.is_adapter_key)
     logger.print(f"> loaded LoRA adapters {args.lora_load} at iteration {iteration}")
     return iteration, consumed
 
