@@ -139,3 +139,18 @@ def test_flags_lora_cannot_honour_are_refused(argv, message):
     with pytest.raises(MindSpeedConfigError, match="no effect without"):
         plan(["--lora-r", "8"])
     assert "lora" in [f.id for f in plan(["--lora-target-modules", "linear_qkv"]).features]
+
+
+def test_megatron_lm_scripts_refuse_lora_in_one_line():
+    """Megatron-LM's validate_args hook refuses it: its checkpointing would save the whole model."""
+    import mindspeed
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.megatron_lm import MegatronLMHooks
+    state = mindspeed.adapt(["--device", "cpu"])
+    try:
+        hooks = MegatronLMHooks(state, msadapter=False)
+        with pytest.raises(SystemExit, match=re.escape("MindSpeed: --lora-target-modules linear_qkv: LoRA runs "
+                                                       "on the built-in torch trainer")):
+            hooks._after_megatron(parse_args(["--lora-target-modules", "linear_qkv", "--mock-data"], world_size=1))
+    finally:
+        mindspeed.unadapt()
