@@ -50,11 +50,11 @@ def full_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def lora_report(rank: int, world: int, mg_dir: str, lora_dir: str, logits_file: str) -> dict:
+def lora_report(rank: int, world: int, mg_dir: str, lora_dir: str, logits_file: str, extra=()) -> dict:
     import mindspeed
     from mindspeed.features.finetune import lora_megatron
     from mindspeed.training import pretrain
-    args = trainer_args(mg_dir, world, ["--save", lora_dir])
+    args = trainer_args(mg_dir, world, ["--save", lora_dir, *extra])
     state = mindspeed.adapt(args)
     pretrain._init_distributed(args, "cpu")
     pretrain._set_seeds(args)

@@ -1,7 +1,8 @@
-"""LoRA on the torch trainer (--lora-target-modules, --lora-r, --lora-alpha, --lora-load) at TP 1 and 2
-in real gloo processes: only the adapters train, checkpoints hold only them, a resume continues
-exactly, merged weights give the unmerged model's logits, and mg->hf with --lora-load gives a
-Hugging Face model with the same logits. Refusals are checked without a process group."""
+"""LoRA on the torch trainer (--lora-target-modules, --lora-r, --lora-alpha, --lora-load) at TP 1, at
+TP 2 and at TP 2 with --sequence-parallel, in real gloo processes: only the adapters train,
+checkpoints hold only them, a resume continues exactly, merged weights give the unmerged model's
+logits, and mg->hf with --lora-load gives a Hugging Face model with the same logits. Refusals are
+checked without a process group."""
 from __future__ import annotations
 
 import contextlib
@@ -28,12 +29,14 @@ def base_model(tmp_path_factory):
     return hf, mg
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=[(1, ()), (2, ()), (2, ("--sequence-parallel",))],
+                ids=["tp1", "tp2", "tp2-sp"])
 def lora_run(request, base_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"lora_tp{request.param}")
+    world, extra = request.param
+    root = tmp_path_factory.mktemp(f"lora_tp{world}")
     lora_dir, logits_file = str(root / "lora"), str(root / "logits.pt")
-    reports = run_distributed(lora_workers.lora_report, world_size=request.param,
-                              args=(base_model[1], lora_dir, logits_file), timeout=600, daemon=False)
+    reports = run_distributed(lora_workers.lora_report, world_size=world,
+                              args=(base_model[1], lora_dir, logits_file, extra), timeout=600, daemon=False)
     return {"report": reports[0], "reports": reports, "lora_dir": lora_dir, "logits": torch.load(logits_file),
             "root": root}
 
