@@ -157,3 +157,17 @@ def test_megatron_lm_scripts_refuse_lora_in_one_line():
             hooks._after_megatron(parse_args(["--lora-target-modules", "linear_qkv", "--mock-data"], world_size=1))
     finally:
         mindspeed.unadapt()
+
+
+def test_unadapt_restores_megatron_linears():
+    import mindspeed
+    from megatron.core.tensor_parallel import layers
+    names = [(cls, m) for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear)
+             for m in ("forward", "sharded_state_dict")]
+    before = [vars(cls)[m] for cls, m in names]
+    mindspeed.adapt(["--device", "cpu", "--lora-target-modules", "linear_qkv"])
+    try:
+        assert all(vars(cls)[m] is not b for (cls, m), b in zip(names, before))
+    finally:
+        mindspeed.unadapt()
+    assert all(vars(cls)[m] is b for (cls, m), b in zip(names, before))
