@@ -167,6 +167,9 @@ class MegatronLMHooks:
             p = plan(args)
         except MindSpeedConfigError as exc:
             raise SystemExit(str(exc)) from None
+        for f in p.features:
+            if f.megatron_lm_refusal:
+                self._refuse(f"{f.trigger(args)}: {f.megatron_lm_refusal}")
         data_problems = megatron_lm_data.problems(args)
         if data_problems:
             self._refuse(data_problems[0])

@@ -88,6 +88,10 @@ class TorchDistReader:
     def get_layer(self, suffix: str, layer: int) -> torch.Tensor:
         return self._assemble(LAYER_KEYS[suffix], layer)
 
+    def layer_tensor(self, key: str, layer: int) -> torch.Tensor:
+        """Layer `layer` of the layer-stacked tensor `key` (a torch_dist key)."""
+        return self._assemble(key, layer)
+
     # chunks -----------------------------------------------------------------------------------
     def _assemble(self, key: str, layer: int | None) -> torch.Tensor:
         """The global tensor `key`, or its slice [layer] for layer-stacked keys."""

@@ -289,8 +289,10 @@ def _every_param_as_float16(opt):
         opt.float16_groups, opt.fp32_from_float16_groups = saved
 
 
-def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
+def _sharded_state(chunks, optimizer, is_loading: bool, only=None) -> dict:
     state = {key: _unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
+    if only is not None:
+        state = {key: {name: value for name, value in model.items() if only(name)} for key, model in state.items()}
     if optimizer is not None:
         if is_loading:
             _init_empty_distributed_optimizer_state(optimizer)
@@ -303,17 +305,18 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
 
 
 def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, consumed_samples: int,
-                    sharded_strategy=None) -> str:
+                    sharded_strategy=None, only=None, extra: dict | None = None) -> str:
     """sharded_strategy: dist_checkpointing's (default: Megatron's torch_dist writer; the converter
-    passes its streaming one)."""
+    passes its streaming one). only(name): which of the model's tensors to save (default all; LoRA
+    saves its adapters); extra: more common state (plain values, read back by read_common)."""
     rank0 = torch.distributed.get_rank() == 0
     path = iteration_dir(root, iteration)
     if rank0:
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
     torch.distributed.barrier()
-    state = _sharded_state(chunks, optimizer, is_loading=False)
+    state = _sharded_state(chunks, optimizer, is_loading=False, only=only)
     state.update(iteration=iteration, consumed_train_samples=consumed_samples,
-                 opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
+                 opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0, **(extra or {}))
     try:
         with writer_failures_reported():
             dist_checkpointing.save(state, path, sharded_strategy=sharded_strategy)
@@ -328,13 +331,14 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool = True,
-                    finetune: bool = False, step: int | None = None) -> tuple[int, int]:
+                    finetune: bool = False, step: int | None = None, only=None) -> tuple[int, int]:
     """Load into chunks/optimizer/scheduler in place; return (iteration, consumed samples).
-    A neutral checkpoint (the MindSpore trainer's) loads too (cross_format)."""
+    A neutral checkpoint (the MindSpore trainer's) loads too (cross_format). only(name): which of
+    the model's tensors to load (default all); the others keep their values."""
     iteration = read_tracker(root, step)
     path = iteration_dir(root, iteration)
     use_optim = load_optim and not finetune
-    state = _sharded_state(chunks, optimizer if use_optim else None, is_loading=True)
+    state = _sharded_state(chunks, optimizer if use_optim else None, is_loading=True, only=only)
     if not finetune:
         state.update(iteration=0, consumed_train_samples=0, opt_param_scheduler={}, checkpoint_version=0.0)
     if is_neutral(path):
@@ -347,7 +351,7 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
     try:
         with torch.no_grad():   # main params are views of the model's parameters
             for key, chunk in zip(_model_keys(chunks), chunks):
-                _unwrap(chunk).load_state_dict(loaded[key])
+                _load_model(_unwrap(chunk), loaded[key], only)
             if use_optim:
                 with _float16_layout(optimizer):
                     optimizer.load_state_dict(loaded["optimizer"])
@@ -364,6 +368,26 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
     else:                      # a neutral checkpoint keeps no schedule: this run's, at the samples consumed
         scheduler.step(increment=consumed)
     return int(loaded["iteration"]), consumed
+
+
+def _load_model(model, loaded: dict, only) -> None:
+    """load_state_dict, strict over the tensors `only` selects (all when None)."""
+    if only is None:
+        model.load_state_dict(loaded)
+        return
+    result = model.load_state_dict(loaded, strict=False)
+    missing = [name for name in result.missing_keys if only(name)]
+    if missing or result.unexpected_keys:
+        raise KeyError(f"missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+
+def read_common(root: str, step: int | None = None) -> dict:
+    """The common (non-tensor) state of the checkpoint --load would read: iteration, counters,
+    and what save_checkpoint's `extra` added. {} for a neutral checkpoint."""
+    directory = iteration_dir(root, read_tracker(root, step))
+    if is_neutral(directory):
+        return {}
+    return torch.load(os.path.join(directory, COMMON_FILE), map_location="cpu", weights_only=True)
 
 
 def _load_failure(root: str, iteration: int, err: BaseException) -> CheckpointError:

@@ -94,6 +94,13 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p.add_argument("--hf-config", default=None,
                    help="mg->hf: the Hugging Face model directory (or config.json) that describes the "
                         "checkpoint, when it has no hf_config/ of its own")
+    p.add_argument("--lora-load", default=None, metavar="DIR",
+                   help="mg->hf: a LoRA run's adapter checkpoint (its --save) to merge into --load-dir's base "
+                        "model (weight + alpha/r * B @ A)")
+    p.add_argument("--lora-r", type=_positive, default=None, help="with --lora-load: checked against the adapters")
+    p.add_argument("--lora-alpha", type=float, default=None, help="with --lora-load: checked against the adapters")
+    p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
+                   help="with --lora-load: checked against the adapters")
     return p
 
 
@@ -111,6 +118,13 @@ def main(argv=None, prog: str = "convert_ckpt.py") -> int:
 def _run(parser: argparse.ArgumentParser, opts) -> int:
     direction = (opts.load_model_type, opts.save_model_type)
     try:
+        lora_flags = [name for name in ("lora_r", "lora_alpha", "lora_target_modules") if getattr(opts, name)]
+        if lora_flags and not opts.lora_load:
+            raise ConvertError(f"--{lora_flags[0].replace('_', '-')} describes adapters to merge: give them "
+                               "with --lora-load")
+        if direction == ("hf", "mg") and opts.lora_load:
+            raise ConvertError("--lora-load merges adapters into a Megatron checkpoint on its way to Hugging "
+                               "Face: use it with --load-model-type mg --save-model-type hf")
         if direction == ("hf", "mg"):
             from mindspeed.convert import hf_to_mg  # imports torch: usage errors come first, in one line
             hf_to_mg.convert(opts)

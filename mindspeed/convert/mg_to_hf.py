@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from mindspeed.convert import layout, sidecar
+from mindspeed.convert import layout, lora_merge, sidecar
 from mindspeed.convert.arch import Arch, arch_from_config, read_config
 from mindspeed.errors import ConvertError
 from mindspeed.convert.hf_io import HFWriter, copy_side_files
@@ -90,6 +90,7 @@ def convert(opts, log=print) -> dict:
     check_save_dir(out_dir)
     reader = open_checkpoint(opts.load_dir)
     check_checkpoint(reader, arch)
+    adapters = lora_merge.adapters_for(opts)
     dtype = HF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
     shapes = layout.hf_shapes(arch)
 
@@ -111,6 +112,8 @@ def convert(opts, log=print) -> dict:
         add("model.embed_tokens.weight", vocab_rows(reader.get("embedding.word_embeddings.weight")))
         for i in range(arch.num_layers):
             mg = {suffix: reader.get_layer(suffix, i) for suffix in LAYER_SUFFIXES if reader.has_layer(suffix)}
+            if adapters is not None:
+                adapters.fold(mg, i)
             for name, tensor in layout.mg_to_hf_layer(arch, i, mg).items():
                 add(name, tensor)
         add("model.norm.weight", reader.get("decoder.final_layernorm.weight"))
@@ -119,6 +122,7 @@ def convert(opts, log=print) -> dict:
         writer.finish()
         copy_side_files(config_dir, tmp)
     seconds = time.perf_counter() - start
-    log(f"converted {opts.load_dir} -> {out_dir} ({arch.num_layers} layers, "
+    merged = f" with the LoRA adapters of {opts.lora_load} merged" if adapters is not None else ""
+    log(f"converted {opts.load_dir}{merged} -> {out_dir} ({arch.num_layers} layers, "
         f"{writer.total / 2**20:.1f} MiB of weights) in {seconds:.1f}s")
     return {"seconds": seconds, "out_dir": out_dir}

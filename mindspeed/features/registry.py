@@ -23,6 +23,7 @@ FEATURE_MODULES = [
     "mindspeed.features.memory.recompute",
     "mindspeed.features.memory.swap_features",
     "mindspeed.features.memory.reuse_fp32_param",
+    "mindspeed.features.finetune.lora",
     "mindspeed.features.planned",
 ]
 _REGISTRY: dict[str, Feature] = {}

@@ -27,6 +27,7 @@ from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.checkpoint import torch_dist
 from mindspeed.data import flag_tokenizers
 from mindspeed.data.indexed_reader import check_dataset
+from mindspeed.errors import CheckpointError
 from mindspeed.features import documents
 from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
 from mindspeed.flags.trainer_flags import padded_vocab_size
@@ -133,8 +134,9 @@ def _reduce_loss(losses_reduced: list, device: str) -> float:
 
 
 class Trainer:
-    def __init__(self, args, logger: TrainingLogger, eod: int | None = None):
+    def __init__(self, args, logger: TrainingLogger, eod: int | None = None, lora=None):
         self.args, self.log = args, logger
+        self.lora = lora            # the LoRA feature's part: adapters on a frozen model
         self.eod = eod if packed_documents(args) else None     # packed documents: varlen attention
         self.device = args.device_name
         self.config = transformer_config(args)
@@ -147,6 +149,11 @@ class Trainer:
     def _build_model(self):
         a = self.args
         chunks = build_model_chunks(a, self.config)
+        if self.lora is not None:   # frozen before DDP and the optimizer: they hold only the adapters
+            adapters = self.lora.attach(chunks)
+            trainable = sum(p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad)
+            self.log.print(f"> LoRA: {adapters} adapters (r {self.lora.r}, alpha {self.lora.alpha:g}) on "
+                           f"{' '.join(self.lora.targets)}; trainable parameters on rank 0: {trainable}")
         for chunk in chunks:
             chunk.to(self.device)
         ddp_config = DistributedDataParallelConfig(
@@ -267,6 +274,9 @@ def run(args) -> dict:
                                                args.tensor_model_parallel_size)
     if args.load:
         torch_dist.read_tracker(args.load, args.ckpt_step)
+    lora = state.context.part("lora")
+    if lora is not None:
+        check_lora_checkpoints(args, lora)
 
     _init_distributed(args, args.device_name)
     _set_seeds(args)
@@ -306,12 +316,57 @@ def resume(args, trainer, logger) -> tuple[int, int]:
     none is loaded (--no-load-rng holds): every run seeds from --seed."""
     if getattr(args, "load_note", None):
         logger.print(args.load_note)
+    if trainer.lora is not None:
+        return resume_lora(args, trainer, logger)
     if not args.load:
         return 0, 0
-    iteration, consumed = torch_dist.load_checkpoint(args.load, trainer.model, trainer.optimizer,
-                                                        trainer.scheduler, load_optim=not args.no_load_optim,
-                                                        finetune=args.finetune, step=args.ckpt_step)
+    iteration, consumed = _load_training_state(args.load, trainer, args, step=args.ckpt_step)
     logger.print(f"> loaded checkpoint {args.load} at iteration {iteration}")
+    return iteration, consumed
+
+
+def _load_training_state(root: str, trainer, args, step: int | None = None, only=None) -> tuple[int, int]:
+    """The model (the tensors `only` selects), the optimizer unless --no-load-optim / --finetune,
+    the schedule and the counters from `root`."""
+    return torch_dist.load_checkpoint(root, trainer.model, trainer.optimizer, trainer.scheduler,
+                                      load_optim=not args.no_load_optim, finetune=args.finetune, step=step,
+                                      only=only)
+
+
+def check_lora_checkpoints(args, lora) -> None:
+    """Before any work: --load is a whole model and --lora-load holds adapters like this run's."""
+    if args.load and "lora" in torch_dist.read_common(args.load, args.ckpt_step):
+        raise CheckpointError(f"--load {args.load} holds only LoRA adapters: give it as --lora-load, and the "
+                              "base model's checkpoint as --load")
+    if args.lora_load and args.save and os.path.realpath(args.lora_load) == os.path.realpath(args.save) \
+            and not os.path.isfile(os.path.join(args.lora_load, torch_dist.TRACKER)):
+        # Megatron's auto-resume idiom (--save X --lora-load X) on its first run: nothing to resume yet
+        args.load_note = f"> --lora-load {args.lora_load}: no adapters yet in this --save directory; new adapters"
+        args.lora_load = None
+    if args.lora_load:
+        saved = torch_dist.read_common(args.lora_load).get("lora")
+        if saved is None:
+            raise CheckpointError(f"--lora-load {args.lora_load} holds no LoRA adapters (a whole model's "
+                                  "checkpoint belongs in --load)")
+        if saved != lora.settings:
+            raise CheckpointError(f"--lora-load {args.lora_load} holds adapters with r {saved['r']}, alpha "
+                                  f"{saved['alpha']:g} on {' '.join(saved['target_modules'])}; give the same "
+                                  "--lora-r, --lora-alpha and --lora-target-modules")
+
+
+def resume_lora(args, trainer, logger) -> tuple[int, int]:
+    """LoRA: the frozen base model's weights from --load (none of its optimizer state or counters),
+    then the adapters, their optimizer state and the counters from --lora-load (unless
+    --no-load-optim / --finetune)."""
+    lora = trainer.lora
+    if args.load:
+        torch_dist.load_checkpoint(args.load, trainer.model, None, trainer.scheduler, finetune=True,
+                                   step=args.ckpt_step, only=lambda name: not lora.is_adapter_key(name))
+        logger.print(f"> loaded base model {args.load} (frozen)")
+    if not args.lora_load:
+        return 0, 0
+    iteration, consumed = _load_training_state(args.lora_load, trainer, args, only=lora.is_adapter_key)
+    logger.print(f"> loaded LoRA adapters {args.lora_load} at iteration {iteration}")
     return iteration, consumed
 
 
@@ -323,7 +378,8 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     a = args
     baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
     train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer)
-    trainer = Trainer(a, logger, eod=tokenizer.eod if packed_documents(a) else None)
+    trainer = Trainer(a, logger, eod=tokenizer.eod if packed_documents(a) else None,
+                      lora=state.context.part("lora"))
     n_params = count_parameters(trainer.model)
     logger.print(f"> MindSpeed {state.plan.describe()}".replace("\n", "; "))
     logger.print(f"> world {a.world_size} = TP {a.tensor_model_parallel_size} x PP {a.pipeline_model_parallel_size}"
@@ -348,9 +404,13 @@ def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:
         loss, grad_norm, ok = trainer.train_step(train_iter, get_num_microbatches(), batch_size)
         return loop.StepResult(loss, grad_norm, applied=bool(ok))
 
+    lora = trainer.lora
+
     def save(iteration: int, consumed: int) -> str:
         return torch_dist.save_checkpoint(args.save, iteration, trainer.model, trainer.optimizer,
-                                             trainer.scheduler, consumed)
+                                          trainer.scheduler, consumed,
+                                          only=lora.is_adapter_key if lora else None,
+                                          extra={"lora": lora.settings} if lora else None)
 
     return loop.TrainParts(
         step=step, evaluate=lambda: trainer.evaluate(valid_ds), save=save,
