@@ -281,6 +281,49 @@ def saved_run(tiny_dataset, tmp_path_factory):
     return ckpt, read_losses(full)
 
 
+def test_sigterm_to_the_whole_job_saves_the_iteration_and_the_resumed_run_repeats_the_losses(
+        saved_run, tiny_dataset, tmp_path):
+    """--exit-signal-handler: SIGTERM to the launcher and every worker, as a cluster scheduler sends it.
+    Each worker finishes its step, the job saves that iteration and every process exits without a
+    traceback; resuming from it gives the uninterrupted run's losses (saved_run) bit for bit."""
+    ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               **dict(TINY, **RESUME_ENV), CKPT_DIR=str(ckpt), SHUTDOWN_TIMEOUT=str(LAUNCH_TIMEOUT))
+    log = tmp_path / "job.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen(["bash", SCRIPT, *RESUME_FLAGS, "--exit-signal-handler", "--log-loss-file", str(losses)],
+                               cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + LAUNCH_TIMEOUT
+        while not (losses.exists() and losses.read_text().count("\n") >= 2):
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        workers = _workers(job.pid)
+        os.killpg(job.pid, signal.SIGTERM)          # the launcher (torchrun forwards it too)
+        for pid in workers.values():
+            os.kill(pid, signal.SIGTERM)            # and each worker, which torchrun starts in its own session
+        job.wait(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    output = log.read_text()
+    stopped = re.search(r"> exiting at iteration (\d+): received SIGTERM", output)
+    assert stopped and job.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "Traceback" not in output and "forcefully exiting" not in output, output[-3000:]
+    assert "torchrun: stopped by SIGTERM: forwarded to the workers, which have exited" in output
+    at = int(stopped[1])
+    assert 2 <= at < 8 and (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(at)
+    assert "final validation loss at" not in output          # as Megatron: saved, then out
+
+    resumed = tmp_path / "resumed.jsonl"
+    run_example(dict(RESUME_ENV, DATA_PATH=tiny_dataset),
+                [*RESUME_FLAGS, "--load", str(ckpt), "--log-loss-file", str(resumed)])
+    before, after = read_losses(losses), read_losses(resumed)
+    assert sorted(after) == list(range(at + 1, 9))
+    assert all(before[it] == saved_run[1][it] for it in before)
+    assert all(after[it] == saved_run[1][it] for it in after), (after, saved_run[1])
+
+
 def _launch_ranks(args, world=2, timeout=120):
     """pretrain_gpt.py on `world` ranks started directly (the environment torchrun would give them,
     without torchrun's own report on top): [(exit code, stderr)] by rank. A rank that hangs fails."""
