@@ -13,6 +13,7 @@ import time
 import pytest
 
 from mindspeed.net import free_port
+from tests_extend.system.disk_full import fill, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -414,6 +415,36 @@ def test_bad_inputs_fail_before_training(tiny_dataset, tmp_path):
     empty.mkdir()
     rc, out = _pretrain_single(["--data-path", tiny_dataset, "--load", str(empty)])
     assert rc == 2 and "latest_checkpointed_iteration.txt" in out and "training from iteration" not in out
+
+
+def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tiny_dataset, tmp_path):
+    """A 16 MB tmpfs as --save: once the iteration-10 checkpoint is written the disk is filled, so the
+    final save (iteration 12) fails. The run stops with one line naming the cause, the tracker still
+    names iteration 10, and that checkpoint loads."""
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "4", "--global-batch-size", "8", "--data-path", tiny_dataset, "--eval-iters", "0"]
+    with small_tmpfs(tmp_path / "disk", 16) as disk:
+        ckpt = disk / "ckpt"
+        job = subprocess.Popen([sys.executable, PRETRAIN, *args, "--train-iters", "20", "--save", str(ckpt),
+                                "--save-interval", "10", "--exit-interval", "12"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.time() + LAUNCH_TIMEOUT
+            while not (ckpt / "latest_checkpointed_iteration.txt").exists():
+                assert job.poll() is None and time.time() < deadline, job.stdout.read()[-3000:]
+                time.sleep(0.02)
+            fill(disk)
+            output, _ = job.communicate(timeout=LAUNCH_TIMEOUT)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert job.returncode == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+        assert "iter_0000012" in errors[0] and "No space left on device" in errors[0], errors[0]
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+        os.remove(disk / "filler")
+        rc, out = _pretrain_single([*args, "--load", str(ckpt), "--train-iters", "11"])
+        assert rc == 0 and f"loaded checkpoint {ckpt} at iteration 10" in out, out[-3000:]
 
 
 def test_bad_parallel_sizes_and_load_path_are_refused(tiny_dataset, capsys, monkeypatch):
