@@ -32,6 +32,14 @@ class ConvertError(ValueError):
         super().__init__(one_line(message))
 
 
+class InferenceError(ValueError):
+    """Something the user of `python -m mindspeed.generate` / `mindspeed.evaluate` can fix (a
+    missing directory, no model flags, an unknown tokenizer, a prompt too long), in one line."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
+
+
 def one_line(text: str, limit: int = 600) -> str:
     """`text` with its line breaks folded and cut to `limit` characters (an error line, not a log)."""
     text = " ".join(str(text).split())

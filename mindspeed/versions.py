@@ -15,9 +15,10 @@ CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors=
                      "psutil==7.2.2"]
 MINDSPORE_REQUIREMENTS = [MINDSPORE, NUMPY]
 TRANSFORMERS = "transformers==5.23.0"
-# `python -m mindspeed.data` with Hugging Face tokenizers and parquet inputs: `pip install -e ".[data]"`
-# (pyarrow 17 is the last line that supports numpy<2, which mindspore needs)
-DATA_REQUIREMENTS = [TRANSFORMERS, "pyarrow==17.0.0"]
+PYYAML = "pyyaml==6.0.3"
+# `python -m mindspeed.data` with Hugging Face tokenizers, parquet inputs and --config YAML files:
+# `pip install -e ".[data]"` (pyarrow 17 is the last line that supports numpy<2, which mindspore needs)
+DATA_REQUIREMENTS = [TRANSFORMERS, "pyarrow==17.0.0", PYYAML]
 # matplotlib: `python -m mindspeed plot` (`pip install -e ".[plot]"`); the tests draw with it too
 PLOT_REQUIREMENTS = ["matplotlib==3.11.2"]
 # transformers: the conversion tests build tiny Llama/Qwen2 models and compare their logits, the data
@@ -28,7 +29,7 @@ TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", "pytest-xdist==3.
                      *PLOT_REQUIREMENTS, "import-linter==2.16"]
 # what Megatron-LM's megatron.training imports beyond megatron-core (pybind11 builds its dataset
 # helpers; einops for core_v0.12); `pip install -e ".[megatron-lm]"`
-MEGATRON_LM_REQUIREMENTS = ["regex==2026.11.15", "pyyaml==6.0.3", "pydantic==2.14.3", "pybind11==3.1.0",
+MEGATRON_LM_REQUIREMENTS = ["regex==2026.11.15", PYYAML, "pydantic==2.14.3", "pybind11==3.1.0",
                             "einops==0.8.2"]
 
 # Source checkouts auto_convert_llm.sh --fetch can add (git URL, full commit id: never a branch).

@@ -3,6 +3,8 @@ against the converter's flags; also the trainer flags that rebuild the same mode
 
 Supported: Llama 2/3/3.1 (model_type "llama") and Qwen2/2.5 ("qwen2"): RMSNorm, SwiGLU, RoPE (plain,
 or Llama 3.1's scaling), no linear biases except optional q/k/v biases, tied or untied embeddings, GQA.
+Qwen2 is the Llama layout plus q/k/v biases, so --model-type-hf llama2/llama3 convert it too (with
+--add-qkv-bias), as MindSpeed-LLM's guides for Qwen2.5 ask.
 """
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import os
 
 from mindspeed.errors import ConvertError
 
-# --model-type-hf -> the config.json model_type it must carry
-HF_MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2"}
+# --model-type-hf -> the config.json model_types it converts (all of them the Llama layout)
+HF_MODEL_TYPES = {"llama2": ("llama", "qwen2"), "llama3": ("llama", "qwen2"), "qwen2": ("qwen2",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,8 @@ def arch_from_config(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Ar
         return _arch(config, model_type_hf, add_qkv_bias)
     except KeyError as err:
         raise ConvertError(f"config.json has no {err.args[0]!r}: not a Llama-family config") from None
+    except ConvertError:
+        raise   # already says what is wrong (ConvertError is a ValueError)
     except (TypeError, ValueError) as err:
         raise ConvertError(f"config.json has a value of the wrong type ({err})") from None
 
@@ -103,9 +107,12 @@ def arch_from_config(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Ar
 def _arch(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
     want = HF_MODEL_TYPES[model_type_hf]
     got = config.get("model_type")
-    if got != want:
-        raise ConvertError(f"--model-type-hf {model_type_hf} expects config.json model_type {want!r}, "
-                           f"found {got!r}")
+    if got not in want:
+        archs = config.get("architectures")
+        named = f" ({', '.join(map(str, archs))})" if isinstance(archs, list) and archs else ""
+        layout = "is not a Llama-layout model" if got not in HF_MODEL_TYPES["llama2"] else "does not match"
+        raise ConvertError(f"config.json model_type {got!r}{named} {layout}: --model-type-hf {model_type_hf} "
+                           f"converts model_type {' or '.join(map(repr, want))}")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ConvertError(f"config.json hidden_act {act!r}: only SwiGLU (silu) MLPs convert")

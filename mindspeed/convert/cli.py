@@ -46,7 +46,9 @@ def _layer_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts") from None
+        # "11, 13, 19, 21" (as a guide writes it) reaches here as "11,": the shell split it at the spaces
+        hint = " (write it without spaces, e.g. 11,13,19,21)" if text.endswith(",") else ""
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts{hint}") from None
 
 
 def _positive(text: str) -> int:
@@ -68,7 +70,10 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p.add_argument("--load-model-type", required=True, choices=["hf", "mg"])
     p.add_argument("--save-model-type", required=True, choices=["hf", "mg"])
     p.add_argument("--load-dir", required=True)
-    p.add_argument("--save-dir", required=True, help="must not exist yet (or be empty); written atomically")
+    p.add_argument("--save-dir", required=True,
+                   help="must not exist yet (or be empty; missing parents are created); written atomically. "
+                        "mg->hf into a Hugging Face model directory (the original model, as MindSpeed-LLM's "
+                        "guides have it) writes its mg2hg/ subfolder and reads the config there")
     p.add_argument("--model-type-hf", default="llama2", choices=sorted(HF_MODEL_TYPES))
     p.add_argument("--target-tensor-parallel-size", type=_positive, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=_positive, default=1)
@@ -77,7 +82,8 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
                         "--decoder-first/last-pipeline-num-layers (the torch_dist files do not depend on it)")
     p.add_argument("--add-qkv-bias", action="store_true", help="the model has q/k/v biases (Qwen2)")
     p.add_argument("--params-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="dtype of the Megatron parameters (hf->mg); mg->hf writes config.json's dtype")
+                   help="dtype of the Megatron parameters (hf->mg; bf16 and fp16 work on CPU too); "
+                        "mg->hf writes config.json's dtype")
     p.add_argument("--neutral-copy", action="store_true",
                    help="hf->mg: also write the framework-neutral safetensors copy (fp32) that the MindSpore "
                         "trainer (--backend mindspore) loads, in the same iteration directory")

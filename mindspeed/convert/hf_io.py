@@ -70,19 +70,29 @@ class HFReader:
         return self._file(name).get_slice(name).get_dtype()
 
     def get(self, name: str) -> torch.Tensor:
+        return self.get_rows(name, 0, None)
+
+    def get_rows(self, name: str, start: int, stop: int | None) -> torch.Tensor:
+        """Rows start:stop of the tensor's first dimension (the whole tensor with 0, None): a part
+        of a large embedding without reading all of it."""
         self._file(name)          # checked by safe_open
         fname = self.where[name]
         if fname not in self._headers:
             self._headers[fname] = _read_header(os.path.join(self.dir, fname))
         data_start, header = self._headers[fname]
         entry = header[name]
-        start, end = entry["data_offsets"]
-        dtype, shape = _DTYPES.get(entry["dtype"]), entry["shape"]
+        begin, end = entry["data_offsets"]
+        dtype, shape = _DTYPES.get(entry["dtype"]), list(entry["shape"])
         if dtype is None:
             raise ConvertError(f"{name}: safetensors dtype {entry['dtype']} is not one a model's weights have")
-        buf = bytearray(end - start)
+        if (start, stop) != (0, None) and shape and shape[0]:
+            row_bytes = (end - begin) // shape[0]
+            stop = shape[0] if stop is None else min(stop, shape[0])
+            start = min(start, stop)
+            begin, end, shape[0] = begin + start * row_bytes, begin + stop * row_bytes, stop - start
+        buf = bytearray(end - begin)
         with open(os.path.join(self.dir, fname), "rb") as f:
-            f.seek(data_start + start)
+            f.seek(data_start + begin)
             if f.readinto(buf) != len(buf):
                 raise ConvertError(f"{os.path.join(self.dir, fname)} is truncated (reading {name})")
         if not buf:

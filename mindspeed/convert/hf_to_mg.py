@@ -5,6 +5,8 @@ import os
 import re
 import time
 
+import torch
+
 from mindspeed.convert import layout, megatron_write, sidecar
 from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipeline_split_flags, read_config
 from mindspeed.errors import ConvertError
@@ -25,6 +27,7 @@ def check_tensors(reader: HFReader, arch: Arch) -> None:
         raise ConvertError(f"{reader.dir} has q/k/v biases (Qwen2-style): add --add-qkv-bias")
     if arch.qkv_bias and not has_bias:
         raise ConvertError(f"--add-qkv-bias given but {reader.dir} has no q/k/v biases")
+    check_tied_embeddings(reader, arch)
     expected = layout.hf_shapes(arch)
     missing = sorted(set(expected) - names)
     if missing:
@@ -38,6 +41,27 @@ def check_tensors(reader: HFReader, arch: Arch) -> None:
         got = reader.shape(name)
         if got != shape:
             raise ConvertError(f"{name} has shape {got}, config.json implies {shape}")
+
+
+def check_tied_embeddings(reader: HFReader, arch: Arch, rows_at_once: int = 4096) -> None:
+    """config.json's tie_word_embeddings agrees with the weights: an untied model has its own
+    lm_head.weight; a tied one has none, or (as some exports write it) a copy of the embedding.
+    Compared a few thousand rows at a time: two whole embeddings need not fit in memory."""
+    names = reader.names()
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if not arch.tied_embeddings and head not in names:
+        raise ConvertError(f"config.json has tie_word_embeddings false (untied) but {reader.dir} has no {head}: "
+                           "the weights are tied; set tie_word_embeddings true if the model shares them")
+    if not arch.tied_embeddings or head not in names or embed not in names:
+        return
+    if reader.shape(head) == reader.shape(embed):
+        rows = reader.shape(head)[0]
+        if all(torch.equal(reader.get_rows(head, i, i + rows_at_once), reader.get_rows(embed, i, i + rows_at_once))
+               for i in range(0, rows, rows_at_once)):
+            return
+    raise ConvertError(f"config.json ties the embeddings (tie_word_embeddings true) but {reader.dir} has an "
+                       f"{head} that differs from {embed}: set tie_word_embeddings false if the model has "
+                       "its own output layer")
 
 
 def convert(opts, log=print) -> dict:

@@ -1,7 +1,11 @@
 """The built-in trainers' checkpoints -> Hugging Face safetensors + config.json: the torch trainer's
 torch_dist (any TP/PP it was saved at) or the MindSpore trainer's framework-neutral safetensors.
-The Hugging Face config comes from the hf_config/ folder that hf->mg left in the checkpoint, or
-from --hf-config (for a checkpoint a trainer saved elsewhere)."""
+The Hugging Face config comes from --hf-config, else from --save-dir when that holds a Hugging Face
+model, else from the hf_config/ folder that hf->mg left in the checkpoint.
+
+A --save-dir that holds a Hugging Face model (the original one, as MindSpeed-LLM's guides have it)
+receives the converted model in its mg2hg/ subfolder, as MindSpeed-LLM writes it; its own files stay
+as they are, and an mg2hg/ that is already there and not empty is refused."""
 from __future__ import annotations
 
 import os
@@ -28,6 +32,11 @@ def check_checkpoint(reader, arch: Arch) -> None:
         raise ConvertError(f"--add-qkv-bias given but checkpoint {reader.dir} has no q/k/v biases")
     if not arch.tied_embeddings and not reader.has("output_layer.weight"):
         raise ConvertError(f"config.json has untied embeddings but checkpoint {reader.dir} has no output_layer")
+    if arch.tied_embeddings and reader.has("output_layer.weight"):
+        raise ConvertError(f"checkpoint {reader.dir} has its own output_layer (trained with "
+                           "--untie-embeddings-and-output-weights) but config.json ties the embeddings "
+                           "(tie_word_embeddings true), which would drop it: give --hf-config a copy of the "
+                           "config with tie_word_embeddings false")
     h, d = arch.hidden_size, arch.head_dim
     if reader.num_layers() != arch.num_layers:
         raise ConvertError(f"checkpoint {reader.dir} has {reader.num_layers()} layers, the Hugging Face config "
@@ -45,13 +54,24 @@ def check_checkpoint(reader, arch: Arch) -> None:
         raise ConvertError(f"checkpoint embedding width {width} is not the Hugging Face config's hidden size {h}")
 
 
+MG2HG = "mg2hg"
+
+
+def hf_model_save_dir(save_dir: str) -> bool:
+    """--save-dir holds a Hugging Face model: the weights go to its mg2hg/ (MindSpeed-LLM's rule)."""
+    return os.path.isfile(os.path.join(save_dir, "config.json"))
+
+
 def _config_dir(opts) -> str:
     if opts.hf_config:
         return opts.hf_config if os.path.isdir(opts.hf_config) else os.path.dirname(opts.hf_config)
+    if hf_model_save_dir(opts.save_dir):
+        return opts.save_dir
     side = os.path.join(opts.load_dir, sidecar.HF_CONFIG_DIR)
     if not os.path.isfile(os.path.join(side, "config.json")):
         raise ConvertError(f"{opts.load_dir} has no {sidecar.HF_CONFIG_DIR}/config.json (it was not written "
-                           "by this converter): give the Hugging Face model's directory with --hf-config")
+                           "by this converter): give the Hugging Face model's directory with --hf-config, or as "
+                           "--save-dir (the weights then go to its mg2hg/)")
     return side
 
 
@@ -62,13 +82,18 @@ def convert(opts, log=print) -> dict:
     config_dir = _config_dir(opts)
     config = read_config(config_dir, "--hf-config" if opts.hf_config else "--load-dir")
     arch = arch_from_config(config, opts.model_type_hf, opts.add_qkv_bias)
-    check_save_dir(opts.save_dir)
+    out_dir = opts.save_dir
+    if hf_model_save_dir(opts.save_dir):
+        out_dir = os.path.join(opts.save_dir, MG2HG)
+        check_save_dir(out_dir, out_dir, f"--save-dir {opts.save_dir} holds a Hugging Face model, so the "
+                                         f"weights go to its {MG2HG}/; nothing is overwritten: move or remove it")
+    check_save_dir(out_dir)
     reader = open_checkpoint(opts.load_dir)
     check_checkpoint(reader, arch)
     dtype = HF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
     shapes = layout.hf_shapes(arch)
 
-    with staged(opts.save_dir) as tmp:
+    with staged(out_dir) as tmp:
         writer = HFWriter(tmp)
 
         def add(name: str, tensor: torch.Tensor) -> None:
@@ -94,6 +119,6 @@ def convert(opts, log=print) -> dict:
         writer.finish()
         copy_side_files(config_dir, tmp)
     seconds = time.perf_counter() - start
-    log(f"converted {opts.load_dir} -> {opts.save_dir} ({arch.num_layers} layers, "
+    log(f"converted {opts.load_dir} -> {out_dir} ({arch.num_layers} layers, "
         f"{writer.total / 2**20:.1f} MiB of weights) in {seconds:.1f}s")
-    return {"seconds": seconds}
+    return {"seconds": seconds, "out_dir": out_dir}

@@ -3,7 +3,9 @@
 With a Hugging Face tokenizer folder (--tokenizer-type PretrainedFromHF --tokenizer-name-or-path
 DIR) or --handler-name, it takes MindSpeed-LLM's preprocess_data.py flags (handlers, chat
 templates, --map-keys, --workers, --pack, ...). Without them it builds a character-level dataset
-(the bundled corpus when --input is omitted).
+(the bundled corpus when --input is omitted). `--config FILE.yaml` (or NAME for
+configs/datasets/NAME.yaml) reads the flags from a MindSpeed-RL-style YAML file (keys are the flag
+names with underscores); a flag typed on the command line wins over the file.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import argparse
 import difflib
 import sys
 
+from mindspeed.data.config_file import config_defaults
 from mindspeed.data.errors import DataError
 from mindspeed.data.shakespeare import ensure_dataset
 from mindspeed.data.tokenizer import TokenizerError
@@ -18,29 +21,37 @@ from mindspeed.errors import report
 from mindspeed.errors import ArgumentError, OneLineParser
 
 HANDLER_ONLY = ("handler_name", "prompt_type", "map_keys", "json_keys", "seq_length", "pack", "neat_pack",
-                "overwrite_cache")
+                "overwrite_cache", "dataset_additional_keys")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m mindspeed.data", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--config", default=None,
+                   help="a YAML file of flags (keys: the flag names with underscores, as MindSpeed-RL's "
+                        "configs/datasets/NAME.yaml), or NAME for configs/datasets/NAME.yaml; flags typed "
+                        "on the command line win")
     g = p.add_argument_group("input data")
     g.add_argument("--input", nargs="+", default=None,
                    help="files, directories or globs: .json/.jsonl/.parquet/.arrow/.csv/.txt (character-level mode: "
                         ".txt/.json/.jsonl); omit for the bundled Shakespeare corpus")
     g.add_argument("--handler-name", default=None,
                    help="GeneralPretrainHandler (default with a Hugging Face tokenizer), "
-                        "AlpacaStyleInstructionHandler or SharegptStyleInstructionHandler")
+                        "AlpacaStyleInstructionHandler, SharegptStyleInstructionHandler or "
+                        "R1AlpacaStyleInstructionHandler (MindSpeed-RL's prompts for RL)")
     g.add_argument("--json-keys", nargs="+", default=None,
                    help="GeneralPretrainHandler: the text fields; one dataset PREFIX_<key>_document each "
                         "(default: text)")
     g.add_argument("--prompt-type", default=None,
-                   help="instruction handlers: chat template (llama2, llama3, qwen, chatml, alpaca, default, "
-                        "empty or none, or 'tokenizer' for the tokenizer's own chat_template)")
+                   help="instruction handlers: chat template (llama2, llama3, qwen, qwen_r1, chatml, alpaca, "
+                        "default, empty or none, or 'tokenizer' for the tokenizer's own chat_template)")
     g.add_argument("--map-keys", default=None,
                    help='instruction handlers: JSON mapping of roles to columns, e.g. '
                         '\'{"prompt":"instruction","query":"input","response":"output"}\' (Alpaca) or '
                         '\'{"messages":"conversations","tags":{"role_tag":"from"}}\' (ShareGPT)')
+    g.add_argument("--dataset-additional-keys", nargs="+", default=None,
+                   help="R1AlpacaStyleInstructionHandler: one more dataset PREFIX_packed_<key>_document per key: "
+                        "labels holds the answer's tokens, another key the tokens of that text column")
     g.add_argument("--cache-dir", default=None,
                    help="data cache root: the bundled corpus lives there, and with --input the processed "
                         "result is kept there and reused by an identical later run "
@@ -56,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default CharLevel, or PretrainedFromHF when a tokenizer path is given")
     g.add_argument("--tokenizer-name-or-path", default=None, help="Hugging Face tokenizer folder (offline)")
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer name/path, available offline")
+    g.add_argument("--tokenizer-not-use-fast", action="store_true",
+                   help="refused: transformers 5 loads every tokenizer with its fast implementation")
     g.add_argument("--append-eod", action="store_true", default=None,
                    help="end each document (or conversation) with the eod token; default: on in "
                         "character-level mode, off with handlers (as MindSpeed-LLM)")
@@ -98,7 +111,8 @@ def _run_handler(args) -> None:
         raise DataError("--json-key / --chunk-chars are character-level options; with handlers use --json-keys")
     run(HandlerConfig(inputs=args.input, output_prefix=args.output_prefix, tokenizer_path=_tokenizer_folder(args),
                       handler_name=args.handler_name or "GeneralPretrainHandler", json_keys=args.json_keys,
-                      prompt_type=args.prompt_type, map_keys=args.map_keys, append_eod=bool(args.append_eod),
+                      prompt_type=args.prompt_type, map_keys=args.map_keys,
+                      dataset_additional_keys=args.dataset_additional_keys, append_eod=bool(args.append_eod),
                       seq_length=args.seq_length, pack=args.pack, neat_pack=args.neat_pack,
                       pad_to_multiple_of=args.pad_to_multiple_of,
                       workers=args.workers, n_subs=args.n_subs, log_interval=args.log_interval,
@@ -124,7 +138,10 @@ def _run_char_level(args) -> None:
 def parse(argv=None) -> argparse.Namespace:
     """The flags, or ArgumentError in one line (a misspelt flag with the one it was probably meant to be)."""
     parser = build_parser()
-    args, extras = parser.parse_known_args(argv)
+    first, _ = parser.parse_known_args(argv)
+    from_file = config_defaults(parser, first.config) if first.config else {}
+    # the file's values are the defaults: a flag on the command line replaces them
+    args, extras = parser.parse_known_args(argv, namespace=argparse.Namespace(**from_file))
     unknown = [tok.split("=", 1)[0] for tok in extras if tok.startswith("--")]
     if extras:
         flag = unknown[0] if unknown else extras[0]
@@ -132,6 +149,10 @@ def parse(argv=None) -> argparse.Namespace:
         hint = f" (did you mean {near[0]}?)" if near else ""
         raise ArgumentError(f"unknown {'flag' if unknown else 'argument'} {flag}{hint}: "
                             "`python -m mindspeed.data --help` lists the flags")
+    if args.tokenizer_not_use_fast:
+        raise ArgumentError("--tokenizer-not-use-fast (tokenizer_not_use_fast: true): transformers 5 loads every "
+                            "tokenizer with its fast implementation, the slow one cannot be chosen; drop it")
+    args.overridden = sorted(key for key, value in from_file.items() if getattr(args, key) != value)
     return args
 
 
@@ -141,6 +162,8 @@ def main(argv=None) -> int:
     except ArgumentError as err:
         report(err)
         return 2
+    if args.overridden:
+        print(f"> the command line overrides {', '.join(args.overridden)} of --config {args.config}")
     try:
         if args.input is None:
             if handler_mode(args):

@@ -5,10 +5,13 @@ GeneralPretrainHandler: the text under each `--json-keys` key -> one document of
 (`--prompt-type`) and produce the three datasets MindSpeed-LLM's fine-tuning reads,
 `PREFIX_packed_{input_ids,attention_mask,labels}_document`; `labels` holds -100 wherever the loss
 must not look (prompts, system text, padding), the token id elsewhere.
+R1AlpacaStyleInstructionHandler writes MindSpeed-RL's prompt datasets instead: the rendered prompt,
+and one dataset per `--dataset-additional-keys` key (`labels`: the reference answer's tokens).
 """
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -47,6 +50,7 @@ class GeneralPretrainHandler:
 
     def __init__(self, tokenizer, json_keys, append_eod: bool):
         self.tokenizer, self.keys, self.append_eod = tokenizer, tuple(json_keys), append_eod
+        self.token_keys = self.keys          # datasets of token ids (checked against the vocabulary)
 
     def output_prefixes(self, prefix: str) -> dict:
         return {key: f"{prefix}_{key}_document" for key in self.keys}
@@ -62,7 +66,9 @@ class GeneralPretrainHandler:
 class InstructionHandler:
     """A conversation -> input_ids, attention_mask (ones) and labels (prompts at IGNORE_INDEX)."""
     instruction = True
+    packable = True                      # --pack / --pad-to-multiple-of shape its samples
     keys = INSTRUCTION_KEYS
+    token_keys = ("input_ids",)          # labels hold -100, attention_mask ones or sample numbers
     MAP_DEFAULTS: dict = {}
 
     def __init__(self, tokenizer, prompt_type: str | None, map_keys: dict, append_eod: bool):
@@ -79,13 +85,18 @@ class InstructionHandler:
     def output_prefixes(self, prefix: str) -> dict:
         return {key: f"{prefix}_packed_{key}_document" for key in self.keys}
 
+    @staticmethod
+    def too_long(sample: dict, seq_length: int) -> bool:
+        return len(sample["input_ids"]) > seq_length
+
     def conversation(self, origin: str, record: dict) -> tuple[list, str | None, list | None]:
         """(messages, system prompt, tools) of one record."""
         raise NotImplementedError
 
     def _optional(self, origin, record, name, kind):
         column = self.columns.get(name)
-        if column is None or (column not in record and name not in self.explicit):
+        # a role mapped to "" is not used (MindSpeed-LLM's configs write "query": "")
+        if not column or (column not in record and name not in self.explicit):
             return None
         return _field(origin, record, column, f"--map-keys {name}", kind)
 
@@ -112,10 +123,13 @@ class AlpacaStyleInstructionHandler(InstructionHandler):
     MAP_DEFAULTS = {"prompt": "instruction", "query": "input", "response": "output", "system": None,
                     "history": None}
 
+    def _reply(self, origin, record):
+        return _field(origin, record, self.columns["response"], "--map-keys response")
+
     def conversation(self, origin, record):
         question = _field(origin, record, self.columns["prompt"], "--map-keys prompt")
         query = self._optional(origin, record, "query", str)
-        reply = _field(origin, record, self.columns["response"], "--map-keys response")
+        reply = self._reply(origin, record)
         messages = []
         for pair in self._optional(origin, record, "history", list) or []:
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
@@ -123,6 +137,67 @@ class AlpacaStyleInstructionHandler(InstructionHandler):
             messages += [(USER, pair[0]), (ASSISTANT, pair[1])]
         messages += [(USER, "\n".join(t for t in (question, query) if t)), (ASSISTANT, reply)]
         return messages, self._optional(origin, record, "system", str), None
+
+
+_KEY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+class R1AlpacaStyleInstructionHandler(AlpacaStyleInstructionHandler):
+    """MindSpeed-RL's prompts for R1-style RL, from Alpaca columns: input_ids is the rendered prompt
+    (earlier turns in full, then the question up to the assistant header), attention_mask ones, and
+    one dataset per additional key K: `labels` the reference answer's tokens (what the reward
+    compares with), any other K the tokens of the record's text column K. Nothing is masked; a
+    record whose answer is null is left out (MindSpeed-RL drops it too) and counted."""
+    packable = False
+
+    def __init__(self, tokenizer, prompt_type, map_keys, append_eod, additional_keys=()):
+        if append_eod:
+            raise DataError("--append-eod: R1AlpacaStyleInstructionHandler writes prompts that the RL "
+                            "trainer continues, with no end token: drop it")
+        super().__init__(tokenizer, prompt_type, map_keys, append_eod)
+        additional_keys = list(additional_keys or ())
+        for key in additional_keys:
+            if not _KEY_NAME.fullmatch(key) or key in INSTRUCTION_KEYS[:2] or additional_keys.count(key) > 1:
+                raise DataError(f"--dataset-additional-keys {key!r}: each key names one more dataset "
+                                "PREFIX_packed_<key>_document, so it must be a distinct column name (letters, "
+                                "digits, _ . -) other than input_ids and attention_mask")
+        self.additional = tuple(additional_keys)
+        self.keys = INSTRUCTION_KEYS[:2] + self.additional
+        self.token_keys = ("input_ids",) + self.additional
+
+    @staticmethod
+    def too_long(sample: dict, seq_length: int) -> bool:
+        # MindSpeed-RL keeps a record only when every one of its arrays is shorter than seq_length
+        return any(len(ids) >= seq_length for ids in sample.values())
+
+    def _reply(self, origin, record):
+        column = self.columns["response"]
+        if not column or column not in record:
+            return _field(origin, record, column, "--map-keys response")      # refuses: no such field
+        value = record[column]
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if value is None or isinstance(value, str):
+            return value
+        raise DataError(f"{origin}: field {column!r} must be the answer text (a string, or a list of one), "
+                        f"got {type(value).__name__}")
+
+    def encode(self, origin: str, record: dict) -> dict | None:
+        messages, system, _ = self.conversation(origin, record)
+        answer = messages[-1][1]
+        if answer is None:
+            return None
+        try:
+            turns = self.template.encode_turns(self.tokenizer, messages, system, None)
+        except DataError as err:
+            raise DataError(f"{origin}: {err}") from err
+        ids = [i for prompt, reply in turns[:-1] for i in prompt + reply] + turns[-1][0]
+        ids = np.asarray(ids, dtype=np.int64)
+        out = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        for key in self.additional:
+            text = answer if key == "labels" else _field(origin, record, key, f"--dataset-additional-keys {key}")
+            out[key] = np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+        return out
 
 
 class SharegptStyleInstructionHandler(InstructionHandler):
@@ -191,12 +266,17 @@ class SharegptStyleInstructionHandler(InstructionHandler):
 
 
 HANDLERS = {cls.__name__: cls for cls in (GeneralPretrainHandler, AlpacaStyleInstructionHandler,
-                                          SharegptStyleInstructionHandler)}
+                                          SharegptStyleInstructionHandler, R1AlpacaStyleInstructionHandler)}
 
 
-def build_handler(name: str, tokenizer, *, json_keys, prompt_type, map_keys, append_eod: bool):
+def build_handler(name: str, tokenizer, *, json_keys, prompt_type, map_keys, append_eod: bool,
+                  additional_keys=None):
     if name not in HANDLERS:
         raise DataError(f"unknown --handler-name {name!r}; choose one of {', '.join(HANDLERS)}")
+    if name == "R1AlpacaStyleInstructionHandler":
+        return R1AlpacaStyleInstructionHandler(tokenizer, prompt_type, map_keys, append_eod, additional_keys)
+    if additional_keys:
+        raise DataError(f"--dataset-additional-keys applies to R1AlpacaStyleInstructionHandler, not {name}")
     if name == "GeneralPretrainHandler":
         if prompt_type is not None or map_keys:
             raise DataError("--prompt-type and --map-keys apply to the instruction handlers, "

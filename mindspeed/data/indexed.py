@@ -54,10 +54,12 @@ class DatasetGroup:
         self.documents += len(first.document_indices) - 1
         self.tokens += int(np.sum(first.sequence_lengths, dtype=np.int64))
 
-    def commit(self) -> None:
+    def commit(self, allow_empty: bool = False) -> None:
+        """Rename the datasets into place; none written is an error unless `allow_empty` (a part of
+        --n-subs whose records were all dropped)."""
         for key, builder in self.builders.items():
             builder.finalize(get_idx_path(self.temp[key]))
-        if self.documents == 0:
+        if self.documents == 0 and not allow_empty:
             self.abort()
             raise DataError(f"no documents for {', '.join(map(repr, self.prefixes.values()))}: "
                             "every input record was empty or dropped")

@@ -33,6 +33,7 @@ class HandlerConfig:
     json_keys: list | None = None          # GeneralPretrainHandler only; default ["text"]
     prompt_type: str | None = None
     map_keys: str | None = None            # JSON text, as on the command line
+    dataset_additional_keys: list | None = None   # R1AlpacaStyleInstructionHandler: one more dataset each
     append_eod: bool = False
     seq_length: int | None = None
     pack: bool = False
@@ -53,9 +54,10 @@ def _check_numbers(cfg: HandlerConfig) -> None:
         raise DataError(f"--seq-length must be at least 2 (got {cfg.seq_length})")
 
 
-def _check_shaping(cfg: HandlerConfig, instruction: bool) -> None:
-    """Flags that shape instruction samples mean nothing for pretraining documents: refuse them."""
-    if not instruction:
+def _check_shaping(cfg: HandlerConfig, handler) -> None:
+    """Flags that shape instruction samples mean nothing for pretraining documents or RL prompts:
+    refuse them."""
+    if not handler.instruction:
         given = [flag for flag, on in (("--pack", cfg.pack), ("--neat-pack", cfg.neat_pack),
                                        ("--seq-length", cfg.seq_length is not None),
                                        ("--pad-to-multiple-of", cfg.pad_to_multiple_of > 1)) if on]
@@ -66,6 +68,12 @@ def _check_shaping(cfg: HandlerConfig, instruction: bool) -> None:
     if cfg.json_keys is not None:
         raise DataError(f"--json-keys applies to GeneralPretrainHandler; {cfg.handler_name} reads the "
                         "columns --map-keys names")
+    if not handler.packable:
+        given = [flag for flag, on in (("--pack", cfg.pack), ("--neat-pack", cfg.neat_pack),
+                                       ("--pad-to-multiple-of", cfg.pad_to_multiple_of > 1)) if on]
+        if given:
+            raise DataError(f"{', '.join(given)}: {cfg.handler_name} writes one prompt per record for the RL "
+                            "trainer, which neither packs nor pads them: drop them")
     if cfg.neat_pack and not cfg.pack:
         raise DataError("--neat-pack needs --pack (it marks the samples inside packed bins)")
     if cfg.pack and cfg.seq_length is None:
@@ -92,10 +100,10 @@ class Progress:
         self.count = self.tokens = 0
         self.start = time.perf_counter()
 
-    def tick(self, samples: Iterable[dict]) -> Iterable[dict]:
+    def tick(self, samples: Iterable[dict | None]) -> Iterable[dict | None]:
         for sample in samples:
             self.count += 1
-            self.tokens += len(next(iter(sample.values())))
+            self.tokens += len(next(iter(sample.values()))) if sample is not None else 0
             if self.count % self.interval == 0:
                 rate = self.count / max(time.perf_counter() - self.start, 1e-9)
                 of = f"/{self.total}" if self.total else ""
@@ -109,33 +117,38 @@ def _dtypes(handler, tokenizer) -> dict:
     return {k: np.int32 if handler.instruction else token_dtype(tokenizer.vocab_size) for k in handler.keys}
 
 
-def _write(cfg, handler, tokenizer, items, prefixes: dict, workers: int, progress: Progress) -> dict:
-    """Encode `items` ((origin, record) pairs) and write the datasets at `prefixes`."""
-    checked = ["input_ids"] if handler.instruction else list(handler.keys)
-    group = DatasetGroup(prefixes, _dtypes(handler, tokenizer), tokenizer.vocab_size, checked=checked)
-    dropped = 0
+def _write(cfg, handler, tokenizer, items, prefixes: dict, workers: int, progress: Progress,
+           part: bool = False) -> dict:
+    """Encode `items` ((origin, record) pairs) and write the datasets at `prefixes` (`part`: one of
+    --n-subs, which may end up empty)."""
+    group = DatasetGroup(prefixes, _dtypes(handler, tokenizer), tokenizer.vocab_size, checked=handler.token_keys)
+    dropped = skipped = 0
     try:
         samples = progress.tick(ordered_map(lambda item: handler.encode(*item), items, workers))
         if handler.instruction and cfg.pack:
             kept, dropped = packing.fits(list(samples), cfg.seq_length)
             samples = packing.pack(kept, cfg.seq_length, tokenizer.pad_id, neat=cfg.neat_pack)
         for sample in samples:
+            if sample is None:           # a record the handler leaves out (R1: a null answer)
+                skipped += 1
+                continue
             if handler.instruction:
                 if not cfg.pack:
-                    if cfg.seq_length is not None and len(sample["input_ids"]) > cfg.seq_length:
+                    if cfg.seq_length is not None and handler.too_long(sample, cfg.seq_length):
                         dropped += 1
                         continue
-                    sample = packing.pad_to_multiple(sample, cfg.pad_to_multiple_of, tokenizer.pad_id)
+                    if handler.packable:
+                        sample = packing.pad_to_multiple(sample, cfg.pad_to_multiple_of, tokenizer.pad_id)
             else:
                 sample = {k: v for k, v in sample.items() if len(v)}   # empty texts are not documents
                 if not sample:
                     continue
             group.add(sample)
-        group.commit()
+        group.commit(allow_empty=part)
     except BaseException:
         group.abort()
         raise
-    return {"documents": group.documents, "tokens": group.tokens, "dropped": dropped}
+    return {"documents": group.documents, "tokens": group.tokens, "dropped": dropped, "skipped": skipped}
 
 
 def _write_subsets(cfg, handler, tokenizer, files, prefixes: dict, log) -> dict:
@@ -146,14 +159,15 @@ def _write_subsets(cfg, handler, tokenizer, files, prefixes: dict, log) -> dict:
 
     def job(i):
         progress = Progress(log, cfg.log_interval, f"[part {i + 1}/{n}] ", int(bounds[i + 1] - bounds[i]))
-        return _write(cfg, handler, tokenizer, records[bounds[i]:bounds[i + 1]], parts[i], 1, progress)
+        return _write(cfg, handler, tokenizer, records[bounds[i]:bounds[i + 1]], parts[i], 1, progress, part=True)
 
     try:
         results = list(ordered_map(job, range(n), min(cfg.workers, n), chunksize=1))
         group = DatasetGroup(prefixes, _dtypes(handler, tokenizer))
         try:
-            for part in parts:
-                group.append(part)
+            for part, result in zip(parts, results):
+                if result["documents"]:          # Megatron's reader cannot map an empty part
+                    group.append(part)
             group.commit()
         except BaseException:
             group.abort()
@@ -161,7 +175,8 @@ def _write_subsets(cfg, handler, tokenizer, files, prefixes: dict, log) -> dict:
     finally:
         for part in parts:
             remove_dataset(*part.values())
-    return {"documents": group.documents, "tokens": group.tokens, "dropped": sum(r["dropped"] for r in results)}
+    return {"documents": group.documents, "tokens": group.tokens, "dropped": sum(r["dropped"] for r in results),
+            "skipped": sum(r["skipped"] for r in results)}
 
 
 def _output_suffixes(cfg, handler, prefixes: dict) -> list[str]:
@@ -177,8 +192,8 @@ def run(cfg: HandlerConfig, log=print) -> dict:
     tokenizer = open_tokenizer(cfg.tokenizer_path)
     handler = build_handler(cfg.handler_name, tokenizer, json_keys=cfg.json_keys or ["text"],
                             prompt_type=cfg.prompt_type, map_keys=parse_map_keys(cfg.map_keys),
-                            append_eod=cfg.append_eod)
-    _check_shaping(cfg, handler.instruction)
+                            append_eod=cfg.append_eod, additional_keys=cfg.dataset_additional_keys)
+    _check_shaping(cfg, handler)
     prefixes = handler.output_prefixes(cfg.output_prefix)
     suffixes = _output_suffixes(cfg, handler, prefixes)
     entry = None
@@ -203,6 +218,7 @@ def run(cfg: HandlerConfig, log=print) -> dict:
     if entry is not None:
         cache.store(entry, cfg.output_prefix, suffixes)
     dropped = f", dropped {stats['dropped']} longer than --seq-length {cfg.seq_length}" if stats["dropped"] else ""
+    dropped += f", left out {stats['skipped']} records with a null answer" if stats["skipped"] else ""
     log(f"> wrote {', '.join(p + '.bin/.idx' for p in prefixes.values())}: {stats['documents']} "
         f"{'packed samples' if cfg.pack else 'documents'}, {stats['tokens']} tokens{dropped}")
     return {**stats, "cached": False, "prefixes": prefixes}

@@ -108,6 +108,12 @@ _IM = "<|im_start|>{role}\n{content}<|im_end|>\n"
 _IM_USER = _IM.replace("{role}", "user") + "<|im_start|>assistant\n"
 _IM_TOOL = _IM.replace("{role}", "tool") + "<|im_start|>assistant\n"
 _LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
+# qwen_r1 (MindSpeed-RL's template for R1-style RL): qwen with this instruction leading every user turn
+R1_INSTRUCTION = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+                  "The assistant first thinks about the reasoning process in the mind and then provides the user "
+                  "with the answer. The reasoning process and answer are enclosed within <think> </think> and "
+                  "<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think>"
+                  "<answer> answer here </answer>. Put your final answer within \\boxed{}.\n")
 
 TEMPLATES = {t.name: t for t in (
     ChatTemplate("empty", user=("{content}",), assistant=("{content}",)),
@@ -128,6 +134,9 @@ TEMPLATES = {t.name: t for t in (
                  observation=(_IM_TOOL,), stop_token="<|im_end|>"),
     ChatTemplate("qwen", user=(_IM_USER,), system=(_IM.replace("{role}", "system"),), separator=("\n",),
                  observation=(_IM_TOOL,), default_system="You are a helpful assistant.", stop_token="<|im_end|>"),
+    ChatTemplate("qwen_r1", user=(_IM_USER.replace("{content}", R1_INSTRUCTION + "{content}"),),
+                 system=(_IM.replace("{role}", "system"),), separator=("\n",), observation=(_IM_TOOL,),
+                 default_system="You are a helpful assistant.", stop_token="<|im_end|>"),
 )}
 ALIASES = {"none": "empty"}
 TOKENIZER_TEMPLATE = "tokenizer"

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mindspeed.checkpoint import run_flags
 from mindspeed.features.base import TRAIN_END, TRAIN_STEP_BEGIN, TRAIN_STEP_END
 from mindspeed.training.logger import StepRecorder, TrainingLogger
 
@@ -190,6 +191,8 @@ def _validate(logger: TrainingLogger, parts: TrainParts, iteration: int, label: 
 
 def _save(args, logger: TrainingLogger, parts: TrainParts, progress: Progress) -> None:
     parts.save(progress.iteration, progress.consumed)
+    if logger.is_writer:     # what mindspeed.generate / mindspeed.evaluate rebuild the model from
+        run_flags.write(args.save, args, trainer=args.backend)
     logger.print(f"> saved checkpoint at iteration {progress.iteration} to {args.save}")
 
 

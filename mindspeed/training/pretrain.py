@@ -191,17 +191,11 @@ class Trainer:
 
     def iterators(self, dataset, consumed: int):
         """One micro-batch iterator per model chunk (virtual pipeline stages need one each)."""
-        return [data.microbatches(dataset, consumed, self.args) for _ in self.model] \
-            if len(self.model) > 1 else data.microbatches(dataset, consumed, self.args)
+        return microbatch_iterators(self.args, self.model, dataset, consumed)
 
     def _run_schedule(self, iterator, forward_only: bool, num_microbatches: int | None = None):
-        a = self.args
-        return self.forward_backward(
-            forward_step_func=partial(forward_step, self.device, eod=self.eod), data_iterator=iterator,
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=num_microbatches or self.num_microbatches,
-            seq_length=a.seq_length // a.context_parallel_size,
-            micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=forward_only)
+        return run_schedule(self.args, self.model, iterator, self.device, self.eod, forward_only,
+                            num_microbatches or self.num_microbatches, self.forward_backward)
 
     def train_step(self, iterator, num_microbatches: int | None = None, batch_size: int | None = None):
         """One optimizer step; during batch size ramp-up, of `batch_size` samples in
@@ -216,19 +210,44 @@ class Trainer:
         return _reduce_loss(losses, self.device), grad_norm, ok
 
     def evaluate(self, dataset) -> float | None:
-        """Mean loss over --eval-iters batches; the same batches every time (comparable numbers)."""
-        if dataset is None or self.args.eval_iters < 1:
-            return None
-        for chunk in self.model:
-            chunk.eval()
-        iterator = self.iterators(dataset, 0)
-        pair = []
-        with torch.no_grad():
-            for _ in range(self.args.eval_iters):
-                pair.append(_reduce_loss(self._run_schedule(iterator, forward_only=True), self.device))
-        for chunk in self.model:
-            chunk.train()
-        return sum(pair) / len(pair)
+        return validation_loss(self.args, self.model, dataset, self.device, self.eod, self.num_microbatches)
+
+
+def microbatch_iterators(args, model_chunks: list, dataset, consumed: int):
+    """One micro-batch iterator per model chunk (virtual pipeline stages need one each)."""
+    return [data.microbatches(dataset, consumed, args) for _ in model_chunks] \
+        if len(model_chunks) > 1 else data.microbatches(dataset, consumed, args)
+
+
+def run_schedule(args, model_chunks: list, iterator, device: str, eod: int | None, forward_only: bool,
+                 num_microbatches: int, forward_backward=None):
+    """One global batch through Megatron-Core's pipeline schedule; the losses of its micro-batches."""
+    forward_backward = forward_backward or get_forward_backward_func()
+    return forward_backward(
+        forward_step_func=partial(forward_step, device, eod=eod), data_iterator=iterator,
+        model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
+        num_microbatches=num_microbatches, seq_length=args.seq_length // args.context_parallel_size,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=forward_only)
+
+
+def validation_loss(args, model_chunks: list, dataset, device: str, eod: int | None,
+                    num_microbatches: int) -> float | None:
+    """The trainer's validation loss: the mean over --eval-iters global batches (the same batches
+    every time, from the split's first sample) of each batch's mean token loss. Also what
+    `python -m mindspeed.evaluate` reports for this trainer's checkpoints."""
+    if dataset is None or args.eval_iters < 1:
+        return None
+    for chunk in model_chunks:
+        chunk.eval()
+    iterator = microbatch_iterators(args, model_chunks, dataset, 0)
+    pair = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = run_schedule(args, model_chunks, iterator, device, eod, True, num_microbatches)
+            pair.append(_reduce_loss(losses, device))
+    for chunk in model_chunks:
+        chunk.train()
+    return sum(pair) / len(pair)
 
 
 def _peak_memory_mb() -> float:

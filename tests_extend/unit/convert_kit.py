@@ -73,12 +73,14 @@ def read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
         reader.close()
 
 
-def trainer_args(mg_dir: str, tp: int = 1, pp: int = 1, world_size: int = 1, extra=()):
-    """The trainer's own argument parsing for the converted model, as convert_info.json says."""
+def trainer_args(mg_dir: str, tp: int = 1, pp: int = 1, world_size: int = 1, extra=(), fp32: bool = False):
+    """The trainer's own argument parsing for the converted model, as convert_info.json says; with
+    `fp32` the model computes in fp32 whatever dtype the checkpoint stores (the loader casts), so
+    its logits compare with Hugging Face's fp32 ones."""
     from mindspeed.convert.sidecar import read_info
     from mindspeed.flags.trainer_flags import parse_args
     info = read_info(mg_dir)
-    flags = list(info["trainer_flags"])
+    flags = [f for f in info["trainer_flags"] if not (fp32 and f in ("--bf16", "--fp16"))]
     if pp == 1 and "--decoder-first-pipeline-num-layers" in flags:   # the converted split is for PP > 1
         at = flags.index("--decoder-first-pipeline-num-layers")
         del flags[at:at + 4]
@@ -101,6 +103,14 @@ def load_trainer_model(args):
     for chunk in chunks:
         chunk.eval()
     return chunks[0]
+
+
+def tp1_logits(mg_dir: str, tokens: torch.Tensor, extra=(), fp32: bool = False) -> torch.Tensor:
+    """[b, s, V] logits of the trainer's model loaded at TP1 x PP1 in this process."""
+    from mindspeed.convert.megatron_write import adapted, world_of_one
+    args = trainer_args(mg_dir, extra=extra, fp32=fp32)
+    with adapted(args), world_of_one():
+        return stage_forward(load_trainer_model(args), tokens)
 
 
 def stage_forward(model, tokens: torch.Tensor, hidden_in: torch.Tensor | None = None) -> torch.Tensor:

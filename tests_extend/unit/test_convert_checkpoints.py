@@ -49,10 +49,7 @@ def qwen(tmp_path_factory):
 
 
 def _tp1_logits(mg_dir: str, extra=(), tokens: torch.Tensor = TOKENS) -> torch.Tensor:
-    from mindspeed.convert.megatron_write import adapted, world_of_one
-    args = kit.trainer_args(mg_dir, extra=extra)
-    with adapted(args), world_of_one():
-        return kit.stage_forward(kit.load_trainer_model(args), tokens)
+    return kit.tp1_logits(mg_dir, tokens, extra)
 
 
 def _ms_tp1_logits(mg_dir: str, tokens: torch.Tensor = TOKENS) -> torch.Tensor:

@@ -54,13 +54,15 @@ CASES = {
     "qkv bias flag on llama": (lambda m, s: hf_to_mg(m, "llama", s, "--add-qkv-bias"), "has no q/k/v biases"),
     "qwen without qkv bias flag": (lambda m, s: hf_to_mg(m, "qwen", s, "--model-type-hf", "qwen2"),
                                    "add --add-qkv-bias"),
-    "model type mismatch": (lambda m, s: hf_to_mg(m, "qwen", s, "--model-type-hf", "llama3"),
-                            "expects config.json model_type 'llama'"),
+    "model type mismatch": (lambda m, s: hf_to_mg(m, "llama", s, "--model-type-hf", "qwen2"),
+                            "model_type 'llama' (LlamaForCausalLM) does not match: --model-type-hf qwen2"),
     "heads not divisible by TP": (lambda m, s: hf_to_mg(m, "llama", s, "--target-tensor-parallel-size", "3"),
                                   "not divisible by --target-tensor-parallel-size 3"),
     "layer list sum": (lambda m, s: hf_to_mg(m, "llama", s, "--target-pipeline-parallel-size", "2",
                                              "--num-layer-list", "1,3"), "does not split the model's 2 layers"),
     "layer list length": (lambda m, s: hf_to_mg(m, "llama", s, "--num-layer-list", "1,1"), "has 2 entries"),
+    "save dir under a file": (lambda m, s: hf_to_mg(m, "llama", str(m / "llama" / "config.json" / "mg")),
+                              "config.json is not a directory"),
     "mg->hf of a directory that is no checkpoint": (
         lambda m, s: ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(m / "llama"),
                       "--save-dir", s, "--hf-config", str(m / "llama")], "latest_checkpointed_iteration.txt"),
@@ -112,7 +114,9 @@ def test_existing_save_dir_is_not_overwritten(models, tmp_path):
     assert os.listdir(tmp_path / "mg") == ["keep.txt"]
 
 
-def test_failure_while_writing_leaves_no_save_dir(models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("save_dir", ["mg", "new/parents/mg"])
+def test_failure_while_writing_leaves_no_save_dir(models, tmp_path, monkeypatch, save_dir):
+    """Nothing is left: no partial --save-dir, no temporary directory, no parent created for it."""
     from mindspeed.convert import megatron_write
 
     def broken(root, *args, **kwargs):
@@ -120,7 +124,7 @@ def test_failure_while_writing_leaves_no_save_dir(models, tmp_path, monkeypatch)
         raise OSError("disk full")
     monkeypatch.setattr(megatron_write, "write_megatron", broken)
     with pytest.raises(OSError):
-        run_cli(*hf_to_mg(models, "llama", str(tmp_path / "mg")))
+        run_cli(*hf_to_mg(models, "llama", str(tmp_path / save_dir)))
     assert os.listdir(tmp_path) == [], "a partial --save-dir (or its temporary directory) was left"
 
 

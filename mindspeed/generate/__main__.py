@@ -1,0 +1,12 @@
+import sys
+import warnings
+
+# Megatron warns at import about Apex / Transformer Engine, which generation never uses: a refusal
+# stays one line
+for _category in (UserWarning, FutureWarning, DeprecationWarning):
+    warnings.filterwarnings("ignore", category=_category)
+
+from mindspeed.generate.cli import main  # noqa: E402  (after the filters)
+
+if __name__ == "__main__":
+    sys.exit(main())

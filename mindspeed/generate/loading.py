@@ -1,0 +1,55 @@
+"""A checkpoint's model on this launch's processes: process groups, then the trainer's own model
+builder (mindspeed.training.model) and checkpoint loader (mindspeed.checkpoint.torch_dist: a
+torch_dist checkpoint, or the MindSpore trainer's neutral one through cross_format), weights only."""
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+
+from mindspeed.checkpoint import torch_dist
+from mindspeed.training import pretrain
+from mindspeed.training.model import build_model_chunks, transformer_config
+
+
+def start_processes(args) -> None:
+    """The process groups of a TP-only launch (a world of one without torchrun), seeded as the trainer."""
+    pretrain._init_distributed(args, args.device_name)
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+
+def stop_processes() -> None:
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def load_model(args, step: int | None = None):
+    """The model chunk of this rank with the checkpoint's weights (--load, iteration `step` or the latest)."""
+    chunks = build_model_chunks(args, transformer_config(args))
+    for chunk in chunks:
+        chunk.to(args.device_name)
+    torch_dist.load_checkpoint(args.load, chunks, None, None, finetune=True, step=step)
+    return chunks
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextmanager
+def quiet_frameworks():
+    """Megatron and torch warn at import and model build about Apex / Transformer Engine and CUDA
+    settings that loading never uses: a user's output (and a refusal) stays readable."""
+    with warnings.catch_warnings():
+        for category in (UserWarning, FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category)
+        yield
