@@ -16,6 +16,7 @@ import time
 import pytest
 
 from mindspeed.net import free_port
+from tests_extend.system.disk_full import fill, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 
 pytest.importorskip("mindspore")
@@ -200,6 +201,40 @@ def test_sigterm_to_the_whole_job_saves_the_iteration_and_the_resumed_run_repeat
     assert sorted(resumed) == list(range(at + 1, 9))
     before = {json.loads(line)["iteration"]: json.loads(line)["lm_loss"] for line in losses.read_text().splitlines()}
     assert all(before[it] == full[it] for it in before) and all(resumed[it] == full[it] for it in resumed)
+
+
+def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_dataset):
+    """One process: a 4 MB tmpfs as --save, filled once the iteration-10 checkpoint is written, so the
+    iteration-20 save fails: one line naming the cause, the tracker still names 10, and 10 loads."""
+    pretrain = os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py")
+    args = [sys.executable, pretrain, "--backend", "mindspore", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "4",
+            "--data-path", tiny_dataset, "--eval-iters", "0", "--split", "90,10,0"]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    with small_tmpfs(tmp_path / "disk", 4) as disk:
+        ckpt, log = disk / "ckpt", tmp_path / "run.log"
+        with open(log, "w") as out:
+            job = subprocess.Popen([*args, "--train-iters", "40", "--save", str(ckpt), "--save-interval", "10",
+                                    "--exit-interval", "30"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while not (ckpt / "latest_checkpointed_iteration.txt").exists():
+                assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(0.02)
+            fill(disk)
+            job.wait(timeout=300)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        output = log.read_text()
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert job.returncode == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+        assert "iter_0000020" in errors[0] and "No space left on device" in errors[0], errors[0]
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+        os.remove(disk / "filler")
+        loaded = subprocess.run([*args, "--load", str(ckpt), "--train-iters", "11"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert loaded.returncode == 0 and f"at iteration 10" in loaded.stdout, loaded.stdout[-3000:] + loaded.stderr[-2000:]
 
 
 def _wait_gone(pids, timeout):

@@ -422,22 +422,26 @@ def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_
     final save (iteration 12) fails. The run stops with one line naming the cause, the tracker still
     names iteration 10, and that checkpoint loads."""
     args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--micro-batch-size", "4", "--global-batch-size", "8", "--data-path", tiny_dataset, "--eval-iters", "0"]
+            "--micro-batch-size", "4", "--global-batch-size", "8", "--data-path", tiny_dataset, "--eval-iters", "0",
+            "--split", "90,10,0"]
     with small_tmpfs(tmp_path / "disk", 16) as disk:
         ckpt = disk / "ckpt"
-        job = subprocess.Popen([sys.executable, PRETRAIN, *args, "--train-iters", "20", "--save", str(ckpt),
-                                "--save-interval", "10", "--exit-interval", "12"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log = tmp_path / "run.log"
+        with open(log, "w") as out:
+            job = subprocess.Popen([sys.executable, PRETRAIN, *args, "--train-iters", "20", "--save", str(ckpt),
+                                    "--save-interval", "10", "--exit-interval", "12"], cwd=ROOT,
+                                   stdout=out, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.time() + LAUNCH_TIMEOUT
             while not (ckpt / "latest_checkpointed_iteration.txt").exists():
-                assert job.poll() is None and time.time() < deadline, job.stdout.read()[-3000:]
+                assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
                 time.sleep(0.02)
             fill(disk)
-            output, _ = job.communicate(timeout=LAUNCH_TIMEOUT)
+            job.wait(timeout=LAUNCH_TIMEOUT)
         finally:
             if job.poll() is None:
                 job.kill()
+        output = log.read_text()
         errors = [line for line in output.splitlines() if line.startswith("error:")]
         assert job.returncode == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
         assert "iter_0000012" in errors[0] and "No space left on device" in errors[0], errors[0]
