@@ -17,6 +17,7 @@ import os
 import struct
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from mindspeed.files import atomic_write, private_dir
@@ -98,14 +99,27 @@ def unshard(name: str, shards: list[np.ndarray], gated: bool = True) -> np.ndarr
 
 
 def save(root: str, iteration: int, model: dict, optimizer: dict | None = None, meta: dict | None = None) -> str:
-    """Write model (and optimizer) arrays plus meta.json, then point the tracker file at them."""
-    directory = _new_iteration_dir(root, iteration)
-    atomic_write(os.path.join(directory, MODEL_FILE),
-                   lambda p: save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, p))
-    if optimizer is not None:
-        atomic_write(os.path.join(directory, OPTIMIZER_FILE),
-                       lambda p: save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, p))
-    return _commit(root, directory, iteration, meta)
+    """Write model (and optimizer) arrays plus meta.json, then point the tracker file at them. A
+    write that fails (a full disk) is one line; the tracker still names the last complete checkpoint."""
+    directory = iteration_dir(root, iteration)
+    try:
+        _new_iteration_dir(root, iteration)
+        atomic_write(os.path.join(directory, MODEL_FILE),
+                     lambda p: save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, p))
+        if optimizer is not None:
+            atomic_write(os.path.join(directory, OPTIMIZER_FILE),
+                         lambda p: save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, p))
+        return _commit(root, directory, iteration, meta)
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"saving {directory} failed: {_cause(err)} (the tracker still names the last "
+                              f"complete checkpoint)") from None
+
+
+def _cause(err: BaseException) -> str:
+    # safetensors wraps the OS error in its own text: "Error while serializing: I/O error: <strerror> (os error N)"
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    return str(err).rsplit("I/O error: ", 1)[-1]
 
 
 def _new_iteration_dir(root: str, iteration: int) -> str:

@@ -153,6 +153,12 @@ def _training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic algorithms, fixed thread count: bitwise-repeatable runs")
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this many iterations")
+    g.add_argument("--exit-duration-in-mins", type=int, default=None,
+                   help="save and stop after the step that passes this many minutes since the start")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (to any rank): finish the step, save the iteration, exit 0")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],
+                   help="the signal --exit-signal-handler acts on")
 
 
 def _parallel(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ rest: counting iterations from the resumed one to the exit rule, consumed sample
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ class TrainParts:
     peak_memory_mb: Callable[[], float]
     batch_size: Callable[[int], int]             # global batch of the step starting at consumed samples
     loss_scale: Callable[[], float] | None = None  # fp16's; None: no loss-scale column
+    # True on every rank when the flag is True on any rank (a collective over the whole job); asked
+    # once per step, and only when an exit rule needs the ranks to agree (a signal, a time limit)
+    any_rank: Callable[[bool], bool] = bool
     # the readers (lr, peak_memory_mb, loss_scale) are called only on iterations that log
 
 
@@ -48,6 +52,8 @@ class RunReport:
     device: str                      # MFU's peak FLOP/s is this device's
     write_loss_file: bool            # --log-loss-file: one writer (rank 0)
     unigram_baseline: float | None = None   # shown in the done line when measured
+    started_at: float | None = None  # time.time() when the run began: --exit-duration-in-mins counts from
+                                     # it (as Megatron's, setup included); None: from the first step
 
 
 @dataclass
@@ -64,9 +70,43 @@ def stop_iteration(args) -> int:
 
 
 def should_stop(progress: Progress, stop_at: int) -> bool:
-    """The exit rule, asked before every step: the one place a further exit condition
-    (a wall-clock limit, a signal) would join."""
+    """The iteration rule, asked before every step (ExitWatch adds the signal and the time limit)."""
     return progress.iteration >= stop_at
+
+
+class ExitWatch:
+    """Megatron's --exit-signal-handler and --exit-duration-in-mins: after each step the ranks agree
+    (TrainParts.any_rank) whether one of them received --exit-signal or the run is past its time limit;
+    the loop then saves the current iteration and stops. The handler only records the signal, so the
+    step in flight (and its collectives) finishes on every rank first. A context manager: the previous
+    handler is back when training ends."""
+
+    def __init__(self, args, started_at: float | None):
+        self.signum = signal.Signals[args.exit_signal] if args.exit_signal_handler else None
+        self.minutes = args.exit_duration_in_mins
+        self.deadline = (started_at or time.time()) + 60 * self.minutes if self.minutes else None
+        self.received = False
+        self._previous = None
+
+    def __enter__(self) -> "ExitWatch":
+        if self.signum is not None:
+            self._previous = signal.signal(self.signum, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.signum is not None:
+            signal.signal(self.signum, self._previous)
+
+    def _record(self, _signum, _frame) -> None:
+        self.received = True
+
+    def reason(self, any_rank: Callable[[bool], bool]) -> str | None:
+        """Why the run stops now (the same answer on every rank), or None."""
+        if self.signum is not None and any_rank(self.received):
+            return f"received {self.signum.name}"
+        if self.deadline is not None and any_rank(time.time() > self.deadline):
+            return f"the time limit (--exit-duration-in-mins {self.minutes}) was reached"
+        return None
 
 
 def eval_due(args, iteration: int, stop_at: int) -> bool:
@@ -92,19 +132,27 @@ def train(args, logger: TrainingLogger, parts: TrainParts, report: RunReport, st
                          write_loss_file=report.write_loss_file, device=report.device)
     _announce(args, logger, start.iteration, stop_at)
     progress = dataclasses.replace(start)
-    last_saved = None
-    while not should_stop(progress, stop_at):
-        _step(parts, steps, progress, publish)
-        if eval_due(args, progress.iteration, stop_at):
-            _validate(logger, parts, progress.iteration)
-        if save_due(args, progress.iteration):
+    last_saved, early_exit = None, None
+    with ExitWatch(args, report.started_at) as watch:
+        while not should_stop(progress, stop_at):
+            _step(parts, steps, progress, publish)
+            if eval_due(args, progress.iteration, stop_at):
+                _validate(logger, parts, progress.iteration)
+            if save_due(args, progress.iteration):
+                _save(args, logger, parts, progress)
+                last_saved = progress.iteration
+            early_exit = watch.reason(parts.any_rank)
+            if early_exit:
+                break
+        publish(TRAIN_END, iteration=progress.iteration)
+        steps.close()
+        if args.save and last_saved != progress.iteration:
             _save(args, logger, parts, progress)
-            last_saved = progress.iteration
-    publish(TRAIN_END, iteration=progress.iteration)
-    steps.close()
-    if args.save and last_saved != progress.iteration:
-        _save(args, logger, parts, progress)
-    valid_loss = _validate(logger, parts, progress.iteration, label="final validation")
+        if early_exit:     # as Megatron: saved, no final validation (a scheduler's grace period is short)
+            logger.print(f"> exiting at iteration {progress.iteration}: {early_exit}"
+                         f"{'' if args.save else ' (no --save: nothing saved)'}")
+            return _finish(logger, report, progress.iteration, None, steps)
+        valid_loss = _validate(logger, parts, progress.iteration, label="final validation")
     return _finish(logger, report, progress.iteration, valid_loss, steps)
 
 

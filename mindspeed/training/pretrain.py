@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from functools import partial
 
 import torch
@@ -261,6 +262,7 @@ def _peak_memory_mb() -> float:
 
 
 def run(args) -> dict:
+    started_at = time.time()     # --exit-duration-in-mins counts setup too, as Megatron's
     os.umask(0o027)   # checkpoints, logs, TensorBoard files: 0640 / 0750
     state = _adapt(args)
     args.device_name = state.plan.device
@@ -283,7 +285,7 @@ def run(args) -> dict:
     init_batch_schedule(args, rank)
     logger = TrainingLogger(args, is_writer=rank == 0)
     try:
-        return _train(args, tokenizer, logger, state)
+        return _train(args, tokenizer, logger, state, started_at)
     finally:
         logger.close()
         documents.set_current(None)
@@ -374,7 +376,7 @@ def resume_lora(args, trainer, logger) -> tuple[int, int]:
 SUMMARY_KEYS = ("iteration", "final_valid_loss", "unigram_baseline", "tokens_per_s", "parameters")
 
 
-def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
+def _train(args, tokenizer, logger: TrainingLogger, state, started_at: float) -> dict:
     a = args
     baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
     train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer)
@@ -393,7 +395,8 @@ def _train(args, tokenizer, logger: TrainingLogger, state) -> dict:
     iteration, consumed = resume(a, trainer, logger)
     parts = loop_parts(a, trainer, trainer.iterators(train_ds, consumed), valid_ds)
     report = loop.RunReport(parameters=n_params, summary_keys=SUMMARY_KEYS, device=a.device_name,
-                            write_loss_file=torch.distributed.get_rank() == 0, unigram_baseline=baseline)
+                            write_loss_file=torch.distributed.get_rank() == 0, unigram_baseline=baseline,
+                            started_at=started_at)
     return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed), publish=state.context.publish)
 
 
@@ -416,4 +419,11 @@ def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:
         step=step, evaluate=lambda: trainer.evaluate(valid_ds), save=save,
         lr=lambda _iteration: trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
         peak_memory_mb=_peak_memory_mb, batch_size=lambda consumed: step_batch(consumed)[1],
-        loss_scale=(lambda: float(trainer.optimizer.get_loss_scale())) if args.fp16 else None)
+        loss_scale=(lambda: float(trainer.optimizer.get_loss_scale())) if args.fp16 else None,
+        any_rank=lambda flag: _any_rank(flag, args.device_name))
+
+
+def _any_rank(flag: bool, device: str) -> bool:
+    votes = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(votes)
+    return bool(votes.item())

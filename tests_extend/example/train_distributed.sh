@@ -48,6 +48,8 @@ CKPT_DIR=${CKPT_DIR:-}                    # empty: no checkpoints
 SAVE_INTERVAL=${SAVE_INTERVAL:-}
 LOAD_DIR=${LOAD_DIR:-}
 MAX_RESTARTS=${MAX_RESTARTS:-0}            # >0: torchrun restarts a failed job; it resumes from CKPT_DIR
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-30}   # seconds the workers get after SIGTERM (with --exit-signal-handler
+                                          # to finish the step and save) before torchrun kills them
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-}
 MOCK_DATA=${MOCK_DATA:-0}                 # 1: Megatron's random-token dataset (no files)
 
@@ -127,6 +129,8 @@ if [ -z "$MEGATRON_LM" ]; then
     "${ARGS[@]}" "$@" || { rc=$?; [ "$rc" = 3 ] && exit 0; exit "$rc"; }   # 3: --help shown
 fi
 
-exec "$PYTHON" -m torch.distributed.run --max-restarts "$MAX_RESTARTS" \
+# mindspeed.torchrun is torchrun ending in one line when a signal stops the job: it forwards SIGTERM to
+# the workers (with --exit-signal-handler they finish the step, save and exit) and waits for them
+exec "$PYTHON" -m mindspeed.torchrun --max-restarts "$MAX_RESTARTS" --shutdown-timeout "$SHUTDOWN_TIMEOUT" \
   --nproc_per_node "$NPUS_PER_NODE" --nnodes "$NNODES" "${RDZV[@]}" \
   "$ENTRY" "${ARGS[@]}" "$@"

@@ -7,6 +7,7 @@ last checkpoint, and two launches on this machine train as two nodes."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from mindspeed.net import free_port
+from tests_extend.system.disk_full import fill, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 
 pytest.importorskip("mindspore")
@@ -156,6 +158,98 @@ def test_a_killed_worker_brings_the_job_back_from_the_last_checkpoint(full_run):
     assert "> msrun exited with code 1: restart 1 of 1, from the last checkpoint" in output, output[-3000:]
     assert "no checkpoint yet in this --save directory; starting from iteration 0" in output   # the first start
     assert f"loaded checkpoint {ckpt / 'iter_0000004'} at iteration 4" in output, output[-3000:]  # the restart
+
+
+def test_sigterm_to_the_whole_job_saves_the_iteration_and_the_resumed_run_repeats_the_losses(
+        tmp_path, tiny_dataset, full_run):
+    """--exit-signal-handler: SIGTERM to msrun's process group and every worker, as a cluster scheduler
+    sends it. Each worker finishes its step, saves that iteration and exits without a traceback (msrun
+    has no handler: the signal ends it); resuming repeats the uninterrupted run's losses bit for bit."""
+    ckpt, losses, log = tmp_path / "ckpt", tmp_path / "losses.jsonl", tmp_path / "job.log"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               LOG_DIR=str(tmp_path / "logs"), CKPT_DIR=str(ckpt), **TINY)
+    with open(log, "w") as out:
+        job = subprocess.Popen(["bash", SCRIPT, "--npu-deterministic", "--exit-signal-handler", "--log-loss-file",
+                                str(losses)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (losses.exists() and losses.read_text().count("\n") >= 2):
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        workers = [_msrun_worker(job.pid, rank) for rank in (0, 1)]
+        os.killpg(job.pid, signal.SIGTERM)        # msrun and its scheduler
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)          # each worker leads a process group of its own
+        job.wait(timeout=60)
+        _wait_gone(workers, timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    stops = set()
+    for rank in (0, 1):
+        worker_log = (tmp_path / "logs" / f"worker_{rank}.log").read_text()
+        assert "Traceback" not in worker_log and "error:" not in worker_log, worker_log[-3000:]
+        stops.update(re.findall(r"> exiting at iteration (\d+): received SIGTERM", worker_log))
+    assert len(stops) == 1, stops                # rank 0 logs it (once)
+    at = int(stops.pop())
+    assert 2 <= at < 8 and (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(at)
+
+    full = {r["iteration"]: r["lm_loss"] for r in full_run[2]}
+    _out, resumed = run_script(tmp_path, "resumed", dict(DATA_PATH=tiny_dataset, LOAD_DIR=str(ckpt)),
+                               ["--npu-deterministic"])
+    assert sorted(resumed) == list(range(at + 1, 9))
+    before = {json.loads(line)["iteration"]: json.loads(line)["lm_loss"] for line in losses.read_text().splitlines()}
+    assert all(before[it] == full[it] for it in before) and all(resumed[it] == full[it] for it in resumed)
+
+
+def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_dataset):
+    """One process: a 4 MB tmpfs as --save, filled once the iteration-10 checkpoint is written, so the
+    iteration-20 save fails: one line naming the cause, the tracker still names 10, and 10 loads."""
+    pretrain = os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py")
+    args = [sys.executable, pretrain, "--backend", "mindspore", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "4",
+            "--data-path", tiny_dataset, "--eval-iters", "0", "--split", "90,10,0"]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    with small_tmpfs(tmp_path / "disk", 4) as disk:
+        ckpt, log = disk / "ckpt", tmp_path / "run.log"
+        with open(log, "w") as out:
+            job = subprocess.Popen([*args, "--train-iters", "40", "--save", str(ckpt), "--save-interval", "10",
+                                    "--exit-interval", "30"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while not (ckpt / "latest_checkpointed_iteration.txt").exists():
+                assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(0.02)
+            fill(disk)
+            job.wait(timeout=300)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        output = log.read_text()
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert job.returncode == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+        assert "iter_0000020" in errors[0] and "No space left on device" in errors[0], errors[0]
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+        os.remove(disk / "filler")
+        loaded = subprocess.run([*args, "--load", str(ckpt), "--train-iters", "11"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert loaded.returncode == 0 and f"at iteration 10" in loaded.stdout, loaded.stdout[-3000:] + loaded.stderr[-2000:]
+
+
+def _wait_gone(pids, timeout):
+    deadline = time.time() + timeout
+    while any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in pids):
+        assert time.time() < deadline, f"workers {pids} still running {timeout} s after SIGTERM"
+        time.sleep(0.1)
+
+
+def _zombie(pid) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def test_train_save_and_resume(tmp_path, tiny_dataset, full_run):

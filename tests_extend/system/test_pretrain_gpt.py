@@ -13,6 +13,7 @@ import time
 import pytest
 
 from mindspeed.net import free_port
+from tests_extend.system.disk_full import fill, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -281,6 +282,49 @@ def saved_run(tiny_dataset, tmp_path_factory):
     return ckpt, read_losses(full)
 
 
+def test_sigterm_to_the_whole_job_saves_the_iteration_and_the_resumed_run_repeats_the_losses(
+        saved_run, tiny_dataset, tmp_path):
+    """--exit-signal-handler: SIGTERM to the launcher and every worker, as a cluster scheduler sends it.
+    Each worker finishes its step, the job saves that iteration and every process exits without a
+    traceback; resuming from it gives the uninterrupted run's losses (saved_run) bit for bit."""
+    ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               **dict(TINY, **RESUME_ENV), CKPT_DIR=str(ckpt), SHUTDOWN_TIMEOUT=str(LAUNCH_TIMEOUT))
+    log = tmp_path / "job.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen(["bash", SCRIPT, *RESUME_FLAGS, "--exit-signal-handler", "--log-loss-file", str(losses)],
+                               cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + LAUNCH_TIMEOUT
+        while not (losses.exists() and losses.read_text().count("\n") >= 2):
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        workers = _workers(job.pid)
+        os.killpg(job.pid, signal.SIGTERM)          # the launcher (torchrun forwards it too)
+        for pid in workers.values():
+            os.kill(pid, signal.SIGTERM)            # and each worker, which torchrun starts in its own session
+        job.wait(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    output = log.read_text()
+    stopped = re.search(r"> exiting at iteration (\d+): received SIGTERM", output)
+    assert stopped and job.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "Traceback" not in output and "forcefully exiting" not in output, output[-3000:]
+    assert "torchrun: stopped by SIGTERM: forwarded to the workers, which have exited" in output
+    at = int(stopped[1])
+    assert 2 <= at < 8 and (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(at)
+    assert "final validation loss at" not in output          # as Megatron: saved, then out
+
+    resumed = tmp_path / "resumed.jsonl"
+    run_example(dict(RESUME_ENV, DATA_PATH=tiny_dataset),
+                [*RESUME_FLAGS, "--load", str(ckpt), "--log-loss-file", str(resumed)])
+    before, after = read_losses(losses), read_losses(resumed)
+    assert sorted(after) == list(range(at + 1, 9))
+    assert all(before[it] == saved_run[1][it] for it in before)
+    assert all(after[it] == saved_run[1][it] for it in after), (after, saved_run[1])
+
+
 def _launch_ranks(args, world=2, timeout=120):
     """pretrain_gpt.py on `world` ranks started directly (the environment torchrun would give them,
     without torchrun's own report on top): [(exit code, stderr)] by rank. A rank that hangs fails."""
@@ -371,6 +415,40 @@ def test_bad_inputs_fail_before_training(tiny_dataset, tmp_path):
     empty.mkdir()
     rc, out = _pretrain_single(["--data-path", tiny_dataset, "--load", str(empty)])
     assert rc == 2 and "latest_checkpointed_iteration.txt" in out and "training from iteration" not in out
+
+
+def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tiny_dataset, tmp_path):
+    """A 16 MB tmpfs as --save: once the iteration-10 checkpoint is written the disk is filled, so the
+    final save (iteration 12) fails. The run stops with one line naming the cause, the tracker still
+    names iteration 10, and that checkpoint loads."""
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "4", "--global-batch-size", "8", "--data-path", tiny_dataset, "--eval-iters", "0",
+            "--split", "90,10,0"]
+    with small_tmpfs(tmp_path / "disk", 16) as disk:
+        ckpt = disk / "ckpt"
+        log = tmp_path / "run.log"
+        with open(log, "w") as out:
+            job = subprocess.Popen([sys.executable, PRETRAIN, *args, "--train-iters", "20", "--save", str(ckpt),
+                                    "--save-interval", "10", "--exit-interval", "12"], cwd=ROOT,
+                                   stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.time() + LAUNCH_TIMEOUT
+            while not (ckpt / "latest_checkpointed_iteration.txt").exists():
+                assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(0.02)
+            fill(disk)
+            job.wait(timeout=LAUNCH_TIMEOUT)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        output = log.read_text()
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert job.returncode == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+        assert "iter_0000012" in errors[0] and "No space left on device" in errors[0], errors[0]
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+        os.remove(disk / "filler")
+        rc, out = _pretrain_single([*args, "--load", str(ckpt), "--train-iters", "11"])
+        assert rc == 0 and f"loaded checkpoint {ckpt} at iteration 10" in out, out[-3000:]
 
 
 def test_bad_parallel_sizes_and_load_path_are_refused(tiny_dataset, capsys, monkeypatch):

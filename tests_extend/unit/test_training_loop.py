@@ -1,7 +1,11 @@
 """The shared outer training loop (mindspeed/training/loop.py) driven by a fake framework's parts:
 plain Python, no torch or MindSpore. What it counts, when it evaluates and saves, the events it publishes,
 the log lines and the summary."""
+import dataclasses
+import os
 import re
+import signal
+import time
 
 import pytest
 
@@ -16,10 +20,13 @@ GBS = 8
 class FakeFramework:
     """Records every call the loop makes, in order, in `events`."""
 
-    def __init__(self, monkeypatch, skip_at=(), batch_sizes=None, valid_loss=2.5):
+    def __init__(self, monkeypatch, skip_at=(), batch_sizes=None, valid_loss=2.5, signal_at=None, other_rank_at=None):
         self.events, self.skip_at, self.valid_loss = [], set(skip_at), valid_loss
         self.batch_sizes = batch_sizes or {}          # consumed samples -> that step's batch size
         self.lr_asked = []
+        self.signal_at = signal_at            # this process signals itself during that step
+        self.other_rank_at = other_rank_at    # from that step on, another rank votes to exit
+        self.votes = []                       # (iteration, this rank's vote) per any_rank call
 
     def publish(self, event, **info):
         self.events.append((event, info["iteration"]))
@@ -27,10 +34,17 @@ class FakeFramework:
     def parts(self, loss_scale=False) -> loop.TrainParts:
         return loop.TrainParts(step=self.step, evaluate=self.evaluate, save=self.save, lr=self.lr,
                                peak_memory_mb=lambda: 1.0, batch_size=lambda c: self.batch_sizes.get(c, GBS),
-                               loss_scale=(lambda: 1024.0) if loss_scale else None)
+                               loss_scale=(lambda: 1024.0) if loss_scale else None, any_rank=self.any_rank)
+
+    def any_rank(self, flag):
+        iteration = self.of("step")[-1][0]
+        self.votes.append((iteration, flag))
+        return flag or (self.other_rank_at is not None and iteration >= self.other_rank_at)
 
     def step(self, iteration, consumed, batch_size):
         self.events.append(("step", iteration, consumed, batch_size))
+        if iteration == self.signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
         applied = iteration not in self.skip_at
         return loop.StepResult(loss=10.0 / iteration, grad_norm=1.0 if applied else None, applied=applied)
 
@@ -213,3 +227,63 @@ def test_the_summary_has_the_trainers_keys_in_its_order_and_the_done_line_its_ba
 def test_stop_iteration(iterations, exit_interval, expected):
     argv = ["--train-iters", str(iterations)] + (["--exit-interval", str(exit_interval)] if exit_interval else [])
     assert loop.stop_iteration(_args(*argv)) == expected
+
+
+def test_a_signal_during_a_step_saves_that_iteration_and_exits_without_final_validation(monkeypatch, capsys,
+                                                                                        tmp_path):
+    fake = FakeFramework(monkeypatch, signal_at=3)
+    before = signal.getsignal(signal.SIGTERM)
+    summary = _run(fake, _args("--train-iters", "10", "--save", str(tmp_path), "--save-interval", "2",
+                               "--eval-interval", "5", "--exit-signal-handler"))
+    assert [s[0] for s in fake.of("step")] == [1, 2, 3]
+    assert fake.of("save") == [(2, 2 * GBS), (3, 3 * GBS)] and fake.evaluated_after() == []
+    assert summary["iteration"] == 3 and summary["final_valid_loss"] is None
+    assert fake.votes == [(1, False), (2, False), (3, True)]     # asked after every step, once
+    assert signal.getsignal(signal.SIGTERM) is before              # the previous handler is back
+    out = capsys.readouterr().out
+    assert "> exiting at iteration 3: received SIGTERM\n" in out
+    assert "> done: 3 iterations | final validation loss n/a |" in out
+
+
+def test_a_signal_to_another_rank_stops_this_one_at_the_same_iteration(monkeypatch, tmp_path):
+    fake = FakeFramework(monkeypatch, other_rank_at=2)
+    summary = _run(fake, _args("--train-iters", "10", "--save", str(tmp_path), "--exit-signal-handler"))
+    assert summary["iteration"] == 2 and fake.of("save") == [(2, 2 * GBS)]
+
+
+def test_without_save_the_signal_still_stops_the_run_and_says_nothing_was_saved(monkeypatch, capsys):
+    fake = FakeFramework(monkeypatch, signal_at=1)
+    summary = _run(fake, _args("--train-iters", "4", "--exit-signal-handler"))
+    assert summary["iteration"] == 1 and fake.of("save") == []
+    assert "> exiting at iteration 1: received SIGTERM (no --save: nothing saved)" in capsys.readouterr().out
+
+
+def test_the_handler_acts_on_exit_signal_only(monkeypatch, tmp_path):
+    fake = FakeFramework(monkeypatch)
+    args = _args("--train-iters", "3", "--exit-signal-handler", "--exit-signal", "SIGUSR1")
+
+    def step_and_signal(iteration, consumed, batch_size):
+        result = fake.step(iteration, consumed, batch_size)
+        if iteration == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return result
+    parts = dataclasses.replace(fake.parts(), step=step_and_signal)
+    summary = loop.train(args, TrainingLogger(args, is_writer=True), parts, _report(args), loop.Progress(),
+                         publish=fake.publish)
+    assert summary["iteration"] == 2
+
+
+def test_past_the_time_limit_the_run_saves_and_stops_after_the_step(monkeypatch, capsys, tmp_path):
+    fake = FakeFramework(monkeypatch)
+    args = _args("--train-iters", "10", "--save", str(tmp_path), "--exit-duration-in-mins", "1")
+    summary = _run(fake, args, started_at=time.time() - 61)
+    assert summary["iteration"] == 1 and fake.of("save") == [(1, GBS)]
+    assert "> exiting at iteration 1: the time limit (--exit-duration-in-mins 1) was reached" in capsys.readouterr().out
+    fake = FakeFramework(monkeypatch)
+    assert _run(fake, args, started_at=time.time())["iteration"] == 10     # within the limit: the whole run
+
+
+def test_without_an_exit_rule_the_ranks_are_never_asked(monkeypatch):
+    fake = FakeFramework(monkeypatch)
+    _run(fake, _args("--train-iters", "3"))
+    assert fake.votes == []

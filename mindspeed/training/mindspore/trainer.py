@@ -3,6 +3,7 @@ main job (mindspeed/training/pretrain.py)."""
 from __future__ import annotations
 
 import os
+import time
 
 import mindspore as ms
 import numpy as np
@@ -260,12 +261,13 @@ def setup(args):
 
 
 def run(args) -> dict:
+    started_at = time.time()     # --exit-duration-in-mins counts setup too, as Megatron's
     os.umask(0o027)
     backend, ps = setup(args)
     rank = backend.comm.rank()
     logger = TrainingLogger(args, is_writer=rank == 0)
     try:
-        return _train(args, backend, ps, logger)
+        return _train(args, backend, ps, logger, started_at)
     finally:
         logger.close()
         mindspeed.unadapt()
@@ -295,7 +297,7 @@ def resume(args, trainer, logger) -> tuple[int, int]:
 SUMMARY_KEYS = ("iteration", "final_valid_loss", "tokens_per_s", "parameters", "losses", "step_time_s")
 
 
-def _train(args, backend, ps, logger) -> dict:
+def _train(args, backend, ps, logger, started_at: float) -> dict:
     a = args
     vocab, train, valid, eod_rules = _data(a, logger)
     a.vocab_size = vocab
@@ -311,7 +313,7 @@ def _train(args, backend, ps, logger) -> dict:
     iteration, consumed = resume(a, trainer, logger)
     parts = loop_parts(a, backend, ps, trainer, (train, valid, eod_rules))
     report = loop.RunReport(parameters=n_params, summary_keys=SUMMARY_KEYS, device=backend.device.name,
-                            write_loss_file=rank_is_zero(backend))
+                            write_loss_file=rank_is_zero(backend), started_at=started_at)
     return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed, trainer.skipped_iterations),
                       publish=state.context.publish if state else loop.no_subscribers)
 
@@ -373,7 +375,13 @@ def loop_parts(args, backend, ps, trainer: Trainer, streams: tuple) -> loop.Trai
         lr=lambda iteration: trainer.lr_at(iteration - trainer.skipped_iterations),
         peak_memory_mb=lambda: backend.memory.peak_memory_bytes() / 2**20,
         batch_size=lambda _consumed: a.global_batch_size,   # fixed: the support matrix refuses a ramp-up
-        loss_scale=(lambda: trainer.loss_scale) if trainer.scaler else None)
+        loss_scale=(lambda: trainer.loss_scale) if trainer.scaler else None,
+        any_rank=lambda flag: _any_rank(backend, flag))
+
+
+def _any_rank(backend, flag: bool) -> bool:
+    votes = backend.comm.all_reduce(ms.Tensor([int(flag)], ms.int32), "sum")
+    return bool(votes.asnumpy()[0])
 
 
 def rank_is_zero(backend) -> bool:

@@ -1,0 +1,29 @@
+"""`python -m mindspeed.torchrun ...`: torchrun (`torch.distributed.run`, the same arguments) whose
+stop by a signal ends in one line instead of a traceback.
+
+torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers (`--signals-to-handle`), waits for
+them (`--shutdown-timeout`, 30 s by default, then SIGKILL) and re-raises the signal as an exception.
+With `--exit-signal-handler` the workers use that time to finish their step and save; the launcher
+then only has to say what happened. The exit status is the shell's for a signal, 128 + its number.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main as torchrun_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        torchrun_main(argv)
+    except SignalException as stop:
+        name = signal.Signals(stop.sigval).name
+        print(f"torchrun: stopped by {name}: forwarded to the workers, which have exited", file=sys.stderr)
+        return 128 + int(stop.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
