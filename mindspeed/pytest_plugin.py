@@ -10,6 +10,7 @@ reason; a test that needs more processes than the run has is skipped saying how 
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import types
@@ -18,7 +19,7 @@ import pytest
 
 from mindspeed import megatron_lm
 from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, current, plan
-from mindspeed.megatron_test_skips import SKIPS, more_ranks_needed
+from mindspeed.megatron_test_skips import more_ranks_needed, skip_reason
 
 DOWNLOAD_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
 
@@ -55,11 +56,21 @@ def pytest_load_initial_conftests(early_config, parser, args):
                                      reason="Megatron's conftest must not reach for the network")
 
 
+def _te_present() -> bool:
+    """Megatron's own answer: its GPT layer specs import Transformer Engine or not."""
+    return bool(getattr(importlib.import_module("megatron.core.models.gpt.gpt_layer_specs"), "HAVE_TE", False))
+
+
 def pytest_collection_modifyitems(config, items):
+    te_present = _te_present()
     for item in items:
-        reason = SKIPS.get(item.nodeid) or SKIPS.get(item.nodeid.split("[")[0])
+        reason = skip_reason(item.nodeid, _world_size(), te_present)
         if reason:
-            item.add_marker(pytest.mark.skip(reason=f"MindSpeed skip list: {reason}"))
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))   # what Megatron's test Utils reads
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -67,7 +78,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed and call.excinfo is not None:
-        needed = more_ranks_needed(str(call.excinfo.value), int(os.environ.get("WORLD_SIZE", "1")))
+        needed = more_ranks_needed(str(call.excinfo.value), _world_size())
         if needed:
             report.outcome = "skipped"
             report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {needed}")
