@@ -75,7 +75,7 @@ RANKS: dict[str, int] = {
 _DIVISIBLE = re.compile(r"world_size \((\d+)\) is not divisible by (?:[\w-]+ size \()?(\d+)")
 
 
-def test_name(nodeid: str) -> str:
+def base_name(nodeid: str) -> str:
     """A pytest node id as written from the checkout's root, without its parameters."""
     name = nodeid.split("[", 1)[0]
     start = name.find(UNIT)
@@ -97,7 +97,7 @@ def more_ranks_needed(message: str, world_size: int) -> str | None:
 
 def skip_reason(nodeid: str, world_size: int, te_present: bool) -> str | None:
     """Why MindSpeed skips this test in this run, or None to run it."""
-    name = test_name(nodeid)
+    name = base_name(nodeid)
     if name in RANKS and world_size < RANKS[name]:
         return ranks_advice(RANKS[name], world_size)
     if name in SKIPS:
