@@ -5,11 +5,13 @@ Before pytest imports Megatron's conftest, the plugin applies the adaptor (what 
 mindspeed.megatron_adaptor` does, without reading pytest's command line as MindSpeed flags; the
 device comes from MINDSPEED_DEVICE, default auto). Megatron's conftest downloads a data set when
 /opt/data is empty: the plugin answers that download with a message instead of the network. Tests
-the device cannot run are skipped by the list in mindspeed/megatron_test_skips.py, each with its
-reason; a test that needs more processes than the run has is skipped saying how many it needs.
+the device cannot run fail as their listed reason in mindspeed/megatron_test_skips.py says and are
+reported skipped with that reason; a test that needs more processes than the run has is skipped
+saying how many it needs.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -19,7 +21,7 @@ import pytest
 
 from mindspeed import megatron_lm
 from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, current, plan
-from mindspeed.megatron_test_skips import more_ranks_needed, skip_reason
+from mindspeed.megatron_test_skips import listed_failure, more_ranks_needed, skip_before_running
 
 DOWNLOAD_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
 
@@ -56,15 +58,15 @@ def pytest_load_initial_conftests(early_config, parser, args):
                                      reason="Megatron's conftest must not reach for the network")
 
 
+@functools.lru_cache(maxsize=None)
 def _te_present() -> bool:
     """Megatron's own answer: its GPT layer specs import Transformer Engine or not."""
     return bool(getattr(importlib.import_module("megatron.core.models.gpt.gpt_layer_specs"), "HAVE_TE", False))
 
 
 def pytest_collection_modifyitems(config, items):
-    te_present = _te_present()
     for item in items:
-        reason = skip_reason(item.nodeid, _world_size(), te_present)
+        reason = skip_before_running(item.nodeid, _world_size())
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
 
@@ -78,7 +80,9 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed and call.excinfo is not None:
-        needed = more_ranks_needed(str(call.excinfo.value), _world_size())
-        if needed:
+        message = f"{call.excinfo.typename}: {call.excinfo.value}"
+        reason = (more_ranks_needed(message, _world_size())
+                  or listed_failure(item.nodeid, message, _te_present()))
+        if reason:
             report.outcome = "skipped"
-            report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {needed}")
+            report.longrepr = (item.location[0], item.location[1] or 0, f"Skipped: {reason}")

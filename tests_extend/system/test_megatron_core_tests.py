@@ -85,6 +85,7 @@ def test_every_skip_list_entry_names_an_existing_test_and_says_why(tmp_path):
         path, _, name = test.partition("::")
         assert path in names, f"{test}: no such file in {TESTS_TARBALL}"
         assert name in _definitions(os.path.join(tmp_path, path)), f"{test}: no such test"
-    for test, (reason, _needs_te) in SKIPS.items():
-        assert "user" in reason and len(reason) > 60, f"{test}: the reason must say what a user loses"
+    for test, reason in SKIPS.items():
+        assert "user" in reason.text and len(reason.text) > 60, f"{test}: the reason must say what a user loses"
+        assert reason.signature and all(reason.signature), f"{test}: the reason must name the failure it explains"
     assert all(need > 1 for need in RANKS.values())

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import mindspeed
 from megatron.core import utils as mutils
-from mindspeed.megatron_test_skips import more_ranks_needed, skip_reason, base_name
+from mindspeed.megatron_test_skips import base_name, listed_failure, more_ranks_needed, skip_before_running
 
 
 def test_nccl_process_groups_get_gloo_and_unadapt_restores_torch():
@@ -52,13 +52,21 @@ def test_a_test_needing_more_ranks_is_told_how_to_run():
     assert more_ranks_needed("shape mismatch", 1) is None
 
 
-def test_skip_list_lookup_ignores_parameters_and_the_checkout_prefix():
+def test_a_listed_test_is_skipped_only_when_it_fails_as_its_reason_says():
     node = "megatron-lm/tests/unit_tests/tensor_parallel/test_random.py::test_convert_cuda_rng_state[x]"
     assert base_name(node) == "tests/unit_tests/tensor_parallel/test_random.py::test_convert_cuda_rng_state"
-    assert "CUDA graphs" in skip_reason(node, 1, te_present=True)
+    graphs = "AssertionError: Tried using cudagraphs with RNG, however not detected in pytorch!"
+    assert "CUDA graphs" in listed_failure(node, graphs, te_present=True)
+    assert listed_failure(node, "AssertionError: assert 1 == 2", te_present=True) is None   # another failure
     te_only = "tests/unit_tests/transformer/test_transformer_layer.py::TestParallelTransformerLayer::test_constructor"
-    assert "Transformer Engine" in skip_reason(te_only, 1, te_present=False)
-    assert skip_reason(te_only, 1, te_present=True) is None        # with TE installed it runs
+    te_error = "NameError: name 'TESpecProvider' is not defined"
+    assert "Transformer Engine" in listed_failure(te_only, te_error, te_present=False)
+    assert listed_failure(te_only, te_error, te_present=True) is None        # with TE installed it counts
+    assert listed_failure("tests/unit_tests/test_foo.py::test_bar", te_error, te_present=False) is None
+
+
+def test_a_test_needing_eight_ranks_is_not_run_with_fewer():
     ranks = "tests/unit_tests/test_parallel_state.py::test_initialize_and_destroy_model_parallel[tp-cp-ep-dp-pp]"
-    assert "--nproc_per_node 8" in skip_reason(ranks, 2, te_present=False)
-    assert skip_reason(ranks, 8, te_present=False) is None
+    assert "--nproc_per_node 8" in skip_before_running(ranks, 2)
+    assert skip_before_running(ranks, 8) is None
+    assert skip_before_running("tests/unit_tests/test_parallel_state.py::test_other", 1) is None
