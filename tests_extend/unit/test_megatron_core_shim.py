@@ -19,6 +19,7 @@ def test_nccl_process_groups_get_gloo_and_unadapt_restores_torch():
         assert dist.get_backend() == "gloo"
         group = dist.new_group([0], backend="nccl")
         assert dist.get_backend(group) == "gloo"
+        assert dist.get_backend(dist.new_group([0], None, "nccl")) == "gloo"     # backend given positionally
         total = torch.ones(3)
         dist.all_reduce(total, group=group)
         assert total.tolist() == [1.0, 1.0, 1.0]

@@ -236,27 +236,30 @@ def _device_backend(backend, device: str):
     return backend
 
 
-def _wrap_group_maker(device: str):
+def _wrap_group_maker(device: str, backend_position: int):
     """init_process_group / new_group asked for nccl get the device's collective backend (gloo on
-    cpu), as torch_npu maps nccl to hccl."""
+    cpu), as torch_npu maps nccl to hccl. backend_position: where `backend` sits positionally."""
     def wrapper(original):
         def make_group(*args, **kwargs):
             if "backend" in kwargs:
                 kwargs["backend"] = _device_backend(kwargs["backend"], device)
-            elif args and original.__name__ == "init_process_group":   # its first parameter
-                args = (_device_backend(args[0], device),) + tuple(args[1:])
-            elif len(args) > 2:                                       # new_group(ranks, timeout, backend)
-                args = args[:2] + (_device_backend(args[2], device),) + tuple(args[3:])
+            elif len(args) > backend_position:
+                args = (args[:backend_position] + (_device_backend(args[backend_position], device),)
+                        + tuple(args[backend_position + 1:]))
             return original(*args, **kwargs)
         return make_group
     return wrapper
 
 
+#: torch.distributed's group makers and where each takes `backend` positionally
+GROUP_MAKERS = {"init_process_group": 0, "new_group": 2}
+
+
 def apply_cpu_shim(patcher) -> None:
     for target, replacement in CPU_CUDA_REPLACEMENTS.items():
         patcher.replace(target, replacement, reason="cpu stands in for cuda")
-    for maker in ("init_process_group", "new_group"):
-        patcher.wrap(f"torch.distributed.{maker}", _wrap_group_maker("cpu"),
+    for maker, backend_position in GROUP_MAKERS.items():
+        patcher.wrap(f"torch.distributed.{maker}", _wrap_group_maker("cpu", backend_position),
                      reason="backend 'nccl' -> gloo, the cpu's collective backend", aliases="torch.distributed")
     apply_absent_package_probes(patcher)
     import megatron.core.tensor_parallel.random as mrandom
