@@ -13,6 +13,8 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mindspeed.backends.torch.absent_packages import apply_absent_package_probes
+from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
 
@@ -227,9 +229,39 @@ CPU_CUDA_REPLACEMENTS = {
 }
 
 
+def _device_backend(backend, device: str):
+    """'nccl' in a backend string ('nccl', 'cuda:nccl', 'cpu:gloo,cuda:nccl') names the device's own."""
+    if isinstance(backend, str) and "nccl" in backend:
+        return backend.replace("nccl", dist_backend_for(device))
+    return backend
+
+
+def _wrap_group_maker(device: str, backend_position: int):
+    """init_process_group / new_group asked for nccl get the device's collective backend (gloo on
+    cpu), as torch_npu maps nccl to hccl. backend_position: where `backend` sits positionally."""
+    def wrapper(original):
+        def make_group(*args, **kwargs):
+            if "backend" in kwargs:
+                kwargs["backend"] = _device_backend(kwargs["backend"], device)
+            elif len(args) > backend_position:
+                args = (args[:backend_position] + (_device_backend(args[backend_position], device),)
+                        + tuple(args[backend_position + 1:]))
+            return original(*args, **kwargs)
+        return make_group
+    return wrapper
+
+
+#: torch.distributed's group makers and where each takes `backend` positionally
+GROUP_MAKERS = {"init_process_group": 0, "new_group": 2}
+
+
 def apply_cpu_shim(patcher) -> None:
     for target, replacement in CPU_CUDA_REPLACEMENTS.items():
         patcher.replace(target, replacement, reason="cpu stands in for cuda")
+    for maker, backend_position in GROUP_MAKERS.items():
+        patcher.wrap(f"torch.distributed.{maker}", _wrap_group_maker("cpu", backend_position),
+                     reason="backend 'nccl' -> gloo, the cpu's collective backend", aliases="torch.distributed")
+    apply_absent_package_probes(patcher)
     import megatron.core.tensor_parallel.random as mrandom
     patcher.replace("megatron.core.tensor_parallel.random._get_cuda_rng_state", _get_rng_state,
                     reason="cpu generator is the device generator", aliases="megatron")
@@ -292,6 +324,7 @@ def apply_npu_shim(patcher) -> None:
     """On Ascend, torch_npu maps torch.cuda.* and 'cuda' devices to the NPU itself."""
     import torch_npu  # noqa: F401  (only reached when device == 'npu')
     from torch_npu.contrib import transfer_to_npu  # noqa: F401
+    apply_absent_package_probes(patcher)
     log.info("MindSpeed: torch_npu transfer_to_npu active")
 
 

@@ -1,0 +1,121 @@
+"""Megatron-Core unit tests (core_v0.16.1, `tests/unit_tests`) that MindSpeed skips on a device
+without CUDA, each with its reason: what the test needs and what a user loses there.
+
+Keys are test names as pytest writes them from a Megatron-LM checkout's root, without the
+parameters in brackets. A listed test still runs, so Megatron's own skip conditions (its skipif
+marks and the skips inside its tests) keep the last word; it is reported skipped with its reason
+only when it fails with the failure its reason names (`Reason.signature`), and any other failure
+stays a failure. A test that needs Transformer Engine is listed only while Megatron itself reports
+TE absent (`HAVE_TE` in megatron.core.models.gpt.gpt_layer_specs). Tests that need more processes
+than the run has are skipped apart from this list (more_ranks_needed, RANKS), saying how to run them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Reason:
+    text: str                   # what the test needs and what a user loses without it
+    signature: tuple            # the failure it shows without that (any of these in the error)
+    needs_te: bool = True       # listed only while Megatron reports Transformer Engine absent
+
+UNIT = "tests/unit_tests/"
+ATTENTION = UNIT + "transformer/test_attention.py::TestParallelAttention::"
+NO_ROPE = UNIT + "transformer/test_attention_no_rope.py::TestParallelAttentionWithNoRope::"
+PACKED = UNIT + "transformer/test_attention_packed_seq.py::TestParallelAttentionWithPackedSequence::"
+PACKED_PADDED = UNIT + "transformer/test_attention_packed_seq.py::TestParallelAttentionWithPackedPaddedSequence::"
+DSA = UNIT + "transformer/test_attention_variant_dsa.py::"
+BLOCK = UNIT + "transformer/test_transformer_block.py::TestParallelTransformerBlock::"
+LAYER = UNIT + "transformer/test_transformer_layer.py::TestParallelTransformerLayer::"
+CUSTOM_PGS = UNIT + "transformer/test_transformer_block_custom_pgs.py::TestTransformerBlockWithProcessGroups::"
+
+TE_SPEC = Reason("builds Megatron's Transformer Engine layer spec (TESpecProvider); Transformer Engine is "
+                 "CUDA-only, so on CPU a user loses TE's fused layers and builds the local spec "
+                 "(get_gpt_layer_local_spec) instead", ("TESpecProvider",))
+TE_MODULES = Reason("builds Transformer Engine modules (TELinear, TENorm, TELayerNormColumnParallelLinear) "
+                    "directly, which are stand-ins without TE; on CPU a user loses those CUDA-only layers",
+                    ("Mock object has no attribute", "not enough values to unpack (expected 2, got 0)"))
+TE_FP8 = Reason("reads Transformer Engine's FP8 state (FP8GlobalStateManager); on CPU a user loses FP8 "
+                "training, which needs TE on a GPU with FP8 support", ("FP8GlobalStateManager",))
+CUDA_GRAPHS = Reason("needs torch's CUDA-graph-safe RNG (cudagraphs); on CPU a user loses CUDA graphs, "
+                     "which exist only on CUDA", ("cudagraphs with RNG",), needs_te=False)
+CUDA_TENSOR = Reason("asserts that its output is a CUDA tensor; the same forward on CPU is checked by the "
+                     "file's test_cpu_forward, so a user loses nothing", ("== 'cuda'",), needs_te=False)
+
+SKIPS: dict[str, Reason] = {
+    **{ATTENTION + name: TE_SPEC for name in (
+        "test_constructor", "test_cpu_forward", "test_gpu_forward", "test_checkpointed_gpu_forward")},
+    **{NO_ROPE + name: TE_SPEC for name in (
+        "test_integer_no_rope_freq_pattern", "test_custom_no_rope_pattern", "test_gpu_forward_with_no_rope",
+        "test_invalid_no_rope_freq_pattern", "test_gpu_forward_no_rope_freq_not_specified",
+        "test_checkpointed_gpu_forward", "test_flash_decode_with_no_rope_freq")},
+    **{cls + name: TE_SPEC for cls in (PACKED, PACKED_PADDED) for name in (
+        "test_cpu_forward", "test_gpu_forward", "test_checkpointed_gpu_forward")},
+    **{BLOCK + name: TE_SPEC for name in (
+        "test_constructor", "test_gpu_forward", "test_gpu_forward_full_checkpoint",
+        "test_gpu_forward_full_checkpoint_fp8", "test_gpu_forward_selective_checkpoint",
+        "test_gpu_forward_selective_checkpoint_fp8")},
+    **{LAYER + name: TE_SPEC for name in (
+        "test_constructor", "test_gpu_forward", "test_chunked_mlp", "test_get_layer_offset",
+        "test_get_layer_offset_parametrized", "test_sharded_state_dict")},
+    UNIT + "transformer/test_multi_token_prediction.py::TestMultiTokenPredictionLayer::test_constructor_ues_te":
+        TE_SPEC,
+    CUSTOM_PGS + "test_params_and_grads_match_transformer_block": TE_SPEC,
+    CUSTOM_PGS + "test_fwd_bwd_pass_non_uniform_transformer_block": TE_MODULES,
+    CUSTOM_PGS + "test_mlp_with_custom_pgs": TE_MODULES,
+    DSA + "TestDSAIndexer::test_dsa_indexer_constructor": TE_MODULES,
+    DSA + "TestDSAttention::test_dsa_constructor": TE_MODULES,
+    UNIT + "tensor_parallel/test_random.py::test_checkpoint_without_output": TE_FP8,
+    UNIT + "tensor_parallel/test_random.py::test_double_fork_cuda_rng_states_tracker": CUDA_GRAPHS,
+    UNIT + "tensor_parallel/test_random.py::test_convert_cuda_rng_state": CUDA_GRAPHS,
+    UNIT + "transformer/test_utils.py::TestGPTModel::test_post_process_forward": TE_SPEC,
+    UNIT + "models/test_base_embedding.py::TestBaseEmbedding::test_gpu_forward": CUDA_TENSOR,
+}
+
+#: tests that need at least this many processes, where the need does not show as parallel_state's
+#: "world_size (1) is not divisible by N" (the test itself expects a failure only a larger world gives)
+RANKS: dict[str, int] = {
+    UNIT + "test_parallel_state.py::test_initialize_and_destroy_model_parallel": 8,
+    UNIT + "test_parallel_state.py::test_different_initialize_order_unconsistency": 8,
+}
+
+# parallel_state's "world_size (1) is not divisible by 8" and "... by <name> size (8)"
+_DIVISIBLE = re.compile(r"world_size \((\d+)\) is not divisible by (?:[\w-]+ size \()?(\d+)")
+
+
+def base_name(nodeid: str) -> str:
+    """A pytest node id as written from the checkout's root, without its parameters."""
+    name = nodeid.split("[", 1)[0]
+    start = name.find(UNIT)
+    return name[start:] if start >= 0 else name
+
+
+def ranks_advice(need: int, world_size: int) -> str:
+    return (f"needs {need} processes (a multiple of {need}), the run has {world_size}: "
+            f"torchrun --nproc_per_node {need} -m pytest -p mindspeed.pytest_plugin ...")
+
+
+def more_ranks_needed(message: str, world_size: int) -> str | None:
+    """The skip reason for a test that failed asking for more processes than the run has, else None."""
+    match = _DIVISIBLE.search(message)
+    if match is None or int(match.group(1)) != world_size:
+        return None
+    return ranks_advice(int(match.group(2)), world_size)
+
+
+def skip_before_running(nodeid: str, world_size: int) -> str | None:
+    """Why this test is not run at all in this run (too few processes), or None."""
+    need = RANKS.get(base_name(nodeid))
+    return ranks_advice(need, world_size) if need and world_size < need else None
+
+
+def listed_failure(nodeid: str, message: str, te_present: bool) -> str | None:
+    """The skip reason when a listed test failed the way its reason says, else None (a failure)."""
+    reason = SKIPS.get(base_name(nodeid))
+    if reason is None or (reason.needs_te and te_present):
+        return None
+    if not any(signature in message for signature in reason.signature):
+        return None
+    return f"MindSpeed skip list: {reason.text}"

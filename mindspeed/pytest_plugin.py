@@ -1,0 +1,88 @@
+"""`python -m pytest -p mindspeed.pytest_plugin ...`: Megatron-Core's own unit tests on any device
+MindSpeed supports.
+
+Before pytest imports Megatron's conftest, the plugin applies the adaptor (what `import
+mindspeed.megatron_adaptor` does, without reading pytest's command line as MindSpeed flags; the
+device comes from MINDSPEED_DEVICE, default auto). Megatron's conftest downloads a data set when
+/opt/data is empty: the plugin answers that download with a message instead of the network. Tests
+the device cannot run fail as their listed reason in mindspeed/megatron_test_skips.py says and are
+reported skipped with that reason; a test that needs more processes than the run has is skipped
+saying how many it needs.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import types
+
+import pytest
+
+from mindspeed import megatron_lm
+from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, current, plan
+from mindspeed.megatron_test_skips import listed_failure, more_ranks_needed, skip_before_running
+
+DOWNLOAD_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
+
+
+def _adapt():
+    if current() is not None:     # the script or another plugin adapted already
+        return current()
+    try:
+        if megatron_lm.present():
+            return megatron_lm.adapt_megatron_lm([])
+        return apply_plan(plan([]))
+    except MindSpeedConfigError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def _no_download(assets_dir, *args, **kwargs):
+    print(f"MindSpeed: Megatron's unit-test data set is not downloaded (no network is reached from "
+          f"tests); put it in {assets_dir} to run the tests that read it")
+    return False
+
+
+def _offline_download_module() -> types.ModuleType:
+    module = types.ModuleType(DOWNLOAD_MODULE)
+    module.download_and_extract_asset = _no_download
+    module.__doc__ = "MindSpeed stand-in: the real module downloads Megatron's test data from GitHub"
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    state = _adapt()
+    if DOWNLOAD_MODULE not in sys.modules:
+        state.patcher.provide_module(DOWNLOAD_MODULE, _offline_download_module(),
+                                     reason="Megatron's conftest must not reach for the network")
+
+
+@functools.lru_cache(maxsize=None)
+def _te_present() -> bool:
+    """Megatron's own answer: its GPT layer specs import Transformer Engine or not."""
+    return bool(getattr(importlib.import_module("megatron.core.models.gpt.gpt_layer_specs"), "HAVE_TE", False))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        reason = skip_before_running(item.nodeid, _world_size())
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))   # what Megatron's test Utils reads
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None:
+        message = f"{call.excinfo.typename}: {call.excinfo.value}"
+        reason = (more_ranks_needed(message, _world_size())
+                  or listed_failure(item.nodeid, message, _te_present()))
+        if reason:
+            report.outcome = "skipped"
+            report.longrepr = (item.location[0], item.location[1] or 0, f"Skipped: {reason}")

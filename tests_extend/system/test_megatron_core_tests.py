@@ -1,0 +1,91 @@
+"""Megatron-Core's own unit tests through mindspeed.pytest_plugin (what .ci/megatron_core_tests runs):
+two test files pass through the plugin in a real pytest subprocess, and every skip-list entry names
+a test that exists and says why. Needs the core_v0.16.1 snapshot and its tests tarball
+($MINDSPEED_MEGATRON_LM_SNAPSHOTS or ../shared/megatron-lm); skipped, saying so, without them."""
+import ast
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from mindspeed.files import safe_extract
+from mindspeed.megatron_test_skips import RANKS, SKIPS
+from tests_extend.system.megatron_lm_kit import ROOT, snapshot, snapshot_dir
+
+TESTS_TARBALL = "Megatron-LM-core_v0.16.1-tests.tar.gz"
+
+
+def _tests_tarball():
+    directory = snapshot_dir()
+    path = directory and os.path.join(directory, TESTS_TARBALL)
+    return path if path and os.path.isfile(path) else None
+
+
+needs_snapshots = pytest.mark.skipif(
+    snapshot("0.16.1") is None or _tests_tarball() is None,
+    reason=f"Megatron-LM core_v0.16.1 snapshot and {TESTS_TARBALL} absent (set MINDSPEED_MEGATRON_LM_SNAPSHOTS)")
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    dest = str(tmp_path_factory.mktemp("megatron-core-tests"))
+    safe_extract(snapshot("0.16.1"), dest)
+    safe_extract(_tests_tarball(), dest)
+    return dest
+
+
+def _counts(summary: str) -> dict:
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+
+
+@needs_snapshots
+def test_megatron_test_files_pass_through_the_plugin(checkout):
+    files = ["tests/unit_tests/models/test_base_embedding.py", "tests/unit_tests/transformer/test_mlp.py"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([checkout, ROOT]))
+    env.pop("WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "mindspeed.pytest_plugin", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", "-q", "-rs", "-W", "ignore", *files],
+                         cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
+    last = out.stdout.strip().splitlines()[-1]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    counts = _counts(last)
+    assert counts.get("passed", 0) >= 4 and "failed" not in counts and "error" not in counts, last
+    # test_gpu_forward asserts a CUDA tensor: skipped by the list, with its reason
+    assert "MindSpeed skip list: asserts that its output is a CUDA tensor" in out.stdout
+
+
+def _definitions(path: str) -> set:
+    """'Class::method' (methods inherited from a class of the same file included) and 'function'
+    names a test file defines."""
+    tree = ast.parse(open(path).read())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def methods(cls: ast.ClassDef) -> set:
+        own = {item.name for item in cls.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                own |= methods(classes[base.id])
+        return own
+
+    names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for name, cls in classes.items():
+        names.update(f"{name}::{method}" for method in methods(cls))
+    return names
+
+
+@pytest.mark.skipif(_tests_tarball() is None, reason=f"{TESTS_TARBALL} absent (set MINDSPEED_MEGATRON_LM_SNAPSHOTS)")
+def test_every_skip_list_entry_names_an_existing_test_and_says_why(tmp_path):
+    with tarfile.open(_tests_tarball()) as archive:
+        names = set(archive.getnames())
+    safe_extract(_tests_tarball(), str(tmp_path))
+    for test in list(SKIPS) + list(RANKS):
+        path, _, name = test.partition("::")
+        assert path in names, f"{test}: no such file in {TESTS_TARBALL}"
+        assert name in _definitions(os.path.join(tmp_path, path)), f"{test}: no such test"
+    for test, reason in SKIPS.items():
+        assert "user" in reason.text and len(reason.text) > 60, f"{test}: the reason must say what a user loses"
+        assert reason.signature and all(reason.signature), f"{test}: the reason must name the failure it explains"
+    assert all(need > 1 for need in RANKS.values())

@@ -1,0 +1,73 @@
+"""The cpu device shim's mappings for what Megatron-Core's own unit tests touch: a process group
+asked for nccl gets gloo, Transformer Engine's version probe answers "not installed"; both are
+listed by describe() and undone by unadapt()."""
+import torch
+import torch.distributed as dist
+
+import mindspeed
+from megatron.core import utils as mutils
+from mindspeed.megatron_test_skips import base_name, listed_failure, more_ranks_needed, skip_before_running
+
+
+def test_nccl_process_groups_get_gloo_and_unadapt_restores_torch():
+    init_before, new_group_before = dist.init_process_group, dist.new_group
+    state = mindspeed.adapt([])
+    described = state.patcher.describe()
+    assert "torch.distributed.init_process_group" in described and "torch.distributed.new_group" in described
+    try:
+        dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1)
+        assert dist.get_backend() == "gloo"
+        group = dist.new_group([0], backend="nccl")
+        assert dist.get_backend(group) == "gloo"
+        assert dist.get_backend(dist.new_group([0], None, "nccl")) == "gloo"     # backend given positionally
+        total = torch.ones(3)
+        dist.all_reduce(total, group=group)
+        assert total.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        mindspeed.unadapt()
+    assert dist.init_process_group is init_before and dist.new_group is new_group_before
+    assert dist.distributed_c10d.new_group is new_group_before
+
+
+def test_te_version_probe_answers_absent_without_raising():
+    probe_before = mutils.is_te_min_version
+    absent = mutils.get_te_version() is None
+    state = mindspeed.adapt([])
+    try:
+        assert "megatron.core.utils.is_te_min_version" in state.patcher.describe()
+        if absent:
+            assert mutils.is_te_min_version("1.3") is False
+    finally:
+        mindspeed.unadapt()
+    assert mutils.is_te_min_version is probe_before
+
+
+def test_a_test_needing_more_ranks_is_told_how_to_run():
+    reason = more_ranks_needed("RuntimeError: world_size (1) is not divisible by 8", 1)
+    assert "torchrun --nproc_per_node 8" in reason
+    reason = more_ranks_needed("world_size (2) is not divisible by expert_tensor_model_pipeline_parallel size (4)", 2)
+    assert "torchrun --nproc_per_node 4" in reason
+    assert more_ranks_needed("world_size (2) is not divisible by 8", 1) is None   # another run's world
+    assert more_ranks_needed("shape mismatch", 1) is None
+
+
+def test_a_listed_test_is_skipped_only_when_it_fails_as_its_reason_says():
+    node = "megatron-lm/tests/unit_tests/tensor_parallel/test_random.py::test_convert_cuda_rng_state[x]"
+    assert base_name(node) == "tests/unit_tests/tensor_parallel/test_random.py::test_convert_cuda_rng_state"
+    graphs = "AssertionError: Tried using cudagraphs with RNG, however not detected in pytorch!"
+    assert "CUDA graphs" in listed_failure(node, graphs, te_present=True)
+    assert listed_failure(node, "AssertionError: assert 1 == 2", te_present=True) is None   # another failure
+    te_only = "tests/unit_tests/transformer/test_transformer_layer.py::TestParallelTransformerLayer::test_constructor"
+    te_error = "NameError: name 'TESpecProvider' is not defined"
+    assert "Transformer Engine" in listed_failure(te_only, te_error, te_present=False)
+    assert listed_failure(te_only, te_error, te_present=True) is None        # with TE installed it counts
+    assert listed_failure("tests/unit_tests/test_foo.py::test_bar", te_error, te_present=False) is None
+
+
+def test_a_test_needing_eight_ranks_is_not_run_with_fewer():
+    ranks = "tests/unit_tests/test_parallel_state.py::test_initialize_and_destroy_model_parallel[tp-cp-ep-dp-pp]"
+    assert "--nproc_per_node 8" in skip_before_running(ranks, 2)
+    assert skip_before_running(ranks, 8) is None
+    assert skip_before_running("tests/unit_tests/test_parallel_state.py::test_other", 1) is None
