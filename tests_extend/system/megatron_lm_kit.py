@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from mindspeed.files import safe_extract
 from mindspeed.net import free_port
 
@@ -39,6 +41,14 @@ def snapshot(version: str) -> str | None:
     return path if path and os.path.isfile(path) else None
 
 
+def checkout_or_skip(version: str, tmp_path_factory) -> str:
+    """A pytest fixture's body: the unpacked checkout, or skip saying where the snapshot is looked for."""
+    if snapshot(version) is None:
+        pytest.skip(f"no Megatron-LM core_v{version} snapshot: set ${SNAPSHOT_ENV} or provide "
+                    f"../shared/megatron-lm/ (CI has it)")
+    return unpack_checkout(version, str(tmp_path_factory.mktemp(f"megatron-lm-{version}-")))
+
+
 def unpack_checkout(version: str, dest: str) -> str:
     """A user's Megatron-LM checkout: the snapshot with the import line under `import torch`."""
     safe_extract(snapshot(version), dest)
@@ -62,6 +72,13 @@ def launch(checkout: str, nproc: int, args=(), env=None, timeout: int = 420) -> 
     full_env.update(env or {})
     return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def mindspeed_features(output: str) -> set[str]:
+    """The features MindSpeed's rank-0 line reports."""
+    # anywhere in a line: the other ranks' block-buffered output can end mid-line just before rank 0's
+    line = next(l for l in output.splitlines() if "> MindSpeed backend" in l)
+    return set(line.split("> MindSpeed backend", 1)[1].split("features: ", 1)[1].split(";")[0].split(", "))
 
 
 def losses(output: str) -> dict[int, float]:

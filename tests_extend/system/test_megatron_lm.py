@@ -60,19 +60,9 @@ NEWEST_CORE_ONLY = set(CONFIGS) if not os.environ.get("MINDSPEED_SLOW_TESTS") el
 CP_TOLERANCE = 1e-4   # fp32; CP changes only the order of reductions
 
 
-def _skip_reason(version):
-    if kit.snapshot(version) is None:
-        return (f"no Megatron-LM core_v{version} snapshot: set ${kit.SNAPSHOT_ENV} or provide "
-                f"../shared/megatron-lm/ (CI has it)")
-    return None
-
-
 @pytest.fixture(scope="module", params=kit.VERSIONS, ids=lambda v: f"core_v{v}")
 def checkout(request, tmp_path_factory):
-    reason = _skip_reason(request.param)
-    if reason:
-        pytest.skip(reason)
-    return kit.unpack_checkout(request.param, str(tmp_path_factory.mktemp(f"megatron-lm-{request.param}-")))
+    return kit.checkout_or_skip(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +78,6 @@ def indexed_dataset(tmp_path_factory):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return prefix
-
-
-def _mindspeed_features(output):
-    # anywhere in a line: the other ranks' block-buffered output can end mid-line just before rank 0's
-    line = next(l for l in output.splitlines() if "> MindSpeed backend" in l)
-    return set(line.split("> MindSpeed backend", 1)[1].split("features: ", 1)[1].split(";")[0].split(", "))
 
 
 def _train(checkout, nproc, extra, env):
@@ -125,8 +109,8 @@ def test_pretrain_gpt_trains(checkout, indexed_dataset, name, request):
         assert losses[10] < losses[1] - 0.3, losses
     elif "--reuse-fp32-param" in extra:   # mock tokens: the masters' updates still reach the weights
         assert losses[10] < losses[1] - 0.1, losses
-    assert expected <= _mindspeed_features(output), output[-3000:]
-    assert "gradient-accumulation-fusion" in _mindspeed_features(output)   # Megatron's default, MindSpeed's kernel
+    assert expected <= kit.mindspeed_features(output), output[-3000:]
+    assert "gradient-accumulation-fusion" in kit.mindspeed_features(output)   # Megatron's default, MindSpeed's kernel
     if "--moe-shared-expert-overlap" in extra:   # a Megatron option (not on the features line): its args dump
         assert re.search(r"moe_shared_expert_overlap \.+ True", output), output[-3000:]
     # --op-cal-tflops turns on Megatron-LM's own --log-throughput (its line; MFU is the built-in trainers')

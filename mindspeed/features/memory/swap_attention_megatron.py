@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from mindspeed.features.memory import layer_init
+from mindspeed.features.memory import layer_init, parameter_identity
 from mindspeed.features.memory.activation_swap import ActivationSwapper
 
 _SWAPPER = None
@@ -34,4 +34,5 @@ def install(patcher, names: list[str], memory) -> None:
             if module is not None and any(True for _ in module.parameters()):   # not an IdentityOp
                 module.forward = _swapped_forward(module.forward, layer.layer_number)
 
+    parameter_identity.install(patcher, memory)
     layer_init.add_hook(patcher, swap_modules, "--swap-attention: swapped modules save their activations on the host")
