@@ -30,7 +30,7 @@ def _recorder(directory, name: str, body: str):
 def _python_recorder(tmp_path):
     """$PYTHON for train_distributed.sh: runs python, except torchrun (recorded, not started)."""
     return _recorder(str(tmp_path / "bin"), "python",
-                     f'case "$*" in *torch.distributed.run*) exit {LAUNCHER_REACHED};; esac\n'
+                     f'case "$*" in *mindspeed.torchrun*) exit {LAUNCHER_REACHED};; esac\n'
                      f'exec "{sys.executable}" "$@"')
 
 
@@ -65,7 +65,7 @@ def test_torch_script_refuses_before_torchrun(tmp_path, name, env, args, expecte
     python, log = _python_recorder(tmp_path)
     start = time.monotonic()
     result = launch_example(dict(env, PYTHON=python), args, timeout=120)
-    launched = [c for c in _calls(log) if "torch.distributed.run" in c]
+    launched = [c for c in _calls(log) if "mindspeed.torchrun" in c]
     assert_refused_before_launch(result, time.monotonic() - start, expected, launched)
 
 
@@ -76,7 +76,7 @@ def test_torch_script_launches_what_the_preflight_accepts(tmp_path):
     assert result.returncode == LAUNCHER_REACHED, (result.stdout + result.stderr)[-3000:]
     calls = _calls(log)
     assert calls[0].startswith("-m mindspeed.preflight --preflight-world-size 2 ")
-    assert calls[-1].startswith("-m torch.distributed.run") and "pretrain_gpt.py" in calls[-1]
+    assert calls[-1].startswith("-m mindspeed.torchrun") and "pretrain_gpt.py" in calls[-1]
     assert calls[-1].endswith("--num-layers 4") and calls[0].endswith("--num-layers 4")
 
 
@@ -85,7 +85,7 @@ def test_help_is_printed_once_and_nothing_launched(tmp_path):
     result = launch_example(dict(PYTHON=python), ["--help"], timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("usage: pretrain_gpt.py") == 1 and "--no-load-optim" in result.stdout
-    assert not [c for c in _calls(log) if "torch.distributed.run" in c]
+    assert not [c for c in _calls(log) if "mindspeed.torchrun" in c]
 
 
 def test_megatron_lm_script_is_not_preflighted(tmp_path):
@@ -99,7 +99,7 @@ def test_megatron_lm_script_is_not_preflighted(tmp_path):
     assert result.returncode == LAUNCHER_REACHED, (result.stdout + result.stderr)[-3000:]
     calls = _calls(log)
     assert not [c for c in calls if "preflight" in c], calls
-    assert "torch.distributed.run" in calls[-1] and calls[-1].endswith("--a-megatron-lm-only-flag")
+    assert "mindspeed.torchrun" in calls[-1] and calls[-1].endswith("--a-megatron-lm-only-flag")
 
 
 MINDSPORE_REFUSALS = [
