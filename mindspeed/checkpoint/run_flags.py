@@ -8,7 +8,7 @@ import json
 import os
 
 from mindspeed.errors import CheckpointError
-from mindspeed.files import atomic_write
+from mindspeed.files import atomic_write, private_dir
 
 RUN_FLAGS_FILE = "run_flags.json"
 FORMAT = 1
@@ -35,7 +35,12 @@ def write(root: str, args, trainer: str) -> str:
     def dump(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(body, f, indent=1)
-    atomic_write(path, dump)
+    try:
+        private_dir(root)
+        atomic_write(path, dump)
+    except OSError as err:      # a full disk: one line, the tracker untouched
+        raise CheckpointError(f"writing {path} failed: {err.strerror or err} (the tracker still names the "
+                              f"last complete checkpoint)") from None
     return path
 
 

@@ -190,9 +190,11 @@ def _validate(logger: TrainingLogger, parts: TrainParts, iteration: int, label: 
 
 
 def _save(args, logger: TrainingLogger, parts: TrainParts, progress: Progress) -> None:
-    parts.save(progress.iteration, progress.consumed)
-    if logger.is_writer:     # what mindspeed.generate / mindspeed.evaluate rebuild the model from
+    # what mindspeed.generate / mindspeed.evaluate rebuild the model from; written first, so that the
+    # tracker (written by parts.save) is the last file of a save
+    if logger.is_writer:
         run_flags.write(args.save, args, trainer=args.backend)
+    parts.save(progress.iteration, progress.consumed)
     logger.print(f"> saved checkpoint at iteration {progress.iteration} to {args.save}")
 
 

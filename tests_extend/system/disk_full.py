@@ -3,6 +3,7 @@ otherwise the test is skipped with that reason), and a filler that leaves only a
 import contextlib
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -26,3 +27,26 @@ def fill(path, leave_bytes: int = 4096) -> None:
     free = stat.f_bavail * stat.f_frsize
     with open(os.path.join(path, "filler"), "wb") as f:
         f.write(b"\0" * max(0, free - leave_bytes))
+
+
+def run_filling_after_first_save(argv, disk, ckpt, log, timeout, **popen) -> tuple[int, str, str]:
+    """Start a training (`argv`, its output to `log`), fill `disk` as soon as its first checkpoint
+    is tracked, let it run into the full disk: (exit code, output, its one `error:` line)."""
+    with open(log, "w") as out:
+        job = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **popen)
+    try:
+        deadline = time.time() + timeout
+        while not (ckpt / "latest_checkpointed_iteration.txt").exists():
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.02)
+        fill(disk)
+        job.wait(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = log.read_text()
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"   # the previous one
+    os.remove(os.path.join(disk, "filler"))
+    return job.returncode, output, errors[0]

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from mindspeed.net import free_port
-from tests_extend.system.disk_full import fill, small_tmpfs
+from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 
 pytest.importorskip("mindspore")
@@ -212,26 +212,11 @@ def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_
             "--data-path", tiny_dataset, "--eval-iters", "0", "--split", "90,10,0"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     with small_tmpfs(tmp_path / "disk", 4) as disk:
-        ckpt, log = disk / "ckpt", tmp_path / "run.log"
-        with open(log, "w") as out:
-            job = subprocess.Popen([*args, "--train-iters", "40", "--save", str(ckpt), "--save-interval", "10",
-                                    "--exit-interval", "30"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 300
-            while not (ckpt / "latest_checkpointed_iteration.txt").exists():
-                assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-                time.sleep(0.02)
-            fill(disk)
-            job.wait(timeout=300)
-        finally:
-            if job.poll() is None:
-                job.kill()
-        output = log.read_text()
-        errors = [line for line in output.splitlines() if line.startswith("error:")]
-        assert job.returncode == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
-        assert "iter_0000020" in errors[0] and "No space left on device" in errors[0], errors[0]
-        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-        os.remove(disk / "filler")
+        ckpt = disk / "ckpt"
+        rc, _output, error = run_filling_after_first_save(
+            [*args, "--train-iters", "40", "--save", str(ckpt), "--save-interval", "10", "--exit-interval", "30"],
+            disk, ckpt, tmp_path / "run.log", 300, cwd=ROOT, env=env)
+        assert rc == 2 and str(ckpt) in error and "No space left on device" in error, error   # iteration 20
         loaded = subprocess.run([*args, "--load", str(ckpt), "--train-iters", "11"], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert loaded.returncode == 0 and f"at iteration 10" in loaded.stdout, loaded.stdout[-3000:] + loaded.stderr[-2000:]

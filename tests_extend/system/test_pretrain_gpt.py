@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mindspeed.net import free_port
-from tests_extend.system.disk_full import fill, small_tmpfs
+from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -426,27 +426,10 @@ def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_
             "--split", "90,10,0"]
     with small_tmpfs(tmp_path / "disk", 16) as disk:
         ckpt = disk / "ckpt"
-        log = tmp_path / "run.log"
-        with open(log, "w") as out:
-            job = subprocess.Popen([sys.executable, PRETRAIN, *args, "--train-iters", "20", "--save", str(ckpt),
-                                    "--save-interval", "10", "--exit-interval", "12"], cwd=ROOT,
-                                   stdout=out, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.time() + LAUNCH_TIMEOUT
-            while not (ckpt / "latest_checkpointed_iteration.txt").exists():
-                assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-                time.sleep(0.02)
-            fill(disk)
-            job.wait(timeout=LAUNCH_TIMEOUT)
-        finally:
-            if job.poll() is None:
-                job.kill()
-        output = log.read_text()
-        errors = [line for line in output.splitlines() if line.startswith("error:")]
-        assert job.returncode == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
-        assert "iter_0000012" in errors[0] and "No space left on device" in errors[0], errors[0]
-        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-        os.remove(disk / "filler")
+        rc, _output, error = run_filling_after_first_save(
+            [sys.executable, PRETRAIN, *args, "--train-iters", "20", "--save", str(ckpt), "--save-interval", "10",
+             "--exit-interval", "12"], disk, ckpt, tmp_path / "run.log", LAUNCH_TIMEOUT, cwd=ROOT)
+        assert rc == 2 and str(ckpt) in error and "No space left on device" in error, error   # iteration 12
         rc, out = _pretrain_single([*args, "--load", str(ckpt), "--train-iters", "11"])
         assert rc == 0 and f"loaded checkpoint {ckpt} at iteration 10" in out, out[-3000:]
 
