@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class MsrunError(AssertionError):
-    native_crash = False       # a worker's log shows NATIVE_CRASH
+    """msrun failed, timed out, or a rank wrote no result; carries the workers' log tails."""
 
 
 def _read(path: str) -> str:
@@ -34,30 +33,10 @@ def _tail(path: str, n: int = 60) -> str:
     return "\n".join(lines[-n:]) if lines else "(no log)"
 
 
-# What a worker's log shows when MindSpore 2.10 itself crashed it: a native fault while freeing a
-# PyNative autograd graph (~CNode() from Tensor destructors, "corrupted double-linked list" or
-# SIGSEGV): 2 of 5 full CI runs at one stage, and once in ~20 launches of a stress loop here.
-NATIVE_CRASH = ("Fatal Python error: Segmentation fault", "Fatal Python error: Aborted")
-
-
 def run_msrun(script: str, args: list, out_dir: str, *, workers: int = 2, timeout: float = 240) -> list:
     """Run `script args...` on `workers` msrun processes; return each rank's JSON result
-    (out_dir/rank{r}.json, written by the worker). A launch whose worker MindSpore crashed natively
-    (NATIVE_CRASH in its log) runs once more, saying so; any other failure fails at once."""
-    try:
-        return _run_msrun(script, args, out_dir, workers, timeout)
-    except MsrunError as e:
-        if not e.native_crash:
-            raise
-        print(f"\nrun_msrun: a worker of {os.path.basename(script)} crashed inside MindSpore; launching once "
-              f"more (first failure follows)\n{str(e)[-4000:]}", file=sys.stderr)
-        for stale in glob.glob(os.path.join(out_dir, "rank*.json")):
-            os.remove(stale)
-        shutil.rmtree(os.path.join(out_dir, "msrun_logs"), ignore_errors=True)
-        return _run_msrun(script, args, out_dir, workers, timeout)
-
-
-def _run_msrun(script: str, args: list, out_dir: str, workers: int, timeout: float) -> list:
+    (out_dir/rank{r}.json, written by the worker). Any failure fails the test at once: a crashed
+    worker is a defect to find, never launched again (PYTHONFAULTHANDLER puts its stack in its log)."""
     bindir = os.path.dirname(sys.executable)
     # PYTHONFAULTHANDLER: a worker that dies of a signal inside MindSpore prints its Python stack to its log
     launch = uuid.uuid4().hex       # in every process of this launch's environment: found and ended after it
@@ -84,10 +63,8 @@ def _run_msrun(script: str, args: list, out_dir: str, workers: int, timeout: flo
         path = os.path.join(out_dir, f"rank{rank}.json")
         if proc.returncode != 0 or not os.path.isfile(path):
             paths = sorted(glob.glob(os.path.join(log_dir, "worker_*.log")))
-            error = MsrunError(f"msrun {os.path.basename(script)} failed (rc {proc.returncode}); no result from "
-                               f"rank {rank}\n{out[-3000:]}\n" + "\n".join(f"--- {p}\n{_tail(p)}" for p in paths))
-            error.native_crash = any(sign in _read(p) for p in paths for sign in NATIVE_CRASH)
-            raise error
+            raise MsrunError(f"msrun {os.path.basename(script)} failed (rc {proc.returncode}); no result from "
+                             f"rank {rank}\n{out[-3000:]}\n" + "\n".join(f"--- {p}\n{_tail(p)}" for p in paths))
         with open(path) as f:
             results.append(json.load(f))
     return results
