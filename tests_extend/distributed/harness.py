@@ -84,6 +84,13 @@ class _PortTaken(Exception):
     pass
 
 
+def _died_silently(procs, results) -> list:
+    """Ranks whose process ended without putting a result or an error on the queue."""
+    dead = [(rank, p.exitcode) for rank, p in enumerate(procs) if rank not in results and p.exitcode is not None]
+    return [f"--- rank {rank} ---\nthe process ended without a result (exit code {code}"
+            + (f": signal {-code})" if code < 0 else ")") for rank, code in dead]
+
+
 def _run_once(fn, world_size, args, timeout, env, daemon) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -96,12 +103,22 @@ def _run_once(fn, world_size, args, timeout, env, daemon) -> list:
     import queue as queue_mod
     import time
     deadline = time.monotonic() + timeout
+    seen_dead = []
     while len(results) + len(errors) < world_size:
         remaining = deadline - time.monotonic()
-        try:
-            rank, status, payload = queue.get(timeout=max(remaining, 0.01))
-        except queue_mod.Empty:
+        if remaining <= 0:
             break
+        try:
+            rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            # a rank that died without a word (a signal, os._exit) fails now, not at the timeout; a rank
+            # counts as dead once it was seen ended a second before (its last message may be in the pipe)
+            dead = _died_silently(procs, results)
+            if dead and dead == seen_dead:
+                errors.extend(dead)
+                break
+            seen_dead = dead
+            continue
         if status == "ok":
             results[rank] = payload
         elif status == "port taken":

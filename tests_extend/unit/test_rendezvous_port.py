@@ -35,3 +35,22 @@ def test_harness_retries_a_taken_port(monkeypatch):
     finally:
         taken.close()
     assert picks == []      # the taken port was tried first
+
+
+def _rank1_dies_of_a_signal(rank, world_size):
+    import faulthandler
+    import time
+    if rank == 1:
+        faulthandler._sigsegv()
+    time.sleep(600)       # rank 0 waits on: only the harness noticing rank 1's death ends the test
+
+
+def test_a_rank_that_dies_of_a_signal_fails_at_once_with_its_signal():
+    import time
+
+    import pytest
+    start = time.monotonic()
+    with pytest.raises(harness.DistributedTestError, match=r"rank 1 ---\nthe process ended without a result "
+                                                            r"\(exit code -11: signal 11\)"):
+        harness.run_distributed(_rank1_dies_of_a_signal, world_size=2, timeout=300)
+    assert time.monotonic() - start < 200       # not the timeout
