@@ -15,7 +15,7 @@ import torch
 import mindspeed
 from mindspeed.adaptor_core import MindSpeedConfigError
 from mindspeed.backends import BackendUnavailableError
-from mindspeed.errors import ArgumentError, CheckpointError, InferenceError, OneLineParser, report
+from mindspeed.errors import ArgumentError, CheckpointError, InferenceError, OneLineParser, positive_int, report
 from mindspeed.generate import tokenizers
 from mindspeed.generate.engine import Generation, Generator, Sampling
 from mindspeed.generate.loading import load_model, quiet_frameworks, rank, start_processes, stop_processes, world_size
@@ -36,27 +36,17 @@ def build_parser(prog: str = "python -m mindspeed.generate") -> OneLineParser:
     p.add_argument("--task", default="greedy", choices=["greedy", "chat"],
                    help="greedy: the most likely token each step; chat: sampled with --top-k/--top-p/--temperature "
                         "(interactively, the conversation is kept)")
-    p.add_argument("--max-new-tokens", type=_positive, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--top-k", type=int, default=0, help="chat: sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=0.0, help="chat: nucleus sampling mass (0: off)")
     p.add_argument("--temperature", type=float, default=1.0, help="chat: logits divided by it")
     p.add_argument("--seed", type=int, default=1234, help="sampling seed")
-    p.add_argument("--seq-length", type=_positive, default=None,
+    p.add_argument("--seq-length", type=positive_int, default=None,
                    help="prompt plus new tokens at most (default: the run's --seq-length, or the converted "
                         "model's max_position_embeddings)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     p.add_argument("--output-json", default=None, help='with --prompt: write {"prompt", "tokens", "text"} here')
     return p
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ArgumentError(f"{text!r} is not a positive integer")
-    return value
 
 
 def sampling_of(opts) -> Sampling:
