@@ -16,7 +16,7 @@ import mindspeed
 from mindspeed.adaptor_core import MindSpeedConfigError
 from mindspeed.backends import BackendUnavailableError
 from mindspeed.errors import ArgumentError, CheckpointError, InferenceError, OneLineParser, positive_int, report
-from mindspeed.generate import tokenizers
+from mindspeed.generate import lora_adapters, tokenizers
 from mindspeed.generate.engine import Generation, Generator, Sampling
 from mindspeed.generate.loading import load_model, quiet_frameworks, rank, start_processes, stop_processes, world_size
 from mindspeed.generate.model_source import read_source
@@ -46,6 +46,7 @@ def build_parser(prog: str = "python -m mindspeed.generate") -> OneLineParser:
                         "model's max_position_embeddings)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     p.add_argument("--output-json", default=None, help='with --prompt: write {"prompt", "tokens", "text"} here')
+    lora_adapters.add_flags(p)
     return p
 
 
@@ -124,13 +125,14 @@ def main(argv=None) -> int:
     try:
         opts = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         source, tokenizer, sampling, prompt_ids = prepare(opts)
-        state = mindspeed.adapt(["--optimization-level", "0"])    # the device shim only: Megatron-Core's own kernels
+        # the device shim only (Megatron-Core's own kernels), and the LoRA feature for --lora-load
+        state = mindspeed.adapt(["--optimization-level", "0", *lora_adapters.as_flags(lora_adapters.settings(opts))])
         args = source.args
         args.device_name = state.plan.device
         with quiet_frameworks():
             start_processes(args)
             try:
-                model = load_model(args, opts.ckpt_step)[0]
+                model = load_model(args, opts.ckpt_step, state.context.part("lora"))[0]
                 session = Session(_generator(args, model, source.vocab_size, opts.seed), tokenizer,
                                   tokenizer.eod, opts, sampling)
                 if prompt_ids is not None:
