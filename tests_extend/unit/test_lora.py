@@ -195,7 +195,8 @@ def served(lora_run, base_model, tmp_path_factory):
     tok.mkdir()
     kit.write_tokenizer_json(str(tok / "tokenizer.json"), kit.VOCAB)
     (tok / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}')
-    words = torch.randint(0, kit.VOCAB - 1, (200, 48), generator=torch.Generator().manual_seed(3))
+    # 1000 documents: the default --split 949,50,1 gives each split some
+    words = torch.randint(0, kit.VOCAB - 1, (1000, 24), generator=torch.Generator().manual_seed(3))
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(f"w{i}" for i in doc)}) + "\n"
                                              for doc in words.tolist()))
     with contextlib.redirect_stdout(io.StringIO()):
