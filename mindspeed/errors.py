@@ -19,6 +19,18 @@ class OneLineParser(argparse.ArgumentParser):
         raise ArgumentError(" ".join(message.split()))
 
 
+def positive_int(text: str) -> int:
+    """argparse `type=` for a count that must be at least 1. Raises ArgumentTypeError, whose text
+    argparse keeps (a ValueError of another kind becomes "invalid positive_int value")."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 class CheckpointError(RuntimeError):
     """A --load directory or checkpoint that cannot be used. The message is one line."""
 

@@ -12,8 +12,7 @@ import sys
 import warnings
 
 from mindspeed.convert.arch import HF_MODEL_TYPES
-from mindspeed.errors import ConvertError
-from mindspeed.errors import report
+from mindspeed.errors import ConvertError, positive_int, report
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -51,16 +50,6 @@ def _layer_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts{hint}") from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
 def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, allow_abbrev=False,
                       description="Convert Llama-family checkpoints between Hugging Face and Megatron-Core")
@@ -75,8 +64,8 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
                         "mg->hf into a Hugging Face model directory (the original model, as MindSpeed-LLM's "
                         "guides have it) writes its mg2hg/ subfolder and reads the config there")
     p.add_argument("--model-type-hf", default="llama2", choices=sorted(HF_MODEL_TYPES))
-    p.add_argument("--target-tensor-parallel-size", type=_positive, default=1)
-    p.add_argument("--target-pipeline-parallel-size", type=_positive, default=1)
+    p.add_argument("--target-tensor-parallel-size", type=positive_int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=positive_int, default=1)
     p.add_argument("--num-layer-list", type=_layer_list, default=None,
                    help="layers per pipeline stage, e.g. 1,3: checked, and given to the trainer as "
                         "--decoder-first/last-pipeline-num-layers (the torch_dist files do not depend on it)")
@@ -90,14 +79,14 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None,
                    help="hf->mg: the tokenizer.json the trainer will use: the embedding keeps its vocabulary's "
                         "rows, padded as the trainer pads it (default: config.json's vocab_size)")
-    p.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128)
+    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     p.add_argument("--hf-config", default=None,
                    help="mg->hf: the Hugging Face model directory (or config.json) that describes the "
                         "checkpoint, when it has no hf_config/ of its own")
     p.add_argument("--lora-load", default=None, metavar="DIR",
                    help="mg->hf: a LoRA run's adapter checkpoint (its --save) to merge into --load-dir's base "
                         "model (weight + alpha/r * B @ A)")
-    p.add_argument("--lora-r", type=_positive, default=None, help="with --lora-load: checked against the adapters")
+    p.add_argument("--lora-r", type=positive_int, default=None, help="with --lora-load: checked against the adapters")
     p.add_argument("--lora-alpha", type=float, default=None, help="with --lora-load: checked against the adapters")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="with --lora-load: checked against the adapters")

@@ -16,7 +16,7 @@ TARGET_WEIGHTS = {"linear_qkv": "self_attention.linear_qkv.weight",
                   "linear_fc2": "mlp.linear_fc2.weight"}
 
 
-def _recorded(lora_dir: str) -> dict:
+def recorded(lora_dir: str) -> dict:
     from mindspeed.checkpoint import torch_dist  # imports Megatron-Core, as open_checkpoint does
     try:
         saved = torch_dist.read_common(lora_dir).get("lora")
@@ -28,7 +28,7 @@ def _recorded(lora_dir: str) -> dict:
     return saved
 
 
-def _check_flags(opts, saved: dict) -> None:
+def check_flags(opts, saved: dict) -> None:
     given = {"--lora-r": (opts.lora_r, saved["r"]), "--lora-alpha": (opts.lora_alpha, saved["alpha"]),
              "--lora-target-modules": (sorted(set(opts.lora_target_modules)) if opts.lora_target_modules else None,
                                        saved["target_modules"])}
@@ -40,8 +40,8 @@ def _check_flags(opts, saved: dict) -> None:
 
 class AdapterMerge:
     def __init__(self, opts):
-        saved = _recorded(opts.lora_load)
-        _check_flags(opts, saved)
+        saved = recorded(opts.lora_load)
+        check_flags(opts, saved)
         self.scale = saved["alpha"] / saved["r"]
         self.weights = [TARGET_WEIGHTS[t] for t in saved["target_modules"]]
         self.reader = open_checkpoint(opts.lora_load)

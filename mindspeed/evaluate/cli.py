@@ -17,6 +17,7 @@ from mindspeed.backends import BackendUnavailableError
 from mindspeed.data import DataError, TokenizerError
 from mindspeed.errors import ArgumentError, CheckpointError, InferenceError, OneLineParser, report
 from mindspeed.evaluate import losses
+from mindspeed.generate import lora_adapters
 from mindspeed.generate.loading import load_model, quiet_frameworks, rank, start_processes, stop_processes, world_size
 from mindspeed.generate.model_source import read_source
 
@@ -33,6 +34,7 @@ def build_parser(prog: str = "python -m mindspeed.evaluate") -> OneLineParser:
     p.add_argument("--eval-iters", type=int, default=None, help="global batches to evaluate (default: the run's)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     p.add_argument("--output-json", default=None, help='also write {"loss", "perplexity"} here')
+    lora_adapters.add_flags(p)
     return p
 
 
@@ -50,8 +52,9 @@ def main(argv=None) -> int:
             if opts.eval_iters < 1:
                 raise ArgumentError("--eval-iters must be a positive integer")
             args.eval_iters = opts.eval_iters
+        lora = lora_adapters.settings(opts)
         with quiet_frameworks():
-            loss = _evaluate(args, source.origin, opts)
+            loss = _evaluate(args, source.origin, opts, lora)
         if rank() == 0:
             _print(loss, opts)
     except USER_ERRORS as err:
@@ -61,19 +64,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def _evaluate(args, origin: str, opts) -> float:
+def _evaluate(args, origin: str, opts, lora: dict) -> float:
+    """`lora`: lora_adapters.settings, applied with the model's features ({}: none)."""
     say = print if rank() == 0 else (lambda _msg: None)
     if origin == "mindspore":
         # the model is Megatron-Core's: the device shim only (the run's features were MindSpore's)
-        state = mindspeed.adapt(["--optimization-level", "0"])
+        state = mindspeed.adapt(["--optimization-level", "0", *lora_adapters.as_flags(lora)])
         split = losses.mindspore_trainer_data(args, say)
     else:
+        vars(args).update(lora)
         state = mindspeed.adapt(args)      # the run's features, so the kernels are the trainer's
         split = losses.torch_trainer_data(args, say)
     args.device_name = state.plan.device
     start_processes(args)
     try:
-        chunks = load_model(args, opts.ckpt_step)
+        chunks = load_model(args, opts.ckpt_step, state.context.part("lora"))
         if origin == "mindspore":
             loss = losses.mindspore_trainer_loss(args, chunks[0], *split)
         else:

@@ -15,8 +15,8 @@ import torch
 import mindspeed
 from mindspeed.adaptor_core import MindSpeedConfigError
 from mindspeed.backends import BackendUnavailableError
-from mindspeed.errors import ArgumentError, CheckpointError, InferenceError, OneLineParser, report
-from mindspeed.generate import tokenizers
+from mindspeed.errors import ArgumentError, CheckpointError, InferenceError, OneLineParser, positive_int, report
+from mindspeed.generate import lora_adapters, tokenizers
 from mindspeed.generate.engine import Generation, Generator, Sampling
 from mindspeed.generate.loading import load_model, quiet_frameworks, rank, start_processes, stop_processes, world_size
 from mindspeed.generate.model_source import read_source
@@ -36,27 +36,18 @@ def build_parser(prog: str = "python -m mindspeed.generate") -> OneLineParser:
     p.add_argument("--task", default="greedy", choices=["greedy", "chat"],
                    help="greedy: the most likely token each step; chat: sampled with --top-k/--top-p/--temperature "
                         "(interactively, the conversation is kept)")
-    p.add_argument("--max-new-tokens", type=_positive, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--top-k", type=int, default=0, help="chat: sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=0.0, help="chat: nucleus sampling mass (0: off)")
     p.add_argument("--temperature", type=float, default=1.0, help="chat: logits divided by it")
     p.add_argument("--seed", type=int, default=1234, help="sampling seed")
-    p.add_argument("--seq-length", type=_positive, default=None,
+    p.add_argument("--seq-length", type=positive_int, default=None,
                    help="prompt plus new tokens at most (default: the run's --seq-length, or the converted "
                         "model's max_position_embeddings)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     p.add_argument("--output-json", default=None, help='with --prompt: write {"prompt", "tokens", "text"} here')
+    lora_adapters.add_flags(p)
     return p
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ArgumentError(f"{text!r} is not a positive integer")
-    return value
 
 
 def sampling_of(opts) -> Sampling:
@@ -134,13 +125,14 @@ def main(argv=None) -> int:
     try:
         opts = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         source, tokenizer, sampling, prompt_ids = prepare(opts)
-        state = mindspeed.adapt(["--optimization-level", "0"])    # the device shim only: Megatron-Core's own kernels
+        # the device shim only (Megatron-Core's own kernels), and the LoRA feature for --lora-load
+        state = mindspeed.adapt(["--optimization-level", "0", *lora_adapters.as_flags(lora_adapters.settings(opts))])
         args = source.args
         args.device_name = state.plan.device
         with quiet_frameworks():
             start_processes(args)
             try:
-                model = load_model(args, opts.ckpt_step)[0]
+                model = load_model(args, opts.ckpt_step, state.context.part("lora"))[0]
                 session = Session(_generator(args, model, source.vocab_size, opts.seed), tokenizer,
                                   tokenizer.eod, opts, sampling)
                 if prompt_ids is not None:

@@ -11,6 +11,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 from mindspeed.checkpoint import torch_dist
+from mindspeed.features.finetune import lora_megatron
 from mindspeed.training import pretrain
 from mindspeed.training.model import build_model_chunks, transformer_config
 
@@ -28,12 +29,20 @@ def stop_processes() -> None:
         torch.distributed.destroy_process_group()
 
 
-def load_model(args, step: int | None = None):
-    """The model chunk of this rank with the checkpoint's weights (--load, iteration `step` or the latest)."""
+def load_model(args, step: int | None = None, lora=None):
+    """The model chunk of this rank with the checkpoint's weights (--load, iteration `step` or the
+    latest). `lora`: the LoRA feature's part (its --lora-load adapters are loaded, then folded into
+    the weights, so generation runs the plain linears)."""
     chunks = build_model_chunks(args, transformer_config(args))
+    if lora is not None:
+        lora.attach(chunks)
     for chunk in chunks:
         chunk.to(args.device_name)
-    torch_dist.load_checkpoint(args.load, chunks, None, None, finetune=True, step=step)
+    base = None if lora is None else (lambda name: not lora.is_adapter_key(name))
+    torch_dist.load_checkpoint(args.load, chunks, None, None, finetune=True, step=step, only=base)
+    if lora is not None:
+        torch_dist.load_checkpoint(lora.lora_load, chunks, None, None, finetune=True, only=lora.is_adapter_key)
+        lora_megatron.merge(chunks)
     return chunks
 
 

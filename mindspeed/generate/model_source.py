@@ -55,6 +55,11 @@ def read_source(load_dir: str, world_size: int) -> ModelSource:
 
 def _from_run(body: dict, load_dir: str):
     saved = body["args"]
+    if saved.get("lora_target_modules"):
+        # a LoRA run's --save holds the adapters only; its base model is the run's --load
+        base = saved.get("load") or "the run's --load"
+        raise InferenceError(f"--load {load_dir} holds a LoRA run's adapters only: give the base model as --load "
+                             f"({base}) and {load_dir} as --lora-load")
     try:    # every flag at the trainers' default, then the run's values over them
         args = parse_args(["--backend", "torch"], world_size=1)
     except ArgumentError as err:

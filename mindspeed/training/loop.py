@@ -76,10 +76,10 @@ def should_stop(progress: Progress, stop_at: int) -> bool:
 
 class ExitWatch:
     """Megatron's --exit-signal-handler and --exit-duration-in-mins: after each step the ranks agree
-    (TrainParts.any_rank) whether one of them received --exit-signal or the run is past its time limit;
-    the loop then saves the current iteration and stops. The handler only records the signal, so the
-    step in flight (and its collectives) finishes on every rank first. A context manager: the previous
-    handler is back when training ends."""
+    (TrainParts.any_rank) whether one of them received --exit-signal or is past the time limit; the
+    loop then saves the current iteration and stops. One vote per step: each rank's two conditions
+    are one flag. The handler only records the signal, so the step in flight (and its collectives)
+    finishes on every rank first. A context manager: the previous handler is back when training ends."""
 
     def __init__(self, args, started_at: float | None):
         self.signum = signal.Signals[args.exit_signal] if args.exit_signal_handler else None
@@ -100,13 +100,26 @@ class ExitWatch:
     def _record(self, _signum, _frame) -> None:
         self.received = True
 
+    def _late(self) -> bool:
+        return self.deadline is not None and time.time() > self.deadline
+
     def reason(self, any_rank: Callable[[bool], bool]) -> str | None:
-        """Why the run stops now (the same answer on every rank), or None."""
-        if self.signum is not None and any_rank(self.received):
-            return f"received {self.signum.name}"
-        if self.deadline is not None and any_rank(time.time() > self.deadline):
-            return f"the time limit (--exit-duration-in-mins {self.minutes}) was reached"
-        return None
+        """Whether the run stops now (the same answer on every rank): why, as this rank knows it, or
+        None. The ranks are asked only when an exit rule is on, and once."""
+        if self.signum is None and self.deadline is None:
+            return None
+        if not any_rank(self.received or self._late()):
+            return None
+        # this rank's own cause, read again after the vote; else the rule that is on, or both
+        # named where both are on and only another rank's cause was true
+        signalled = f"received {self.signum.name}" if self.signum is not None else None
+        timed_out = f"the time limit (--exit-duration-in-mins {self.minutes}) was reached" if self.deadline is not None else None
+        if self.received or not timed_out:
+            return signalled
+        if self._late() or not signalled:
+            return timed_out
+        return f"another rank received {self.signum.name} or reached the time limit " \
+               f"(--exit-duration-in-mins {self.minutes})"
 
 
 def eval_due(args, iteration: int, stop_at: int) -> bool:

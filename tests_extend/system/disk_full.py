@@ -3,9 +3,10 @@ otherwise the test is skipped with that reason), and a filler that leaves only a
 import contextlib
 import os
 import subprocess
-import time
 
 import pytest
+
+from tests_extend.system.interrupted_run import run_interrupted
 
 
 @contextlib.contextmanager
@@ -32,21 +33,10 @@ def fill(path, leave_bytes: int = 4096) -> None:
 def run_filling_after_first_save(argv, disk, ckpt, log, timeout, **popen) -> tuple[int, str, str]:
     """Start a training (`argv`, its output to `log`), fill `disk` as soon as its first checkpoint
     is tracked, let it run into the full disk: (exit code, output, its one `error:` line)."""
-    with open(log, "w") as out:
-        job = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **popen)
-    try:
-        deadline = time.time() + timeout
-        while not (ckpt / "latest_checkpointed_iteration.txt").exists():
-            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.02)
-        fill(disk)
-        job.wait(timeout=timeout)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    output = log.read_text()
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    rc, output, _ = run_interrupted(argv, log, tracker.exists, lambda _pid: fill(disk), timeout, **popen)
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"   # the previous one
     os.remove(os.path.join(disk, "filler"))
-    return job.returncode, output, errors[0]
+    return rc, output, errors[0]

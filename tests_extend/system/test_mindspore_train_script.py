@@ -18,6 +18,7 @@ import pytest
 from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
+from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
 
 pytest.importorskip("mindspore")
 
@@ -102,22 +103,11 @@ def full_run(tmp_path_factory, tiny_dataset):
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
                LOG_DIR=str(tmp_path / "logs"), CKPT_DIR=str(ckpt), SAVE_INTERVAL="4", MAX_RESTARTS="1",
                MS_NODE_TIMEOUT="20", **TINY)
-    with open(log, "w") as out:
-        job = subprocess.Popen(["bash", SCRIPT, "--op-cal-tflops", "--npu-deterministic", "--log-loss-file",
-                                str(loss_file)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not (loss_file.exists() and loss_file.read_text().count("\n") >= 5):
-            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
-        os.kill(_msrun_worker(job.pid, 1), signal.SIGKILL)
-        job.wait(timeout=300)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    output = log.read_text()
-    assert job.returncode == 0, output[-4000:]
+    rc, output, _ = run_interrupted(
+        ["bash", SCRIPT, "--op-cal-tflops", "--npu-deterministic", "--log-loss-file", str(loss_file)], log,
+        loss_lines(loss_file, 5), lambda job: os.kill(_msrun_worker(job, 1), signal.SIGKILL), 300,
+        cwd=ROOT, env=env)
+    assert rc == 0, output[-4000:]
     records = [json.loads(line) for line in loss_file.read_text().splitlines()]
     return ckpt, output, records
 
@@ -168,24 +158,11 @@ def test_sigterm_to_the_whole_job_saves_the_iteration_and_the_resumed_run_repeat
     ckpt, losses, log = tmp_path / "ckpt", tmp_path / "losses.jsonl", tmp_path / "job.log"
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
                LOG_DIR=str(tmp_path / "logs"), CKPT_DIR=str(ckpt), **TINY)
-    with open(log, "w") as out:
-        job = subprocess.Popen(["bash", SCRIPT, "--npu-deterministic", "--exit-signal-handler", "--log-loss-file",
-                                str(losses)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not (losses.exists() and losses.read_text().count("\n") >= 2):
-            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
-        workers = [_msrun_worker(job.pid, rank) for rank in (0, 1)]
-        os.killpg(job.pid, signal.SIGTERM)        # msrun and its scheduler
-        for pid in workers:
-            os.kill(pid, signal.SIGTERM)          # each worker leads a process group of its own
-        job.wait(timeout=60)
-        _wait_gone(workers, timeout=300)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+    _rc, _output, workers = run_interrupted(
+        ["bash", SCRIPT, "--npu-deterministic", "--exit-signal-handler", "--log-loss-file", str(losses)], log,
+        loss_lines(losses, 2), lambda job: sigterm_everyone(job, [_msrun_worker(job, rank) for rank in (0, 1)]),
+        300, cwd=ROOT, env=env)   # msrun has no handler: the signal ends it
+    _wait_gone(workers, timeout=300)
     stops = set()
     for rank in (0, 1):
         worker_log = (tmp_path / "logs" / f"worker_{rank}.log").read_text()

@@ -8,13 +8,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
+from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
@@ -184,25 +184,12 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(tiny_dataset, tmp_pat
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
                **dict(TINY, TRAIN_ITERS="20", EVAL_ITERS="0", EVAL_INTERVAL="1000"),
                CKPT_DIR=str(ckpt), SAVE_INTERVAL="4", MAX_RESTARTS="1")
-    log = tmp_path / "job.log"
-    with open(log, "w") as out:
-        job = subprocess.Popen(["bash", SCRIPT, "--npu-deterministic", "--log-loss-file", str(loss_file)], cwd=ROOT,
-                               env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + LAUNCH_TIMEOUT
-        while not (loss_file.exists() and loss_file.read_text().count("\n") >= 7):
-            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
-        workers = _workers(job.pid)
-        os.kill(workers[0], signal.SIGKILL)        # rank 0 (the last stage's rank 1 writes the loss file)
-        job.wait(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)      # torchrun and its workers
-    output = log.read_text()
-    assert job.returncode == 0, output[-4000:]
+    # rank 0 is killed (the last stage's rank 1 writes the loss file)
+    rc, output, _ = run_interrupted(
+        ["bash", SCRIPT, "--npu-deterministic", "--log-loss-file", str(loss_file)], tmp_path / "job.log",
+        loss_lines(loss_file, 7), lambda job: os.kill(_workers(job)[0], signal.SIGKILL), LAUNCH_TIMEOUT,
+        cwd=ROOT, env=env)
+    assert rc == 0, output[-4000:]
     records = [json.loads(line) for line in loss_file.read_text().splitlines()]
     iterations = [r["iteration"] for r in records]
     restart = next(i for i in range(1, len(iterations)) if iterations[i] <= iterations[i - 1])
@@ -290,26 +277,13 @@ def test_sigterm_to_the_whole_job_saves_the_iteration_and_the_resumed_run_repeat
     ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
                **dict(TINY, **RESUME_ENV), CKPT_DIR=str(ckpt), SHUTDOWN_TIMEOUT=str(LAUNCH_TIMEOUT))
-    log = tmp_path / "job.log"
-    with open(log, "w") as out:
-        job = subprocess.Popen(["bash", SCRIPT, *RESUME_FLAGS, "--exit-signal-handler", "--log-loss-file", str(losses)],
-                               cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + LAUNCH_TIMEOUT
-        while not (losses.exists() and losses.read_text().count("\n") >= 2):
-            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
-        workers = _workers(job.pid)
-        os.killpg(job.pid, signal.SIGTERM)          # the launcher (torchrun forwards it too)
-        for pid in workers.values():
-            os.kill(pid, signal.SIGTERM)            # and each worker, which torchrun starts in its own session
-        job.wait(timeout=LAUNCH_TIMEOUT)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    output = log.read_text()
+    # torchrun forwards the signal to its workers too
+    rc, output, _ = run_interrupted(
+        ["bash", SCRIPT, *RESUME_FLAGS, "--exit-signal-handler", "--log-loss-file", str(losses)], tmp_path / "job.log",
+        loss_lines(losses, 2), lambda job: sigterm_everyone(job, _workers(job).values()), LAUNCH_TIMEOUT,
+        cwd=ROOT, env=env)
     stopped = re.search(r"> exiting at iteration (\d+): received SIGTERM", output)
-    assert stopped and job.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert stopped and rc == 128 + signal.SIGTERM, output[-3000:]
     assert "Traceback" not in output and "forcefully exiting" not in output, output[-3000:]
     assert "torchrun: stopped by SIGTERM: forwarded to the workers, which have exited" in output
     at = int(stopped[1])

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from tests_extend.distributed.harness import run_distributed
 from tests_extend.unit import convert_kit as kit
 from tests_extend.unit import lora_workers
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGETS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
@@ -171,3 +176,85 @@ def test_unadapt_restores_megatron_linears():
     finally:
         mindspeed.unadapt()
     assert all(vars(cls)[m] is b for (cls, m), b in zip(names, before))
+
+
+# --- generation and evaluation with --lora-load (python -m mindspeed.generate / evaluate) -------------
+
+PROMPT = "w42 w93 w96 w47 w64 w21 w11 w76"     # the base model's greedy continuation varies (test_generate)
+
+
+@pytest.fixture(scope="module")
+def served(lora_run, base_model, tmp_path_factory):
+    """At TP 1 (one TP size is enough: the adapters' resharding is tested above): a tokenizer, a
+    dataset in its words, and the model that mg->hf with --lora-load merges, converted back (hf->mg)."""
+    if len(lora_run["reports"]) != 1:
+        pytest.skip("generation and evaluation with adapters are checked on the TP 1 run")
+    from mindspeed.data.__main__ import main as preprocess
+    root = tmp_path_factory.mktemp("lora_served")
+    tok = root / "tokenizer"
+    tok.mkdir()
+    kit.write_tokenizer_json(str(tok / "tokenizer.json"), kit.VOCAB)
+    (tok / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}')
+    # 1000 documents: the default --split 949,50,1 gives each split some
+    words = torch.randint(0, kit.VOCAB - 1, (1000, 24), generator=torch.Generator().manual_seed(3))
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(f"w{i}" for i in doc)}) + "\n"
+                                             for doc in words.tolist()))
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert preprocess(["--input", str(root / "docs.jsonl"), "--tokenizer-name-or-path", str(tok),
+                           "--output-prefix", str(root / "data")]) == 0
+    merged_hf, merged_mg = str(root / "merged_hf"), str(root / "merged_mg")
+    kit.convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", base_model[1],
+                "--lora-load", lora_run["lora_dir"], "--save-dir", merged_hf, "--model-type-hf", "llama2")
+    kit.convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", merged_hf,
+                "--save-dir", merged_mg, "--model-type-hf", "llama2")
+    return {"tok": str(tok), "data": str(root / "data_text_document"), "merged": merged_mg,
+            "base": base_model[1], "lora": lora_run["lora_dir"]}
+
+
+def _entry(tmp_path, module: str, name: str, *argv: str) -> dict:
+    """`python -m mindspeed.<module> ARGV --output-json ...`: what it wrote."""
+    out = tmp_path / f"{name}.json"
+    result = subprocess.run([sys.executable, "-m", f"mindspeed.{module}", *argv, "--output-json", str(out)],
+                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_generate_with_lora_load_answers_as_the_merged_model(served, tmp_path):
+    """The adapters applied on load (--load BASE --lora-load LORA) give the merged model's tokens,
+    not the base model's."""
+    def tokens(name, *load):
+        return _entry(tmp_path, "generate", name, *load, "--tokenizer-model", served["tok"], "--prompt", PROMPT,
+                      "--max-new-tokens", "16")["tokens"]
+    adapted = tokens("adapted", "--load", served["base"], "--lora-load", served["lora"], "--lora-r", "4")
+    assert adapted == tokens("merged", "--load", served["merged"])
+    assert adapted != tokens("base", "--load", served["base"])
+
+
+def test_evaluate_with_lora_load_gives_the_merged_models_loss(served, tmp_path):
+    def loss(name, *load):
+        return _entry(tmp_path, "evaluate", name, *load, "--data-path", served["data"], "--eval-iters", "2")["loss"]
+    adapted = loss("adapted", "--load", served["base"], "--lora-load", served["lora"])
+    assert adapted == pytest.approx(loss("merged", "--load", served["merged"]), rel=1e-5)
+    assert abs(adapted - loss("base", "--load", served["base"])) > 1e-3
+
+
+def test_generate_refuses_lora_mixups_in_one_line(served, tmp_path, capsys):
+    from mindspeed.checkpoint import run_flags
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.generate.cli import main
+    base, lora = served["base"], served["lora"]
+    # what a LoRA run writes beside its adapters
+    run_flags.write(str(tmp_path / "lora_save"), parse_args([*lora_workers.LORA, "--load", base]), "torch")
+    for argv, words in [
+            (["--load", str(tmp_path / "lora_save")],
+             f"holds a LoRA run's adapters only: give the base model as --load ({base})"),
+            (["--load", base, "--lora-load", lora, "--lora-r", "8"],
+             f"--lora-r does not match the adapters in {lora}, which have 4"),
+            (["--load", base, "--lora-load", base], "holds no LoRA adapters"),
+            (["--load", base, "--lora-alpha", "8"],
+             "--lora-alpha describes LoRA adapters: give them with --lora-load")]:
+        assert main([*argv, "--tokenizer-model", served["tok"], "--prompt", "w1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err

@@ -283,6 +283,37 @@ def test_past_the_time_limit_the_run_saves_and_stops_after_the_step(monkeypatch,
     assert _run(fake, args, started_at=time.time())["iteration"] == 10     # within the limit: the whole run
 
 
+BOTH_RULES = ("--exit-signal-handler", "--exit-duration-in-mins", "1")
+
+
+def test_with_both_exit_rules_a_signal_is_one_vote_per_step_and_named(monkeypatch, capsys, tmp_path):
+    fake = FakeFramework(monkeypatch, signal_at=3)
+    summary = _run(fake, _args("--train-iters", "10", "--save", str(tmp_path), *BOTH_RULES), started_at=time.time())
+    assert summary["iteration"] == 3 and fake.of("save") == [(3, 3 * GBS)]
+    assert fake.votes == [(1, False), (2, False), (3, True)]     # one collective per step, not one per rule
+    assert "> exiting at iteration 3: received SIGTERM\n" in capsys.readouterr().out
+
+
+def test_with_both_exit_rules_the_time_limit_is_one_vote_and_named(monkeypatch, capsys, tmp_path):
+    fake = FakeFramework(monkeypatch)
+    summary = _run(fake, _args("--train-iters", "10", "--save", str(tmp_path), *BOTH_RULES),
+                   started_at=time.time() - 61)
+    assert summary["iteration"] == 1 and fake.votes == [(1, True)]
+    assert "> exiting at iteration 1: the time limit (--exit-duration-in-mins 1) was reached\n" in \
+        capsys.readouterr().out
+
+
+def test_another_ranks_vote_names_the_rule_that_is_on_or_both(monkeypatch, capsys, tmp_path):
+    for rules, said in [(("--exit-signal-handler",), "received SIGTERM"),
+                        (("--exit-duration-in-mins", "1"), "the time limit (--exit-duration-in-mins 1) was reached"),
+                        (BOTH_RULES, "another rank received SIGTERM or reached the time limit "
+                                     "(--exit-duration-in-mins 1)")]:
+        fake = FakeFramework(monkeypatch, other_rank_at=2)
+        summary = _run(fake, _args("--train-iters", "10", *rules), started_at=time.time())
+        assert summary["iteration"] == 2 and fake.votes == [(1, False), (2, False)]
+        assert f"> exiting at iteration 2: {said} (no --save" in capsys.readouterr().out
+
+
 def test_without_an_exit_rule_the_ranks_are_never_asked(monkeypatch):
     fake = FakeFramework(monkeypatch)
     _run(fake, _args("--train-iters", "3"))

@@ -1,0 +1,47 @@
+"""A training job interrupted on purpose, as a scheduler, a crash or a full disk would: started in a
+session of its own with its output in a log, something done to it once it is far enough, then waited
+for. Whatever still runs at the end is killed with its process group: a hang fails the test and
+leaves no process behind."""
+import os
+import signal
+import subprocess
+import time
+
+
+def loss_lines(path, count: int):
+    """A `ready` test: the job's --log-loss-file `path` has `count` lines (iterations) or more."""
+    return lambda: path.exists() and path.read_text().count("\n") >= count
+
+
+def run_interrupted(argv, log, ready, act, timeout, **popen) -> tuple[int, str, object]:
+    """Start `argv` (its output to the file `log`); as soon as `ready()` holds, call `act(pid)` with
+    the job's pid, which leads its process group; wait for the job to end. Returns (exit code, output,
+    what `act` returned). `timeout` bounds each of the two waits."""
+    with open(log, "w") as out:
+        job = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+    try:
+        deadline = time.time() + timeout
+        while not ready():
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        acted = act(job.pid)
+        try:
+            job.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout} s after it was interrupted: "
+                                 f"{log.read_text()[-3000:]}") from None
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    return job.returncode, log.read_text(), acted
+
+
+def sigterm_everyone(launcher: int, workers) -> list[int]:
+    """SIGTERM as a cluster scheduler sends it: to the launcher's process group and to each of the
+    `workers` (launchers start them in sessions of their own). Returns the workers' pids."""
+    workers = list(workers)
+    os.killpg(launcher, signal.SIGTERM)
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
+    return workers
