@@ -184,7 +184,10 @@ class MegatronLMHooks:
         self.state.plan = p
         megatron_lm_data.after_plan(args)
         if int(os.environ.get("RANK", "0")) == 0:
-            print("> MindSpeed " + p.describe().replace("\n", "; "), flush=True)
+            # one write with its newline: under `python -u` print writes the end apart, and another
+            # rank's output sharing the pipe could land between the two
+            sys.stdout.write("> MindSpeed " + p.describe().replace("\n", "; ") + "\n")
+            sys.stdout.flush()
 
 
 def _route_cp_batch_sharding(original):

@@ -61,6 +61,9 @@ def unpack_checkout(version: str, dest: str) -> str:
     return dest
 
 
+FEATURE_IDS = re.compile(r"[a-z0-9-]+(?:, [a-z0-9-]+)*")
+
+
 def launch(checkout: str, nproc: int, args=(), env=None, timeout: int = 420) -> subprocess.CompletedProcess:
     """train_distributed.sh with MEGATRON_LM=checkout (the user's way), tiny model."""
     full_env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(free_port()), MEGATRON_LM=checkout,
@@ -75,10 +78,12 @@ def launch(checkout: str, nproc: int, args=(), env=None, timeout: int = 420) -> 
 
 
 def mindspeed_features(output: str) -> set[str]:
-    """The features MindSpeed's rank-0 line reports."""
-    # anywhere in a line: the other ranks' block-buffered output can end mid-line just before rank 0's
+    """The features MindSpeed's rank-0 line reports (feature ids only: whatever another process's
+    output put after them on the same line is not one)."""
     line = next(l for l in output.splitlines() if "> MindSpeed backend" in l)
-    return set(line.split("> MindSpeed backend", 1)[1].split("features: ", 1)[1].split(";")[0].split(", "))
+    listed = line.split("> MindSpeed backend", 1)[1].split("features: ", 1)[1]
+    ids = FEATURE_IDS.match(listed)        # no match: "(none)"
+    return set(ids.group(0).split(", ")) if ids else set()
 
 
 def losses(output: str) -> dict[int, float]:
