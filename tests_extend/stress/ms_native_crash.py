@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -114,9 +115,13 @@ def launches(args) -> int:
         crashed = any(s in logs for s in NATIVE_CRASH_SIGNS)
         crashes += crashed
         verdict = "CRASH" if crashed else "FAILED" if p.returncode else "ok"
-        print(f"launch {k + 1}/{args.launches}: rc {p.returncode} {time.time() - started:.0f}s {verdict}", flush=True)
+        # each rank's count is cumulative over its rounds: its last line holds its total
+        last = dict(re.findall(r"\[stress rank (\d+)\] round .* gc off main thread: (\d+)", logs))
+        off_main = sum(int(v) for v in last.values())
+        print(f"launch {k + 1}/{args.launches}: rc {p.returncode} {time.time() - started:.0f}s {verdict}; "
+              f"collections started off the main thread: {off_main}", flush=True)
         if p.returncode or crashed:
-            keep = os.path.join(args.keep, f"crash_{k + 1}.log")
+            keep = os.path.join(args.keep, f"crash_{os.getpid()}_{k + 1}.log")
             with open(keep, "w") as f:
                 f.write(logs)
             print(f"  log kept: {keep}", flush=True)
