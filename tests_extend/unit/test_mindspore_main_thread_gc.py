@@ -75,6 +75,13 @@ def test_without_it_collections_do_start_on_runtime_threads():
     assert calls > 0 and collections > 0
 
 
+def test_what_exists_before_is_left_out_of_the_collections_for_the_block():
+    frozen_before = gc.get_freeze_count()
+    with MainThreadCollection():
+        assert gc.get_freeze_count() > frozen_before
+    assert gc.get_freeze_count() == frozen_before
+
+
 def test_a_collector_turned_off_before_stays_off():
     gc.disable()
     try:

@@ -8,7 +8,9 @@ there, and their destructors free PyNative autograd graph nodes (CNodes) while t
 outside the GIL, works on graphs too. MindSpore's graph objects are not safe to free concurrently:
 glibc reports heap corruption in CNode::~CNode, or the process dies of SIGSEGV (docs/native-crash.md).
 So: automatic collections off for the run, and the main thread collects at points it picks (the
-approach of Megatron's --manual-gc)."""
+approach of Megatron's --manual-gc). What exists when the run starts (modules, the imported
+frameworks: a full collection of them takes a second or more) is frozen out of the collections
+for the run, so the older generations' collections scan only the run's own objects."""
 from __future__ import annotations
 
 import gc
@@ -26,6 +28,7 @@ class MainThreadCollection:
     def __enter__(self):
         self._was_on = gc.isenabled()
         gc.disable()
+        gc.freeze()
         return self
 
     def __call__(self) -> None:
@@ -34,5 +37,6 @@ class MainThreadCollection:
 
     def __exit__(self, *exc) -> None:
         gc.collect()
+        gc.unfreeze()
         if self._was_on:
             gc.enable()
