@@ -101,14 +101,9 @@ def test_accepted_mindspore_cells_train(workdir, tmp_path, monkeypatch):
         rc, line = walk.check_answer(argv)
         assert rc == 0, f"{name}: check refused a cell the matrix accepts: {line}"
     worker = os.path.join(walk.ROOT, "tests_extend", "system", "matrix_walk_ms_worker.py")
-    # two launches of half the cells each: one MindSpore process training ~40 cells in turn crashed
-    # once inside MindSpore (a segfault in _c_expression at the 30th); each launch keeps its own
-    trained = {}
-    for part, chunk in enumerate((cells[::2], cells[1::2])):
-        out = tmp_path / f"part{part}"
-        out.mkdir()
-        (out / "cells.json").write_text(json.dumps(chunk))
-        trained.update(run_msrun(worker, [str(out / "cells.json"), str(out)], str(out), timeout=900)[0])
+    # one launch: each process trains every cell in turn (a native crash there fails the test)
+    (tmp_path / "cells.json").write_text(json.dumps(cells))
+    trained = run_msrun(worker, [str(tmp_path / "cells.json"), str(tmp_path)], str(tmp_path), timeout=900)[0]
     assert sorted(trained) == sorted(name for name, _ in cells)
     failed = {name: r for name, r in trained.items() if not r["trained"]}
     assert not failed, "\n".join(f"{name}: {r}" for name, r in failed.items())

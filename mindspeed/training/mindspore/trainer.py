@@ -11,6 +11,7 @@ import numpy as np
 import mindspeed
 from mindspeed.adaptor_core import current
 from mindspeed.backends import get_backend
+from mindspeed.backends.mindspore.main_thread_gc import MainThreadCollection
 from mindspeed.backends.mindspore.msadapter import describe
 from mindspeed.checkpoint import neutral
 from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, from_flags
@@ -263,14 +264,17 @@ def setup(args):
 def run(args) -> dict:
     started_at = time.time()     # --exit-duration-in-mins counts setup too, as Megatron's
     os.umask(0o027)
-    backend, ps = setup(args)
-    rank = backend.comm.rank()
-    logger = TrainingLogger(args, is_writer=rank == 0)
-    try:
-        return _train(args, backend, ps, logger, started_at)
-    finally:
-        logger.close()
-        mindspeed.unadapt()
+    # collections only on this thread: one started on a MindSpore runtime thread (running a pyfunc
+    # kernel) frees autograd graphs there, under the main thread's feet
+    with MainThreadCollection() as gc_point:
+        backend, ps = setup(args)
+        rank = backend.comm.rank()
+        logger = TrainingLogger(args, is_writer=rank == 0)
+        try:
+            return _train(args, backend, ps, logger, started_at, gc_point)
+        finally:
+            logger.close()
+            mindspeed.unadapt()
 
 
 def resume(args, trainer, logger) -> tuple[int, int]:
@@ -297,7 +301,7 @@ def resume(args, trainer, logger) -> tuple[int, int]:
 SUMMARY_KEYS = ("iteration", "final_valid_loss", "tokens_per_s", "parameters", "losses", "step_time_s")
 
 
-def _train(args, backend, ps, logger, started_at: float) -> dict:
+def _train(args, backend, ps, logger, started_at: float, gc_point) -> dict:
     a = args
     vocab, train, valid, eod_rules = _data(a, logger)
     a.vocab_size = vocab
@@ -311,7 +315,7 @@ def _train(args, backend, ps, logger, started_at: float) -> dict:
                  f"train {train.num_samples} samples of {a.seq_length + 1} tokens")
 
     iteration, consumed = resume(a, trainer, logger)
-    parts = loop_parts(a, backend, ps, trainer, (train, valid, eod_rules))
+    parts = loop_parts(a, backend, ps, trainer, (train, valid, eod_rules), gc_point)
     report = loop.RunReport(parameters=n_params, summary_keys=SUMMARY_KEYS, device=backend.device.name,
                             write_loss_file=rank_is_zero(backend), started_at=started_at)
     return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed, trainer.skipped_iterations),
@@ -347,14 +351,15 @@ def _print_setup(args, logger, backend, ps, cfg, trainer, n_params) -> None:
             f"values for its {n_params} parameters (a 1/{ps.dp_size} slice)")
 
 
-def loop_parts(args, backend, ps, trainer: Trainer, streams: tuple) -> loop.TrainParts:
+def loop_parts(args, backend, ps, trainer: Trainer, streams: tuple, gc_point=lambda: None) -> loop.TrainParts:
     """This trainer's side of the shared outer loop (training/loop.py); streams: (train,
-    validation or None, EOD rules)."""
+    validation or None, EOD rules); gc_point: called after each step (MainThreadCollection)."""
     a, (train, valid, eod_rules) = args, streams
 
     def step(iteration: int, consumed: int, _batch_size: int) -> loop.StepResult:
         batches = data.micro_batches_for_step(train, consumed, a, ps.dp_rank, ps.dp_size, eod_rules)
         loss, grad_norm, _lr = trainer.train_step(batches, iteration)
+        gc_point()
         return loop.StepResult(loss, grad_norm, applied=not trainer.last_step_skipped)
 
     def evaluate() -> float | None:
