@@ -53,6 +53,10 @@ def _offline_download_module() -> types.ModuleType:
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config, parser, args):
     state = _adapt()
+    if state.plan.backend == "torch":    # Megatron's TE layer spec, from its local modules when TE is absent
+        # imported here, not at the top: the module imports Megatron, which the adaptor must patch first
+        from mindspeed.backends.torch.te_spec_standin import apply_te_spec_standin
+        apply_te_spec_standin(state.patcher)
     if DOWNLOAD_MODULE not in sys.modules:
         state.patcher.provide_module(DOWNLOAD_MODULE, _offline_download_module(),
                                      reason="Megatron's conftest must not reach for the network")
