@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 from mindspeed.files import safe_extract
-from mindspeed.megatron_test_skips import RANKS, SKIPS
+from mindspeed.megatron_test_skips import RANKS, SKIPS, TOO_LARGE
 from tests_extend.system.megatron_lm_kit import ROOT, snapshot, snapshot_dir
 
 TESTS_TARBALL = "Megatron-LM-core_v0.16.1-tests.tar.gz"
@@ -81,7 +81,7 @@ def test_every_skip_list_entry_names_an_existing_test_and_says_why(tmp_path):
     with tarfile.open(_tests_tarball()) as archive:
         names = set(archive.getnames())
     safe_extract(_tests_tarball(), str(tmp_path))
-    for test in list(SKIPS) + list(RANKS):
+    for test in list(SKIPS) + list(RANKS) + list(TOO_LARGE):
         path, _, name = test.partition("::")
         assert path in names, f"{test}: no such file in {TESTS_TARBALL}"
         assert name in _definitions(os.path.join(tmp_path, path)), f"{test}: no such test"
@@ -89,3 +89,4 @@ def test_every_skip_list_entry_names_an_existing_test_and_says_why(tmp_path):
         assert "user" in reason.text and len(reason.text) > 60, f"{test}: the reason must say what a user loses"
         assert reason.signature and all(reason.signature), f"{test}: the reason must name the failure it explains"
     assert all(need > 1 for need in RANKS.values())
+    assert all("user" in text or "not run there" in text for text in TOO_LARGE.values())

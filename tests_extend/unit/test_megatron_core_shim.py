@@ -102,8 +102,9 @@ def test_a_listed_test_is_skipped_only_when_it_fails_as_its_reason_says():
     graphs = "AssertionError: Tried using cudagraphs with RNG, however not detected in pytorch!"
     assert "CUDA graphs" in listed_failure(node, graphs, te_present=True)
     assert listed_failure(node, "AssertionError: assert 1 == 2", te_present=True) is None   # another failure
-    te_only = "tests/unit_tests/transformer/test_transformer_layer.py::TestParallelTransformerLayer::test_constructor"
-    te_error = "NameError: name 'TESpecProvider' is not defined"
+    te_only = ("tests/unit_tests/transformer/test_attention_packed_seq.py::TestParallelAttentionWithPackedSequence"
+               "::test_gpu_forward")
+    te_error = "AssertionError: Packed sequence is not supported by DotProductAttention."
     assert "Transformer Engine" in listed_failure(te_only, te_error, te_present=False)
     assert listed_failure(te_only, te_error, te_present=True) is None        # with TE installed it counts
     assert listed_failure("tests/unit_tests/test_foo.py::test_bar", te_error, te_present=False) is None
@@ -114,3 +115,10 @@ def test_a_test_needing_eight_ranks_is_not_run_with_fewer():
     assert "--nproc_per_node 8" in skip_before_running(ranks, 2)
     assert skip_before_running(ranks, 8) is None
     assert skip_before_running("tests/unit_tests/test_parallel_state.py::test_other", 1) is None
+
+
+def test_a_test_too_large_for_a_cpu_run_is_not_run():
+    large = ("tests/unit_tests/transformer/test_transformer_block_custom_pgs.py::TestTransformerBlockWithProcessGroups"
+             "::test_params_and_grads_match_transformer_block[1-1-1-1]")
+    assert "MindSpeed skip list: builds two 4096-wide" in skip_before_running(large, 1)
+    assert "MindSpeed skip list" in skip_before_running(large, 8)
