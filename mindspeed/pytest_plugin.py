@@ -80,6 +80,22 @@ def _world_size() -> int:
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    release_test_instance(item)
+
+
+def release_test_instance(item) -> None:
+    """pytest keeps every test item, and with it the class instance its test ran on, to the end of
+    the session. Megatron's test classes keep their models on that instance, and the models their
+    process groups: a gloo group's worker threads live as long as the group object does, so each
+    test's threads would stay. Once the test is torn down nothing reads the instance again."""
+    instance = getattr(item, "instance", None)
+    if instance is not None:
+        vars(instance).clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
