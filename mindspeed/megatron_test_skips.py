@@ -32,9 +32,11 @@ BLOCK = UNIT + "transformer/test_transformer_block.py::TestParallelTransformerBl
 LAYER = UNIT + "transformer/test_transformer_layer.py::TestParallelTransformerLayer::"
 CUSTOM_PGS = UNIT + "transformer/test_transformer_block_custom_pgs.py::TestTransformerBlockWithProcessGroups::"
 
-TE_SPEC = Reason("builds Megatron's Transformer Engine layer spec (TESpecProvider); Transformer Engine is "
-                 "CUDA-only, so on CPU a user loses TE's fused layers and builds the local spec "
-                 "(get_gpt_layer_local_spec) instead", ("TESpecProvider",))
+CP_ATTENTION = Reason("builds the TE layer spec with context parallelism; without Transformer Engine its "
+                      "attention is Megatron's DotProductAttention, which refuses context parallelism, so on "
+                      "CPU a user loses Megatron's TE context-parallel attention (MindSpeed's own: "
+                      "--context-parallel-size with --context-parallel-algo)",
+                      ("Context parallelism is only supported by TEDotProductAttention",))
 PACKED_ATTENTION = Reason("runs packed sequences (packed_seq_params) through the TE layer spec's attention; "
                           "without Transformer Engine that is Megatron's DotProductAttention, which refuses "
                           "them, so on CPU a user loses Megatron's packed-sequence attention (MindSpeed's own "
@@ -64,7 +66,8 @@ SKIPS: dict[str, Reason] = {
     UNIT + "tensor_parallel/test_random.py::test_checkpoint_without_output": TE_FP8,
     UNIT + "tensor_parallel/test_random.py::test_double_fork_cuda_rng_states_tracker": CUDA_GRAPHS,
     UNIT + "tensor_parallel/test_random.py::test_convert_cuda_rng_state": CUDA_GRAPHS,
-    UNIT + "transformer/test_utils.py::TestGPTModel::test_post_process_forward": TE_SPEC,
+    UNIT + "transformer/test_multi_token_prediction.py::TestMultiTokenPredictionLayer::test_constructor_ues_te":
+        CP_ATTENTION,
     UNIT + "models/test_base_embedding.py::TestBaseEmbedding::test_gpu_forward": CUDA_TENSOR,
 }
 
