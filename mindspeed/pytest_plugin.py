@@ -53,6 +53,10 @@ def _offline_download_module() -> types.ModuleType:
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config, parser, args):
     state = _adapt()
+    if state.plan.backend == "torch":    # Megatron's TE layer spec, from its local modules when TE is absent
+        # imported here, not at the top: the module imports Megatron, which the adaptor must patch first
+        from mindspeed.backends.torch.te_spec_standin import apply_te_spec_standin
+        apply_te_spec_standin(state.patcher)
     if DOWNLOAD_MODULE not in sys.modules:
         state.patcher.provide_module(DOWNLOAD_MODULE, _offline_download_module(),
                                      reason="Megatron's conftest must not reach for the network")
@@ -73,6 +77,22 @@ def pytest_collection_modifyitems(config, items):
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))   # what Megatron's test Utils reads
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    release_test_instance(item)
+
+
+def release_test_instance(item) -> None:
+    """pytest keeps every test item, and with it the class instance its test ran on, to the end of
+    the session. Megatron's test classes keep their models on that instance, and the models their
+    process groups: a gloo group's worker threads live as long as the group object does, so each
+    test's threads would stay. Once the test is torn down nothing reads the instance again."""
+    instance = getattr(item, "instance", None)
+    if instance is not None:
+        vars(instance).clear()
 
 
 @pytest.hookimpl(hookwrapper=True)

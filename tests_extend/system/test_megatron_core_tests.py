@@ -1,6 +1,7 @@
 """Megatron-Core's own unit tests through mindspeed.pytest_plugin (what .ci/megatron_core_tests runs):
-two test files pass through the plugin in a real pytest subprocess, and every skip-list entry names
-a test that exists and says why. Needs the core_v0.16.1 snapshot and its tests tarball
+two test files pass through the plugin in a real pytest subprocess, every skip-list entry names
+a test that exists and says why, and a class test's process groups (their gloo threads) do not
+outlive the test. Needs the core_v0.16.1 snapshot and its tests tarball
 ($MINDSPEED_MEGATRON_LM_SNAPSHOTS or ../shared/megatron-lm); skipped, saying so, without them."""
 import ast
 import os
@@ -12,7 +13,7 @@ import tarfile
 import pytest
 
 from mindspeed.files import safe_extract
-from mindspeed.megatron_test_skips import RANKS, SKIPS
+from mindspeed.megatron_test_skips import RANKS, SKIPS, TOO_LARGE
 from tests_extend.system.megatron_lm_kit import ROOT, snapshot, snapshot_dir
 
 TESTS_TARBALL = "Megatron-LM-core_v0.16.1-tests.tar.gz"
@@ -57,6 +58,61 @@ def test_megatron_test_files_pass_through_the_plugin(checkout):
     assert "MindSpeed skip list: asserts that its output is a CUDA tensor" in out.stdout
 
 
+KEEPS_GROUPS = """
+import pytest
+import torch.distributed as dist
+
+THREADS = []
+
+
+def _threads():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class TestKeepsItsGroup:
+    # as Megatron's test classes do: a model on the instance holds its process groups
+    def setup_method(self):
+        THREADS.append(_threads())
+        self.group = dist.new_group([0])
+
+    def teardown_method(self):
+        dist.destroy_process_group(self.group)     # destroyed, still referenced by the instance
+
+    @pytest.mark.parametrize("n", range(8))
+    def test_uses_its_group(self, n):
+        dist.barrier(group=self.group)
+
+
+def test_threads_stay_flat():
+    assert THREADS[-1] <= THREADS[0] + 1, THREADS
+"""
+
+
+def test_a_class_tests_process_groups_do_not_outlive_it(tmp_path):
+    (tmp_path / "test_keeps_groups.py").write_text(KEEPS_GROUPS)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env.pop("WORLD_SIZE", None)
+
+    def run(*plugin):
+        return subprocess.run([sys.executable, "-m", "pytest", *plugin, "-p", "no:cacheprovider", "-p", "no:xdist",
+                               "-q", "-W", "ignore", "test_keeps_groups.py"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    with_plugin = run("-p", "mindspeed.pytest_plugin")
+    assert with_plugin.returncode == 0, with_plugin.stdout[-3000:] + with_plugin.stderr[-2000:]
+    # plain pytest keeps every instance, its group and the group's gloo threads to the end
+    plain = run()
+    assert plain.returncode == 1 and "test_threads_stay_flat" in plain.stdout, plain.stdout[-3000:]
+
+
 def _definitions(path: str) -> set:
     """'Class::method' (methods inherited from a class of the same file included) and 'function'
     names a test file defines."""
@@ -81,7 +137,7 @@ def test_every_skip_list_entry_names_an_existing_test_and_says_why(tmp_path):
     with tarfile.open(_tests_tarball()) as archive:
         names = set(archive.getnames())
     safe_extract(_tests_tarball(), str(tmp_path))
-    for test in list(SKIPS) + list(RANKS):
+    for test in list(SKIPS) + list(RANKS) + [name.split("[", 1)[0] for name in TOO_LARGE]:
         path, _, name = test.partition("::")
         assert path in names, f"{test}: no such file in {TESTS_TARBALL}"
         assert name in _definitions(os.path.join(tmp_path, path)), f"{test}: no such test"
@@ -89,3 +145,4 @@ def test_every_skip_list_entry_names_an_existing_test_and_says_why(tmp_path):
         assert "user" in reason.text and len(reason.text) > 60, f"{test}: the reason must say what a user loses"
         assert reason.signature and all(reason.signature), f"{test}: the reason must name the failure it explains"
     assert all(need > 1 for need in RANKS.values())
+    assert all("user" in text or "not run there" in text for text in TOO_LARGE.values())

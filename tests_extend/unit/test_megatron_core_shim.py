@@ -1,11 +1,14 @@
 """The cpu device shim's mappings for what Megatron-Core's own unit tests touch: a process group
-asked for nccl gets gloo, Transformer Engine's version probe answers "not installed"; both are
-listed by describe() and undone by unadapt()."""
+asked for nccl gets gloo, Transformer Engine's version probe answers "not installed", the groups
+Megatron's destroy_model_parallel forgets are destroyed; each is listed by describe() and undone
+by unadapt()."""
 import torch
 import torch.distributed as dist
 
 import mindspeed
+from megatron.core import parallel_state
 from megatron.core import utils as mutils
+from mindspeed.backends.torch.process_groups import held_process_groups
 from mindspeed.megatron_test_skips import base_name, listed_failure, more_ranks_needed, skip_before_running
 
 
@@ -29,6 +32,46 @@ def test_nccl_process_groups_get_gloo_and_unadapt_restores_torch():
         mindspeed.unadapt()
     assert dist.init_process_group is init_before and dist.new_group is new_group_before
     assert dist.distributed_c10d.new_group is new_group_before
+
+
+def _threads() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+def test_model_parallel_cycles_leave_no_gloo_groups_or_threads_behind():
+    destroy_before = parallel_state.destroy_model_parallel
+    state = mindspeed.adapt([])
+    assert "megatron.core.parallel_state.destroy_model_parallel" in state.patcher.describe()
+    registered = dist.distributed_c10d._world.pg_map
+    try:
+        dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1)
+        counts = []
+        for _ in range(4):     # what Megatron's unit tests do around every test
+            parallel_state.initialize_model_parallel(1, 1)
+            assert len(registered) > 10       # each initialize makes its groups: gloo, with threads
+            parallel_state.destroy_model_parallel()
+            counts.append((_threads(), len(registered)))
+        assert counts[-1][1] == 1, counts     # only the world group is left
+        assert counts[-1][0] <= counts[0][0], counts   # each cycle would leave dozens of gloo threads
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        mindspeed.unadapt()
+    assert parallel_state.destroy_model_parallel is destroy_before
+
+
+def test_the_groups_a_module_holds_are_found_in_its_containers():
+    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world, loose, listed, keyed = dist.group.WORLD, dist.new_group([0]), dist.new_group([0]), dist.new_group([0])
+        holder = type(parallel_state)("holder")
+        holder.LOOSE, holder.LISTED, holder.KEYED, holder.OTHER = loose, [None, listed], {"tp": keyed}, [1, "x"]
+        holder.WORLD_TOO = world
+        found = held_process_groups(holder)
+        assert {id(g) for g in found} == {id(loose), id(listed), id(keyed), id(world)}
+    finally:
+        dist.destroy_process_group()
 
 
 def test_te_version_probe_answers_absent_without_raising():
@@ -59,8 +102,9 @@ def test_a_listed_test_is_skipped_only_when_it_fails_as_its_reason_says():
     graphs = "AssertionError: Tried using cudagraphs with RNG, however not detected in pytorch!"
     assert "CUDA graphs" in listed_failure(node, graphs, te_present=True)
     assert listed_failure(node, "AssertionError: assert 1 == 2", te_present=True) is None   # another failure
-    te_only = "tests/unit_tests/transformer/test_transformer_layer.py::TestParallelTransformerLayer::test_constructor"
-    te_error = "NameError: name 'TESpecProvider' is not defined"
+    te_only = ("tests/unit_tests/transformer/test_attention_packed_seq.py::TestParallelAttentionWithPackedSequence"
+               "::test_gpu_forward")
+    te_error = "AssertionError: Packed sequence is not supported by DotProductAttention."
     assert "Transformer Engine" in listed_failure(te_only, te_error, te_present=False)
     assert listed_failure(te_only, te_error, te_present=True) is None        # with TE installed it counts
     assert listed_failure("tests/unit_tests/test_foo.py::test_bar", te_error, te_present=False) is None
@@ -71,3 +115,11 @@ def test_a_test_needing_eight_ranks_is_not_run_with_fewer():
     assert "--nproc_per_node 8" in skip_before_running(ranks, 2)
     assert skip_before_running(ranks, 8) is None
     assert skip_before_running("tests/unit_tests/test_parallel_state.py::test_other", 1) is None
+
+
+def test_a_test_too_large_for_a_cpu_run_is_not_run():
+    large = ("tests/unit_tests/transformer/test_transformer_block_custom_pgs.py::TestTransformerBlockWithProcessGroups"
+             "::test_params_and_grads_match_transformer_block[1-1-1-1]")
+    assert "MindSpeed skip list: builds two 4096-wide" in skip_before_running(large, 1)
+    assert "MindSpeed skip list" in skip_before_running("megatron-lm/" + large, 8)
+    assert skip_before_running(large.replace("[1-1-1-1]", "[8-8-1-1]"), 1) is None   # Megatron skips it itself

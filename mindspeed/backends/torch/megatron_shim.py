@@ -17,6 +17,7 @@ from mindspeed.backends.torch.absent_packages import apply_absent_package_probes
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
+from mindspeed.backends.torch.process_groups import wrap_destroy_model_parallel
 
 log = logging.getLogger("mindspeed")
 
@@ -262,6 +263,9 @@ def apply_cpu_shim(patcher) -> None:
         patcher.wrap(f"torch.distributed.{maker}", _wrap_group_maker("cpu", backend_position),
                      reason="backend 'nccl' -> gloo, the cpu's collective backend", aliases="torch.distributed")
     apply_absent_package_probes(patcher)
+    import megatron.core.parallel_state as parallel_state
+    patcher.wrap("megatron.core.parallel_state.destroy_model_parallel", wrap_destroy_model_parallel(parallel_state),
+                 reason="gloo groups hold threads from creation: destroy the ones Megatron forgets", aliases="megatron")
     import megatron.core.tensor_parallel.random as mrandom
     patcher.replace("megatron.core.tensor_parallel.random._get_cuda_rng_state", _get_rng_state,
                     reason="cpu generator is the device generator", aliases="megatron")

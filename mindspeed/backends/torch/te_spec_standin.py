@@ -1,0 +1,74 @@
+"""Megatron-Core's Transformer Engine layer spec, built from Megatron's own local modules, for
+Megatron's unit tests on a machine without Transformer Engine.
+
+`get_gpt_layer_with_transformer_engine_spec` asks `TESpecProvider` (bound only when TE imports)
+for its modules. The stand-in answers with Megatron's local modules in TE's layout: TE fuses the
+norm before the QKV and FC1 projections into the projection (`TELayerNormColumnParallelLinear`,
+with parameters `layer_norm_weight` / `layer_norm_bias`), so the stand-in's projection owns its
+norm too, and a layer has the parameters, names and checkpoint keys the TE spec gives it. Users'
+training refuses `--transformer-impl transformer_engine` without TE instead (megatron_lm.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+GPT_LAYER_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
+
+
+class LayerNormColumnParallelLinear(ColumnParallelLinear):
+    """The config's norm (LayerNorm or RMSNorm) on the input, then Megatron's ColumnParallelLinear;
+    the norm's parameters carry TE's names, and are replicated across tensor-parallel ranks."""
+
+    def __init__(self, input_size, output_size, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization {config.normalization!r}: the stand-in for TE's fused norm "
+                             f"has LayerNorm and RMSNorm")
+        self.normalization = config.normalization
+        self.eps = config.layernorm_epsilon
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        device = self.weight.device if self.weight is not None else None
+        start = torch.zeros if self.zero_centered_gamma else torch.ones   # the stored gamma
+        self.layer_norm_weight = torch.nn.Parameter(start(input_size, dtype=config.params_dtype, device=device))
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(
+                torch.zeros(input_size, dtype=config.params_dtype, device=device))
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        for param in (self.layer_norm_weight, self.layer_norm_bias):
+            if param is not None:      # replicated across TP: grads all-reduced under sequence parallelism
+                param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, input_, *args, **kwargs):
+        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        shape = (self.input_size,)
+        if self.normalization == "LayerNorm":
+            normed = F.layer_norm(input_, shape, gamma, self.layer_norm_bias, self.eps)
+        else:
+            normed = F.rms_norm(input_, shape, gamma, self.eps)
+        return super().forward(normed, *args, **kwargs)
+
+
+class TelessTESpecProvider(LocalSpecProvider):
+    """TESpecProvider's answers from Megatron's local modules: the norm fused into the following
+    column-parallel projection, as TE's spec has it; every other module the local spec's."""
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return True
+
+    def column_parallel_layer_norm_linear(self):
+        return LayerNormColumnParallelLinear
+
+
+def apply_te_spec_standin(patcher) -> bool:
+    """Bind the stand-in where Megatron's GPT layer specs look up TESpecProvider, when Transformer
+    Engine left it unbound; True if it was bound."""
+    if hasattr(gpt_layer_specs, "TESpecProvider"):
+        return False      # Transformer Engine is installed: its own provider stays
+    patcher.define(f"{GPT_LAYER_SPECS}.TESpecProvider", TelessTESpecProvider,
+                   reason="Transformer Engine absent: TE's layer spec from Megatron's local modules")
+    return True

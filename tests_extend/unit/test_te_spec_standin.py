@@ -1,0 +1,90 @@
+"""Megatron's Transformer Engine layer spec without Transformer Engine: the stand-in builds a layer
+from Megatron's local modules in TE's layout (the norm inside the QKV / FC1 projection, TE's
+parameter names), computes what the local spec's separate norm + projection computes, and is
+listed by the patcher and removed by unadapt()."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import mindspeed
+from megatron.core import parallel_state
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from mindspeed.backends.torch.te_spec_standin import GPT_LAYER_SPECS, LayerNormColumnParallelLinear, apply_te_spec_standin
+
+pytestmark = pytest.mark.skipif(gpt_layer_specs.HAVE_TE, reason="Transformer Engine is installed: its own spec runs")
+
+
+@pytest.fixture
+def adapted():
+    state = mindspeed.adapt([])
+    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(123)
+    try:
+        yield state
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        mindspeed.unadapt()
+
+
+def _config(**overrides):
+    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                             hidden_dropout=0.0, attention_dropout=0.0, **overrides)
+
+
+def test_te_spec_builds_a_layer_in_te_layout_that_computes_what_the_local_spec_computes(adapted):
+    assert apply_te_spec_standin(adapted.patcher)
+    assert GPT_LAYER_SPECS + ".TESpecProvider" in adapted.patcher.describe()
+    config = _config()
+    te_layer = TransformerLayer(config, gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec().submodules)
+    local_layer = TransformerLayer(config, gpt_layer_specs.get_gpt_layer_local_spec().submodules)
+
+    te_names = {name for name, _ in te_layer.named_parameters()}
+    assert {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+            "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias"} <= te_names
+    assert not any(name.startswith(("input_layernorm.", "pre_mlp_layernorm.")) for name in te_names)
+    assert sum(p.numel() for p in te_layer.parameters()) == sum(p.numel() for p in local_layer.parameters())
+    assert isinstance(te_layer.self_attention.linear_qkv, LayerNormColumnParallelLinear)
+
+    # the local layer's weights in TE's places: both layers compute the same output
+    local = dict(local_layer.named_parameters())
+    moved = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+    with torch.no_grad():
+        for name, param in te_layer.named_parameters():
+            local_param = local[moved.get(name, name)]
+            local_param.normal_()          # not the ones / zeros a norm starts from
+            param.copy_(local_param)
+    hidden = torch.randn(8, 2, config.hidden_size)
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril().logical_not()
+    te_out, _ = te_layer(hidden, attention_mask=mask)
+    local_out, _ = local_layer(hidden, attention_mask=mask)
+    torch.testing.assert_close(te_out, local_out)
+
+    mindspeed.unadapt()
+    assert not hasattr(gpt_layer_specs, "TESpecProvider")
+    mindspeed.adapt([])        # the fixture's unadapt
+
+
+@pytest.mark.parametrize("normalization,zero_centered", [("RMSNorm", False), ("LayerNorm", True)])
+def test_the_fused_norm_follows_the_config(adapted, normalization, zero_centered):
+    config = _config(normalization=normalization, layernorm_zero_centered_gamma=zero_centered)
+    linear = LayerNormColumnParallelLinear(64, 32, config=config, init_method=torch.nn.init.normal_,
+                                           bias=True, gather_output=False, skip_bias_add=False)
+    assert (linear.layer_norm_bias is None) == (normalization == "RMSNorm")
+    x = torch.randn(4, 2, 64)
+    out, _ = linear(x)
+    gamma = linear.layer_norm_weight + 1 if zero_centered else linear.layer_norm_weight
+    if normalization == "RMSNorm":
+        normed = torch.nn.functional.rms_norm(x, (64,), gamma, config.layernorm_epsilon)
+    else:
+        normed = torch.nn.functional.layer_norm(x, (64,), gamma, linear.layer_norm_bias, config.layernorm_epsilon)
+    torch.testing.assert_close(out, normed @ linear.weight.t() + linear.bias)
+    # a zero-centered gamma is stored as 0 and used as 1: the norm starts as the identity scale
+    assert torch.equal(gamma, torch.ones(64))
