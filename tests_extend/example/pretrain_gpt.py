@@ -45,4 +45,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if "mindspore" in sys.modules:      # MindSpore's cleanup, then no teardown: docs/native-crash.md
+        from mindspeed.backends.mindspore.process_exit import exit_after_cleanup
+        exit_after_cleanup(status)
+    sys.exit(status)

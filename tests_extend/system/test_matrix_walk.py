@@ -90,6 +90,7 @@ def test_accepted_torch_cells_train(workdir, tmp_path):
     print(f"\ntorch/cpu: {len(cells)} accepted cells trained 2 iterations on 2 processes")
 
 
+@pytest.mark.timeout(960)      # the launch's own limit (900 s) reports the workers' logs first
 def test_accepted_mindspore_cells_train(workdir, tmp_path, monkeypatch):
     pytest.importorskip("mindspore")
     monkeypatch.setenv("WORLD_SIZE", str(walk.WORLD))     # as train_distributed_ms.sh exports it for msrun

@@ -1,6 +1,7 @@
 """python -m mindspeed.training.mindspore [Megatron-style flags]: the MindSpore trainer directly."""
 import sys
 
+from mindspeed.backends.mindspore.process_exit import exit_after_cleanup
 from mindspeed.errors import ArgumentError, report
 from mindspeed.flags.trainer_flags import parse_args
 from mindspeed.training.mindspore import run
@@ -17,4 +18,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_cleanup(main())      # MindSpore's cleanup, then no teardown: docs/native-crash.md
