@@ -8,7 +8,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import run_worker, write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 
 SHORT_STEPS = 4   # SP on top of TP=2, and CP=2: shorter runs keep CI time down
 COC_STEPS = 3     # CoC runs PyNative (slower than the traced graph); 3 steps: 2 updates checked
@@ -44,4 +44,4 @@ def main(out_dir, init_ckpt):
 
 
 if __name__ == "__main__":
-    run_worker(main, sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2])

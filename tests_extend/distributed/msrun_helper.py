@@ -107,13 +107,3 @@ def _environ(pid: int) -> bytes:
 def write_result(out_dir: str, rank: int, result) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-
-
-def run_worker(main, *args) -> None:
-    """A worker's `__main__`: main(*args), then the end every MindSpore entry point has (its exit
-    handlers, no teardown: mindspeed/backends/mindspore/process_exit.py). An exception in main
-    leaves with its traceback and status 1, as before."""
-    main(*args)
-    if "mindspore" in sys.modules:
-        from mindspeed.backends.mindspore.process_exit import exit_after_cleanup
-        exit_after_cleanup(0)

@@ -45,8 +45,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    if "mindspore" in sys.modules:      # MindSpore's cleanup, then no teardown: docs/native-crash.md
-        from mindspeed.backends.mindspore.process_exit import exit_after_cleanup
-        exit_after_cleanup(status)
-    sys.exit(status)
+    sys.exit(main())

@@ -152,9 +152,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # as MindSpeed's MindSpore entry points end (MINDSPEED_STRESS_TEARDOWN=1: Python's teardown, as before)
-    if "mindspore" in sys.modules and os.environ.get("MINDSPEED_STRESS_TEARDOWN") != "1":
-        from mindspeed.backends.mindspore.process_exit import exit_after_cleanup
-        exit_after_cleanup(status)
-    sys.exit(status)
+    sys.exit(main())

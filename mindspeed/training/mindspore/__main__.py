@@ -1,7 +1,6 @@
 """python -m mindspeed.training.mindspore [Megatron-style flags]: the MindSpore trainer directly."""
 import sys
 
-from mindspeed.backends.mindspore.process_exit import exit_after_cleanup
 from mindspeed.errors import ArgumentError, report
 from mindspeed.flags.trainer_flags import parse_args
 from mindspeed.training.mindspore import run
@@ -18,4 +17,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_after_cleanup(main())      # MindSpore's cleanup, then no teardown: docs/native-crash.md
+    sys.exit(main())
