@@ -66,12 +66,12 @@ def _size_cpu_kernel_pool() -> None:
 
 
 def pin_to_cores(local_index: int, local_count: int) -> None:
-    """Give this process (the local_index-th of local_count on this host) its own share of the cores
-    it may run on, every thread included. Measured on the 2-process CPU example: unpinned, a run
-    settles at 450 or at 650-700 ms per step by chance (the OS moving threads between cores);
-    pinned, 457-484 ms in 4 of 4 runs. MINDSPEED_MS_CPU_AFFINITY=0 leaves placement to the OS; with
-    more processes than cores nothing is pinned."""
-    if os.environ.get("MINDSPEED_MS_CPU_AFFINITY", "1") == "0" or not hasattr(os, "sched_setaffinity"):
+    """With MINDSPEED_MS_CPU_AFFINITY=1: give this process (the local_index-th of local_count on this
+    host) its own share of the cores it may run on, every thread included; steadier steps on the
+    2-process CPU example. Off by default: with it, MindSpore 2.10's own exit handler crashed 2-3 in
+    10 two-process launches ("std::system_error: Invalid argument"), none in 10 without it
+    (docs/native-crash.md). With more processes than cores nothing is pinned."""
+    if os.environ.get("MINDSPEED_MS_CPU_AFFINITY", "0") != "1" or not hasattr(os, "sched_setaffinity"):
         return
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // local_count if local_count else 0
