@@ -69,7 +69,7 @@ def pin_to_cores(local_index: int, local_count: int) -> None:
     """With MINDSPEED_MS_CPU_AFFINITY=1: give this process (the local_index-th of local_count on this
     host) its own share of the cores it may run on, every thread included; steadier steps on the
     2-process CPU example. Off by default: with it, MindSpore 2.10's own exit handler crashed 2-3 in
-    10 two-process launches ("std::system_error: Invalid argument"), none in 10 without it
+    10 two-process launches ("std::system_error: Invalid argument"), none in 22 without it
     (docs/native-crash.md). With more processes than cores nothing is pinned."""
     if os.environ.get("MINDSPEED_MS_CPU_AFFINITY", "0") != "1" or not hasattr(os, "sched_setaffinity"):
         return
