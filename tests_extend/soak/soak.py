@@ -4,7 +4,7 @@ Checks what a long job needs and a short test cannot show: no native crash over 
 launches, and resident memory that does not grow (each worker's RSS at the last logged iteration within
 5% of its RSS at iteration 300). Uses README command 1's launch scripts on a small model.
 Usage: python tests_extend/soak/soak.py [--iters 3000] [--short 20] [--out soak.json]
-Results and how they were measured: docs/soak.md."""
+What was measured, and what is still owed: docs/soak.md."""
 import argparse
 import json
 import os
@@ -14,10 +14,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests_extend", "stress"))
+from ms_native_crash import NATIVE_CRASH_SIGNS  # noqa: E402  (one list of what a native crash prints)
+
 SCRIPTS = {"torch": "train_distributed.sh", "mindspore": "train_distributed_ms.sh"}
 MODEL = dict(NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="64", MICRO_BATCH="4", GLOBAL_BATCH="8")
 ITERATION = re.compile(r"iteration\s+(\d+)/")
-NATIVE_CRASH = ("Fatal Python error", "Segmentation fault", "corrupted", "double free")
 GROWTH_LIMIT = 1.05
 
 
@@ -87,7 +89,7 @@ def long_run(backend: str, iters: int, workdir: str) -> dict:
     last = max(samples) if samples else 0
     growth = {pid: samples[last].get(pid, 0) / mb for pid, mb in at_300.items() if mb}
     return {"backend": backend, "rc": rc, "iterations_logged": last, "seconds": round(time.time() - start, 1),
-            "native_crash": any(sign in text for sign in NATIVE_CRASH),
+            "native_crash": any(sign in text for sign in NATIVE_CRASH_SIGNS),
             "rss_mb_at_300": {str(p): round(v, 1) for p, v in at_300.items()},
             "rss_mb_at_last": {str(p): round(v, 1) for p, v in samples.get(last, {}).items()},
             "max_growth": round(max(growth.values()), 4) if growth else None}
@@ -106,7 +108,7 @@ def short_runs(count: int, iters: int, workdir: str) -> list[dict]:
         log.write(out)
         log.close()
         results.append({"backend": backend, "rc": proc.returncode, "seconds": round(time.time() - start, 1),
-                        "native_crash": any(sign in out for sign in NATIVE_CRASH)})
+                        "native_crash": any(sign in out for sign in NATIVE_CRASH_SIGNS)})
         print(f"short run {n + 1}/{count} ({backend}): rc {proc.returncode}, {results[-1]['seconds']} s", flush=True)
     return results
 
