@@ -3,11 +3,14 @@ and two fixes to MindSpore 2.10's trace that the trainer needs."""
 from __future__ import annotations
 
 import re
+import sys
 
 import mindspore as ms
 
 
 _KEPT: list = []
+# frames of MindSpore's own front end, left out of a traced op's caller list as MindSpore leaves them out
+_MINDSPORE_FRONTEND = re.compile(r"mindspore/common/.*\.py|mindspore/ops/.*\.py|mindspore/nn/.*\.py")
 
 
 def traced(fn):
@@ -23,18 +26,21 @@ def traced(fn):
 def _tolerate_sourceless_frames() -> None:
     """MindSpore 2.10's trace formats every caller frame's source line even with debug logging off,
     and fails on a frame that has none (exec'd or generated code up the stack, e.g. under pytest):
-    the same caller list, without reading source lines."""
-    import inspect
+    the same caller list, read from the frames themselves (inspect.stack stats and reads the source
+    file of every frame, for every op the trace records)."""
     from mindspore.graph import jit_trace
     if getattr(jit_trace._get_caller_lines, "_mindspeed", False):
         return
 
     def caller_lines():
         files, lines = [], []
-        for info in inspect.stack(context=0):
-            if re.search(r"mindspore/common/.*\.py|mindspore/ops/.*\.py|mindspore/nn/.*\.py", info[1]) is None:
-                files.append(info[1])
-                lines.append(info[2])
+        frame = sys._getframe()
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if _MINDSPORE_FRONTEND.search(name) is None:
+                files.append(name)
+                lines.append(frame.f_lineno)
+            frame = frame.f_back
         return files, lines
     caller_lines._mindspeed = True
     jit_trace._get_caller_lines = caller_lines
