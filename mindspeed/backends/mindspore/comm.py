@@ -21,6 +21,7 @@ from mindspore import ops
 from mindspeed.backends.base import CommAPI, CommHandle
 from mindspeed.backends.mindspore import shm_collectives
 from mindspeed.backends.mindspore.autograd import MsAutograd, with_gradient
+from mindspeed.backends.mindspore.cluster_start import quicker_heartbeat, scheduler_address, wait_for_scheduler
 from mindspeed.backends.mindspore.device import pin_to_cores
 
 
@@ -63,6 +64,8 @@ class MsComm(CommAPI):
         """Join the job msrun started (idempotent)."""
         from mindspore.communication import GlobalComm, get_group_size, init
         if not GlobalComm.INITED:
+            quicker_heartbeat()
+            wait_for_scheduler(scheduler_address())
             init()
         if os.environ.get("MS_ROLE") == "MS_SCHED":
             # the scheduler process only coordinates: once the workers are done, it is too

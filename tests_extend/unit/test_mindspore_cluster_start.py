@@ -1,0 +1,83 @@
+"""A MindSpore worker that reaches msrun's scheduler port before the scheduler listens waits for it
+(mindspeed/backends/mindspore/cluster_start.py) instead of failing its registration and spending
+MindSpore's reconnect window: a real one-worker cluster (scheduler + worker processes, the
+environment msrun gives them), the worker started first."""
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("mindspore")
+
+from mindspeed.backends.mindspore import cluster_start  # noqa: E402
+from mindspeed.net import free_port  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MEMBER = """
+import sys
+from mindspeed.backends.mindspore.backend import MindSporeBackend
+print("imported", flush=True)
+backend = MindSporeBackend("cpu")
+print("joined as rank", backend.comm.rank(), flush=True)
+"""
+
+
+def test_the_wait_ends_when_the_port_listens():
+    port = free_port()
+    server = socket.socket()
+
+    def listen_later():
+        time.sleep(0.3)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+    threading.Thread(target=listen_later).start()
+    try:
+        assert cluster_start.wait_for_scheduler(("127.0.0.1", port), give_up_s=30)
+    finally:
+        server.close()
+
+
+def test_the_wait_gives_up_and_needs_an_msrun_worker(monkeypatch):
+    assert not cluster_start.wait_for_scheduler(("127.0.0.1", free_port()), give_up_s=0.2)
+    assert not cluster_start.wait_for_scheduler(None)
+    monkeypatch.setenv("MS_SCHED_HOST", "127.0.0.1")
+    monkeypatch.setenv("MS_SCHED_PORT", "8118")
+    monkeypatch.setenv("MS_ROLE", "MS_SCHED")          # the scheduler itself does not wait
+    assert cluster_start.scheduler_address() is None
+    monkeypatch.setenv("MS_ROLE", "MS_WORKER")
+    assert cluster_start.scheduler_address() == ("127.0.0.1", 8118)
+
+
+def test_the_heartbeat_interval_is_the_users_when_set():
+    environ = {}
+    cluster_start.quicker_heartbeat(environ)
+    assert environ == {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
+    users = {"MS_RETRY_INTERVAL_UPPER": "9"}
+    cluster_start.quicker_heartbeat(users)
+    assert users == {"MS_RETRY_INTERVAL_UPPER": "9"}
+
+
+def test_a_worker_started_before_the_scheduler_registers_at_its_first_try(tmp_path):
+    port = str(free_port())
+    env = dict(os.environ, MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=port, MS_WORKER_NUM="1", GLOG_v="2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    worker_log = tmp_path / "worker.log"
+    with open(worker_log, "w") as log:
+        worker = subprocess.Popen([sys.executable, "-c", MEMBER], env=dict(env, MS_ROLE="MS_WORKER", MS_NODE_ID="0"),
+                                  stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            assert worker.stdout.readline().strip() == "imported"
+            time.sleep(1.0)               # the worker is inside its join, the scheduler not started yet
+            scheduler = subprocess.run([sys.executable, "-c", MEMBER], env=dict(env, MS_ROLE="MS_SCHED"),
+                                       capture_output=True, text=True, timeout=180)
+            out, _ = worker.communicate(timeout=180)
+        finally:
+            worker.kill()
+    failures = [line for line in worker_log.read_text().splitlines() if "Failed to register" in line]
+    assert scheduler.returncode == 0, scheduler.stderr[-2000:]
+    assert worker.returncode == 0 and "joined as rank 0" in out, worker_log.read_text()[-2000:]
+    assert not failures, failures[:3]
