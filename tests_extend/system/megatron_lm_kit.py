@@ -6,8 +6,10 @@ Snapshots: $MINDSPEED_MEGATRON_LM_SNAPSHOTS, else ../shared/megatron-lm/ next to
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -42,11 +44,39 @@ def snapshot(version: str) -> str | None:
 
 
 def checkout_or_skip(version: str, tmp_path_factory) -> str:
-    """A pytest fixture's body: the unpacked checkout, or skip saying where the snapshot is looked for."""
+    """A pytest fixture's body: the run's checkout of `version` (shared_checkout), or skip saying
+    where the snapshot is looked for."""
     if snapshot(version) is None:
         pytest.skip(f"no Megatron-LM core_v{version} snapshot: set ${SNAPSHOT_ENV} or provide "
                     f"../shared/megatron-lm/ (CI has it)")
-    return unpack_checkout(version, str(tmp_path_factory.mktemp(f"megatron-lm-{version}-")))
+    return shared_checkout(version, tmp_path_factory)
+
+
+def shared_checkout(version: str, tmp_path_factory) -> str:
+    """One checkout of `version` per test run, shared by its modules and its xdist workers, with
+    Megatron's C++ dataset helpers built once: each job would otherwise build them in its own
+    checkout (13 s), and two jobs building in one checkout could load each other's half-written
+    library. The tests only read the checkout."""
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_dir = run_dir.parent            # the run's folder, above each worker's own
+    dest = os.path.join(str(run_dir), f"megatron-lm-{version}")
+    with open(dest + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(dest, ".ready")):
+            shutil.rmtree(dest, ignore_errors=True)
+            unpack_checkout(version, dest)
+            _build_dataset_helpers(dest)
+            open(os.path.join(dest, ".ready"), "w").close()
+    return dest
+
+
+def _build_dataset_helpers(checkout: str) -> None:
+    """What Megatron's compile_helpers() runs on rank 0 at start, with this interpreter's python3."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    result = subprocess.run(["make", "-C", os.path.join(checkout, "megatron", "core", "datasets")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def unpack_checkout(version: str, dest: str) -> str:
