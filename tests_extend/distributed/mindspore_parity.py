@@ -100,9 +100,11 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=No
 
 # -- torch side (Megatron-Core GPTModel, run inside the gloo harness) ----------------------------
 def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNorm",
-                      position_embedding_type: str = "rope", num_query_groups: int | None = None):
+                      position_embedding_type: str = "rope", num_query_groups: int | None = None,
+                      tied: bool = False):
     """swiglu=False: Megatron-Core's default GELU MLP (F.gelu, not gated), as --no-swiglu;
-    num_query_groups: GROUPS unless given (HEADS: multi-head attention, one query head per group)."""
+    num_query_groups: GROUPS unless given (HEADS: multi-head attention, one query head per group);
+    tied: the output layer is the word embeddings (Megatron's default; the trainers' argv unties)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -116,7 +118,7 @@ def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNor
                                tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0)
     return GPTModel(config, get_gpt_layer_local_spec(normalization=normalization), vocab_size=VOCAB,
                     max_sequence_length=SEQ, position_embedding_type=position_embedding_type,
-                    share_embeddings_and_output_weights=False)
+                    share_embeddings_and_output_weights=tied)
 
 
 def save_torch_init(model, ckpt: str) -> None:

@@ -20,10 +20,17 @@ def eval_batches() -> list:
 
 
 # -- mindspore side ------------------------------------------------------------------------------
+def ms_argv(pp: int, tied: bool = False) -> list:
+    """The trainer's flags at PP=pp (tied: without --untie-embeddings-and-output-weights)."""
+    argv = mp.trainer_argv(1) + ["--global-batch-size", str(mp.MBS * MICRO), "--pipeline-model-parallel-size", str(pp)]
+    return [a for a in argv if a != "--untie-embeddings-and-output-weights"] if tied else argv
+
+
 def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, steps: int = mp.STEPS,
-                extra: tuple = ()) -> dict:
+                extra: tuple = (), tied: bool = False) -> dict:
     """Through the support matrix (mindspeed.adapt) as the trainer goes; returns losses, grad norms,
-    the held-out loss, and whether the run was PyNative. `extra`: more trainer flags."""
+    the held-out loss, and whether the run was PyNative. `extra`: more trainer flags; tied: the
+    output layer is the word embeddings."""
     import mindspeed
     from mindspeed.backends import get_backend
     from mindspeed.flags.trainer_flags import parse_args
@@ -31,8 +38,7 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
-    argv = mp.trainer_argv(1) + ["--global-batch-size", str(mp.MBS * MICRO),
-                                 "--pipeline-model-parallel-size", str(pp)] + list(extra)
+    argv = ms_argv(pp, tied) + list(extra)
     args = parse_args(argv, world_size=backend.comm.world_size())
     args.backend = "mindspore"
     mindspeed.adapt(args)
@@ -57,14 +63,20 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
 
 
 # -- torch side (Megatron-Core GPTModel at PP=1, in the gloo harness) ----------------------------
-def torch_train_accumulated(rank, world_size, init_ckpt):
+def torch_references(rank, world_size, init_ckpt):
+    """torch_train_accumulated untied (initial weights at init_ckpt) and tied (at init_ckpt_tied)."""
+    return {"untied": torch_train_accumulated(rank, world_size, init_ckpt),
+            "tied": torch_train_accumulated(rank, world_size, init_ckpt + "_tied", tied=True)}
+
+
+def torch_train_accumulated(rank, world_size, init_ckpt, tied: bool = False):
     """Write the initial weights, then train mp.STEPS steps of MICRO micro-batches each."""
     import torch
     import mindspeed
     mindspeed.adapt([])
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=1)
-    model = mp.build_torch_model(1)
+    model = mp.build_torch_model(1, tied=tied)
     mp.save_torch_init(model, init_ckpt)
     params = list(model.parameters())
     opt = mp.megatron_adamw(params)

@@ -1,5 +1,5 @@
 """msrun worker for test_mindspore_parity_pp.py: PP=2 (1F1B over 4 micro-batches) from the torch
-initial checkpoint, saving the trained model; 2 steps with --optimizer sgd, saved; 3 steps with each
+initial checkpoint, saving the trained model, untied and tied; 2 steps with --optimizer sgd, saved; 3 steps with each
 recompute method. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
 import contextlib
 import os
@@ -38,6 +38,8 @@ def main(out_dir, init_ckpt, save_dir):
     rank = backend.comm.rank()
     try:
         result = {"pp2": ms_train_pp(backend, 2, init_ckpt, save_dir)}
+        # tied embeddings (Megatron's default): the last stage's output layer is a copy of the first's
+        result["pp2_tied"] = ms_train_pp(backend, 2, init_ckpt + "_tied", save_dir + "_tied", tied=True)
         # SGD's state (a momentum buffer) saved from both stages too: 2 steps are enough to check
         result["pp2_sgd"] = ms_train_pp(backend, 2, init_ckpt, save_dir + "_sgd", steps=2,
                                         extra=("--optimizer", "sgd"))

@@ -3,7 +3,8 @@ two-stage 1F1B of training/mindspore/pipeline.py over a global batch of 4 micro-
 warmup, steady state and cooldown all run) gives the losses of Megatron-Core's GPTModel (torch,
 CPU) trained at PP=1 on the same global batch with gradients accumulated over the micro-batches
 (what 1F1B computes), fp32, within 1e-4 per step over 20 steps; and the PP=2 checkpoint (one
-whole model, gathered from both stages) loads into the MindSpore trainer at PP=1."""
+whole model, gathered from both stages) loads into the MindSpore trainer at PP=1. The same with
+tied embeddings (Megatron's default) against a tied Megatron-Core GPTModel."""
 import os
 
 import numpy as np
@@ -24,13 +25,13 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_par
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity_pp")
     init, saved, out = str(root / "init"), str(root / "ms_pp2"), root / "msrun"
-    (torch_pp1,) = run_distributed(mpp.torch_train_accumulated, world_size=1, args=(init,), timeout=300)
+    (torch_pp1,) = run_distributed(mpp.torch_references, world_size=1, args=(init,), timeout=300)
     out.mkdir()
     ms_pp2 = run_msrun(WORKER, [str(out), init, saved], str(out), workers=2, timeout=480)
     for rank in range(2):
         assert ms_pp2[rank]["ok"], ms_pp2[rank].get("error")
-    return {"torch": torch_pp1, "ms": [r["pp2"] for r in ms_pp2], "saved": saved, "saved_sgd": saved + "_sgd",
-            "all": ms_pp2}
+    return {"torch": torch_pp1["untied"], "torch_tied": torch_pp1["tied"], "ms": [r["pp2"] for r in ms_pp2],
+            "saved": saved, "saved_sgd": saved + "_sgd", "all": ms_pp2}
 
 
 def test_pp2_losses_match_torch(runs):
@@ -50,7 +51,27 @@ def test_pp2_losses_match_torch(runs):
     assert "output_layer.weight" in last["params"] and "embedding.word_embeddings.weight" not in last["params"]
 
 
-def test_pp2_checkpoint_loads_at_pp1(runs):
+def test_pp2_with_tied_embeddings_matches_torch(runs):
+    """Megatron's default: the output layer is the word embeddings. The last stage holds a copy; the
+    stages' gradients of it are summed, so the copies stay equal and the losses are torch's (whose
+    one weight gets both gradients); the norm counts it once; the checkpoint holds it once."""
+    t = runs["torch_tied"]
+    tied = [runs["all"][rank]["pp2_tied"] for rank in range(2)]
+    for rank, ms in enumerate(tied):
+        np.testing.assert_allclose(ms["losses"], t["losses"], atol=TOL, rtol=0, err_msg=f"rank {rank}")
+        np.testing.assert_allclose(ms["grad_norms"], t["grad_norms"], rtol=1e-4, err_msg=f"rank {rank}")
+    first, last = tied
+    assert "embedding.word_embeddings.weight" in first["params"] and "embedding.word_embeddings.weight" in last["params"]
+    assert "output_layer.weight" not in first["params"] + last["params"]
+    assert "embedding.position_embeddings.weight" not in last["params"]
+    from mindspeed.checkpoint import neutral as nf
+    params, state, _ = nf.load(runs["saved"] + "_tied")
+    assert "output_layer.weight" not in params and "embedding.word_embeddings.weight" in params
+    assert sorted(state) == sorted(f"{kind}/{name}" for kind in ("exp_avg", "exp_avg_sq") for name in params)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_pp2_checkpoint_loads_at_pp1(runs, tied):
     """The PP=2 checkpoint holds the whole model (both stages' parameters and Adam moments):
     the trainer at PP=1 loads it and evaluates the held-out batch to PP=2's loss."""
     import mindspeed
@@ -60,15 +81,16 @@ def test_pp2_checkpoint_loads_at_pp1(runs):
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
-    args = parse_args(mp.trainer_argv(1), world_size=1)
+    args = parse_args(mpp.ms_argv(1, tied), world_size=1)
     args.backend = "mindspore"
     mindspeed.adapt(args)
     try:
         backend = get_backend()
         trainer = Trainer(args, backend, build_parallel_state(backend.comm, 1), GPTConfig.from_args(args, mp.VOCAB))
-        meta = checkpoint.load(runs["saved"], trainer.model, trainer.optimizer)
+        meta = checkpoint.load(runs["saved"] + ("_tied" if tied else ""), trainer.model, trainer.optimizer)
         assert trainer.optimizer.step_count == mp.STEPS and meta["iteration"] == mp.STEPS
-        assert trainer.evaluate(mpp.eval_batches()) == pytest.approx(runs["ms"][0]["eval_loss"], abs=1e-5)
+        pp2 = runs["all"][0]["pp2_tied" if tied else "pp2"]
+        assert trainer.evaluate(mpp.eval_batches()) == pytest.approx(pp2["eval_loss"], abs=1e-5)
     finally:
         mindspeed.unadapt()
 

@@ -41,8 +41,8 @@ def test_mindspore_splits_the_layers_as_megatron_and_refuses_what_its_pipeline_c
         cfg = GPTConfig.from_args(parse_args(FOUR + PP2 + untied + extra, world_size=2), 64)
         assert cfg.pipeline_layers == counts, extra
         assert [list(cfg.stage_layers(r)) for r in (0, 1)] == [list(range(counts[0])), list(range(counts[0], 4))]
-    for argv, line in ((PP2, "needs --untie-embeddings-and-output-weights"),
-                       (["--pipeline-model-parallel-size", "4"] + untied, "runs 2 stages"),
+    assert {f.id for f in plan(["--backend", "mindspore"] + FOUR + PP2).features} == {"pipeline-parallel"}  # tied
+    for argv, line in ((["--pipeline-model-parallel-size", "4"] + untied, "runs 2 stages"),
                        (PP2 + untied + ["--num-layers-per-virtual-pipeline-stage", "1"], "no interleaved schedule")):
         with pytest.raises(MindSpeedConfigError, match=line):
             plan(["--backend", "mindspore"] + FOUR + argv)

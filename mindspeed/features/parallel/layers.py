@@ -99,8 +99,7 @@ class UnevenPipelineLayers(Feature):
                                                             "e.g. 1,3 (sums to --num-layers)")),)
     requires = (Cap.SEND_RECV, Cap.PIPELINE_PARALLEL)
     alternatives = "leave out --num-layer-list (even stages)"
-    example = ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--num-layer-list", "1,2",
-               "--untie-embeddings-and-output-weights")
+    example = ("--num-layers", "3", "--pipeline-model-parallel-size", "2", "--num-layer-list", "1,2")
     example_world = 2
 
     def enabled(self, args) -> bool:

@@ -41,8 +41,7 @@ class PipelineParallel(_SizeFeature):
     description = "Megatron pipeline parallelism (1F1B)"
     flags = (_size_flag("--pipeline-model-parallel-size", "pipeline-parallel size"),)
     requires = (Cap.SEND_RECV, Cap.PIPELINE_PARALLEL)
-    # untied: the MindSpore trainer's stages hold no shared embedding (mindspore_pipeline_problem)
-    example = ("--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights")
+    example = ("--pipeline-model-parallel-size", "2")
     example_world = 2
     alternatives = "use --tensor-model-parallel-size or data parallelism instead"
 
@@ -60,9 +59,6 @@ def mindspore_pipeline_problem(args) -> str | None:
     if pp != 2:
         return (f"--pipeline-model-parallel-size {pp}: the MindSpore trainer's 1F1B runs 2 stages (on CPU its "
                 "transfers are exchanges both stages make together); use 2")
-    if not getattr(args, "untie_embeddings_and_output_weights", False):
-        return ("pipeline parallelism on the MindSpore trainer needs --untie-embeddings-and-output-weights "
-                "(the last stage holds no copy of the embedding to tie the output layer to)")
     if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
         return ("--num-layers-per-virtual-pipeline-stage: the MindSpore trainer has no interleaved schedule; "
                 "leave it out (plain 1F1B) or use --backend torch")

@@ -39,9 +39,12 @@ def _gather_pp(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
     if getattr(ps, "pp_size", 1) == 1:
         return dict(arrays)
     keys_by_stage = []
+    shared = type(model).shared_across_stages(model.cfg, ps.pp_size)
     for stage in range(ps.pp_size):
         shapes = type(model).stage_shapes(model.cfg, stage, ps.pp_size)
-        keys_by_stage.append([(pre + n, s) for pre in prefixes for n, s in shapes.items()])
+        # a weight two stages share goes from the first (the copies are equal)
+        keys_by_stage.append([(pre + n, s) for pre in prefixes for n, s in shapes.items()
+                              if stage == 0 or n not in shared])
     return _from_each_owner(backend, ps.pp_group, ps.pp_rank, arrays, keys_by_stage)
 
 

@@ -94,7 +94,7 @@ class DistributedOptimizer:
         # 1 where the owned value counts in the global norm: TP-sharded, or TP rank 0 (replicated)
         counted = np.zeros(lay.shard, np.float32)
         for n, (s, e) in lay.offsets().items():
-            if model.is_tp_sharded(n) or ps.tp_rank == 0:
+            if model.counted_in_grad_norm(n):
                 counted[max(s, lay.lo) - lay.lo:max(min(e, lay.hi) - lay.lo, 0)] = 1.0
         self._counted = ms.Tensor(counted)
 

@@ -318,8 +318,25 @@ class GPTModel:
         def on_stage(name):
             if name.startswith("decoder.layers."):
                 return int(name.split(".")[2]) in layers
+            if name in GPTModel.shared_across_stages(cfg, pp_size):
+                return pp_rank in (0, pp_size - 1)
             return pp_rank == 0 if name.startswith("embedding.") else pp_rank == pp_size - 1   # norm, output layer
         return {n: s for n, s in cfg.full_shapes().items() if on_stage(n)}
+
+    @staticmethod
+    def shared_across_stages(cfg: GPTConfig, pp_size: int) -> tuple:
+        """Weights the first and the last pipeline stage both hold: tied word embeddings (the last
+        stage's output layer is a copy, kept equal by summing the two stages' gradients, as
+        Megatron's embedding group does)."""
+        return ("embedding.word_embeddings.weight",) if cfg.tied_embeddings and pp_size > 1 else ()
+
+    def counted_in_grad_norm(self, name: str) -> bool:
+        """Whether this rank's gradient of `name` enters the global norm: each element once, as
+        Megatron counts it: replicated weights on TP rank 0 only, a weight shared across stages on
+        the first stage only."""
+        if name in self.shared_across_stages(self.cfg, self.ps.pp_size) and not self.ps.first_stage:
+            return False
+        return self.is_tp_sharded(name) or self.ps.tp_rank == 0
 
     def parameters(self) -> list:
         return list(self.params.values())

@@ -225,7 +225,8 @@ def _flat_all_reduce(comm, arrays: list, op: str, group) -> list:
 def reduce_gradients(backend, ps, model, grads: dict, over_dp: bool = True) -> dict:
     """Sum over context-parallel ranks, average over data-parallel replicas (unless over_dp is
     False: the distributed optimizer reduce-scatters them itself); with SP, sum the replicated (norm, row-bias) weights'
-    partial gradients over the TP group (each rank saw only its sequence shard)."""
+    partial gradients over the TP group (each rank saw only its sequence shard); sum a weight two
+    pipeline stages share (tied embeddings) over them."""
     comm = backend.comm
     names = list(grads)
     if ps.sequence_parallel:
@@ -235,6 +236,10 @@ def reduce_gradients(backend, ps, model, grads: dict, over_dp: bool = True) -> d
     if getattr(ps, "cp_size", 1) > 1:   # each CP rank's gradient covers its share of the sequence
         for n, g in zip(names, _flat_all_reduce(comm, [grads[n] for n in names], "sum", ps.cp_group)):
             grads[n] = g
+    shared = [n for n in type(model).shared_across_stages(model.cfg, getattr(ps, "pp_size", 1)) if n in grads]
+    # (two stages: the pipeline group is the embedding group, the first and the last stage)
+    for n, g in zip(shared, _flat_all_reduce(comm, [grads[n] for n in shared], "sum", ps.pp_group) if shared else ()):
+        grads[n] = g
     if over_dp and ps.dp_size > 1:
         # with expert parallelism an expert's gradient is summed over the ranks holding that expert
         # (the expert-data-parallel group) and divided by the DP size, as Megatron's DDP does
@@ -288,8 +293,7 @@ def clip_gradients(backend, ps, model, grads: dict, max_norm: float):
     """Gradients scaled to global norm <= max_norm -> (grads, the norm before clipping as a 0-d
     fp64 tensor): no host synchronisation, the update can be launched right after."""
     ep = getattr(ps, "ep_size", 1) > 1
-    counted = [g for n, g in grads.items() if (model.is_tp_sharded(n) or ps.tp_rank == 0)
-               and not (ep and is_expert(n))]
+    counted = [g for n, g in grads.items() if model.counted_in_grad_norm(n) and not (ep and is_expert(n))]
     sq = _sum_of_squares(ms.mutable(tuple(counted))) if counted else ms.Tensor(0.0, ms.float64)
     if ep:      # each EP rank holds other experts: their squares add up over the EP group
         experts = [g for n, g in grads.items() if is_expert(n)]
