@@ -93,4 +93,6 @@ def torch_train_dp(rank, world_size, init_ckpt):
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean, group=dp_group)
         losses.append(float(mean) / dp)
-    return {"losses": losses, "grad_norms": norms}
+    with torch.no_grad():        # the trained weights' loss on the held-out batch
+        eval_loss = float(mp._torch_loss(model, mp.EVAL_SEED))
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss}
