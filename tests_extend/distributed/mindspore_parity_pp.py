@@ -20,9 +20,10 @@ def eval_batches() -> list:
 
 
 # -- mindspore side ------------------------------------------------------------------------------
-def ms_argv(pp: int, tied: bool = False) -> list:
-    """The trainer's flags at PP=pp (tied: without --untie-embeddings-and-output-weights)."""
-    argv = mp.trainer_argv(1) + ["--global-batch-size", str(mp.MBS * MICRO), "--pipeline-model-parallel-size", str(pp)]
+def ms_argv(pp: int, tied: bool = False, dp: int = 1) -> list:
+    """The trainer's flags at PP=pp x DP=dp (tied: without --untie-embeddings-and-output-weights)."""
+    argv = mp.trainer_argv(1) + ["--global-batch-size", str(mp.MBS * MICRO * dp),
+                                 "--pipeline-model-parallel-size", str(pp)]
     return [a for a in argv if a != "--untie-embeddings-and-output-weights"] if tied else argv
 
 
@@ -38,7 +39,8 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
-    argv = ms_argv(pp, tied) + list(extra)
+    dp = backend.comm.world_size() // pp
+    argv = ms_argv(pp, tied, dp) + list(extra)
     args = parse_args(argv, world_size=backend.comm.world_size())
     args.backend = "mindspore"
     mindspeed.adapt(args)
@@ -49,7 +51,8 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
         checkpoint.load(init_ckpt, trainer.model)
         losses, norms = [], []
         for step in range(steps):
-            loss, norm, lr = trainer.train_step(micro_batches(step), step + 1)
+            # each DP replica its own micro-batches (at DP=1 step's own)
+            loss, norm, lr = trainer.train_step(micro_batches(dp * step + ps.dp_rank), step + 1)
             assert abs(lr - mp.lr_at(step)) < 1e-12
             losses.append(loss)
             norms.append(norm)
@@ -63,6 +66,45 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
 
 
 # -- torch side (Megatron-Core GPTModel at PP=1, in the gloo harness) ----------------------------
+def torch_train_accumulated_dp(rank, world_size, init_ckpt):
+    """DP=world_size from init_ckpt: each replica accumulates MICRO micro-batches of its own
+    (micro_batches(dp x step + dp rank)), the gradients are averaged over DP; the loss is the DP mean."""
+    import torch
+    import mindspeed
+    mindspeed.adapt([])
+    from megatron.core import parallel_state
+    from tests_extend import megatron_tiny
+    megatron_tiny.init_parallel(tp=1)
+    dp_group, dp = parallel_state.get_data_parallel_group(), world_size
+    model = mp.build_torch_model(1)
+    mp.load_into_torch(model, init_ckpt, 0, 1)
+    params = list(model.parameters())
+    opt = mp.megatron_adamw(params)
+    position_ids = torch.arange(mp.SEQ).unsqueeze(0).expand(mp.MBS, -1)
+    losses, norms = [], []
+    for step in range(mp.STEPS):
+        for group in opt.param_groups:
+            group["lr"] = mp.lr_at(step)
+        opt.zero_grad()
+        total = torch.zeros(())
+        for mb in micro_batches(dp * step + rank):
+            tokens, labels = (torch.from_numpy(mb[k].astype(np.int64)) for k in ("tokens", "labels"))
+            mask = torch.from_numpy(mb["loss_mask"])
+            loss = (model(tokens, position_ids, None, labels=labels) * mask).sum() / mask.sum()
+            (loss / MICRO).backward()
+            total += loss.detach() / MICRO
+        for p in params:
+            torch.distributed.all_reduce(p.grad, group=dp_group)
+            p.grad.div_(dp)
+        norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in params)))
+        mp.clip_like_megatron(params, norm)
+        opt.step()
+        torch.distributed.all_reduce(total, group=dp_group)
+        losses.append(float(total) / dp)
+        norms.append(norm)
+    return {"losses": losses, "grad_norms": norms}
+
+
 def torch_references(rank, world_size, init_ckpt):
     """torch_train_accumulated untied (initial weights at init_ckpt) and tied (at init_ckpt_tied)."""
     return {"untied": torch_train_accumulated(rank, world_size, init_ckpt),
