@@ -102,8 +102,7 @@ option("batch-size-rampup", (host("--rampup-batch-size"),), lambda a: bool(a.ram
        "global batch size ramp-up", {"mindspore": f"{MS}'s steps have a fixed global batch"},
        f"a fixed --global-batch-size, or {TORCH}", ("--rampup-batch-size", "2", "2", "8", "--global-batch-size", "4"))
 option("data-blend", (host("--data-path"),), lambda a: len(a.data_path or []) > 1,
-       "a weighted blend of several datasets", {"mindspore": f"{MS} reads one dataset prefix"},
-       f"merge the data into one dataset, or {TORCH}", ("--data-path", "1", "DATA", "1", "DATA", "--split", "90,5,5"))
+       "a weighted blend of several datasets", {}, "", ("--data-path", "1", "DATA", "1", "DATA", "--split", "90,5,5"))
 EodReset = option("eod-reset", (host("--reset-position-ids", False), host("--reset-attention-mask", False)),
        lambda a: a.reset_position_ids or a.reset_attention_mask,
        "packed documents: positions and attention restart after each end-of-document token (flash "

@@ -88,14 +88,63 @@ def eod_id(args, flag_tokenizer=None) -> int:
     return int(load_tokenizer(dataset_prefix(args)).eod)
 
 
+def blend_of(data_path: list) -> tuple[list[str], list[float] | None]:
+    """--data-path as Megatron reads it: 'w1 p1 w2 p2' (weights and prefixes) or 'p1 p2 ...'
+    (prefixes; weights None)."""
+    items = list(data_path)
+    if len(items) > 1 and len(items) % 2 == 0:
+        try:
+            weights = [float(w) for w in items[0::2]]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            return [p.strip() for p in items[1::2]], weights
+    return [p.strip() for p in items], None
+
+
+def dataset_prefixes(args, log=print) -> tuple[list[str], list[float] | None]:
+    """The dataset prefixes and weights --data-path names (the bundled Shakespeare dataset without one)."""
+    if not args.data_path:
+        return [ensure_dataset(log=log)], None
+    return blend_of(args.data_path)
+
+
 def dataset_prefix(args, log=print) -> str:
-    """The one dataset prefix --data-path names (the bundled Shakespeare dataset without one)."""
-    paths = list(args.data_path or [])
-    if not paths:
-        paths = [ensure_dataset(log=log)]
-    if len(paths) != 1:   # blends are refused by the support matrix (data-blend); a lone weight is not
-        raise DataError(f"--data-path {' '.join(paths)}: the mindspore trainer reads one dataset prefix")
-    return paths[0]
+    """The first dataset prefix --data-path names: a blend's datasets share its tokenizer."""
+    return dataset_prefixes(args, log)[0][0]
+
+
+class BlendedStream:
+    """Several streams' samples in the order of Megatron's BlendedDataset: sample i comes from the
+    dataset furthest below its share of the first i samples (weight x i minus the samples it gave;
+    ties to the first), and is that dataset's next sample."""
+
+    def __init__(self, streams: list, weights: list):
+        total = float(sum(weights))
+        if total <= 0 or min(weights) < 0:
+            raise DataError(f"--data-path weights {weights}: need non-negative weights with a positive sum")
+        self.streams, self.weights = streams, np.asarray(weights, np.float64) / total
+        self.num_samples = sum(s.num_samples for s in streams)
+        self.dataset_index = np.zeros(0, np.int64)       # which stream gives sample i
+        self.sample_index = np.zeros(0, np.int64)        # and which of its samples
+        self._given = np.zeros(len(streams), np.int64)
+
+    def _extend(self, upto: int) -> None:
+        n = len(self.dataset_index)
+        if upto < n:
+            return
+        size = max(upto + 1, 2 * n, 1024)
+        datasets, samples = np.zeros(size - n, np.int64), np.zeros(size - n, np.int64)
+        for k, i in enumerate(range(n, size)):
+            d = int(np.argmax(self.weights * max(float(i), 1.0) - self._given))
+            datasets[k], samples[k] = d, self._given[d]
+            self._given[d] += 1
+        self.dataset_index = np.concatenate([self.dataset_index, datasets])
+        self.sample_index = np.concatenate([self.sample_index, samples])
+
+    def example(self, index: int) -> dict:
+        self._extend(index)
+        return self.streams[int(self.dataset_index[index])].example(int(self.sample_index[index]))
 
 
 class MockStream(SampleStream):
@@ -111,11 +160,42 @@ def build_streams(args, log=print):
     if args.mock_data:
         vocab = int(getattr(args, "vocab_size", None) or 256)   # the torch side's mock vocab
         return vocab, MockStream(vocab, args.seq_length, args.seed), MockStream(vocab, args.seq_length, args.seed + 1)
-    prefix = dataset_prefix(args, log)
-    vocab = vocab_size_of(prefix, args)
+    prefixes, weights = dataset_prefixes(args, log)
+    _check_one_tokenizer(prefixes)
+    vocab = vocab_size_of(prefixes[0], args)
     if getattr(args, "is_instruction_dataset", False):
-        train, valid = build_splits(prefix, args.split, args.seq_length, args.seed, load_tokenizer(prefix).eod)
+        if len(prefixes) > 1:
+            raise DataError("--is-instruction-dataset reads one --data-path prefix on the mindspore trainer")
+        train, valid = build_splits(prefixes[0], args.split, args.seq_length, args.seed,
+                                    load_tokenizer(prefixes[0]).eod)
         return vocab, train, valid
+    splits = [_split_streams(prefix, args) for prefix in prefixes]
+    if len(splits) == 1:
+        return (vocab,) + splits[0]
+    trains, valids = [t for t, _ in splits], [v for _, v in splits]
+    # without weights Megatron blends by the datasets' sizes
+    train = BlendedStream(trains, weights or [t.num_samples for t in trains])
+    valid = None
+    if all(v is not None for v in valids):
+        valid = BlendedStream(valids, weights or [v.num_samples for v in valids])
+    return vocab, train, valid
+
+
+def _check_one_tokenizer(prefixes: list) -> None:
+    """A blend's token ids mean the same in every dataset: their saved tokenizers are one."""
+    saved = {}
+    for prefix in prefixes:
+        path = prefix + ".tokenizer.json"
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                saved[prefix] = json.load(f)
+    if any(desc != next(iter(saved.values())) for desc in saved.values()):
+        raise DataError(f"--data-path blends {', '.join(saved)}, preprocessed with different tokenizers (their "
+                        ".tokenizer.json files differ): preprocess them with one tokenizer")
+
+
+def _split_streams(prefix: str, args) -> tuple:
+    """(train, validation or None) streams of one dataset, split by --split."""
     ds = IndexedTokens(prefix)
     (t0, t1), (v0, v1), _ = split_bounds(args.split, ds.num_documents)
     train = SampleStream(ds.document_range_tokens(t0, t1), args.seq_length, args.seed, "train")
@@ -125,4 +205,4 @@ def build_streams(args, log=print):
             valid = SampleStream(ds.document_range_tokens(v0, v1), args.seq_length, args.seed + 1, "validation")
         except DataError:
             valid = None
-    return vocab, train, valid
+    return train, valid
