@@ -99,8 +99,7 @@ option("learned-position-embedding", (host("--position-embedding-type", "rope"),
        lambda a: a.position_embedding_type != "rope", "learned absolute (or no) position embeddings", {}, "",
        ("--position-embedding-type", "learned_absolute"))
 option("batch-size-rampup", (host("--rampup-batch-size"),), lambda a: bool(a.rampup_batch_size),
-       "global batch size ramp-up", {"mindspore": f"{MS}'s steps have a fixed global batch"},
-       f"a fixed --global-batch-size, or {TORCH}", ("--rampup-batch-size", "2", "2", "8", "--global-batch-size", "4"))
+       "global batch size ramp-up", {}, "", ("--rampup-batch-size", "2", "2", "8", "--global-batch-size", "4"))
 option("data-blend", (host("--data-path"),), lambda a: len(a.data_path or []) > 1,
        "a weighted blend of several datasets", {}, "", ("--data-path", "1", "DATA", "1", "DATA", "--split", "90,5,5"))
 EodReset = option("eod-reset", (host("--reset-position-ids", False), host("--reset-attention-mask", False)),

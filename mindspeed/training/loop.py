@@ -127,6 +127,19 @@ def eval_due(args, iteration: int, stop_at: int) -> bool:
     return bool(args.eval_interval) and iteration % args.eval_interval == 0 and iteration != stop_at
 
 
+def ramped_global_batch(args, consumed: int) -> int:
+    """The global batch of the step starting at `consumed` samples under --rampup-batch-size START
+    INCREMENT SAMPLES, as Megatron-Core's RampupBatchsizeNumMicroBatchesCalculator computes it (the
+    flag checks keep START and INCREMENT multiples of micro-batch x data-parallel size)."""
+    if not args.rampup_batch_size:
+        return args.global_batch_size
+    start, increment, samples = args.rampup_batch_size
+    if consumed > samples:
+        return args.global_batch_size
+    per_increment = samples / ((args.global_batch_size - start) // increment)
+    return start + int(consumed / per_increment) * increment
+
+
 def save_due(args, iteration: int) -> bool:
     return bool(args.save and args.save_interval) and iteration % args.save_interval == 0
 
@@ -171,7 +184,7 @@ def train(args, logger: TrainingLogger, parts: TrainParts, report: RunReport, st
 
 def _announce(args, logger: TrainingLogger, iteration: int, stop_at: int) -> None:
     logger.print(f"> training from iteration {iteration} to {stop_at}")
-    if args.rampup_batch_size:      # torch only: the support matrix refuses it on MindSpore
+    if args.rampup_batch_size:
         start_gbs, increment, ramp_samples = args.rampup_batch_size
         logger.print(f"> global batch size ramps up from {start_gbs} by {increment} over {ramp_samples} samples "
                      f"to {args.global_batch_size}")

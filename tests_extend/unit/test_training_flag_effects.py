@@ -193,8 +193,6 @@ def test_ramped_batch_and_fp16_loss_scale_appear_in_the_iteration_line():
 # --- the MindSpore trainer ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
-    (["--micro-batch-size", "4", "--global-batch-size", "8", "--rampup-batch-size", "4", "4", "8"],
-     "MindSpore trainer's steps have a fixed global batch"),
     (["--distributed-backend", "gloo"], "MindSpore trainer communicates through MindSpore's own collectives"),
 ])
 def test_mindspore_trainer_refuses_what_its_loop_cannot_do(argv, message):

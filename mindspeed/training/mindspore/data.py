@@ -70,10 +70,12 @@ def micro_batch(stream, first_sample: int, mbs: int, eod_rules=None) -> dict:
     return batch if eod_rules is None else eod_rules.apply(batch)
 
 
-def micro_batches_for_step(stream, consumed: int, args, dp_rank: int, dp_size: int, eod_rules=None) -> list:
-    """This rank's micro-batches of the global batch starting at sample `consumed`."""
+def micro_batches_for_step(stream, consumed: int, args, dp_rank: int, dp_size: int, eod_rules=None,
+                           batch_size: int | None = None) -> list:
+    """This rank's micro-batches of the global batch (batch_size, else --global-batch-size samples)
+    starting at sample `consumed`."""
     mbs, per_step = args.micro_batch_size, args.micro_batch_size * dp_size
-    n_micro = args.global_batch_size // per_step
+    n_micro = (batch_size or args.global_batch_size) // per_step
     return [micro_batch(stream, consumed + m * per_step + dp_rank * mbs, mbs, eod_rules) for m in range(n_micro)]
 
 

@@ -57,10 +57,15 @@ def learning_rate(step: int, *, max_lr: float, min_lr: float, warmup_steps: int,
 
 
 def from_args(args):
-    """step -> lr for the trainer's flags."""
-    def lr(step: int) -> float:
-        return learning_rate(step, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters,
-                             decay_steps=args.lr_decay_iters, decay_style=args.lr_decay_style,
-                             wsd_decay_steps=args.lr_wsd_decay_iters, wsd_decay_style=args.lr_wsd_decay_style,
-                             global_batch=args.global_batch_size)
+    """samples -> lr for the trainer's flags: Megatron's scheduler counts the samples of the
+    applied steps (its warmup and decay lengths are iterations x --global-batch-size), which a
+    --rampup-batch-size run needs; with a constant batch it equals the iteration schedule exactly
+    (the same ratios of integers)."""
+    gbs = args.global_batch_size
+    wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+
+    def lr(samples: int) -> float:
+        return learning_rate(samples, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters * gbs,
+                             decay_steps=args.lr_decay_iters * gbs, decay_style=args.lr_decay_style,
+                             wsd_decay_steps=wsd, wsd_decay_style=args.lr_wsd_decay_style)
     return lr

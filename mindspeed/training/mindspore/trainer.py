@@ -120,6 +120,8 @@ class Trainer:
                           else build_optimizer(weights, args))
         # steps skipped on an fp16 overflow: the lr schedule does not advance on them (Megatron's)
         self.skipped_iterations, self.last_step_skipped = 0, False
+        # samples of the skipped (fp16 overflow) steps: the lr schedule counts the applied ones
+        self.skipped_samples, self.scheduled_samples = 0, 0
         self.lr_at = schedule.from_args(args)
         self._shard = None
         swap = _named_hook("activation_swap")
@@ -161,10 +163,12 @@ class Trainer:
         denominator = ms.Tensor(np.float32(mb["loss_mask"].sum()))
         return to_tensors(local) + (ms.Tensor(np.ascontiguousarray(local["position_ids"])), denominator)
 
-    def train_step(self, micro_batches: list, iteration: int) -> tuple[float, float | None, float]:
+    def train_step(self, micro_batches: list, iteration: int, consumed: int | None = None
+                   ) -> tuple[float, float | None, float]:
         """One optimizer step over this rank's micro-batches -> (loss, grad norm, lr); `iteration`
-        is 1-based (the lr of the iteration-1 - skipped-th update is used, as Megatron's scheduler
-        does). With --fp16, a step whose gradients overflow is skipped on every rank
+        is 1-based, `consumed` the samples before it (default: iterations of --global-batch-size);
+        the lr is the schedule's at the samples of the applied steps, as Megatron's scheduler
+        counts them. With --fp16, a step whose gradients overflow is skipped on every rank
         (last_step_skipped; grad norm None) and the loss scale lowered."""
         names = list(self.model.params)
         grads, losses = None, []
@@ -182,13 +186,19 @@ class Trainer:
                     loss = loss / scale
                 losses.append(loss)
                 grads = accumulate(grads, g, n)
-        lr = self.lr_at(iteration - 1 - self.skipped_iterations)
+        step_samples = n * micro_batches[0]["tokens"].shape[0] * self.ps.dp_size
+        if consumed is None:
+            consumed = (iteration - 1) * self.args.global_batch_size
+        self.scheduled_samples = consumed - self.skipped_samples
+        lr = self.lr_at(self.scheduled_samples)
         if self.scaler is not None:
             grads, self.last_step_skipped = unscale_and_check(self.backend.comm, grads, self.scaler)
             self.scaler.update(self.last_step_skipped)
         if self.last_step_skipped:
             self.skipped_iterations += 1
+            self.skipped_samples += step_samples
             return self._step_loss(losses, n), None, lr
+        self.scheduled_samples += step_samples
         grads = reduce_gradients(self.backend, self.ps, self.model, dict(zip(names, grads)),
                                  over_dp=not self.distributed_optimizer)
         if self.distributed_optimizer:      # reduce-scatter, clip, update its slice, all-gather
@@ -291,6 +301,7 @@ def resume(args, trainer, logger) -> tuple[int, int]:
     if not args.finetune:
         iteration, consumed = int(meta["iteration"]), int(meta.get("consumed_samples", 0))
         trainer.skipped_iterations = int(meta.get("skipped_iterations", 0))
+        trainer.skipped_samples = int(meta.get("skipped_samples", trainer.skipped_iterations * args.global_batch_size))
     if trainer.scaler is not None and not (args.no_load_optim or args.finetune):
         trainer.scaler.load_state_dict(meta.get("grad_scaler", {}))    # Megatron keeps it with the optimizer
     logger.print(f"> loaded checkpoint {neutral.resolve(args.load, args.ckpt_step)} at iteration {iteration}")
@@ -356,9 +367,9 @@ def loop_parts(args, backend, ps, trainer: Trainer, streams: tuple, gc_point=lam
     validation or None, EOD rules); gc_point: called after each step (MainThreadCollection)."""
     a, (train, valid, eod_rules) = args, streams
 
-    def step(iteration: int, consumed: int, _batch_size: int) -> loop.StepResult:
-        batches = data.micro_batches_for_step(train, consumed, a, ps.dp_rank, ps.dp_size, eod_rules)
-        loss, grad_norm, _lr = trainer.train_step(batches, iteration)
+    def step(iteration: int, consumed: int, batch_size: int) -> loop.StepResult:
+        batches = data.micro_batches_for_step(train, consumed, a, ps.dp_rank, ps.dp_size, eod_rules, batch_size)
+        loss, grad_norm, _lr = trainer.train_step(batches, iteration, consumed)
         gc_point()
         return loop.StepResult(loss, grad_norm, applied=not trainer.last_step_skipped)
 
@@ -371,15 +382,15 @@ def loop_parts(args, backend, ps, trainer: Trainer, streams: tuple, gc_point=lam
     def save(iteration: int, consumed: int) -> None:
         meta = {"consumed_samples": consumed, "backend": "mindspore", "tp": ps.tp_size,
                 "num_layers": trainer.cfg.num_layers, "hidden_size": trainer.cfg.hidden_size,
-                "skipped_iterations": trainer.skipped_iterations,
+                "skipped_iterations": trainer.skipped_iterations, "skipped_samples": trainer.skipped_samples,
                 **({"grad_scaler": trainer.scaler.state_dict()} if trainer.scaler else {})}
         checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, meta)
 
     return loop.TrainParts(
         step=step, evaluate=evaluate, save=save,
-        lr=lambda iteration: trainer.lr_at(iteration - trainer.skipped_iterations),
+        lr=lambda _iteration: trainer.lr_at(trainer.scheduled_samples),     # after the step just taken
         peak_memory_mb=lambda: backend.memory.peak_memory_bytes() / 2**20,
-        batch_size=lambda _consumed: a.global_batch_size,   # fixed: the support matrix refuses a ramp-up
+        batch_size=lambda consumed: loop.ramped_global_batch(a, consumed),
         loss_scale=(lambda: trainer.loss_scale) if trainer.scaler else None,
         any_rank=lambda flag: _any_rank(backend, flag))
 
