@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from mindspeed.data.tokenizer import TokenizerError, tokenizer_path
+from mindspeed.data.tokenizer import HuggingFaceTokenizer, TokenizerError, load_tokenizer, tokenizer_path
 
 GPT2_EOD = "<|endoftext|>"
 
@@ -80,6 +80,14 @@ def from_flags(args):
     if args.tokenizer_type == NullTokenizer.kind:
         return NullTokenizer(args.vocab_size)
     return None
+
+
+def named_tokenizer(args):
+    """The tokenizer the flags name, Hugging Face's (--tokenizer-model, offline) included, or None:
+    the one saved beside the dataset then applies."""
+    if args.tokenizer_type == HuggingFaceTokenizer.kind:
+        return load_tokenizer("", args.tokenizer_type, args.tokenizer_model)
+    return from_flags(args)
 
 
 def check_dataset_tokenizer(prefix: str, tokenizer) -> None:

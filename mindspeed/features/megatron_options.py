@@ -158,9 +158,7 @@ option("data-cache-path", (host("--data-cache-path"),), lambda a: a.data_cache_p
        {"mindspore": f"{MS} keeps its sample index in memory (there is nothing to cache)"},
        "drop --data-cache-path", ("--data-cache-path", "CACHE"))
 option("tokenizer-model", (host("--tokenizer-model"),), lambda a: a.tokenizer_model is not None,
-       "a Hugging Face / SentencePiece tokenizer model file",
-       {"mindspore": f"{MS} takes its vocabulary from the dataset's tokenizer file"},
-       f"drop --tokenizer-model (the dataset names its tokenizer), or {TORCH}",
+       "a Hugging Face / SentencePiece tokenizer model file", {}, "",
        ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "TOKENIZER"))
 GeneralMask = option(
     "general-attention-mask", (MASK_TYPE,), lambda a: a.attention_mask_type == "general",

@@ -14,7 +14,8 @@ from mindspeed.backends import get_backend
 from mindspeed.backends.mindspore.main_thread_gc import MainThreadCollection
 from mindspeed.backends.mindspore.msadapter import describe
 from mindspeed.checkpoint import neutral
-from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, from_flags
+from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, named_tokenizer
+from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.features.context_parallel.groups import build_cp_groups
 from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.training import loop
@@ -335,12 +336,14 @@ def _train(args, backend, ps, logger, started_at: float, gc_point) -> dict:
 
 def _data(args, logger):
     """(vocab size, train stream, validation stream or None, EOD rules): the flags' tokenizer
-    (GPT2BPETokenizer / NullTokenizer) gives the vocabulary where one is named."""
+    (GPT2BPETokenizer, NullTokenizer, HuggingFaceTokenizer) gives the vocabulary where one is named."""
     a = args
-    flag_tokenizer = from_flags(a)
+    flag_tokenizer = named_tokenizer(a)
     if flag_tokenizer is not None:
-        for prefix in ([] if a.mock_data else a.data_path or []):
+        for prefix in ([] if a.mock_data else data.dataset_prefixes(a, logger.print)[0]):
             check_dataset_tokenizer(prefix, flag_tokenizer)
+            if not a.is_instruction_dataset:        # (instruction data: its components are checked as read)
+                check_dataset(prefix, flag_tokenizer.vocab_size)      # every id within the vocabulary
         a.vocab_size = flag_tokenizer.vocab_size   # build_streams takes it instead of the dataset's file
     vocab, train, valid = data.build_streams(a, log=logger.print)
     eod_rules = EodRules.from_args(a, data.eod_id(a, flag_tokenizer)
