@@ -50,12 +50,16 @@ def _skip_debug_formatting() -> None:
     """MindSpore 2.10's trace builds a debug message for every recorded op, f-string first, so
     every argument tensor is synchronised and printed even with debug logging off: ~10 s of a
     TP=2 example's first step. The same recording, without the message."""
+    from mindspore.common.api import _pynative_executor
     from mindspore.graph import jit_trace
     context = jit_trace.TraceJitContext
     if getattr(context.run_op, "_mindspeed", False):
         return
 
     def run_op(self, prim, prim_res, *args):
+        # what formatting the message did as a side effect: the op's result and arguments are
+        # computed (PyNative runs ops asynchronously) before the trace records them
+        _pynative_executor.sync()
         prim_res, file_names, linenos, args = self.args_preprocess(prim.name, prim_res, *args)
         jit_trace.tr.get_instance().new_node(prim, (prim_res, file_names, linenos, False), *args)
         return prim_res
