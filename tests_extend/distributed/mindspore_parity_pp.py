@@ -69,40 +69,15 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
 def torch_train_accumulated_dp(rank, world_size, init_ckpt):
     """DP=world_size from init_ckpt: each replica accumulates MICRO micro-batches of its own
     (micro_batches(dp x step + dp rank)), the gradients are averaged over DP; the loss is the DP mean."""
-    import torch
     import mindspeed
     mindspeed.adapt([])
     from megatron.core import parallel_state
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=1)
-    dp_group, dp = parallel_state.get_data_parallel_group(), world_size
     model = mp.build_torch_model(1)
     mp.load_into_torch(model, init_ckpt, 0, 1)
-    params = list(model.parameters())
-    opt = mp.megatron_adamw(params)
-    position_ids = torch.arange(mp.SEQ).unsqueeze(0).expand(mp.MBS, -1)
-    losses, norms = [], []
-    for step in range(mp.STEPS):
-        for group in opt.param_groups:
-            group["lr"] = mp.lr_at(step)
-        opt.zero_grad()
-        total = torch.zeros(())
-        for mb in micro_batches(dp * step + rank):
-            tokens, labels = (torch.from_numpy(mb[k].astype(np.int64)) for k in ("tokens", "labels"))
-            mask = torch.from_numpy(mb["loss_mask"])
-            loss = (model(tokens, position_ids, None, labels=labels) * mask).sum() / mask.sum()
-            (loss / MICRO).backward()
-            total += loss.detach() / MICRO
-        for p in params:
-            torch.distributed.all_reduce(p.grad, group=dp_group)
-            p.grad.div_(dp)
-        norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in params)))
-        mp.clip_like_megatron(params, norm)
-        opt.step()
-        torch.distributed.all_reduce(total, group=dp_group)
-        losses.append(float(total) / dp)
-        norms.append(norm)
-    return {"losses": losses, "grad_norms": norms}
+    return _train_accumulated(model, lambda step: micro_batches(world_size * step + rank),
+                              parallel_state.get_data_parallel_group(), world_size)
 
 
 def torch_references(rank, world_size, init_ckpt):
@@ -113,13 +88,20 @@ def torch_references(rank, world_size, init_ckpt):
 
 def torch_train_accumulated(rank, world_size, init_ckpt, tied: bool = False):
     """Write the initial weights, then train mp.STEPS steps of MICRO micro-batches each."""
-    import torch
     import mindspeed
     mindspeed.adapt([])
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=1)
     model = mp.build_torch_model(1, tied=tied)
     mp.save_torch_init(model, init_ckpt)
+    return _train_accumulated(model, micro_batches)
+
+
+def _train_accumulated(model, batches_of_step, dp_group=None, dp: int = 1) -> dict:
+    """mp.STEPS AdamW steps, each over batches_of_step(step)'s micro-batches with their gradients
+    accumulated (Megatron's schedule divides each loss by the micro-batch count), averaged over
+    dp_group's replicas when given; the losses are the step means (over DP too)."""
+    import torch
     params = list(model.parameters())
     opt = mp.megatron_adamw(params)
     position_ids = torch.arange(mp.SEQ).unsqueeze(0).expand(mp.MBS, -1)
@@ -129,12 +111,19 @@ def torch_train_accumulated(rank, world_size, init_ckpt, tied: bool = False):
             group["lr"] = mp.lr_at(step)
         opt.zero_grad()
         total = 0.0
-        for mb in micro_batches(step):
+        for mb in batches_of_step(step):
             tokens, labels = (torch.from_numpy(mb[k].astype(np.int64)) for k in ("tokens", "labels"))
             mask = torch.from_numpy(mb["loss_mask"])
             loss = (model(tokens, position_ids, None, labels=labels) * mask).sum() / mask.sum()
-            (loss / MICRO).backward()          # Megatron's schedule divides by the micro-batch count
+            (loss / MICRO).backward()
             total += loss.item() / MICRO
+        if dp_group is not None:
+            for p in params:
+                torch.distributed.all_reduce(p.grad, group=dp_group)
+                p.grad.div_(dp)
+            mean = torch.tensor(total, dtype=torch.float64)
+            torch.distributed.all_reduce(mean, group=dp_group)
+            total = float(mean) / dp
         norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in params)))
         mp.clip_like_megatron(params, norm)
         opt.step()
