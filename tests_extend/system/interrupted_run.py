@@ -45,3 +45,16 @@ def sigterm_everyone(launcher: int, workers) -> list[int]:
     for pid in workers:
         os.kill(pid, signal.SIGTERM)
     return workers
+
+
+def kill_everyone(launcher: int, workers=()) -> list[int]:
+    """SIGKILL, as a node that loses power or the OOM killer leaves a job: the launcher's process
+    group and each of the `workers`' (launchers start them in sessions of their own) with whatever
+    they forked, a checkpoint writer among them. Returns the workers' pids."""
+    workers = list(workers)
+    for group in (launcher, *workers):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:       # gone with the launcher's group
+            pass
+    return workers

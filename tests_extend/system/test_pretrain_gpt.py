@@ -14,13 +14,14 @@ import pytest
 from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
-from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
+from tests_extend.system.interrupted_run import kill_everyone, loss_lines, run_interrupted, sigterm_everyone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
 PRETRAIN = os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py")
 PREPROCESS = os.path.join(ROOT, "tests_extend", "example", "preprocess_data.py")
 LAUNCH_TIMEOUT = 240
+PAUSE_IN_SAVE = os.path.join(ROOT, "tests_extend", "system", "fault_injection", "pause_in_save")
 
 TINY = dict(NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="32", MICRO_BATCH="4",
             GLOBAL_BATCH="8", TRAIN_ITERS="12", LR="1e-2", MIN_LR="1e-3", WARMUP_ITERS="1",
@@ -297,6 +298,38 @@ def test_sigterm_to_the_whole_job_saves_the_iteration_and_the_resumed_run_repeat
     assert sorted(after) == list(range(at + 1, 9))
     assert all(before[it] == saved_run[1][it] for it in before)
     assert all(after[it] == saved_run[1][it] for it in after), (after, saved_run[1])
+
+
+def test_kill_9_during_a_save_resumes_from_the_last_complete_checkpoint(tiny_dataset, tmp_path):
+    """SIGKILL to every process of the job while rank 1 opens its shard of the iteration-8 checkpoint
+    (paused there, inside Megatron's real writer, by fault_injection/pause_in_save): the tracker still
+    names iteration 4 and the half-written iteration 8 is not readable. The same command again
+    resumes from 4, redoes 5-8 with the killed run's losses bit for bit and completes iteration 8."""
+    ckpt, losses, paused = tmp_path / "ckpt", tmp_path / "losses.jsonl", tmp_path / "paused"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               **dict(TINY, **RESUME_ENV), CKPT_DIR=str(ckpt), LOAD_DIR=str(ckpt), SAVE_INTERVAL="4",
+               PYTHONPATH=os.pathsep.join(filter(None, [PAUSE_IN_SAVE, os.environ.get("PYTHONPATH")])),
+               MINDSPEED_TEST_PAUSE_AT="open:iter_0000008/__1_", MINDSPEED_TEST_PAUSED=str(paused))
+    command = ["bash", SCRIPT, *RESUME_FLAGS, "--log-loss-file", str(losses)]
+    rc, output, _ = run_interrupted(command, tmp_path / "killed.log", paused.exists,
+                                    lambda job: kill_everyone(job, _workers(job).values()), LAUNCH_TIMEOUT,
+                                    cwd=ROOT, env=env)
+    assert rc == -signal.SIGKILL, output[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    half = sorted(os.listdir(ckpt / "iter_0000008"))
+    assert "common.pt" in half and ".metadata" not in half and "metadata.json" not in half, half
+    killed = read_losses(losses)
+    assert sorted(killed) == list(range(1, 9)), killed
+
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    output = again.stdout + again.stderr
+    assert again.returncode == 0 and "Traceback" not in output, output[-3000:]
+    assert f"loaded checkpoint {ckpt} at iteration 4" in output and "training from iteration 4 to 8" in output
+    records = [json.loads(line) for line in losses.read_text().splitlines()]
+    assert [r["iteration"] for r in records[8:]] == [5, 6, 7, 8]
+    assert all(r["lm_loss"] == killed[r["iteration"]] for r in records[8:]), (records, killed)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert {".metadata", "metadata.json", "__1_0.distcp"} <= set(os.listdir(ckpt / "iter_0000008"))
 
 
 def _launch_ranks(args, world=2, timeout=120):
