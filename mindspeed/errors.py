@@ -31,11 +31,30 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_minutes(text: str) -> float:
+    """argparse `type=` for a duration in minutes above 0; fractions allowed (0.5 is 30 s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of minutes")
+    return value
+
+
 class CheckpointError(RuntimeError):
     """A --load directory or checkpoint that cannot be used. The message is one line."""
 
     def __init__(self, message: str):
         super().__init__(one_line(message, limit=2000))   # foreign error texts are cut where they are quoted
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective that a rank never joined (it hangs, is stopped, or died), in one line naming the
+    collective, its ranks and the missing one. Every rank still running stops with it."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
 
 
 class ConvertError(ValueError):

@@ -1,10 +1,13 @@
 """`python -m mindspeed.torchrun ...`: torchrun (`torch.distributed.run`, the same arguments) whose
-stop by a signal ends in one line instead of a traceback.
+stop by a signal, or by a failed worker, ends in one line instead of a traceback.
 
 torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers (`--signals-to-handle`), waits for
 them (`--shutdown-timeout`, 30 s by default, then SIGKILL) and re-raises the signal as an exception.
 With `--exit-signal-handler` the workers use that time to finish their step and save; the launcher
 then only has to say what happened. The exit status is the shell's for a signal, 128 + its number.
+When a worker fails, torchrun stops the others with SIGTERM and kills them after 30 s whatever
+`--shutdown-timeout` says (torch 2.x's `_stop_workers`); here that wait is `--shutdown-timeout`
+too, so a worker that hangs (stopped, or stuck in a collective) is gone that long after the failure.
 """
 from __future__ import annotations
 
@@ -12,16 +15,30 @@ import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.run import main as torchrun_main
 
 
+def _stop_workers_within_shutdown_timeout(agent, worker_group) -> None:
+    agent._shutdown(timeout=getattr(agent, "_shutdown_timeout", 30))   # older torch: no such setting
+
+
+
 def main(argv: list[str] | None = None) -> int:
+    LocalElasticAgent._stop_workers = _stop_workers_within_shutdown_timeout
     try:
         torchrun_main(argv)
     except SignalException as stop:
         name = signal.Signals(stop.sigval).name
         print(f"torchrun: stopped by {name}: forwarded to the workers, which have exited", file=sys.stderr)
         return 128 + int(stop.sigval)
+    except ChildFailedError as failed:   # torchrun's own report is a traceback around a table
+        rank, failure = failed.get_first_failure()
+        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        print(f"torchrun: worker rank {rank} {how} (its own error line, if any, is above); the job's other "
+              "workers were stopped", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -33,7 +33,7 @@ from mindspeed.features import documents
 from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
 from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.net import free_port
-from mindspeed.training import data, loop
+from mindspeed.training import collective_timeout, data, loop
 from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, transformer_config
 
@@ -60,7 +60,8 @@ def _init_distributed(args, device: str) -> None:
         virtual_pipeline_model_parallel_size=None if args.num_layers_per_virtual_pipeline_stage is None
         else args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage,
         context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size)
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)   # its groups' timeout: 30 min otherwise
 
 
 def _set_seeds(args) -> None:
@@ -286,6 +287,11 @@ def run(args) -> dict:
     logger = TrainingLogger(args, is_writer=rank == 0)
     try:
         return _train(args, tokenizer, logger, state, started_at)
+    except RuntimeError as err:
+        hung = collective_timeout.one_line_error(err, args.distributed_timeout_minutes)
+        if hung is None:
+            raise
+        raise hung from None
     finally:
         logger.close()
         documents.set_current(None)

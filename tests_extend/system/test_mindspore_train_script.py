@@ -19,6 +19,7 @@ from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
+from tests_extend.system.killed_save import kill_inside_save
 
 pytest.importorskip("mindspore")
 
@@ -197,6 +198,43 @@ def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_
         loaded = subprocess.run([*args, "--load", str(ckpt), "--train-iters", "11"], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert loaded.returncode == 0 and f"at iteration 10" in loaded.stdout, loaded.stdout[-3000:] + loaded.stderr[-2000:]
+
+
+def test_kill_9_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path, tiny_dataset):
+    """One process, --save X --load X: SIGKILL while it writes the iteration-8 checkpoint (paused
+    inside the real save, after the safetensors files and before meta.json: killed_save). The tracker
+    still names 4 and the half-written save is in iter_0000008.partial; the same command again
+    resumes from 4, redoes 5-8 with the killed run's losses bit for bit and completes 8. A save of
+    the tracked iteration 8 again (--ckpt-step 4), killed the same way, leaves it byte for byte."""
+    ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
+    command = [sys.executable, os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"), "--backend",
+               "mindspore", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+               "32", "--micro-batch-size", "4", "--global-batch-size", "4", "--data-path", tiny_dataset,
+               "--eval-iters", "0", "--split", "90,10,0", "--train-iters", "8", "--save", str(ckpt), "--load",
+               str(ckpt), "--save-interval", "4", "--npu-deterministic", "--log-loss-file", str(losses)]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    kill_inside_save(command, env, "open:iter_0000008", tmp_path / "paused", tmp_path / "killed.log", 300, cwd=ROOT)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert not (ckpt / "iter_0000008").exists()
+    assert "model.safetensors" in os.listdir(ckpt / "iter_0000008.partial")
+    killed = {json.loads(line)["iteration"]: json.loads(line)["lm_loss"] for line in losses.read_text().splitlines()}
+    assert sorted(killed) == list(range(1, 9)), killed
+
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    output = again.stdout + again.stderr
+    assert again.returncode == 0 and "Traceback" not in output, output[-3000:]
+    assert f"loaded checkpoint {ckpt / 'iter_0000004'} at iteration 4" in output, output[-3000:]
+    records = [json.loads(line) for line in losses.read_text().splitlines()]
+    assert [r["iteration"] for r in records[8:]] == [5, 6, 7, 8]
+    assert all(r["lm_loss"] == killed[r["iteration"]] for r in records[8:]), (records, killed)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert not (ckpt / "iter_0000008.partial").exists()
+
+    before = snapshot(ckpt / "iter_0000008")
+    kill_inside_save([*command, "--ckpt-step", "4"], env, "open:iter_0000008", tmp_path / "paused_again",
+                     tmp_path / "killed_again.log", 300, cwd=ROOT)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert snapshot(ckpt / "iter_0000008") == before
 
 
 def _wait_gone(pids, timeout):

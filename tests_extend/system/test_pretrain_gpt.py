@@ -8,20 +8,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
-from tests_extend.system.interrupted_run import kill_everyone, loss_lines, run_interrupted, sigterm_everyone
+from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
+from tests_extend.system.killed_save import kill_inside_save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
 PRETRAIN = os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py")
 PREPROCESS = os.path.join(ROOT, "tests_extend", "example", "preprocess_data.py")
 LAUNCH_TIMEOUT = 240
-PAUSE_IN_SAVE = os.path.join(ROOT, "tests_extend", "system", "fault_injection", "pause_in_save")
 
 TINY = dict(NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="32", MICRO_BATCH="4",
             GLOBAL_BATCH="8", TRAIN_ITERS="12", LR="1e-2", MIN_LR="1e-3", WARMUP_ITERS="1",
@@ -301,35 +302,66 @@ def test_sigterm_to_the_whole_job_saves_the_iteration_and_the_resumed_run_repeat
 
 
 def test_kill_9_during_a_save_resumes_from_the_last_complete_checkpoint(tiny_dataset, tmp_path):
-    """SIGKILL to every process of the job while rank 1 opens its shard of the iteration-8 checkpoint
-    (paused there, inside Megatron's real writer, by fault_injection/pause_in_save): the tracker still
-    names iteration 4 and the half-written iteration 8 is not readable. The same command again
-    resumes from 4, redoes 5-8 with the killed run's losses bit for bit and completes iteration 8."""
-    ckpt, losses, paused = tmp_path / "ckpt", tmp_path / "losses.jsonl", tmp_path / "paused"
+    """SIGKILL to every process of the job while it writes the iteration-8 checkpoint's shards (paused
+    there, inside Megatron's real writer: killed_save): the tracker still names iteration 4 and the
+    half-written save is in iter_0000008.partial, which no reader takes. The same command again
+    resumes from 4, redoes 5-8 with the killed run's losses bit for bit and completes iteration 8.
+    Then a save of the tracked iteration 8 again (--ckpt-step 4), killed the same way, leaves
+    iter_0000008 byte for byte as it was."""
+    ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
-               **dict(TINY, **RESUME_ENV), CKPT_DIR=str(ckpt), LOAD_DIR=str(ckpt), SAVE_INTERVAL="4",
-               PYTHONPATH=os.pathsep.join(filter(None, [PAUSE_IN_SAVE, os.environ.get("PYTHONPATH")])),
-               MINDSPEED_TEST_PAUSE_AT="open:iter_0000008/__1_", MINDSPEED_TEST_PAUSED=str(paused))
+               **dict(TINY, **RESUME_ENV), CKPT_DIR=str(ckpt), LOAD_DIR=str(ckpt), SAVE_INTERVAL="4")
     command = ["bash", SCRIPT, *RESUME_FLAGS, "--log-loss-file", str(losses)]
-    rc, output, _ = run_interrupted(command, tmp_path / "killed.log", paused.exists,
-                                    lambda job: kill_everyone(job, _workers(job).values()), LAUNCH_TIMEOUT,
-                                    cwd=ROOT, env=env)
-    assert rc == -signal.SIGKILL, output[-3000:]
+    kill_inside_save(command, env, "open:iter_0000008", tmp_path / "paused", tmp_path / "killed.log",
+                     LAUNCH_TIMEOUT, workers=lambda job: _workers(job).values(), cwd=ROOT)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    half = sorted(os.listdir(ckpt / "iter_0000008"))
-    assert "common.pt" in half and ".metadata" not in half and "metadata.json" not in half, half
+    assert not (ckpt / "iter_0000008").exists()
+    assert "common.pt" in os.listdir(ckpt / "iter_0000008.partial")
     killed = read_losses(losses)
     assert sorted(killed) == list(range(1, 9)), killed
 
-    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    output = again.stdout + again.stderr
-    assert again.returncode == 0 and "Traceback" not in output, output[-3000:]
+    output = run_example(dict(env, MASTER_PORT=_free_port()), [*RESUME_FLAGS, "--log-loss-file", str(losses)])  # same command
+    assert "Traceback" not in output, output[-3000:]
     assert f"loaded checkpoint {ckpt} at iteration 4" in output and "training from iteration 4 to 8" in output
     records = [json.loads(line) for line in losses.read_text().splitlines()]
     assert [r["iteration"] for r in records[8:]] == [5, 6, 7, 8]
     assert all(r["lm_loss"] == killed[r["iteration"]] for r in records[8:]), (records, killed)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
-    assert {".metadata", "metadata.json", "__1_0.distcp"} <= set(os.listdir(ckpt / "iter_0000008"))
+    assert not (ckpt / "iter_0000008.partial").exists()
+
+    before = snapshot(ckpt / "iter_0000008")
+    kill_inside_save([*command, "--ckpt-step", "4"], dict(env, MASTER_PORT=_free_port()), "open:iter_0000008",
+                     tmp_path / "paused_again", tmp_path / "killed_again.log", LAUNCH_TIMEOUT,
+                     workers=lambda job: _workers(job).values(), cwd=ROOT)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert snapshot(ckpt / "iter_0000008") == before
+
+
+def test_a_rank_that_hangs_in_a_collective_stops_the_job_within_the_timeout(tiny_dataset, tmp_path):
+    """TP=2 with --distributed-timeout-minutes 0.1 (6 s): rank 1 stopped with SIGSTOP once iteration
+    2 is logged (alive, it never joins another collective). Rank 0 stops within the timeout (plus
+    the load's slack) with one line naming the collective, its ranks and rank 1, no traceback; the
+    launcher then ends the job, the stopped rank included, in one line of its own."""
+    losses = tmp_path / "losses.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               **dict(TINY, TP="2", PP="1", TRAIN_ITERS="200", EVAL_INTERVAL="1000"), SHUTDOWN_TIMEOUT="2")
+    stopped = {}
+
+    def stop_rank_1(job):
+        stopped["pid"], stopped["at"] = _workers(job)[1], time.monotonic()
+        os.kill(stopped["pid"], signal.SIGSTOP)
+
+    rc, output, _ = run_interrupted(["bash", SCRIPT, "--distributed-timeout-minutes", "0.1", "--log-loss-file",
+                                     str(losses)], tmp_path / "job.log", loss_lines(losses, 2), stop_rank_1,
+                                    LAUNCH_TIMEOUT, cwd=ROOT, env=env)
+    took = time.monotonic() - stopped["at"]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert rc == 1 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert re.fullmatch(r"error: rank 0: torch\.distributed\.\w+ over ranks \[0, 1\] timed out after 6 s "
+                        r"\(--distributed-timeout-minutes 0\.1\): rank 1 never joined it .*", errors[0]), errors
+    assert "torchrun: worker rank 0 exited with code 1" in output, output[-2000:]
+    assert not os.path.exists(f"/proc/{stopped['pid']}"), "the stopped rank outlived the job"
+    assert took < 6 + 2 + 20, f"the job took {took:.0f} s to end after rank 1 stopped"   # timeout, SHUTDOWN_TIMEOUT
 
 
 def _launch_ranks(args, world=2, timeout=120):
