@@ -5,9 +5,8 @@ torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers (`--signals-to-ha
 them (`--shutdown-timeout`, 30 s by default, then SIGKILL) and re-raises the signal as an exception.
 With `--exit-signal-handler` the workers use that time to finish their step and save; the launcher
 then only has to say what happened. The exit status is the shell's for a signal, 128 + its number.
-When a worker fails, torchrun stops the others with SIGTERM and kills them after 30 s whatever
-`--shutdown-timeout` says (torch 2.x's `_stop_workers`); here that wait is `--shutdown-timeout`
-too, so a worker that hangs (stopped, or stuck in a collective) is gone that long after the failure.
+When a worker fails, torchrun stops the others with SIGTERM and kills them 30 s later (torch's own
+wait on that path, whatever `--shutdown-timeout` says), then ends here in one line as well.
 """
 from __future__ import annotations
 
@@ -16,17 +15,11 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.run import main as torchrun_main
-
-
-def _stop_workers_within_shutdown_timeout(agent, worker_group) -> None:
-    agent._shutdown(timeout=getattr(agent, "_shutdown_timeout", 30))   # older torch: no such setting
 
 
 
 def main(argv: list[str] | None = None) -> int:
-    LocalElasticAgent._stop_workers = _stop_workers_within_shutdown_timeout
     try:
         torchrun_main(argv)
     except SignalException as stop:

@@ -14,14 +14,26 @@ import os
 import time
 
 import torch
-from torch.distributed.distributed_c10d import _get_default_store   # the job's store has no public getter
+from torch.distributed import distributed_c10d as c10d
 
 from mindspeed.errors import CollectiveTimeout
 
+SETUP_MINUTES = 10          # the least a rank waits for the others while the groups are set up
 TIMED_OUT = "Timed out waiting"
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 ROLL_CALL_S = 10.0
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def set_every_group(minutes: float) -> None:
+    """`minutes` as the timeout of every process group this rank belongs to (they were created with
+    the longer setup timeout). Where torch lacks the setter, they keep that one."""
+    set_timeout = getattr(c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            set_timeout(datetime.timedelta(minutes=minutes), group)
 
 
 def one_line_error(err: BaseException, timeout_minutes: float) -> CollectiveTimeout | None:
@@ -70,7 +82,7 @@ def _roll_call(ranks: list[int], me: int) -> list[int] | None:
     ROLL_CALL_S; None when the store does not answer (its host may be the missing rank)."""
     prefix = f"mindspeed/collective_timeout/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     try:
-        store = _get_default_store()
+        store = c10d._get_default_store()     # the job's store has no public getter
         store.set_timeout(datetime.timedelta(seconds=ROLL_CALL_S))
         store.set(f"{prefix}{me}", "1")
         deadline = time.monotonic() + ROLL_CALL_S

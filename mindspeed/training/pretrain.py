@@ -50,10 +50,13 @@ def _init_distributed(args, device: str) -> None:
                           MASTER_PORT=str(free_port()))
     if device in ("cuda", "npu"):
         getattr(torch, device).set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # setting up waits for every rank to start (minutes apart on a loaded machine), however short
+    # --distributed-timeout-minutes is; the collectives of training then wait that long (collective_timeout)
+    setup_minutes = max(args.distributed_timeout_minutes, collective_timeout.SETUP_MINUTES)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend=process_group_backend(args.distributed_backend, device),
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+            timeout=datetime.timedelta(minutes=setup_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -61,7 +64,8 @@ def _init_distributed(args, device: str) -> None:
         else args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes)   # its groups' timeout: 30 min otherwise
+        distributed_timeout_minutes=setup_minutes)      # its groups' timeout: 30 min otherwise
+    collective_timeout.set_every_group(args.distributed_timeout_minutes)
 
 
 def _set_seeds(args) -> None:
