@@ -19,7 +19,7 @@ from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 from tests_extend.system.interrupted_run import kill_everyone, loss_lines, run_interrupted, sigterm_everyone
-from tests_extend.system.killed_save import kill_inside_save
+from tests_extend.system.killed_save import assert_killed_in_the_save_of_8, assert_redid_5_to_8, kill_inside_save
 
 pytest.importorskip("mindspore")
 
@@ -214,21 +214,13 @@ def test_kill_9_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path
                str(ckpt), "--save-interval", "4", "--npu-deterministic", "--log-loss-file", str(losses)]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     kill_inside_save(command, env, "open:iter_0000008", tmp_path / "paused", tmp_path / "killed.log", 300, cwd=ROOT)
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    assert not (ckpt / "iter_0000008").exists()
-    assert "model.safetensors" in os.listdir(ckpt / "iter_0000008.partial")
-    killed = {json.loads(line)["iteration"]: json.loads(line)["lm_loss"] for line in losses.read_text().splitlines()}
-    assert sorted(killed) == list(range(1, 9)), killed
+    killed = assert_killed_in_the_save_of_8(ckpt, losses, "model.safetensors")
 
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     output = again.stdout + again.stderr
     assert again.returncode == 0 and "Traceback" not in output, output[-3000:]
     assert f"loaded checkpoint {ckpt / 'iter_0000004'} at iteration 4" in output, output[-3000:]
-    records = [json.loads(line) for line in losses.read_text().splitlines()]
-    assert [r["iteration"] for r in records[8:]] == [5, 6, 7, 8]
-    assert all(r["lm_loss"] == killed[r["iteration"]] for r in records[8:]), (records, killed)
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
-    assert not (ckpt / "iter_0000008.partial").exists()
+    assert_redid_5_to_8(ckpt, losses, killed)
 
     before = snapshot(ckpt / "iter_0000008")
     kill_inside_save([*command, "--ckpt-step", "4"], env, "open:iter_0000008", tmp_path / "paused_again",

@@ -16,7 +16,7 @@ from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
-from tests_extend.system.killed_save import kill_inside_save
+from tests_extend.system.killed_save import assert_killed_in_the_save_of_8, assert_redid_5_to_8, kill_inside_save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
@@ -314,20 +314,12 @@ def test_kill_9_during_a_save_resumes_from_the_last_complete_checkpoint(tiny_dat
     command = ["bash", SCRIPT, *RESUME_FLAGS, "--log-loss-file", str(losses)]
     kill_inside_save(command, env, "open:iter_0000008", tmp_path / "paused", tmp_path / "killed.log",
                      LAUNCH_TIMEOUT, workers=lambda job: _workers(job).values(), cwd=ROOT)
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    assert not (ckpt / "iter_0000008").exists()
-    assert "common.pt" in os.listdir(ckpt / "iter_0000008.partial")
-    killed = read_losses(losses)
-    assert sorted(killed) == list(range(1, 9)), killed
+    killed = assert_killed_in_the_save_of_8(ckpt, losses, "common.pt")
 
     output = run_example(dict(env, MASTER_PORT=_free_port()), [*RESUME_FLAGS, "--log-loss-file", str(losses)])  # same command
     assert "Traceback" not in output, output[-3000:]
     assert f"loaded checkpoint {ckpt} at iteration 4" in output and "training from iteration 4 to 8" in output
-    records = [json.loads(line) for line in losses.read_text().splitlines()]
-    assert [r["iteration"] for r in records[8:]] == [5, 6, 7, 8]
-    assert all(r["lm_loss"] == killed[r["iteration"]] for r in records[8:]), (records, killed)
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
-    assert not (ckpt / "iter_0000008.partial").exists()
+    assert_redid_5_to_8(ckpt, losses, killed)
 
     before = snapshot(ckpt / "iter_0000008")
     kill_inside_save([*command, "--ckpt-step", "4"], dict(env, MASTER_PORT=_free_port()), "open:iter_0000008",
