@@ -49,7 +49,7 @@ def one_line_error(err: BaseException, timeout_minutes: float) -> CollectiveTime
     ranks = torch.distributed.get_process_group_ranks(group) if group is not None else \
         list(range(torch.distributed.get_world_size()))
     others = [r for r in ranks if r != me]
-    missing = others if len(others) == 1 else _roll_call(ranks, me) if timed_out else None
+    missing = others if len(others) == 1 else roll_call(c10d._get_default_store(), ranks, me) if timed_out else None
     who = f"rank {missing[0]}" if missing and len(missing) == 1 else \
         f"ranks {missing}" if missing else f"one of ranks {others}"
     if timed_out:
@@ -77,15 +77,15 @@ def _collective(tb) -> tuple[str, object]:
     return f"torch.distributed.{name}", group
 
 
-def _roll_call(ranks: list[int], me: int) -> list[int] | None:
-    """The ranks of `ranks` that do not mark themselves present in the job's store within
-    ROLL_CALL_S; None when the store does not answer (its host may be the missing rank)."""
+def roll_call(store, ranks: list[int], me: int, wait_s: float = ROLL_CALL_S) -> list[int] | None:
+    """The ranks of `ranks` that do not mark themselves present in the job's `store` (torch's
+    default store: it has no public getter) within `wait_s`; None when the store does not answer
+    (its host may be the missing rank)."""
     prefix = f"mindspeed/collective_timeout/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     try:
-        store = c10d._get_default_store()     # the job's store has no public getter
-        store.set_timeout(datetime.timedelta(seconds=ROLL_CALL_S))
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
         store.set(f"{prefix}{me}", "1")
-        deadline = time.monotonic() + ROLL_CALL_S
+        deadline = time.monotonic() + wait_s
         while True:
             present = {r for r in ranks if store.check([f"{prefix}{r}"])}
             if len(present) == len(ranks) or time.monotonic() > deadline:
