@@ -31,17 +31,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_minutes(text: str) -> float:
-    """argparse `type=` for a duration in minutes above 0; fractions allowed (0.5 is 30 s)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of minutes")
-    return value
-
-
 class CheckpointError(RuntimeError):
     """A --load directory or checkpoint that cannot be used. The message is one line."""
 
