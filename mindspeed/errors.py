@@ -38,6 +38,14 @@ class CheckpointError(RuntimeError):
         super().__init__(one_line(message, limit=2000))   # foreign error texts are cut where they are quoted
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective that a rank never joined (it hangs, is stopped, or died), in one line naming the
+    collective, its ranks and the missing one. Every rank still running stops with it."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
+
+
 class ConvertError(ValueError):
     """Something the converter's user can fix, said in one line before anything is written."""
 

@@ -1,10 +1,12 @@
 """`python -m mindspeed.torchrun ...`: torchrun (`torch.distributed.run`, the same arguments) whose
-stop by a signal ends in one line instead of a traceback.
+stop by a signal, or by a failed worker, ends in one line instead of a traceback.
 
 torchrun forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to its workers (`--signals-to-handle`), waits for
 them (`--shutdown-timeout`, 30 s by default, then SIGKILL) and re-raises the signal as an exception.
 With `--exit-signal-handler` the workers use that time to finish their step and save; the launcher
 then only has to say what happened. The exit status is the shell's for a signal, 128 + its number.
+When a worker fails, torchrun stops the others with SIGTERM and kills them 30 s later (torch's own
+wait on that path, whatever `--shutdown-timeout` says), then ends here in one line as well.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
         name = signal.Signals(stop.sigval).name
         print(f"torchrun: stopped by {name}: forwarded to the workers, which have exited", file=sys.stderr)
         return 128 + int(stop.sigval)
+    except ChildFailedError as failed:   # torchrun's own report is a traceback around a table
+        rank, failure = failed.get_first_failure()
+        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        print(f"torchrun: worker rank {rank} {how} (its own error line, if any, is above); the job's other "
+              "workers were stopped", file=sys.stderr)
+        return 1
     return 0
 
 

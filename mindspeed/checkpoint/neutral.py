@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from mindspeed.files import atomic_write, private_dir
+from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write, private_dir
 from mindspeed.checkpoint import scan
 from mindspeed.checkpoint.scan import ITERATION_DIR, iteration_dir
 from mindspeed.errors import CheckpointError, resume_hint, unreadable
@@ -101,18 +101,15 @@ def unshard(name: str, shards: list[np.ndarray], gated: bool = True) -> np.ndarr
 def save(root: str, iteration: int, model: dict, optimizer: dict | None = None, meta: dict | None = None) -> str:
     """Write model (and optimizer) arrays plus meta.json, then point the tracker file at them. A
     write that fails (a full disk) is one line; the tracker still names the last complete checkpoint."""
-    directory = iteration_dir(root, iteration)
     try:
-        _new_iteration_dir(root, iteration)
-        atomic_write(os.path.join(directory, MODEL_FILE),
-                     lambda p: save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, p))
+        staged = _new_iteration_dir(root, iteration)
+        save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, os.path.join(staged, MODEL_FILE))
         if optimizer is not None:
-            atomic_write(os.path.join(directory, OPTIMIZER_FILE),
-                         lambda p: save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, p))
-        return _commit(root, directory, iteration, meta)
+            save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, os.path.join(staged, OPTIMIZER_FILE))
+        return _commit(root, staged, iteration, meta)
     except (OSError, SafetensorError) as err:
-        raise CheckpointError(f"saving {directory} failed: {_cause(err)} (the tracker still names the last "
-                              f"complete checkpoint)") from None
+        raise CheckpointError(f"saving {iteration_dir(root, iteration)} failed: {_cause(err)} (the tracker still "
+                              f"names the last complete checkpoint)") from None
 
 
 def _cause(err: BaseException) -> str:
@@ -123,16 +120,19 @@ def _cause(err: BaseException) -> str:
 
 
 def _new_iteration_dir(root: str, iteration: int) -> str:
+    """The empty directory a save of `iteration` writes into: iter_NNNNNNN.partial (scan)."""
     private_dir(root)
-    directory = iteration_dir(root, iteration)
-    private_dir(directory)
-    return directory
+    return scan.fresh_staging_dir(root, iteration, PRIVATE_DIR)
 
 
-def _commit(root: str, directory: str, iteration: int, meta: dict | None) -> str:
-    """meta.json, then the tracker: a reader never sees an iteration whose files are not all written."""
+def _commit(root: str, staged: str, iteration: int, meta: dict | None) -> str:
+    """meta.json, the staged directory renamed into place, then the tracker: a reader never sees an
+    iteration whose files are not all written. Returns the iteration's directory."""
     meta = dict(meta or {}, iteration=iteration, format="mindspeed-neutral-v1")
-    atomic_write(os.path.join(directory, META_FILE), lambda p: _dump_json(meta, p))
+    _dump_json(meta, os.path.join(staged, META_FILE))
+    for name in os.listdir(staged):
+        os.chmod(os.path.join(staged, name), PRIVATE_FILE)
+    directory = scan.publish(root, iteration)
     atomic_write(os.path.join(root, TRACKER_FILE), lambda p: _dump_text(str(iteration), p))
     return directory
 
@@ -141,7 +141,7 @@ def save_streaming(root: str, iteration: int, shapes: dict, produce, meta: dict 
     """`save` of a model-only checkpoint whose arrays (fp32) are produced one at a time,
     `produce(name)` in the order of `shapes` ({name: shape}): the safetensors header is known from
     the shapes, so each array is written as soon as it is made (peak memory: one array)."""
-    directory = _new_iteration_dir(root, iteration)
+    staged = _new_iteration_dir(root, iteration)
     entries, offset = {}, 0
     for name, shape in shapes.items():
         size = 4 * int(np.prod(shape, dtype=np.int64))
@@ -159,8 +159,8 @@ def save_streaming(root: str, iteration: int, shapes: dict, produce, meta: dict 
                     raise ValueError(f"{name}: produced shape {array.shape}, expected {tuple(shape)}")
                 f.write(array.data)
 
-    atomic_write(os.path.join(directory, MODEL_FILE), write)
-    return _commit(root, directory, iteration, meta)
+    write(os.path.join(staged, MODEL_FILE))
+    return _commit(root, staged, iteration, meta)
 
 
 def _dump_json(obj, path):

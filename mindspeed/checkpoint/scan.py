@@ -1,9 +1,15 @@
 """Checkpoint directories on disk (Megatron's iter_NNNNNNN layout), shared by the torch and the
-MindSpore trainers; framework-free. Each trainer supplies its own check of one iteration."""
+MindSpore trainers; framework-free. Each trainer supplies its own check of one iteration.
+
+A save writes into iter_NNNNNNN.partial and renames it to iter_NNNNNNN once every file is written;
+the tracker file is written after that. A save killed at any moment therefore leaves the tracked
+checkpoint as it was (also when it saves that same iteration again) and, at worst, a .partial
+directory that no reader looks at and the next save of that iteration replaces."""
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from typing import Callable
 
 ITERATION_DIR = re.compile(r"iter_(\d{7})$")
@@ -11,6 +17,34 @@ ITERATION_DIR = re.compile(r"iter_(\d{7})$")
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def staging_dir(root: str, iteration: int) -> str:
+    return iteration_dir(root, iteration) + ".partial"
+
+
+def fresh_staging_dir(root: str, iteration: int, mode: int) -> str:
+    """An empty iter_NNNNNNN.partial under root (what a killed save left there is removed)."""
+    staged = staging_dir(root, iteration)
+    shutil.rmtree(staged, ignore_errors=True)
+    os.makedirs(staged, mode=mode)
+    os.chmod(staged, mode)
+    return staged
+
+
+def publish(root: str, iteration: int) -> str:
+    """Rename the finished iter_NNNNNNN.partial to iter_NNNNNNN, replacing an older save of that
+    iteration (moved aside first: a directory cannot be renamed over a full one); returns its path."""
+    final, staged = iteration_dir(root, iteration), staging_dir(root, iteration)
+    if os.path.isdir(final):
+        replaced = final + ".replaced"
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+        os.rename(staged, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+    else:
+        os.rename(staged, final)
+    return final
 
 
 def checkpoint_iterations(root: str) -> list[int]:

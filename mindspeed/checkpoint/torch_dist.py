@@ -310,20 +310,22 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
     passes its streaming one). only(name): which of the model's tensors to save (default all; LoRA
     saves its adapters); extra: more common state (plain values, read back by read_common)."""
     rank0 = torch.distributed.get_rank() == 0
-    path = iteration_dir(root, iteration)
-    if rank0:
-        os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    path, staged = iteration_dir(root, iteration), scan.staging_dir(root, iteration)
+    if rank0:     # written under iter_NNNNNNN.partial, renamed when complete, then the tracker (scan)
+        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+        scan.fresh_staging_dir(root, iteration, DIR_MODE)
     torch.distributed.barrier()
     state = _sharded_state(chunks, optimizer, is_loading=False, only=only)
     state.update(iteration=iteration, consumed_train_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0, **(extra or {}))
     try:
         with writer_failures_reported():
-            dist_checkpointing.save(state, path, sharded_strategy=sharded_strategy)
+            dist_checkpointing.save(state, staged, sharded_strategy=sharded_strategy)
     except CheckpointException as err:     # raised on every rank; only the coordinator has the cause
         raise _save_failure(path, err) from None
     torch.distributed.barrier()
     if rank0:
+        scan.publish(root, iteration)
         atomic_write(os.path.join(root, TRACKER), lambda tmp: _write_text(tmp, str(iteration)), FILE_MODE)
         _restrict_permissions(root)
     torch.distributed.barrier()

@@ -20,9 +20,16 @@ LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "
 def cross_flag_problems(args) -> list[str]:
     problems = []
     for check in (_implementation_problems, _loss_scale_problems, _rampup_problems, _tokenizer_problems,
-                  _checkpoint_problems, _moe_problems, instruction_problems, _wsd_problems):
+                  _checkpoint_problems, _moe_problems, instruction_problems, _wsd_problems, _timeout_problems):
         problems.extend(check(args))
     return problems
+
+
+def _timeout_problems(args) -> list[str]:
+    minutes = getattr(args, "distributed_timeout_minutes", 10)
+    if not 0 < minutes < float("inf"):     # nan fails both comparisons
+        return [f"--distributed-timeout-minutes {minutes:g}: give a positive number of minutes (0.5 is 30 s)"]
+    return []
 
 
 def _wsd_problems(args) -> list[str]:

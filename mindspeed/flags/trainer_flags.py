@@ -178,7 +178,8 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl", "hccl"],
                    help="nccl/hccl (or none): the device's collective library (gloo on cpu, nccl on "
                         "cuda, hccl on npu); gloo: gloo")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="how long a rank waits in a collective for the others (fractions allowed: 0.5)")
 
 
 def _data(parser: argparse.ArgumentParser) -> None:

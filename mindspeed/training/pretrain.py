@@ -33,7 +33,7 @@ from mindspeed.features import documents
 from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
 from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.net import free_port
-from mindspeed.training import data, loop
+from mindspeed.training import collective_timeout, data, loop
 from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, transformer_config
 
@@ -50,17 +50,22 @@ def _init_distributed(args, device: str) -> None:
                           MASTER_PORT=str(free_port()))
     if device in ("cuda", "npu"):
         getattr(torch, device).set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # setting up waits for every rank to start (minutes apart on a loaded machine), however short
+    # --distributed-timeout-minutes is; the collectives of training then wait that long (collective_timeout)
+    setup_minutes = max(args.distributed_timeout_minutes, collective_timeout.SETUP_MINUTES)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend=process_group_backend(args.distributed_backend, device),
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+            timeout=datetime.timedelta(minutes=setup_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=None if args.num_layers_per_virtual_pipeline_stage is None
         else args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage,
         context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size)
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        distributed_timeout_minutes=setup_minutes)      # its groups' timeout: 30 min otherwise
+    collective_timeout.set_every_group(args.distributed_timeout_minutes)
 
 
 def _set_seeds(args) -> None:
@@ -286,6 +291,11 @@ def run(args) -> dict:
     logger = TrainingLogger(args, is_writer=rank == 0)
     try:
         return _train(args, tokenizer, logger, state, started_at)
+    except RuntimeError as err:
+        hung = collective_timeout.one_line_error(err, args.distributed_timeout_minutes)
+        if hung is None:
+            raise
+        raise hung from None
     finally:
         logger.close()
         documents.set_current(None)

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     from mindspeed.adaptor_core import MindSpeedConfigError
     from mindspeed.backends import BackendUnavailableError
     from mindspeed.data import DataError, TokenizerError
-    from mindspeed.errors import CheckpointError
+    from mindspeed.errors import CheckpointError, CollectiveTimeout
     user_errors = (MindSpeedConfigError, BackendUnavailableError, DataError, TokenizerError, CheckpointError)
     try:
         if args.backend == "mindspore":
@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     except user_errors as err:
         report(err)
         return 2
+    except CollectiveTimeout as err:    # a rank hangs or died: not the user's input
+        report(err)
+        return 1
     return 0
 
 

@@ -1,7 +1,7 @@
 """A training job interrupted on purpose, as a scheduler, a crash or a full disk would: started in a
 session of its own with its output in a log, something done to it once it is far enough, then waited
-for. Whatever still runs at the end is killed with its process group: a hang fails the test and
-leaves no process behind."""
+for. Whatever still runs at the end is killed with its process group and its descendants' groups
+(launchers start workers in sessions of their own): a hang fails the test and leaves no process behind."""
 import os
 import signal
 import subprocess
@@ -32,9 +32,25 @@ def run_interrupted(argv, log, ready, act, timeout, **popen) -> tuple[int, str, 
                                  f"{log.read_text()[-3000:]}") from None
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+            kill_everyone(job.pid, _descendants(job.pid))   # workers have sessions of their own
             job.wait()
     return job.returncode, log.read_text(), acted
+
+
+def _descendants(pid: int) -> list[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue          # gone meanwhile, or not a process
+    family, grown = {pid}, True
+    while grown:
+        more = {child for child, parent in parents.items() if parent in family} - family
+        family |= more
+        grown = bool(more)
+    return sorted(family - {pid})
 
 
 def sigterm_everyone(launcher: int, workers) -> list[int]:
@@ -44,4 +60,17 @@ def sigterm_everyone(launcher: int, workers) -> list[int]:
     os.killpg(launcher, signal.SIGTERM)
     for pid in workers:
         os.kill(pid, signal.SIGTERM)
+    return workers
+
+
+def kill_everyone(launcher: int, workers=()) -> list[int]:
+    """SIGKILL, as a node that loses power or the OOM killer leaves a job: the launcher's process
+    group and each of the `workers`' (launchers start them in sessions of their own) with whatever
+    they forked, a checkpoint writer among them. Returns the workers' pids."""
+    workers = list(workers)
+    for group in (launcher, *workers):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:       # gone with the launcher's group
+            pass
     return workers

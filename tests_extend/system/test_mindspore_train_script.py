@@ -18,7 +18,8 @@ import pytest
 from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
-from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
+from tests_extend.system.interrupted_run import kill_everyone, loss_lines, run_interrupted, sigterm_everyone
+from tests_extend.system.killed_save import assert_killed_in_the_save_of_8, assert_redid_5_to_8, kill_inside_save
 
 pytest.importorskip("mindspore")
 
@@ -197,6 +198,64 @@ def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_
         loaded = subprocess.run([*args, "--load", str(ckpt), "--train-iters", "11"], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert loaded.returncode == 0 and f"at iteration 10" in loaded.stdout, loaded.stdout[-3000:] + loaded.stderr[-2000:]
+
+
+def test_kill_9_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path, tiny_dataset):
+    """One process, --save X --load X: SIGKILL while it writes the iteration-8 checkpoint (paused
+    inside the real save, after the safetensors files and before meta.json: killed_save). The tracker
+    still names 4 and the half-written save is in iter_0000008.partial; the same command again
+    resumes from 4, redoes 5-8 with the killed run's losses bit for bit and completes 8. A save of
+    the tracked iteration 8 again (--ckpt-step 4), killed the same way, leaves it byte for byte."""
+    ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
+    command = [sys.executable, os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"), "--backend",
+               "mindspore", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+               "32", "--micro-batch-size", "4", "--global-batch-size", "4", "--data-path", tiny_dataset,
+               "--eval-iters", "0", "--split", "90,10,0", "--train-iters", "8", "--save", str(ckpt), "--load",
+               str(ckpt), "--save-interval", "4", "--npu-deterministic", "--log-loss-file", str(losses)]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    kill_inside_save(command, env, "open:iter_0000008", tmp_path / "paused", tmp_path / "killed.log", 300, cwd=ROOT)
+    killed = assert_killed_in_the_save_of_8(ckpt, losses, "model.safetensors")
+
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    output = again.stdout + again.stderr
+    assert again.returncode == 0 and "Traceback" not in output, output[-3000:]
+    assert f"loaded checkpoint {ckpt / 'iter_0000004'} at iteration 4" in output, output[-3000:]
+    assert_redid_5_to_8(ckpt, losses, killed)
+
+    before = snapshot(ckpt / "iter_0000008")
+    kill_inside_save([*command, "--ckpt-step", "4"], env, "open:iter_0000008", tmp_path / "paused_again",
+                     tmp_path / "killed_again.log", 300, cwd=ROOT)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert snapshot(ckpt / "iter_0000008") == before
+
+
+def test_a_rank_that_hangs_in_a_collective_stops_the_others_within_the_timeout(tmp_path, tiny_dataset):
+    """TP=2 with MINDSPEED_MS_SHM_TIMEOUT=5: worker 1 stopped with SIGSTOP once iteration 2 is logged
+    (alive, it never joins another shared-memory collective). Worker 0 exits within the timeout (plus
+    the load's slack) with one line naming the collective, its ranks and rank 1, no traceback; then
+    the test ends the job as a scheduler would (msrun only notices after MS_NODE_TIMEOUT)."""
+    losses = tmp_path / "losses.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               LOG_DIR=str(tmp_path / "logs"), MINDSPEED_MS_SHM_TIMEOUT="5", **dict(TINY, TRAIN_ITERS="200"))
+
+    def stop_worker_1(job):
+        workers = [_msrun_worker(job, rank) for rank in (0, 1)]
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not _zombie(workers[0]) and time.monotonic() < stopped + 120:
+            time.sleep(0.1)
+        took = time.monotonic() - stopped
+        kill_everyone(job, workers)
+        return took
+
+    _rc, _output, took = run_interrupted(["bash", SCRIPT, "--log-loss-file", str(losses)], tmp_path / "job.log",
+                                         loss_lines(losses, 1), stop_worker_1, 300, cwd=ROOT, env=env)
+    log = (tmp_path / "logs" / "worker_0.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert re.fullmatch(r"error: rank 0: shared-memory \w+ over ranks \[0, 1\] timed out after 5 s "
+                        r"\(MINDSPEED_MS_SHM_TIMEOUT\): rank 1 never joined it .*", errors[0]), errors
+    assert took < 5 + 20, f"worker 0 ran {took:.0f} s after worker 1 stopped"
 
 
 def _wait_gone(pids, timeout):

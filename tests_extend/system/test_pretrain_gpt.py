@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
+from tests_extend.system.killed_save import assert_killed_in_the_save_of_8, assert_redid_5_to_8, kill_inside_save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
@@ -297,6 +299,73 @@ def test_sigterm_to_the_whole_job_saves_the_iteration_and_the_resumed_run_repeat
     assert sorted(after) == list(range(at + 1, 9))
     assert all(before[it] == saved_run[1][it] for it in before)
     assert all(after[it] == saved_run[1][it] for it in after), (after, saved_run[1])
+
+
+def test_kill_9_during_a_save_resumes_from_the_last_complete_checkpoint(tiny_dataset, tmp_path):
+    """SIGKILL to every process of the job while it writes the iteration-8 checkpoint's shards (paused
+    there, inside Megatron's real writer: killed_save): the tracker still names iteration 4 and the
+    half-written save is in iter_0000008.partial, which no reader takes. The same command again
+    resumes from 4, redoes 5-8 with the killed run's losses bit for bit and completes iteration 8.
+    Then a save of the tracked iteration 8 again (--ckpt-step 4), killed the same way, leaves
+    iter_0000008 byte for byte as it was."""
+    ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               **dict(TINY, **RESUME_ENV), CKPT_DIR=str(ckpt), LOAD_DIR=str(ckpt), SAVE_INTERVAL="4")
+    command = ["bash", SCRIPT, *RESUME_FLAGS, "--log-loss-file", str(losses)]
+    kill_inside_save(command, env, "open:iter_0000008", tmp_path / "paused", tmp_path / "killed.log",
+                     LAUNCH_TIMEOUT, workers=lambda job: _workers(job).values(), cwd=ROOT)
+    killed = assert_killed_in_the_save_of_8(ckpt, losses, "common.pt")
+
+    output = run_example(dict(env, MASTER_PORT=_free_port()), [*RESUME_FLAGS, "--log-loss-file", str(losses)])  # same command
+    assert "Traceback" not in output, output[-3000:]
+    assert f"loaded checkpoint {ckpt} at iteration 4" in output and "training from iteration 4 to 8" in output
+    assert_redid_5_to_8(ckpt, losses, killed)
+
+    before = snapshot(ckpt / "iter_0000008")
+    kill_inside_save([*command, "--ckpt-step", "4"], dict(env, MASTER_PORT=_free_port()), "open:iter_0000008",
+                     tmp_path / "paused_again", tmp_path / "killed_again.log", LAUNCH_TIMEOUT,
+                     workers=lambda job: _workers(job).values(), cwd=ROOT)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert snapshot(ckpt / "iter_0000008") == before
+
+
+def test_a_rank_that_hangs_in_a_collective_stops_the_job_within_the_timeout(tiny_dataset, tmp_path):
+    """TP=2 with --distributed-timeout-minutes 0.1 (6 s): rank 1 stopped with SIGSTOP once iteration
+    2 is logged (alive, it never joins another collective). Rank 0 exits within the timeout (plus
+    the load's slack) with one line naming the collective, its ranks and rank 1, no traceback. The
+    stopped rank is then killed as a scheduler would (torchrun itself would wait 30 s before its
+    SIGKILL), and the launcher ends in one line."""
+    losses = tmp_path / "losses.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
+               **dict(TINY, TP="2", PP="1", TRAIN_ITERS="200", EVAL_INTERVAL="1000"))
+
+    def stop_rank_1(job):
+        workers = _workers(job)
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while _running(workers[0]) and time.monotonic() < stopped + 120:
+            time.sleep(0.1)
+        took = time.monotonic() - stopped
+        os.kill(workers[1], signal.SIGKILL)
+        return took
+
+    rc, output, took = run_interrupted(["bash", SCRIPT, "--distributed-timeout-minutes", "0.1", "--log-loss-file",
+                                        str(losses)], tmp_path / "job.log", loss_lines(losses, 2), stop_rank_1,
+                                       LAUNCH_TIMEOUT, cwd=ROOT, env=env)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert rc == 1 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert re.fullmatch(r"error: rank 0: torch\.distributed\.\w+ over ranks \[0, 1\] timed out after 6 s "
+                        r"\(--distributed-timeout-minutes 0\.1\): rank 1 never joined it .*", errors[0]), errors
+    assert "torchrun: worker rank 0 exited with code 1" in output, output[-2000:]
+    assert took < 6 + 20, f"rank 0 ran {took:.0f} s after rank 1 stopped"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _launch_ranks(args, world=2, timeout=120):

@@ -137,10 +137,10 @@ class MsComm(CommAPI):
         path = f"/dev/shm/mindspeed-{int(every[0, 2])}-{int(every[0, 3])}-{g.name}"
         spin = _PROCS_ON_HOST.get("world", len(g.ranks)) <= (os.cpu_count() or 1)
         if me == 0:
-            shm = shm_collectives.ShmGroup(path, len(g.ranks), 0, create=True, spin=spin)
+            shm = shm_collectives.ShmGroup(path, len(g.ranks), 0, create=True, spin=spin, ranks=g.ranks)
         self.barrier(g)
         if me != 0:
-            shm = shm_collectives.ShmGroup(path, len(g.ranks), me, create=False, spin=spin)
+            shm = shm_collectives.ShmGroup(path, len(g.ranks), me, create=False, spin=spin, ranks=g.ranks)
         self.barrier(g)
         if me == 0:
             shm.unlink()        # every member has it mapped: no file is left behind

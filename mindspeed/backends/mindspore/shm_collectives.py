@@ -19,11 +19,14 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import sys
 import threading
 import time
 import zlib
 
 import numpy as np
+
+from mindspeed.errors import CollectiveTimeout, report
 
 SLOT_BYTES = 4 << 20          # a chunk per round; larger tensors take several rounds
 _HEADER_STRIDE = 64           # bytes per rank counter: one cache line each
@@ -50,8 +53,10 @@ def host_id() -> int:
 class ShmGroup:
     """The shared-memory transport of one group, seen from group rank `me` of `n`."""
 
-    def __init__(self, path: str, n: int, me: int, create: bool, slot_bytes: int = SLOT_BYTES, spin: bool = True):
+    def __init__(self, path: str, n: int, me: int, create: bool, slot_bytes: int = SLOT_BYTES, spin: bool = True,
+                 ranks=None):
         self.n, self.me, self.path, self.slot_bytes = n, me, path, slot_bytes
+        self.ranks = list(ranks) if ranks is not None else list(range(n))    # the job's ranks, for messages
         self._size = n * _HEADER_STRIDE + 2 * n * slot_bytes
         # the creator sizes it under a temporary name first: the others never see a short file
         fd = os.open(path + ".new" if create else path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
@@ -90,13 +95,13 @@ class ShmGroup:
             slots[self.me, :chunk.size] = chunk
         signatures[self.me] = zlib.crc32(what.encode())
         self._arrived[self.me] = c
-        self._wait_for(c)
+        self._wait_for(c, what)
         if (signatures != signatures[self.me]).any():
             raise RuntimeError(f"shared-memory collective: group rank {self.me} is at {what} while another rank "
                                "called a different collective; every rank must call the same ones in the same order")
         return slots
 
-    def _wait_for(self, c: int) -> None:
+    def _wait_for(self, c: int, what: str) -> None:
         """Spin while the wait is short (a rank that sleeps here wakes late and loses its core: measured,
         steps of 450 ms turned into 650 ms), then sleep between looks. `spin` is off where the job's
         processes on this host outnumber its cores: a spinner would take the core of the rank it waits for."""
@@ -111,10 +116,12 @@ class ShmGroup:
                 continue
             time.sleep(50e-6)
             if now - start > self.timeout_s:
-                late = [r for r in range(self.n) if arrived[r] < c]
-                raise RuntimeError(f"shared-memory collective: group ranks {late} did not arrive within "
-                                   f"{self.timeout_s:g} s (MINDSPEED_MS_SHM_TIMEOUT); a rank died or called "
-                                   "fewer collectives than the others")
+                late = [self.ranks[r] for r in range(self.n) if arrived[r] < c]
+                who = f"rank {late[0]}" if len(late) == 1 else f"ranks {late}"
+                raise CollectiveTimeout(
+                    f"rank {self.ranks[self.me]}: shared-memory {what.split()[0]} over ranks {self.ranks} timed "
+                    f"out after {self.timeout_s:g} s (MINDSPEED_MS_SHM_TIMEOUT): {who} never joined it (hung, "
+                    "stopped, died or called fewer collectives); stopping")
 
     def _rounds(self, kind: str, x: np.ndarray):
         """(signature, byte offset, byte count) of each round's chunk of x."""
@@ -168,6 +175,21 @@ class ShmGroup:
             return out.view(flat.dtype).reshape(x.shape)
 
 
+def _stop_on_timeout(collective):
+    """`collective` that, when it times out, ends this process with its one line: raised, the error
+    would cross MindSpore's runtime thread (a pyfunc), which reports it as a long native trace, and
+    no further collective can succeed anyway."""
+    def run(*args):
+        try:
+            return collective(*args)
+        except CollectiveTimeout as err:
+            report(err)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+    return run
+
+
 def primitive(group: ShmGroup, kind: str, *extra):
     """A MindSpore primitive (CPU `pyfunc` Custom op) running `kind` on `group`: "all_reduce_sum"
     (gradient: the all-reduce of the gradient, as MindSpore's AllReduce), "all_gather" (MCCL's
@@ -178,7 +200,7 @@ def primitive(group: ShmGroup, kind: str, *extra):
     if kind == "all_reduce_sum":
         def bprop(x, out, dout):
             return (op(dout),)
-        op = ops.Custom(group.all_reduce_sum, same, dtype, func_type="pyfunc", bprop=bprop)
+        op = ops.Custom(_stop_on_timeout(group.all_reduce_sum), same, dtype, func_type="pyfunc", bprop=bprop)
         return op
     if kind == "all_gather":
         n = group.n
@@ -186,9 +208,9 @@ def primitive(group: ShmGroup, kind: str, *extra):
         def gathered(x):
             every = group.all_gather(x)
             return every.reshape((n * x.shape[0],) + x.shape[1:]) if x.ndim else every
-        return ops.Custom(gathered, lambda shape: [n * shape[0]] + list(shape[1:]) if shape else [n], dtype,
+        return ops.Custom(_stop_on_timeout(gathered), lambda shape: [n * shape[0]] + list(shape[1:]) if shape else [n], dtype,
                           func_type="pyfunc")
     if kind == "broadcast":
         (src,) = extra
-        return ops.Custom(lambda x: group.broadcast(x, src), same, dtype, func_type="pyfunc")
+        return ops.Custom(_stop_on_timeout(lambda x: group.broadcast(x, src)), same, dtype, func_type="pyfunc")
     raise ValueError(f"no shared-memory {kind}")
