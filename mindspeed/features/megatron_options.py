@@ -151,8 +151,10 @@ option("gloo-distributed-backend", (host("--distributed-backend"),), lambda a: a
        "drop --distributed-backend", ("--distributed-backend", "gloo"))
 option("distributed-timeout", (host("--distributed-timeout-minutes", 10),),
        lambda a: a.distributed_timeout_minutes != 10, "a collective timeout other than 10 minutes",
-       {"mindspore": "MindSpore's communication init takes no timeout (msrun's own applies)"},
-       "drop --distributed-timeout-minutes", ("--distributed-timeout-minutes", "20"))
+       {"mindspore": "MindSpore's communication init and its CPU collectives take no timeout (msrun's own "
+                     "applies)"},
+       "drop --distributed-timeout-minutes; on MindSpore the shared-memory collectives time out after "
+       "MINDSPEED_MS_SHM_TIMEOUT seconds (default 1800)", ("--distributed-timeout-minutes", "20"))
 option("data-cache-path", (host("--data-cache-path"),), lambda a: a.data_cache_path is not None,
        "where Megatron's dataset caches its sample index",
        {"mindspore": f"{MS} keeps its sample index in memory (there is nothing to cache)"},
