@@ -17,6 +17,8 @@ from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController)
 
+from mindspeed.backends.torch.mode_free_steps import ModeFreeSteps
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -70,9 +72,10 @@ class Generator:
         start = time.perf_counter()
         with torch.inference_mode():
             step = self._cached_steps(buffer, len(prompt)) if self.use_cache else self._recomputed_steps(buffer)
+            later_step = ModeFreeSteps(self.device)      # the prefill is a step of its own kind
             length = len(prompt)
             for _ in range(budget):
-                logits = step(length)
+                logits = step(length) if length == len(prompt) else later_step(step, length)
                 token = self._pick(logits, params)
                 out.append(token)
                 buffer[0, length] = token
@@ -97,10 +100,15 @@ class Generator:
         return step
 
     def _recomputed_steps(self, buffer: torch.Tensor):
+        # Megatron's own causal mask (True above the diagonal), built once: its default one is
+        # made on 'cuda' for every new length
+        causal = torch.ones(self.max_length, self.max_length, dtype=torch.bool, device=self.device).triu(1)
+
         def step(length: int) -> torch.Tensor:
             tokens = buffer[:, :length]
             positions = torch.arange(length, device=self.device).unsqueeze(0)
-            return self.model(tokens, positions, None, runtime_gather_output=True)[:, -1]
+            mask = causal[:length, :length].view(1, 1, length, length)
+            return self.model(tokens, positions, mask, runtime_gather_output=True)[:, -1]
         return step
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams) -> int:
