@@ -1,7 +1,9 @@
 """Token generation on Megatron-Core's GPTModel: its GPTInferenceWrapper with a
 StaticInferenceContext (the KV cache: the prompt is encoded once, then one token per step) and its
 TextGenerationController's sampling (greedy, top-k, top-p, temperature). Without the cache
-(`use_cache=False`, for comparison) every step recomputes the whole prefix."""
+(`use_cache=False`, for comparison) every step recomputes the whole prefix. On cpu the steps after
+the first run without the device shim's torch-function mode when it has nothing to rewrite there
+(mindspeed.backends.torch.mode_free_steps)."""
 from __future__ import annotations
 
 import time
