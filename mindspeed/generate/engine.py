@@ -1,7 +1,9 @@
 """Token generation on Megatron-Core's GPTModel: its GPTInferenceWrapper with a
 StaticInferenceContext (the KV cache: the prompt is encoded once, then one token per step) and its
 TextGenerationController's sampling (greedy, top-k, top-p, temperature). Without the cache
-(`use_cache=False`, for comparison) every step recomputes the whole prefix."""
+(`use_cache=False`, for comparison) every step recomputes the whole prefix. On cpu the steps after
+the first run without the device shim's torch-function mode when it has nothing to rewrite there
+(mindspeed.backends.torch.mode_free_steps)."""
 from __future__ import annotations
 
 import time
@@ -16,6 +18,8 @@ from megatron.core.inference.model_inference_wrappers.inference_wrapper_config i
 from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController)
+
+from mindspeed.backends.torch.mode_free_steps import ModeFreeSteps
 
 
 @dataclass(frozen=True)
@@ -70,9 +74,10 @@ class Generator:
         start = time.perf_counter()
         with torch.inference_mode():
             step = self._cached_steps(buffer, len(prompt)) if self.use_cache else self._recomputed_steps(buffer)
+            later_step = ModeFreeSteps(self.device)      # the prefill is a step of its own kind
             length = len(prompt)
             for _ in range(budget):
-                logits = step(length)
+                logits = step(length) if length == len(prompt) else later_step(step, length)
                 token = self._pick(logits, params)
                 out.append(token)
                 buffer[0, length] = token
@@ -97,10 +102,15 @@ class Generator:
         return step
 
     def _recomputed_steps(self, buffer: torch.Tensor):
+        # Megatron's own causal mask (True above the diagonal), built once: its default one is
+        # made on 'cuda' for every new length
+        causal = torch.ones(self.max_length, self.max_length, dtype=torch.bool, device=self.device).triu(1)
+
         def step(length: int) -> torch.Tensor:
             tokens = buffer[:, :length]
             positions = torch.arange(length, device=self.device).unsqueeze(0)
-            return self.model(tokens, positions, None, runtime_gather_output=True)[:, -1]
+            mask = causal[:length, :length].view(1, 1, length, length)
+            return self.model(tokens, positions, mask, runtime_gather_output=True)[:, -1]
         return step
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams) -> int:

@@ -8,7 +8,9 @@ and `--new-tokens` greedy tokens through mindspeed.generate.engine.Generator twi
 Megatron-Core's static inference context (the KV cache: one token per step) and recomputing the
 whole prefix every step. Both must give the same tokens (else the run stops). Prints tokens/s of
 each (the median over rounds, after one short warm-up generation each), their ratio, and the load average before and after: rerun when it is
-above 1.
+above 1. Also the process's CPU time per new token (median) and its ratio: with OMP_NUM_THREADS=1
+it moves far less with other jobs' load than tokens/s does (with more threads it counts their
+waiting too).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -52,11 +55,13 @@ def main() -> int:
                                             use_cache=cached) for cached in (True, False)}
             for gen in generators.values():      # warm-up: first-call allocations and dispatch caches
                 gen.generate(prompt, 8, Sampling())
-            speeds = {True: [], False: []}
+            speeds, cpu_ms = {True: [], False: []}, {True: [], False: []}
             for _ in range(opts.rounds):
                 tokens = {}
                 for cached, gen in generators.items():
+                    cpu_start = time.process_time()
                     result = gen.generate(prompt, opts.new_tokens, Sampling())
+                    cpu_ms[cached].append((time.process_time() - cpu_start) * 1000 / len(result.tokens))
                     tokens[cached] = result.tokens
                     speeds[cached].append(result.tokens_per_s)
                 if tokens[True] != tokens[False]:
@@ -67,6 +72,9 @@ def main() -> int:
     cached, recomputed = statistics.median(speeds[True]), statistics.median(speeds[False])
     print(f"{opts.new_tokens} new tokens, {torch.get_num_threads()} thread(s): KV cache {cached:.1f} tokens/s, "
           f"recomputed prefix {recomputed:.1f} tokens/s: {cached / recomputed:.2f}x")
+    cached_cpu, recomputed_cpu = statistics.median(cpu_ms[True]), statistics.median(cpu_ms[False])
+    print(f"CPU time per new token: KV cache {cached_cpu:.2f} ms, recomputed prefix {recomputed_cpu:.2f} ms: "
+          f"{recomputed_cpu / cached_cpu:.2f}x")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

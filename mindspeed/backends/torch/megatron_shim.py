@@ -98,17 +98,23 @@ class CudaToCpuMode(TorchFunctionMode):
     """Rewrites device='cuda' (and Tensor.cuda()) to cpu inside Megatron-Core's calls; drops
     pin_memory requests (CPU-only torch has no pinned allocator)."""
 
+    rewrites = 0     # calls changed so far, process-wide: code that needed none can run without the mode
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            CudaToCpuMode.rewrites += 1
             return args[0]
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False   # no pinned allocator without an accelerator
+            CudaToCpuMode.rewrites += 1
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs["device"] = "cpu"
+            CudaToCpuMode.rewrites += 1
         if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
+            CudaToCpuMode.rewrites += 1
         return func(*args, **kwargs)
 
 
