@@ -159,6 +159,31 @@ def test_two_ranks_connect_a_groups_peers_on_first_use_and_say_what_they_waited_
     assert out.stdout.count("1 passed") == 2, out.stdout[-3000:]
     assert out.stdout.count("MindSpeed: this process ran") == 2, out.stdout[-3000:]
 
+
+TE_PROBE_ON_0_12 = """
+from megatron.core.package_info import __version__
+from megatron.core.utils import is_te_min_version
+
+
+def test_the_te_probe_says_not_installed():
+    assert __version__.startswith("0.12."), __version__
+    assert is_te_min_version("1.3") is False      # Megatron's conftest asks this around every test
+"""
+
+
+@pytest.mark.skipif(snapshot("0.12.1") is None, reason="Megatron-LM core_v0.12.1 snapshot absent "
+                    "(set MINDSPEED_MEGATRON_LM_SNAPSHOTS)")
+def test_core_0_12s_te_probe_answers_not_installed_through_the_plugin(tmp_path):
+    """Before core 0.13 Megatron reads TE's version by importing it (ModuleNotFoundError without TE),
+    so without the shim every test of core_v0.12.1 errors in its conftest's fixture."""
+    safe_extract(snapshot("0.12.1"), str(tmp_path))
+    (tmp_path / "test_te_probe.py").write_text(TE_PROBE_ON_0_12)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "mindspeed.pytest_plugin", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", "-q", "-W", "ignore", "test_te_probe.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
+
 def _definitions(path: str) -> set:
     """'Class::method' (methods inherited from a class of the same file included) and 'function'
     names a test file defines."""
