@@ -168,21 +168,30 @@ from megatron.core.utils import is_te_min_version
 def test_the_te_probe_says_not_installed():
     assert __version__.startswith("0.12."), __version__
     assert is_te_min_version("1.3") is False      # Megatron's conftest asks this around every test
+
+
+def test_the_shared_causal_mask_clears_as_megatrons_cached_one_does():
+    from megatron.core.transformer.utils import get_default_causal_mask
+    first = get_default_causal_mask(4)
+    assert get_default_causal_mask(4) is first
+    get_default_causal_mask.cache_clear()           # what core 0.12's softmax tests do after each test
+    assert get_default_causal_mask(4) is not first
 """
 
 
 @pytest.mark.skipif(snapshot("0.12.1") is None, reason="Megatron-LM core_v0.12.1 snapshot absent "
                     "(set MINDSPEED_MEGATRON_LM_SNAPSHOTS)")
-def test_core_0_12s_te_probe_answers_not_installed_through_the_plugin(tmp_path):
+def test_core_0_12s_te_probe_and_cached_mask_through_the_plugin(tmp_path):
     """Before core 0.13 Megatron reads TE's version by importing it (ModuleNotFoundError without TE),
-    so without the shim every test of core_v0.12.1 errors in its conftest's fixture."""
+    so without the shim every test of core_v0.12.1 errors in its conftest's fixture; and its causal
+    mask is lru-cached, which its tests clear through MindSpeed's shared-mask wrapper."""
     safe_extract(snapshot("0.12.1"), str(tmp_path))
     (tmp_path / "test_te_probe.py").write_text(TE_PROBE_ON_0_12)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "mindspeed.pytest_plugin", "-p", "no:cacheprovider",
                           "-p", "no:xdist", "-q", "-W", "ignore", "test_te_probe.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 def _definitions(path: str) -> set:
     """'Class::method' (methods inherited from a class of the same file included) and 'function'
