@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import sys
 import types
@@ -24,6 +25,8 @@ from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, current, pl
 from mindspeed.megatron_test_skips import listed_failure, more_ranks_needed, skip_before_running
 
 DOWNLOAD_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
+TE_SPEC_PROVIDERS = "megatron.core.models.backends"
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
 
 
 def _adapt():
@@ -53,10 +56,15 @@ def _offline_download_module() -> types.ModuleType:
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config, parser, args):
     state = _adapt()
-    if state.plan.backend == "torch":    # Megatron's TE layer spec, from its local modules when TE is absent
+    # Megatron's TE layer spec, from its local modules when TE is absent; cores before 0.13 have no
+    # TESpecProvider to stand in for (their TE spec names TE's modules directly)
+    if state.plan.backend == "torch" and importlib.util.find_spec(TE_SPEC_PROVIDERS) is not None:
         # imported here, not at the top: the module imports Megatron, which the adaptor must patch first
         from mindspeed.backends.torch.te_spec_standin import apply_te_spec_standin
         apply_te_spec_standin(state.patcher)
+    if state.patcher.find("torch.distributed.new_group") is not None and LAZY_GLOO not in os.environ:
+        state.patcher.setenv(LAZY_GLOO, "1", reason="gloo stands in for nccl: connect a group's peers on its "
+                             "first collective, as NCCL does, not each of the groups every test makes")
     if DOWNLOAD_MODULE not in sys.modules:
         state.patcher.provide_module(DOWNLOAD_MODULE, _offline_download_module(),
                                      reason="Megatron's conftest must not reach for the network")
@@ -106,3 +114,23 @@ def pytest_runtest_makereport(item, call):
         if reason:
             report.outcome = "skipped"
             report.longrepr = (item.location[0], item.location[1] or 0, f"Skipped: {reason}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    line = cpu_time_line()
+    if line:
+        terminalreporter.write_line(line)
+
+
+def cpu_time_line() -> str | None:
+    """How long this process's main thread ran on a CPU, and how long it was ready to run but waited
+    for one: on a shared machine the wait, not the tests, can make most of a run's wall time. Linux
+    only (None elsewhere)."""
+    try:
+        with open("/proc/self/schedstat") as stat:
+            ran_ns, waited_ns = (int(field) for field in stat.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return (f"MindSpeed: this process ran {ran_ns / 1e9:.0f} s on a CPU and waited {waited_ns / 1e9:.0f} s "
+            f"for one (ready to run while other processes held the cores)")

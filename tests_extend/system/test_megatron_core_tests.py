@@ -14,6 +14,7 @@ import pytest
 
 from mindspeed.files import safe_extract
 from mindspeed.megatron_test_skips import RANKS, SKIPS, TOO_LARGE
+from mindspeed.net import free_port
 from tests_extend.system.megatron_lm_kit import ROOT, snapshot, snapshot_dir
 
 TESTS_TARBALL = "Megatron-LM-core_v0.16.1-tests.tar.gz"
@@ -112,6 +113,85 @@ def test_a_class_tests_process_groups_do_not_outlive_it(tmp_path):
     plain = run()
     assert plain.returncode == 1 and "test_threads_stay_flat" in plain.stdout, plain.stdout[-3000:]
 
+
+
+CONNECTS_ON_FIRST_USE = """
+import os
+
+import torch.distributed as dist
+
+from mindspeed.adaptor_core import current
+
+
+def _sockets():
+    links = (os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+             if os.path.exists(f"/proc/self/fd/{fd}"))
+    return sum(link.startswith("socket:") for link in links)
+
+
+def test_a_gloo_group_connects_its_peers_on_its_first_collective():
+    dist.init_process_group("nccl")                 # gloo stands in, rendezvous from torchrun
+    assert "TORCH_GLOO_LAZY_INIT" in current().patcher.describe()
+    before = _sockets()
+    groups = [dist.new_group([0, 1]) for _ in range(12)]
+    # each group listens (one socket); connected at creation it would hold a second, to the peer
+    # (one more: the peer may already have connected for the barrier below)
+    assert _sockets() - before <= len(groups) + 1
+    dist.barrier(group=groups[0])                   # the first collective connects, and works
+    for group in groups:
+        dist.destroy_process_group(group)
+    dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_connect_a_groups_peers_on_first_use_and_say_what_they_waited_for(tmp_path):
+    """Megatron's tests make and drop dozens of groups per test; connected at creation, each is a
+    handshake through the rendezvous store between processes that each must get a CPU."""
+    (tmp_path / "test_connects_on_first_use.py").write_text(CONNECTS_ON_FIRST_USE)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env.pop("TORCH_GLOO_LAZY_INIT", None)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master-port", str(free_port()), "-m", "pytest", "-p", "mindspeed.pytest_plugin",
+                          "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "-W", "ignore",
+                          "test_connects_on_first_use.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.stdout.count("1 passed") == 2, out.stdout[-3000:]
+    assert out.stdout.count("MindSpeed: this process ran") == 2, out.stdout[-3000:]
+
+
+TE_PROBE_ON_0_12 = """
+from megatron.core.package_info import __version__
+from megatron.core.utils import is_te_min_version
+
+
+def test_the_te_probe_says_not_installed():
+    assert __version__.startswith("0.12."), __version__
+    assert is_te_min_version("1.3") is False      # Megatron's conftest asks this around every test
+
+
+def test_the_shared_causal_mask_clears_as_megatrons_cached_one_does():
+    from megatron.core.transformer.utils import get_default_causal_mask
+    first = get_default_causal_mask(4)
+    assert get_default_causal_mask(4) is first
+    get_default_causal_mask.cache_clear()           # what core 0.12's softmax tests do after each test
+    assert get_default_causal_mask(4) is not first
+"""
+
+
+@pytest.mark.skipif(snapshot("0.12.1") is None, reason="Megatron-LM core_v0.12.1 snapshot absent "
+                    "(set MINDSPEED_MEGATRON_LM_SNAPSHOTS)")
+def test_core_0_12s_te_probe_and_cached_mask_through_the_plugin(tmp_path):
+    """Before core 0.13 Megatron reads TE's version by importing it (ModuleNotFoundError without TE),
+    so without the shim every test of core_v0.12.1 errors in its conftest's fixture; and its causal
+    mask is lru-cached, which its tests clear through MindSpeed's shared-mask wrapper."""
+    safe_extract(snapshot("0.12.1"), str(tmp_path))
+    (tmp_path / "test_te_probe.py").write_text(TE_PROBE_ON_0_12)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "mindspeed.pytest_plugin", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", "-q", "-W", "ignore", "test_te_probe.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 def _definitions(path: str) -> set:
     """'Class::method' (methods inherited from a class of the same file included) and 'function'

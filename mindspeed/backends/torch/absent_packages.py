@@ -2,8 +2,9 @@
 package is absent instead of raising.
 
 `is_te_min_version` compares `get_te_version()` with a version; without Transformer Engine that
-is `None >= Version` (TypeError), which Megatron's own code and tests call at import and in
-fixtures. Installed packages keep Megatron's answer unchanged.
+is `None >= Version` (TypeError), and before core 0.13 `get_te_version()` imports Transformer
+Engine and raises ModuleNotFoundError; Megatron's own code and tests call the probe at import and
+in fixtures. Installed packages keep Megatron's answer unchanged.
 """
 from __future__ import annotations
 
@@ -16,10 +17,17 @@ def _wrap_te_probe(original):
     utils = importlib.import_module("megatron.core.utils")
 
     def probe(*args, **kwargs):
-        if utils.get_te_version() is None:
+        if _te_version(utils) is None:
             return False        # Transformer Engine absent: no version is at least anything
         return original(*args, **kwargs)
     return probe
+
+
+def _te_version(utils):
+    try:
+        return utils.get_te_version()
+    except ImportError:     # cores before 0.13 import Transformer Engine to read its version
+        return None
 
 
 def apply_absent_package_probes(patcher) -> None:
