@@ -140,7 +140,8 @@ def _commit(root: str, staged: str, iteration: int, meta: dict | None) -> str:
 def save_streaming(root: str, iteration: int, shapes: dict, produce, meta: dict | None = None) -> str:
     """`save` of a model-only checkpoint whose arrays (fp32) are produced one at a time,
     `produce(name)` in the order of `shapes` ({name: shape}): the safetensors header is known from
-    the shapes, so each array is written as soon as it is made (peak memory: one array)."""
+    the shapes, so each array is written as soon as it is made (peak memory: one array). Files of
+    that iteration already saved in another format stay beside it (scan.carry_over)."""
     staged = _new_iteration_dir(root, iteration)
     entries, offset = {}, 0
     for name, shape in shapes.items():
@@ -160,6 +161,7 @@ def save_streaming(root: str, iteration: int, shapes: dict, produce, meta: dict 
                 f.write(array.data)
 
     write(os.path.join(staged, MODEL_FILE))
+    scan.carry_over(root, iteration)        # a copy beside the iteration's other files (the converter's)
     return _commit(root, staged, iteration, meta)
 
 

@@ -32,6 +32,23 @@ def fresh_staging_dir(root: str, iteration: int, mode: int) -> str:
     return staged
 
 
+def carry_over(root: str, iteration: int) -> None:
+    """Files of the published iter_NNNNNNN that the staged save does not write, hard-linked into the
+    staging directory: a save that adds a copy beside a checkpoint already there (the converter's
+    neutral copy beside its torch_dist files) keeps those files, and the published directory stays
+    untouched until publish() swaps it."""
+    final, staged = iteration_dir(root, iteration), staging_dir(root, iteration)
+    if not os.path.isdir(final):
+        return
+    for name in os.listdir(final):
+        source, target = os.path.join(final, name), os.path.join(staged, name)
+        if os.path.isfile(source) and not os.path.exists(target):
+            try:
+                os.link(source, target)
+            except OSError:          # a file system without hard links
+                shutil.copy2(source, target)
+
+
 def publish(root: str, iteration: int) -> str:
     """Rename the finished iter_NNNNNNN.partial to iter_NNNNNNN, replacing an older save of that
     iteration (moved aside first: a directory cannot be renamed over a full one); returns its path."""

@@ -76,6 +76,7 @@ class MasterWeights:
     def __init__(self, model):
         self.params = model.master_params()
         self.is_tp_sharded = model.is_tp_sharded
+        self.counted_in_grad_norm = model.counted_in_grad_norm
 
 
 @ms.jit
