@@ -2,18 +2,14 @@
 micro-batch calculator grows the torch trainer's, and its learning rate follows the samples of the
 applied steps as Megatron's scheduler does: the two trainers' iteration lines show the same
 consumed samples, global batch sizes and learning rates (one process each, mock data)."""
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from mindspeed.flags.trainer_flags import parse_args
-from mindspeed.net import free_port
 from mindspeed.training import loop
+from tests_extend.system.one_process_run import run_pretrain_gpt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RAMP = ["--micro-batch-size", "2", "--global-batch-size", "6", "--rampup-batch-size", "2", "2", "8"]
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
         "--max-position-embeddings", "16", "--train-iters", "6", "--lr", "1e-3", "--min-lr", "1e-4",
@@ -32,10 +28,7 @@ def test_the_ramp_is_megatron_cores():
 
 
 def _run(backend: str) -> list:
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"),
-                             "--backend", backend, *TINY], env=env, capture_output=True, text=True, timeout=300)
+    result = run_pretrain_gpt("--backend", backend, *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     return [(int(it), int(consumed), float(lr), int(gbs)) for it, consumed, lr, gbs in LINE.findall(result.stdout)]
 

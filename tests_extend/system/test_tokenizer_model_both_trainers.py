@@ -2,15 +2,11 @@
 preprocessed with a Hugging Face tokenizer folder trains on the MindSpore trainer as on the torch
 one, both taking the vocabulary (and its padding) from that tokenizer; a dataset holding ids beyond
 the named tokenizer's vocabulary is refused in one line before training."""
-import os
 import re
-import subprocess
-import sys
 
-from mindspeed.net import free_port
+from tests_extend.system.one_process_run import run_pretrain_gpt
 from tests_extend.unit import data_kit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXT = "the king loves the crown and the fool fears the sea " * 40
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
@@ -27,12 +23,8 @@ def _dataset(tmp_path, name: str, tokenizer_dir: str, text: str = TEXT) -> str:
     return prefix + "_text_document"        # MindSpeed-LLM's naming: PREFIX_<json key>_document
 
 
-def _train(backend: str, prefix: str, tokenizer_dir: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"),
-                           "--backend", backend, *TINY, "--data-path", prefix, "--tokenizer-model", tokenizer_dir],
-                          env=env, capture_output=True, text=True, timeout=300)
+def _train(backend: str, prefix: str, tokenizer_dir: str):
+    return run_pretrain_gpt("--backend", backend, *TINY, "--data-path", prefix, "--tokenizer-model", tokenizer_dir)
 
 
 def test_both_trainers_take_the_vocabulary_from_the_named_tokenizer(tmp_path):

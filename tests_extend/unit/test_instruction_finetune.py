@@ -9,17 +9,15 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from tests_extend.system.one_process_run import run_pretrain_gpt
 from tests_extend.unit import convert_kit, data_kit
 
 pytest.importorskip("transformers")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--split", "80,20,0",
        "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--seed", "5"]
 
@@ -184,10 +182,7 @@ def test_neat_packed_samples_have_the_losses_of_the_samples_alone(setup):
 def _train(flags, tmp_path, *extra) -> list[float]:
     """pretrain_gpt.py as a user runs it (one process); the losses it logged."""
     loss_file = str(tmp_path / "loss.jsonl")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"),
-                             *flags, "--log-loss-file", loss_file, *extra],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    result = run_pretrain_gpt(*flags, "--log-loss-file", loss_file, *extra)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     losses = [json.loads(line)["lm_loss"] for line in open(loss_file)]
     assert losses and all(math.isfinite(x) for x in losses)

@@ -16,7 +16,7 @@ from mindspeed.data.errors import DataError
 from mindspeed.data.indexed_reader import IndexedTokens, split_bounds
 from mindspeed.data.instruction_samples import build_splits
 from mindspeed.data.shakespeare import ensure_dataset
-from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer
+from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer, tokenizer_path
 
 
 def vocab_size_of(prefix: str, args) -> int:
@@ -187,7 +187,7 @@ def _check_one_tokenizer(prefixes: list) -> None:
     """A blend's token ids mean the same in every dataset: their saved tokenizers are one."""
     saved = {}
     for prefix in prefixes:
-        path = prefix + ".tokenizer.json"
+        path = tokenizer_path(prefix)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 saved[prefix] = json.load(f)
