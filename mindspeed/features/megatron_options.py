@@ -46,11 +46,12 @@ class MegatronOption(Feature):
 
 
 def option(option_id: str, flags: tuple, is_on: Callable, description: str, unsupported: dict,
-           alternatives: str, example: tuple, example_world: int = 1, depends: tuple = ()) -> type:
+           alternatives: str, example: tuple, example_world: int = 1, depends: tuple = (),
+           emulated: dict | None = None) -> type:
     cls = type(option_id.title().replace("-", ""), (MegatronOption,), dict(
         id=option_id, flags=flags, is_on=staticmethod(is_on), description=description,
         unsupported=unsupported, alternatives=alternatives, example=example,
-        example_world=example_world, depends=depends))
+        example_world=example_world, depends=depends, emulated=emulated or {}))
     return register(cls)
 
 
@@ -145,16 +146,19 @@ option("wsd-lr-schedule", (host("--lr-decay-style", "cosine"), host("--lr-wsd-de
        "warmup-stable-decay learning-rate schedule", {}, "",
        ("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style", "cosine"))
 option("gloo-distributed-backend", (host("--distributed-backend"),), lambda a: a.distributed_backend == "gloo",
-       "torch.distributed's gloo backend for collectives",
-       {"mindspore": f"{MS} communicates through MindSpore's own collectives (no --distributed-backend "
-                     "gloo; nccl/hccl or no flag mean the device's)"},
-       "drop --distributed-backend", ("--distributed-backend", "gloo"))
+       "the host's CPU collective library (torch.distributed's gloo) instead of the device's",
+       {"mindspore/ascend": f"{MS} starts HCCL on Ascend and has no path that runs its collectives through "
+                            "the host's library (MCCL) for device tensors"},
+       "drop --distributed-backend (HCCL)", ("--distributed-backend", "gloo"),
+       emulated={"mindspore/cpu": "MindSpore's CPU collectives (MCCL, shared memory within a host) play gloo's "
+                                  "part: the host's collective library, which this trainer uses on CPU anyway"})
 option("distributed-timeout", (host("--distributed-timeout-minutes", 10),),
-       lambda a: a.distributed_timeout_minutes != 10, "a collective timeout other than 10 minutes",
-       {"mindspore": "MindSpore's communication init and its CPU collectives take no timeout (msrun's own "
-                     "applies)"},
-       "drop --distributed-timeout-minutes; on MindSpore the shared-memory collectives time out after "
-       "MINDSPEED_MS_SHM_TIMEOUT seconds (default 1800)", ("--distributed-timeout-minutes", "20"))
+       lambda a: a.distributed_timeout_minutes != 10,
+       "a collective timeout other than 10 minutes (on MindSpore/CPU: its shared-memory collectives' wait; "
+       "MINDSPEED_MS_SHM_TIMEOUT, in seconds, overrides it)",
+       {"mindspore/ascend": f"{MS} does not pass it to HCCL, which takes its timeout from HCCL_EXEC_TIMEOUT "
+                            "when MindSpore 2.10's communication init runs, before the trainer reads its flags"},
+       "set HCCL_EXEC_TIMEOUT (seconds) in the environment", ("--distributed-timeout-minutes", "20"))
 option("data-cache-path", (host("--data-cache-path"),), lambda a: a.data_cache_path is not None,
        "where Megatron's dataset caches its sample index",
        {"mindspore": f"{MS} keeps its sample index in memory (there is nothing to cache)"},

@@ -32,6 +32,9 @@ from mindspeed.training.mindspore.pipeline import TwoStagePipeline
 from mindspeed.training.mindspore.tracing import traced
 
 
+DEFAULT_TIMEOUT_MINUTES = 10       # Megatron's --distributed-timeout-minutes
+
+
 class TrainerConfigError(ValueError):
     """A flag the mindspore trainer cannot honour; raised before any work starts."""
 
@@ -259,6 +262,7 @@ def setup(args):
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
                               args.context_parallel_size, args.pipeline_model_parallel_size,
                               getattr(args, "expert_model_parallel_size", 1) or 1)
+    set_collective_timeout(backend, args.distributed_timeout_minutes)
     if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
         args.world_size, args.data_parallel_size = world, ps.dp_size
     if args.global_batch_size % (args.micro_batch_size * ps.dp_size):
@@ -270,6 +274,17 @@ def setup(args):
     if args.deterministic_mode and ms.get_context("deterministic") != "ON":
         ms.set_deterministic(True)
     return backend, ps
+
+
+def set_collective_timeout(backend, minutes: float) -> None:
+    """--distributed-timeout-minutes over every group's collectives once the groups are set up (which
+    wait longer, as the torch trainer's do); refused where a group's collectives cannot time out."""
+    untimed = backend.comm.set_timeout(minutes)
+    if untimed and minutes != DEFAULT_TIMEOUT_MINUTES:
+        raise TrainerConfigError(
+            f"--distributed-timeout-minutes {minutes:g}: the group of ranks {list(untimed[0].ranks)} runs MindSpore "
+            "2.10's CPU collectives (MCCL: its ranks span hosts, are not on x86-64 or MINDSPEED_MS_SHM_COLLECTIVES=0), "
+            "which take no timeout; drop the flag (msrun's MS_NODE_TIMEOUT notices a dead node) or use --backend torch")
 
 
 def run(args) -> dict:
