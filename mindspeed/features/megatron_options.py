@@ -160,9 +160,8 @@ option("distributed-timeout", (host("--distributed-timeout-minutes", 10),),
                             "when MindSpore 2.10's communication init runs, before the trainer reads its flags"},
        "set HCCL_EXEC_TIMEOUT (seconds) in the environment", ("--distributed-timeout-minutes", "20"))
 option("data-cache-path", (host("--data-cache-path"),), lambda a: a.data_cache_path is not None,
-       "where Megatron's dataset caches its sample index",
-       {"mindspore": f"{MS} keeps its sample index in memory (there is nothing to cache)"},
-       "drop --data-cache-path", ("--data-cache-path", "CACHE"))
+       "where the dataset's sample index files are written and read back by the next run (on MindSpore: "
+       "each split's per-epoch shuffle order)", {}, "", ("--data-cache-path", "CACHE"))
 option("tokenizer-model", (host("--tokenizer-model"),), lambda a: a.tokenizer_model is not None,
        "a Hugging Face / SentencePiece tokenizer model file", {}, "",
        ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "TOKENIZER"))

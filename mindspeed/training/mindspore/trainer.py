@@ -361,6 +361,9 @@ def _data(args, logger):
                 check_dataset(prefix, flag_tokenizer.vocab_size)      # every id within the vocabulary
         a.vocab_size = flag_tokenizer.vocab_size   # build_streams takes it instead of the dataset's file
     vocab, train, valid = data.build_streams(a, log=logger.print)
+    note = data.cache_note(a, [s for s in (train, valid) if s is not None])
+    if note:
+        logger.print(note)
     eod_rules = EodRules.from_args(a, data.eod_id(a, flag_tokenizer)
                                    if a.eod_mask_loss or a.reset_position_ids or a.reset_attention_mask else None)
     return vocab, train, valid, eod_rules
