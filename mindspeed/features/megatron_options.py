@@ -133,14 +133,17 @@ Dropout.validate = _mindspore_whole_sequence_only("dropout masks")
 EodReset.validate = _mindspore_whole_sequence_only("document mask or positions")
 option("overlap-grad-reduce", (host("--overlap-grad-reduce", False),), lambda a: a.overlap_grad_reduce,
        "gradient all-reduce in buckets, overlapped with the backward pass",
-       {"mindspore": f"{MS} reduces gradients after the backward pass (MindSpore's grad function "
-                     "returns them all at once)"}, f"drop --overlap-grad-reduce, or {TORCH}",
-       ("--overlap-grad-reduce",), example_world=2)
+       {}, "", ("--overlap-grad-reduce",), example_world=2,
+       emulated={"mindspore": f"{MS} reduces the same gradients over the same groups once the backward pass "
+                                  "ends (one flat buffer: each element's sum is the buckets' sum), not overlapped: "
+                                  "MindSpore 2.10's grad function returns every gradient at once, with no per-"
+                                  "parameter hook to start a bucket's reduction early"})
 option("overlap-param-gather", (host("--overlap-param-gather", False),), lambda a: a.overlap_param_gather,
        "distributed optimizer's parameter all-gather overlapped with the forward pass",
-       {"mindspore": f"{MS}'s distributed optimizer all-gathers the updated parameters right after the update "
-                     "(its forward is one traced call: no per-layer point to wait for a bucket's gather)"}, f"drop --overlap-param-gather, or {TORCH}",
-       ("--use-distributed-optimizer", "--overlap-param-gather"), example_world=2)
+       {}, "", ("--use-distributed-optimizer", "--overlap-param-gather"), example_world=2,
+       emulated={"mindspore": f"{MS}'s distributed optimizer all-gathers the same updated parameters right "
+                                  "after the update, not overlapped with the next forward (its forward is one "
+                                  "traced call: no per-layer point to wait for a bucket's gather)"})
 option("wsd-lr-schedule", (host("--lr-decay-style", "cosine"), host("--lr-wsd-decay-iters"),
                             host("--lr-wsd-decay-style", "exponential")), lambda a: a.lr_decay_style == "WSD",
        "warmup-stable-decay learning-rate schedule", {}, "",

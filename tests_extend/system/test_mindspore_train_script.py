@@ -47,7 +47,7 @@ def tiny_dataset(tmp_path_factory):
         texts.append(str(path))
     prefix = str(root / "tiny")
     r = subprocess.run([sys.executable, "-m", "mindspeed.data", "--input", *texts, "--output-prefix", prefix],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
     return prefix

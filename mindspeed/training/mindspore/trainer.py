@@ -378,6 +378,10 @@ def _print_setup(args, logger, backend, ps, cfg, trainer, n_params) -> None:
         f"{f' (MoE: {cfg.num_experts} experts, top-{cfg.moe_router_topk}, EP {ps.ep_size})' if cfg.num_experts else ''}"
         f"{' (sequence parallel)' if ps.sequence_parallel else ''}; micro-batches per step "
         f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
+    overlapped = [flag for flag, on in (("--overlap-grad-reduce", a.overlap_grad_reduce),
+                                        ("--overlap-param-gather", a.overlap_param_gather)) if on]
+    if overlapped:      # the support matrix's `emulated`: same collectives, run in turn
+        say(f"> {' and '.join(overlapped)}: the same reductions and gathers, not overlapped with compute (emulated)")
     if trainer.distributed_optimizer:
         say(f"> distributed optimizer: rank 0 keeps {trainer.optimizer.state_elements()} optimizer state "
             f"values for its {n_params} parameters (a 1/{ps.dp_size} slice)")
