@@ -261,6 +261,21 @@ def test_a_rank_that_hangs_in_a_collective_stops_the_others_within_the_timeout(t
     assert took < 4.8 + 20, f"worker 0 ran {took:.0f} s after worker 1 stopped"
 
 
+def test_the_timeout_flag_is_refused_where_a_group_runs_mccl(tmp_path, tiny_dataset):
+    """MINDSPEED_MS_SHM_COLLECTIVES=0 leaves the TP group to MindSpore's CPU collectives (MCCL),
+    which take no timeout: --distributed-timeout-minutes stops both workers with one line before
+    any training (the flag is not silently dropped)."""
+    r = launch(tmp_path, "mccl", dict(DATA_PATH=tiny_dataset, MINDSPEED_MS_SHM_COLLECTIVES="0", CLUSTER_TIMEOUT="120"),
+               ["--distributed-timeout-minutes", "0.5"])
+    assert r.returncode != 0
+    for rank in (0, 1):
+        log = (tmp_path / "mccl_logs" / f"worker_{rank}.log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in log and "lm loss" not in log, log[-3000:]
+        assert errors[0].startswith("error: --distributed-timeout-minutes 0.5: the group of ranks [0, 1] runs "
+                                    "MindSpore 2.10's CPU collectives (MCCL"), errors[0]
+
+
 def _wait_gone(pids, timeout):
     deadline = time.time() + timeout
     while any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in pids):
