@@ -31,7 +31,21 @@ from mindspeed.errors import CollectiveTimeout, report
 SLOT_BYTES = 4 << 20          # a chunk per round; larger tensors take several rounds
 _HEADER_STRIDE = 64           # bytes per rank counter: one cache line each
 SPIN_S = 0.01                 # how long a waiting rank spins before it sleeps
-WAIT_TIMEOUT_S = float(os.environ.get("MINDSPEED_MS_SHM_TIMEOUT", "1800"))
+TIMEOUT_ENV = "MINDSPEED_MS_SHM_TIMEOUT"
+# while the groups are set up (before the trainer reads --distributed-timeout-minutes): ranks start
+# minutes apart on a loaded machine
+SETUP_TIMEOUT_S = 1800.0
+
+
+def timeout_from(minutes: float | None) -> tuple[float, str]:
+    """(seconds a rank waits for the others, what set it, for the timeout's message):
+    MINDSPEED_MS_SHM_TIMEOUT when set (an override), else --distributed-timeout-minutes, else the
+    setup's."""
+    if os.environ.get(TIMEOUT_ENV):
+        return float(os.environ[TIMEOUT_ENV]), TIMEOUT_ENV
+    if minutes is None:
+        return SETUP_TIMEOUT_S, "while the groups are set up"
+    return minutes * 60.0, f"--distributed-timeout-minutes {minutes:g}"
 
 
 def shm_allowed() -> bool:
@@ -75,8 +89,12 @@ class ShmGroup:
         self._slots = np.frombuffer(self._map, np.uint8, offset=n * _HEADER_STRIDE).reshape(2, n, slot_bytes)
         self._round = 0
         self._lock = threading.Lock()         # MindSpore may call a pyfunc from more than one thread
-        self.timeout_s = WAIT_TIMEOUT_S
+        self.timeout_s, self.timeout_source = timeout_from(None)
         self.spin_s = SPIN_S if spin else 0.0
+
+    def set_timeout(self, minutes: float) -> None:
+        """--distributed-timeout-minutes' value as how long a rank waits (MINDSPEED_MS_SHM_TIMEOUT wins)."""
+        self.timeout_s, self.timeout_source = timeout_from(minutes)
 
     def unlink(self) -> None:
         """Remove the name once every rank has mapped the segment (the mapping stays valid)."""
@@ -120,7 +138,7 @@ class ShmGroup:
                 who = f"rank {late[0]}" if len(late) == 1 else f"ranks {late}"
                 raise CollectiveTimeout(
                     f"rank {self.ranks[self.me]}: shared-memory {what.split()[0]} over ranks {self.ranks} timed "
-                    f"out after {self.timeout_s:g} s (MINDSPEED_MS_SHM_TIMEOUT): {who} never joined it (hung, "
+                    f"out after {self.timeout_s:g} s ({self.timeout_source}): {who} never joined it (hung, "
                     "stopped, died or called fewer collectives); stopping")
 
     def _rounds(self, kind: str, x: np.ndarray):

@@ -32,6 +32,9 @@ from mindspeed.training.mindspore.pipeline import TwoStagePipeline
 from mindspeed.training.mindspore.tracing import traced
 
 
+DEFAULT_TIMEOUT_MINUTES = 10       # Megatron's --distributed-timeout-minutes
+
+
 class TrainerConfigError(ValueError):
     """A flag the mindspore trainer cannot honour; raised before any work starts."""
 
@@ -259,6 +262,7 @@ def setup(args):
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
                               args.context_parallel_size, args.pipeline_model_parallel_size,
                               getattr(args, "expert_model_parallel_size", 1) or 1)
+    set_collective_timeout(backend, args.distributed_timeout_minutes)
     if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
         args.world_size, args.data_parallel_size = world, ps.dp_size
     if args.global_batch_size % (args.micro_batch_size * ps.dp_size):
@@ -270,6 +274,17 @@ def setup(args):
     if args.deterministic_mode and ms.get_context("deterministic") != "ON":
         ms.set_deterministic(True)
     return backend, ps
+
+
+def set_collective_timeout(backend, minutes: float) -> None:
+    """--distributed-timeout-minutes over every group's collectives once the groups are set up (which
+    wait longer, as the torch trainer's do); refused where a group's collectives cannot time out."""
+    untimed = backend.comm.set_timeout(minutes)
+    if untimed and minutes != DEFAULT_TIMEOUT_MINUTES:
+        raise TrainerConfigError(
+            f"--distributed-timeout-minutes {minutes:g}: the group of ranks {list(untimed[0].ranks)} runs MindSpore "
+            "2.10's CPU collectives (MCCL: its ranks span hosts, are not on x86-64 or MINDSPEED_MS_SHM_COLLECTIVES=0), "
+            "which take no timeout; drop the flag (msrun's MS_NODE_TIMEOUT notices a dead node) or use --backend torch")
 
 
 def run(args) -> dict:
@@ -346,6 +361,9 @@ def _data(args, logger):
                 check_dataset(prefix, flag_tokenizer.vocab_size)      # every id within the vocabulary
         a.vocab_size = flag_tokenizer.vocab_size   # build_streams takes it instead of the dataset's file
     vocab, train, valid = data.build_streams(a, log=logger.print)
+    note = data.cache_note(a, [s for s in (train, valid) if s is not None])
+    if note:
+        logger.print(note)
     eod_rules = EodRules.from_args(a, data.eod_id(a, flag_tokenizer)
                                    if a.eod_mask_loss or a.reset_position_ids or a.reset_attention_mask else None)
     return vocab, train, valid, eod_rules
@@ -360,6 +378,10 @@ def _print_setup(args, logger, backend, ps, cfg, trainer, n_params) -> None:
         f"{f' (MoE: {cfg.num_experts} experts, top-{cfg.moe_router_topk}, EP {ps.ep_size})' if cfg.num_experts else ''}"
         f"{' (sequence parallel)' if ps.sequence_parallel else ''}; micro-batches per step "
         f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
+    overlapped = [flag for flag, on in (("--overlap-grad-reduce", a.overlap_grad_reduce),
+                                        ("--overlap-param-gather", a.overlap_param_gather)) if on]
+    if overlapped:      # the support matrix's `emulated`: same collectives, run in turn
+        say(f"> {' and '.join(overlapped)}: the same reductions and gathers, not overlapped with compute (emulated)")
     if trainer.distributed_optimizer:
         say(f"> distributed optimizer: rank 0 keeps {trainer.optimizer.state_elements()} optimizer state "
             f"values for its {n_params} parameters (a 1/{ps.dp_size} slice)")
