@@ -116,16 +116,18 @@ class MoeGroupedGemm(_FusedFeature):
              switch("--gemm-gradient-accumulation-fusion",
                     "with --moe-grouped-gemm: add expert weight gradients straight into main_grad"))
     requires = (Cap.GMM, Cap.MOE)
-    backends = ("torch",)
     alternatives = "leave it off: experts then run as separate MLPs"
     companions = ("--num-experts", "4", "--bf16")
+    # the MindSpore trainer's grouped experts (training/mindspore/moe.py) run in its own precision
+    examples = {"mindspore": ("--moe-grouped-gemm", "--num-experts", "4")}
     hook_module = "grouped_gemm"
 
     def validate(self, args) -> None:
         # num_experts is the host's (Megatron's) flag: checked when the host's args are given
         if hasattr(args, "num_experts") and not args.num_experts:
             raise FeatureConfigError("--moe-grouped-gemm needs an MoE model (--num-experts)")
-        if hasattr(args, "bf16") and not args.bf16:    # Megatron-Core's GroupedMLP asserts it
+        # Megatron-Core's GroupedMLP asserts it
+        if getattr(args, "backend", "torch") != "mindspore" and hasattr(args, "bf16") and not args.bf16:
             raise FeatureConfigError("--moe-grouped-gemm needs --bf16 (Megatron-Core's GroupedMLP runs in bf16 only)")
 
 
@@ -135,7 +137,6 @@ class FusedMoeTokenPermute(_FusedFeature):
     description = "MoE token permute/unpermute through the fused moe_permute/moe_unpermute kernels"
     flags = (switch("--use-fused-moe-token-permute-and-unpermute", "use the fused MoE token permutation kernels"),)
     requires = (Cap.MOE_PERMUTE, Cap.MOE)
-    backends = ("torch",)
     alternatives = "leave it off: Megatron's own permutation runs"
     companions = ("--num-experts", "4")
     hook_module = "moe_token_permute"
