@@ -101,9 +101,9 @@ class GradientAccumulationFusion(_FusedFeature):
     flags = (Flag("--gradient-accumulation-fusion", dict(action="store_true", default=False,
                                                          help="fuse the wgrad GEMM with main_grad accumulation"),
                   megatron=True),)
-    requires = (Cap.MATMUL_ADD_FP32, Cap.MEGATRON_CORE)
-    backends = ("torch",)
-    alternatives = "leave it off: weight gradients are then accumulated by Megatron's DDP"
+    requires = (Cap.MATMUL_ADD_FP32,)
+    # torch: Megatron-Core's linears' main_grad; mindspore: the trainer's decoder linears (main_grad.py)
+    alternatives = "leave it off: weight gradients are then accumulated by Megatron's DDP (or the MindSpore trainer)"
     hook_module = "gradient_accumulation_fusion"
 
 

@@ -97,7 +97,7 @@ class GPTConfig:
     FEATURE_KERNELS = {"fused-rmsnorm": ("rms_norm",), "fused-swiglu": ("swiglu",), "fused-rotary-pos-emb": ("rope",),
                        "flash-attn": ("attention",),
                        "fused-moe-token-permute-and-unpermute": ("moe_permute", "moe_unpermute"),
-                       "moe-grouped-gemm": ("gmm",)}
+                       "moe-grouped-gemm": ("gmm",), "gradient-accumulation-fusion": ("matmul_add_fp32",)}
     # feature ids that change the MoE layer's dispatch and combine (moe.py)
     MOE_DISPATCH = ("moe-alltoall-overlap-comm", "moe-permutation-async-comm", "moe-shared-expert-overlap")
 
