@@ -54,3 +54,15 @@ def test_fused_weight_gradients_give_the_plain_steps():
         assert float(np.abs(by_name[name].asnumpy()).max()) == 0.0, name
         assert float(np.abs(fused.ps.main_grads.buffers[name].asnumpy()).max()) > 0.0, name
     assert float(np.abs(by_name["embedding.word_embeddings.weight"].asnumpy()).max()) > 0.0
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--gradient-accumulation-fusion", "--use-ascend-coc", "--coc-parallel-num", "2",
+      "--tensor-model-parallel-size", "2"], "not --use-ascend-coc's"),
+    (["--moe-grouped-gemm", "--gemm-gradient-accumulation-fusion", "--num-experts", "4"], "GroupedMLP's main_grad"),
+])
+def test_main_grad_paths_the_trainer_lacks_are_refused_in_one_line(argv, says):
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(["--backend", "mindspore", *argv])
+    assert says in str(err.value) and "\n" not in str(err.value)

@@ -106,6 +106,11 @@ class GradientAccumulationFusion(_FusedFeature):
     alternatives = "leave it off: weight gradients are then accumulated by Megatron's DDP (or the MindSpore trainer)"
     hook_module = "gradient_accumulation_fusion"
 
+    def validate(self, args) -> None:
+        if getattr(args, "backend", None) == "mindspore" and getattr(args, "use_ascend_coc", False):
+            raise FeatureConfigError("--gradient-accumulation-fusion on the MindSpore trainer fuses its own linears' "
+                                     "weight gradients, not --use-ascend-coc's: drop one of them")
+
 
 @register
 class MoeGroupedGemm(_FusedFeature):
@@ -126,8 +131,12 @@ class MoeGroupedGemm(_FusedFeature):
         # num_experts is the host's (Megatron's) flag: checked when the host's args are given
         if hasattr(args, "num_experts") and not args.num_experts:
             raise FeatureConfigError("--moe-grouped-gemm needs an MoE model (--num-experts)")
+        on_mindspore = getattr(args, "backend", "torch") == "mindspore"
+        if on_mindspore and getattr(args, "gemm_gradient_accumulation_fusion", False):
+            raise FeatureConfigError("--gemm-gradient-accumulation-fusion is Megatron-Core GroupedMLP's main_grad "
+                                     "path; the MindSpore trainer's grouped experts take MindSpore's gradients: drop it")
         # Megatron-Core's GroupedMLP asserts it
-        if getattr(args, "backend", "torch") != "mindspore" and hasattr(args, "bf16") and not args.bf16:
+        if not on_mindspore and hasattr(args, "bf16") and not args.bf16:
             raise FeatureConfigError("--moe-grouped-gemm needs --bf16 (Megatron-Core's GroupedMLP runs in bf16 only)")
 
 
