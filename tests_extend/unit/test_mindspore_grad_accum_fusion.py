@@ -1,5 +1,6 @@
 """--gradient-accumulation-fusion on the MindSpore trainer (training/mindspore/main_grad.py): the
-decoder linears' weight gradients go into fp32 main grads through the backend's matmul_add_fp32
+decoder and output linears' weight gradients (tied embeddings: the output layer's share of the word
+embeddings' gradient) go into fp32 main grads through the backend's matmul_add_fp32
 kernel, summed over the micro-batches; 3 steps of 2 micro-batches each give the plain trainer's
 losses and gradient norms (fp32, the kernels' tolerance of docs/kernels.md), and the path is the
 kernel's: MindSpore's own gradient of those weights is zero, their main grads are not."""
@@ -26,7 +27,9 @@ def _train(features):
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     backend = MindSporeBackend("cpu")
-    args = parse_args(mp.trainer_argv(1) + ["--global-batch-size", str(MICRO * mp.MBS)])
+    # tied embeddings (Megatron's default): the output layer's main grad adds to the lookup's gradient
+    argv = [a for a in mp.trainer_argv(1) if a != "--untie-embeddings-and-output-weights"]
+    args = parse_args(argv + ["--global-batch-size", str(MICRO * mp.MBS)])
     trainer = Trainer(args, backend, build_parallel_state(backend.comm, 1), GPTConfig.from_args(args, mp.VOCAB, features))
     losses, norms = [], []
     for step in range(STEPS):
@@ -44,16 +47,17 @@ def test_fused_weight_gradients_give_the_plain_steps():
     np.testing.assert_allclose(norms, plain_norms, rtol=1e-5)
     assert plain.ps.main_grads is None and plain.graph_mode
     assert not fused.graph_mode          # the kernel runs in a custom backward, which a trace skips
-    fused_names = {nf.layer_name(i, s) for i in range(int(mp.LAYERS)) for s in LINEARS}
-    assert set(fused.ps.main_grads.buffers) == fused_names
-    # the last step's sums are in the main grads; MindSpore's own gradient of those weights is zero
+    linears = {nf.layer_name(i, s) for i in range(int(mp.LAYERS)) for s in LINEARS}
+    embedding = "embedding.word_embeddings.weight"
+    assert set(fused.ps.main_grads.buffers) == linears | {embedding}
+    # the last step's sums are in the main grads; MindSpore's own gradient of the linears is zero,
+    # of the tied embedding the lookup's alone
     inputs = fused._inputs(_micro_batches(0)[0])
     _, grads = fused._grad_fn(*inputs)
     by_name = dict(zip(fused.model.params, grads))
-    for name in fused_names:
-        assert float(np.abs(by_name[name].asnumpy()).max()) == 0.0, name
+    for name in linears | {embedding}:
         assert float(np.abs(fused.ps.main_grads.buffers[name].asnumpy()).max()) > 0.0, name
-    assert float(np.abs(by_name["embedding.word_embeddings.weight"].asnumpy()).max()) > 0.0
+        assert (float(np.abs(by_name[name].asnumpy()).max()) > 0.0) == (name == embedding), name
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -1,8 +1,9 @@
-"""--gradient-accumulation-fusion on the MindSpore trainer (Megatron's main_grad): the decoder's
+"""--gradient-accumulation-fusion on the MindSpore trainer (Megatron's main_grad): the GPT's
 column- and row-parallel linears add their weight gradient dy^T @ x straight into an fp32 buffer
 per weight, summed over the step's micro-batches, by the backend's matmul_add_fp32 kernel (on CPU
 its reference: `emulated`); MindSpore's grad function then gets a zero gradient for those weights,
-and the step takes each buffer's mean in their place.
+and the step adds each buffer's mean to it. The output layer is one of them (with tied embeddings
+the word embeddings, whose lookup gradient stays MindSpore's).
 
 The kernel writes in place inside a custom backward, which a traced graph does not call: the
 trainer runs PyNative with it (trainer.graph_mode_ok)."""
@@ -41,7 +42,8 @@ class MainGrads:
         for main_grad in self.buffers.values():
             main_grad.assign_value(ops.zeros_like(main_grad))
 
-    def in_place_of(self, names: list, grads, n: int) -> tuple:
-        """The step's gradients with each fused weight's main grad / n (the micro-batch mean) in place
-        of the zero MindSpore computed for it."""
-        return tuple(self.buffers[name] / n if name in self.buffers else g for name, g in zip(names, grads))
+    def added_to(self, names: list, grads, n: int) -> tuple:
+        """The step's gradients with each fused weight's main grad / n (the micro-batch mean) added:
+        MindSpore's own gradient of such a weight is zero, unless it is used elsewhere too (a tied
+        output layer's embedding, whose lookup gradient MindSpore still computes)."""
+        return tuple(g + self.buffers[name] / n if name in self.buffers else g for name, g in zip(names, grads))

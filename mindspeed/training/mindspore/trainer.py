@@ -196,7 +196,7 @@ class Trainer:
                 losses.append(loss)
                 grads = accumulate(grads, g, n)
         if main_grads is not None:
-            grads = main_grads.in_place_of(names, grads, n)
+            grads = main_grads.added_to(names, grads, n)
         step_samples = n * micro_batches[0]["tokens"].shape[0] * self.ps.dp_size
         if consumed is None:
             consumed = (iteration - 1) * self.args.global_batch_size
