@@ -65,6 +65,7 @@ class Feature:
     planned: str = ""                  # not implemented yet: where it is tracked (refused everywhere)
     example: tuple[str, ...] = ()      # argv that turns the feature on (docs, the matrix walk test)
     example_world: int = 1             # processes that argv needs
+    examples: dict = {}                # backend -> its own example, where it differs from `example`
     # Megatron flags (dest -> value) the feature stands for: adapt(namespace) and Megatron-LM's
     # validate_args hook set them in the host's own args, so its trainer acts on them
     host_flags: dict = {}

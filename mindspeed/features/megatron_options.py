@@ -47,11 +47,11 @@ class MegatronOption(Feature):
 
 def option(option_id: str, flags: tuple, is_on: Callable, description: str, unsupported: dict,
            alternatives: str, example: tuple, example_world: int = 1, depends: tuple = (),
-           emulated: dict | None = None) -> type:
+           emulated: dict | None = None, requires: tuple = ()) -> type:
     cls = type(option_id.title().replace("-", ""), (MegatronOption,), dict(
         id=option_id, flags=flags, is_on=staticmethod(is_on), description=description,
         unsupported=unsupported, alternatives=alternatives, example=example,
-        example_world=example_world, depends=depends, emulated=emulated or {}))
+        example_world=example_world, depends=depends, emulated=emulated or {}, requires=requires))
     return register(cls)
 
 
@@ -199,11 +199,11 @@ option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"),),
        "MoE shared experts beside the routed ones (Megatron-Core's SharedExpertMLP)", {}, "",
        ("--num-experts", "4", "--moe-shared-expert-intermediate-size", "128"), depends=("moe",))
 option("moe-shared-expert-overlap", (host("--moe-shared-expert-overlap", False),), lambda a: a.moe_shared_expert_overlap,
-       "MoE shared experts computed while the tokens are dispatched",
-       {"mindspore": f"{MS}'s MoE layer runs the shared experts after the dispatch, not overlapped with it"},
-       f"drop --moe-shared-expert-overlap (the shared experts still run), or {TORCH}",
+       "MoE shared experts computed while the tokens are dispatched (on MindSpore's CPU collectives: "
+       "before the dispatch, in that order, without overlap)", {},
+       "drop --moe-shared-expert-overlap (the shared experts still run)",
        ("--num-experts", "4", "--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-overlap"),
-       depends=("moe-shared-experts",))
+       depends=("moe-shared-experts",), requires=(Cap.ASYNC_COMM,))
 
 
 def _another_refused_on_mindspore(moe, args) -> bool:

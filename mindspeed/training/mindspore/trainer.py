@@ -24,6 +24,7 @@ from mindspeed.training.mindspore import checkpoint, data, schedule
 from mindspeed.training.mindspore.distrib_optimizer import DistributedOptimizer
 from mindspeed.training.mindspore.dropout import DropoutMasks
 from mindspeed.training.mindspore.eod import EodRules
+from mindspeed.training.mindspore.main_grad import MainGrads
 from mindspeed.training.mindspore.mixed_precision import MasterWeights, scaler_from_args, unscale_and_check
 from mindspeed.training.mindspore.model import Extras, GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
@@ -73,13 +74,15 @@ def graph_mode_ok(cfg, ps, swap: bool) -> bool:
     are Cells whose backward a trace would not call), nor with --use-ascend-coc (its linears are Cells
     too, and wait on collectives in flight, which a graph cannot hold), nor with pipeline parallelism
     (its stages run under mindspore.vjp between exchanges), nor with MoE layers (their shapes follow
-    the routing, decided on the host each step). TP (its collectives carry their gradient
-    as primitives, comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
+    the routing, decided on the host each step), nor with --gradient-accumulation-fusion (its kernel
+    adds into the main grads in a custom backward, which a trace never calls). TP (its collectives
+    carry their gradient as primitives, comm.with_gradient) and DP (gradients are reduced outside
+    the graph) trace."""
     if os.environ.get("MINDSPEED_MS_PYNATIVE") == "1":      # debugging: op by op
         return False
     return not (swap or cfg.recompute or cfg.recompute_core_attention or cfg.recompute_norm_layers
                 or cfg.recompute_activation_layers or ps.cp_size > 1 or ps.tp_linear is not None
-                or ps.pp_size > 1 or cfg.num_experts)
+                or ps.pp_size > 1 or cfg.num_experts or ps.main_grads is not None)
 
 
 def extras_names(args, cfg: GPTConfig, training: bool) -> tuple:
@@ -137,6 +140,8 @@ class Trainer:
         if ps.cp_size > 1:
             enable_context_parallel(args, self.model, ps)
             self._shard = _cp_hook("shard_batch")
+        if "matmul_add_fp32" in cfg.fused_kernels:
+            ps.main_grads = MainGrads(backend)
         self.graph_mode = graph_mode_ok(cfg, ps, swap is not None)
         self.dropout = DropoutMasks(cfg, ps, args.seed, len(self.model.layers))
         self._train_names, self._eval_names = extras_names(args, cfg, True), extras_names(args, cfg, False)
@@ -178,6 +183,9 @@ class Trainer:
         grads, losses = None, []
         n = len(micro_batches)
         scale = None if self.scaler is None else ms.Tensor(self.scaler.scale, ms.float32)
+        main_grads = self.ps.main_grads
+        if main_grads is not None:
+            main_grads.zero()
         if self.pipeline is not None:
             grads, losses = self.pipeline.train(micro_batches, scale)
         else:
@@ -190,6 +198,8 @@ class Trainer:
                     loss = loss / scale
                 losses.append(loss)
                 grads = accumulate(grads, g, n)
+        if main_grads is not None:
+            grads = main_grads.added_to(names, grads, n)
         step_samples = n * micro_batches[0]["tokens"].shape[0] * self.ps.dp_size
         if consumed is None:
             consumed = (iteration - 1) * self.args.global_batch_size
