@@ -43,6 +43,7 @@ def run_msrun(script: str, args: list, out_dir: str, *, workers: int = 2, timeou
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), GLOG_v="3", PYTHONFAULTHANDLER="1",
                MINDSPEED_MSRUN_LAUNCH=launch,
                PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    env.setdefault("OMP_NUM_THREADS", "1")    # as train_distributed_ms.sh exports it: one compute thread per process
     log_dir = os.path.join(out_dir, "msrun_logs")
     cmd = [os.path.join(bindir, "msrun"), f"--worker_num={workers}", f"--local_worker_num={workers}",
            f"--master_port={free_port()}", "--join=True", f"--log_dir={log_dir}", "--cluster_time_out=120",
