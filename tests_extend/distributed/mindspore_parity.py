@@ -173,12 +173,13 @@ def load_into_torch(model, ckpt, tp_rank, tp, gated: bool = True):
 
 
 def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, model_kw=None, steps=STEPS,
-                batch_fn=None):
+                batch_fn=None, adapt_argv=()):
     """Harness body: train `steps` steps; with save_init, first write the initial weights.
-    model_kw: build_torch_model's keywords (the model variant); batch_fn: _torch_loss's."""
+    model_kw: build_torch_model's keywords (the model variant); batch_fn: _torch_loss's;
+    adapt_argv: MindSpeed flags whose features Megatron-Core runs with (the feature under test)."""
     import torch
     import mindspeed
-    mindspeed.adapt([])
+    mindspeed.adapt(list(adapt_argv))
     from megatron.core import parallel_state
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=tp)
