@@ -202,11 +202,12 @@ def _band_on_mindspore(self, args) -> None:
 
 
 FlashAttnBand.validate = _band_on_mindspore
-option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
+VariableSeqLengths = option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
        "pipeline stages exchange tensor shapes first; instruction micro-batches as long as their longest sample",
        {}, "",
        ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"),
        example_world=2)
+VariableSeqLengths.requires = (Cap.SEND_RECV,)     # the stages exchange shapes, then activations
 option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"),),
        lambda a: bool(a.moe_shared_expert_intermediate_size),
        "MoE shared experts beside the routed ones (Megatron-Core's SharedExpertMLP)", {}, "",
