@@ -160,7 +160,7 @@ class Trainer:
             return to_tensors(mb) + tail
         # the matrix lets only the documents' mask through with CP (--attention-mask-type general): it
         # covers the whole sequence, and ring attention slices it per block
-        assert names in ((), ("attention_mask",)), "the support matrix refuses these Extras with CP"
+        assert tuple(names) in ((), ("attention_mask",)), "the support matrix refuses these Extras with CP"
         b, s = mb["tokens"].shape
         full = dict(mb, position_ids=np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)))
         local = self._shard(full)
