@@ -194,14 +194,16 @@ FlashAttnBand = option(
 FlashAttnBand.requires = FlashAttention.requires     # the band is the flash kernel's: its level
 
 
-def _band_on_mindspore(self, args) -> None:
-    if getattr(args, "backend", None) == "mindspore" and (getattr(args, "context_parallel_size", 1) or 1) > 1:
-        raise FeatureConfigError(f"--sparse-mode/--pre-tockens/--next-tockens with context parallelism: {MS}'s "
-                                 "context-parallel attention is causal only; drop the band flags, or "
-                                 "--context-parallel-size 1, or " + TORCH)
+def _band_without_cp(self, args) -> None:
+    # the context-parallel attention of either trainer takes the causal mask or the batch's own one;
+    # flash attention defers to it under CP, so a band would be dropped without a word
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise FeatureConfigError("--sparse-mode/--pre-tockens/--next-tockens with context parallelism: the "
+                                 "context-parallel attention is causal only (or --attention-mask-type general's "
+                                 "batch mask), never a band; drop the band flags, or --context-parallel-size 1")
 
 
-FlashAttnBand.validate = _band_on_mindspore
+FlashAttnBand.validate = _band_without_cp
 VariableSeqLengths = option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
        "pipeline stages exchange tensor shapes first; instruction micro-batches as long as their longest sample",
        {}, "",
