@@ -221,7 +221,8 @@ def test_variable_seq_lengths_cuts_the_mindspore_micro_batches_as_the_torch_trai
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import data as ms_data
     flags = setup["flags"] + ["--variable-seq-lengths"]
-    micro, _ = first_step(flags)
+    with torch_trainer(flags) as (micro, _loss_of):     # the torch trainer's data path only
+        pass
     args = parse_args(flags + ["--backend", "mindspore"], world_size=1)
     _vocab, train, _valid = ms_data.build_streams(args, log=lambda m: None)
     cut = ms_data.micro_batches_for_step(train, 0, args, 0, 1)
