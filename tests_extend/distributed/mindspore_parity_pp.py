@@ -106,21 +106,22 @@ def torch_references(rank, world_size, init_ckpt):
     return {"untied": torch_train_accumulated(rank, world_size, init_ckpt),
             "tied": torch_train_accumulated(rank, world_size, init_ckpt + "_tied", tied=True),
             "variable": torch_train_accumulated(rank, world_size, init_ckpt + "_variable",
-                                                batches=padded_micro_batches)}
+                                                batches=padded_micro_batches, steps=VARIABLE_STEPS)}
 
 
-def torch_train_accumulated(rank, world_size, init_ckpt, tied: bool = False, batches=micro_batches):
-    """Write the initial weights, then train mp.STEPS steps of MICRO micro-batches each (batches(step))."""
+def torch_train_accumulated(rank, world_size, init_ckpt, tied: bool = False, batches=micro_batches,
+                            steps: int = mp.STEPS):
+    """Write the initial weights, then train `steps` steps of MICRO micro-batches each (batches(step))."""
     import mindspeed
     mindspeed.adapt([])
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=1)
     model = mp.build_torch_model(1, tied=tied)
     mp.save_torch_init(model, init_ckpt)
-    return _train_accumulated(model, batches)
+    return _train_accumulated(model, batches, steps=steps)
 
 
-def _train_accumulated(model, batches_of_step, dp_group=None, dp: int = 1) -> dict:
+def _train_accumulated(model, batches_of_step, dp_group=None, dp: int = 1, steps: int = mp.STEPS) -> dict:
     """mp.STEPS AdamW steps, each over batches_of_step(step)'s micro-batches with their gradients
     accumulated (Megatron's schedule divides each loss by the micro-batch count), averaged over
     dp_group's replicas when given; the losses are the step means (over DP too)."""
@@ -129,7 +130,7 @@ def _train_accumulated(model, batches_of_step, dp_group=None, dp: int = 1) -> di
     opt = mp.megatron_adamw(params)
     position_ids = torch.arange(mp.SEQ).unsqueeze(0).expand(mp.MBS, -1)
     losses, norms = [], []
-    for step in range(mp.STEPS):
+    for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = mp.lr_at(step)
         opt.zero_grad()
