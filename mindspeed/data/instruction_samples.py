@@ -13,6 +13,8 @@ Framework-free: the MindSpore trainer uses it as it is, the torch trainer throug
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mindspeed.data.handlers import IGNORE_INDEX
@@ -106,3 +108,19 @@ def build_splits(prefix: str, split: str, seq_length: int, seed: int, pad_id: in
     train = InstructionSamples(docs, t0, t1, seq_length, seed, pad_id, "train")
     valid = InstructionSamples(docs, v0, v1, seq_length, seed + 1, pad_id, "validation") if v1 > v0 else None
     return train, valid
+
+
+def length_multiple(args) -> int:
+    """What a micro-batch's length must divide by: TP with sequence parallelism, 2 x CP (the
+    load-balanced chunks)."""
+    m = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    return math.lcm(m, 2 * cp) if cp > 1 else m
+
+
+def longest_length(lengths, args) -> int:
+    """--variable-seq-lengths: a micro-batch's length, that of its longest sample rounded up to
+    length_multiple, at most --seq-length. What is cut beyond it is padding: no loss, and causal
+    attention never reads it."""
+    m = length_multiple(args)
+    return min(-(-max(max(lengths), 1) // m) * m, args.seq_length)

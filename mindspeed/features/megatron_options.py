@@ -112,6 +112,14 @@ option("eod-mask-loss", (host("--eod-mask-loss", False),), lambda a: a.eod_mask_
        "no loss on end-of-document tokens", {}, "", ("--eod-mask-loss",))
 
 
+def _documents_as_general_mask(feature, args) -> bool:
+    """--reset-attention-mask under CP with --attention-mask-type general: the documents' dense mask is
+    the batch's own mask, which the context-parallel attention takes over the whole sequence."""
+    return (feature.id == "eod-reset" and getattr(args, "attention_mask_type", "causal") == "general"
+            and not getattr(args, "reset_position_ids", False)
+            and (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1)
+
+
 def _mindspore_whole_sequence_only(what: str):
     """validate: on the MindSpore trainer, `what` runs without context or pipeline parallelism only."""
     def validate(self, args) -> None:
@@ -120,9 +128,11 @@ def _mindspore_whole_sequence_only(what: str):
         if self.id == "eod-reset" and getattr(args, "neat_pack", False):
             raise FeatureConfigError(f"--neat-pack: {MS} separates documents by end-of-document tokens only "
                                      f"(not by neat-packed sample numbers); preprocess without --neat-pack, or {TORCH}")
-        if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        if (getattr(args, "context_parallel_size", 1) or 1) > 1 and not _documents_as_general_mask(self, args):
+            general = (" (--reset-attention-mask alone goes through it with --attention-mask-type general)"
+                       if self.id == "eod-reset" else "")
             raise FeatureConfigError(f"{self.trigger(args)} with --context-parallel-size > 1: {MS}'s "
-                                     f"context-parallel attention takes no {what}; drop one, or {TORCH}")
+                                     f"context-parallel attention takes no {what}{general}; drop one, or {TORCH}")
         if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
             raise FeatureConfigError(f"{self.trigger(args)} with --pipeline-model-parallel-size > 1: {MS}'s "
                                      f"pipeline stages exchange no {what}; drop one, or {TORCH}")
@@ -170,8 +180,7 @@ option("tokenizer-model", (host("--tokenizer-model"),), lambda a: a.tokenizer_mo
        ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "TOKENIZER"))
 GeneralMask = option(
     "general-attention-mask", (MASK_TYPE,), lambda a: a.attention_mask_type == "general",
-    "context-parallel attention with the batch's own mask (not the implicit causal one)",
-    {"mindspore": f"{MS}'s attention is causal only"}, f"--attention-mask-type causal, or {TORCH}",
+    "context-parallel attention with the batch's own mask (not the implicit causal one)", {}, "",
     ("--attention-mask-type", "general", "--context-parallel-size", "2",
      "--context-parallel-algo", "megatron_cp_algo"), example_world=2)
 
@@ -183,17 +192,30 @@ def _general_mask_needs_cp(self, args) -> None:
 
 
 GeneralMask.validate = _general_mask_needs_cp
-option("flash-attn-band", FlashAttention.flags[1:],
-       lambda a: (a.sparse_mode, a.pre_tockens, a.next_tockens) != (0, 65536, 0),
-       "flash attention's sparse modes and band (--sparse-mode, --pre-tockens, --next-tockens)",
-       {"mindspore": f"{MS}'s attention kernels take the causal mask only"}, TORCH,
-       ("--use-flash-attn", "--sparse-mode", "2"), depends=("flash-attn",))
-option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
+FlashAttnBand = option(
+    "flash-attn-band", FlashAttention.flags[1:],
+    lambda a: (a.sparse_mode, a.pre_tockens, a.next_tockens) != (0, 65536, 0),
+    "flash attention's sparse modes and band (--sparse-mode, --pre-tockens, --next-tockens)", {}, "",
+    ("--use-flash-attn", "--sparse-mode", "4", "--pre-tockens", "8"), depends=("flash-attn",))
+FlashAttnBand.requires = FlashAttention.requires     # the band is the flash kernel's: its level
+
+
+def _band_without_cp(self, args) -> None:
+    # the context-parallel attention of either trainer takes the causal mask or the batch's own one;
+    # flash attention defers to it under CP, so a band would be dropped without a word
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise FeatureConfigError("--sparse-mode/--pre-tockens/--next-tockens with context parallelism: the "
+                                 "context-parallel attention is causal only (or --attention-mask-type general's "
+                                 "batch mask), never a band; drop the band flags, or --context-parallel-size 1")
+
+
+FlashAttnBand.validate = _band_without_cp
+VariableSeqLengths = option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
        "pipeline stages exchange tensor shapes first; instruction micro-batches as long as their longest sample",
-       {"mindspore": f"{MS}'s micro-batches are all --seq-length long: its stages exchange that one shape"},
-       "leave out --variable-seq-lengths, or " + TORCH,
+       {}, "",
        ("--variable-seq-lengths", "--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"),
        example_world=2)
+VariableSeqLengths.requires = (Cap.SEND_RECV,)     # the stages exchange shapes, then activations
 option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"),),
        lambda a: bool(a.moe_shared_expert_intermediate_size),
        "MoE shared experts beside the routed ones (Megatron-Core's SharedExpertMLP)", {}, "",

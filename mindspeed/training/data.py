@@ -215,20 +215,11 @@ def microbatches(dataset, consumed_samples: int, args) -> Iterator[dict]:
         position += mbs * dp_size
 
 
-def length_multiple(args) -> int:
-    """What a micro-batch's length must divide by: TP with sequence parallelism, 2 x CP (the
-    load-balanced chunks)."""
-    m = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    return math.lcm(m, 2 * cp) if cp > 1 else m
-
-
 def cut_to_longest(batch: dict, longest: int, args) -> dict:
     """--variable-seq-lengths: the micro-batch as long as its longest sample (rounded up to
     length_multiple, at most --seq-length) instead of --seq-length; the pipeline stages exchange
     each micro-batch's shape. What is cut is padding: no loss, and causal attention never reads it."""
-    m = length_multiple(args)
-    n = min(-(-max(longest, 1) // m) * m, args.seq_length)
+    n = instruction_samples.longest_length([longest], args)
     out = {k: v[:, :n] for k, v in batch.items() if k != "attention_mask"}
     if "attention_mask" in batch:
         mask = batch["attention_mask"]

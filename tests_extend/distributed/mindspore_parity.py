@@ -59,13 +59,13 @@ def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = 
     argv = trainer_argv(tp, sp) + (["--context-parallel-size", str(cp), "--context-parallel-algo", cp_algo]
                                    if cp > 1 else []) + list(extra)
     args = parse_args(argv, world_size=backend.comm.world_size())
-    adapt = cp > 1 or bool(extra)
+    adapt, features = cp > 1 or bool(extra), ()
     if adapt:
         args.backend = "mindspore"
-        mindspeed.adapt(args)
+        features = tuple(f.id for f in mindspeed.adapt(args).plan.features)   # as the trainer's main reads them
         backend = get_backend()
     try:
-        return _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn)
+        return _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn, features)
     finally:
         if adapt:
             mindspeed.unadapt()
@@ -76,13 +76,13 @@ def _as_micro_batch(step):
     return {"tokens": tokens, "labels": labels, "loss_mask": mask}
 
 
-def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=None):
+def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=None, features=()):
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     ps = build_parallel_state(backend.comm, tp, sp, cp)
-    trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB))
+    trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB, features))
     if init_ckpt:      # else the trainer's own initialisation (TP-independent, from --seed)
         checkpoint.load(init_ckpt, trainer.model)
     losses, norms = [], []
@@ -173,12 +173,13 @@ def load_into_torch(model, ckpt, tp_rank, tp, gated: bool = True):
 
 
 def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, model_kw=None, steps=STEPS,
-                batch_fn=None):
+                batch_fn=None, adapt_argv=()):
     """Harness body: train `steps` steps; with save_init, first write the initial weights.
-    model_kw: build_torch_model's keywords (the model variant); batch_fn: _torch_loss's."""
+    model_kw: build_torch_model's keywords (the model variant); batch_fn: _torch_loss's;
+    adapt_argv: MindSpeed flags whose features Megatron-Core runs with (the feature under test)."""
     import torch
     import mindspeed
-    mindspeed.adapt([])
+    mindspeed.adapt(list(adapt_argv))
     from megatron.core import parallel_state
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=tp)

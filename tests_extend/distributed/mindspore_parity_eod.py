@@ -4,6 +4,8 @@ positions Megatron's own _get_ltor_masks_and_position_ids builds, and to the Min
 the ones its data pipeline builds (mindspeed/training/mindspore/eod.py)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from tests_extend.distributed import mindspore_parity as mp
@@ -62,3 +64,16 @@ def torch_all(rank, world_size, root):
 
 def ms_run(backend, root: str, case: str) -> dict:
     return mp.ms_train(backend, 1, False, init_ckpt(root, case), extra=FLAGS + CASES[case][1], batch_fn=ms_batch)
+
+
+DOCUMENT_FLAGS = ("--eod-mask-loss", "--reset-attention-mask")
+DOCUMENT_STEPS = 3
+
+
+def ms_documents(backend, init_ckpt: str, cp: int = 1, flags=DOCUMENT_FLAGS) -> dict:
+    """The documents' mask (RoPE: no reset positions) from `init_ckpt`; at CP=2 ring attention takes it
+    as the batch's own mask (--attention-mask-type general)."""
+    general = ("--attention-mask-type", "general") if cp > 1 else ()
+    return mp.ms_train(backend, 1, False, init_ckpt, steps=DOCUMENT_STEPS, cp=cp,
+                       cp_algo="megatron_cp_algo" if cp > 1 else None, extra=tuple(flags) + general,
+                       batch_fn=functools.partial(ms_batch, flags=flags))

@@ -13,6 +13,8 @@ SHORT_STEPS = 3     # each piece alone: step 1 checks the forward, steps 2-3 the
 RECOMPUTE_STEPS = 4     # recompute runs PyNative (slower than the traced graph)
 COMBINED = "gelu_layernorm_learned"
 
+BAND_FLAGS = ("--use-flash-attn", "--sparse-mode", "4", "--pre-tockens", "3", "--next-tockens", "0")
+
 # name -> (build_torch_model keywords, trainer flags, steps)
 MODEL_CASES = {
     "default": ({}, (), RECOMPUTE_STEPS),       # the recompute cases' model
@@ -26,7 +28,11 @@ MODEL_CASES = {
     "no_positions": (dict(position_embedding_type="none"), ("--position-embedding-type", "none"), SHORT_STEPS),
     # one query head per group: q/k/v come out of one equal three-way split (model._attention)
     "multi_head": (dict(num_query_groups=mp.HEADS), ("--num-query-groups", str(mp.HEADS)), SHORT_STEPS),
+    # flash attention's band: each query sees itself and the 3 keys before it (torch: the flash feature)
+    "band": ({}, BAND_FLAGS, SHORT_STEPS),
 }
+# cases whose torch side runs MindSpeed's feature too: the same flags, adapted on torch
+TORCH_ADAPTED = {"band"}
 
 RECOMPUTE_CASES = {
     "selective": ("--recompute-granularity", "selective"),
@@ -41,8 +47,9 @@ def init_ckpt(root: str, case: str) -> str:
 
 def torch_all(rank, world_size, root):
     """Harness body (one process): every model case, from its own torch-initialised weights."""
-    return {case: mp.torch_train(rank, world_size, 1, init_ckpt(root, case), True, model_kw=kw, steps=steps)
-            for case, (kw, _, steps) in MODEL_CASES.items()}
+    return {case: mp.torch_train(rank, world_size, 1, init_ckpt(root, case), True, model_kw=kw, steps=steps,
+                                 adapt_argv=flags if case in TORCH_ADAPTED else ())
+            for case, (kw, flags, steps) in MODEL_CASES.items()}
 
 
 def combined_flags() -> tuple:

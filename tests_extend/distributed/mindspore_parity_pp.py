@@ -15,6 +15,26 @@ def micro_batches(step: int) -> list:
     return [dict(zip(("tokens", "labels", "loss_mask"), mp.batch(MICRO * step + k))) for k in range(MICRO)]
 
 
+LENGTHS = (16, 11, 6, 13)     # --variable-seq-lengths: each micro-batch as long as its longest sample
+VARIABLE_STEPS = 4
+
+
+def padded_micro_batches(step: int) -> list:
+    """micro_batches(step) with every token past its micro-batch's length padding (no loss): the
+    full --seq-length micro-batches an instruction dataset gives without --variable-seq-lengths."""
+    out = []
+    for mb, length in zip(micro_batches(step), LENGTHS):
+        mask = mb["loss_mask"].copy()
+        mask[:, length:] = 0.0
+        out.append(dict(mb, loss_mask=mask))
+    return out
+
+
+def variable_micro_batches(step: int) -> list:
+    """The same micro-batches cut to their lengths, as the trainer's data makes them with the flag."""
+    return [{k: v[:, :length] for k, v in mb.items()} for mb, length in zip(padded_micro_batches(step), LENGTHS)]
+
+
 def eval_batches() -> list:
     return [dict(zip(("tokens", "labels", "loss_mask"), mp.batch(mp.EVAL_SEED)))]
 
@@ -28,10 +48,10 @@ def ms_argv(pp: int, tied: bool = False, dp: int = 1) -> list:
 
 
 def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, steps: int = mp.STEPS,
-                extra: tuple = (), tied: bool = False) -> dict:
+                extra: tuple = (), tied: bool = False, batches=micro_batches) -> dict:
     """Through the support matrix (mindspeed.adapt) as the trainer goes; returns losses, grad norms,
     the held-out loss, and whether the run was PyNative. `extra`: more trainer flags; tied: the
-    output layer is the word embeddings."""
+    output layer is the word embeddings; batches(step): the step's micro-batches."""
     import mindspeed
     from mindspeed.backends import get_backend
     from mindspeed.flags.trainer_flags import parse_args
@@ -52,7 +72,7 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
         losses, norms = [], []
         for step in range(steps):
             # each DP replica its own micro-batches (at DP=1 step's own)
-            loss, norm, lr = trainer.train_step(micro_batches(dp * step + ps.dp_rank), step + 1)
+            loss, norm, lr = trainer.train_step(batches(dp * step + ps.dp_rank), step + 1)
             assert abs(lr - mp.lr_at(step)) < 1e-12
             losses.append(loss)
             norms.append(norm)
@@ -81,23 +101,27 @@ def torch_train_accumulated_dp(rank, world_size, init_ckpt):
 
 
 def torch_references(rank, world_size, init_ckpt):
-    """torch_train_accumulated untied (initial weights at init_ckpt) and tied (at init_ckpt_tied)."""
+    """torch_train_accumulated untied (initial weights at init_ckpt), tied (at init_ckpt_tied), and on
+    padded_micro_batches (at init_ckpt_variable)."""
     return {"untied": torch_train_accumulated(rank, world_size, init_ckpt),
-            "tied": torch_train_accumulated(rank, world_size, init_ckpt + "_tied", tied=True)}
+            "tied": torch_train_accumulated(rank, world_size, init_ckpt + "_tied", tied=True),
+            "variable": torch_train_accumulated(rank, world_size, init_ckpt + "_variable",
+                                                batches=padded_micro_batches, steps=VARIABLE_STEPS)}
 
 
-def torch_train_accumulated(rank, world_size, init_ckpt, tied: bool = False):
-    """Write the initial weights, then train mp.STEPS steps of MICRO micro-batches each."""
+def torch_train_accumulated(rank, world_size, init_ckpt, tied: bool = False, batches=micro_batches,
+                            steps: int = mp.STEPS):
+    """Write the initial weights, then train `steps` steps of MICRO micro-batches each (batches(step))."""
     import mindspeed
     mindspeed.adapt([])
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=1)
     model = mp.build_torch_model(1, tied=tied)
     mp.save_torch_init(model, init_ckpt)
-    return _train_accumulated(model, micro_batches)
+    return _train_accumulated(model, batches, steps=steps)
 
 
-def _train_accumulated(model, batches_of_step, dp_group=None, dp: int = 1) -> dict:
+def _train_accumulated(model, batches_of_step, dp_group=None, dp: int = 1, steps: int = mp.STEPS) -> dict:
     """mp.STEPS AdamW steps, each over batches_of_step(step)'s micro-batches with their gradients
     accumulated (Megatron's schedule divides each loss by the micro-batch count), averaged over
     dp_group's replicas when given; the losses are the step means (over DP too)."""
@@ -106,7 +130,7 @@ def _train_accumulated(model, batches_of_step, dp_group=None, dp: int = 1) -> di
     opt = mp.megatron_adamw(params)
     position_ids = torch.arange(mp.SEQ).unsqueeze(0).expand(mp.MBS, -1)
     losses, norms = [], []
-    for step in range(mp.STEPS):
+    for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = mp.lr_at(step)
         opt.zero_grad()

@@ -1,6 +1,6 @@
 """msrun worker for test_mindspore_parity_pp.py: PP=2 (1F1B over 4 micro-batches) from the torch
 initial checkpoint, saving the trained model, untied and tied; 2 steps with --optimizer sgd, saved; 3 steps with each
-recompute method. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
+recompute method; 4 steps of micro-batches of 4 lengths with --variable-seq-lengths. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
 import contextlib
 import os
 import sys
@@ -33,6 +33,7 @@ def counted_recompute():
 
 def main(out_dir, init_ckpt, save_dir):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from tests_extend.distributed import mindspore_parity_pp as mpp
     from tests_extend.distributed.mindspore_parity_pp import ms_train_pp
     backend = MindSporeBackend("cpu")
     rank = backend.comm.rank()
@@ -43,6 +44,9 @@ def main(out_dir, init_ckpt, save_dir):
         # SGD's state (a momentum buffer) saved from both stages too: 2 steps are enough to check
         result["pp2_sgd"] = ms_train_pp(backend, 2, init_ckpt, save_dir + "_sgd", steps=2,
                                         extra=("--optimizer", "sgd"))
+        # micro-batches of 4 lengths: the stages exchange each activation's length first
+        result["pp2_variable"] = ms_train_pp(backend, 2, init_ckpt + "_variable", steps=mpp.VARIABLE_STEPS,
+                                             extra=("--variable-seq-lengths",), batches=mpp.variable_micro_batches)
         for name, flags in RECOMPUTE.items():      # recompute within each stage, 3 steps
             with counted_recompute() as calls:
                 result[name] = dict(ms_train_pp(backend, 2, init_ckpt, steps=3, extra=flags), recompute_calls=calls)

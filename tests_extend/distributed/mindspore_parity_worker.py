@@ -1,7 +1,7 @@
 """msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, CP=2 (Ulysses and
 ring attention, through the context-parallel feature), TP=2 with --use-ascend-coc with and
 without sequence parallelism, TP=2 with full recompute, CP=2 with selective recompute, from the same
-initial checkpoint; and GELU + LayerNorm + learned positions at TP=2 with SP from the trainer's init.
+initial checkpoint; CP=2 with the documents' mask as the general mask; and GELU + LayerNorm + learned positions at TP=2 with SP from the trainer's init.
 Usage: msrun ... mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
 import os
 import sys
@@ -38,6 +38,8 @@ def main(out_dir, init_ckpt):
         from tests_extend.distributed.mindspore_parity_model import ms_combined_tp2_sp, ms_cp2_selective_recompute
         result["tp2_sp_gelu_layernorm_learned"] = ms_combined_tp2_sp(backend)      # the model variants
         result["cp2_selective_recompute"] = ms_cp2_selective_recompute(backend, init_ckpt)
+        from tests_extend.distributed.mindspore_parity_eod import ms_documents
+        result["cp2_general_documents"] = ms_documents(backend, init_ckpt, cp=2)
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})

@@ -4,7 +4,8 @@ the MindSpore trainer; at TP=1 in one process and at TP=2 on 2 processes (gloo v
 TP=2 with sequence parallelism and CP=2 with Ulysses and ring attention (first steps); TP runs trace
 the forward into a MindSpore graph, CP runs PyNative. TP=2 with --use-ascend-coc (PyNative), with
 and without SP, gives the plain TP=2 losses within 1e-6. Issue 15: GELU + LayerNorm + learned
-positions at TP=2 with SP give their TP=1 losses; selective recompute at CP=2 gives CP=2's. Weights cross both ways: torch writes the initial checkpoint that
+positions at TP=2 with SP give their TP=1 losses; selective recompute at CP=2 gives CP=2's; CP=2
+with --attention-mask-type general takes packed documents' mask and gives CP=1's losses with it. Weights cross both ways: torch writes the initial checkpoint that
 MindSpore loads; MindSpore writes its trained checkpoint that torch loads (at TP=2) and evaluates."""
 import os
 
@@ -132,3 +133,20 @@ def test_selective_recompute_with_context_parallelism(ms_tp2):
         # in every backward
         steps = len(run["losses"])
         assert run["attention_calls"] == mp.LAYERS * (steps + 1) + mp.LAYERS * steps
+
+
+def test_general_mask_with_context_parallelism(ckpts, ms_tp2):
+    """--attention-mask-type general at CP=2: ring attention takes the batch's own mask (packed
+    documents, --reset-attention-mask) and gives the CP=1 losses with that mask
+    (test_mindspore_parity_eod.py checks those against Megatron-Core), not the causal mask's."""
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from tests_extend.distributed import mindspore_parity_eod as pe
+    backend = MindSporeBackend("cpu")
+    documents = pe.ms_documents(backend, ckpts["init"])
+    causal = pe.ms_documents(backend, ckpts["init"], flags=("--eod-mask-loss",))
+    assert np.abs(np.array(documents["losses"]) - causal["losses"]).max() > 10 * TOL   # the mask matters: 7.6e-3
+    for rank in range(2):
+        assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
+        run = ms_tp2[rank]["cp2_general_documents"]
+        np.testing.assert_allclose(run["losses"], documents["losses"], atol=TOL, rtol=0)
+        np.testing.assert_allclose(run["grad_norms"], documents["grad_norms"], rtol=NORM_RTOL)

@@ -2,8 +2,9 @@
 (GPTModel on torch, CPU, fp32, same initial weights and batches, |loss diff| <= 1e-4 per step).
 
 - GELU MLP + LayerNorm + learned positions together over 20 steps (the traced graph), and each of
-  GELU, LayerNorm, learned positions, no positions and multi-head attention (one query head per
-  group) alone over a few steps (PyNative); GELU and
+  GELU, LayerNorm, learned positions, no positions, multi-head attention (one query head per
+  group) and flash attention's band (--sparse-mode 4, Megatron-Core with MindSpeed's flash feature)
+  alone over a few steps (PyNative); GELU and
   LayerNorm also directly against torch's functions;
 - the combined model's MindSpore checkpoint, loaded by Megatron-Core at TP=2 (the neutral format
   splits the non-gated fc1, the norm biases and the position table as Megatron does), gives
@@ -64,13 +65,21 @@ def test_gelu_layernorm_learned_positions_match_torch(torch_runs, ms_combined):
     assert ms_combined["graph_mode"]      # what matched is the traced graph
 
 
-@pytest.mark.parametrize("case", ["gelu", "layernorm", "learned_positions", "no_positions", "multi_head"])
+@pytest.mark.parametrize("case", ["gelu", "layernorm", "learned_positions", "no_positions", "multi_head", "band"])
 def test_each_model_variant_matches_torch(root, torch_runs, case, monkeypatch):
     # PyNative: quicker than compiling a graph for 3 steps, and the op-by-op path checked too
     monkeypatch.setenv("MINDSPEED_MS_PYNATIVE", "1")
     run = _ms(root, case)
     _assert_matches(run, torch_runs[case], case)
     assert not run["graph_mode"]
+
+
+def test_band_changes_the_losses(root, torch_runs, monkeypatch):
+    """Flash attention without the band, from the band case's weights, gives other losses than
+    Megatron-Core with it: the band matched above is one the MindSpore trainer really applied."""
+    monkeypatch.setenv("MINDSPEED_MS_PYNATIVE", "1")
+    run = _ms(root, "band", steps=1, extra=("--sparse-mode", "0", "--pre-tockens", "65536"))
+    assert abs(run["losses"][0] - torch_runs["band"]["losses"][0]) > 10 * TOL     # measured 5.6e-3
 
 
 def test_gelu_and_layernorm_are_torchs_exactly():

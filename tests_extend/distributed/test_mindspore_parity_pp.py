@@ -4,7 +4,8 @@ warmup, steady state and cooldown all run) gives the losses of Megatron-Core's G
 CPU) trained at PP=1 on the same global batch with gradients accumulated over the micro-batches
 (what 1F1B computes), fp32, within 1e-4 per step over 20 steps; and the PP=2 checkpoint (one
 whole model, gathered from both stages) loads into the MindSpore trainer at PP=1. The same with
-tied embeddings (Megatron's default) against a tied Megatron-Core GPTModel."""
+tied embeddings (Megatron's default) against a tied Megatron-Core GPTModel; and with
+--variable-seq-lengths, micro-batches of their own lengths against Megatron-Core on padded ones."""
 import os
 
 import numpy as np
@@ -30,7 +31,8 @@ def runs(tmp_path_factory):
     ms_pp2 = run_msrun(WORKER, [str(out), init, saved], str(out), workers=2, timeout=480)
     for rank in range(2):
         assert ms_pp2[rank]["ok"], ms_pp2[rank].get("error")
-    return {"torch": torch_pp1["untied"], "torch_tied": torch_pp1["tied"], "ms": [r["pp2"] for r in ms_pp2],
+    return {"torch": torch_pp1["untied"], "torch_tied": torch_pp1["tied"], "torch_variable": torch_pp1["variable"],
+            "ms": [r["pp2"] for r in ms_pp2],
             "saved": saved, "saved_sgd": saved + "_sgd", "all": ms_pp2}
 
 
@@ -115,3 +117,17 @@ def test_pp2_with_recompute_gives_the_pp2_losses(runs):
         # every micro-batch's forward (stage 0 runs its forward again when the gradient comes back)
         calls = {name: len(runs["all"][rank][name]["recompute_calls"]) for name in ("pp2_selective", "pp2_block1")}
         assert calls["pp2_selective"] == calls["pp2_block1"] > 0, calls
+
+
+def test_pp2_with_variable_seq_lengths_gives_the_pp1_losses(runs):
+    """--variable-seq-lengths: micro-batches of 16, 11, 6 and 13 tokens (each cut to its longest
+    sample); the stages exchange each activation's length first. The losses are Megatron-Core's at PP=1
+    on the same micro-batches at the full --seq-length with the cut tokens as padding (no loss)."""
+    t = runs["torch_variable"]
+    for rank in range(2):
+        run = runs["all"][rank]["pp2_variable"]
+        assert len(run["losses"]) == mpp.VARIABLE_STEPS
+        np.testing.assert_allclose(run["losses"], t["losses"][:mpp.VARIABLE_STEPS], atol=TOL, rtol=0,
+                                   err_msg=f"rank {rank}")
+        np.testing.assert_allclose(run["grad_norms"], t["grad_norms"][:mpp.VARIABLE_STEPS], rtol=1e-4,
+                                   err_msg=f"rank {rank}")

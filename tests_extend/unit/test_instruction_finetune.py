@@ -214,6 +214,26 @@ def test_finetune_on_the_mindspore_trainer_sees_the_same_masked_samples(setup, t
     assert abs(losses[0] - expected) < 1e-4, (losses, expected)
 
 
+def test_variable_seq_lengths_cuts_the_mindspore_micro_batches_as_the_torch_trainer_does(setup):
+    """--variable-seq-lengths: each micro-batch as long as its longest sample on both trainers (the same
+    arrays), shorter than --seq-length; without the flag, --seq-length long."""
+    pytest.importorskip("mindspore")
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.training.mindspore import data as ms_data
+    flags = setup["flags"] + ["--variable-seq-lengths"]
+    with torch_trainer(flags) as (micro, _loss_of):     # the torch trainer's data path only
+        pass
+    args = parse_args(flags + ["--backend", "mindspore"], world_size=1)
+    _vocab, train, _valid = ms_data.build_streams(args, log=lambda m: None)
+    cut = ms_data.micro_batches_for_step(train, 0, args, 0, 1)
+    assert any(b["tokens"].shape[1] < args.seq_length for b in cut), [b["tokens"].shape for b in cut]
+    for torch_batch, ms_batch in zip(micro, cut):
+        for key in ("tokens", "labels", "loss_mask"):
+            assert np.array_equal(torch_batch[key].numpy(), ms_batch[key]), key
+    args.variable_seq_lengths = False
+    assert all(b["tokens"].shape[1] == args.seq_length for b in ms_data.micro_batches_for_step(train, 0, args, 0, 1))
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "--is-instruction-dataset needs --data-path PREFIX"),
     (["--mock-data"], "--is-instruction-dataset needs --data-path PREFIX"),

@@ -115,6 +115,18 @@ def test_attention_band_with_rows_that_see_no_key(kernels):
              [q, k, v], grad_of=(0, 1, 2), n_outputs=3)
 
 
+@pytest.mark.parametrize("sparse_mode,pre,nxt", [(2, 65536, 0), (3, 65536, 0), (4, 2, 0), (4, 3, -1), (4, 1, 2)])
+def test_attention_sparse_modes_as_the_trainer_asks(kernels, sparse_mode, pre, nxt):
+    """--sparse-mode/--pre-tockens/--next-tockens through the torch feature's own mapping
+    (band_arguments, a causal layer, SBH as the trainers call it): the MindSpore kernel gives the torch
+    reference's output and gradients; modes 2 and 3 are the causal mask, mode 4 a band inside it."""
+    from mindspeed.features.fused.flash_attention import band_arguments
+    q, k, v = _qkv("SBH", nkv=2, seed=8)
+    kw = dict(layout="SBH", head_num=4, **band_arguments(sparse_mode, True, 8, 8, pre, nxt))
+    _compare(lambda a, b, c: torch_ref.attention(a, b, c, **kw), lambda a, b, c: kernels.attention(a, b, c, **kw),
+             [q, k, v], grad_of=(0, 1, 2), n_outputs=3)
+
+
 def test_attention_tnd(kernels):
     r = _rng(6)
     q, k, v = (r.standard_normal((10, 2, 8)).astype(np.float32) for _ in range(3))

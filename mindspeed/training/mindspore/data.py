@@ -14,7 +14,7 @@ import numpy as np
 
 from mindspeed.data.errors import DataError
 from mindspeed.data.indexed_reader import IndexedTokens, split_bounds
-from mindspeed.data.instruction_samples import build_splits
+from mindspeed.data.instruction_samples import build_splits, longest_length
 from mindspeed.data.shakespeare import ensure_dataset
 from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer, tokenizer_path
 from mindspeed.training.mindspore.order_cache import OrderCache, order_cache
@@ -65,13 +65,17 @@ class SampleStream:
         return {"tokens": row[:-1], "labels": row[1:], "loss_mask": np.ones(self.seq_length, np.float32)}
 
 
-def micro_batch(stream, first_sample: int, mbs: int, eod_rules=None) -> dict:
+def micro_batch(stream, first_sample: int, mbs: int, eod_rules=None, cut_args=None) -> dict:
     """`mbs` consecutive examples of a stream (SampleStream, or instruction_samples.InstructionSamples);
-    eod_rules (eod.EodRules): the loss mask, positions and attention mask of packed documents."""
+    eod_rules (eod.EodRules): the loss mask, positions and attention mask of packed documents;
+    cut_args (the flags, with --variable-seq-lengths): instruction examples cut to their longest."""
     examples = [stream.example(first_sample + i) for i in range(mbs)]
     tokens, labels, loss_mask = (np.stack([e[k] for e in examples]) for k in ("tokens", "labels", "loss_mask"))
     batch = {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32),
              "loss_mask": loss_mask.astype(np.float32)}
+    if cut_args is not None and "length" in examples[0]:
+        n = longest_length([e["length"] for e in examples], cut_args)
+        batch = {key: value[:, :n] for key, value in batch.items()}
     return batch if eod_rules is None else eod_rules.apply(batch)
 
 
@@ -81,7 +85,8 @@ def micro_batches_for_step(stream, consumed: int, args, dp_rank: int, dp_size: i
     starting at sample `consumed`."""
     mbs, per_step = args.micro_batch_size, args.micro_batch_size * dp_size
     n_micro = (batch_size or args.global_batch_size) // per_step
-    return [micro_batch(stream, consumed + m * per_step + dp_rank * mbs, mbs, eod_rules) for m in range(n_micro)]
+    cut = args if getattr(args, "variable_seq_lengths", False) else None
+    return [micro_batch(stream, consumed + m * per_step + dp_rank * mbs, mbs, eod_rules, cut) for m in range(n_micro)]
 
 
 def eod_id(args, flag_tokenizer=None) -> int:

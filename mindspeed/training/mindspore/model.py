@@ -26,6 +26,7 @@ from mindspore import ops
 
 from mindspeed.features.parallel.layers import layer_list, noop_layer_set
 from mindspeed.checkpoint import neutral as nf
+from mindspeed.training.mindspore.attention_band import CAUSAL, band_keywords
 from mindspeed.training.mindspore.moe import MoELayer
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
@@ -91,6 +92,7 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_shared_expert_size: int = 0          # --moe-shared-expert-intermediate-size (0: none)
     moe_dispatch: frozenset = frozenset()    # the MOE_DISPATCH features on: how moe.py schedules its exchanges
+    attention_band: tuple = CAUSAL           # the attention kernel's mask keywords (attention_band.py)
 
     # feature id -> the kernels it switches to the device's fast path (the MoE layer's from its own
     # host permutation and per-expert loop to the kernels: moe.py)
@@ -136,7 +138,8 @@ class GPTConfig:
                    moe_router_topk=getattr(args, "moe_router_topk", 2),
                    moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
                    moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
-                   moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0)
+                   moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
+                   attention_band=band_keywords(args, features))
 
     @staticmethod
     def _pipeline_layers(args) -> tuple:
@@ -268,6 +271,7 @@ class GPTModel:
         self._rope_tables()
         self.cp = None                 # CPGroups when context parallelism is on
         self.cp_attention = None       # the context-parallel feature's attention hook
+        self.band = dict(cfg.attention_band)
         self.swap_scope, self.swap_modules = None, frozenset()   # --swap-attention's hook
         # pipeline parallelism: this stage's slice of the layers (Megatron's split)
         self.layers = [i for i in cfg.real_layers() if i in cfg.stage_layers(ps.pp_rank)]
@@ -425,13 +429,16 @@ class GPTModel:
 
     def _core_attention(self, q, k, v, i=0, extras=NO_EXTRAS):
         if self.cp is not None:      # this rank holds a shard of the sequence
-            return self.cp_attention(q, k, v, self.cp, head_num=self.heads_local, causal=True)
+            # --attention-mask-type general: the batch's own mask over the whole sequence (the documents'
+            # mask, which holds the causal one); else Megatron's causal mask, implicit
+            whole = {} if extras.attention_mask is None else {"mask": extras.attention_mask}
+            return self.cp_attention(q, k, v, self.cp, head_num=self.heads_local, causal=True, **whole)
         if extras.probs_keep is not None:   # an explicit drop mask: the reference kernel takes one
             return self.backend.kernels.reference.attention(
-                q, k, v, layout="SBH", head_num=self.heads_local, causal=True, mask=extras.attention_mask,
-                drop_mask=extras.probs_keep[self._slot[i]])[0]
+                q, k, v, layout="SBH", head_num=self.heads_local, mask=extras.attention_mask,
+                drop_mask=extras.probs_keep[self._slot[i]], **self.band)[0]
         document_mask = {} if extras.attention_mask is None else {"mask": extras.attention_mask}
-        return self.kernel("attention")(q, k, v, layout="SBH", head_num=self.heads_local, causal=True,
+        return self.kernel("attention")(q, k, v, layout="SBH", head_num=self.heads_local, **self.band,
                                         **document_mask)[0]
 
     def _activation(self, h):

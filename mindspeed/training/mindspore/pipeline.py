@@ -19,6 +19,10 @@ together. With two stages 1F1B lines up into such exchanges (n micro-batches, n 
 where x(...) is one exchange: stage 0 sends its forward output and receives a gradient while
 stage 1 sends its input gradient and receives the next input (Megatron's send_forward_recv_backward
 paired with send_backward_recv_forward); warmup is PP - rank - 1 forwards, as in Megatron.
+
+--variable-seq-lengths (micro-batches of their own lengths): as Megatron's stages communicate
+tensor shapes first, each exchange starts with one of the two tensors' sequence lengths; then both
+send theirs padded to the longer (the exchange takes one shape) and each keeps the peer's length.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ def _inputs(mb: dict) -> tuple:
 
 
 class TwoStagePipeline:
-    def __init__(self, backend, ps, model):
+    def __init__(self, backend, ps, model, variable_lengths: bool = False):
         if ps.pp_size != 2:
             raise ValueError(f"the MindSpore 1F1B schedule runs 2 pipeline stages, not {ps.pp_size}")
         self.comm, self.ps, self.model = backend.comm, ps, model
@@ -46,14 +50,34 @@ class TwoStagePipeline:
         self._hidden = cfg.hidden_size
         self._dtype = model.dtype          # the activations' (fp16 with --fp16)
         self._nothing = ms.Tensor(0.0, ms.float32)     # stage 0's input: it embeds the tokens itself
+        self._variable = variable_lengths
 
     def _exchange(self, send, batch_size: int):
         """Both stages at once: `send` (None: nothing, zeros go) to the other stage; returns its tensor."""
+        if self._variable:
+            return self._exchange_lengths_first(send, batch_size)
         if send is None:
             send = ops.zeros((self._seq, batch_size, self._hidden), self._dtype)
+        return self._swap(send)
+
+    def _swap(self, send):
         received, handle = self.comm.send_recv(send, dst=self.peer, src=self.peer, group=self.ps.pp_group)
         handle.wait()
         return received
+
+    def _exchange_lengths_first(self, send, batch_size: int):
+        """The sequence lengths first (0: nothing to send), then the tensors padded to the longer;
+        returns the peer's tensor at its own length (None when it sent nothing)."""
+        mine = 0 if send is None else send.shape[0]
+        theirs = int(self._swap(ms.Tensor([mine], ms.float32)).asnumpy()[0])
+        longest = max(mine, theirs)
+        if longest == 0:
+            return None
+        if longest > mine:     # MindSpore's CPU kernels take no empty tensor: pad only what is short
+            pad = ops.zeros((longest - mine, batch_size, self._hidden), self._dtype)
+            send = pad if send is None else ops.cat((send, pad))
+        received = self._swap(send)
+        return received[:theirs] if theirs else None
 
     def _forward(self, hidden, mb):
         """(output, its vjp): the loss on stage 1, the activation for stage 1 on stage 0."""

@@ -154,7 +154,8 @@ class Trainer:
             # evaluation gets its own trace (no gradient, no dropout, no loss scale)
             loss, self._eval_loss = traced(loss), traced(self._eval_loss)
         self._grad_fn = ms.value_and_grad(loss, None, weights=self.model.parameters())
-        self.pipeline = TwoStagePipeline(backend, ps, self.model) if ps.pp_size > 1 else None
+        self.pipeline = TwoStagePipeline(backend, ps, self.model, bool(getattr(args, "variable_seq_lengths", False))
+                                         ) if ps.pp_size > 1 else None
 
     def _inputs(self, mb: dict, names: tuple = (), masks: dict | None = None) -> tuple:
         """Model inputs for one micro-batch: this CP rank's share of the sequence, its positions,
@@ -165,12 +166,14 @@ class Trainer:
         tail = tuple(ms.Tensor(extra[name]) for name in names)
         if self._shard is None:
             return to_tensors(mb) + tail
-        assert not tail, "the support matrix refuses document masks and dropout with context parallelism"
+        # the matrix lets only the documents' mask through with CP (--attention-mask-type general): it
+        # covers the whole sequence, and ring attention slices it per block
+        assert tuple(names) in ((), ("attention_mask",)), "the support matrix refuses these Extras with CP"
         b, s = mb["tokens"].shape
         full = dict(mb, position_ids=np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)))
         local = self._shard(full)
         denominator = ms.Tensor(np.float32(mb["loss_mask"].sum()))
-        return to_tensors(local) + (ms.Tensor(np.ascontiguousarray(local["position_ids"])), denominator)
+        return to_tensors(local) + (ms.Tensor(np.ascontiguousarray(local["position_ids"])), denominator) + tail
 
     def train_step(self, micro_batches: list, iteration: int, consumed: int | None = None
                    ) -> tuple[float, float | None, float]:
