@@ -68,8 +68,8 @@ def declared(device: str) -> dict:
         Cap.REDUCE_SCATTER: E if on_cpu else N,
         Cap.ALL_TO_ALL: E if on_cpu else N,
         Cap.SEND_RECV: E if on_cpu else N,
-        Cap.RNG_STATE: N, Cap.CUSTOM_OP: N,
-        Cap.BF16_COMPUTE: E if on_cpu else N,    # precision.py: the CPU kernels lack bf16 MatMul, Gather, ... Cap.RECOMPUTE: N, Cap.PEAK_MEMORY: N,
+        Cap.RNG_STATE: N, Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.PEAK_MEMORY: N,
+        Cap.BF16_COMPUTE: E if on_cpu else N,    # precision.py: the CPU kernels lack bf16 MatMul, Gather, ...
         Cap.RECOMPUTE_OUTPUT: N,
         Cap.HOST_OFFLOAD: E,
         Cap.ASYNC_COMM: E if on_cpu else N,   # mint.distributed async_op; on CPU partly emulated (NOTES)
