@@ -1,10 +1,11 @@
 """Keep the docs' generated sections equal to what the code computes: the support matrix in
-docs/support-matrix.md and the flag table in docs/flags.md (`python -m mindspeed docs`, alias
-`readme`, rewrites them)."""
+docs/support-matrix.md, the flag table in docs/flags.md and upstream's MindSpore list in
+docs/mindspore.md (`python -m mindspeed docs`, alias `readme`, rewrites them)."""
 from __future__ import annotations
 
 import os
 
+from mindspeed import upstream_mindspore
 from mindspeed.support_matrix import FLAGS_BEGIN, FLAGS_END, README_BEGIN, README_END, readme_sections
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -13,7 +14,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION_FILES = {
     (README_BEGIN, README_END): os.path.join("docs", "support-matrix.md"),
     (FLAGS_BEGIN, FLAGS_END): os.path.join("docs", "flags.md"),
+    (upstream_mindspore.BEGIN, upstream_mindspore.END): os.path.join("docs", "mindspore.md"),
 }
+
+
+def _sections() -> dict:
+    return {**readme_sections(), (upstream_mindspore.BEGIN, upstream_mindspore.END): upstream_mindspore.table()}
 
 
 def section(text: str, begin: str, end: str, where: str = "the file") -> str:
@@ -31,7 +37,7 @@ def _file(markers: tuple[str, str], root: str) -> str:
 def drift(root: str = ROOT) -> list[str]:
     """The generated sections whose docs text differs from the code, as 'docs/FILE: begin marker'."""
     stale = []
-    for (begin, end), body in readme_sections().items():
+    for (begin, end), body in _sections().items():
         path = _file((begin, end), root)
         text = open(path, encoding="utf-8").read()
         if section(text, begin, end, os.path.relpath(path, root)) != body:
@@ -42,7 +48,7 @@ def drift(root: str = ROOT) -> list[str]:
 def update_docs(root: str = ROOT) -> str:
     """Rewrite every generated section in its docs file; returns the files rewritten."""
     written = []
-    for (begin, end), body in readme_sections().items():
+    for (begin, end), body in _sections().items():
         path = _file((begin, end), root)
         text = open(path, encoding="utf-8").read()
         section(text, begin, end, os.path.relpath(path, root))      # both markers present

@@ -41,6 +41,10 @@ def feature_level(feature: Feature, backend: str, device: str) -> tuple[Level, l
     if backend not in feature.backends:
         level = Level.ABSENT
         limits.append(f"an integration hook in the {backend} backend's model")
+    how = feature.emulated.get(f"{backend}/{device}") or feature.emulated.get(backend)
+    if how and level is Level.NATIVE:
+        level = Level.EMULATED
+        limits.append(f"{how} (emulated)")
     reason = feature.unsupported.get(f"{backend}/{device}") or feature.unsupported.get(backend)
     if reason:
         level = Level.ABSENT

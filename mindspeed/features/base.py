@@ -59,10 +59,13 @@ class Feature:
     alternatives: str = ""             # shown when refused: what would work instead
     # cells a backend's trainer cannot run, with the reason: {"mindspore": "...", "torch/npu": "..."}
     unsupported: dict = {}
+    # cells whose trainer runs it with the same result by a slower path, with how: {"mindspore": "..."}
+    emulated: dict = {}
     megatron_lm_refusal: str = ""      # why Megatron-LM's own scripts cannot run it (empty: they can)
     planned: str = ""                  # not implemented yet: where it is tracked (refused everywhere)
     example: tuple[str, ...] = ()      # argv that turns the feature on (docs, the matrix walk test)
     example_world: int = 1             # processes that argv needs
+    examples: dict = {}                # backend -> its own example, where it differs from `example`
     # Megatron flags (dest -> value) the feature stands for: adapt(namespace) and Megatron-LM's
     # validate_args hook set them in the host's own args, so its trainer acts on them
     host_flags: dict = {}

@@ -46,11 +46,12 @@ class MegatronOption(Feature):
 
 
 def option(option_id: str, flags: tuple, is_on: Callable, description: str, unsupported: dict,
-           alternatives: str, example: tuple, example_world: int = 1, depends: tuple = ()) -> type:
+           alternatives: str, example: tuple, example_world: int = 1, depends: tuple = (),
+           emulated: dict | None = None, requires: tuple = ()) -> type:
     cls = type(option_id.title().replace("-", ""), (MegatronOption,), dict(
         id=option_id, flags=flags, is_on=staticmethod(is_on), description=description,
         unsupported=unsupported, alternatives=alternatives, example=example,
-        example_world=example_world, depends=depends))
+        example_world=example_world, depends=depends, emulated=emulated or {}, requires=requires))
     return register(cls)
 
 
@@ -131,33 +132,38 @@ Dropout.validate = _mindspore_whole_sequence_only("dropout masks")
 EodReset.validate = _mindspore_whole_sequence_only("document mask or positions")
 option("overlap-grad-reduce", (host("--overlap-grad-reduce", False),), lambda a: a.overlap_grad_reduce,
        "gradient all-reduce in buckets, overlapped with the backward pass",
-       {"mindspore": f"{MS} reduces gradients after the backward pass (MindSpore's grad function "
-                     "returns them all at once)"}, f"drop --overlap-grad-reduce, or {TORCH}",
-       ("--overlap-grad-reduce",), example_world=2)
+       {}, "", ("--overlap-grad-reduce",), example_world=2,
+       emulated={"mindspore": f"{MS} reduces the same gradients over the same groups once the backward pass "
+                                  "ends (one flat buffer: each element's sum is the buckets' sum), not overlapped: "
+                                  "MindSpore 2.10's grad function returns every gradient at once, with no per-"
+                                  "parameter hook to start a bucket's reduction early"})
 option("overlap-param-gather", (host("--overlap-param-gather", False),), lambda a: a.overlap_param_gather,
        "distributed optimizer's parameter all-gather overlapped with the forward pass",
-       {"mindspore": f"{MS}'s distributed optimizer all-gathers the updated parameters right after the update "
-                     "(its forward is one traced call: no per-layer point to wait for a bucket's gather)"}, f"drop --overlap-param-gather, or {TORCH}",
-       ("--use-distributed-optimizer", "--overlap-param-gather"), example_world=2)
+       {}, "", ("--use-distributed-optimizer", "--overlap-param-gather"), example_world=2,
+       emulated={"mindspore": f"{MS}'s distributed optimizer all-gathers the same updated parameters right "
+                                  "after the update, not overlapped with the next forward (its forward is one "
+                                  "traced call: no per-layer point to wait for a bucket's gather)"})
 option("wsd-lr-schedule", (host("--lr-decay-style", "cosine"), host("--lr-wsd-decay-iters"),
                             host("--lr-wsd-decay-style", "exponential")), lambda a: a.lr_decay_style == "WSD",
        "warmup-stable-decay learning-rate schedule", {}, "",
        ("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style", "cosine"))
 option("gloo-distributed-backend", (host("--distributed-backend"),), lambda a: a.distributed_backend == "gloo",
-       "torch.distributed's gloo backend for collectives",
-       {"mindspore": f"{MS} communicates through MindSpore's own collectives (no --distributed-backend "
-                     "gloo; nccl/hccl or no flag mean the device's)"},
-       "drop --distributed-backend", ("--distributed-backend", "gloo"))
+       "the host's CPU collective library (torch.distributed's gloo) instead of the device's",
+       {"mindspore/ascend": f"{MS} starts HCCL on Ascend and has no path that runs its collectives through "
+                            "the host's library (MCCL) for device tensors"},
+       "drop --distributed-backend (HCCL)", ("--distributed-backend", "gloo"),
+       emulated={"mindspore/cpu": "MindSpore's CPU collectives (MCCL, shared memory within a host) play gloo's "
+                                  "part: the host's collective library, which this trainer uses on CPU anyway"})
 option("distributed-timeout", (host("--distributed-timeout-minutes", 10),),
-       lambda a: a.distributed_timeout_minutes != 10, "a collective timeout other than 10 minutes",
-       {"mindspore": "MindSpore's communication init and its CPU collectives take no timeout (msrun's own "
-                     "applies)"},
-       "drop --distributed-timeout-minutes; on MindSpore the shared-memory collectives time out after "
-       "MINDSPEED_MS_SHM_TIMEOUT seconds (default 1800)", ("--distributed-timeout-minutes", "20"))
+       lambda a: a.distributed_timeout_minutes != 10,
+       "a collective timeout other than 10 minutes (on MindSpore/CPU: its shared-memory collectives' wait; "
+       "MINDSPEED_MS_SHM_TIMEOUT, in seconds, overrides it)",
+       {"mindspore/ascend": f"{MS} does not pass it to HCCL, which takes its timeout from HCCL_EXEC_TIMEOUT "
+                            "when MindSpore 2.10's communication init runs, before the trainer reads its flags"},
+       "set HCCL_EXEC_TIMEOUT (seconds) in the environment", ("--distributed-timeout-minutes", "20"))
 option("data-cache-path", (host("--data-cache-path"),), lambda a: a.data_cache_path is not None,
-       "where Megatron's dataset caches its sample index",
-       {"mindspore": f"{MS} keeps its sample index in memory (there is nothing to cache)"},
-       "drop --data-cache-path", ("--data-cache-path", "CACHE"))
+       "where the dataset's sample index files are written and read back by the next run (on MindSpore: "
+       "each split's per-epoch shuffle order)", {}, "", ("--data-cache-path", "CACHE"))
 option("tokenizer-model", (host("--tokenizer-model"),), lambda a: a.tokenizer_model is not None,
        "a Hugging Face / SentencePiece tokenizer model file", {}, "",
        ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "TOKENIZER"))
@@ -192,11 +198,11 @@ option("moe-shared-experts", (host("--moe-shared-expert-intermediate-size"),),
        "MoE shared experts beside the routed ones (Megatron-Core's SharedExpertMLP)", {}, "",
        ("--num-experts", "4", "--moe-shared-expert-intermediate-size", "128"), depends=("moe",))
 option("moe-shared-expert-overlap", (host("--moe-shared-expert-overlap", False),), lambda a: a.moe_shared_expert_overlap,
-       "MoE shared experts computed while the tokens are dispatched",
-       {"mindspore": f"{MS}'s MoE layer runs the shared experts after the dispatch, not overlapped with it"},
-       f"drop --moe-shared-expert-overlap (the shared experts still run), or {TORCH}",
+       "MoE shared experts computed while the tokens are dispatched (on MindSpore's CPU collectives: "
+       "before the dispatch, in that order, without overlap)", {},
+       "drop --moe-shared-expert-overlap (the shared experts still run)",
        ("--num-experts", "4", "--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-overlap"),
-       depends=("moe-shared-experts",))
+       depends=("moe-shared-experts",), requires=(Cap.ASYNC_COMM,))
 
 
 def _another_refused_on_mindspore(moe, args) -> bool:

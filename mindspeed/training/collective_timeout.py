@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 
 import torch
@@ -58,6 +59,19 @@ def one_line_error(err: BaseException, timeout_minutes: float) -> CollectiveTime
                                  f"{who} never joined it (hung, stopped or much slower); stopping")
     return CollectiveTimeout(f"rank {me}: {name} over ranks {ranks} failed: {who} left it (exited or died); "
                              "stopping")
+
+
+def setup_error(err: BaseException, setup_minutes: float) -> CollectiveTimeout | None:
+    """The CollectiveTimeout for a setup rendezvous that ended before every process joined it (a rank
+    that never started or hangs before its setup, or one pointed at another MASTER_ADDR/MASTER_PORT);
+    None for any other error."""
+    if not isinstance(err, RuntimeError) or "Timed out" not in str(err):    # the store's or a collective's
+        return None
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
+    count = f": {joined.group(1)} of {joined.group(2)} processes joined" if joined else ""
+    return CollectiveTimeout(f"rank {os.environ.get('RANK', '0')}: the job's processes did not all join its setup "
+                             f"within {setup_minutes * 60:g} s{count} (a rank that never started or hangs before its "
+                             "setup, or one given another MASTER_ADDR/MASTER_PORT); stopping")
 
 
 def _collective(tb) -> tuple[str, object]:

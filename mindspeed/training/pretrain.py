@@ -44,15 +44,29 @@ def process_group_backend(requested: str | None, device: str) -> str:
     return "gloo" if requested == "gloo" else dist_backend_for(device)
 
 
-def _init_distributed(args, device: str) -> None:
+def _init_distributed(args, device: str, setup_minutes: float | None = None) -> None:
+    # setting up waits for every rank to start (minutes apart on a loaded machine), however short
+    # --distributed-timeout-minutes is; the collectives of training then wait that long (collective_timeout)
+    if setup_minutes is None:
+        setup_minutes = max(args.distributed_timeout_minutes, collective_timeout.SETUP_MINUTES)
+    try:
+        _join(args, device, setup_minutes)
+    except RuntimeError as err:
+        # a rank missing from the setup, or one that left it (exited or died)
+        error = collective_timeout.setup_error(err, setup_minutes) or \
+            collective_timeout.one_line_error(err, setup_minutes)
+        if error is None:
+            raise
+        raise error from None
+    collective_timeout.set_every_group(args.distributed_timeout_minutes)
+
+
+def _join(args, device: str, setup_minutes: float) -> None:
     if "RANK" not in os.environ:            # plain `python pretrain_gpt.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     if device in ("cuda", "npu"):
         getattr(torch, device).set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # setting up waits for every rank to start (minutes apart on a loaded machine), however short
-    # --distributed-timeout-minutes is; the collectives of training then wait that long (collective_timeout)
-    setup_minutes = max(args.distributed_timeout_minutes, collective_timeout.SETUP_MINUTES)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend=process_group_backend(args.distributed_backend, device),
@@ -65,7 +79,6 @@ def _init_distributed(args, device: str) -> None:
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=setup_minutes)      # its groups' timeout: 30 min otherwise
-    collective_timeout.set_every_group(args.distributed_timeout_minutes)
 
 
 def _set_seeds(args) -> None:

@@ -48,7 +48,12 @@ def _worker(rank, world_size, port, fn, args, env, queue):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
     import torch.distributed as dist
+    if "OMP_NUM_THREADS" not in os.environ:
+        # what torchrun does for processes sharing a machine: one compute thread each (the ranks'
+        # thread pools on two cores spun against each other: half a test's CPU time went there)
+        torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     except BaseException as e:  # the port was taken after it was picked: run_distributed retries

@@ -15,6 +15,9 @@ from tests_extend.distributed import mindspore_parity as mp
 
 EXPERTS, TOPK, MOE_FFN, SHARED, AUX = 4, 2, 32, 16, 0.1
 EXPERT_KEY = "mlp.experts.local_experts."
+# the MoE features on the MindSpore trainer, compared with its plain run
+KERNEL_FLAGS = ("--use-fused-moe-token-permute-and-unpermute", "--moe-grouped-gemm", "--moe-shared-expert-overlap")
+COMM_FLAGS = ("--moe-alltoall-overlap-comm", "--moe-permutation-async-comm", "--use-fused-moe-token-permute-and-unpermute")
 
 
 def moe_flags(ep: int, shared: bool) -> list:
@@ -57,10 +60,11 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
     args = parse_args(mp.trainer_argv(1) + moe_flags(ep, shared) + ["--global-batch-size", str(mp.MBS * world)]
                       + list(extra), world_size=world)
     args.backend = "mindspore"
-    mindspeed.adapt(args)       # the support matrix's gate: MoE (and EP) must be accepted here
+    state = mindspeed.adapt(args)       # the support matrix's gate: MoE (and EP) must be accepted here
     try:
         ps = build_parallel_state(backend.comm, 1, ep_size=ep)
-        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB))
+        features = [f.id for f in state.plan.features]       # as the trainer's _train passes them
+        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, features))
         checkpoint.load(init_ckpt, trainer.model)
         losses, norms = [], []
         for step in range(steps):
@@ -73,9 +77,15 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
         if save_dir:
             checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, {"backend": "mindspore"})
         return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode,
-                "params": sorted(trainer.model.params)}
+                "params": sorted(trainer.model.params), "schedule": moe_schedule(trainer.model)}
     finally:
         mindspeed.unadapt()
+
+
+def moe_schedule(model) -> list:
+    """The steps the first MoE layer took in its last call (training/mindspore/moe.py)."""
+    layers = getattr(model, "moe_layers", {})
+    return layers[min(layers)].schedule if layers else []
 
 
 # -- torch side (inside the gloo harness) ----------------------------------------------------------

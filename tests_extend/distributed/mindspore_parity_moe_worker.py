@@ -1,5 +1,6 @@
 """msrun worker for the MoE parity test: EP=2 on 2 processes (DP=2, each rank its own batches),
-from the initial checkpoint; the trained weights saved (experts gathered from both EP ranks).
+from the initial checkpoint; the trained weights saved (experts gathered from both EP ranks); then
+3 steps with the MoE communication features from the same checkpoint.
 Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
 import os
 import sys
@@ -11,11 +12,13 @@ from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 
 def main(out_dir, init_ckpt, save_dir):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
-    from tests_extend.distributed.mindspore_parity_moe import ms_train
+    from tests_extend.distributed.mindspore_parity_moe import COMM_FLAGS, ms_train
     backend = MindSporeBackend("cpu")
     rank = backend.comm.rank()
     try:
-        write_result(out_dir, rank, {"ok": True, "ep2": ms_train(backend, 2, False, init_ckpt, save_dir=save_dir)})
+        write_result(out_dir, rank, {"ok": True, "ep2": ms_train(backend, 2, False, init_ckpt, save_dir=save_dir),
+                                     "comm_features": ms_train(backend, 2, False, init_ckpt, steps=3,
+                                                               extra=COMM_FLAGS)})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 

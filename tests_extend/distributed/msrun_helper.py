@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 
-from tests_extend.distributed.harness import free_port
+from mindspeed.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -4,7 +4,10 @@ load-balancing loss on: |lm loss difference| <= 1e-4 at every one of 20 steps, a
 gradient norms, at EP=1 in one process (with shared experts) and at EP=2 on 2 processes (one msrun
 launch; DP=2 with different batches per rank, tokens exchanged by the emulated all-to-all).
 Checkpoints cross both ways: torch's trained EP=1 weights evaluate the same in MindSpore, and
-MindSpore's EP=2 checkpoint (experts gathered from both ranks) loads into Megatron-Core at EP=2."""
+MindSpore's EP=2 checkpoint (experts gathered from both ranks) loads into Megatron-Core at EP=2.
+The MoE features on MindSpore (training/mindspore/moe.py) give the plain run's losses over 3 steps
+and take their own steps: the kernels and shared-expert overlap at EP=1, the communication
+features at EP=2 (in the same msrun launch)."""
 import os
 
 import numpy as np
@@ -17,7 +20,11 @@ from tests_extend.distributed.harness import run_distributed  # noqa: E402
 from tests_extend.distributed.msrun_helper import run_msrun  # noqa: E402
 
 TOL = 1e-4
+KERNEL_TOL = 1e-5           # docs/kernels.md: a kernel's path against the reference, fp32
+COMM_TOL = 1e-6             # the MoE communication features reorder, they do not change the math
 NORM_RTOL = 1e-4
+KERNEL_TOL = 1e-5           # docs/kernels.md: a kernel's path against the reference, fp32
+COMM_TOL = 1e-6             # the MoE communication features reorder, they do not change the math
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_parity_moe_worker.py")
 
 
@@ -51,6 +58,11 @@ def test_ep1_with_shared_experts_matches_megatron(ckpts, torch_ep1):
     recomputed = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["init_shared"], steps=3, extra=(
         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"))
     np.testing.assert_allclose(recomputed["losses"], m[:3], atol=1e-6, rtol=0)
+    # the MoE kernels (emulated on CPU: the backend's reference kernels) and shared-expert overlap
+    # (the shared experts before the dispatch): the plain run's losses within the kernels' fp32 tolerance
+    kernels = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["init_shared"], steps=3, extra=pm.KERNEL_FLAGS)
+    np.testing.assert_allclose(kernels["losses"], m[:3], atol=KERNEL_TOL, rtol=0)
+    assert kernels["schedule"] == ["shared", "permute:kernel", "dispatch", "experts:gmm", "combine"]
     # torch's trained weights (neutral checkpoint, Megatron's names) evaluate the same in MindSpore
     other = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["torch_final"], steps=0)
     assert other["eval_loss"] == pytest.approx(torch_ep1["eval_loss"], abs=TOL)
@@ -72,3 +84,10 @@ def test_ep2_matches_megatron_and_checkpoint_crosses(ckpts):
         assert held == {2 * rank, 2 * rank + 1}
         # MindSpore's EP=2 checkpoint, every expert gathered, gives Megatron-Core its eval loss
         assert t["eval_loss_of_other"] == pytest.approx(run["eval_loss"], abs=TOL)
+        # the MoE communication features, without overlap on MindSpore's CPU collectives: the counts'
+        # all-gather started, the tokens permuted (by the kernel) while it travels, then two chunks
+        comm = ms[rank]["comm_features"]
+        np.testing.assert_allclose(comm["losses"], run["losses"][:3], atol=COMM_TOL, rtol=0)
+        assert comm["schedule"] == (["counts:start", "permute:kernel", "counts:wait"]
+                                    + ["dispatch", "experts:loop", "combine"] * 2)
+        assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]

@@ -28,7 +28,7 @@ NOT_STARTED = {"tokenizer-model": "needs a Hugging Face tokenizer file"}
 def cell_argv(feature, backend: str, tmp: str, data_prefix: str) -> list[str]:
     subst = {"DATA": data_prefix, "CACHE": os.path.join(tmp, "cache"), "TMP": os.path.join(tmp, "profile"),
              "TOKENIZER": os.path.join(tmp, "tokenizer.json")}
-    example = [subst.get(tok, tok) for tok in feature.example]
+    example = [subst.get(tok, tok) for tok in feature.examples.get(backend, feature.example)]
     data = [] if "--data-path" in example or "--tokenizer-type" in example else MOCK
     return TINY + data + example + ["--backend", backend]
 

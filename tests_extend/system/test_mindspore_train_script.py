@@ -47,7 +47,7 @@ def tiny_dataset(tmp_path_factory):
         texts.append(str(path))
     prefix = str(root / "tiny")
     r = subprocess.run([sys.executable, "-m", "mindspeed.data", "--input", *texts, "--output-prefix", prefix],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
     return prefix
@@ -230,13 +230,15 @@ def test_kill_9_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path
 
 
 def test_a_rank_that_hangs_in_a_collective_stops_the_others_within_the_timeout(tmp_path, tiny_dataset):
-    """TP=2 with MINDSPEED_MS_SHM_TIMEOUT=5: worker 1 stopped with SIGSTOP once iteration 2 is logged
-    (alive, it never joins another shared-memory collective). Worker 0 exits within the timeout (plus
-    the load's slack) with one line naming the collective, its ranks and rank 1, no traceback; then
-    the test ends the job as a scheduler would (msrun only notices after MS_NODE_TIMEOUT)."""
+    """TP=2 with --distributed-timeout-minutes 0.08 (4.8 s): worker 1 stopped with SIGSTOP once
+    iteration 2 is logged (alive, it never joins another shared-memory collective). Worker 0 exits
+    within the timeout (plus the load's slack) with one line naming the collective, its ranks, the
+    flag and rank 1, no traceback; then the test ends the job as a scheduler would (msrun only
+    notices after MS_NODE_TIMEOUT)."""
     losses = tmp_path / "losses.jsonl"
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
-               LOG_DIR=str(tmp_path / "logs"), MINDSPEED_MS_SHM_TIMEOUT="5", **dict(TINY, TRAIN_ITERS="200"))
+               LOG_DIR=str(tmp_path / "logs"), **dict(TINY, TRAIN_ITERS="200"))
+    env.pop("MINDSPEED_MS_SHM_TIMEOUT", None)       # the override would win over the flag
 
     def stop_worker_1(job):
         workers = [_msrun_worker(job, rank) for rank in (0, 1)]
@@ -248,14 +250,30 @@ def test_a_rank_that_hangs_in_a_collective_stops_the_others_within_the_timeout(t
         kill_everyone(job, workers)
         return took
 
-    _rc, _output, took = run_interrupted(["bash", SCRIPT, "--log-loss-file", str(losses)], tmp_path / "job.log",
+    _rc, _output, took = run_interrupted(["bash", SCRIPT, "--distributed-timeout-minutes", "0.08",
+                                          "--log-loss-file", str(losses)], tmp_path / "job.log",
                                          loss_lines(losses, 1), stop_worker_1, 300, cwd=ROOT, env=env)
     log = (tmp_path / "logs" / "worker_0.log").read_text()
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
-    assert re.fullmatch(r"error: rank 0: shared-memory \w+ over ranks \[0, 1\] timed out after 5 s "
-                        r"\(MINDSPEED_MS_SHM_TIMEOUT\): rank 1 never joined it .*", errors[0]), errors
-    assert took < 5 + 20, f"worker 0 ran {took:.0f} s after worker 1 stopped"
+    assert re.fullmatch(r"error: rank 0: shared-memory \w+ over ranks \[0, 1\] timed out after 4\.8 s "
+                        r"\(--distributed-timeout-minutes 0\.08\): rank 1 never joined it .*", errors[0]), errors
+    assert took < 4.8 + 20, f"worker 0 ran {took:.0f} s after worker 1 stopped"
+
+
+def test_the_timeout_flag_is_refused_where_a_group_runs_mccl(tmp_path, tiny_dataset):
+    """MINDSPEED_MS_SHM_COLLECTIVES=0 leaves the TP group to MindSpore's CPU collectives (MCCL),
+    which take no timeout: --distributed-timeout-minutes stops both workers with one line before
+    any training (the flag is not silently dropped)."""
+    r = launch(tmp_path, "mccl", dict(DATA_PATH=tiny_dataset, MINDSPEED_MS_SHM_COLLECTIVES="0", CLUSTER_TIMEOUT="120"),
+               ["--distributed-timeout-minutes", "0.5"])
+    assert r.returncode != 0
+    for rank in (0, 1):
+        log = (tmp_path / "mccl_logs" / f"worker_{rank}.log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in log and "lm loss" not in log, log[-3000:]
+        assert errors[0].startswith("error: --distributed-timeout-minutes 0.5: the group of ranks [0, 1] runs "
+                                    "MindSpore 2.10's CPU collectives (MCCL"), errors[0]
 
 
 def _wait_gone(pids, timeout):

@@ -71,3 +71,35 @@ def test_the_timeout_flag_takes_fractions_of_a_minute_and_refuses_the_rest():
             parse_args(["--distributed-timeout-minutes", bad], world_size=1)
     with pytest.raises(ArgumentError, match="invalid float value: 'soon'"):
         parse_args(["--distributed-timeout-minutes", "soon"], world_size=1)
+
+
+SETUP_ALONE = """
+import os, sys, types
+from mindspeed.net import free_port
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+from mindspeed.errors import CollectiveTimeout
+from mindspeed.training import pretrain
+args = types.SimpleNamespace(distributed_backend="gloo", distributed_timeout_minutes=10, tensor_model_parallel_size=1,
+                             pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None,
+                             context_parallel_size=1, expert_model_parallel_size=1)
+try:
+    pretrain._init_distributed(args, "cpu", setup_minutes=0.05)
+except CollectiveTimeout as err:
+    print("ONE LINE:", err)
+"""
+
+
+def test_a_rank_missing_from_the_setup_is_one_line():
+    """Rank 0 of a job of two alone at the setup (the real rendezvous, over torch's TCPStore, with a
+    3 s setup timeout instead of the trainer's 10 minutes): one line saying how many processes joined
+    and what to check, not the store's traceback."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", SETUP_ALONE], cwd=root, capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, PYTHONPATH=root))
+    lines = [line for line in result.stdout.splitlines() if line.startswith("ONE LINE:")]
+    assert lines == ["ONE LINE: rank 0: the job's processes did not all join its setup within 3 s: 1 of 2 processes "
+                     "joined (a rank that never started or hangs before its setup, or one given another "
+                     "MASTER_ADDR/MASTER_PORT); stopping"], result.stdout[-2000:] + result.stderr[-2000:]

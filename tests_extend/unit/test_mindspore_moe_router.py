@@ -1,7 +1,8 @@
 """The MindSpore trainer's MoE layer (training/mindspore/moe.py) against small numpy references:
 Megatron-Core 0.16's top-k routing (top-k by logit, softmax over the k), its switch load-balancing
 loss and that loss's gradient (added where the probabilities enter, the forward unchanged), and
-one layer's output (every token the probability-weighted sum of its k experts, none dropped)."""
+one layer's output (every token the probability-weighted sum of its k experts, none dropped), on
+the plain path and on each MoE feature's path."""
 import numpy as np
 import pytest
 
@@ -82,21 +83,61 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-def test_layer_output_is_each_tokens_weighted_experts():
+# the MoE features' paths through the layer (GPTConfig fields the trainer sets from the enabled
+# features) and the steps each must take (the layer's `schedule`)
+PATHS = {
+    "plain": ({}, ["permute:host", "dispatch", "experts:loop", "combine", "shared"]),
+    "fused-moe-token-permute-and-unpermute": (dict(fused_kernels=frozenset({"moe_permute", "moe_unpermute"})),
+                                              ["permute:kernel", "dispatch", "experts:loop", "combine", "shared"]),
+    "moe-grouped-gemm": (dict(fused_kernels=frozenset({"gmm"})),
+                         ["permute:host", "dispatch", "experts:gmm", "combine", "shared"]),
+    "moe-alltoall-overlap-comm": (dict(moe_dispatch=frozenset({"moe-alltoall-overlap-comm"})),
+                                  ["permute:host"] + ["dispatch", "experts:loop", "combine"] * 2 + ["shared"]),
+    "moe-shared-expert-overlap": (dict(moe_dispatch=frozenset({"moe-shared-expert-overlap"})),
+                                  ["shared", "permute:host", "dispatch", "experts:loop", "combine"]),
+}
+
+
+def _layer_model(**path):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
     from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
     from mindspeed.training.mindspore.parallel import build_parallel_state
-    from mindspeed.checkpoint import neutral as nf
     backend = MindSporeBackend("cpu")
     cfg = GPTConfig(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=2,
                     kv_channels=4, vocab_size=32, seq_length=6, num_experts=E, moe_router_topk=K,
-                    moe_ffn_hidden_size=5, moe_shared_expert_size=3, init_method_std=0.5)
+                    moe_ffn_hidden_size=5, moe_shared_expert_size=3, init_method_std=0.5, moe_aux_loss_coeff=COEFF,
+                    **path)
     model = GPTModel(cfg, backend, build_parallel_state(backend.comm, 1))
     w = init_full_weights(cfg, 4)
     model.load_full(w)
-    x = np.random.RandomState(5).randn(6, 2, 8).astype(np.float32)
-    out = model._mlp(0, ms.Tensor(x)).asnumpy().reshape(-1, 8)
-    flat = x.reshape(-1, 8)
+    return model, w
+
+
+def _gradients(model, x, dy):
+    names = sorted(model.params)
+    fn = ms.value_and_grad(lambda t: (model._mlp(0, t) * dy).sum(), 0, weights=[model.params[n] for n in names])
+    _, (dx, dw) = fn(x)
+    return dx.asnumpy(), {n: g.asnumpy() for n, g in zip(names, dw)}
+
+
+@pytest.fixture(scope="module")
+def plain_gradients():
+    x, dy = (ms.Tensor(np.random.RandomState(s).randn(6, 2, 8).astype(np.float32)) for s in (5, 6))
+    return x, dy, _gradients(_layer_model()[0], x, dy)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_layer_output_is_each_tokens_weighted_experts(path, plain_gradients):
+    """Every path gives numpy's output (each token its shared experts plus the probability-weighted
+    sum of its k experts), the plain path's input and weight gradients (the kernels' fp32 tolerance,
+    docs/kernels.md), and takes its own steps."""
+    from mindspeed.checkpoint import neutral as nf
+    config, steps = PATHS[path]
+    model, w = _layer_model(**config)
+    x, dy, (plain_dx, plain_dw) = plain_gradients
+    out = model._mlp(0, x).asnumpy().reshape(-1, 8)
+    assert model.moe_layers[0].schedule == steps
+    flat = x.asnumpy().reshape(-1, 8)
     idx, probs = _top(flat @ w[nf.layer_name(0, "mlp.router.weight")].T)
 
     def mlp(prefix, rows):
@@ -107,6 +148,12 @@ def test_layer_output_is_each_tokens_weighted_experts():
         for j in range(K):
             ref[t] += probs[t, j] * mlp(f"mlp.experts.local_experts.{idx[t, j]}.", flat[t:t + 1])[0]
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+    dx, dw = _gradients(model, x, dy)
+    np.testing.assert_allclose(dx, plain_dx, rtol=1.3e-6, atol=1e-5)
+    assert sorted(dw) == sorted(plain_dw)
+    for name, g in dw.items():
+        np.testing.assert_allclose(g, plain_dw[name], rtol=1.3e-6, atol=1e-5, err_msg=name)
+    assert any(np.abs(g).max() > 0 for n, g in dw.items() if "local_experts" in n)
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -115,7 +162,6 @@ def test_layer_output_is_each_tokens_weighted_experts():
     (("--add-bias-linear",), "no linear biases"),
     (("--recompute-activation-function",), "experts' activation"),
     (("--expert-model-parallel-size", "2", "--use-distributed-optimizer"), "expert-parallel weights"),
-    (("--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"), "not overlapped"),
 ])
 def test_what_the_layer_does_not_do_is_refused_in_one_line(extra, says):
     from mindspeed.adaptor_core import MindSpeedConfigError, plan

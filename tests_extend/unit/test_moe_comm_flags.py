@@ -28,7 +28,7 @@ EP2 = ["--expert-model-parallel-size", "2"]
     (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE,
      "with the allgather dispatcher needs tensor x expert parallel size > 1"),
     (["--moe-permutation-async-comm"] + MOE + TP2 + EP2, "at TP > 1 needs --moe-tp-extend-ep"),
-    (["--backend", "mindspore", "--moe-alltoall-overlap-comm"] + MOE + EP2, "one plain all-to-all dispatch"),
+    (["--backend", "mindspore", "--moe-tp-extend-ep"] + MOE + TP2, "runs at tensor-parallel size 1 only"),
 ])
 def test_combinations_they_cannot_honour_are_refused(argv, message):
     with pytest.raises(MindSpeedConfigError, match="MindSpeed: .*" + re.escape(message)) as info:
@@ -44,6 +44,10 @@ def test_combinations_they_cannot_honour_are_refused(argv, message):
      {"moe-tp-extend-ep", "moe-alltoall-overlap-comm"}),
     (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE + TP2,
      {"moe-permutation-async-comm"}),
+    # the MindSpore trainer's MoE layer runs them without overlap (training/mindspore/moe.py)
+    (["--backend", "mindspore", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
+      "--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"] + MOE + EP2,
+     {"moe-alltoall-overlap-comm", "moe-permutation-async-comm", "moe-shared-expert-overlap"}),
 ])
 def test_good_combinations_plan(argv, expected):
     ids = {f.id for f in plan(argv).features}

@@ -79,3 +79,37 @@ def test_mindspore_profile_window_writes_mindspore_trace(tmp_path):
     rows = {line.split(",")[0]: line.split(",")[1] for line in open(table).read().splitlines()[1:]}
     assert rows["MatMul"] == "1"                  # one step profiled, not three
     assert oct(os.stat(trace).st_mode & 0o777) == "0o640"
+
+
+AUDIT_SCANS = """
+import os, sys, tempfile
+scanned = []
+def listed(event, args):
+    if event == "os.scandir" and args and isinstance(args[0], (str, os.PathLike)):     # not a descriptor
+        scanned.append(os.fspath(args[0]))
+sys.addaudithook(listed)
+from mindspeed.backends.mindspore.profiler import MsProfiler
+import mindspore
+profiler = MsProfiler("cpu", tempfile.mkdtemp())
+profiler.start()
+(mindspore.ops.ones((2, 2)) * 2).asnumpy()
+profiler.stop()
+print("SCANNED", [p for p in scanned if os.path.abspath(p).startswith(os.getcwd())])
+"""
+
+
+def test_mindspore_profiler_does_not_walk_the_current_directory(tmp_path):
+    """MindSpore's profiler looks for the CANN version under $ASCEND_HOME_PATH, and without it walks the
+    current directory (seconds from a project folder with a virtual environment in it): on CPU the
+    backend hands it an empty folder instead. An audit hook sees every directory listed."""
+    pytest.importorskip("mindspore")
+    import subprocess
+    import sys
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != "ASCEND_HOME_PATH"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", AUDIT_SCANS], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "SCANNED []" in result.stdout, result.stdout[-2000:]
+    assert "ASCEND_HOME_PATH" not in env     # and the process's own environment is left as it was

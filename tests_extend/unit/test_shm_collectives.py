@@ -9,6 +9,7 @@ import uuid
 import numpy as np
 import pytest
 
+from mindspeed.backends.mindspore import shm_collectives
 from mindspeed.backends.mindspore.shm_collectives import ShmGroup
 from mindspeed.errors import CollectiveTimeout
 
@@ -50,7 +51,7 @@ def _mismatched(group, me):
 
 
 def _one_rank_stays_away(group, me):
-    group.timeout_s = 2.0
+    group.set_timeout(2 / 60)
     if me == 1:
         return "stayed away"
     return group.all_reduce_sum(np.ones(4, np.float32))
@@ -102,5 +103,13 @@ def test_a_rank_that_never_arrives_times_out_with_who_is_missing():
     for me in (0, 2):
         assert isinstance(got[me], CollectiveTimeout) and str(got[me]) == (
             f"rank {me}: shared-memory all_reduce_sum over ranks [0, 1, 2] timed out after 2 s "
-            "(MINDSPEED_MS_SHM_TIMEOUT): rank 1 never joined it (hung, stopped, died or called fewer collectives); "
+            "(--distributed-timeout-minutes 0.0333333): rank 1 never joined it (hung, stopped, died or called fewer collectives); "
             "stopping"), got[me]
+
+
+def test_the_timeout_comes_from_the_flag_unless_the_environment_overrides_it(monkeypatch):
+    monkeypatch.delenv(shm_collectives.TIMEOUT_ENV, raising=False)
+    assert shm_collectives.timeout_from(0.5) == (30.0, "--distributed-timeout-minutes 0.5")
+    assert shm_collectives.timeout_from(None) == (shm_collectives.SETUP_TIMEOUT_S, "while the groups are set up")
+    monkeypatch.setenv(shm_collectives.TIMEOUT_ENV, "7")
+    assert shm_collectives.timeout_from(0.5) == (7.0, "MINDSPEED_MS_SHM_TIMEOUT")

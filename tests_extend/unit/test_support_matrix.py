@@ -38,11 +38,10 @@ def test_readme_tables_match_the_code():
 
 
 def test_unsupported_feature_exits_nonzero_with_full_message():
-    out = _cli("check", "--backend", "mindspore", "--num-experts", "4", "--expert-model-parallel-size", "2",
-               "--moe-permutation-async-comm")
+    out = _cli("check", "--backend", "mindspore", "--lora-target-modules", "linear_qkv")
     assert out.returncode != 0
     msg = out.stderr
-    assert "moe-permutation-async-comm" in msg        # the feature
+    assert "lora" in msg                              # the feature
     assert "backend 'mindspore'" in msg               # the backend
     assert "host.megatron_core" in msg                # the missing capability
     assert "Alternative:" in msg and "Supported on: torch/cpu" in msg

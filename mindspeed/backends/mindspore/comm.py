@@ -35,6 +35,7 @@ class MsGroup:
 
 _CREATED_GROUPS: set = set()
 _SHM_GROUPS: dict = {}         # group name -> ShmGroup, process-wide as the groups are
+_MCCL_GROUPS: list = []        # this rank's CPU groups left to MCCL (across hosts, or not x86-64)
 _PROCS_ON_HOST: dict = {}      # "world" -> how many of the job's processes run on this host
 
 
@@ -149,6 +150,7 @@ class MsComm(CommAPI):
             _PROCS_ON_HOST["world"] = int(here.sum())
             pin_to_cores(int(here[:me].sum()), int(here.sum()))
         if not every[:, 0].all() or len(set(every[:, 1].tolist())) != 1:
+            _MCCL_GROUPS.append(g)
             return
         path = f"/dev/shm/mindspeed-{int(every[0, 2])}-{int(every[0, 3])}-{g.name}"
         spin = _PROCS_ON_HOST.get("world", len(g.ranks)) <= (os.cpu_count() or 1)
@@ -162,6 +164,14 @@ class MsComm(CommAPI):
             shm.unlink()        # every member has it mapped: no file is left behind
         _SHM_GROUPS[g.name] = shm
         self._ops = {key: op for key, op in self._ops.items() if key[1] != g.name}   # the setup's MCCL ops
+
+    def set_timeout(self, minutes: float) -> list:
+        """How long a rank waits for the others in each collective of its groups (Megatron's
+        --distributed-timeout-minutes); returns the groups it cannot bound: those left to MCCL, whose
+        collectives take no timeout in MindSpore 2.10."""
+        for shm in _SHM_GROUPS.values():
+            shm.set_timeout(minutes)
+        return list(_MCCL_GROUPS)
 
     def global_rank(self, group, group_rank: int) -> int:
         return self._group(group).ranks[group_rank]

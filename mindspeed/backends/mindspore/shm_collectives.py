@@ -31,7 +31,22 @@ from mindspeed.errors import CollectiveTimeout, report
 SLOT_BYTES = 4 << 20          # a chunk per round; larger tensors take several rounds
 _HEADER_STRIDE = 64           # bytes per rank counter: one cache line each
 SPIN_S = 0.01                 # how long a waiting rank spins before it sleeps
-WAIT_TIMEOUT_S = float(os.environ.get("MINDSPEED_MS_SHM_TIMEOUT", "1800"))
+MIN_NAP_S, MAX_NAP_S = 50e-6, 1e-3   # its sleeps between looks: doubling from the first to the last
+TIMEOUT_ENV = "MINDSPEED_MS_SHM_TIMEOUT"
+# while the groups are set up (before the trainer reads --distributed-timeout-minutes): ranks start
+# minutes apart on a loaded machine
+SETUP_TIMEOUT_S = 1800.0
+
+
+def timeout_from(minutes: float | None) -> tuple[float, str]:
+    """(seconds a rank waits for the others, what set it, for the timeout's message):
+    MINDSPEED_MS_SHM_TIMEOUT when set (an override), else --distributed-timeout-minutes, else the
+    setup's."""
+    if os.environ.get(TIMEOUT_ENV):
+        return float(os.environ[TIMEOUT_ENV]), TIMEOUT_ENV
+    if minutes is None:
+        return SETUP_TIMEOUT_S, "while the groups are set up"
+    return minutes * 60.0, f"--distributed-timeout-minutes {minutes:g}"
 
 
 def shm_allowed() -> bool:
@@ -75,8 +90,12 @@ class ShmGroup:
         self._slots = np.frombuffer(self._map, np.uint8, offset=n * _HEADER_STRIDE).reshape(2, n, slot_bytes)
         self._round = 0
         self._lock = threading.Lock()         # MindSpore may call a pyfunc from more than one thread
-        self.timeout_s = WAIT_TIMEOUT_S
+        self.timeout_s, self.timeout_source = timeout_from(None)
         self.spin_s = SPIN_S if spin else 0.0
+
+    def set_timeout(self, minutes: float) -> None:
+        """--distributed-timeout-minutes' value as how long a rank waits (MINDSPEED_MS_SHM_TIMEOUT wins)."""
+        self.timeout_s, self.timeout_source = timeout_from(minutes)
 
     def unlink(self) -> None:
         """Remove the name once every rank has mapped the segment (the mapping stays valid)."""
@@ -103,24 +122,28 @@ class ShmGroup:
 
     def _wait_for(self, c: int, what: str) -> None:
         """Spin while the wait is short (a rank that sleeps here wakes late and loses its core: measured,
-        steps of 450 ms turned into 650 ms), then sleep between looks. `spin` is off where the job's
-        processes on this host outnumber its cores: a spinner would take the core of the rank it waits for."""
+        steps of 450 ms turned into 650 ms), then sleep between looks, longer the longer the wait (a
+        pipeline stage waits out the other stage's whole forward). `spin` is off where the job's processes
+        on this host outnumber its cores, and nobody spins while the host is busier than its cores
+        (other jobs): a spinner would take the core of a process it waits for."""
         arrived = self._arrived
         if arrived.min() >= c:
             return
         start = time.perf_counter()
-        spin_until = start + self.spin_s
+        spin_until = start + (self.spin_s if self.spin_s and _host_has_idle_cores(start) else 0.0)
+        nap = MIN_NAP_S
         while arrived.min() < c:
             now = time.perf_counter()
             if now < spin_until:
                 continue
-            time.sleep(50e-6)
+            time.sleep(nap)
+            nap = min(2 * nap, MAX_NAP_S)
             if now - start > self.timeout_s:
                 late = [self.ranks[r] for r in range(self.n) if arrived[r] < c]
                 who = f"rank {late[0]}" if len(late) == 1 else f"ranks {late}"
                 raise CollectiveTimeout(
                     f"rank {self.ranks[self.me]}: shared-memory {what.split()[0]} over ranks {self.ranks} timed "
-                    f"out after {self.timeout_s:g} s (MINDSPEED_MS_SHM_TIMEOUT): {who} never joined it (hung, "
+                    f"out after {self.timeout_s:g} s ({self.timeout_source}): {who} never joined it (hung, "
                     "stopped, died or called fewer collectives); stopping")
 
     def _rounds(self, kind: str, x: np.ndarray):
@@ -214,3 +237,15 @@ def primitive(group: ShmGroup, kind: str, *extra):
         (src,) = extra
         return ops.Custom(_stop_on_timeout(lambda x: group.broadcast(x, src)), same, dtype, func_type="pyfunc")
     raise ValueError(f"no shared-memory {kind}")
+
+
+_LOAD_SEEN = {"at": float("-inf"), "idle": True}
+
+
+def _host_has_idle_cores(now: float) -> bool:
+    """Whether the host's run queue (1-minute load average, read at most once a second) fits its
+    cores: on a busier host a spinning rank only delays the processes it waits for."""
+    if now - _LOAD_SEEN["at"] > 1.0:
+        _LOAD_SEEN["at"] = now
+        _LOAD_SEEN["idle"] = os.getloadavg()[0] <= (os.cpu_count() or 1) + 0.5
+    return _LOAD_SEEN["idle"]

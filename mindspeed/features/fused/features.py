@@ -101,10 +101,15 @@ class GradientAccumulationFusion(_FusedFeature):
     flags = (Flag("--gradient-accumulation-fusion", dict(action="store_true", default=False,
                                                          help="fuse the wgrad GEMM with main_grad accumulation"),
                   megatron=True),)
-    requires = (Cap.MATMUL_ADD_FP32, Cap.MEGATRON_CORE)
-    backends = ("torch",)
-    alternatives = "leave it off: weight gradients are then accumulated by Megatron's DDP"
+    requires = (Cap.MATMUL_ADD_FP32,)
+    # torch: Megatron-Core's linears' main_grad; mindspore: the trainer's decoder linears (main_grad.py)
+    alternatives = "leave it off: weight gradients are then accumulated by Megatron's DDP (or the MindSpore trainer)"
     hook_module = "gradient_accumulation_fusion"
+
+    def validate(self, args) -> None:
+        if getattr(args, "backend", None) == "mindspore" and getattr(args, "use_ascend_coc", False):
+            raise FeatureConfigError("--gradient-accumulation-fusion on the MindSpore trainer fuses its own linears' "
+                                     "weight gradients, not --use-ascend-coc's: drop one of them")
 
 
 @register
@@ -116,16 +121,22 @@ class MoeGroupedGemm(_FusedFeature):
              switch("--gemm-gradient-accumulation-fusion",
                     "with --moe-grouped-gemm: add expert weight gradients straight into main_grad"))
     requires = (Cap.GMM, Cap.MOE)
-    backends = ("torch",)
     alternatives = "leave it off: experts then run as separate MLPs"
     companions = ("--num-experts", "4", "--bf16")
+    # the MindSpore trainer's grouped experts (training/mindspore/moe.py) run in its own precision
+    examples = {"mindspore": ("--moe-grouped-gemm", "--num-experts", "4")}
     hook_module = "grouped_gemm"
 
     def validate(self, args) -> None:
         # num_experts is the host's (Megatron's) flag: checked when the host's args are given
         if hasattr(args, "num_experts") and not args.num_experts:
             raise FeatureConfigError("--moe-grouped-gemm needs an MoE model (--num-experts)")
-        if hasattr(args, "bf16") and not args.bf16:    # Megatron-Core's GroupedMLP asserts it
+        on_mindspore = getattr(args, "backend", "torch") == "mindspore"
+        if on_mindspore and getattr(args, "gemm_gradient_accumulation_fusion", False):
+            raise FeatureConfigError("--gemm-gradient-accumulation-fusion is Megatron-Core GroupedMLP's main_grad "
+                                     "path; the MindSpore trainer's grouped experts take MindSpore's gradients: drop it")
+        # Megatron-Core's GroupedMLP asserts it
+        if not on_mindspore and hasattr(args, "bf16") and not args.bf16:
             raise FeatureConfigError("--moe-grouped-gemm needs --bf16 (Megatron-Core's GroupedMLP runs in bf16 only)")
 
 
@@ -135,7 +146,6 @@ class FusedMoeTokenPermute(_FusedFeature):
     description = "MoE token permute/unpermute through the fused moe_permute/moe_unpermute kernels"
     flags = (switch("--use-fused-moe-token-permute-and-unpermute", "use the fused MoE token permutation kernels"),)
     requires = (Cap.MOE_PERMUTE, Cap.MOE)
-    backends = ("torch",)
     alternatives = "leave it off: Megatron's own permutation runs"
     companions = ("--num-experts", "4")
     hook_module = "moe_token_permute"

@@ -62,9 +62,13 @@ class SwapOptimizer(Feature):
                  "chunks the update swaps the states in by (more: less device memory at once)"))))
     requires = (Cap.HOST_OFFLOAD, Cap.MEGATRON_CORE)
     backends = ("torch",)
-    unsupported = {"mindspore": "the MindSpore trainer's update is MindSpore's own AdamW, whose moments are "
-                                "Parameters its compiled update writes in place (no host-resident path is "
-                                "built): use the torch backend"}
+    # what would lift it: Parameter._offload() releasing a CPU parameter's memory (checked by
+    # tests_extend/unit/test_mindspore_swap_optimizer_gap.py)
+    unsupported = {"mindspore": "MindSpore 2.10 cannot release a Parameter's memory and bring it back on CPU "
+                                "(Parameter._offload/_load are Ascend-only: on CPU the data stays where it is), "
+                                "and its fused AdamWeightDecay updates the moments as whole Parameters in place, "
+                                "so the MindSpore trainer has no chunked host-resident update: use the torch "
+                                "backend"}
     example = ("--swap-optimizer",)
 
     def validate(self, args) -> None:

@@ -23,18 +23,11 @@ import torch
 from mindspeed.backends import get_backend
 from mindspeed.features.moe.async_comm import computing
 from mindspeed.features.moe.chunked_alltoall import ChunkedAllToAll
+from mindspeed.features.moe.chunks import CHUNKS, piece
 from mindspeed.features.moe.permutation_async import as_list
 
 LAYER = "megatron.core.transformer.moe.moe_layer.MoELayer"
 WHY = "--moe-alltoall-overlap-comm: alltoall dispatch/combine in chunks overlapped with the experts"
-CHUNKS = 2     # pieces per expert block: 2 already hides a chunk's all-to-all behind the other's GEMMs
-
-
-def piece(n: int, c: int, chunks: int) -> tuple[int, int]:
-    """[start, end) of part c of a block of n rows cut into `chunks` near-equal parts."""
-    base, extra = divmod(n, chunks)
-    start = c * base + min(c, extra)
-    return start, start + base + (1 if c < extra else 0)
 
 
 def chunk_plan(sent: list[int], received: list[list[int]], ep: int, chunks: int) -> list[dict]:

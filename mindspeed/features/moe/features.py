@@ -6,7 +6,10 @@
 * --moe-alltoall-overlap-comm: alltoall dispatch and combine in chunks, each chunk's all-to-all
   overlapped with the previous chunk's expert compute (alltoall_overlap.py)
 
-Megatron-Core's MoE layer on the torch backend; the MindSpore GPT has no MoE layer.
+Megatron-Core's MoE layer on the torch backend. The MindSpore trainer's MoE layer
+(training/mindspore/moe.py) runs them too, without overlap (`emulated`): MindSpore's CPU collectives
+have no all-to-all (the backend builds it from AllReduce), so the chunks and the asynchronous start
+keep Megatron's order and results, not its overlap.
 """
 from __future__ import annotations
 
@@ -16,9 +19,6 @@ from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, switch
 from mindspeed.features.registry import register
 from mindspeed.versions import megatron_version
-
-NO_MOE_MS = ("these change Megatron-Core's MoE token dispatch; the MindSpore trainer's own MoE layer "
-             "(training/mindspore/moe.py) has one plain all-to-all dispatch, without them")
 
 
 def _size(args, name: str) -> int:
@@ -53,16 +53,16 @@ def _dispatcher(args):
 class _MoeComm(Feature):
     category = "moe"
     optimization_level = 2
-    requires = (Cap.MOE, Cap.MEGATRON_CORE)
-    backends = ("torch",)
-    unsupported = {"mindspore": NO_MOE_MS}
+    requires = (Cap.MOE,)
     depends = ("moe",)
     example_world = 2
 
     hook_module = ""           # mindspeed.features.moe.<hook_module>.install patches Megatron-Core
     megatron_hooks = ()        # ((module, class, methods), ...) that install wraps
 
-    def _megatron_has_hooks(self) -> None:
+    def _megatron_has_hooks(self, args) -> None:
+        if getattr(args, "backend", None) == "mindspore":      # the trainer's own MoE layer, not Megatron's
+            return
         missing = missing_megatron_hook(self.megatron_hooks)
         if missing:
             raise FeatureConfigError(f"{self.flags[0].name} wraps Megatron-Core's {missing}, which Megatron-Core "
@@ -74,7 +74,7 @@ class _MoeComm(Feature):
             importlib.import_module(f"mindspeed.features.moe.{self.hook_module}").install(ctx.patcher)
 
     def _common(self, args) -> None:
-        self._megatron_has_hooks()
+        self._megatron_has_hooks(args)
         name = self.flags[0].name
         if getattr(args, "moe_expert_capacity_factor", None) is not None:
             raise FeatureConfigError(f"{name} supports dropless MoE only: drop --moe-expert-capacity-factor")
@@ -91,6 +91,11 @@ class MoeTpExtendEp(_MoeComm):
     flags = (switch("--moe-tp-extend-ep", "spread whole experts over the TP x EP ranks instead of splitting "
                                           "each expert's weights over TP"),)
     alternatives = "leave it off: each expert's weights are split over the tensor-parallel ranks"
+    unsupported = {"mindspore": "it needs --tensor-model-parallel-size > 1, and the MindSpore trainer's MoE layer "
+                                "(training/mindspore/moe.py) runs at tensor-parallel size 1 only: it has no "
+                                "tensor- or sequence-parallel router and shared experts to spread the experts "
+                                "over TP x EP from (use --expert-model-parallel-size over the data-parallel "
+                                "ranks, or --backend torch)"}
     example = ("--moe-tp-extend-ep", "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel")
 
     def validate(self, args) -> None:
@@ -122,10 +127,12 @@ class MoePermutationAsyncComm(_MoeComm):
                    "computed while the tokens travel")
     flags = (switch("--moe-permutation-async-comm", "start the MoE dispatcher's collectives asynchronously "
                                                     "and overlap them with the permutation"),)
-    requires = (Cap.MOE, Cap.MEGATRON_CORE, Cap.ASYNC_COMM)
+    requires = (Cap.MOE, Cap.ASYNC_COMM)
     alternatives = "leave it off: Megatron's dispatcher communicates synchronously"
     example = ("--moe-permutation-async-comm", "--num-experts", "4", "--moe-token-dispatcher-type", "allgather",
                "--expert-model-parallel-size", "2")
+    # the MindSpore trainer's MoE layer dispatches by all-to-all only
+    examples = {"mindspore": ("--moe-permutation-async-comm", "--num-experts", "4", "--expert-model-parallel-size", "2")}
 
     def validate(self, args) -> None:
         self._common(args)
@@ -157,7 +164,7 @@ class MoeAlltoallOverlapComm(_MoeComm):
                    "expert compute (and the shared experts' first GEMM)")
     flags = (switch("--moe-alltoall-overlap-comm", "overlap the MoE alltoall dispatch and combine with the "
                                                    "experts' compute"),)
-    requires = (Cap.MOE, Cap.MEGATRON_CORE, Cap.ASYNC_COMM, Cap.ALL_TO_ALL)
+    requires = (Cap.MOE, Cap.ASYNC_COMM, Cap.ALL_TO_ALL)
     alternatives = "leave it off: Megatron's alltoall dispatcher communicates before and after the experts"
     example = ("--moe-alltoall-overlap-comm", "--num-experts", "4", "--expert-model-parallel-size", "2")
 

@@ -17,6 +17,7 @@ from mindspeed.data.indexed_reader import IndexedTokens, split_bounds
 from mindspeed.data.instruction_samples import build_splits
 from mindspeed.data.shakespeare import ensure_dataset
 from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer, tokenizer_path
+from mindspeed.training.mindspore.order_cache import OrderCache, order_cache
 
 
 def vocab_size_of(prefix: str, args) -> int:
@@ -35,19 +36,23 @@ def vocab_size_of(prefix: str, args) -> int:
 
 
 class SampleStream:
-    """Samples of seq_length+1 tokens from one split, in a seeded order, endlessly."""
+    """Samples of seq_length+1 tokens from one split, in a seeded order, endlessly; `cache`
+    (order_cache.OrderCache, --data-cache-path): where each epoch's order is kept between runs."""
 
-    def __init__(self, tokens: np.ndarray, seq_length: int, seed: int, name: str):
-        self.tokens, self.seq_length, self.seed = tokens, seq_length, seed
+    def __init__(self, tokens: np.ndarray, seq_length: int, seed: int, name: str, cache: OrderCache | None = None):
+        self.tokens, self.seq_length, self.seed, self.cache = tokens, seq_length, seed, cache
         self.num_samples = (len(tokens) - 1) // seq_length if len(tokens) > 1 else 0
         if self.num_samples == 0:
             raise DataError(f"the {name} split has {len(tokens)} tokens, fewer than one sample of "
                             f"{seq_length + 1}; use more data, a shorter --seq-length or another --split")
         self._orders = {}
+        if cache is not None:
+            self._order(0)          # a bad cache file stops the run before any work
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
-            self._orders = {epoch: np.random.RandomState(self.seed + epoch).permutation(self.num_samples)}
+            build = lambda: np.random.RandomState(self.seed + epoch).permutation(self.num_samples)
+            self._orders = {epoch: build() if self.cache is None else self.cache.order(epoch, self.num_samples, build)}
         return self._orders[epoch]
 
     def sample(self, index: int) -> np.ndarray:
@@ -152,16 +157,19 @@ class BlendedStream:
 class MockStream(SampleStream):
     """--mock-data: random tokens (no files)."""
 
-    def __init__(self, vocab: int, seq_length: int, seed: int, num_tokens: int = 1 << 16):
+    def __init__(self, vocab: int, seq_length: int, seed: int, num_tokens: int = 1 << 16, cache_args=None):
+        cache = order_cache(cache_args, dict(dataset="mock", vocab=vocab, tokens=num_tokens, seq_length=seq_length,
+                                             seed=seed, split="mock"))
         super().__init__(np.random.RandomState(seed).randint(0, vocab, num_tokens).astype(np.int64),
-                         seq_length, seed, "mock")
+                         seq_length, seed, "mock", cache)
 
 
 def build_streams(args, log=print):
     """(vocab_size, train, valid) streams for the trainer's flags."""
     if args.mock_data:
         vocab = int(getattr(args, "vocab_size", None) or 256)   # the torch side's mock vocab
-        return vocab, MockStream(vocab, args.seq_length, args.seed), MockStream(vocab, args.seq_length, args.seed + 1)
+        return vocab, MockStream(vocab, args.seq_length, args.seed, cache_args=args), \
+            MockStream(vocab, args.seq_length, args.seed + 1, cache_args=args)
     prefixes, weights = dataset_prefixes(args, log)
     _check_one_tokenizer(prefixes)
     vocab = vocab_size_of(prefixes[0], args)
@@ -183,6 +191,16 @@ def build_streams(args, log=print):
     return vocab, train, valid
 
 
+def cache_note(args, streams) -> str | None:
+    """What --data-cache-path did for these streams (a log line), or None without the flag."""
+    if not getattr(args, "data_cache_path", None):
+        return None
+    caches = [c for s in streams for c in ([s.cache] if hasattr(s, "cache") else
+                                           [t.cache for t in getattr(s, "streams", ())]) if c is not None]
+    return (f"> data cache {os.path.abspath(args.data_cache_path)}: read {sum(c.read for c in caches)}, wrote "
+            f"{sum(c.written for c in caches)} sample-order files")
+
+
 def _check_one_tokenizer(prefixes: list) -> None:
     """A blend's token ids mean the same in every dataset: their saved tokenizers are one."""
     saved = {}
@@ -200,11 +218,18 @@ def _split_streams(prefix: str, args) -> tuple:
     """(train, validation or None) streams of one dataset, split by --split."""
     ds = IndexedTokens(prefix)
     (t0, t1), (v0, v1), _ = split_bounds(args.split, ds.num_documents)
-    train = SampleStream(ds.document_range_tokens(t0, t1), args.seq_length, args.seed, "train")
+    train = _stream(ds, prefix, (t0, t1), args, args.seed, "train")
     valid = None
     if v1 > v0:
         try:
-            valid = SampleStream(ds.document_range_tokens(v0, v1), args.seq_length, args.seed + 1, "validation")
+            valid = _stream(ds, prefix, (v0, v1), args, args.seed + 1, "validation")
         except DataError:
             valid = None
     return train, valid
+
+
+def _stream(ds: IndexedTokens, prefix: str, documents: tuple, args, seed: int, name: str) -> SampleStream:
+    tokens = ds.document_range_tokens(*documents)
+    cache = order_cache(args, dict(dataset=os.path.abspath(prefix), documents=list(documents), tokens=len(tokens),
+                                   seq_length=args.seq_length, seed=seed, split=name))
+    return SampleStream(tokens, args.seq_length, seed, name, cache)

@@ -30,8 +30,12 @@ def column_parallel(backend, ps: ParallelState, x, weight, bias=None):
     if ps.tp_size > 1:
         x = (backend.comm.all_gather_autograd(x, 0, ps.tp_group) if ps.sequence_parallel
              else backend.comm.copy_to_region(x, ps.tp_group))
-    y = linear(x, weight)
+    y = _weight_linear(ps, x, weight)
     return y if bias is None else y + bias
+
+
+def _weight_linear(ps: ParallelState, x, weight):
+    return linear(x, weight) if ps.main_grads is None else ps.main_grads.linear(x, weight)
 
 
 def row_parallel(backend, ps: ParallelState, x, weight, bias=None):
@@ -39,7 +43,7 @@ def row_parallel(backend, ps: ParallelState, x, weight, bias=None):
     if ps.tp_size > 1 and ps.tp_linear is not None:
         y = ps.tp_linear.row(x, weight, ps.tp_group, ps.sequence_parallel)
         return y if bias is None else y + bias
-    y = linear(x, weight)
+    y = _weight_linear(ps, x, weight)
     if ps.tp_size > 1:
         y = (backend.comm.reduce_scatter_autograd(y, 0, ps.tp_group) if ps.sequence_parallel
              else backend.comm.reduce_from_region(y, ps.tp_group))

@@ -89,7 +89,7 @@ def _unscaled_fp32(grads, inv_scale):
     return out, bad
 
 
-def main_grads(grads: tuple) -> tuple:
+def bf16_main_grads(grads: tuple) -> tuple:
     """--bf16: the fp32 copies of the bf16 gradients the optimizer reads and the ranks reduce (Megatron's
     main_grad; the torch trainer reduces in fp32 too, grad_reduce_in_fp32). Already fp32 after an
     accumulation over micro-batches."""

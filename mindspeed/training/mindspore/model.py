@@ -95,10 +95,16 @@ class GPTConfig:
     moe_ffn_hidden_size: int = 0             # each expert's FFN size (default: --ffn-hidden-size)
     moe_aux_loss_coeff: float = 0.0
     moe_shared_expert_size: int = 0          # --moe-shared-expert-intermediate-size (0: none)
+    moe_dispatch: frozenset = frozenset()    # the MOE_DISPATCH features on: how moe.py schedules its exchanges
 
-    # feature id -> the kernel it switches from the reference to the device's fast path
-    FEATURE_KERNELS = {"fused-rmsnorm": "rms_norm", "fused-swiglu": "swiglu", "fused-rotary-pos-emb": "rope",
-                       "flash-attn": "attention"}
+    # feature id -> the kernels it switches to the device's fast path (the MoE layer's from its own
+    # host permutation and per-expert loop to the kernels: moe.py)
+    FEATURE_KERNELS = {"fused-rmsnorm": ("rms_norm",), "fused-swiglu": ("swiglu",), "fused-rotary-pos-emb": ("rope",),
+                       "flash-attn": ("attention",),
+                       "fused-moe-token-permute-and-unpermute": ("moe_permute", "moe_unpermute"),
+                       "moe-grouped-gemm": ("gmm",), "gradient-accumulation-fusion": ("matmul_add_fp32",)}
+    # feature ids that change the MoE layer's dispatch and combine (moe.py)
+    MOE_DISPATCH = ("moe-alltoall-overlap-comm", "moe-permutation-async-comm", "moe-shared-expert-overlap")
 
     @classmethod
     def from_args(cls, args, padded_vocab: int, features=()) -> "GPTConfig":
@@ -118,7 +124,8 @@ class GPTConfig:
                                                                       "recompute_activation_function_num_layers"),
                    recompute_norm_layers=cls._recomputed_layers(args, features, "recompute-norm",
                                                                 "recompute_norm_num_layers"),
-                   fused_kernels=frozenset(cls.FEATURE_KERNELS[f] for f in features if f in cls.FEATURE_KERNELS),
+                   fused_kernels=frozenset(k for f in features for k in cls.FEATURE_KERNELS.get(f, ())),
+                   moe_dispatch=frozenset(f for f in features if f in cls.MOE_DISPATCH),
                    noop_layers=noop_layer_set(args),
                    recompute_method=args.recompute_method or "uniform",
                    recompute_num_layers=1 if args.recompute_num_layers is None else args.recompute_num_layers,

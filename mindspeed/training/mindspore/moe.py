@@ -16,6 +16,20 @@ optional SharedExpertMLP) for the MindSpore GPT, with the math of Megatron-Core 
 
 Which tokens go where is decided on the host (numpy) from the top-k indices, so the layer runs in
 PyNative (its shapes depend on the routing; the trainer does not trace an MoE model).
+
+The MoE features change how the layer gets there, the results staying the same (`schedule` lists
+the steps of the last call, in order):
+- --use-fused-moe-token-permute-and-unpermute: the backend's moe_permute / moe_unpermute kernels
+  permute the tokens and sum them back, in place of the host's argsort and a segment sum;
+- --moe-grouped-gemm: the local experts run as two grouped GEMMs (the backend's gmm kernel over
+  the stacked expert weights) in place of one MLP per expert;
+- --moe-alltoall-overlap-comm: dispatch, experts and combine run once per chunk (part c of every
+  expert's block, as the torch hook cuts them), one chunk after the other: MindSpore's CPU
+  collectives have no all-to-all to overlap (comm.py builds it from AllReduce), so nothing overlaps;
+- --moe-permutation-async-comm: the token counts' all-gather is started asynchronously and the
+  tokens are permuted while it travels;
+- --moe-shared-expert-overlap: the shared experts run before the dispatch (Megatron's overlap
+  order), not after the combine.
 """
 from __future__ import annotations
 
@@ -24,6 +38,7 @@ import numpy as np
 from mindspore import ops
 
 from mindspeed.checkpoint import neutral as nf
+from mindspeed.features.moe.chunks import CHUNKS, piece
 from mindspeed.training.mindspore.layers import linear
 
 def route(logits, topk: int):
@@ -63,55 +78,128 @@ class MoELayer:
         self.ep, self.ep_rank = ps.ep_size, ps.ep_rank
         self.local = self.experts // self.ep
         self.first = self.ep_rank * self.local
+        self.fused_permute = "moe_permute" in cfg.fused_kernels
+        self.grouped_gemm = "gmm" in cfg.fused_kernels
+        self.chunks = CHUNKS if "moe-alltoall-overlap-comm" in cfg.moe_dispatch else 1
+        self.async_counts = "moe-permutation-async-comm" in cfg.moe_dispatch
+        self.shared_first = "moe-shared-expert-overlap" in cfg.moe_dispatch
+        self.schedule: list[str] = []
 
     def _p(self, suffix):
         return self.model.params[nf.layer_name(self.i, suffix)]
 
+    def _expert_weight(self, e, suffix):
+        return self.model.params[nf.expert_name(self.i, e, suffix)]
+
     def _expert_mlp(self, e, x, probs):
-        p = lambda s: self.model.params[nf.expert_name(self.i, e, s)]
-        h = self.model._activation(linear(x, p("linear_fc1.weight")))
-        return linear(h * probs.expand_dims(-1), p("linear_fc2.weight"))
+        h = self.model._activation(linear(x, self._expert_weight(e, "linear_fc1.weight")))
+        return linear(h * probs.expand_dims(-1), self._expert_weight(e, "linear_fc2.weight"))
 
     def __call__(self, x):
         s, b, h = x.shape
         flat = x.reshape(-1, h)
         cfg, backend = self.model.cfg, self.model.backend
+        self.schedule = []
         logits = linear(flat, self._p("mlp.router.weight"))
         probs, top_idx = route(logits, self.topk)
         if cfg.moe_aux_loss_coeff > 0:
             probs = attach_aux_gradient(backend.autograd, probs,
                                         load_balancing_loss(logits, self.topk, cfg.moe_aux_loss_coeff))
-        out = self._routed(flat, probs, top_idx.asnumpy())
+        idx = top_idx.asnumpy()
+        counts_of_every_rank = self._start_counts(np.bincount(idx.reshape(-1), minlength=self.experts))
+        if self.async_counts:        # permuted while the counts travel
+            sent, unpermute = self._permute(flat, probs, top_idx, idx)
+        shared = self._shared(flat) if self.shared_first and cfg.moe_shared_expert_size else None
+        every = counts_of_every_rank()
+        if not self.async_counts:
+            sent, unpermute = self._permute(flat, probs, top_idx, idx)
+        out = unpermute(self._routed(sent, every))
         if cfg.moe_shared_expert_size:
-            shared = self.model._activation(linear(flat, self._p("mlp.shared_experts.linear_fc1.weight")))
-            out = out + linear(shared, self._p("mlp.shared_experts.linear_fc2.weight"))
+            out = out + (shared if shared is not None else self._shared(flat))
         return out.reshape(s, b, h)
 
-    def _routed(self, flat, probs, idx: np.ndarray):
-        """Permute this rank's (token, expert) pairs expert-major (Megatron's permute), exchange,
-        run the local experts, exchange back, sum each token's k outputs."""
-        tokens, h = flat.shape
-        order = np.argsort(idx.reshape(-1), kind="stable")          # expert-major, tokens ascending
-        counts = np.bincount(idx.reshape(-1), minlength=self.experts)
+    def _shared(self, flat):
+        self.schedule.append("shared")
+        shared = self.model._activation(linear(flat, self._p("mlp.shared_experts.linear_fc1.weight")))
+        return linear(shared, self._p("mlp.shared_experts.linear_fc2.weight"))
+
+    def _permute(self, flat, probs, top_idx, idx: np.ndarray):
+        """-> ([T*k, h + 1] this rank's (token, expert) pairs expert-major, tokens ascending within an
+        expert (Megatron's permute), each row its token and its probability; the function that sums
+        [T*k, h] rows in that order back to their tokens)."""
+        tokens = flat.shape[0]
+        if self.fused_permute:
+            self.schedule.append("permute:kernel")
+            kernel = self.model.kernel
+            chosen = ops.one_hot(top_idx, self.experts, ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32))
+            routing_map = chosen.sum(1) > 0                                  # [T, E]
+            permuted, sorted_indices = kernel("moe_permute")(flat, routing_map)
+            pair_probs = ops.masked_select((chosen * probs.expand_dims(-1)).sum(1).T, routing_map.T)
+            return (ops.cat([permuted, pair_probs.expand_dims(-1)], 1),
+                    lambda rows: kernel("moe_unpermute")(rows, sorted_indices, None, (tokens, flat.shape[1])))
+        self.schedule.append("permute:host")
+        order = np.argsort(idx.reshape(-1), kind="stable")
         token_of = ms.Tensor((order // self.topk).astype(np.int32))
         sent = ops.cat([ops.gather(flat, token_of, 0),
                         ops.gather(probs.reshape(-1), ms.Tensor(order.astype(np.int32)), 0).expand_dims(-1)], 1)
-        every = self._all_counts(counts)                             # [ep, E]: every rank's counts
+        return sent, lambda rows: ops.unsorted_segment_sum(rows, token_of, tokens)
+
+    def _start_counts(self, counts: np.ndarray):
+        """Start gathering every EP rank's tokens per expert; -> the function that returns them [ep, E]."""
+        if self.ep == 1:
+            return lambda: counts[None]
+        comm, group = self.model.backend.comm, self.model.ps.ep_group
+        mine = ms.Tensor(counts.astype(np.float32))[None]
+        if self.async_counts:
+            self.schedule.append("counts:start")
+            handle = comm.all_gather_async(mine, 0, group)
+            gathered = handle.wait
+        else:
+            self.schedule.append("counts")
+            done = comm.all_gather(mine, 0, group)
+            gathered = lambda: done
+
+        def wait():
+            if self.async_counts:
+                self.schedule.append("counts:wait")
+            return np.rint(gathered().asnumpy()).astype(np.int64)
+        return wait
+
+    def _routed(self, sent, every: np.ndarray):
+        """sent [P, h + 1] (this rank's pairs, expert-major), every [ep, E] (every rank's pairs per
+        expert) -> the experts' outputs [P, h] in the same order: all pairs at once, or chunk c of
+        every expert's block at a time."""
+        if self.chunks == 1:
+            return self._through_experts(sent, every)
+        starts = np.cumsum(every[self.ep_rank]) - every[self.ep_rank]
+        parts, order = [], []
+        for c in range(self.chunks):
+            bounds = [[piece(int(n), c, self.chunks) for n in row] for row in every]
+            every_c = np.array([[b - a for a, b in row] for row in bounds])
+            rows = np.concatenate([starts[e] + np.arange(a, b) for e, (a, b) in enumerate(bounds[self.ep_rank])])
+            if not every_c.any():     # every rank sees the same counts: all skip this chunk
+                continue
+            # a rank with no pair in this chunk still joins its exchanges (zero rows only)
+            chunk = ops.gather(sent, ms.Tensor(rows.astype(np.int32)), 0) if rows.size else sent
+            out = self._through_experts(chunk, every_c)
+            if rows.size:
+                parts.append(out)
+                order.append(rows)
+        back_to_order = np.argsort(np.concatenate(order), kind="stable")
+        return ops.gather(ops.cat(parts, 0), ms.Tensor(back_to_order.astype(np.int32)), 0)
+
+    def _through_experts(self, sent, every: np.ndarray):
+        """Exchange, run the local experts, exchange back: [P, h] outputs of this rank's P pairs."""
+        h = sent.shape[1] - 1
         to_rank = every.reshape(self.ep, self.ep, self.local).sum(-1)   # [source, destination]
         rows = int(to_rank.max())          # each rank's chunk for each destination, padded to this
+        self.schedule.append("dispatch")
         received = self._exchange(self._padded_chunks(sent, to_rank[self.ep_rank], rows))
         outputs = self._run_experts(received, every, rows, h)
+        self.schedule.append("combine")
         back = self._exchange(outputs)
         mine = np.concatenate([r * rows + np.arange(to_rank[self.ep_rank, r]) for r in range(self.ep)])
-        per_pair = ops.gather(back, ms.Tensor(mine.astype(np.int32)), 0)      # [T*k, h], permuted order
-        return ops.unsorted_segment_sum(per_pair, token_of, tokens)
-
-    def _all_counts(self, counts: np.ndarray) -> np.ndarray:
-        if self.ep == 1:
-            return counts[None]
-        comm, group = self.model.backend.comm, self.model.ps.ep_group
-        gathered = comm.all_gather(ms.Tensor(counts.astype(np.float32))[None], 0, group)
-        return np.rint(gathered.asnumpy()).astype(np.int64)
+        return ops.gather(back, ms.Tensor(mine.astype(np.int32)), 0)
 
     @staticmethod
     def _padded_chunks(sent, per_destination: np.ndarray, rows: int):
@@ -136,15 +224,29 @@ class MoELayer:
         expert-major) -> the outputs [ep * rows, h] in the same rows (zeros in the padding)."""
         mine = every[:, self.first:self.first + self.local]         # [source, local expert]
         starts = np.cumsum(mine, axis=1) - mine
-        outputs, at = [], []
-        for j in range(self.local):
-            where = np.concatenate([s * rows + starts[s, j] + np.arange(mine[s, j]) for s in range(self.ep)])
-            if not where.size:           # no token for this expert: its weights get zero gradient
-                continue
-            pairs = ops.gather(received, ms.Tensor(where.astype(np.int32)), 0)
-            outputs.append(self._expert_mlp(self.first + j, pairs[:, :h], pairs[:, h]))
-            at.append(where)
-        if not outputs:      # still a function of `received`: every rank's backward runs the reverse all-to-all
+        where = [np.concatenate([s * rows + starts[s, j] + np.arange(mine[s, j]) for s in range(self.ep)])
+                 for j in range(self.local)]
+        if not any(w.size for w in where):  # still a function of `received`: every rank's backward runs the reverse all-to-all
+            self.schedule.append("experts:none")
             return received[:, :h] * 0.0
-        return ops.unsorted_segment_sum(ops.cat(outputs, 0), ms.Tensor(np.concatenate(at).astype(np.int32)),
-                                        received.shape[0])
+        at = ms.Tensor(np.concatenate(where).astype(np.int32))
+        if self.grouped_gemm:
+            self.schedule.append("experts:gmm")
+            out = self._grouped_experts(ops.gather(received, at, 0), [w.size for w in where], h)
+        else:
+            self.schedule.append("experts:loop")
+            outputs = []
+            for j, w in enumerate(where):
+                if w.size:   # no token for this expert: its weights get zero gradient
+                    pairs = ops.gather(received, ms.Tensor(w.astype(np.int32)), 0)
+                    outputs.append(self._expert_mlp(self.first + j, pairs[:, :h], pairs[:, h]))
+            out = ops.cat(outputs, 0)
+        return ops.unsorted_segment_sum(out, at, received.shape[0])
+
+    def _grouped_experts(self, pairs, sizes: list, h: int):
+        """pairs [M, h + 1] sorted by local expert (sizes[j] rows for expert j) -> [M, h]: fc1, the
+        activation, x probability, fc2, each GEMM one gmm over the local experts' weights [L, K, N]."""
+        gmm = self.model.kernel("gmm")
+        stacked = lambda suffix: ops.stack([self._expert_weight(self.first + j, suffix).T for j in range(self.local)])
+        hidden = self.model._activation(gmm(pairs[:, :h], stacked("linear_fc1.weight"), sizes, 1))
+        return gmm(hidden * pairs[:, h:], stacked("linear_fc2.weight"), sizes, 1)

@@ -25,12 +25,17 @@ from mindspeed.training.mindspore import checkpoint, data, schedule
 from mindspeed.training.mindspore.distrib_optimizer import DistributedOptimizer
 from mindspeed.training.mindspore.dropout import DropoutMasks
 from mindspeed.training.mindspore.eod import EodRules
-from mindspeed.training.mindspore.mixed_precision import MasterWeights, main_grads, scaler_from_args, unscale_and_check
+from mindspeed.training.mindspore.main_grad import MainGrads
+from mindspeed.training.mindspore.mixed_precision import (MasterWeights, bf16_main_grads, scaler_from_args,
+                                                          unscale_and_check)
 from mindspeed.training.mindspore.model import Extras, GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
 from mindspeed.training.mindspore.pipeline import TwoStagePipeline
 from mindspeed.training.mindspore.tracing import traced
+
+
+DEFAULT_TIMEOUT_MINUTES = 10       # Megatron's --distributed-timeout-minutes
 
 
 class TrainerConfigError(ValueError):
@@ -71,17 +76,18 @@ def graph_mode_ok(cfg, ps, swap: bool) -> bool:
     are Cells whose backward a trace would not call), nor with --use-ascend-coc (its linears are Cells
     too, and wait on collectives in flight, which a graph cannot hold), nor with pipeline parallelism
     (its stages run under mindspore.vjp between exchanges), nor with MoE layers (their shapes follow
-    the routing, decided on the host each step), nor with bf16 where it is emulated (MindSpore's CPU
-    graphs have no bf16 Reshape, AddN or ReduceSum: backends/mindspore/precision.py). TP (its
-    collectives carry their gradient as primitives, comm.with_gradient) and DP (gradients are
-    reduced outside the graph) trace."""
+    the routing, decided on the host each step), nor with --gradient-accumulation-fusion (its kernel
+    adds into the main grads in a custom backward, which a trace never calls), nor with bf16 where it
+    is emulated (MindSpore's CPU graphs have no bf16 Reshape, AddN or ReduceSum:
+    backends/mindspore/precision.py). TP (its collectives carry their gradient as primitives,
+    comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
     if os.environ.get("MINDSPEED_MS_PYNATIVE") == "1":      # debugging: op by op
         return False
     if cfg.params_dtype == "bf16" and precision.emulated():
         return False
     return not (swap or cfg.recompute or cfg.recompute_core_attention or cfg.recompute_norm_layers
                 or cfg.recompute_activation_layers or ps.cp_size > 1 or ps.tp_linear is not None
-                or ps.pp_size > 1 or cfg.num_experts)
+                or ps.pp_size > 1 or cfg.num_experts or ps.main_grads is not None)
 
 
 def extras_names(args, cfg: GPTConfig, training: bool) -> tuple:
@@ -139,6 +145,8 @@ class Trainer:
         if ps.cp_size > 1:
             enable_context_parallel(args, self.model, ps)
             self._shard = _cp_hook("shard_batch")
+        if "matmul_add_fp32" in cfg.fused_kernels:
+            ps.main_grads = MainGrads(backend)
         self.graph_mode = graph_mode_ok(cfg, ps, swap is not None)
         self.dropout = DropoutMasks(cfg, ps, args.seed, len(self.model.layers))
         self._train_names, self._eval_names = extras_names(args, cfg, True), extras_names(args, cfg, False)
@@ -180,6 +188,9 @@ class Trainer:
         grads, losses = None, []
         n = len(micro_batches)
         scale = None if self.scaler is None else ms.Tensor(self.scaler.scale, ms.float32)
+        main_grads = self.ps.main_grads
+        if main_grads is not None:
+            main_grads.zero()
         if self.pipeline is not None:
             grads, losses = self.pipeline.train(micro_batches, scale)
         else:
@@ -192,6 +203,8 @@ class Trainer:
                     loss = loss / scale
                 losses.append(loss)
                 grads = accumulate(grads, g, n)
+        if main_grads is not None:
+            grads = main_grads.added_to(names, grads, n)
         step_samples = n * micro_batches[0]["tokens"].shape[0] * self.ps.dp_size
         if consumed is None:
             consumed = (iteration - 1) * self.args.global_batch_size
@@ -201,7 +214,7 @@ class Trainer:
             grads, self.last_step_skipped = unscale_and_check(self.backend.comm, grads, self.scaler)
             self.scaler.update(self.last_step_skipped)
         elif self.cfg.params_dtype == "bf16":     # no loss scale: fp32 main gradients, reduced in fp32
-            grads = main_grads(grads)
+            grads = bf16_main_grads(grads)
         if self.last_step_skipped:
             self.skipped_iterations += 1
             self.skipped_samples += step_samples
@@ -266,6 +279,7 @@ def setup(args):
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
                               args.context_parallel_size, args.pipeline_model_parallel_size,
                               getattr(args, "expert_model_parallel_size", 1) or 1)
+    set_collective_timeout(backend, args.distributed_timeout_minutes)
     if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
         args.world_size, args.data_parallel_size = world, ps.dp_size
     if args.global_batch_size % (args.micro_batch_size * ps.dp_size):
@@ -277,6 +291,17 @@ def setup(args):
     if args.deterministic_mode and ms.get_context("deterministic") != "ON":
         ms.set_deterministic(True)
     return backend, ps
+
+
+def set_collective_timeout(backend, minutes: float) -> None:
+    """--distributed-timeout-minutes over every group's collectives once the groups are set up (which
+    wait longer, as the torch trainer's do); refused where a group's collectives cannot time out."""
+    untimed = backend.comm.set_timeout(minutes)
+    if untimed and minutes != DEFAULT_TIMEOUT_MINUTES:
+        raise TrainerConfigError(
+            f"--distributed-timeout-minutes {minutes:g}: the group of ranks {list(untimed[0].ranks)} runs MindSpore "
+            "2.10's CPU collectives (MCCL: its ranks span hosts, are not on x86-64 or MINDSPEED_MS_SHM_COLLECTIVES=0), "
+            "which take no timeout; drop the flag (msrun's MS_NODE_TIMEOUT notices a dead node) or use --backend torch")
 
 
 def run(args) -> dict:
@@ -353,6 +378,9 @@ def _data(args, logger):
                 check_dataset(prefix, flag_tokenizer.vocab_size)      # every id within the vocabulary
         a.vocab_size = flag_tokenizer.vocab_size   # build_streams takes it instead of the dataset's file
     vocab, train, valid = data.build_streams(a, log=logger.print)
+    note = data.cache_note(a, [s for s in (train, valid) if s is not None])
+    if note:
+        logger.print(note)
     eod_rules = EodRules.from_args(a, data.eod_id(a, flag_tokenizer)
                                    if a.eod_mask_loss or a.reset_position_ids or a.reset_attention_mask else None)
     return vocab, train, valid, eod_rules
@@ -367,6 +395,10 @@ def _print_setup(args, logger, backend, ps, cfg, trainer, n_params) -> None:
         f"{f' (MoE: {cfg.num_experts} experts, top-{cfg.moe_router_topk}, EP {ps.ep_size})' if cfg.num_experts else ''}"
         f"{' (sequence parallel)' if ps.sequence_parallel else ''}; micro-batches per step "
         f"{a.global_batch_size // (a.micro_batch_size * ps.dp_size)}; parameters on rank 0: {n_params}")
+    overlapped = [flag for flag, on in (("--overlap-grad-reduce", a.overlap_grad_reduce),
+                                        ("--overlap-param-gather", a.overlap_param_gather)) if on]
+    if overlapped:      # the support matrix's `emulated`: same collectives, run in turn
+        say(f"> {' and '.join(overlapped)}: the same reductions and gathers, not overlapped with compute (emulated)")
     if trainer.distributed_optimizer:
         say(f"> distributed optimizer: rank 0 keeps {trainer.optimizer.state_elements()} optimizer state "
             f"values for its {n_params} parameters (a 1/{ps.dp_size} slice)")
