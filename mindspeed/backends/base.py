@@ -27,6 +27,7 @@ class Cap:
     """Capability names: one name per concept across flags, features, matrix and tests."""
     # device
     RNG_STATE = "device.rng_state"
+    BF16_COMPUTE = "device.bf16_compute"     # bf16 kernels for the model's ops (else fp32 on upcast inputs)
     # collectives
     ALL_REDUCE = "comm.all_reduce"
     ALL_GATHER = "comm.all_gather"

@@ -59,10 +59,9 @@ option("fp16", (host("--fp16", False), host("--loss-scale"), host("--initial-los
                 host("--loss-scale-window"), host("--hysteresis")),
        lambda a: a.fp16, "fp16 training with fp32 master weights and (dynamic) loss scaling", {}, "",
        ("--fp16", "--initial-loss-scale", "65536"))
-option("bf16", (host("--bf16", False),), lambda a: a.bf16, "bf16 training with fp32 master weights",
-       {"mindspore": f"{MS} has no bf16 path (MindSpore 2.10's CPU kernels have no bf16 MatMul, BatchMatMul, "
-                     "Softmax or Sigmoid: 'kernel unregistered', measured; nothing bf16 is run on Ascend here)"},
-       f"--fp16 (loss-scaled, fp32 masters), or {TORCH}", ("--bf16",))
+Bf16 = option("bf16", (host("--bf16", False),), lambda a: a.bf16, "bf16 training with fp32 master weights",
+              {}, "", ("--bf16",))
+Bf16.requires = (Cap.BF16_COMPUTE,)     # MindSpore/CPU: bf16 storage, ops without a bf16 kernel in fp32
 option("sgd-optimizer", (host("--optimizer", "adam"), host("--sgd-momentum", 0.9)), lambda a: a.optimizer != "adam",
        "Megatron's SGD optimizer (momentum, L2 weight decay) instead of Adam", {}, "",
        ("--optimizer", "sgd"))

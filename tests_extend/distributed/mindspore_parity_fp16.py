@@ -1,9 +1,10 @@
-"""The --fp16 parity experiment (test_mindspore_parity_fp16.py and its msrun worker): mindspore_parity's
-GPT, batches and optimizer settings in fp16 with fp32 masters and dynamic loss scaling, trained by
+"""The --fp16 and --bf16 parity experiments (test_mindspore_parity_fp16.py, test_mindspore_parity_bf16.py
+and their msrun worker): mindspore_parity's GPT, batches and optimizer settings in fp16 with fp32
+masters and dynamic loss scaling, or in bf16 with fp32 masters and no scaling, trained by
 Megatron-Core on torch (Float16Module, Float16OptimizerWithFloat16Params over torch.optim.AdamW, its
-DynamicGradScaler) and by the MindSpore trainer. The initial weights are fp16-representable, so the
-fp32 masters both sides build (torch from its fp16 weights, MindSpore from the loaded fp32 values)
-start equal."""
+DynamicGradScaler under fp16) and by the MindSpore trainer. The initial weights are representable in
+the 16-bit type, so the fp32 masters both sides build (torch from its 16-bit weights, MindSpore from
+the loaded fp32 values) start equal."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,16 +16,24 @@ PARITY = ("--fp16", "--initial-loss-scale", str(2.0 ** 14), "--loss-scale-window
 # forced overflows: 2**24 x gradients beyond fp16's 65504 until the scale has come down
 OVERFLOW = ("--fp16", "--initial-loss-scale", str(2.0 ** 24))
 OVERFLOW_STEPS = 9     # 7 skipped (torch's sequence), then 2 updates
+BF16 = ("--bf16",)
 
 
-def write_init(path: str) -> None:
-    """The trainer's own initialisation (numpy, TP-independent), rounded to fp16."""
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to the nearest bf16 (ties to even), as fp32."""
+    bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+def write_init(path: str, dtype: str = "fp16") -> None:
+    """The trainer's own initialisation (numpy, TP-independent), rounded to fp16 or bf16."""
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.checkpoint import neutral as nf
     from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
     args = parse_args(mp.trainer_argv(1), world_size=1)
     full = init_full_weights(GPTConfig.from_args(args, mp.VOCAB), args.seed)
-    nf.save(path, 0, {k: v.astype(np.float16).astype(np.float32) for k, v in full.items()}, meta={"backend": "numpy"})
+    rounded = to_bf16 if dtype == "bf16" else (lambda v: v.astype(np.float16).astype(np.float32))
+    nf.save(path, 0, {k: rounded(v) for k, v in full.items()}, meta={"backend": "numpy"})
 
 
 def _scaler_settings(flags) -> dict:
@@ -71,8 +80,8 @@ def ms_train_fp16(backend, init_ckpt: str, flags=PARITY, steps: int = mp.STEPS, 
         out["graph_mode"] = trainer.graph_mode
         out["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.params.values()})
         if save_dir:
-            meta = {"backend": "mindspore", "grad_scaler": trainer.scaler.state_dict(),
-                    "skipped_iterations": trainer.skipped_iterations}
+            meta = {"backend": "mindspore", "skipped_iterations": trainer.skipped_iterations,
+                    **({"grad_scaler": trainer.scaler.state_dict()} if trainer.scaler else {})}
             checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, meta)
             out["masters"] = {n: p.asnumpy().tolist() for n, p in trainer.model.masters.items()}
         return out
@@ -82,21 +91,24 @@ def ms_train_fp16(backend, init_ckpt: str, flags=PARITY, steps: int = mp.STEPS, 
 
 # -- torch side (Megatron-Core, in the gloo harness) ---------------------------------------------
 def _torch_fp16_run(init_ckpt: str, flags, steps: int) -> dict:
+    """Megatron-Core's fp16 (flags: the loss scaling) or, with BF16, bf16 (no grad scaler) run."""
     import torch
     from megatron.core.optimizer.grad_scaler import DynamicGradScaler
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
     from megatron.core.transformer.module import Float16Module
+    bf16 = "--bf16" in flags
     model = mp.build_torch_model(1)
     mp.load_into_torch(model, init_ckpt, 0, 1)
-    model.config.fp16 = True
-    wrapped = Float16Module(model.config, model)           # fp16 weights; fp32 output (the loss)
+    model.config.fp16, model.config.bf16 = not bf16, bf16
+    wrapped = Float16Module(model.config, model)           # 16-bit weights; fp32 output (the loss)
     params = [p for _, p in wrapped.named_parameters()]
     inner = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": mp.OPT["weight_decay"]},
                                {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
                               lr=mp.OPT["lr"], betas=mp.OPT["betas"], eps=mp.OPT["eps"])
-    config = OptimizerConfig(fp16=True, lr=mp.OPT["lr"], clip_grad=mp.OPT["clip"])
-    opt = Float16OptimizerWithFloat16Params(inner, config, DynamicGradScaler(**_scaler_settings(flags)), None)
+    config = OptimizerConfig(fp16=not bf16, bf16=bf16, lr=mp.OPT["lr"], clip_grad=mp.OPT["clip"])
+    scaler = None if bf16 else DynamicGradScaler(**_scaler_settings(flags))
+    opt = Float16OptimizerWithFloat16Params(inner, config, scaler, None)
     out = {k: [] for k in ("losses", "grad_norms", "scales", "skipped", "lrs")}
     updates = 0
     for step in range(steps):
@@ -120,3 +132,10 @@ def torch_runs(rank, world_size, init_ckpt, ms_ckpt):
     fp32 = mp.torch_train(rank, world_size, 1, init_ckpt, False, other_ckpt=ms_ckpt, steps=mp.STEPS)
     return {"fp16": _torch_fp16_run(init_ckpt, PARITY, mp.STEPS),
             "overflow": _torch_fp16_run(init_ckpt, OVERFLOW, OVERFLOW_STEPS), "fp32": fp32}
+
+
+def torch_bf16_runs(rank, world_size, init_ckpt, ms_ckpt):
+    """Harness body (TP=1): bf16, the fp32 reference from the same bf16-representable weights, and the
+    MindSpore bf16 run's checkpoint loaded into an fp32 Megatron-Core model and evaluated."""
+    fp32 = mp.torch_train(rank, world_size, 1, init_ckpt, False, other_ckpt=ms_ckpt, steps=mp.STEPS)
+    return {"bf16": _torch_fp16_run(init_ckpt, BF16, mp.STEPS), "fp32": fp32}

@@ -1,7 +1,9 @@
 """msrun worker for the --fp16 parity test: TP=2, TP=2 with sequence parallelism, DP=2 with the
 distributed optimizer and PP=2, from the same fp16-representable initial checkpoint, with
-mindspore_parity_fp16's PARITY loss scaling; and
-the overflow check with an inf on rank 1 only. Usage: msrun ... mindspore_parity_fp16_worker.py OUT_DIR INIT_CKPT"""
+mindspore_parity_fp16's PARITY loss scaling; the overflow check with an inf on rank 1 only; and --bf16
+at TP=2 with sequence parallelism and at PP=2 from a bf16-representable one (its bf16 activations
+cross the TP and pipeline collectives). Usage: msrun ... mindspore_parity_fp16_worker.py OUT_DIR
+INIT_CKPT BF16_INIT_CKPT"""
 import os
 import sys
 import traceback
@@ -12,6 +14,7 @@ from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 STEPS = 4      # short: the TP=1 run (in the test process) carries the 20-step claim
 RUNS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sp=True), "dp2_distributed_optimizer": dict(distributed_optimizer=True),
         "pp2": dict(pp=2)}
+BF16_RUNS = {"bf16_tp2_sp": dict(tp=2, sp=True), "bf16_pp2": dict(pp=2)}
 
 
 def overflow_seen(backend) -> bool:
@@ -27,13 +30,15 @@ def overflow_seen(backend) -> bool:
     return found
 
 
-def main(out_dir, init_ckpt):
+def main(out_dir, init_ckpt, bf16_init_ckpt):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
-    from tests_extend.distributed.mindspore_parity_fp16 import ms_train_fp16
+    from tests_extend.distributed.mindspore_parity_fp16 import BF16, ms_train_fp16
     backend = MindSporeBackend("cpu")
     rank = backend.comm.rank()
     try:
         result = {name: ms_train_fp16(backend, init_ckpt, steps=STEPS, **kw) for name, kw in RUNS.items()}
+        result.update({name: ms_train_fp16(backend, bf16_init_ckpt, BF16, steps=STEPS, **kw)
+                       for name, kw in BF16_RUNS.items()})
         result["overflow_on_rank1_only"] = overflow_seen(backend)
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:
@@ -41,4 +46,4 @@ def main(out_dir, init_ckpt):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -25,6 +25,11 @@ FAST_KERNELS = {
 # why a cell is what it is (shown by tests and docs; the matrix only needs the level)
 NOTES = {
     "cpu": {
+        Cap.BF16_COMPUTE: ("bf16 parameters, activations and gradients; MindSpore 2.10's CPU kernels have no "
+                           "bf16 MatMul, BatchMatMul, Gather, Softmax, Sigmoid, Exp, Sqrt, ReduceSum, LayerNorm or "
+                           "Assign: those ops compute in fp32 on upcast inputs and round their output to bf16, op "
+                           "by op (its traced graphs lack bf16 Reshape and AddN); its CPU collectives take no "
+                           "bf16: bf16 tensors travel as fp32"),
         Cap.ALL_REDUCE: "sum native; max/min/avg emulated (gather via AllReduce, then reduce)",
         Cap.ALL_GATHER: "world group native; sub-groups emulated via AllReduce of a zero-padded buffer",
         Cap.BROADCAST: "world group native; sub-groups emulated via AllReduce",
@@ -65,6 +70,7 @@ def declared(device: str) -> dict:
         Cap.ALL_TO_ALL: E if on_cpu else N,
         Cap.SEND_RECV: E if on_cpu else N,
         Cap.RNG_STATE: N, Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.PEAK_MEMORY: N,
+        Cap.BF16_COMPUTE: E if on_cpu else N,    # precision.py: the CPU kernels lack bf16 MatMul, Gather, ...
         Cap.RECOMPUTE_OUTPUT: N,
         Cap.HOST_OFFLOAD: E,
         Cap.ASYNC_COMM: E if on_cpu else N,   # mint.distributed async_op; on CPU partly emulated (NOTES)

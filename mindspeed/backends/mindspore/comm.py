@@ -11,6 +11,7 @@ faster; MINDSPEED_MS_SHM_COLLECTIVES=0 keeps MCCL). On Ascend, HCCL has every op
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -47,6 +48,21 @@ def launched_by_msrun() -> bool:
     """msrun starts a scheduler (MS_ROLE=MS_SCHED) and the workers (MS_WORKER), all running the
     same script; each must join the cluster."""
     return os.environ.get("MS_ROLE") in ("MS_WORKER", "MS_SCHED")
+
+
+def _bf16_as_fp32(method):
+    """MindSpore's CPU collectives take no bf16 (MCCL has no bf16 kernel, and the shared-memory and
+    gradient pyfunc ops see numpy arrays, which have no bf16): a bf16 tensor travels as fp32 (its values
+    exactly; a sum is rounded to bf16 once, after it) and comes back bf16, its gradient likewise."""
+    @functools.wraps(method)
+    def run(self, tensor, *args, **kwargs):
+        if self.native_all or tensor.dtype != ms.bfloat16:
+            return method(self, tensor, *args, **kwargs)
+        out = method(self, tensor.astype(ms.float32), *args, **kwargs)
+        if isinstance(out, tuple):      # send_recv: (tensor, handle)
+            return (out[0].astype(ms.bfloat16),) + out[1:]
+        return out.astype(ms.bfloat16)
+    return run
 
 
 class MsComm(CommAPI):
@@ -206,6 +222,7 @@ class MsComm(CommAPI):
             raise ValueError(f"{name}: dim {dim} of size {tensor.shape[dim]} does not divide by the group size {n}")
 
     # CommAPI -------------------------------------------------------------------------------------
+    @_bf16_as_fp32
     def all_reduce(self, tensor, op="sum", group=None):
         if op not in ("sum", "avg", "max", "min"):
             raise ValueError(f"all_reduce: unknown op {op!r}; choose sum, avg, max or min")
@@ -221,6 +238,7 @@ class MsComm(CommAPI):
         stacked = self._stack(tensor, g, self.rank(g))
         return stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
 
+    @_bf16_as_fp32
     def all_gather(self, tensor, dim=0, group=None):
         g = self._group(group)
         n = self.world_size(g)
@@ -228,6 +246,7 @@ class MsComm(CommAPI):
             return tensor
         return self._gather(tensor, dim, g, self.rank(g))
 
+    @_bf16_as_fp32
     def reduce_scatter(self, tensor, dim=0, group=None):
         g = self._group(group)
         n = self.world_size(g)
@@ -236,6 +255,7 @@ class MsComm(CommAPI):
         self._check_divisible("reduce_scatter", tensor, dim, n)
         return self._scatter_sum(tensor, dim, g, self.rank(g))
 
+    @_bf16_as_fp32
     def all_to_all(self, tensor, scatter_dim, gather_dim, group=None):
         g = self._group(group)
         n = self.world_size(g)
@@ -248,6 +268,7 @@ class MsComm(CommAPI):
         every = ops.unbind(self._stack(tensor, g, me), 0)
         return ops.cat([ops.chunk(src, n, axis=scatter_dim)[me] for src in every], axis=gather_dim)
 
+    @_bf16_as_fp32
     def send_recv(self, send_tensor, dst, src, group=None):
         """Emulated on CPU as a collective: every rank of the group must call it together (the
         ring pattern of context parallelism does)."""
@@ -261,6 +282,7 @@ class MsComm(CommAPI):
             return recv[0], _Both(send, recv[1])
         return self._stack(send_tensor, g, self.rank(g))[src], _Done()
 
+    @_bf16_as_fp32
     def broadcast(self, tensor, src=0, group=None):
         g = self._group(group)
         if self.world_size(g) == 1:
@@ -315,6 +337,7 @@ class MsComm(CommAPI):
         return _Pending(handle, lambda: ops.chunk(buf, n, axis=dim)[me])
 
     # differentiable variants: backward is the adjoint collective ----------------------------------
+    @_bf16_as_fp32
     def all_to_all_autograd(self, tensor, scatter_dim, gather_dim, group=None):
         op = self._autograd.custom_op(
             lambda ctx, x: self.all_to_all(x, scatter_dim, gather_dim, group),
@@ -325,6 +348,7 @@ class MsComm(CommAPI):
     # with_gradient (a primitive's bprop), not a Cell's bprop, so they stay right inside a
     # jit-traced forward, where MindSpore's own AllReduce backward would sum the gradient again
     # (doubling TP gradients) and AllGather's (a ReduceScatter) has no CPU kernel.
+    @_bf16_as_fp32
     def all_gather_autograd(self, tensor, dim=0, group=None):
         g = self._group(group)
         if self.world_size(g) == 1:
@@ -336,6 +360,7 @@ class MsComm(CommAPI):
             return self._scatter_sum(dy, dim, g, me)
         return with_gradient(lambda x: self.all_gather(x, dim, g), tensor, backward, ("all_gather", g.name, dim))
 
+    @_bf16_as_fp32
     def reduce_scatter_autograd(self, tensor, dim=0, group=None):
         g = self._group(group)
         if self.world_size(g) == 1:
@@ -349,6 +374,7 @@ class MsComm(CommAPI):
                              ("reduce_scatter", g.name, dim))
 
     # tensor-parallel region markers (Megatron's copy_to / reduce_from), used by the trainer
+    @_bf16_as_fp32
     def copy_to_region(self, tensor, group=None):
         """Forward identity; backward sums the gradient over the group."""
         g = self._group(group)
@@ -359,6 +385,7 @@ class MsComm(CommAPI):
             return self._sum(dy, g)
         return with_gradient(lambda x: x, tensor, backward, ("copy_to", g.name))
 
+    @_bf16_as_fp32
     def reduce_from_region(self, tensor, group=None):
         """Forward sums over the group; backward identity."""
         g = self._group(group)

@@ -15,7 +15,8 @@ def declared(device: str) -> dict:
         # gloo / nccl / hccl all provide these collectives natively
         Cap.ALL_REDUCE: N, Cap.ALL_GATHER: N, Cap.REDUCE_SCATTER: N, Cap.ALL_TO_ALL: N,
         Cap.SEND_RECV: N, Cap.BROADCAST: N, Cap.SUBGROUPS: N,
-        Cap.RNG_STATE: N, Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.RECOMPUTE_OUTPUT: N, Cap.PEAK_MEMORY: N,
+        Cap.RNG_STATE: N, Cap.BF16_COMPUTE: N,
+        Cap.CUSTOM_OP: N, Cap.RECOMPUTE: N, Cap.RECOMPUTE_OUTPUT: N, Cap.PEAK_MEMORY: N,
         # on cpu "host" memory is the same memory: offload is a copy, honest but no saving
         Cap.HOST_OFFLOAD: E if device == "cpu" else N,
         Cap.ASYNC_COMM: N,   # gloo / nccl / hccl work handles (async_op=True)

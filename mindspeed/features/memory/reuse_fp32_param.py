@@ -25,8 +25,9 @@ class ReuseFp32Param(Feature):
     depends = ("bf16",)
     # the swap empties and refills the masters' storage, which here is the model's parameters too
     conflicts = ("swap-optimizer",)
-    unsupported = {"mindspore": "the MindSpore trainer refuses --bf16 (MindSpore's CPU kernels have no bf16 "
-                                "matmul here), so there is no bf16 copy to fold into the master; use --backend torch"}
+    unsupported = {"mindspore": "the MindSpore trainer's --bf16 keeps each bf16 parameter and its fp32 master as "
+                                "two MindSpore Parameters, each owning its storage (the folding is written for "
+                                "Megatron-Core's optimizers only); use --backend torch"}
     alternatives = "leave it off: bf16 parameters and fp32 masters are kept apart"
     example = ("--reuse-fp32-param", "--bf16")
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ops
 
+from mindspeed.backends.mindspore.precision import fp32_compute
 from mindspeed.training.mindspore.parallel import ParallelState
 
-_MATMUL_T = ops.MatMul(transpose_b=True)
+_MATMUL_T = fp32_compute(ops.MatMul(transpose_b=True))     # bf16 on CPU: in fp32 (precision.py)
+_GATHER = fp32_compute(ops.gather)
 
 
 def linear(x, weight):
@@ -52,12 +54,12 @@ def vocab_parallel_embedding(backend, ps: ParallelState, tokens, weight):
     """tokens [b, s] -> [s(/tp with SP), b, h]; rank r holds vocab rows [r*V/tp, (r+1)*V/tp)."""
     tokens = tokens.T
     if ps.tp_size == 1:
-        return ops.gather(weight, tokens, 0)
+        return _GATHER(weight, tokens, 0)
     rows = weight.shape[0]
     start = ps.tp_rank * rows
     in_range = ops.logical_and(tokens >= start, tokens < start + rows)
     local = ops.where(in_range, tokens - start, ops.zeros_like(tokens))
-    emb = ops.gather(weight, local, 0) * in_range.astype(weight.dtype).expand_dims(-1)
+    emb = _GATHER(weight, local, 0) * in_range.astype(weight.dtype).expand_dims(-1)
     return (backend.comm.reduce_scatter_autograd(emb, 0, ps.tp_group) if ps.sequence_parallel
             else backend.comm.reduce_from_region(emb, ps.tp_group))
 

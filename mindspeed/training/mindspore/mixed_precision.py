@@ -1,5 +1,5 @@
 """--fp16 on the MindSpore trainer: Megatron-Core's loss scaling (grad_scaler.py) and the
-unscale / overflow check of its MixedPrecisionOptimizer.
+unscale / overflow check of its MixedPrecisionOptimizer; --bf16's fp32 main gradients (no scaling).
 
 The model computes in fp16 (model.py keeps fp32 masters beside its fp16 weights); the loss is
 multiplied by the scale before backward, the fp16 gradients are taken to fp32, unscaled and checked
@@ -87,6 +87,15 @@ def _unscaled_fp32(grads, inv_scale):
     for g in out:
         bad = ops.maximum(bad, ops.logical_not(ops.isfinite(g)).any().astype(ms.float32))
     return out, bad
+
+
+def bf16_main_grads(grads: tuple) -> tuple:
+    """--bf16: the fp32 copies of the bf16 gradients the optimizer reads and the ranks reduce (Megatron's
+    main_grad; the torch trainer reduces in fp32 too, grad_reduce_in_fp32). Already fp32 after an
+    accumulation over micro-batches."""
+    if all(g.dtype == ms.float32 for g in grads):
+        return tuple(grads)
+    return tuple(g.astype(ms.float32) for g in grads)
 
 
 def unscale_and_check(comm, grads: tuple, scaler: LossScaler) -> tuple[tuple, bool]:

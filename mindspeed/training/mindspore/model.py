@@ -24,6 +24,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
+from mindspeed.backends.mindspore import precision
 from mindspeed.features.parallel.layers import layer_list, noop_layer_set
 from mindspeed.checkpoint import neutral as nf
 from mindspeed.training.mindspore.attention_band import CAUSAL, band_keywords
@@ -35,6 +36,10 @@ from mindspeed.training.mindspore.recompute_plan import layer_chunks
 
 
 _THIRDS = ops.Split(axis=-1, output_num=3)
+_GELU = precision.fp32_compute(lambda h: ops.gelu(h, approximate="none"))
+_GATHER = precision.fp32_compute(ops.gather)
+# dropout's keep mask (fp32, 1/(1-p) where kept) times the activation; bf16: rounded once, as torch's
+_DROPPED = precision.fp32_compute(lambda x, keep: x * keep)
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class GPTConfig:
     max_position_embeddings: int = 0         # rows of the learned table (default: seq_length)
     hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
     attention_dropout: float = 0.0           # on the attention probabilities (training only)
-    params_dtype: str = "fp32"               # --fp16: fp16 weights and compute, fp32 masters (mixed_precision.py)
+    params_dtype: str = "fp32"               # --fp16 / --bf16: 16-bit weights and activations, fp32 masters
     num_experts: int = 0                     # --num-experts: every layer's MLP is an MoE layer (moe.py)
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 0             # each expert's FFN size (default: --ffn-hidden-size)
@@ -132,7 +137,8 @@ class GPTConfig:
                    max_position_embeddings=args.max_position_embeddings or args.seq_length,
                    hidden_dropout=float(args.hidden_dropout or 0.0),
                    attention_dropout=float(args.attention_dropout or 0.0),
-                   params_dtype="fp16" if getattr(args, "fp16", False) else "fp32",
+                   params_dtype="fp16" if getattr(args, "fp16", False) else "bf16" if getattr(args, "bf16", False)
+                   else "fp32",
                    pipeline_layers=cls._pipeline_layers(args),
                    num_experts=getattr(args, "num_experts", None) or 0,
                    moe_router_topk=getattr(args, "moe_router_topk", 2),
@@ -229,7 +235,7 @@ def init_full_weights(cfg: GPTConfig, seed: int) -> dict:
 
 def _set(params: dict, name: str, value) -> None:
     if name in params:
-        ops.assign(params[name], value)   # in place: a traced graph holds the storage
+        precision.assign(params[name], value)   # in place: a traced graph holds the storage
     else:
         params[name] = ms.Parameter(value, name=name)
 
@@ -262,9 +268,10 @@ class GPTModel:
             raise ValueError(f"{cfg.num_attention_heads} heads are not a multiple of {cfg.num_query_groups} query groups")
         self.cfg, self.backend, self.ps = cfg, backend, ps
         self.params = {}
-        # --fp16 (Megatron's Float16Module): the model computes with fp16 copies of fp32 master weights;
-        # the masters are what the optimizer updates and checkpoints hold (empty in fp32)
-        self.dtype = ms.float16 if cfg.params_dtype == "fp16" else ms.float32
+        # --fp16 / --bf16 (Megatron's Float16Module): the model computes with 16-bit copies of fp32 master
+        # weights; the masters are what the optimizer updates and checkpoints hold (empty in fp32). bf16
+        # ops without a CPU kernel compute in fp32 (backends/mindspore/precision.py)
+        self.dtype = {"fp16": ms.float16, "bf16": ms.bfloat16}.get(cfg.params_dtype, ms.float32)
         self.masters = {}
         self.heads_local = cfg.num_attention_heads // tp
         self.groups_local = cfg.num_query_groups // tp
@@ -307,10 +314,10 @@ class GPTModel:
         return self.masters or self.params
 
     def copy_from_masters(self) -> None:
-        """--fp16: the model's weights rounded from the updated masters (Megatron's
+        """--fp16 / --bf16: the model's weights rounded from the updated masters (Megatron's
         _copy_main_params_to_model_params)."""
         for name, master in self.masters.items():
-            ops.assign(self.params[name], master.astype(self.dtype))
+            precision.assign(self.params[name], master.astype(self.dtype))
 
     def owned_shapes(self) -> dict:
         """The whole shapes of the parameters this pipeline stage holds (all of them without PP),
@@ -370,7 +377,8 @@ class GPTModel:
         """The device's fast path when its fused feature is on, else the reference (the same
         callable on CPU, where the fast path is the reference)."""
         kernels = self.backend.kernels
-        return getattr(kernels if name in self.cfg.fused_kernels else kernels.reference, name)
+        # bf16 on CPU: in fp32 (the references widen most ops, not GQA's repeat or every gradient)
+        return precision.fp32_compute(getattr(kernels if name in self.cfg.fused_kernels else kernels.reference, name))
 
     def _norm(self, x, name):
         return self._normalize(x, self.params[name], self._norm_bias(name))
@@ -380,7 +388,7 @@ class GPTModel:
 
     def _normalize(self, x, weight, bias=None):
         if self.cfg.normalization == "LayerNorm":     # MindSpore's own LayerNorm (bias and eps as torch's)
-            return ops.LayerNorm(-1, -1, self.cfg.norm_epsilon)(x, weight, bias)[0]
+            return precision.fp32_compute(ops.LayerNorm(-1, -1, self.cfg.norm_epsilon))(x, weight, bias)[0]
         return self.kernel("rms_norm")(x, weight, self.cfg.norm_epsilon)[0]
 
     def _recomputed(self, layers: int, i: int, fn, *inputs):
@@ -427,6 +435,11 @@ class GPTModel:
         return row_parallel(self.backend, self.ps, out, p("self_attention.linear_proj.weight"),
                             self._bias(i, "self_attention.linear_proj.bias"))
 
+    def _attention_block(self, x, i, positions, extras):
+        """bf16 on CPU: the block in fp32 on bf16 weights, its output rounded once (the q/k/v split's
+        gradient, GQA's repeat and the softmax have no bf16 CPU kernel)."""
+        return precision.fp32_compute(lambda h: self._attention(i, h, positions, extras))(x)
+
     def _core_attention(self, q, k, v, i=0, extras=NO_EXTRAS):
         if self.cp is not None:      # this rank holds a shard of the sequence
             # --attention-mask-type general: the batch's own mask over the whole sequence (the documents'
@@ -434,7 +447,7 @@ class GPTModel:
             whole = {} if extras.attention_mask is None else {"mask": extras.attention_mask}
             return self.cp_attention(q, k, v, self.cp, head_num=self.heads_local, causal=True, **whole)
         if extras.probs_keep is not None:   # an explicit drop mask: the reference kernel takes one
-            return self.backend.kernels.reference.attention(
+            return precision.fp32_compute(self.backend.kernels.reference.attention)(
                 q, k, v, layout="SBH", head_num=self.heads_local, mask=extras.attention_mask,
                 drop_mask=extras.probs_keep[self._slot[i]], **self.band)[0]
         document_mask = {} if extras.attention_mask is None else {"mask": extras.attention_mask}
@@ -444,13 +457,13 @@ class GPTModel:
     def _activation(self, h):
         if self.cfg.swiglu:
             return self.kernel("swiglu")(h, -1)
-        return ops.gelu(h, approximate="none")       # Megatron-Core's default activation_func, F.gelu
+        return _GELU(h)       # Megatron-Core's default activation_func, F.gelu
 
     def _mlp(self, i, x):
         if self.cfg.num_experts:
             if i not in self.moe_layers:
                 self.moe_layers[i] = MoELayer(self, i)
-            return self.moe_layers[i](x)
+            return precision.fp32_compute(self.moe_layers[i])(x)     # bf16 on CPU: the layer in fp32
         p = lambda s: self.params[nf.layer_name(i, s)]
         h = column_parallel(self.backend, self.ps, x, p("mlp.linear_fc1.weight"), self._bias(i, "mlp.linear_fc1.bias"))
         act, done = self._recomputed(self.cfg.recompute_activation_layers, i, self._activation, h)
@@ -475,13 +488,13 @@ class GPTModel:
 
     def _dropped(self, x, extras, site):
         """Dropout at one site of the hidden stream (Megatron's embedding dropout and bias-dropout-add)."""
-        return x if extras.hidden_keep is None else x * extras.hidden_keep[site]
+        return x if extras.hidden_keep is None else _DROPPED(x, extras.hidden_keep[site])
 
     def _layer(self, i, x, positions=None, extras=NO_EXTRAS):
         # each part inside its --swap-attention scope when named; norms and the activation through
         # --recompute-norm / --recompute-activation-function (done(consumer) frees their output)
         normed, done = self._part("input_layernorm", i, self._layer_norm, i, x, "input_layernorm.weight")
-        attn = self._part("self_attention", i, self._attention, i, normed, positions, extras)
+        attn = self._part("self_attention", i, self._attention_block, normed, i, positions, extras)
         done(attn)
         x = x + self._dropped(attn, extras, 1 + 2 * self._slot[i])
         normed, done = self._part("pre_mlp_layernorm", i, self._layer_norm, i, x, "pre_mlp_layernorm.weight")
@@ -503,9 +516,9 @@ class GPTModel:
         sp_split = ps.sequence_parallel and ps.tp_size > 1
         rows = s_local * ps.tp_size if sp_split else s_local
         if per_sample is not None:
-            rows_emb = ops.gather(table, per_sample.T, 0)          # [s, b, h]
+            rows_emb = _GATHER(table, per_sample.T, 0)          # [s, b, h]
         else:
-            rows_emb = (table[:rows] if positions is None else ops.gather(table, positions, 0)).expand_dims(1)
+            rows_emb = (table[:rows] if positions is None else _GATHER(table, positions, 0)).expand_dims(1)
         if sp_split:
             rows_emb = rows_emb[ps.tp_rank * s_local:(ps.tp_rank + 1) * s_local]
         return rows_emb

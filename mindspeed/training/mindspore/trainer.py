@@ -11,6 +11,7 @@ import numpy as np
 import mindspeed
 from mindspeed.adaptor_core import current
 from mindspeed.backends import get_backend
+from mindspeed.backends.mindspore import precision
 from mindspeed.backends.mindspore.main_thread_gc import MainThreadCollection
 from mindspeed.backends.mindspore.msadapter import describe
 from mindspeed.checkpoint import neutral
@@ -25,7 +26,8 @@ from mindspeed.training.mindspore.distrib_optimizer import DistributedOptimizer
 from mindspeed.training.mindspore.dropout import DropoutMasks
 from mindspeed.training.mindspore.eod import EodRules
 from mindspeed.training.mindspore.main_grad import MainGrads
-from mindspeed.training.mindspore.mixed_precision import MasterWeights, scaler_from_args, unscale_and_check
+from mindspeed.training.mindspore.mixed_precision import (MasterWeights, bf16_main_grads, scaler_from_args,
+                                                          unscale_and_check)
 from mindspeed.training.mindspore.model import Extras, GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
@@ -75,10 +77,13 @@ def graph_mode_ok(cfg, ps, swap: bool) -> bool:
     too, and wait on collectives in flight, which a graph cannot hold), nor with pipeline parallelism
     (its stages run under mindspore.vjp between exchanges), nor with MoE layers (their shapes follow
     the routing, decided on the host each step), nor with --gradient-accumulation-fusion (its kernel
-    adds into the main grads in a custom backward, which a trace never calls). TP (its collectives
-    carry their gradient as primitives, comm.with_gradient) and DP (gradients are reduced outside
-    the graph) trace."""
+    adds into the main grads in a custom backward, which a trace never calls), nor with bf16 where it
+    is emulated (MindSpore's CPU graphs have no bf16 Reshape, AddN or ReduceSum:
+    backends/mindspore/precision.py). TP (its collectives carry their gradient as primitives,
+    comm.with_gradient) and DP (gradients are reduced outside the graph) trace."""
     if os.environ.get("MINDSPEED_MS_PYNATIVE") == "1":      # debugging: op by op
+        return False
+    if cfg.params_dtype == "bf16" and precision.emulated():
         return False
     return not (swap or cfg.recompute or cfg.recompute_core_attention or cfg.recompute_norm_layers
                 or cfg.recompute_activation_layers or ps.cp_size > 1 or ps.tp_linear is not None
@@ -211,6 +216,8 @@ class Trainer:
         if self.scaler is not None:
             grads, self.last_step_skipped = unscale_and_check(self.backend.comm, grads, self.scaler)
             self.scaler.update(self.last_step_skipped)
+        elif self.cfg.params_dtype == "bf16":     # no loss scale: fp32 main gradients, reduced in fp32
+            grads = bf16_main_grads(grads)
         if self.last_step_skipped:
             self.skipped_iterations += 1
             self.skipped_samples += step_samples
