@@ -193,7 +193,7 @@ def test_ramped_batch_and_fp16_loss_scale_appear_in_the_iteration_line():
 # --- the MindSpore trainer ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
-    (["--distributed-backend", "gloo"], "MindSpore trainer communicates through MindSpore's own collectives"),
+    (["--swap-optimizer"], "MindSpore 2.10 cannot release a Parameter's memory and bring it back on CPU"),
 ])
 def test_mindspore_trainer_refuses_what_its_loop_cannot_do(argv, message):
     """The support matrix (the one gate) refuses these for the MindSpore trainer, not for torch."""
