@@ -25,6 +25,17 @@ def to_bf16(a: np.ndarray) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
 
 
+def checkpoint_of_masters(saved: str, masters: dict):
+    """The neutral checkpoint saved at `saved` as (params, moments, meta), its parameters checked to be
+    the run's fp32 master weights, exactly."""
+    from mindspeed.checkpoint import neutral as nf
+    params, moments, meta = nf.load(nf.resolve(saved, None))
+    for name, value in params.items():
+        assert value.dtype == np.float32
+        np.testing.assert_array_equal(value, np.array(masters[name], np.float32), err_msg=name)
+    return params, moments, meta
+
+
 def write_init(path: str, dtype: str = "fp16") -> None:
     """The trainer's own initialisation (numpy, TP-independent), rounded to fp16 or bf16."""
     from mindspeed.flags.trainer_flags import parse_args
