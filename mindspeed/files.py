@@ -40,6 +40,14 @@ def atomic_write(path: str, write: Callable[[str], None], mode: int = PRIVATE_FI
         raise
 
 
+def atomic_write_text(path: str, text: str, mode: int = PRIVATE_FILE) -> None:
+    """atomic_write of a text file holding exactly `text` (UTF-8)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    atomic_write(path, write, mode)
+
+
 def private_dir(path: str) -> None:
     os.makedirs(path, mode=PRIVATE_DIR, exist_ok=True)
     os.chmod(path, PRIVATE_DIR)

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write, private_dir
+from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write_text, private_dir
 from mindspeed.checkpoint import scan
 from mindspeed.checkpoint.scan import ITERATION_DIR, iteration_dir
 from mindspeed.errors import CheckpointError, resume_hint, unreadable
@@ -133,7 +133,7 @@ def _commit(root: str, staged: str, iteration: int, meta: dict | None) -> str:
     for name in os.listdir(staged):
         os.chmod(os.path.join(staged, name), PRIVATE_FILE)
     directory = scan.publish(root, iteration)
-    atomic_write(os.path.join(root, TRACKER_FILE), lambda p: _dump_text(str(iteration), p))
+    atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n")
     return directory
 
 
@@ -168,11 +168,6 @@ def save_streaming(root: str, iteration: int, shapes: dict, produce, meta: dict 
 def _dump_json(obj, path):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
-
-
-def _dump_text(text, path):
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
 
 
 _HEADER_LIMIT = 100 * 2**20      # safetensors' own cap on the JSON header

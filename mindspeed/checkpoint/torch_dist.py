@@ -23,7 +23,7 @@ import torch
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write
+from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write_text
 from mindspeed.checkpoint import cross_format, neutral, scan
 from mindspeed.checkpoint.common_state import UnsafeCommonState, load_common
 from mindspeed.checkpoint.scan import iteration_dir
@@ -210,11 +210,6 @@ def last_readable(root: str, exclude: int | None = None) -> int | None:
     return scan.last_readable(root, check_iteration, exclude)
 
 
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def _restrict_permissions(path: str) -> None:
     for dirpath, dirnames, filenames in os.walk(path):
         os.chmod(dirpath, DIR_MODE)
@@ -326,7 +321,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
     torch.distributed.barrier()
     if rank0:
         scan.publish(root, iteration)
-        atomic_write(os.path.join(root, TRACKER), lambda tmp: _write_text(tmp, str(iteration)), FILE_MODE)
+        atomic_write_text(os.path.join(root, TRACKER), str(iteration), FILE_MODE)
         _restrict_permissions(root)
     torch.distributed.barrier()
     return path

@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from mindspeed.data.errors import DataError
-from mindspeed.files import atomic_write
+from mindspeed.files import atomic_write, atomic_write_text
 
 
 class OrderCache:
@@ -69,7 +69,7 @@ class OrderCache:
     def _write_description(self) -> None:
         path = f"{self.base}-description.json"
         if not os.path.isfile(path):
-            atomic_write(path, lambda tmp: _write_text(tmp, self.description))
+            atomic_write_text(path, self.description)
 
     @staticmethod
     def _refuse(path: str, why: str) -> DataError:
@@ -79,11 +79,6 @@ class OrderCache:
 def _save(path: str, order: np.ndarray) -> None:
     with open(path, "wb") as f:      # np.save(path) would add ".npy" to the temporary name
         np.save(f, order)
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 def order_cache(args, description: dict) -> OrderCache | None:
