@@ -43,7 +43,7 @@ def fp32_compute(fn):
     fp32 outputs rounded to bf16 when the first argument was bf16 (the activation's dtype rules; a
     bf16 weight meeting fp32 activations, as inside an fp32 MoE layer, gives fp32)."""
     def run(*args, **kwargs):
-        if not emulated() or not any(_is_bf16(a) for a in (*args, *kwargs.values())):
+        if not any(_is_bf16(a) for a in (*args, *kwargs.values())) or not emulated():
             return fn(*args, **kwargs)
         out = fn(*(_up(a) for a in args), **{k: _up(v) for k, v in kwargs.items()})
         return _down(out) if _is_bf16(args[0]) else out
