@@ -4,7 +4,11 @@ msrun starts the scheduler and the workers at the same moment, each running the 
 worker whose `mindspore.communication.init()` reaches the scheduler's port before the scheduler
 listens fails its first registration, and MindSpore 2.10's reconnect then keeps failing for about
 10 s before a registration goes through (docs/mindspore.md): every such launch starts 10 s late.
-Waiting here for the port to accept a plain TCP connection makes the first registration succeed.
+Waiting here for the port to accept a plain TCP connection makes the first registration succeed,
+unless the scheduler is slow between listening and running its event loop (starved of CPU, or
+its libraries not yet in the page cache): registrations in between fail and MindSpore retries
+them every 0.5 s. Seen with the scheduler at nice 19 under load 10 (its event loop started 0.35 s
+after it listened) and in the first launch after installing MindSpore.
 
 Each process of the cluster also sends a heartbeat every 3-5 s (MindSpore's default), and its exit
 waits for the heartbeat thread's current sleep to end, the scheduler's for the workers' last
