@@ -16,7 +16,7 @@ def run(fn, inputs, grad_seed: int = 1, n_out: int = 1):
     outs = outs if isinstance(outs, tuple) else (outs,)
     g = torch.Generator().manual_seed(grad_seed)
     used = [o for o in outs[:n_out] if o is not None and o.requires_grad]
-    cots = [torch.randn(o.shape, generator=g).to(o.dtype) for o in used]
+    cots = [torch.randn(o.shape, generator=g).to(device=o.device, dtype=o.dtype) for o in used]
     torch.autograd.backward(used, cots)
     return [o.detach() for o in outs if o is not None], [t.grad for t in leaves if t.is_floating_point()]
 
