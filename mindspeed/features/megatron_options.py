@@ -16,6 +16,7 @@ from mindspeed.features.base import Feature, FeatureConfigError, Flag
 from mindspeed.features.context_parallel.feature import MASK_TYPE
 from mindspeed.features.fused.features import FlashAttention
 from mindspeed.features.registry import all_features, register
+from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 
 MS = "the MindSpore trainer"
 TORCH = "use --backend torch"
@@ -164,9 +165,9 @@ option("gloo-distributed-backend", (host("--distributed-backend"),), lambda a: a
        "drop --distributed-backend (HCCL)", ("--distributed-backend", "gloo"),
        emulated={"mindspore/cpu": "MindSpore's CPU collectives (MCCL, shared memory within a host) play gloo's "
                                   "part: the host's collective library, which this trainer uses on CPU anyway"})
-option("distributed-timeout", (host("--distributed-timeout-minutes", 10),),
-       lambda a: a.distributed_timeout_minutes != 10,
-       "a collective timeout other than 10 minutes (on MindSpore/CPU: its shared-memory collectives' wait; "
+option("distributed-timeout", (host("--distributed-timeout-minutes", DISTRIBUTED_TIMEOUT_MINUTES),),
+       lambda a: a.distributed_timeout_minutes != DISTRIBUTED_TIMEOUT_MINUTES,
+       f"a collective timeout other than {DISTRIBUTED_TIMEOUT_MINUTES} minutes (on MindSpore/CPU: its shared-memory collectives' wait; "
        "MINDSPEED_MS_SHM_TIMEOUT, in seconds, overrides it)",
        {"mindspore/ascend": f"{MS} does not pass it to HCCL, which takes its timeout from HCCL_EXEC_TIMEOUT "
                             "when MindSpore 2.10's communication init runs, before the trainer reads its flags"},

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
+
 # Megatron's --tokenizer-type values; the trainers implement the first four (data/flag_tokenizers.py)
 TOKENIZER_TYPES = ["CharLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer",
                    "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
@@ -26,7 +28,7 @@ def cross_flag_problems(args) -> list[str]:
 
 
 def _timeout_problems(args) -> list[str]:
-    minutes = getattr(args, "distributed_timeout_minutes", 10)
+    minutes = getattr(args, "distributed_timeout_minutes", DISTRIBUTED_TIMEOUT_MINUTES)
     if not 0 < minutes < float("inf"):     # nan fails both comparisons
         return [f"--distributed-timeout-minutes {minutes:g}: give a positive number of minutes (0.5 is 30 s)"]
     return []

@@ -19,6 +19,7 @@ import os
 from typing import Sequence
 
 from mindspeed.errors import ArgumentError, OneLineParser
+from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems
 from mindspeed.flags.mindspeed_flags import add_mindspeed_args, refuse_unknown, resolve_backend_name, shared_parser
 
@@ -178,7 +179,7 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl", "hccl"],
                    help="nccl/hccl (or none): the device's collective library (gloo on cpu, nccl on "
                         "cuda, hccl on npu); gloo: gloo")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+    g.add_argument("--distributed-timeout-minutes", type=float, default=DISTRIBUTED_TIMEOUT_MINUTES,
                    help="how long a rank waits in a collective for the others (fractions allowed: 0.5)")
 
 

@@ -18,6 +18,7 @@ from mindspeed.checkpoint import neutral
 from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, named_tokenizer
 from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.features.context_parallel.groups import build_cp_groups
+from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.training import loop
 from mindspeed.training.logger import TrainingLogger
@@ -34,8 +35,6 @@ from mindspeed.training.mindspore.parallel import build_parallel_state
 from mindspeed.training.mindspore.pipeline import TwoStagePipeline
 from mindspeed.training.mindspore.tracing import traced
 
-
-DEFAULT_TIMEOUT_MINUTES = 10       # Megatron's --distributed-timeout-minutes
 
 
 class TrainerConfigError(ValueError):
@@ -300,7 +299,7 @@ def set_collective_timeout(backend, minutes: float) -> None:
     """--distributed-timeout-minutes over every group's collectives once the groups are set up (which
     wait longer, as the torch trainer's do); refused where a group's collectives cannot time out."""
     untimed = backend.comm.set_timeout(minutes)
-    if untimed and minutes != DEFAULT_TIMEOUT_MINUTES:
+    if untimed and minutes != DISTRIBUTED_TIMEOUT_MINUTES:
         raise TrainerConfigError(
             f"--distributed-timeout-minutes {minutes:g}: the group of ranks {list(untimed[0].ranks)} runs MindSpore "
             "2.10's CPU collectives (MCCL: its ranks span hosts, are not on x86-64 or MINDSPEED_MS_SHM_COLLECTIVES=0), "
