@@ -215,13 +215,13 @@ def _packed_documents(eod: int):
     return tokens
 
 
-def eod_documents(rank, world_size):
+def eod_documents(rank, world_size, extra_flags=()):
     """--reset-attention-mask with flash attention: the per-token loss of a packed batch against each
     document run on its own (same weights), with every attention call's layout and mask recorded;
     and the packed batch with the documents withheld (plain causal), which must differ."""
     from mindspeed.features import documents
     from tests_extend import megatron_tiny
-    backend = _with_flags(EOD_FLAGS)
+    backend = _with_flags(EOD_FLAGS + list(extra_flags))
     calls = []
     impl = backend.kernels._impl["attention"]
 
@@ -242,13 +242,15 @@ def eod_documents(rank, world_size):
     packed.float().sum().backward()         # the TND path's backward runs too
     packed_calls = list(calls)
     documents.set_current(None)
+    # the references get Megatron's causal mask ([1, 1, s, s], True = masked), which sparse mode 1 uses as given
+    causal = lambda s: torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)    # noqa: E731
     with torch.no_grad():
-        crossing = model(tokens, positions, None, labels=labels)
+        crossing = model(tokens, positions, causal(tokens.shape[1]), labels=labels)
         alone = torch.zeros_like(packed)
         for i, row in enumerate(ends):
             for a, b in zip([0] + row[:-1], row):
                 doc = tokens[i:i + 1, a:b]
-                alone[i, a:b] = model(doc, torch.arange(b - a).unsqueeze(0), None,
+                alone[i, a:b] = model(doc, torch.arange(b - a).unsqueeze(0), causal(b - a),
                                       labels=labels[i:i + 1, a:b])[0]
     backend.kernels._impl["attention"] = impl
     import mindspeed
@@ -261,4 +263,5 @@ def eod_documents(rank, world_size):
 def all_reports(rank, world_size):
     """Every report above in one process (one interpreter start for the whole test module)."""
     return dict(layer=layer_wiring(rank, world_size), train=train_losses(rank, world_size),
-                moe=moe_wiring(rank, world_size), eod=eod_documents(rank, world_size))
+                moe=moe_wiring(rank, world_size), eod=eod_documents(rank, world_size),
+                eod_given_mask=eod_documents(rank, world_size, ["--sparse-mode", "1"]))

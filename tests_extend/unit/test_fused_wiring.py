@@ -109,6 +109,14 @@ def test_packed_documents_lose_what_each_document_loses_alone(reports):
     assert eod["crossing_diff"] > 1e-2
 
 
+def test_packed_documents_with_sparse_mode_1_stay_causal_in_each_document(reports):
+    """--sparse-mode 1 ('the given mask only'): the mask a packed batch would give is the documents'
+    causal one, so each document's tokens see only the earlier tokens of their own document."""
+    given = reports["eod_given_mask"]
+    assert given["calls"] == [("TND", True)] * 2
+    assert given["max_diff"] <= 1e-5
+
+
 def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
     """The trainer's batch: with flash attention (or CP) and --reset-attention-mask the dataset
     builds no attention mask and get_batch publishes each sample's document ends (a document ends

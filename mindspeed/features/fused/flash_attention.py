@@ -7,7 +7,8 @@ class (context parallelism) still runs: with CP, or for inputs the kernel path d
 (attention bias, packed sequences, sliding windows, softmax offsets), it defers to it.
 
 sparse modes (as npu_fusion_attention): 0 the layer's mask (causal layers stay causal);
-1 the given mask only; 2 causal top-left; 3 causal bottom-right; 4 band
+1 the given mask only (with --reset-attention-mask: the documents' mask, causal in each document);
+2 causal top-left; 3 causal bottom-right; 4 band
 i - pre_tockens <= j <= i + next_tockens (also causal in a causal layer).
 """
 from __future__ import annotations
@@ -85,6 +86,8 @@ def _flash_class():
             docs = documents.current()
             if docs is not None:     # EOD reset: attention inside each document, no [s, s] mask
                 documents.check(docs, b, sq)
+                if self.sparse_mode == 1:   # 'the given mask only': the documents' mask, causal in each
+                    band = dict(causal=True)
 
             def run():
                 if docs is not None:
