@@ -2,8 +2,9 @@
 
 Skipped where torch sees no CUDA device (CI and the 2-core machine); run on a GPU machine with
 `python -m pytest tests_extend/gpu -q` (docs/gpu.md: what ran where, and the figures).
-- every kernel through `TorchKernels("cuda")` on CUDA tensors, forward and backward, against the
-  reference run in fp64 on the CPU (docs/kernels.md tolerances: fp32 as the torch defaults for a
+- every kernel through `TorchKernels("cuda")` (its CUDA path where catalog.FAST_PATHS["cuda"] has
+  one, else the reference) on CUDA tensors, forward and backward, against the reference run in fp64
+  on the CPU (docs/kernels.md tolerances: fp32 as the torch defaults for a
   different device's rounding, bf16 at most 2x the CPU bf16 reference's error plus a floor);
 - the built-in trainer on one GPU against the same run on the CPU, a checkpoint saved on the GPU
   resumed on the CPU, and bf16 on the GPU.
@@ -22,7 +23,9 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 from mindspeed.backends.torch.kernels import TorchKernels  # noqa: E402
+from mindspeed.backends.torch.kernels import cuda as cuda_paths  # noqa: E402
 from mindspeed.backends.torch.kernels import reference as R  # noqa: E402
+from mindspeed.backends.torch.kernels.catalog import FAST_PATHS  # noqa: E402
 from tests_extend.system.one_process_run import run_pretrain_gpt  # noqa: E402
 from tests_extend.unit.kernel_checks import assert_low_precision_ok, run  # noqa: E402
 
@@ -41,26 +44,44 @@ def _routing(tokens: int, experts: int, seed: int = 0):
     return torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, top2, True)
 
 
+def _lse(attend):
+    """(out, logsumexp) of an attention call: the stats' convention differs by kernel, their
+    logsumexp = max + log(sum) does not."""
+    def call(*args):
+        out, mx, sm = attend(*args)
+        return out, mx + sm.log()
+    return call
+
+
 def _kernel_cases():
     """name -> (call(kernels, *inputs), cpu inputs, outputs with a backward)."""
     s, b, n, d = 16, 2, 4, 8
     qkv = [_rand(s, b, n * d, seed=i) for i in range(3)]
     stats = [_rand(b, n, s, seed=7), _rand(b, n, s, seed=8).abs() + 0.5]
     routing = _routing(10, 4)
+    bnsd = [t.view(s, b, n, d).permute(1, 2, 0, 3).contiguous() for t in qkv]
+    mask = _rand(b, 1, s, s, seed=9) > 0.5
+    mask[0, 0, 3] = True
     rows = int(routing.sum())
     return {
         "rms_norm": (lambda k, x, g: k.rms_norm(x, g, 1e-6), [_rand(3, 5, 64), _rand(64, seed=1)], 1),
         "swiglu": (lambda k, x: k.swiglu(x, -1), [_rand(4, 6, 96)], 1),
         "rope": (lambda k, x, c, si: k.rope(x, c, si, 0), [_rand(6, 2, 3, 12), _rand(6, 1, 1, 8, seed=1).cos(),
                                                           _rand(6, 1, 1, 8, seed=1).sin()], 1),
-        "attention causal SBH": (lambda k, q, kk, v: k.attention(q, kk, v, layout="SBH", head_num=n, causal=True),
-                                 qkv, 1),
-        "attention band BNSD": (lambda k, q, kk, v: k.attention(q, kk, v, layout="BNSD", head_num=n, causal=True,
-                                                                pre_tokens=3, next_tokens=0),
-                                [t.view(s, b, n, d).permute(1, 2, 0, 3).contiguous() for t in qkv], 1),
-        "attention TND": (lambda k, q, kk, v: k.attention(q, kk, v, layout="TND", head_num=n, causal=True,
-                                                          actual_seq_qlen=[5, 16], actual_seq_kvlen=[5, 16]),
+        "attention causal SBH": (_lse(lambda k, q, kk, v: k.attention(q, kk, v, layout="SBH", head_num=n,
+                                                                      causal=True)), qkv, 1),
+        "attention band BNSD": (_lse(lambda k, q, kk, v: k.attention(q, kk, v, layout="BNSD", head_num=n, causal=True,
+                                                                     pre_tokens=3, next_tokens=0)), bnsd, 1),
+        "attention TND": (_lse(lambda k, q, kk, v: k.attention(q, kk, v, layout="TND", head_num=n, causal=True,
+                                                               actual_seq_qlen=[5, 16], actual_seq_kvlen=[5, 16])),
                           [t[:, 0].reshape(s, n, d).contiguous() for t in qkv], 1),
+        # the statistics' gradient (ring attention differentiates through them), GQA
+        "attention stats grad GQA": (_lse(lambda k, q, kk, v: k.attention(q, kk, v, layout="BNSD", head_num=n,
+                                                                          causal=True)),
+                                     [bnsd[0], bnsd[1][:, :2].contiguous(), bnsd[2][:, :2].contiguous()], 2),
+        # a bool mask (True = masked) with one fully masked query row: output 0, logsumexp -inf
+        "attention mask BNSD": (_lse(lambda k, q, kk, v: k.attention(q, kk, v, layout="BNSD", head_num=n,
+                                                                     mask=mask.to(q.device))), bnsd, 1),
         "ring_attention_update": (lambda k, po, pm, ps, co, cm, cs: k.ring_attention_update(po, pm, ps, co, cm, cs),
                                   [qkv[0], *stats, qkv[1], stats[1] - 1.0, stats[0].abs() + 0.5], 1),
         "gmm": (lambda k, x, w: k.gmm(x, w, [3, 3, 7, 11], 0), [_rand(12, 16), _rand(4, 16, 8, seed=1)], 1),
@@ -100,7 +121,9 @@ def _run(call, kernels, inputs, n_out):
 def test_each_kernel_on_cuda_matches_the_fp64_reference_forward_and_backward(name, dtype):
     call, inputs, n_out = CASES[name]
     cuda = TorchKernels("cuda")
-    assert cuda.implementation(name.split()[0]) is getattr(R, name.split()[0])   # nothing claimed native yet
+    kernel = name.split()[0]
+    expected = getattr(cuda_paths, kernel) if kernel in FAST_PATHS["cuda"] else getattr(R, kernel)
+    assert cuda.implementation(kernel) is expected
     gpu_out, gpu_grad = _run(call, cuda, _float_inputs(inputs, dtype, "cuda"), n_out)
     assert gpu_out and all(t.device.type == "cuda" for t in gpu_out + gpu_grad), name
     truth_out, truth_grad = _run(call, R, _float_inputs(inputs, torch.float64, "cpu"), n_out)
@@ -119,7 +142,7 @@ def test_each_kernel_on_cuda_matches_the_fp64_reference_forward_and_backward(nam
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
          "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1",
-         "--eval-iters", "0", "--split", "90,10,0"]
+         "--eval-iters", "0", "--split", "90,10,0", "--use-flash-attn"]   # attention: each device's fast path
 
 
 @pytest.fixture(scope="module")

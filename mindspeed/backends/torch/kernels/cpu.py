@@ -25,7 +25,6 @@ import torch
 
 from mindspeed.backends.torch.kernels import reference
 from mindspeed.backends.torch.kernels.csrc import fused_ops
-from mindspeed.backends.torch.kernels.layouts import from_bnsd, to_bnsd
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -112,27 +111,12 @@ def _pad_channel(t, value):
     return torch.cat((t, extra), -1)
 
 
-def _repeat_kv(k, v, groups: int):
-    """GQA: both CPU kernels want equal head counts, so each key/value head serves `groups` query heads."""
-    if groups == 1:
-        return k, v
-    return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-
-
-def _sum_kv_groups(dk, dv, groups: int):
-    """The transpose of _repeat_kv: a key/value head's gradient is the sum over its query heads."""
-    if groups == 1:
-        return dk, dv
-    b, n, s, d = dk.shape
-    return (dk.view(b, n // groups, groups, s, d).sum(2), dv.view(b, n // groups, groups, s, d).sum(2))
-
-
 class _FlashAttention(torch.autograd.Function):
     """[b, n, s, d] attention with an additive float mask (or is_causal); outputs (out, lse)."""
 
     @staticmethod
     def forward(ctx, q, k, v, float_mask, causal, scale, groups):
-        k, v = _repeat_kv(k, v, groups)
+        k, v = reference.repeat_kv(k, v, groups)
         out, lse = _flash_fwd(q, k, v, 0.0, causal, attn_mask=float_mask, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse, float_mask)
         ctx.causal, ctx.scale, ctx.groups = causal, scale, groups
@@ -156,7 +140,7 @@ class _FlashAttention(torch.autograd.Function):
                                     _pad_channel(v, 0.0), _pad_channel(out, -dlse), lse, 0.0, ctx.causal,
                                     attn_mask=float_mask, scale=ctx.scale)
             dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
-        dk, dv = _sum_kv_groups(dk, dv, ctx.groups)
+        dk, dv = reference.sum_kv_groups(dk, dv, ctx.groups)
         return dq, dk, dv, None, None, None, None
 
 
@@ -189,7 +173,7 @@ class _BlockCausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, groups):
-        k, v = _repeat_kv(k, v, groups)
+        k, v = reference.repeat_kv(k, v, groups)
         b, n, s, d = q.shape
         q3, k3, v3 = (t.reshape(b * n, s, d) for t in (q, k, v))
         out = torch.empty_like(q3)
@@ -241,79 +225,25 @@ class _BlockCausalAttention(torch.autograd.Function):
             dk[:, :r1].baddbmm_(dscores.transpose(1, 2), q3[:, r0:r1], alpha=ctx.scale)
         dq.mul_(ctx.scale)
         dq, dk, dv = (t.view(b, n, s, d) for t in (dq, dk, dv))
-        dk, dv = _sum_kv_groups(dk, dv, ctx.groups)
+        dk, dv = reference.sum_kv_groups(dk, dv, ctx.groups)
         return dq, dk, dv, None, None
 
 
 def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, alibi):
-    sq, skv = q.shape[2], k.shape[2]
-    masked = reference.band_mask(sq, skv, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens,
-                                 device=q.device)
-    plain_causal = causal and masked is not None and mask is None and alibi is None and \
-        pre_tokens >= sq and next_tokens >= 0
-    float_mask, fully_masked = None, None
-    if not plain_causal:
-        if mask is not None:
-            masked = mask.bool() if masked is None else (masked | mask.bool())
-        if masked is not None or alibi is not None:
-            float_mask = torch.zeros((), dtype=q.dtype, device=q.device)
-            if alibi is not None:
-                float_mask = float_mask + alibi.to(q.dtype)
-            if masked is not None:
-                float_mask = torch.where(masked, float("-inf"), float_mask)
-                fully_masked = masked.all(-1)
-            while float_mask.dim() < 2:
-                float_mask = float_mask.unsqueeze(0)
+    plain_causal, bias, empty_rows = reference.fast_path_bias(q, k, mask=mask, causal=causal, pre_tokens=pre_tokens,
+                                                              next_tokens=next_tokens, alibi=alibi)
     groups = q.shape[1] // k.shape[1]
     if gemm_attention_pays(q, k, plain_causal):
         out, lse = _BlockCausalAttention.apply(q, k, v, scale, groups)
     else:
-        out, lse = _FlashAttention.apply(q, k, v, float_mask, plain_causal, scale, groups)
-    # stats as (max, sum) with max = logsumexp and sum = 1: logsumexp = max + log(sum) holds
-    row_max, row_sum = lse, torch.ones_like(lse)
-    if fully_masked is not None and bool(fully_masked.any()):   # the kernel reports lse 0 there
-        fully = fully_masked.expand(lse.shape)
-        row_max = row_max.masked_fill(fully, float("-inf"))
-        row_sum = row_sum.masked_fill(fully, 0.0)
-    return out, row_max, row_sum
+        out, lse = _FlashAttention.apply(q, k, v, bias, plain_causal, scale, groups)
+    return (out, *reference.stats_from_logsumexp(lse, empty_rows))   # the kernel reports lse 0 in empty rows
 
 
-def attention(q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale=None, dropout_p: float = 0.0,
-              pre_tokens: int = reference.NO_LIMIT, next_tokens: int = reference.NO_LIMIT, causal: bool = False,
-              actual_seq_qlen=None, actual_seq_kvlen=None, alibi=None):
-    """The reference's contract, except that the stats come back as (logsumexp, 1) — the same
-    logsumexp = max + log(sum). Dropout (unsupported by the CPU kernel) uses the reference."""
-    d, scale = reference.check_attention_args(q, k, v, layout, head_num, dropout_p, scale)
-    if dropout_p > 0 or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return reference.attention(q, k, v, layout=layout, head_num=head_num, mask=mask, scale=scale,
-                                   dropout_p=dropout_p, pre_tokens=pre_tokens, next_tokens=next_tokens,
-                                   causal=causal, actual_seq_qlen=actual_seq_qlen,
-                                   actual_seq_kvlen=actual_seq_kvlen, alibi=alibi)
-    common = dict(scale=scale, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens)
-    if layout == "TND":
-        return _attention_tnd(q, k, v, mask=mask, alibi=alibi, actual_seq_qlen=actual_seq_qlen,
-                              actual_seq_kvlen=actual_seq_kvlen, **common)
-    out, mx, sm = _attention_bnsd(to_bnsd(q, layout, d), to_bnsd(k, layout, d), to_bnsd(v, layout, d),
-                                  mask=mask, alibi=alibi, **common)
-    return from_bnsd(out, layout), mx, sm
-
-
-def _attention_tnd(q, k, v, *, mask, alibi, actual_seq_qlen, actual_seq_kvlen, **common):
-    q_bounds = reference.seq_bounds(actual_seq_qlen, q.shape[0], "actual_seq_qlen")
-    kv_bounds = reference.seq_bounds(actual_seq_kvlen, k.shape[0], "actual_seq_kvlen")
-    if len(q_bounds) != len(kv_bounds):
-        raise ValueError("attention TND: actual_seq_qlen and actual_seq_kvlen name different sequence counts")
-    outs, maxes, sums = [], [], []
-    for (qs, qe), (ks, ke) in zip(q_bounds, kv_bounds):
-        as_bnsd = lambda t, s, e: t[s:e].transpose(0, 1).unsqueeze(0)
-        o, mx, sm = _attention_bnsd(
-            as_bnsd(q, qs, qe), as_bnsd(k, ks, ke), as_bnsd(v, ks, ke),
-            mask=None if mask is None else mask[..., :qe - qs, :ke - ks],
-            alibi=None if alibi is None else alibi[..., :qe - qs, :ke - ks], **common)
-        outs.append(o[0].transpose(0, 1))
-        maxes.append(mx[0].transpose(0, 1))
-        sums.append(sm[0].transpose(0, 1))
-    return torch.cat(outs), torch.cat(maxes), torch.cat(sums)
+def attention(q, k, v, **kwargs):
+    """The reference's contract (its keywords), except that the stats come back as (logsumexp, 1) —
+    the same logsumexp = max + log(sum). Dropout (unsupported by the CPU kernel) uses the reference."""
+    return reference.fast_attention(_attention_bnsd, "cpu", q, k, v, **kwargs)
 
 
 # -- gmm -------------------------------------------------------------------------------------------

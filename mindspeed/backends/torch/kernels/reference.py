@@ -73,14 +73,27 @@ def band_mask(sq: int, skv: int, *, causal: bool, pre_tokens: int, next_tokens: 
     return (j > i + nxt) | (j < i - pre_tokens)
 
 
+def repeat_kv(k, v, groups: int):
+    """GQA for kernels that want equal head counts: each key/value head serves `groups` query heads."""
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+
+
+def sum_kv_groups(dk, dv, groups: int):
+    """The transpose of repeat_kv: a key/value head's gradient is the sum over its query heads."""
+    if groups == 1:
+        return dk, dv
+    b, n, s, d = dk.shape
+    return dk.view(b, n // groups, groups, s, d).sum(2), dv.view(b, n // groups, groups, s, d).sum(2)
+
+
 def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dropout_p, alibi):
     b, n, sq, _ = q.shape
     nkv, skv = k.shape[1], k.shape[2]
     if n % nkv:
         raise ValueError(f"attention: {n} query heads are not a multiple of {nkv} key/value heads")
-    if n != nkv:                                    # GQA: query head h reads kv head h // (n // nkv)
-        k = k.repeat_interleave(n // nkv, dim=1)
-        v = v.repeat_interleave(n // nkv, dim=1)
+    k, v = repeat_kv(k, v, n // nkv)                # GQA: query head h reads kv head h // (n // nkv)
     scores = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * scale
     if alibi is not None:
         scores = scores + _wide(alibi)
@@ -125,17 +138,20 @@ def attention(q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale=N
     softmax_max, softmax_sum) with fp32 stats [b, n, sq] (TND: [t, n]); logsumexp = max + log(sum).
     Fully masked rows give out 0, max -inf, sum 0."""
     d, scale = check_attention_args(q, k, v, layout, head_num, dropout_p, scale)
-    common = dict(scale=scale, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens,
-                  dropout_p=dropout_p)
-    if layout == "TND":
-        return _attention_tnd(q, k, v, mask=mask, alibi=alibi, actual_seq_qlen=actual_seq_qlen,
-                              actual_seq_kvlen=actual_seq_kvlen, **common)
-    out, mx, sm = _attention_bnsd(to_bnsd(q, layout, d), to_bnsd(k, layout, d), to_bnsd(v, layout, d),
-                                  mask=mask, alibi=alibi, **common)
-    return from_bnsd(out, layout), mx, sm
+    return attend_in_layout(_attention_bnsd, q, k, v, layout, d, mask=mask, alibi=alibi,
+                            actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, scale=scale,
+                            causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens, dropout_p=dropout_p)
 
 
-def _attention_tnd(q, k, v, *, mask, alibi, actual_seq_qlen, actual_seq_kvlen, **common):
+def attend_in_layout(core, q, k, v, layout: str, head_dim: int, *, mask, alibi, actual_seq_qlen, actual_seq_kvlen,
+                     **common):
+    """Run an attention core on [b, n, s, d] views (core(q, k, v, mask=, alibi=, **common) -> out,
+    max, sum) for tensors in `layout`; TND runs it once per packed sequence, with that sequence's
+    corner of the mask and alibi. Every backend's kernel (reference, cpu, cuda) shares this."""
+    if layout != "TND":
+        out, mx, sm = core(to_bnsd(q, layout, head_dim), to_bnsd(k, layout, head_dim), to_bnsd(v, layout, head_dim),
+                           mask=mask, alibi=alibi, **common)
+        return from_bnsd(out, layout), mx, sm
     q_bounds = seq_bounds(actual_seq_qlen, q.shape[0], "actual_seq_qlen")
     kv_bounds = seq_bounds(actual_seq_kvlen, k.shape[0], "actual_seq_kvlen")
     if len(q_bounds) != len(kv_bounds):
@@ -145,12 +161,65 @@ def _attention_tnd(q, k, v, *, mask, alibi, actual_seq_qlen, actual_seq_kvlen, *
         as_bnsd = lambda t, s, e: t[s:e].transpose(0, 1).unsqueeze(0)   # [1, n, s_i, d]
         m = None if mask is None else mask[..., :qe - qs, :ke - ks]
         a = None if alibi is None else alibi[..., :qe - qs, :ke - ks]
-        o, mx, sm = _attention_bnsd(as_bnsd(q, qs, qe), as_bnsd(k, ks, ke), as_bnsd(v, ks, ke),
-                                    mask=m, alibi=a, **common)
+        o, mx, sm = core(as_bnsd(q, qs, qe), as_bnsd(k, ks, ke), as_bnsd(v, ks, ke), mask=m, alibi=a, **common)
         outs.append(o[0].transpose(0, 1))
         maxes.append(mx[0].transpose(0, 1))
         sums.append(sm[0].transpose(0, 1))
     return torch.cat(outs), torch.cat(maxes), torch.cat(sums)
+
+
+def fast_path_bias(q, k, *, mask, causal, pre_tokens, next_tokens, alibi, unmask_empty_rows: bool = False):
+    """What a fused kernel takes for the reference's masking: (plain_causal, bias, empty_rows).
+    plain_causal: causal self-attention with nothing else (the kernel's own causal flag, no bias).
+    Else bias: the additive float mask (alibi, -inf where masked; None when nothing is), at least 2-d,
+    and empty_rows the bool [..., sq] of query rows whose every key is masked (None when none can be).
+    unmask_empty_rows: those rows get no -inf (for kernels that give NaN there; zero their output)."""
+    sq, skv = q.shape[2], k.shape[2]
+    masked = band_mask(sq, skv, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens, device=q.device)
+    if causal and masked is not None and mask is None and alibi is None and pre_tokens >= sq and next_tokens >= 0:
+        return True, None, None
+    if mask is not None:
+        masked = mask.bool() if masked is None else (masked | mask.bool())
+    if masked is None and alibi is None:
+        return False, None, None
+    bias = torch.zeros((), dtype=q.dtype, device=q.device)
+    if alibi is not None:
+        bias = bias + alibi.to(q.dtype)
+    empty_rows = None
+    if masked is not None:
+        empty_rows = masked.all(-1)
+        hide = masked & ~empty_rows.unsqueeze(-1) if unmask_empty_rows else masked
+        bias = torch.where(hide, float("-inf"), bias)
+    while bias.dim() < 2:
+        bias = bias.unsqueeze(0)
+    return False, bias, empty_rows
+
+
+def stats_from_logsumexp(lse, empty_rows):
+    """A fused kernel's logsumexp as the reference's (max, sum): (lse, 1), since logsumexp = max +
+    log(sum); rows with every key masked get the reference's max -inf and sum 0."""
+    row_max, row_sum = lse, torch.ones_like(lse)
+    if empty_rows is not None and bool(empty_rows.any()):
+        empty = empty_rows.expand(lse.shape)
+        row_max = row_max.masked_fill(empty, float("-inf"))
+        row_sum = row_sum.masked_fill(empty, 0.0)
+    return row_max, row_sum
+
+
+def fast_attention(core, device_type: str, q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale=None,
+                   dropout_p: float = 0.0, pre_tokens: int = NO_LIMIT, next_tokens: int = NO_LIMIT,
+                   causal: bool = False, actual_seq_qlen=None, actual_seq_kvlen=None, alibi=None):
+    """A device's attention kernel: `core` on [b, n, s, d] views for fp32/bf16/fp16 tensors on
+    `device_type` without dropout; the reference for everything else."""
+    d, scale = check_attention_args(q, k, v, layout, head_num, dropout_p, scale)
+    if dropout_p > 0 or q.device.type != device_type or q.dtype not in (torch.float32, torch.bfloat16,
+                                                                         torch.float16):
+        return attention(q, k, v, layout=layout, head_num=head_num, mask=mask, scale=scale, dropout_p=dropout_p,
+                         pre_tokens=pre_tokens, next_tokens=next_tokens, causal=causal,
+                         actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, alibi=alibi)
+    return attend_in_layout(core, q, k, v, layout, d, mask=mask, alibi=alibi, actual_seq_qlen=actual_seq_qlen,
+                            actual_seq_kvlen=actual_seq_kvlen, scale=scale, causal=causal, pre_tokens=pre_tokens,
+                            next_tokens=next_tokens)
 
 
 def ring_attention_update(prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum, *, layout: str = "SBH"):
