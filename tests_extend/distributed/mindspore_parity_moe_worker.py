@@ -1,7 +1,8 @@
 """msrun worker for the MoE parity test: EP=2 on 2 processes (DP=2, each rank its own batches),
 from the initial checkpoint; the trained weights saved (experts gathered from both EP ranks); then
 3 steps with the MoE communication features from the same checkpoint; then TP=2 with sequence
-parallelism and --moe-tp-extend-ep (whole experts over the two TP ranks), saved to SAVE_DIR_TP.
+parallelism and --moe-tp-extend-ep (whole experts over the two TP ranks), saved to SAVE_DIR_TP,
+and 3 steps of it with the MoE communication features.
 Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR SAVE_DIR_TP"""
 import os
 import sys
@@ -20,7 +21,9 @@ def main(out_dir, init_ckpt, save_dir, save_dir_tp):
         write_result(out_dir, rank, {"ok": True, "ep2": ms_train(backend, 2, False, init_ckpt, save_dir=save_dir),
                                      "comm_features": ms_train(backend, 2, False, init_ckpt, steps=3,
                                                                extra=COMM_FLAGS),
-                                     "tp2_extend": ms_train(backend, 1, False, init_ckpt, save_dir=save_dir_tp, tp=2)})
+                                     "tp2_extend": ms_train(backend, 1, False, init_ckpt, save_dir=save_dir_tp, tp=2),
+                                     "tp2_extend_comm": ms_train(backend, 1, False, init_ckpt, steps=3, tp=2,
+                                                                 extra=COMM_FLAGS)})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 

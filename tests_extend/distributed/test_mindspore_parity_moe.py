@@ -98,6 +98,11 @@ def test_tp2_extend_ep_matches_megatron_and_checkpoint_crosses(two_processes):
         assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]
         # MindSpore's checkpoint (TP shards and both ranks' experts gathered) gives Megatron-Core its eval loss
         assert t["eval_loss_of_other"] == pytest.approx(run["eval_loss"], abs=TOL)
+        # with the MoE communication features: the chunks and the asynchronous counts over the TP x EP group
+        comm = ms[rank]["tp2_extend_comm"]
+        np.testing.assert_allclose(comm["losses"], run["losses"][:3], atol=COMM_TOL, rtol=0)
+        assert comm["schedule"] == (["counts:start", "permute:kernel", "counts:wait"]
+                                    + ["dispatch", "experts:loop", "combine"] * 2)
 
 
 def test_ep2_matches_megatron_and_checkpoint_crosses(two_processes):
