@@ -240,18 +240,24 @@ def _moe_on_mindspore(self, args) -> None:
     if _another_refused_on_mindspore(self, args):     # the matrix refuses the run, naming that feature
         return
     size = lambda name: getattr(args, name, 1) or 1
-    limits = [(size("tensor_model_parallel_size") > 1 or size("context_parallel_size") > 1
+    extend = bool(getattr(args, "moe_tp_extend_ep", False))      # whole experts over TP x EP (moe-tp-extend-ep)
+    limits = [((size("tensor_model_parallel_size") > 1 and not extend) or size("context_parallel_size") > 1
                or size("pipeline_model_parallel_size") > 1,
-               "runs at tensor, context and pipeline parallel size 1 (experts split over the data-parallel "
-               "ranks with --expert-model-parallel-size)"),
+               "runs at context and pipeline parallel size 1, and at tensor parallel size 1 unless "
+               "--moe-tp-extend-ep spreads whole experts over the TP ranks (experts split over the "
+               "data-parallel ranks with --expert-model-parallel-size)"),
+              (extend and bool(getattr(args, "moe_shared_expert_intermediate_size", None)),
+               "splits no shared experts over the tensor-parallel ranks: drop "
+               "--moe-shared-expert-intermediate-size with --moe-tp-extend-ep"),
               (getattr(args, "moe_token_dispatcher_type", "alltoall") == "allgather",
                "dispatches tokens by all-to-all only: use --moe-token-dispatcher-type alltoall"),
               (bool(getattr(args, "add_bias_linear", False)), "has no linear biases: drop --add-bias-linear"),
               (bool(getattr(args, "recompute_activation_function", False)),
                "does not recompute the experts' activation: drop --recompute-activation-function"),
-              (size("expert_model_parallel_size") > 1 and bool(getattr(args, "use_distributed_optimizer", False)),
+              ((size("expert_model_parallel_size") > 1 or extend)
+               and bool(getattr(args, "use_distributed_optimizer", False)),
                "shards no optimizer state of expert-parallel weights: drop --use-distributed-optimizer "
-               "or --expert-model-parallel-size")]
+               "or --expert-model-parallel-size (and --moe-tp-extend-ep)")]
     problems = [why for hit, why in limits if hit]
     if problems:
         raise FeatureConfigError(f"--num-experts on {MS}: its MoE layer " + "; ".join(problems)

@@ -1,12 +1,16 @@
 """MoE parity: Megatron-Core's MoE GPTModel (torch, CPU/gloo; TopKRouter, alltoall dispatcher,
 SequentialMLP experts) and the MindSpore trainer's MoE layer, from the same initial weights on the
-same batches: at EP=1 in one process (with shared experts) and at EP=2 on 2 processes (DP=2: each
-rank its own batches, tokens exchanged between the ranks' experts). The load-balancing loss is on
-(coefficient 0.1): its gradient is in the updates, while the compared loss is the lm loss alone.
+same batches: at EP=1 in one process (with shared experts), at EP=2 on 2 processes (DP=2: each
+rank its own batches, tokens exchanged between the ranks' experts) and at TP=2 with sequence
+parallelism and --moe-tp-extend-ep on 2 processes (each rank routes its sequence shard's tokens to
+whole experts spread over the two TP ranks). The load-balancing loss is on (coefficient 0.1): its
+gradient is in the updates, while the compared loss is the lm loss alone.
 
 The torch side mirrors Megatron's DDP and optimizer for expert parallelism: dense gradients
 averaged over DP, expert gradients summed over the expert-data-parallel group and divided by the
-DP size; the clipping norm counts the dense weights once and every expert once (summed over EP)."""
+DP size; with sequence parallelism the norms' and the router's gradients summed over TP (Megatron's
+finalize_model_grads); the clipping norm counts the dense weights once (TP shards summed over TP)
+and every expert once (summed over EP)."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,10 +24,13 @@ KERNEL_FLAGS = ("--use-fused-moe-token-permute-and-unpermute", "--moe-grouped-ge
 COMM_FLAGS = ("--moe-alltoall-overlap-comm", "--moe-permutation-async-comm", "--use-fused-moe-token-permute-and-unpermute")
 
 
-def moe_flags(ep: int, shared: bool) -> list:
+def moe_flags(ep: int, shared: bool, tp: int = 1) -> list:
+    """tp > 1: --moe-tp-extend-ep (the experts over the TP x EP ranks; it needs --sequence-parallel,
+    which mp.trainer_argv(tp, True) gives)."""
     flags = ["--num-experts", EXPERTS, "--moe-router-topk", TOPK, "--moe-ffn-hidden-size", MOE_FFN,
              "--moe-aux-loss-coeff", AUX, "--expert-model-parallel-size", ep]
-    return [str(a) for a in flags + (["--moe-shared-expert-intermediate-size", SHARED] if shared else [])]
+    return [str(a) for a in flags + (["--moe-shared-expert-intermediate-size", SHARED] if shared else [])
+            + (["--moe-tp-extend-ep"] if tp > 1 else [])]
 
 
 def batch(step: int, dp_rank: int):
@@ -47,9 +54,9 @@ def write_init(path: str, shared: bool, seed: int = 7) -> None:
 
 # -- mindspore side -------------------------------------------------------------------------------
 def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | None = None,
-             steps: int = mp.STEPS, extra: tuple = ()) -> dict:
+             steps: int = mp.STEPS, extra: tuple = (), tp: int = 1) -> dict:
     """Load init_ckpt, train `steps` steps (none: evaluate the checkpoint only), optionally save;
-    `extra`: more flags (another feature on top of MoE)."""
+    `extra`: more flags (another feature on top of MoE); tp > 1: sequence parallel, --moe-tp-extend-ep."""
     import mindspeed
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
@@ -57,12 +64,12 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     world = backend.comm.world_size()
-    args = parse_args(mp.trainer_argv(1) + moe_flags(ep, shared) + ["--global-batch-size", str(mp.MBS * world)]
-                      + list(extra), world_size=world)
+    args = parse_args(mp.trainer_argv(tp, tp > 1) + moe_flags(ep, shared, tp)
+                      + ["--global-batch-size", str(mp.MBS * world // tp)] + list(extra), world_size=world)
     args.backend = "mindspore"
     state = mindspeed.adapt(args)       # the support matrix's gate: MoE (and EP) must be accepted here
     try:
-        ps = build_parallel_state(backend.comm, 1, ep_size=ep)
+        ps = build_parallel_state(backend.comm, tp, tp > 1, ep_size=ep, tp_extend_ep=tp > 1)
         features = [f.id for f in state.plan.features]       # as the trainer's _train passes them
         trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, features))
         checkpoint.load(init_ckpt, trainer.model)
@@ -89,7 +96,7 @@ def moe_schedule(model) -> list:
 
 
 # -- torch side (inside the gloo harness) ----------------------------------------------------------
-def build_torch_model(ep: int, shared: bool):
+def build_torch_model(ep: int, shared: bool, tp: int = 1):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -101,7 +108,8 @@ def build_torch_model(ep: int, shared: bool):
                                bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
                                num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
                                moe_aux_loss_coeff=AUX, moe_token_dispatcher_type="alltoall",
-                               expert_model_parallel_size=ep,
+                               expert_model_parallel_size=ep, tensor_model_parallel_size=tp,
+                               sequence_parallel=tp > 1,
                                moe_shared_expert_intermediate_size=SHARED if shared else None)
     return GPTModel(config, get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm"),
                     vocab_size=mp.VOCAB, max_sequence_length=mp.SEQ, position_embedding_type="rope",
@@ -117,12 +125,15 @@ def _local_name(name: str, ep_rank: int, local: int):
     return f"{head}{EXPERT_KEY}{int(e) - ep_rank * local}.{rest}" if int(e) // local == ep_rank else None
 
 
-def load_into_torch(model, ckpt: str, ep_rank: int, ep: int) -> None:
+def load_into_torch(model, ckpt: str, ep_rank: int, ep: int, tp_rank: int = 0, tp: int = 1) -> None:
+    """ep, ep_rank: the ranks the experts are spread over (TP x EP with --moe-tp-extend-ep); dense
+    weights cut for TP rank tp_rank, experts whole."""
     import torch
     from mindspeed.checkpoint import neutral as nf
     full, _, _ = nf.load(ckpt)
     local = EXPERTS // ep
-    state = {_local_name(k, ep_rank, local): torch.from_numpy(np.array(v)) for k, v in full.items()}
+    state = {_local_name(k, ep_rank, local): torch.from_numpy(np.array(nf.shard_for_rank(k, np.asarray(v), tp_rank, tp)))
+             for k, v in full.items()}
     state.pop(None, None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
@@ -138,22 +149,31 @@ def _loss(model, step, dp_rank):
     return (per_token * mask).sum() / mask.sum()
 
 
-def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None):
+def torch_layouts(rank, world_size, layouts):
+    """Harness body: torch_train for each (args, kwargs) of `layouts` in turn, in one launch."""
+    return [torch_train(rank, world_size, *a, **kw) for a, kw in layouts]
+
+
+def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None, tp=1):
     """Harness body: train; evaluate the result; with save_dir (EP=1) save it as a neutral
-    checkpoint; with other_ckpt, load that one into a fresh model and evaluate it too."""
+    checkpoint; with other_ckpt, load that one into a fresh model and evaluate it too. tp > 1:
+    sequence parallel, with MindSpeed's --moe-tp-extend-ep hook (the experts over TP x EP)."""
     import torch
     import mindspeed
-    mindspeed.adapt([])
+    mindspeed.adapt([str(a) for a in ["--moe-tp-extend-ep", "--num-experts", EXPERTS, "--tensor-model-parallel-size",
+                                      tp, "--sequence-parallel"]] if tp > 1 else [])
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(123)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     ep_rank, ep_group = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group()
     edp_group, dp_group = ps.get_expert_data_parallel_group(), ps.get_data_parallel_group()
-    model = build_torch_model(ep, shared)
-    load_into_torch(model, init_ckpt, ep_rank, ep)
+    tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    spread = ps.get_expert_model_parallel_world_size()       # ep, or ep x tp extended
+    model = build_torch_model(ep, shared, tp)
+    load_into_torch(model, init_ckpt, ep_rank, spread, tp_rank, tp)
     params = list(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() > 1], "weight_decay": mp.OPT["weight_decay"]},
                              {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}],
@@ -170,16 +190,20 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
                 p.grad = torch.zeros_like(p)
         dense_sq, expert_sq = 0.0, 0.0
         for name, p in params:
+            if tp > 1 and getattr(p, "sequence_parallel", False):     # norms, the router: partial over TP
+                torch.distributed.all_reduce(p.grad, group=tp_group)
             p.grad.div_(dp)          # Megatron's DDP: scale by 1/dp, then sum over (expert-)DP
             if EXPERT_KEY in name:
                 torch.distributed.all_reduce(p.grad, group=edp_group)
                 expert_sq += float(p.grad.double().square().sum())
             else:
                 torch.distributed.all_reduce(p.grad, group=dp_group)
-                dense_sq += float(p.grad.double().square().sum())
-        sq = torch.tensor([expert_sq], dtype=torch.float64)
+                if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                    dense_sq += float(p.grad.double().square().sum())
+        sq, dense = (torch.tensor([v], dtype=torch.float64) for v in (expert_sq, dense_sq))
         torch.distributed.all_reduce(sq, group=ep_group)
-        norms.append(float((sq + dense_sq).sqrt()))
+        torch.distributed.all_reduce(dense, group=tp_group)
+        norms.append(float((sq + dense).sqrt()))
         coeff = mp.OPT["clip"] / (norms[-1] + 1e-6)
         if coeff < 1.0:
             for _, p in params:
@@ -195,9 +219,12 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
         nf.save(save_dir, steps, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
                                   if torch.is_tensor(v) and v.is_floating_point()}, meta={"backend": "torch"})
     if other_ckpt:      # the MindSpore run's final checkpoint, loaded here and evaluated
-        fresh = build_torch_model(ep, shared)
-        load_into_torch(fresh, other_ckpt, ep_rank, ep)
+        fresh = build_torch_model(ep, shared, tp)
+        load_into_torch(fresh, other_ckpt, ep_rank, spread, tp_rank, tp)
         result["eval_loss_of_other"] = _eval(fresh, dp_rank, dp_group, dp)
+    result["experts"] = sorted({int(n.split(EXPERT_KEY)[1].split(".")[0]) + ep_rank * (EXPERTS // spread)
+                                for n, _ in params if EXPERT_KEY in n})
+    mindspeed.unadapt()
     return result
 
 

@@ -1,7 +1,9 @@
 """msrun worker for the MoE parity test: EP=2 on 2 processes (DP=2, each rank its own batches),
 from the initial checkpoint; the trained weights saved (experts gathered from both EP ranks); then
-3 steps with the MoE communication features from the same checkpoint.
-Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
+3 steps with the MoE communication features from the same checkpoint; then TP=2 with sequence
+parallelism and --moe-tp-extend-ep (whole experts over the two TP ranks), saved to SAVE_DIR_TP,
+and 3 steps of it with the MoE communication features.
+Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR SAVE_DIR_TP"""
 import os
 import sys
 import traceback
@@ -10,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 
 
-def main(out_dir, init_ckpt, save_dir):
+def main(out_dir, init_ckpt, save_dir, save_dir_tp):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
     from tests_extend.distributed.mindspore_parity_moe import COMM_FLAGS, ms_train
     backend = MindSporeBackend("cpu")
@@ -18,10 +20,13 @@ def main(out_dir, init_ckpt, save_dir):
     try:
         write_result(out_dir, rank, {"ok": True, "ep2": ms_train(backend, 2, False, init_ckpt, save_dir=save_dir),
                                      "comm_features": ms_train(backend, 2, False, init_ckpt, steps=3,
-                                                               extra=COMM_FLAGS)})
+                                                               extra=COMM_FLAGS),
+                                     "tp2_extend": ms_train(backend, 1, False, init_ckpt, save_dir=save_dir_tp, tp=2),
+                                     "tp2_extend_comm": ms_train(backend, 1, False, init_ckpt, steps=3, tp=2,
+                                                                 extra=COMM_FLAGS)})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -7,7 +7,10 @@ Checkpoints cross both ways: torch's trained EP=1 weights evaluate the same in M
 MindSpore's EP=2 checkpoint (experts gathered from both ranks) loads into Megatron-Core at EP=2.
 The MoE features on MindSpore (training/mindspore/moe.py) give the plain run's losses over 3 steps
 and take their own steps: the kernels and shared-expert overlap at EP=1, the communication
-features at EP=2 (in the same msrun launch)."""
+features at EP=2 (in the same msrun launch). --moe-tp-extend-ep at TP=2 with sequence parallelism
+(4 experts, 2 whole ones per TP rank) matches Megatron-Core with MindSpeed's torch hook the same
+way, and its MindSpore checkpoint loads into Megatron-Core at that layout (in the same two launches:
+one msrun, one gloo spawn running both torch layouts)."""
 import os
 
 import numpy as np
@@ -23,15 +26,13 @@ TOL = 1e-4
 KERNEL_TOL = 1e-5           # docs/kernels.md: a kernel's path against the reference, fp32
 COMM_TOL = 1e-6             # the MoE communication features reorder, they do not change the math
 NORM_RTOL = 1e-4
-KERNEL_TOL = 1e-5           # docs/kernels.md: a kernel's path against the reference, fp32
-COMM_TOL = 1e-6             # the MoE communication features reorder, they do not change the math
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_parity_moe_worker.py")
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_parity")
-    paths = {k: str(root / k) for k in ("init_shared", "init", "torch_final", "ms_final")}
+    paths = {k: str(root / k) for k in ("init_shared", "init", "torch_final", "ms_final", "ms_final_tp")}
     pm.write_init(paths["init_shared"], shared=True)
     pm.write_init(paths["init"], shared=False)
     paths["root"] = root
@@ -68,15 +69,46 @@ def test_ep1_with_shared_experts_matches_megatron(ckpts, torch_ep1):
     assert other["eval_loss"] == pytest.approx(torch_ep1["eval_loss"], abs=TOL)
 
 
-def test_ep2_matches_megatron_and_checkpoint_crosses(ckpts):
+@pytest.fixture(scope="module")
+def two_processes(ckpts):
+    """One msrun launch (EP=2, its communication features, TP=2 extended) and one gloo spawn
+    (Megatron-Core at EP=2, then at TP=2 extended)."""
     out = ckpts["root"] / "msrun"
     out.mkdir()
-    ms = run_msrun(WORKER, [str(out), ckpts["init"], ckpts["ms_final"]], str(out), workers=2, timeout=480)
-    torch_ep2 = run_distributed(pm.torch_train, world_size=2, args=(2, False, ckpts["init"], ckpts["ms_final"]),
-                                timeout=300)
+    ms = run_msrun(WORKER, [str(out), ckpts["init"], ckpts["ms_final"], ckpts["ms_final_tp"]], str(out), workers=2,
+                   timeout=600)
     for rank in range(2):
         assert ms[rank]["ok"], ms[rank].get("error")
-        run, t = ms[rank]["ep2"], torch_ep2[rank]
+    torch_runs = run_distributed(pm.torch_layouts, world_size=2, args=(
+        [((2, False, ckpts["init"], ckpts["ms_final"]), {}),
+         ((1, False, ckpts["init"], ckpts["ms_final_tp"]), {"tp": 2})],), timeout=400)
+    return ms, torch_runs
+
+
+def test_tp2_extend_ep_matches_megatron_and_checkpoint_crosses(two_processes):
+    ms, torch_runs = two_processes
+    for rank in range(2):
+        run, t = ms[rank]["tp2_extend"], torch_runs[rank][1]
+        np.testing.assert_allclose(run["losses"], t["losses"], atol=TOL, rtol=0)
+        np.testing.assert_allclose(run["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
+        assert run["losses"][-1] < run["losses"][0]
+        # whole experts spread over the TP ranks, the same ones on both sides (rank r: 2r, 2r + 1)
+        held = {int(n.split("local_experts.")[1].split(".")[0]) for n in run["params"] if "local_experts." in n}
+        assert held == set(t["experts"]) == {2 * rank, 2 * rank + 1}
+        assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]
+        # MindSpore's checkpoint (TP shards and both ranks' experts gathered) gives Megatron-Core its eval loss
+        assert t["eval_loss_of_other"] == pytest.approx(run["eval_loss"], abs=TOL)
+        # with the MoE communication features: the chunks and the asynchronous counts over the TP x EP group
+        comm = ms[rank]["tp2_extend_comm"]
+        np.testing.assert_allclose(comm["losses"], run["losses"][:3], atol=COMM_TOL, rtol=0)
+        assert comm["schedule"] == (["counts:start", "permute:kernel", "counts:wait"]
+                                    + ["dispatch", "experts:loop", "combine"] * 2)
+
+
+def test_ep2_matches_megatron_and_checkpoint_crosses(two_processes):
+    ms, torch_runs = two_processes
+    for rank in range(2):
+        run, t = ms[rank]["ep2"], torch_runs[rank][0]
         np.testing.assert_allclose(run["losses"], t["losses"], atol=TOL, rtol=0)
         np.testing.assert_allclose(run["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
         # each EP rank holds its half of the experts (global indices)

@@ -28,7 +28,15 @@ EP2 = ["--expert-model-parallel-size", "2"]
     (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE,
      "with the allgather dispatcher needs tensor x expert parallel size > 1"),
     (["--moe-permutation-async-comm"] + MOE + TP2 + EP2, "at TP > 1 needs --moe-tp-extend-ep"),
-    (["--backend", "mindspore", "--moe-tp-extend-ep"] + MOE + TP2, "runs at tensor-parallel size 1 only"),
+    # the MindSpore trainer's MoE layer: TP > 1 only with whole experts over TP (--moe-tp-extend-ep),
+    # and then without TP-split shared experts or a distributed optimizer over the experts
+    (["--backend", "mindspore"] + MOE + TP2, "and at tensor parallel size 1 unless --moe-tp-extend-ep"),
+    (["--backend", "mindspore", "--moe-tp-extend-ep", "--moe-shared-expert-intermediate-size", "8"] + MOE + TP2,
+     "splits no shared experts over the tensor-parallel ranks"),
+    (["--backend", "mindspore", "--moe-tp-extend-ep", "--use-distributed-optimizer"] + MOE + TP2,
+     "shards no optimizer state of expert-parallel weights"),
+    (["--backend", "mindspore", "--moe-tp-extend-ep", "--context-parallel-size", "2"] + MOE + TP2,
+     "runs at context and pipeline parallel size 1"),
 ])
 def test_combinations_they_cannot_honour_are_refused(argv, message):
     with pytest.raises(MindSpeedConfigError, match="MindSpeed: .*" + re.escape(message)) as info:
@@ -44,6 +52,10 @@ def test_combinations_they_cannot_honour_are_refused(argv, message):
      {"moe-tp-extend-ep", "moe-alltoall-overlap-comm"}),
     (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE + TP2,
      {"moe-permutation-async-comm"}),
+    # the MindSpore trainer's MoE layer: whole experts over TP x EP (training/mindspore/parallel.py)
+    (["--backend", "mindspore", "--moe-tp-extend-ep"] + MOE + TP2, {"moe-tp-extend-ep"}),
+    (["--backend", "mindspore", "--moe-tp-extend-ep", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"]
+     + MOE + TP2 + EP2, {"moe-tp-extend-ep", "moe-alltoall-overlap-comm", "moe-permutation-async-comm"}),
     # the MindSpore trainer's MoE layer runs them without overlap (training/mindspore/moe.py)
     (["--backend", "mindspore", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
       "--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"] + MOE + EP2,

@@ -7,9 +7,10 @@
   overlapped with the previous chunk's expert compute (alltoall_overlap.py)
 
 Megatron-Core's MoE layer on the torch backend. The MindSpore trainer's MoE layer
-(training/mindspore/moe.py) runs them too, without overlap (`emulated`): MindSpore's CPU collectives
-have no all-to-all (the backend builds it from AllReduce), so the chunks and the asynchronous start
-keep Megatron's order and results, not its overlap.
+(training/mindspore/moe.py) runs them too: --moe-tp-extend-ep as it is (its expert-parallel group
+is the TP x EP block, training/mindspore/parallel.py), the other two without overlap (`emulated`):
+MindSpore's CPU collectives have no all-to-all (the backend builds it from AllReduce), so the
+chunks and the asynchronous start keep Megatron's order and results, not its overlap.
 """
 from __future__ import annotations
 
@@ -91,11 +92,6 @@ class MoeTpExtendEp(_MoeComm):
     flags = (switch("--moe-tp-extend-ep", "spread whole experts over the TP x EP ranks instead of splitting "
                                           "each expert's weights over TP"),)
     alternatives = "leave it off: each expert's weights are split over the tensor-parallel ranks"
-    unsupported = {"mindspore": "it needs --tensor-model-parallel-size > 1, and the MindSpore trainer's MoE layer "
-                                "(training/mindspore/moe.py) runs at tensor-parallel size 1 only: it has no "
-                                "tensor- or sequence-parallel router and shared experts to spread the experts "
-                                "over TP x EP from (use --expert-model-parallel-size over the data-parallel "
-                                "ranks, or --backend torch)"}
     example = ("--moe-tp-extend-ep", "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel")
 
     def validate(self, args) -> None:

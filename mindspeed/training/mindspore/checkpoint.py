@@ -16,11 +16,12 @@ from mindspeed.checkpoint import neutral as nf
 
 def _gather_tp(backend, ps, arrays: dict, gated: bool = True) -> dict:
     """Whole tensors from this TP group's shards (one collective for all of them); gated: the MLP's
-    fc1 holds SwiGLU's [gate; up] halves."""
+    fc1 holds SwiGLU's [gate; up] halves. Experts are whole on their rank, never TP shards (with
+    --moe-tp-extend-ep the TP ranks hold different experts): they pass through, for _gather_ep."""
     if ps.tp_size == 1:
         return dict(arrays)
     import mindspore as ms
-    names = list(arrays)
+    names = [n for n in arrays if not nf.is_expert(n)]
     flat = ops.cat([ms.Tensor(arrays[n]).reshape(-1) for n in names]).expand_dims(0)
     every = backend.comm.all_gather(flat, 0, ps.tp_group).asnumpy()        # [tp, total]
     out, start = {}, 0
@@ -29,7 +30,7 @@ def _gather_tp(backend, ps, arrays: dict, gated: bool = True) -> dict:
         out[n] = nf.unshard(n, [every[r, start:start + size].reshape(arrays[n].shape) for r in range(ps.tp_size)],
                            gated)
         start += size
-    return out
+    return {**out, **{n: a for n, a in arrays.items() if nf.is_expert(n)}}
 
 
 def _gather_pp(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:

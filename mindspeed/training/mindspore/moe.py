@@ -11,6 +11,11 @@ optional SharedExpertMLP) for the MindSpore GPT, with the math of Megatron-Core 
 - expert parallelism: expert e lives on EP rank e // (E / ep); each rank sends the tokens (and
   their probabilities) routed to another rank's experts by all-to-all, the experts run, and a
   second all-to-all brings the outputs back, summed per token;
+- --moe-tp-extend-ep (TP > 1 with sequence parallelism): the EP group is the TP x EP block
+  (parallel.py), so each rank routes its own sequence shard's tokens to whole experts spread over
+  the TP ranks too (Megatron-Core's expert TP 1, EP x TP); the router's weight is replicated over
+  TP, its gradient summed there like the norms' (optimizer.reduce_gradients), and the
+  load-balancing loss counts tokens per expert over the TP ranks;
 - expert MLP: fc1 -> SwiGLU or GELU (as the dense MLP) -> x probability (Megatron's
   per_token_scale) -> fc2; shared experts: a dense MLP on the same input, added.
 
@@ -47,14 +52,20 @@ def route(logits, topk: int):
     return ops.softmax(top_logits, -1), top_idx
 
 
-def load_balancing_loss(logits, topk: int, coeff: float):
-    """Megatron's switch_load_balancing_loss_func on this rank's T tokens (TP = CP = 1)."""
+def load_balancing_loss(logits, topk: int, coeff: float, sum_over_sequence=None, ranks: int = 1):
+    """Megatron's switch_load_balancing_loss_func on this rank's T tokens; under sequence
+    parallelism (ranks > 1: this rank holds T of the ranks * T tokens) the tokens per expert summed
+    over the sequence-parallel ranks by sum_over_sequence, the probabilities this rank's (Megatron's
+    tp_cp reduction: the ranks' partial losses and their router gradients add up)."""
     tokens, experts = logits.shape
     scores = ops.softmax(logits.astype(ms.float32), -1)
     _, chosen = ops.topk(scores, topk)
     per_expert = ops.stop_gradient(ops.one_hot(chosen, experts, ms.Tensor(1.0, ms.float32),
                                                ms.Tensor(0.0, ms.float32)).sum((0, 1)))
-    return (scores.sum(0) * per_expert).sum() * (experts * coeff / (topk * tokens * tokens))
+    if ranks > 1:
+        per_expert = ops.stop_gradient(sum_over_sequence(per_expert))
+    total = tokens * ranks
+    return (scores.sum(0) * per_expert).sum() * (experts * coeff / (topk * total * total))
 
 
 def attach_aux_gradient(autograd, probs, aux_loss):
@@ -103,8 +114,11 @@ class MoELayer:
         logits = linear(flat, self._p("mlp.router.weight"))
         probs, top_idx = route(logits, self.topk)
         if cfg.moe_aux_loss_coeff > 0:
-            probs = attach_aux_gradient(backend.autograd, probs,
-                                        load_balancing_loss(logits, self.topk, cfg.moe_aux_loss_coeff))
+            ps = self.model.ps
+            sp = ps.tp_size if ps.sequence_parallel else 1
+            aux = load_balancing_loss(logits, self.topk, cfg.moe_aux_loss_coeff,
+                                      lambda t: backend.comm.all_reduce(t, "sum", ps.tp_group), sp)
+            probs = attach_aux_gradient(backend.autograd, probs, aux)
         idx = top_idx.asnumpy()
         counts_of_every_rank = self._start_counts(np.bincount(idx.reshape(-1), minlength=self.experts))
         if self.async_counts:        # permuted while the counts travel

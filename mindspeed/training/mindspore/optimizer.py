@@ -225,12 +225,13 @@ def _flat_all_reduce(comm, arrays: list, op: str, group) -> list:
 def reduce_gradients(backend, ps, model, grads: dict, over_dp: bool = True) -> dict:
     """Sum over context-parallel ranks, average over data-parallel replicas (unless over_dp is
     False: the distributed optimizer reduce-scatters them itself); with SP, sum the replicated (norm, row-bias) weights'
-    partial gradients over the TP group (each rank saw only its sequence shard); sum a weight two
+    partial gradients over the TP group (each rank saw only its sequence shard; the MoE router's too,
+    while the experts, spread over TP x EP by --moe-tp-extend-ep, are not); sum a weight two
     pipeline stages share (tied embeddings) over them."""
     comm = backend.comm
     names = list(grads)
-    if ps.sequence_parallel:
-        replicated = [n for n in names if not model.is_tp_sharded(n)]
+    if ps.sequence_parallel:      # (experts are whole, on one rank of the TP x EP block: not summed)
+        replicated = [n for n in names if not model.is_tp_sharded(n) and not is_expert(n)]
         for n, g in zip(replicated, _flat_all_reduce(comm, [grads[n] for n in replicated], "sum", ps.tp_group)):
             grads[n] = g
     if getattr(ps, "cp_size", 1) > 1:   # each CP rank's gradient covers its share of the sequence
@@ -295,10 +296,11 @@ def clip_gradients(backend, ps, model, grads: dict, max_norm: float):
     ep = getattr(ps, "ep_size", 1) > 1
     counted = [g for n, g in grads.items() if model.counted_in_grad_norm(n) and not (ep and is_expert(n))]
     sq = _sum_of_squares(ms.mutable(tuple(counted))) if counted else ms.Tensor(0.0, ms.float64)
-    if ep:      # each EP rank holds other experts: their squares add up over the EP group
+    sq = sum_of_squares_over_ranks(backend.comm, ps, sq)
+    if ep:      # each EP rank (of the TP x EP block with --moe-tp-extend-ep) holds other experts:
+        # their squares add up over the EP group, once (EP runs at PP 1)
         experts = [g for n, g in grads.items() if is_expert(n)]
         sq = sq + _fp64_sum_over(backend.comm, _sum_of_squares(ms.mutable(tuple(experts))), ps.ep_group)
-    sq = sum_of_squares_over_ranks(backend.comm, ps, sq)
     if max_norm and max_norm > 0:
         clipped = _clipped(ms.mutable(tuple(grads.values())), sq, ms.Tensor(max_norm, ms.float64))
         grads = dict(zip(grads, clipped))

@@ -27,7 +27,8 @@ class ParallelState:
     pp_size: int = 1
     pp_rank: int = 0
     pp_group: object = None
-    ep_size: int = 1             # expert parallelism: the experts split over ep_size adjacent DP ranks
+    ep_size: int = 1             # expert parallelism: the experts split over ep_size adjacent ranks (DP
+                                 # ranks; with --moe-tp-extend-ep the TP x EP block, TP fastest)
     ep_rank: int = 0
     ep_group: object = None
     edp_group: object = None     # the ranks holding the same experts (expert gradients are reduced there)
@@ -42,9 +43,13 @@ class ParallelState:
 
 
 def build_parallel_state(comm, tp_size: int, sequence_parallel: bool = False, cp_size: int = 1,
-                         pp_size: int = 1, ep_size: int = 1) -> ParallelState:
+                         pp_size: int = 1, ep_size: int = 1, tp_extend_ep: bool = False) -> ParallelState:
+    """tp_extend_ep (--moe-tp-extend-ep): the experts are spread over the TP x EP block of ranks
+    (Megatron-Core's expert grid with expert TP 1 and expert parallelism TP * EP)."""
     world, rank = comm.world_size(), comm.rank()
-    if ep_size > 1 and (tp_size, cp_size, pp_size) != (1, 1, 1):
+    if tp_extend_ep and (cp_size, pp_size) != (1, 1):
+        raise ValueError("--moe-tp-extend-ep here spreads the experts over TP x EP at CP = PP = 1")
+    if ep_size > 1 and not tp_extend_ep and (tp_size, cp_size, pp_size) != (1, 1, 1):
         raise ValueError("expert parallelism here splits the data-parallel ranks only (TP = CP = PP = 1)")
     if world % (tp_size * cp_size * pp_size):
         raise ValueError(f"world size {world} is not divisible by tensor ({tp_size}) x context ({cp_size}) "
@@ -71,12 +76,14 @@ def build_parallel_state(comm, tp_size: int, sequence_parallel: bool = False, cp
     ps = ParallelState(tp_size, dp_size, tp_rank, dp_rank, groups["tp"], groups["dp"],
                        sequence_parallel and tp_size > 1, cp_size, cp_rank, groups["cp"], cp_lists,
                        pp_size=pp_size, pp_rank=rank // stage, pp_group=groups["pp"])
-    return _with_expert_groups(comm, ps, ep_size) if ep_size > 1 else ps
+    spread = ep_size * (tp_size if tp_extend_ep else 1)
+    return _with_expert_groups(comm, ps, spread) if spread > 1 else ps
 
 
 def _with_expert_groups(comm, ps: ParallelState, ep_size: int) -> ParallelState:
-    """Megatron's expert layout at TP = CP = PP = 1 (order tp-ep-dp): EP groups are blocks of
-    ep_size adjacent ranks, expert-data-parallel groups the ranks ep_size apart."""
+    """Megatron's expert layout with expert TP 1 at CP = PP = 1 (order tp-ep-dp): EP groups are
+    blocks of ep_size adjacent ranks (at TP > 1, under --moe-tp-extend-ep, a block holds whole TP
+    groups: EP rank = ep_rank * TP + tp_rank), expert-data-parallel groups the ranks ep_size apart."""
     world, rank = comm.world_size(), comm.rank()
     if world % ep_size:
         raise ValueError(f"world size {world} is not divisible by expert parallel size {ep_size}")

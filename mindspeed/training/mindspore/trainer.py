@@ -280,7 +280,8 @@ def setup(args):
     world = backend.comm.world_size()
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
                               args.context_parallel_size, args.pipeline_model_parallel_size,
-                              getattr(args, "expert_model_parallel_size", 1) or 1)
+                              getattr(args, "expert_model_parallel_size", 1) or 1,
+                              bool(getattr(args, "moe_tp_extend_ep", False)))
     set_collective_timeout(backend, args.distributed_timeout_minutes)
     if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
         args.world_size, args.data_parallel_size = world, ps.dp_size
