@@ -40,15 +40,20 @@ def eval_batches() -> list:
 
 
 # -- mindspore side ------------------------------------------------------------------------------
-def ms_argv(pp: int, tied: bool = False, dp: int = 1) -> list:
+VPP_LAYERS = 4       # the virtual pipeline case: 4 layers, 1 per virtual stage (2 model chunks per stage)
+VPP_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "1")
+
+
+def ms_argv(pp: int, tied: bool = False, dp: int = 1, layers: int = mp.LAYERS) -> list:
     """The trainer's flags at PP=pp x DP=dp (tied: without --untie-embeddings-and-output-weights)."""
     argv = mp.trainer_argv(1) + ["--global-batch-size", str(mp.MBS * MICRO * dp),
                                  "--pipeline-model-parallel-size", str(pp)]
+    argv[argv.index("--num-layers") + 1] = str(layers)
     return [a for a in argv if a != "--untie-embeddings-and-output-weights"] if tied else argv
 
 
 def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, steps: int = mp.STEPS,
-                extra: tuple = (), tied: bool = False, batches=micro_batches) -> dict:
+                extra: tuple = (), tied: bool = False, batches=micro_batches, layers: int = mp.LAYERS) -> dict:
     """Through the support matrix (mindspeed.adapt) as the trainer goes; returns losses, grad norms,
     the held-out loss, and whether the run was PyNative. `extra`: more trainer flags; tied: the
     output layer is the word embeddings; batches(step): the step's micro-batches."""
@@ -60,7 +65,7 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     dp = backend.comm.world_size() // pp
-    argv = ms_argv(pp, tied, dp) + list(extra)
+    argv = ms_argv(pp, tied, dp, layers) + list(extra)
     args = parse_args(argv, world_size=backend.comm.world_size())
     args.backend = "mindspore"
     mindspeed.adapt(args)
@@ -80,7 +85,8 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
         if save_dir:
             checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, {"backend": "mindspore"})
         return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode,
-                "layers": list(trainer.model.layers), "params": sorted(trainer.model.params)}
+                "layers": list(trainer.model.layers), "params": sorted(trainer.model.params),
+                "pipeline": type(trainer.pipeline).__name__}
     finally:
         mindspeed.unadapt()
 
@@ -101,22 +107,23 @@ def torch_train_accumulated_dp(rank, world_size, init_ckpt):
 
 
 def torch_references(rank, world_size, init_ckpt):
-    """torch_train_accumulated untied (initial weights at init_ckpt), tied (at init_ckpt_tied), and on
-    padded_micro_batches (at init_ckpt_variable)."""
+    """torch_train_accumulated untied (initial weights at init_ckpt), tied (at init_ckpt_tied), on
+    padded_micro_batches (at init_ckpt_variable), and tied with VPP_LAYERS layers (at init_ckpt_vpp)."""
     return {"untied": torch_train_accumulated(rank, world_size, init_ckpt),
             "tied": torch_train_accumulated(rank, world_size, init_ckpt + "_tied", tied=True),
+            "vpp": torch_train_accumulated(rank, world_size, init_ckpt + "_vpp", tied=True, layers=VPP_LAYERS),
             "variable": torch_train_accumulated(rank, world_size, init_ckpt + "_variable",
                                                 batches=padded_micro_batches, steps=VARIABLE_STEPS)}
 
 
 def torch_train_accumulated(rank, world_size, init_ckpt, tied: bool = False, batches=micro_batches,
-                            steps: int = mp.STEPS):
+                            steps: int = mp.STEPS, layers: int = mp.LAYERS):
     """Write the initial weights, then train `steps` steps of MICRO micro-batches each (batches(step))."""
     import mindspeed
     mindspeed.adapt([])
     from tests_extend import megatron_tiny
     megatron_tiny.init_parallel(tp=1)
-    model = mp.build_torch_model(1, tied=tied)
+    model = mp.build_torch_model(1, tied=tied, layers=layers)
     mp.save_torch_init(model, init_ckpt)
     return _train_accumulated(model, batches, steps=steps)
 

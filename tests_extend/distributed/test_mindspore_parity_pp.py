@@ -4,7 +4,9 @@ warmup, steady state and cooldown all run) gives the losses of Megatron-Core's G
 CPU) trained at PP=1 on the same global batch with gradients accumulated over the micro-batches
 (what 1F1B computes), fp32, within 1e-4 per step over 20 steps; and the PP=2 checkpoint (one
 whole model, gathered from both stages) loads into the MindSpore trainer at PP=1. The same with
-tied embeddings (Megatron's default) against a tied Megatron-Core GPTModel; and with
+tied embeddings (Megatron's default) against a tied Megatron-Core GPTModel; with a virtual pipeline
+(--num-layers-per-virtual-pipeline-stage 1 on 4 layers: Megatron's interleaved 1F1B over 2 model chunks per
+stage, training/mindspore/interleaved.py) against Megatron-Core at PP=1 on the 4 layers; and with
 --variable-seq-lengths, micro-batches of their own lengths against Megatron-Core on padded ones."""
 import os
 
@@ -32,6 +34,7 @@ def runs(tmp_path_factory):
     for rank in range(2):
         assert ms_pp2[rank]["ok"], ms_pp2[rank].get("error")
     return {"torch": torch_pp1["untied"], "torch_tied": torch_pp1["tied"], "torch_variable": torch_pp1["variable"],
+            "torch_vpp": torch_pp1["vpp"],
             "ms": [r["pp2"] for r in ms_pp2],
             "saved": saved, "saved_sgd": saved + "_sgd", "all": ms_pp2}
 
@@ -72,10 +75,28 @@ def test_pp2_with_tied_embeddings_matches_torch(runs):
     assert sorted(state) == sorted(f"{kind}/{name}" for kind in ("exp_avg", "exp_avg_sq") for name in params)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_pp2_checkpoint_loads_at_pp1(runs, tied):
-    """The PP=2 checkpoint holds the whole model (both stages' parameters and Adam moments):
-    the trainer at PP=1 loads it and evaluates the held-out batch to PP=2's loss."""
+def test_pp2_with_virtual_pipeline_matches_torch(runs):
+    """--num-layers-per-virtual-pipeline-stage 1 on 4 layers: each stage holds 2 model chunks, laid out
+    as Megatron-Core lays them out (chunk c of stage r is virtual stage 2c + r), and trains them in the
+    interleaved 1F1B order, tied embeddings on the first stage's first chunk and the last stage's last
+    chunk; the losses are Megatron-Core's at PP=1 on the same 4 layers and global batch."""
+    t = runs["torch_vpp"]
+    vpp = [runs["all"][rank]["pp2_vpp"] for rank in range(2)]
+    for rank, ms in enumerate(vpp):
+        assert ms["pipeline"] == "InterleavedPipeline"
+        np.testing.assert_allclose(ms["losses"], t["losses"], atol=TOL, rtol=0, err_msg=f"rank {rank}")
+        np.testing.assert_allclose(ms["grad_norms"], t["grad_norms"], rtol=1e-4, err_msg=f"rank {rank}")
+    first, last = vpp
+    assert first["layers"] == [0, 2] and last["layers"] == [1, 3]
+    assert "embedding.word_embeddings.weight" in first["params"] and "embedding.word_embeddings.weight" in last["params"]
+    assert "decoder.final_layernorm.weight" in last["params"] and "decoder.final_layernorm.weight" not in first["params"]
+
+
+@pytest.mark.parametrize("case", ["untied", "tied", "vpp"])
+def test_pp2_checkpoint_loads_at_pp1(runs, case):
+    """The PP=2 checkpoint (with a virtual pipeline too) holds the whole model (both stages'
+    parameters and Adam moments): the trainer at PP=1 loads it and evaluates the held-out batch to
+    PP=2's loss."""
     import mindspeed
     from mindspeed.backends import get_backend
     from mindspeed.flags.trainer_flags import parse_args
@@ -83,15 +104,17 @@ def test_pp2_checkpoint_loads_at_pp1(runs, tied):
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
-    args = parse_args(mpp.ms_argv(1, tied), world_size=1)
+    tied = case != "untied"
+    args = parse_args(mpp.ms_argv(1, tied, layers=mpp.VPP_LAYERS if case == "vpp" else mp.LAYERS), world_size=1)
     args.backend = "mindspore"
     mindspeed.adapt(args)
     try:
         backend = get_backend()
         trainer = Trainer(args, backend, build_parallel_state(backend.comm, 1), GPTConfig.from_args(args, mp.VOCAB))
-        meta = checkpoint.load(runs["saved"] + ("_tied" if tied else ""), trainer.model, trainer.optimizer)
+        meta = checkpoint.load(runs["saved"] + {"untied": "", "tied": "_tied", "vpp": "_vpp"}[case], trainer.model,
+                               trainer.optimizer)
         assert trainer.optimizer.step_count == mp.STEPS and meta["iteration"] == mp.STEPS
-        pp2 = runs["all"][0]["pp2_tied" if tied else "pp2"]
+        pp2 = runs["all"][0]["pp2" if case == "untied" else f"pp2_{case}"]
         assert trainer.evaluate(mpp.eval_batches()) == pytest.approx(pp2["eval_loss"], abs=1e-5)
     finally:
         mindspeed.unadapt()

@@ -42,10 +42,19 @@ def test_mindspore_splits_the_layers_as_megatron_and_refuses_what_its_pipeline_c
         assert cfg.pipeline_layers == counts, extra
         assert [list(cfg.stage_layers(r)) for r in (0, 1)] == [list(range(counts[0])), list(range(counts[0], 4))]
     assert {f.id for f in plan(["--backend", "mindspore"] + FOUR + PP2).features} == {"pipeline-parallel"}  # tied
+    vpp = PP2 + untied + ["--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1"]
     for argv, line in ((["--pipeline-model-parallel-size", "4"] + untied, "runs 2 stages"),
-                       (PP2 + untied + ["--num-layers-per-virtual-pipeline-stage", "1"], "no interleaved schedule")):
-        with pytest.raises(MindSpeedConfigError, match=line):
+                       (vpp + ["--global-batch-size", "3"], "3 micro-batches per step: the interleaved schedule"),
+                       (vpp + ["--global-batch-size", "8", "--rampup-batch-size", "2", "1", "8"],
+                        "3 micro-batches per step")):
+        with pytest.raises(MindSpeedConfigError, match=line) as err:
             plan(["--backend", "mindspore"] + FOUR + argv)
+        assert "\n" not in str(err.value)
+    # the interleaved schedule: Megatron-Core's layout, chunk c of stage r is virtual stage 2c + r
+    assert {f.id for f in plan(["--backend", "mindspore"] + FOUR + vpp + ["--global-batch-size", "4"]).features} \
+        == {"pipeline-parallel"}
+    cfg = GPTConfig.from_args(parse_args(FOUR + vpp + ["--global-batch-size", "4"], world_size=2), 64)
+    assert cfg.virtual_chunks == 2 and [cfg.stage_layers(r) for r in (0, 1)] == [[0, 2], [1, 3]]
     assert [f.id for f in plan(["--backend", "mindspore", "--noop-layers", "1"] + FOUR).features] == ["noop-layers"]
 
 

@@ -60,11 +60,28 @@ def mindspore_pipeline_problem(args) -> str | None:
         return (f"--pipeline-model-parallel-size {pp}: the MindSpore trainer's 1F1B runs 2 stages (on CPU its "
                 "transfers are exchanges both stages make together); use 2")
     if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
-        return ("--num-layers-per-virtual-pipeline-stage: the MindSpore trainer has no interleaved schedule; "
-                "leave it out (plain 1F1B) or use --backend torch")
+        # the micro-batches of every step: each global batch size --rampup-batch-size goes through
+        gbs, mbs = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)
+        dp = getattr(args, "data_parallel_size", 1) or 1
+        rampup = getattr(args, "rampup_batch_size", None)
+        sizes = [gbs] if rampup is None else list(range(int(rampup[0]), gbs, int(rampup[1]) or gbs)) + [gbs]
+        for size in (sizes if gbs and mbs else []):
+            problem = interleaved_micro_batch_problem(size // (mbs * dp), pp)
+            if problem:
+                return problem
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         return ("--context-parallel-size with --pipeline-model-parallel-size: the MindSpore trainer runs one "
                 "or the other; use --backend torch for both")
+    return None
+
+
+def interleaved_micro_batch_problem(n: int, pp: int) -> str | None:
+    """Megatron-Core's rule for its interleaved schedule (micro-batches in groups of PP per model
+    chunk): the MindSpore trainer's (training/mindspore/interleaved.py) follows it."""
+    if n < pp or n % pp:
+        return (f"{n} micro-batches per step: the interleaved schedule (--num-layers-per-virtual-pipeline-stage) "
+                f"needs a multiple of --pipeline-model-parallel-size {pp}, as Megatron-Core's; change "
+                "--global-batch-size or --micro-batch-size")
     return None
 
 

@@ -81,6 +81,7 @@ class GPTConfig:
     fused_kernels: frozenset = frozenset()   # kernels whose fused feature is on: the device's fast path
     noop_layers: frozenset = frozenset()     # --noop-layers: indices of layers that pass their input through
     pipeline_layers: tuple = ()              # layers per pipeline stage (empty: one stage holds all)
+    virtual_chunks: int = 1                  # --num-layers-per-virtual-pipeline-stage: model chunks per stage
     recompute_method: str = "uniform"        # with recompute: uniform groups or the first N layers (recompute_plan)
     recompute_num_layers: int = 1
     recompute_core_attention: bool = False   # --recompute-granularity selective
@@ -140,6 +141,7 @@ class GPTConfig:
                    params_dtype="fp16" if getattr(args, "fp16", False) else "bf16" if getattr(args, "bf16", False)
                    else "fp32",
                    pipeline_layers=cls._pipeline_layers(args),
+                   virtual_chunks=cls._virtual_chunks(args),
                    num_experts=getattr(args, "num_experts", None) or 0,
                    moe_router_topk=getattr(args, "moe_router_topk", 2),
                    moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
@@ -156,9 +158,26 @@ class GPTConfig:
                                         getattr(args, "decoder_first_pipeline_num_layers", None),
                                         getattr(args, "decoder_last_pipeline_num_layers", None)))
 
-    def stage_layers(self, pp_rank: int) -> range:
-        """The layer indices pipeline stage pp_rank holds (all of them without PP)."""
+    @staticmethod
+    def _virtual_chunks(args) -> int:
+        per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+        if per_chunk is None:
+            return 1
+        return args.num_layers // args.pipeline_model_parallel_size // per_chunk
+
+    def stage_layers(self, pp_rank: int) -> list:
+        """The layer indices pipeline stage pp_rank holds (all of them without PP), chunk by chunk."""
+        return [i for c in range(self.virtual_chunks) for i in self.chunk_layers(pp_rank, c)]
+
+    def chunk_layers(self, pp_rank: int, chunk: int) -> range:
+        """The layers of model chunk `chunk` on stage pp_rank. With a virtual pipeline (Megatron-Core's
+        layout) chunk c of stage r is virtual stage c x PP + r of PP x chunks equal ones; else the
+        stage's layers."""
         counts = self.pipeline_layers or (self.num_layers,)
+        if self.virtual_chunks > 1:
+            per_chunk = counts[0] // self.virtual_chunks
+            first = (chunk * len(counts) + pp_rank) * per_chunk
+            return range(first, first + per_chunk)
         first = sum(counts[:pp_rank])
         return range(first, first + counts[pp_rank])
 
@@ -281,7 +300,7 @@ class GPTModel:
         self.band = dict(cfg.attention_band)
         self.swap_scope, self.swap_modules = None, frozenset()   # --swap-attention's hook
         # pipeline parallelism: this stage's slice of the layers (Megatron's split)
-        self.layers = [i for i in cfg.real_layers() if i in cfg.stage_layers(ps.pp_rank)]
+        self.layers = [i for i in cfg.stage_layers(ps.pp_rank) if i not in cfg.noop_layers]
         self._slot = {layer: pos for pos, layer in enumerate(self.layers)}   # index into the dropout masks
         self.moe_layers = {}
         if cfg.num_experts % ps.ep_size:
@@ -535,10 +554,16 @@ class GPTModel:
             x = x + self._position_embedding(x.shape[0], positions, extras.embed_positions)
         return self._dropped(x, extras, 0)
 
-    def _decoder(self, x, positions=None, extras=NO_EXTRAS):
-        """This pipeline stage's layers."""
+    def chunk_layers(self, chunk: int) -> list:
+        """The layers (with weights) of this stage's model chunk `chunk` (virtual pipeline)."""
+        return [i for i in self.cfg.chunk_layers(self.ps.pp_rank, chunk) if i not in self.cfg.noop_layers]
+
+    def _decoder(self, x, positions=None, extras=NO_EXTRAS, layers=None):
+        """This pipeline stage's layers (`layers`: one model chunk's), recomputed as Megatron's
+        TransformerBlock does within each chunk."""
         method = self.cfg.recompute_method if self.cfg.recompute else None
-        for layers, recomputed in layer_chunks(self.layers, method, self.cfg.recompute_num_layers):
+        for layers, recomputed in layer_chunks(self.layers if layers is None else layers, method,
+                                               self.cfg.recompute_num_layers):
             if recomputed:     # one chunk: only its input is kept, its layers rerun in backward
                 x = self.backend.memory.recompute(lambda h, ls=layers: self._layers(ls, h, positions, extras), x)
             else:
@@ -556,12 +581,15 @@ class GPTModel:
         losses (and gradients) sum to the full-sequence ones."""
         return self._masked_mean(self.logits(tokens, position_ids, extras), labels, loss_mask, denominator)
 
-    def stage_forward(self, hidden, tokens, labels, loss_mask):
-        """One pipeline stage: the embedding of `tokens` on the first stage, else the previous
-        stage's output `hidden` [s, b, h], through this stage's layers -> the loss on the last
-        stage, else the activation for the next one."""
-        x = self._decoder(self._embed(tokens) if self.ps.first_stage else hidden)
-        return self._masked_mean(self._head(x), labels, loss_mask) if self.ps.last_stage else x
+    def stage_forward(self, hidden, tokens, labels, loss_mask, chunk: int = 0):
+        """One pipeline stage's model chunk `chunk` (the stage itself without a virtual pipeline): the
+        embedding of `tokens` on the first stage's first chunk, else the previous (virtual) stage's
+        output `hidden` [s, b, h], through the chunk's layers -> the loss on the last stage's last
+        chunk, else the activation for the next one."""
+        first = self.ps.first_stage and chunk == 0
+        last = self.ps.last_stage and chunk == self.cfg.virtual_chunks - 1
+        x = self._decoder(self._embed(tokens) if first else hidden, layers=self.chunk_layers(chunk))
+        return self._masked_mean(self._head(x), labels, loss_mask) if last else x
 
     def _masked_mean(self, logits, labels, loss_mask, denominator=None):
         per_token = vocab_parallel_cross_entropy(self.backend, self.ps, logits, labels.T)   # [s, b]

@@ -79,10 +79,11 @@ class TwoStagePipeline:
         received = self._swap(send)
         return received[:theirs] if theirs else None
 
-    def _forward(self, hidden, mb):
-        """(output, its vjp): the loss on stage 1, the activation for stage 1 on stage 0."""
+    def _forward(self, hidden, mb, chunk: int = 0):
+        """(output, its vjp): the loss on stage 1, the activation for stage 1 on stage 0 (of model
+        chunk `chunk` with a virtual pipeline)."""
         tokens, labels, mask = _inputs(mb)
-        fn = lambda h: self.model.stage_forward(h, tokens, labels, mask)
+        fn = lambda h: self.model.stage_forward(h, tokens, labels, mask, chunk)
         return ms.vjp(fn, self._nothing if hidden is None else hidden, weights=self.weights)
 
     def _first_stage_grads(self, mb, d_output):

@@ -32,6 +32,7 @@ from mindspeed.training.mindspore.mixed_precision import (MasterWeights, bf16_ma
 from mindspeed.training.mindspore.model import Extras, GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
+from mindspeed.training.mindspore.interleaved import InterleavedPipeline
 from mindspeed.training.mindspore.pipeline import TwoStagePipeline
 from mindspeed.training.mindspore.tracing import traced
 
@@ -158,8 +159,9 @@ class Trainer:
             # evaluation gets its own trace (no gradient, no dropout, no loss scale)
             loss, self._eval_loss = traced(loss), traced(self._eval_loss)
         self._grad_fn = ms.value_and_grad(loss, None, weights=self.model.parameters())
-        self.pipeline = TwoStagePipeline(backend, ps, self.model, bool(getattr(args, "variable_seq_lengths", False))
-                                         ) if ps.pp_size > 1 else None
+        pipeline = InterleavedPipeline if cfg.virtual_chunks > 1 else TwoStagePipeline
+        self.pipeline = pipeline(backend, ps, self.model, bool(getattr(args, "variable_seq_lengths", False))
+                                 ) if ps.pp_size > 1 else None
 
     def _inputs(self, mb: dict, names: tuple = (), masks: dict | None = None) -> tuple:
         """Model inputs for one micro-batch: this CP rank's share of the sequence, its positions,
