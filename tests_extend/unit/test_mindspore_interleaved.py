@@ -52,11 +52,10 @@ def test_the_exchange_plan_runs_each_order_once_after_its_inputs(chunks, n):
         assert [t[rank][0] for t in ticks if t[rank][0] is not None] == megatron_order(rank, 2, chunks, n)
     sent_at = {}
     for when, tick in enumerate(ticks):
-        for rank, (step, act, grad) in enumerate(tick):
-            for item in (act, grad):
-                if item is not None:
-                    assert item[1] % 2 != rank           # every transfer crosses to the other stage
-                    sent_at[item] = when
+        for rank, (step, sent) in enumerate(tick):
+            if sent is not None:
+                assert sent[1] % 2 != rank           # every transfer crosses to the other stage
+                sent_at[sent] = when
             if step is None:
                 continue
             kind, chunk, mb = step

@@ -11,11 +11,12 @@ PP, as Megatron-Core's own check does.
 The transfers are pipeline.py's exchanges, which both stages make together (MindSpore 2.10 has no
 point-to-point transfer on CPU). `exchange_plan` lines the two stages' orders up into ticks, the
 same on both stages: in a tick each stage runs its next step if what it needs has arrived, then the
-stages exchange the activations made in that tick and then the gradients (each exchange only when
-a stage has one to send). As in pipeline.py, a forward keeps only its input, and the backward runs
-the chunk's forward again under mindspore.vjp (PyNative keeps one pending backward graph per
-function); the last virtual stage runs its backward with its forward (the loss is there), and
-sends the gradient at its backward's place in the order.
+stages exchange what those steps made (a forward's activation or a backward's input gradient: one
+tensor a stage at most, so one exchange a tick, none when neither stage sends). As in pipeline.py,
+a forward keeps only its input, and the backward runs the chunk's forward again under
+mindspore.vjp (PyNative keeps one pending backward graph per function); the last virtual stage
+runs its backward with its forward (the loss is there), and sends the gradient at its backward's
+place in the order.
 """
 from __future__ import annotations
 
@@ -40,10 +41,9 @@ def megatron_order(rank: int, pp: int, chunks: int, n: int) -> list:
 
 
 def exchange_plan(pp: int, chunks: int, n: int) -> list:
-    """The ticks both stages follow: each a list over stages of (step or None, the activation it sends
-    or None, the gradient it sends or None); what is sent is named by what it is for: ("in", virtual
-    stage, micro-batch) the input of a forward, ("dout", virtual stage, micro-batch) the output
-    gradient of a backward."""
+    """The ticks both stages follow: each a list over stages of (step or None, what it sends or None);
+    what is sent is named by what it is for: ("in", virtual stage, micro-batch) the input of a forward
+    (an activation), ("dout", virtual stage, micro-batch) the output gradient of a backward."""
     last = pp * chunks - 1
     orders = [megatron_order(r, pp, chunks, n) for r in range(pp)]
     done, arrived = [0] * pp, [set() for _ in range(pp)]
@@ -59,18 +59,16 @@ def exchange_plan(pp: int, chunks: int, n: int) -> list:
                 if need is not None and need not in arrived[r]:
                     step = None
             if step is None:
-                tick.append((None, None, None))
+                tick.append((None, None))
                 continue
             done[r] += 1
-            act = ("in", v + 1, mb) if kind == "F" and v < last else None
-            grad = ("dout", v - 1, mb) if kind == "B" and v > 0 else None
-            tick.append((step, act, grad))
-        if all(step is None for step, _, _ in tick):
+            sent = (("in", v + 1, mb) if v < last else None) if kind == "F" else (("dout", v - 1, mb) if v > 0 else None)
+            tick.append((step, sent))
+        if all(step is None for step, _ in tick):
             raise RuntimeError(f"interleaved schedule stalls (PP {pp}, {chunks} chunks, {n} micro-batches)")
-        for _, act, grad in tick:
-            for item in (act, grad):
-                if item is not None:
-                    arrived[item[1] % pp].add(item)
+        for _, sent in tick:
+            if sent is not None:
+                arrived[sent[1] % pp].add(sent)
         ticks.append(tick)
     return ticks
 
@@ -98,17 +96,15 @@ class InterleavedPipeline(TwoStagePipeline):
         self._grads, self._losses, self._n, self._scale = None, [], n, loss_scale
         inbox, kept, sends = {}, {}, {}     # received tensors; forward inputs; the last stage's input gradients
         for tick in self._plans[n]:
-            step, act, grad = tick[me]
+            (step, _), (_, theirs) = tick[me], tick[self.peer]
+            mine = None
             if step is not None:
                 kind, chunk, m = step
-                sent = self._run(kind, chunk, micro_batches[m], m, inbox, kept, sends, self._virtual(chunk) == last)
-                act, grad = (sent, None) if kind == "F" else (None, sent)
-            peer_step, peer_act, peer_grad = tick[self.peer]
-            for mine, theirs in ((act, peer_act), (grad, peer_grad)):
-                if mine is not None or theirs is not None:
-                    received = self._exchange(mine, b)
-                    if theirs is not None:
-                        inbox[theirs] = received
+                mine = self._run(kind, chunk, micro_batches[m], m, inbox, kept, sends, self._virtual(chunk) == last)
+            if mine is not None or theirs is not None:
+                received = self._exchange(mine, b)
+                if theirs is not None:
+                    inbox[theirs] = received
         return self._grads, self._losses
 
     def _run(self, kind, chunk, mb, m, inbox, kept, sends, last: bool):
