@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,10 +25,10 @@ from mindspeed.backends.torch.kernels import cuda as cuda_paths  # noqa: E402
 from mindspeed.backends.torch.kernels import reference as R  # noqa: E402
 from mindspeed.backends.torch.kernels.catalog import FAST_PATHS  # noqa: E402
 from tests_extend.system.one_process_run import run_pretrain_gpt  # noqa: E402
+from tests_extend.system.tiny_corpus import build_indexed_corpus  # noqa: E402
 from tests_extend.unit.kernel_checks import assert_low_precision_ok, run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PREPROCESS = os.path.join(ROOT, "tests_extend", "example", "preprocess_data.py")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -149,17 +147,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 def corpus(tmp_path_factory):
     rng = random.Random(0)
     words = ["the king", "a fool", "my lord", "loves", "fears", "the crown", "the sea", "a ghost"]
-    root = tmp_path_factory.mktemp("gpu_data")
-    texts = []
-    for i in range(10):
-        path = root / f"part{i}.txt"
-        path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(6)) + "." for _ in range(200)) + "\n")
-        texts.append(str(path))
-    prefix = str(root / "tiny")
-    result = subprocess.run([sys.executable, PREPROCESS, "--input", *texts, "--output-prefix", prefix],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return prefix
+    documents = [[" ".join(rng.choice(words) for _ in range(6)) + "." for _ in range(200)] for _ in range(10)]
+    return build_indexed_corpus(tmp_path_factory.mktemp("gpu_data"), documents)
 
 
 def _train(tmp_path, name, device, *extra, iters=12):

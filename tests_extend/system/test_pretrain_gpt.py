@@ -16,12 +16,12 @@ from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
 from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
+from tests_extend.system.tiny_corpus import build_indexed_corpus
 from tests_extend.system.killed_save import assert_killed_in_the_save_of_8, assert_redid_5_to_8, kill_inside_save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests_extend", "example", "train_distributed.sh")
 PRETRAIN = os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py")
-PREPROCESS = os.path.join(ROOT, "tests_extend", "example", "preprocess_data.py")
 LAUNCH_TIMEOUT = 240
 
 TINY = dict(NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="32", MICRO_BATCH="4",
@@ -40,17 +40,8 @@ def tiny_dataset(tmp_path_factory):
     subjects, verbs, objects = ["the king", "a fool", "my lord", "the queen"], ["loves", "fears", "sees"], \
         ["the crown", "his horse", "the sea", "a ghost"]
     lines = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}." for _ in range(2500)]
-    root = tmp_path_factory.mktemp("data")
-    texts = []
-    for i in range(20):   # 20 documents so the 90/10 split has whole validation documents
-        path = root / f"part{i}.txt"
-        path.write_text("\n".join(lines[i * 125:(i + 1) * 125]) + "\n")
-        texts.append(str(path))
-    prefix = str(root / "tiny")
-    result = subprocess.run([sys.executable, PREPROCESS, "--input", *texts, "--output-prefix", prefix],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return prefix
+    # 20 documents so the 90/10 split has whole validation documents
+    return build_indexed_corpus(tmp_path_factory.mktemp("data"), [lines[i * 125:(i + 1) * 125] for i in range(20)])
 
 
 def launch_example(env_overrides, args=(), timeout=LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
