@@ -17,6 +17,17 @@ PARITY = ("--fp16", "--initial-loss-scale", str(2.0 ** 14), "--loss-scale-window
 OVERFLOW = ("--fp16", "--initial-loss-scale", str(2.0 ** 24))
 OVERFLOW_STEPS = 9     # 7 skipped (torch's sequence), then 2 updates
 BF16 = ("--bf16",)
+# the bf16 parity bounds, in units of torch's own bf16 effect (test_mindspore_parity_bf16.py: the two
+# sides round at different points, so each differs from the other about as much as from fp32)
+GAP_FACTOR = 2.0
+
+
+def bf16_effect(bf16: dict, fp32: dict, key: str = "losses", relative: bool = False) -> float:
+    """How far bf16 moves a run: the largest gap between its bf16 and fp32 values of `key` over the
+    bf16 run's steps (relative to the fp32 values if asked)."""
+    b = np.array(bf16[key], np.float64)
+    f = np.array(fp32[key][:len(b)], np.float64)
+    return float((np.abs(b - f) / (np.abs(f) if relative else 1.0)).max())
 
 
 def to_bf16(a: np.ndarray) -> np.ndarray:
@@ -57,10 +68,11 @@ def _scaler_settings(flags) -> dict:
 
 # -- mindspore side ------------------------------------------------------------------------------
 def ms_train_fp16(backend, init_ckpt: str, flags=PARITY, steps: int = mp.STEPS, *, tp: int = 1, sp: bool = False,
-                  pp: int = 1, distributed_optimizer: bool = False, save_dir: str | None = None) -> dict:
+                  pp: int = 1, cp: int = 1, cp_algo: str = "megatron_cp_algo", distributed_optimizer: bool = False,
+                  save_dir: str | None = None) -> dict:
     """Through the support matrix (mindspeed.adapt) as the trainer goes; every DP rank trains on the
-    same batch (so DP=2 is DP=1's run). Per step: loss, grad norm (None when skipped), the loss
-    scale after the step, whether it was skipped, the lr."""
+    same batch (so DP=2 is DP=1's run; CP ranks hold shards of it). Per step: loss, grad norm (None
+    when skipped), the loss scale after the step, whether it was skipped, the lr."""
     import mindspeed
     from mindspeed.backends import get_backend
     from mindspeed.flags.trainer_flags import parse_args
@@ -69,16 +81,17 @@ def ms_train_fp16(backend, init_ckpt: str, flags=PARITY, steps: int = mp.STEPS, 
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     world = backend.comm.world_size()
-    argv = mp.trainer_argv(tp, sp) + ["--global-batch-size", str(mp.MBS * world // (tp * pp)),
+    argv = mp.trainer_argv(tp, sp) + ["--global-batch-size", str(mp.MBS * world // (tp * pp * cp)),
                                       "--pipeline-model-parallel-size", str(pp)] + list(flags)
+    argv += ["--context-parallel-size", str(cp), "--context-parallel-algo", cp_algo] if cp > 1 else []
     argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
     args = parse_args(argv + (["--untie-embeddings-and-output-weights"] if pp > 1 else []), world_size=world)
     args.backend = "mindspore"
-    mindspeed.adapt(args)
+    features = tuple(f.id for f in mindspeed.adapt(args).plan.features)   # as the trainer's main reads them
     try:
         backend = get_backend()
-        ps = build_parallel_state(backend.comm, tp, sp, 1, pp)
-        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB))
+        ps = build_parallel_state(backend.comm, tp, sp, cp, pp)
+        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, features))
         checkpoint.load(init_ckpt, trainer.model)
         out = {k: [] for k in ("losses", "grad_norms", "scales", "skipped", "lrs")}
         for step in range(steps):

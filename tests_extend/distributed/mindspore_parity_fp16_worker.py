@@ -1,9 +1,10 @@
 """msrun worker for the --fp16 parity test: TP=2, TP=2 with sequence parallelism, DP=2 with the
 distributed optimizer and PP=2, from the same fp16-representable initial checkpoint, with
 mindspore_parity_fp16's PARITY loss scaling; the overflow check with an inf on rank 1 only; and --bf16
-at TP=2 with sequence parallelism and at PP=2 from a bf16-representable one (its bf16 activations
-cross the TP and pipeline collectives). Usage: msrun ... mindspore_parity_fp16_worker.py OUT_DIR
-INIT_CKPT BF16_INIT_CKPT"""
+at TP=2 with sequence parallelism, at PP=2 and at CP=2 (ring attention) from a bf16-representable
+one (its bf16 activations cross the TP and pipeline collectives; under CP the attention block
+computes in fp32 on CPU, its ring exchanges included: model.py's _attention_block).
+Usage: msrun ... mindspore_parity_fp16_worker.py OUT_DIR INIT_CKPT BF16_INIT_CKPT"""
 import os
 import sys
 import traceback
@@ -14,7 +15,7 @@ from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 STEPS = 4      # short: the TP=1 run (in the test process) carries the 20-step claim
 RUNS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sp=True), "dp2_distributed_optimizer": dict(distributed_optimizer=True),
         "pp2": dict(pp=2)}
-BF16_RUNS = {"bf16_tp2_sp": dict(tp=2, sp=True), "bf16_pp2": dict(pp=2)}
+BF16_RUNS = {"bf16_tp2_sp": dict(tp=2, sp=True), "bf16_pp2": dict(pp=2), "bf16_cp2_ring": dict(cp=2)}
 
 
 def overflow_seen(backend) -> bool:

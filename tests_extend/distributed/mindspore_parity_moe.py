@@ -43,13 +43,16 @@ def batch(step: int, dp_rank: int):
     return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32), mask
 
 
-def write_init(path: str, shared: bool, seed: int = 7) -> None:
-    """The initial weights (Megatron's init, the trainer's init_full_weights) as a neutral checkpoint."""
+def write_init(path: str, shared: bool, seed: int = 7, bf16: bool = False) -> None:
+    """The initial weights (Megatron's init, the trainer's init_full_weights) as a neutral checkpoint;
+    bf16: rounded to bf16, so both sides' fp32 masters start from their bf16 weights' values."""
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.checkpoint import neutral as nf
     from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
+    from tests_extend.distributed.mindspore_parity_fp16 import to_bf16
     args = parse_args(mp.trainer_argv(1) + moe_flags(1, shared))
-    nf.save(path, 0, init_full_weights(GPTConfig.from_args(args, mp.VOCAB), seed), meta={"backend": "test"})
+    full = init_full_weights(GPTConfig.from_args(args, mp.VOCAB), seed)
+    nf.save(path, 0, {k: to_bf16(v) if bf16 else v for k, v in full.items()}, meta={"backend": "test"})
 
 
 # -- mindspore side -------------------------------------------------------------------------------
@@ -84,7 +87,8 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
         if save_dir:
             checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, {"backend": "mindspore"})
         return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode,
-                "params": sorted(trainer.model.params), "schedule": moe_schedule(trainer.model)}
+                "params": sorted(trainer.model.params), "schedule": moe_schedule(trainer.model),
+                "param_dtypes": sorted({str(p.dtype) for p in trainer.model.params.values()})}
     finally:
         mindspeed.unadapt()
 
@@ -154,10 +158,13 @@ def torch_layouts(rank, world_size, layouts):
     return [torch_train(rank, world_size, *a, **kw) for a, kw in layouts]
 
 
-def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None, tp=1):
+def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None, tp=1,
+                bf16=False):
     """Harness body: train; evaluate the result; with save_dir (EP=1) save it as a neutral
     checkpoint; with other_ckpt, load that one into a fresh model and evaluate it too. tp > 1:
-    sequence parallel, with MindSpeed's --moe-tp-extend-ep hook (the experts over TP x EP)."""
+    sequence parallel, with MindSpeed's --moe-tp-extend-ep hook (the experts over TP x EP). bf16:
+    Megatron's --bf16 (Float16Module's bf16 weights and activations; fp32 main gradients, reduced
+    in fp32, and fp32 masters that AdamW updates, as Float16OptimizerWithFloat16Params)."""
     import torch
     import mindspeed
     mindspeed.adapt([str(a) for a in ["--moe-tp-extend-ep", "--num-experts", EXPERTS, "--tensor-model-parallel-size",
@@ -175,22 +182,30 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
     model = build_torch_model(ep, shared, tp)
     load_into_torch(model, init_ckpt, ep_rank, spread, tp_rank, tp)
     params = list(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() > 1], "weight_decay": mp.OPT["weight_decay"]},
-                             {"params": [p for _, p in params if p.dim() <= 1], "weight_decay": 0.0}],
+    forward, updated = model, [p for _, p in params]
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+        model.config.bf16 = True
+        forward = Float16Module(model.config, model)          # the weights in bf16, in place
+        updated = [p.detach().float().requires_grad_() for _, p in params]      # the fp32 masters
+    opt = torch.optim.AdamW([{"params": [m for m in updated if m.dim() > 1], "weight_decay": mp.OPT["weight_decay"]},
+                             {"params": [m for m in updated if m.dim() <= 1], "weight_decay": 0.0}],
                             lr=mp.OPT["lr"], betas=mp.OPT["betas"], eps=mp.OPT["eps"])
     losses, norms = [], []
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = mp.lr_at(step)
         opt.zero_grad()
-        loss = _loss(model, step, dp_rank)
+        loss = _loss(forward, step, dp_rank)
         loss.backward()
-        for _, p in params:
+        for (_, p), m in zip(params, updated):
             if p.grad is None:       # an expert no token was routed to
                 p.grad = torch.zeros_like(p)
+            if bf16:
+                m.grad, p.grad = p.grad.float(), None
         dense_sq, expert_sq = 0.0, 0.0
-        for name, p in params:
-            if tp > 1 and getattr(p, "sequence_parallel", False):     # norms, the router: partial over TP
+        for (name, held), p in zip(params, updated):      # p: what the optimizer updates
+            if tp > 1 and getattr(held, "sequence_parallel", False):     # norms, the router: partial over TP
                 torch.distributed.all_reduce(p.grad, group=tp_group)
             p.grad.div_(dp)          # Megatron's DDP: scale by 1/dp, then sum over (expert-)DP
             if EXPERT_KEY in name:
@@ -198,7 +213,7 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
                 expert_sq += float(p.grad.double().square().sum())
             else:
                 torch.distributed.all_reduce(p.grad, group=dp_group)
-                if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                if getattr(held, "tensor_model_parallel", False) or tp_rank == 0:
                     dense_sq += float(p.grad.double().square().sum())
         sq, dense = (torch.tensor([v], dtype=torch.float64) for v in (expert_sq, dense_sq))
         torch.distributed.all_reduce(sq, group=ep_group)
@@ -206,13 +221,17 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
         norms.append(float((sq + dense).sqrt()))
         coeff = mp.OPT["clip"] / (norms[-1] + 1e-6)
         if coeff < 1.0:
-            for _, p in params:
+            for p in updated:
                 p.grad.mul_(coeff)
         opt.step()
+        if bf16:
+            with torch.no_grad():
+                for (_, p), m in zip(params, updated):
+                    p.copy_(m)
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean, group=dp_group)
         losses.append(mean.item() / dp)
-    result = {"losses": losses, "grad_norms": norms, "eval_loss": _eval(model, dp_rank, dp_group, dp)}
+    result = {"losses": losses, "grad_norms": norms, "eval_loss": _eval(forward, dp_rank, dp_group, dp)}
     if save_dir:
         from mindspeed.checkpoint import neutral as nf
         assert ep == 1      # the state dict's local expert indices are the global ones

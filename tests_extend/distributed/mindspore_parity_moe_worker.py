@@ -2,8 +2,9 @@
 from the initial checkpoint; the trained weights saved (experts gathered from both EP ranks); then
 3 steps with the MoE communication features from the same checkpoint; then TP=2 with sequence
 parallelism and --moe-tp-extend-ep (whole experts over the two TP ranks), saved to SAVE_DIR_TP,
-and 3 steps of it with the MoE communication features.
-Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR SAVE_DIR_TP"""
+and 3 steps of it with the MoE communication features; then EP=2 with --bf16 for BF16_STEPS steps
+from a bf16-representable checkpoint.
+Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR SAVE_DIR_TP BF16_INIT_CKPT"""
 import os
 import sys
 import traceback
@@ -12,7 +13,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
 
 
-def main(out_dir, init_ckpt, save_dir, save_dir_tp):
+# short (the dense bf16 test carries the 20-step claim), but long enough for bf16's effect on torch to
+# stand above fp32 parity's 1e-4: measured 1.1e-4 over 6 steps, 5.7e-4 over 10
+BF16_STEPS = 10
+
+
+def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
     from tests_extend.distributed.mindspore_parity_moe import COMM_FLAGS, ms_train
     backend = MindSporeBackend("cpu")
@@ -23,10 +29,12 @@ def main(out_dir, init_ckpt, save_dir, save_dir_tp):
                                                                extra=COMM_FLAGS),
                                      "tp2_extend": ms_train(backend, 1, False, init_ckpt, save_dir=save_dir_tp, tp=2),
                                      "tp2_extend_comm": ms_train(backend, 1, False, init_ckpt, steps=3, tp=2,
-                                                                 extra=COMM_FLAGS)})
+                                                                 extra=COMM_FLAGS),
+                                     "ep2_bf16": ms_train(backend, 2, False, bf16_init_ckpt, steps=BF16_STEPS,
+                                                          extra=("--bf16",))})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

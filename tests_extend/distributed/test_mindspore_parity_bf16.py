@@ -22,7 +22,7 @@ from tests_extend.distributed import mindspore_parity as mp  # noqa: E402
 from tests_extend.distributed import mindspore_parity_fp16 as pf  # noqa: E402
 from tests_extend.distributed.harness import run_distributed  # noqa: E402
 
-GAP_FACTOR = 2.0
+GAP_FACTOR = pf.GAP_FACTOR
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,7 @@ def torch_runs(paths, ms_runs):
 
 
 def torch_bf16_effect(torch_runs, key: str = "losses", relative: bool = False) -> float:
-    bf16, fp32 = (np.array(torch_runs[run][key], np.float64) for run in ("bf16", "fp32"))
-    return float((np.abs(bf16 - fp32) / (np.abs(fp32) if relative else 1.0)).max())
+    return pf.bf16_effect(torch_runs["bf16"], torch_runs["fp32"], key, relative)
 
 
 def test_bf16_losses_match_torch_bf16_within_torchs_bf16_effect(ms_runs, torch_runs):

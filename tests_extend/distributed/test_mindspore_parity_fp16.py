@@ -11,9 +11,9 @@ Forced overflow (--initial-loss-scale 2**24): the same steps are skipped and the
 same sequence (hysteresis 2, then halving) as Megatron-Core's scaler; the checkpoint holds the fp32
 masters and the scaler state, and Megatron-Core (fp32) loads it. Two processes (one msrun launch):
 TP=2, TP=2 + SP, DP=2 with the distributed optimizer and PP=2 follow the TP=1 fp16 losses, and an
-inf on one rank only makes every rank skip; in the same launch --bf16 at TP=2 + SP and PP=2 (its bf16
-activations through the TP and pipeline collectives) follows the TP=1 bf16 run
-(test_mindspore_parity_bf16.py carries the 20-step bf16 claim against torch)."""
+inf on one rank only makes every rank skip; in the same launch --bf16 at TP=2 + SP, PP=2 and CP=2
+(ring attention; its bf16 activations through the TP and pipeline collectives) follows the TP=1 bf16
+run (test_mindspore_parity_bf16.py carries the 20-step bf16 claim against torch)."""
 import os
 
 import numpy as np

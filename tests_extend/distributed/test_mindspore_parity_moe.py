@@ -10,7 +10,10 @@ and take their own steps: the kernels and shared-expert overlap at EP=1, the com
 features at EP=2 (in the same msrun launch). --moe-tp-extend-ep at TP=2 with sequence parallelism
 (4 experts, 2 whole ones per TP rank) matches Megatron-Core with MindSpeed's torch hook the same
 way, and its MindSpore checkpoint loads into Megatron-Core at that layout (in the same two launches:
-one msrun, one gloo spawn running both torch layouts)."""
+one msrun, one gloo spawn running both torch layouts). --bf16 at EP=2 (the MoE layer computes in fp32
+on its bf16 weights on CPU, backends/mindspore/precision.py) follows Megatron-Core's bf16 at EP=2 over
+a few steps within test_mindspore_parity_bf16.py's bound, twice torch's own bf16 effect measured in
+the same launch (EP=2 in bf16 and fp32 from the same bf16-representable weights)."""
 import os
 
 import numpy as np
@@ -18,6 +21,7 @@ import pytest
 
 pytest.importorskip("mindspore")
 
+from tests_extend.distributed import mindspore_parity_fp16 as pf  # noqa: E402
 from tests_extend.distributed import mindspore_parity_moe as pm  # noqa: E402
 from tests_extend.distributed.harness import run_distributed  # noqa: E402
 from tests_extend.distributed.msrun_helper import run_msrun  # noqa: E402
@@ -32,9 +36,10 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_par
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_parity")
-    paths = {k: str(root / k) for k in ("init_shared", "init", "torch_final", "ms_final", "ms_final_tp")}
+    paths = {k: str(root / k) for k in ("init_shared", "init", "init_bf16", "torch_final", "ms_final", "ms_final_tp")}
     pm.write_init(paths["init_shared"], shared=True)
     pm.write_init(paths["init"], shared=False)
+    pm.write_init(paths["init_bf16"], shared=False, bf16=True)
     paths["root"] = root
     return paths
 
@@ -71,17 +76,20 @@ def test_ep1_with_shared_experts_matches_megatron(ckpts, torch_ep1):
 
 @pytest.fixture(scope="module")
 def two_processes(ckpts):
-    """One msrun launch (EP=2, its communication features, TP=2 extended) and one gloo spawn
-    (Megatron-Core at EP=2, then at TP=2 extended)."""
+    """One msrun launch (EP=2, its communication features, TP=2 extended, EP=2 in bf16) and one gloo
+    spawn (Megatron-Core at EP=2, at TP=2 extended, at EP=2 in bf16 and fp32 from the bf16 weights)."""
+    from tests_extend.distributed.mindspore_parity_moe_worker import BF16_STEPS
     out = ckpts["root"] / "msrun"
     out.mkdir()
-    ms = run_msrun(WORKER, [str(out), ckpts["init"], ckpts["ms_final"], ckpts["ms_final_tp"]], str(out), workers=2,
-                   timeout=600)
+    ms = run_msrun(WORKER, [str(out), ckpts["init"], ckpts["ms_final"], ckpts["ms_final_tp"], ckpts["init_bf16"]],
+                   str(out), workers=2, timeout=600)
     for rank in range(2):
         assert ms[rank]["ok"], ms[rank].get("error")
     torch_runs = run_distributed(pm.torch_layouts, world_size=2, args=(
         [((2, False, ckpts["init"], ckpts["ms_final"]), {}),
-         ((1, False, ckpts["init"], ckpts["ms_final_tp"]), {"tp": 2})],), timeout=400)
+         ((1, False, ckpts["init"], ckpts["ms_final_tp"]), {"tp": 2}),
+         ((2, False, ckpts["init_bf16"]), {"steps": BF16_STEPS, "bf16": True}),
+         ((2, False, ckpts["init_bf16"]), {"steps": BF16_STEPS})],), timeout=400)
     return ms, torch_runs
 
 
@@ -122,4 +130,22 @@ def test_ep2_matches_megatron_and_checkpoint_crosses(two_processes):
         np.testing.assert_allclose(comm["losses"], run["losses"][:3], atol=COMM_TOL, rtol=0)
         assert comm["schedule"] == (["counts:start", "permute:kernel", "counts:wait"]
                                     + ["dispatch", "experts:loop", "combine"] * 2)
+        assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]
+
+
+def test_ep2_bf16_matches_megatron_bf16_within_torchs_bf16_effect(two_processes):
+    ms, torch_runs = two_processes
+    for rank in range(2):
+        run, t16, t32 = ms[rank]["ep2_bf16"], torch_runs[rank][2], torch_runs[rank][3]
+        effect = pf.bf16_effect(t16, t32)
+        m = np.array(run["losses"])
+        assert len(m) == len(t16["losses"]) and effect > TOL      # bf16 moves torch's losses beyond fp32's bound
+        np.testing.assert_allclose(m, t16["losses"], atol=pf.GAP_FACTOR * effect, rtol=0)
+        np.testing.assert_allclose(run["grad_norms"], t16["grad_norms"],
+                                   rtol=pf.GAP_FACTOR * pf.bf16_effect(t16, t32, "grad_norms", relative=True))
+        # bf16 moves MindSpore's losses off the fp32 ones (torch's; MindSpore's fp32 EP=2 run is torch's
+        # within TOL, test_ep2_matches_megatron_and_checkpoint_crosses) about as far as it moves torch's
+        own = np.abs(m - np.array(t32["losses"])).max()
+        assert effect / pf.GAP_FACTOR < own < effect * pf.GAP_FACTOR, (own, effect)
+        assert run["param_dtypes"] == ["BFloat16"] and not run["graph_mode"]
         assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]
