@@ -1,0 +1,87 @@
+"""Routes to a threaded matmul for the MindSpore trainer on CPU, timed in one run.
+
+    python tests_extend/benchmarks/bench_mindspore_matmul_threads.py [--reps 10]
+
+fp32 [4096, 1024] x [1024, 1024], median of --reps after 2 warm-ups, each way at 1 and at 2 BLAS /
+compute threads (a fresh process per thread count: OpenBLAS reads OPENBLAS_NUM_THREADS at import):
+numpy's matmul, torch's, MindSpore's MatMul (PyNative, synchronized with asnumpy), numpy over
+zero-copy views of MindSpore tensors on the Python thread, and the same numpy call as a pyfunc
+`ops.Custom` (run by MindSpore's runtime). Prints the load average before and after: rerun above 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SHAPES = ((4096, 1024), (1024, 1024))
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def measure(reps: int) -> dict:
+    """Every route in this process (its thread count comes from the environment)."""
+    import numpy as np
+    import torch
+    import mindspore as ms
+    from mindspore import ops
+    torch.set_num_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
+    rng = np.random.default_rng(0)
+    a, b = (rng.random(s, dtype=np.float32) for s in SHAPES)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    ma, mb = ms.Tensor(a), ms.Tensor(b)
+    custom = ops.Custom(lambda x, y: np.matmul(x, y), out_shape=lambda x, y: (x[0], y[1]),
+                        out_dtype=lambda x, y: x, func_type="pyfunc")
+    return {
+        "numpy": _median_ms(lambda: a @ b, reps),
+        "torch": _median_ms(lambda: ta @ tb, reps),
+        "mindspore MatMul": _median_ms(lambda: ops.matmul(ma, mb).asnumpy(), reps),
+        "numpy on MindSpore tensors (zero-copy)": _median_ms(
+            lambda: ms.Tensor.from_numpy(np.matmul(ma.asnumpy(), mb.asnumpy())), reps),
+        "numpy as a pyfunc Custom op": _median_ms(lambda: custom(ma, mb).asnumpy(), reps),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    opts = p.parse_args()
+    if opts.child:
+        print(json.dumps(measure(opts.reps)))
+        return 0
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    results = {}
+    for threads in (1, 2):
+        env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), GLOG_v="3")
+        out = subprocess.run([sys.executable, __file__, "--child", "--reps", str(opts.reps)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        if out.returncode:
+            print(out.stderr[-2000:], file=sys.stderr)
+            return 1
+        results[threads] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"fp32 {SHAPES[0]} x {SHAPES[1]}, median ms:")
+    print("| route | 1 thread | 2 threads | 1 / 2 |")
+    print("|---|---|---|---|")
+    for route in results[1]:
+        one, two = results[1][route], results[2][route]
+        print(f"| {route} | {one:.1f} | {two:.1f} | {one / two:.2f}x |")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
