@@ -6,7 +6,9 @@ fp32 [4096, 1024] x [1024, 1024], median of --reps after 2 warm-ups, each way at
 compute threads (a fresh process per thread count: OpenBLAS reads OPENBLAS_NUM_THREADS at import):
 numpy's matmul, torch's, MindSpore's MatMul (PyNative, synchronized with asnumpy), numpy over
 zero-copy views of MindSpore tensors on the Python thread, and the same numpy call as a pyfunc
-`ops.Custom` (run by MindSpore's runtime). Prints the load average before and after: rerun above 1.
+`ops.Custom` (run by MindSpore's runtime); and MindSpore's MatMul timed on MindSpore's own thread
+(between two pyfunc marks) while the Python thread waits for it in asnumpy() or sleeps. Prints the
+load average before and after: rerun above 1.
 """
 from __future__ import annotations
 
@@ -45,7 +47,26 @@ def measure(reps: int) -> dict:
     ma, mb = ms.Tensor(a), ms.Tensor(b)
     custom = ops.Custom(lambda x, y: np.matmul(x, y), out_shape=lambda x, y: (x[0], y[1]),
                         out_dtype=lambda x, y: x, func_type="pyfunc")
+    stamps = []
+    mark = ops.Custom(lambda x: (stamps.append(time.perf_counter()), x)[1], out_shape=lambda x: x,
+                      out_dtype=lambda x: x, func_type="pyfunc")
+
+    def kernel_ms(python_sleeps: bool) -> float:
+        """MindSpore's MatMul timed on its runtime thread, between two pyfunc marks around it, while
+        the Python thread waits in asnumpy() or sleeps until the step must be done."""
+        times = []
+        for i in range(reps + 2):
+            stamps.clear()
+            out = mark(ops.matmul(mark(ma), mb))
+            if python_sleeps:
+                time.sleep(0.4)
+            out.asnumpy()
+            if i >= 2:
+                times.append((stamps[1] - stamps[0]) * 1000)
+        return statistics.median(times)
     return {
+        "mindspore MatMul, on its thread, Python waiting in asnumpy": kernel_ms(False),
+        "mindspore MatMul, on its thread, Python asleep": kernel_ms(True),
         "numpy": _median_ms(lambda: a @ b, reps),
         "torch": _median_ms(lambda: ta @ tb, reps),
         "mindspore MatMul": _median_ms(lambda: ops.matmul(ma, mb).asnumpy(), reps),
