@@ -101,16 +101,16 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=No
 # -- torch side (Megatron-Core GPTModel, run inside the gloo harness) ----------------------------
 def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNorm",
                       position_embedding_type: str = "rope", num_query_groups: int | None = None,
-                      tied: bool = False, layers: int = LAYERS):
+                      tied: bool = False, layers: int | None = None):
     """swiglu=False: Megatron-Core's default GELU MLP (F.gelu, not gated), as --no-swiglu;
     num_query_groups: GROUPS unless given (HEADS: multi-head attention, one query head per group);
     tied: the output layer is the word embeddings (Megatron's default; the trainers' argv unties);
-    layers: transformer layers (LAYERS unless given)."""
+    layers: transformer layers (LAYERS, read at the call: benchmarks resize the module, unless given)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
-    config = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+    config = TransformerConfig(num_layers=layers or LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=num_query_groups or GROUPS, ffn_hidden_size=FFN,
                                use_cpu_initialization=True,
                                normalization=normalization, layernorm_epsilon=1e-5, gated_linear_unit=swiglu,
