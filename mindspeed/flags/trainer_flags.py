@@ -19,9 +19,9 @@ import os
 from typing import Sequence
 
 from mindspeed.errors import ArgumentError, OneLineParser
-from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems
 from mindspeed.flags.mindspeed_flags import add_mindspeed_args, refuse_unknown, resolve_backend_name, shared_parser
+from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"   # in both trainers' checkpoint roots

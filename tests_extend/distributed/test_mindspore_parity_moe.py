@@ -93,44 +93,49 @@ def two_processes(ckpts):
     return ms, torch_runs
 
 
+def _held_experts(run) -> set:
+    """The global indices of the experts a rank's MindSpore run holds."""
+    return {int(n.split("local_experts.")[1].split(".")[0]) for n in run["params"] if "local_experts." in n}
+
+
+def _assert_matches_megatron(run, t):
+    """Losses and grad norms of a MindSpore run against Megatron-Core's; MindSpore's checkpoint
+    (TP shards and every rank's experts gathered) gives Megatron-Core its eval loss; the plain
+    dispatch order."""
+    np.testing.assert_allclose(run["losses"], t["losses"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(run["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
+    assert t["eval_loss_of_other"] == pytest.approx(run["eval_loss"], abs=TOL)
+    assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]
+
+
+def _assert_chunked_comm(comm, run):
+    """The MoE communication features, without overlap on MindSpore's CPU collectives: the counts'
+    all-gather started, the tokens permuted (by the kernel) while it travels, then two chunks; the
+    plain run's losses."""
+    np.testing.assert_allclose(comm["losses"], run["losses"][:3], atol=COMM_TOL, rtol=0)
+    assert comm["schedule"] == (["counts:start", "permute:kernel", "counts:wait"]
+                                + ["dispatch", "experts:loop", "combine"] * 2)
+
+
 def test_tp2_extend_ep_matches_megatron_and_checkpoint_crosses(two_processes):
     ms, torch_runs = two_processes
     for rank in range(2):
         run, t = ms[rank]["tp2_extend"], torch_runs[rank][1]
-        np.testing.assert_allclose(run["losses"], t["losses"], atol=TOL, rtol=0)
-        np.testing.assert_allclose(run["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
+        _assert_matches_megatron(run, t)
         assert run["losses"][-1] < run["losses"][0]
         # whole experts spread over the TP ranks, the same ones on both sides (rank r: 2r, 2r + 1)
-        held = {int(n.split("local_experts.")[1].split(".")[0]) for n in run["params"] if "local_experts." in n}
-        assert held == set(t["experts"]) == {2 * rank, 2 * rank + 1}
-        assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]
-        # MindSpore's checkpoint (TP shards and both ranks' experts gathered) gives Megatron-Core its eval loss
-        assert t["eval_loss_of_other"] == pytest.approx(run["eval_loss"], abs=TOL)
-        # with the MoE communication features: the chunks and the asynchronous counts over the TP x EP group
-        comm = ms[rank]["tp2_extend_comm"]
-        np.testing.assert_allclose(comm["losses"], run["losses"][:3], atol=COMM_TOL, rtol=0)
-        assert comm["schedule"] == (["counts:start", "permute:kernel", "counts:wait"]
-                                    + ["dispatch", "experts:loop", "combine"] * 2)
+        assert _held_experts(run) == set(t["experts"]) == {2 * rank, 2 * rank + 1}
+        # the chunks and the asynchronous counts over the TP x EP group
+        _assert_chunked_comm(ms[rank]["tp2_extend_comm"], run)
 
 
 def test_ep2_matches_megatron_and_checkpoint_crosses(two_processes):
     ms, torch_runs = two_processes
     for rank in range(2):
         run, t = ms[rank]["ep2"], torch_runs[rank][0]
-        np.testing.assert_allclose(run["losses"], t["losses"], atol=TOL, rtol=0)
-        np.testing.assert_allclose(run["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
-        # each EP rank holds its half of the experts (global indices)
-        held = {int(n.split("local_experts.")[1].split(".")[0]) for n in run["params"] if "local_experts." in n}
-        assert held == {2 * rank, 2 * rank + 1}
-        # MindSpore's EP=2 checkpoint, every expert gathered, gives Megatron-Core its eval loss
-        assert t["eval_loss_of_other"] == pytest.approx(run["eval_loss"], abs=TOL)
-        # the MoE communication features, without overlap on MindSpore's CPU collectives: the counts'
-        # all-gather started, the tokens permuted (by the kernel) while it travels, then two chunks
-        comm = ms[rank]["comm_features"]
-        np.testing.assert_allclose(comm["losses"], run["losses"][:3], atol=COMM_TOL, rtol=0)
-        assert comm["schedule"] == (["counts:start", "permute:kernel", "counts:wait"]
-                                    + ["dispatch", "experts:loop", "combine"] * 2)
-        assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]
+        _assert_matches_megatron(run, t)
+        assert _held_experts(run) == {2 * rank, 2 * rank + 1}      # each EP rank its half (global indices)
+        _assert_chunked_comm(ms[rank]["comm_features"], run)
 
 
 def test_ep2_bf16_matches_megatron_bf16_within_torchs_bf16_effect(two_processes):

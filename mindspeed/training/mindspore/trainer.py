@@ -18,24 +18,23 @@ from mindspeed.checkpoint import neutral
 from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, named_tokenizer
 from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.features.context_parallel.groups import build_cp_groups
-from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 from mindspeed.flags.trainer_flags import padded_vocab_size
+from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 from mindspeed.training import loop
 from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.mindspore import checkpoint, data, schedule
 from mindspeed.training.mindspore.distrib_optimizer import DistributedOptimizer
 from mindspeed.training.mindspore.dropout import DropoutMasks
 from mindspeed.training.mindspore.eod import EodRules
+from mindspeed.training.mindspore.interleaved import InterleavedPipeline
 from mindspeed.training.mindspore.main_grad import MainGrads
 from mindspeed.training.mindspore.mixed_precision import (MasterWeights, bf16_main_grads, scaler_from_args,
                                                           unscale_and_check)
 from mindspeed.training.mindspore.model import Extras, GPTConfig, GPTModel, init_full_weights
 from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
-from mindspeed.training.mindspore.interleaved import InterleavedPipeline
 from mindspeed.training.mindspore.pipeline import TwoStagePipeline
 from mindspeed.training.mindspore.tracing import traced
-
 
 
 class TrainerConfigError(ValueError):
