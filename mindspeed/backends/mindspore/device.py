@@ -30,6 +30,7 @@ class MsDevice(DeviceAPI):
                 raise
         if name == "cpu":
             _size_cpu_kernel_pool()
+            _run_ops_synchronously()
 
     def synchronize(self) -> None:
         ms.runtime.synchronize()
@@ -63,6 +64,16 @@ def _size_cpu_kernel_pool() -> None:
         op_tuning.threads_num(int(wanted))
     except RuntimeError:      # set once per process: a second backend object keeps the first setting
         pass
+
+
+def _run_ops_synchronously() -> None:
+    """PyNative on CPU: each op runs before the call returns. In MindSpore's default asynchronous
+    mode the Python thread busy-waits for the runtime thread at every read of a tensor's dtype,
+    shape or value, taking a core from the kernels it waits for (docs/performance.md: the same
+    training steps in a third less CPU time, bit-identical losses). Traced graphs are not affected.
+    MindSpore 2.10 names `mindspore.runtime.launch_blocking()` as its successor; that one blocks
+    differently and was slower here."""
+    ms.set_context(pynative_synchronize=True)
 
 
 def pin_to_cores(local_index: int, local_count: int) -> None:
