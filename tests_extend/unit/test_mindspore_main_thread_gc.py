@@ -90,3 +90,34 @@ def test_a_collector_turned_off_before_stays_off():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_ops_without_collection_keeps_collections_off_runtime_threads_and_collects_after():
+    """What a Trainer's steps run in when called outside a MainThreadCollection block."""
+    from mindspeed.backends.mindspore.main_thread_gc import ops_without_collection
+    with ops_without_collection():
+        collections, calls, garbage = _steps(steps=3)
+    assert calls > 0 and collections == 0
+    assert gc.isenabled()
+    assert all(ref() is None for ref in garbage)       # the young generation, collected at the end
+
+
+def test_a_trainers_steps_called_directly_run_without_automatic_collection():
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.training.mindspore.model import GPTConfig
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    from tests_extend.distributed import mindspore_parity as mp
+    backend = MindSporeBackend("cpu")
+    args = parse_args(mp.trainer_argv(1), world_size=1)
+    trainer = Trainer(args, backend, build_parallel_state(backend.comm, 1), GPTConfig.from_args(args, mp.VOCAB))
+    seen = []
+    real_step, real_loss = trainer._train_step, trainer._eval_loss
+    trainer._train_step = lambda *a: (seen.append(gc.isenabled()), real_step(*a))[1]
+    trainer._eval_loss = lambda *a: (seen.append(gc.isenabled()), real_loss(*a))[1]
+    tokens, labels, mask = mp.batch(0)
+    micro = {"tokens": tokens, "labels": labels, "loss_mask": mask}
+    trainer.train_step([micro], 1)
+    trainer.evaluate([micro])
+    assert seen == [False, False] and gc.isenabled()

@@ -13,6 +13,7 @@ frameworks: a full collection of them takes a second or more) is frozen out of t
 for the run, so the older generations' collections scan only the run's own objects."""
 from __future__ import annotations
 
+import contextlib
 import gc
 
 # a young-generation collection at every point, older ones every 10th and 100th (Python's own ratios)
@@ -40,3 +41,20 @@ class MainThreadCollection:
         gc.unfreeze()
         if self._was_on:
             gc.enable()
+
+
+@contextlib.contextmanager
+def ops_without_collection():
+    """Around MindSpore work run outside a MainThreadCollection block (a Trainer's steps called
+    directly: tests, fine-tuning and evaluation scripts): no automatic collection while the ops run,
+    then the young generation, where the work's garbage is, collected on this thread. Inside a
+    block, or with the collector off, it changes nothing (the block's gc points collect)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect(0)
+        gc.enable()

@@ -12,7 +12,7 @@ import mindspeed
 from mindspeed.adaptor_core import current
 from mindspeed.backends import get_backend
 from mindspeed.backends.mindspore import precision
-from mindspeed.backends.mindspore.main_thread_gc import MainThreadCollection
+from mindspeed.backends.mindspore.main_thread_gc import MainThreadCollection, ops_without_collection
 from mindspeed.backends.mindspore.msadapter import describe
 from mindspeed.checkpoint import neutral
 from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, named_tokenizer
@@ -186,7 +186,12 @@ class Trainer:
         is 1-based, `consumed` the samples before it (default: iterations of --global-batch-size);
         the lr is the schedule's at the samples of the applied steps, as Megatron's scheduler
         counts them. With --fp16, a step whose gradients overflow is skipped on every rank
-        (last_step_skipped; grad norm None) and the loss scale lowered."""
+        (last_step_skipped; grad norm None) and the loss scale lowered. No garbage collection
+        starts on MindSpore's runtime threads meanwhile (docs/native-crash.md)."""
+        with ops_without_collection():
+            return self._train_step(micro_batches, iteration, consumed)
+
+    def _train_step(self, micro_batches: list, iteration: int, consumed: int | None) -> tuple:
         names = list(self.model.params)
         grads, losses = None, []
         n = len(micro_batches)
@@ -246,11 +251,13 @@ class Trainer:
         """Mean loss over the batches; None without any (--eval-iters 0), as the torch trainer."""
         if not micro_batches:
             return None
-        if self.pipeline is not None:
-            losses = [float(x.asnumpy()) for x in self.pipeline.evaluate(micro_batches)]
-        else:
-            losses = [float(self._eval_loss(*self._inputs(mb, self._eval_names)).asnumpy()) for mb in micro_batches]
-        return self._dp_mean(self._cp_sum(self._from_last_stage(sum(losses) / len(micro_batches))))
+        with ops_without_collection():
+            if self.pipeline is not None:
+                losses = [float(x.asnumpy()) for x in self.pipeline.evaluate(micro_batches)]
+            else:
+                losses = [float(self._eval_loss(*self._inputs(mb, self._eval_names)).asnumpy())
+                          for mb in micro_batches]
+            return self._dp_mean(self._cp_sum(self._from_last_stage(sum(losses) / len(micro_batches))))
 
     def _from_last_stage(self, value: float) -> float:
         """The loss, computed on the last pipeline stage, on every stage (for logging, as Megatron)."""
