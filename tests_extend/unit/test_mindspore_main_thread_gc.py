@@ -1,6 +1,7 @@
 """MainThreadCollection: while MindSpore runs a pyfunc kernel on one of its runtime threads, no
 garbage collection starts there (it would free autograd graphs under the main thread's feet:
-docs/native-crash.md); the main thread still collects the garbage at its gc points."""
+docs/native-crash.md); the main thread still collects the garbage at its gc points. The tests run
+MindSpore's default asynchronous dispatch, where that hazard exists."""
 import gc
 import threading
 import weakref
@@ -12,6 +13,16 @@ ms = pytest.importorskip("mindspore")
 from mindspore import ops  # noqa: E402
 
 from mindspeed.backends.mindspore.main_thread_gc import MainThreadCollection  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def asynchronous_dispatch():
+    """MindSpore's default dispatch, where pyfuncs run on its runtime threads (the backend makes CPU
+    ops synchronous, and then they run on the calling thread)."""
+    before = ms.get_context("pynative_synchronize")
+    ms.set_context(pynative_synchronize=False)
+    yield
+    ms.set_context(pynative_synchronize=before)
 
 
 class _Cycle:
@@ -121,3 +132,11 @@ def test_a_trainers_steps_called_directly_run_without_automatic_collection():
     trainer.train_step([micro], 1)
     trainer.evaluate([micro])
     assert seen == [False, False] and gc.isenabled()
+
+
+def test_with_the_backends_synchronous_cpu_ops_pyfuncs_run_on_the_calling_thread():
+    """Where the hazard does not arise at all: the backend runs CPU ops synchronously."""
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    MindSporeBackend("cpu")
+    collections, calls, _garbage = _steps(steps=3)
+    assert calls == 0 and collections == 0
