@@ -69,10 +69,9 @@ def _size_cpu_kernel_pool() -> None:
 def _run_ops_synchronously() -> None:
     """PyNative on CPU: each op runs before the call returns. In MindSpore's default asynchronous
     mode the Python thread busy-waits for the runtime thread at every read of a tensor's dtype,
-    shape or value, taking a core from the kernels it waits for (docs/performance.md: the same
-    training steps in a third less CPU time, bit-identical losses). Traced graphs are not affected.
-    MindSpore 2.10 names `mindspore.runtime.launch_blocking()` as its successor; that one blocks
-    differently and was slower here."""
+    shape or value, taking a core from the kernels it waits for where a job's processes fill the
+    cores (figures: docs/performance.md). MindSpore 2.10 names `mindspore.runtime.launch_blocking()`
+    as its successor; that one blocks differently and was slower here."""
     ms.set_context(pynative_synchronize=True)
 
 
