@@ -11,6 +11,7 @@ call with that rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import traceback
 
 import torch.multiprocessing as mp
@@ -66,7 +67,7 @@ def _worker(rank, world_size, port, fn, args, env, queue):
         from mindspeed.backends import set_backend
         set_backend("torch", "cpu")      # what a torch job on CPU adapts to; a body that adapts replaces it
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", by_value(result)))
     except BaseException:  # report everything, including assertion failures
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -85,6 +86,13 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
         except _PortTaken:
             if attempt == 2:
                 raise DistributedTestError("the rendezvous port was taken three times in a row")
+
+
+def by_value(result) -> bytes:
+    """A rank's result as plain pickle bytes. Put on the queue as it is, a tensor would travel as a
+    handle to the rank's shared memory, served by the rank until it exits: a rank that finished and
+    exited before the caller read the queue failed the test (FileNotFoundError on its socket)."""
+    return pickle.dumps(result)
 
 
 class _PortTaken(Exception):
@@ -144,7 +152,7 @@ def _run_once(fn, world_size, args, timeout, env, daemon) -> list:
             seen_dead = dead
             continue
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         elif status == "port taken":
             port_taken = True
             errors.append(payload)
