@@ -17,6 +17,7 @@ from mindspeed.backends.torch.absent_packages import apply_absent_package_probes
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
+from mindspeed.backends.torch.sync_save_queue import apply_in_process_results_queue
 from mindspeed.backends.torch.process_groups import wrap_destroy_model_parallel
 
 log = logging.getLogger("mindspeed")
@@ -292,6 +293,7 @@ def apply_cpu_shim(patcher) -> None:
     _define_missing_te_names(patcher)
     _skip_empty_fp8_quantize(patcher)
     apply_foreach_multi_tensor(patcher)
+    apply_in_process_results_queue(patcher)
     patcher.enter("torch.overrides.TorchFunctionMode[CudaToCpuMode]", CudaToCpuMode(),
                   reason="device='cuda' / .cuda() -> cpu")
 
