@@ -6,13 +6,16 @@ them (`--shutdown-timeout`, 30 s by default, then SIGKILL) and re-raises the sig
 With `--exit-signal-handler` the workers use that time to finish their step and save; the launcher
 then only has to say what happened. The exit status is the shell's for a signal, 128 + its number.
 When a worker fails, torchrun stops the others with SIGTERM and kills them 30 s later (torch's own
-wait on that path, whatever `--shutdown-timeout` says), then ends here in one line as well.
+wait on that path, whatever `--shutdown-timeout` says), then ends here in one line as well. So does a
+rendezvous port that another process on this machine already listens on.
 """
 from __future__ import annotations
 
+import re
 import signal
 import sys
 
+from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
@@ -31,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
         print(f"torchrun: worker rank {rank} {how} (its own error line, if any, is above); the job's other "
               "workers were stopped", file=sys.stderr)
+        return 1
+    except DistNetworkError as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+        port = re.search(r"port: (\d+)", str(err))
+        print(f"torchrun: the rendezvous port{' ' + port.group(1) if port else ''} is already in use on this "
+              "machine (another job, or one still ending); give a free one (MASTER_PORT for the launch "
+              "scripts, --master_port or --rdzv-endpoint for torchrun)", file=sys.stderr)
         return 1
     return 0
 
