@@ -17,8 +17,8 @@ from mindspeed.backends.torch.absent_packages import apply_absent_package_probes
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
-from mindspeed.backends.torch.sync_save_queue import apply_in_process_results_queue
 from mindspeed.backends.torch.process_groups import wrap_destroy_model_parallel
+from mindspeed.backends.torch.sync_save_queue import apply_in_process_results_queue
 
 log = logging.getLogger("mindspeed")
 

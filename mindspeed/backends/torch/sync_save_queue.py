@@ -7,7 +7,8 @@ needs that (its writer runs in another process); a synchronous one
 (`AsyncSaveShardedStrategy.save`: `async_save`, then `execute_sync` in the calling process)
 puts the results and reads them back in the same process. For those saves the results go
 through an in-process queue instead; asynchronous saves (`async_save`, Megatron-LM's
-`--async-save`) keep Megatron's Manager. Measured in docs/performance.md.
+`--async-save`) keep Megatron's Manager. Applied by the cpu device shim, where it was measured
+(docs/performance.md).
 """
 from __future__ import annotations
 
