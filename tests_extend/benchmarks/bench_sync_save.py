@@ -52,17 +52,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--mib", type=int, default=8)
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts.child:
         with tempfile.TemporaryDirectory() as folder:
-            child(opts.child[0], opts.mib, folder)
+            child(opts.child, opts.mib, folder)
         return 0
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     times = {way: ([], []) for way in WAYS}
     for _ in range(opts.rounds):
         for way in WAYS:
-            out = subprocess.run([sys.executable, __file__, "--mib", str(opts.mib), "--child", way, "-"],
+            out = subprocess.run([sys.executable, __file__, "--mib", str(opts.mib), "--child", way],
                                  capture_output=True, text=True, check=True).stdout
             first, second = json.loads(out.strip().splitlines()[-1])
             times[way][0].append(first)
