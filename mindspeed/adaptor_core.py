@@ -7,7 +7,7 @@ import argparse
 import logging
 from dataclasses import dataclass, field
 
-from mindspeed import compile_cache
+from mindspeed import compile_cache, vec_isa_memo
 from mindspeed.backends import reset_backend, set_backend
 from mindspeed.backends.mindspore.device_select import select_device as ms_select
 from mindspeed.backends.mindspore.msadapter import msadapter_active
@@ -127,6 +127,7 @@ def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLO
     try:
         if backend_name == "torch":
             compile_cache.remove_broken_kernels()   # before anything compiles: a killed compile's leftovers
+            vec_isa_memo.install()                  # the CPU's vector-ISA probe, once per machine
             from mindspeed.backends.torch.megatron_shim import apply_device_shim  # imports torch (see resolve_device)
             apply_device_shim(patcher, device, megatron_lm=megatron_lm)
             from mindspeed.features.memory import shared_mask  # always on: one causal mask object; imports torch

@@ -10,11 +10,12 @@ have: torch.compile never compiles before the first call either.
 `install()` (from `import mindspeed`) adds the import hook; it imports nothing, and it changes
 nothing for a megatron already imported or for calls made after the import.
 """
+import contextlib
 import functools
-import importlib.abc
 import inspect
-import sys
 import threading
+
+from mindspeed import import_hooks
 
 _DEPTH = threading.local()
 
@@ -38,47 +39,25 @@ def _deferring(real_compile):
     return compile_on_first_call
 
 
-class _DeferringLoader(importlib.abc.Loader):
-    """The module's own loader; torch.compile is deferred while the module body runs."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def __getattr__(self, name):          # get_source, get_resource_reader, ...: the real loader's
-        return getattr(self._loader, name)
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        import torch                      # megatron's first line does the same
-        depth = getattr(_DEPTH, "value", 0)
+@contextlib.contextmanager
+def _compile_deferred(module):
+    """torch.compile is deferred while a megatron module's body runs (nested imports included)."""
+    import torch                      # megatron's first line does the same
+    depth = getattr(_DEPTH, "value", 0)
+    if depth == 0:
+        torch.compile = _deferring(torch.compile)
+    _DEPTH.value = depth + 1
+    try:
+        yield
+    finally:
+        _DEPTH.value = depth
         if depth == 0:
-            torch.compile = _deferring(torch.compile)
-        _DEPTH.value = depth + 1
-        try:
-            self._loader.exec_module(module)
-        finally:
-            _DEPTH.value = depth
-            if depth == 0:
-                torch.compile = torch.compile.real_compile
+            torch.compile = torch.compile.real_compile
 
 
-class _MegatronFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "megatron" and not name.startswith("megatron."):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _DeferringLoader(spec.loader)
-                return spec
-        return None
+def _is_megatron(name: str) -> bool:
+    return name == "megatron" or name.startswith("megatron.")
 
 
 def install() -> None:
-    if not any(isinstance(f, _MegatronFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _MegatronFinder())
+    import_hooks.install(import_hooks.AroundImport("deferred-compile", _is_megatron, _compile_deferred))

@@ -1,6 +1,8 @@
 """A kernel file a killed compile left in TorchInductor's cache is deleted before anything compiles,
-so the next run builds it again instead of failing on it (mindspeed/compile_cache.py)."""
+so the next run builds it again instead of failing on it (mindspeed/compile_cache.py); the
+CPU's vector-ISA probe runs once per machine (mindspeed/vec_isa_memo.py)."""
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -9,7 +11,7 @@ import textwrap
 
 import pytest
 
-from mindspeed import compile_cache
+from mindspeed import compile_cache, vec_isa_memo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ELF = os.path.realpath(shutil.which("true"))   # any real ELF file
@@ -49,23 +51,38 @@ def test_only_broken_unlocked_files_are_removed(tmp_path):
 
 
 KERNEL = textwrap.dedent("""
+    import json
     import sys
     import torch
     if sys.argv[1] == "adapted":
         import mindspeed
         mindspeed.adapt(None)
+    from torch._inductor import config, cpu_vec_isa
+    probes = []                          # counted, then done by torch itself
+    real_check_build = cpu_vec_isa.VecISA.check_build
+    cpu_vec_isa.VecISA.check_build = lambda isa, code: probes.append(str(isa)) or real_check_build(isa, code)
     f = torch.compile(lambda x: (x.sin() * 2 + 1).relu())
     print("result", f(torch.arange(8.0)).sum().item())
+    print(json.dumps({"vec_isa_ok": config.cpp.vec_isa_ok, "picked": str(cpu_vec_isa.pick_vec_isa()),
+                      "probes": probes}))
 """)
+
+
+def _isa(run):
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="TorchInductor needs a C++ compiler on a CPU")
-def test_a_run_after_a_killed_compile_builds_the_kernel_again(tmp_path):
+def test_a_killed_compile_is_built_again_and_the_isa_probe_then_runs_once(tmp_path):
+    """One fresh cache for both (a first probe builds a dozen programs): after a killed compile the
+    adapted run rebuilds the kernels and records the vector-ISA probe; the next adapted run uses
+    the record (torch's own switch) and picks the same ISA; a record of another machine is not used."""
     script = tmp_path / "kernel.py"
     script.write_text(KERNEL)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT)
+    env.pop("TORCHINDUCTOR_VEC_ISA_OK", None)
 
     def run(mode):
         return subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True,
@@ -83,3 +100,30 @@ def test_a_run_after_a_killed_compile_builds_the_kernel_again(tmp_path):
     healed = run("adapted")
     assert "result 10.5389" in healed.stdout, healed.stderr[-3000:]
     assert all(os.path.getsize(path) > 0 for path in libraries if os.path.exists(path))
+
+    probed = _isa(healed)
+    assert probed["vec_isa_ok"] is None and probed["probes"], probed
+    record_file = tmp_path / "inductor" / vec_isa_memo.RECORD_NAME
+    record = json.loads(record_file.read_text())
+    assert record["probed"] == record["allowed"] and probed["picked"] in " ".join(record["allowed"]), record
+
+    recorded = run("adapted")
+    assert "result 10.5389" in recorded.stdout, recorded.stderr[-3000:]
+    used = _isa(recorded)
+    assert used["vec_isa_ok"] is True and used["picked"] == probed["picked"], (used, probed)
+    assert len(used["probes"]) < len(probed["probes"]), (used, probed)   # left: torch's sub-feature checks
+
+    record["key"]["torch"] = "0.0.0"     # the record of another torch build
+    record_file.write_text(json.dumps(record))
+    other = _isa(run("adapted"))
+    assert other["vec_isa_ok"] is None and len(other["probes"]) == len(probed["probes"]), other
+    assert json.loads(record_file.read_text())["key"]["torch"] != "0.0.0"   # recorded again
+
+
+def test_a_record_is_used_only_when_every_allowed_isa_passed():
+    key = {"torch": "t"}
+    assert vec_isa_memo.record_applies({"key": key, "probed": ["avx2"], "allowed": ["avx2"]}, key)
+    assert not vec_isa_memo.record_applies({"key": key, "probed": ["avx2"], "allowed": ["avx512", "avx2"]}, key)
+    assert not vec_isa_memo.record_applies({"key": key, "probed": [], "allowed": []}, key)
+    assert not vec_isa_memo.record_applies({"key": {"torch": "u"}, "probed": ["avx2"], "allowed": ["avx2"]}, key)
+    assert not vec_isa_memo.record_applies(None, key)
