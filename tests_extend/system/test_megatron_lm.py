@@ -201,7 +201,7 @@ def test_describe_lists_the_training_shim_and_unadapt_removes_it(checkout):
         "import megatron.training.initialize as init, megatron.training.arguments as margs\n"
         "described = m.STATE.patcher.describe()\n"
         "for needle in ('initialize_megatron', 'torch.cuda.device_count', 'fused_kernels.load',\n"
-        "               'CUDA_DEVICE_MAX_CONNECTIONS', 'parse_args', 'validate_args'):\n"
+        "               'CUDA_DEVICE_MAX_CONNECTIONS', 'parse_args', 'validate_args', '_warmup_jit_function'):\n"
         "    assert needle in described, (needle, described)\n"
         "assert torch.cuda.device_count() == 1 and init.parse_args is margs.parse_args\n"
         "wrapped = init.initialize_megatron\n"
@@ -209,6 +209,7 @@ def test_describe_lists_the_training_shim_and_unadapt_removes_it(checkout):
         "import mindspeed; mindspeed.unadapt()\n"
         "assert one_layer_fewer(args) == flops\n"
         "assert torch.cuda.device_count() == 0 and init.initialize_megatron is not wrapped\n"
+        "assert init._warmup_jit_function.__module__ == 'megatron.training.initialize'\n"
         "assert 'mindspeed' not in margs.parse_args.__module__ and init.parse_args is margs.parse_args\n"
         "print('ok')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout, kit.ROOT]))

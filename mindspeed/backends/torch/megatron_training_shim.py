@@ -71,3 +71,9 @@ def apply_cpu_training_shim(patcher) -> None:
                     reason="validate_args checks sm>=8 for --moe-grouped-gemm; MindSpeed's gmm kernel serves it")
     patcher.replace("megatron.legacy.fused_kernels.load", lambda *a, **k: None,
                     reason="legacy CUDA softmax kernels are not built on CPU", aliases="megatron")
+    if hasattr(importlib.import_module("megatron.training.initialize"), "_warmup_jit_function"):
+        patcher.replace("megatron.training.initialize._warmup_jit_function", lambda: None,
+                        reason="the fusions compile on their first call anyway; the warmup also compiles "
+                               "variants the model may never call (with a bias under --disable-bias-linear) "
+                               "and never runs their backward, so no start finds them cached",
+                        aliases="megatron")
