@@ -53,10 +53,8 @@ def checkout_or_skip(version: str, tmp_path_factory) -> str:
 
 
 def shared_checkout(version: str, tmp_path_factory) -> str:
-    """One checkout of `version` per test run, shared by its modules and its xdist workers, with
-    Megatron's C++ dataset helpers built once: each job would otherwise build them in its own
-    checkout (13 s), and two jobs building in one checkout could load each other's half-written
-    library. The tests only read the checkout."""
+    """One checkout of `version` per test run, shared by its modules and its xdist workers. The
+    tests only read the checkout (with_dataset_helpers builds once in it)."""
     run_dir = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         run_dir = run_dir.parent            # the run's folder, above each worker's own
@@ -66,9 +64,21 @@ def shared_checkout(version: str, tmp_path_factory) -> str:
         if not os.path.exists(os.path.join(dest, ".ready")):
             shutil.rmtree(dest, ignore_errors=True)
             unpack_checkout(version, dest)
-            _build_dataset_helpers(dest)
             open(os.path.join(dest, ".ready"), "w").close()
     return dest
+
+
+def with_dataset_helpers(checkout: str) -> str:
+    """The checkout, with Megatron's C++ dataset helpers built once, before the first launch that
+    trains (13 s; the runs that stop at parsing or import never need them): each job would otherwise
+    build them itself on rank 0, and two jobs building in one checkout could load each other's
+    half-written library."""
+    with open(checkout + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(checkout, ".helpers")):
+            _build_dataset_helpers(checkout)
+            open(os.path.join(checkout, ".helpers"), "w").close()
+    return checkout
 
 
 def _build_dataset_helpers(checkout: str) -> None:

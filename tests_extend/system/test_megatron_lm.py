@@ -81,7 +81,7 @@ def indexed_dataset(tmp_path_factory):
 
 
 def _train(checkout, nproc, extra, env):
-    result = kit.launch(checkout, nproc, extra, env)
+    result = kit.launch(kit.with_dataset_helpers(checkout), nproc, extra, env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     return output, kit.losses(output)

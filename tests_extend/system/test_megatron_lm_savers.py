@@ -42,7 +42,7 @@ def checkout(request, tmp_path_factory):
 
 
 def _train(checkout, flags):
-    result = kit.launch(checkout, 2, BASE + flags, ENV)
+    result = kit.launch(kit.with_dataset_helpers(checkout), 2, BASE + flags, ENV)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     losses = kit.losses(output)
