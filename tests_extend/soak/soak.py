@@ -16,6 +16,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests_extend", "stress"))
 from ms_native_crash import NATIVE_CRASH_SIGNS  # noqa: E402  (one list of what a native crash prints)
+sys.path.insert(0, ROOT)
+from mindspeed.net import free_port  # noqa: E402
 
 SCRIPTS = {"torch": "train_distributed.sh", "mindspore": "train_distributed_ms.sh"}
 MODEL = dict(NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="64", MICRO_BATCH="4", GLOBAL_BATCH="8")
@@ -61,7 +63,8 @@ def _worker_rss_mb(launcher: int) -> dict[int, float]:
 def _launch(backend: str, iters: int, workdir: str, log_interval: int):
     env = dict(os.environ, PATH=os.path.join(ROOT, ".venv", "bin") + os.pathsep + os.environ["PATH"],
                TRAIN_ITERS=str(iters), LOG_INTERVAL=str(log_interval), EVAL_INTERVAL=str(max(iters // 3, 10)),
-               EVAL_ITERS="2", LOG_DIR=os.path.join(workdir, "msrun_log"), PYTHONFAULTHANDLER="1", **MODEL)
+               EVAL_ITERS="2", LOG_DIR=os.path.join(workdir, "msrun_log"), PYTHONFAULTHANDLER="1",
+               MASTER_PORT=str(free_port()), **MODEL)   # the scripts' default ports may be another job's
     log = open(os.path.join(workdir, f"{backend}.log"), "w")
     script = os.path.join(ROOT, "tests_extend", "example", SCRIPTS[backend])
     proc = subprocess.Popen(["bash", script], cwd=workdir, env=env, stdout=subprocess.PIPE,
