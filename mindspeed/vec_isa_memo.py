@@ -81,11 +81,17 @@ def write_record(key: dict, probed: list[str], allowed: list[str]) -> None:
     os.replace(tmp, path)
 
 
+def _probed_here():
+    """torch's cpu_vec_isa module once this process has its ISA list (probed or switched), else None."""
+    isa = sys.modules.get("torch._inductor.cpu_vec_isa")
+    return isa if isa is not None and isa.valid_vec_isa_list.cache_info().currsize else None
+
+
 def _record_what_torch_probed(key: dict) -> None:
     """At exit: if this process probed, write down what it found (the ISAs the CPU's flags allow,
     and those that passed)."""
-    isa = sys.modules.get("torch._inductor.cpu_vec_isa")
-    if isa is None or not isa.valid_vec_isa_list.cache_info().currsize:
+    isa = _probed_here()
+    if isa is None:
         return                                      # never compiled, or not probed
     flags = isa.x86_isa_checker()
     allowed = [str(v) for v in isa.supported_vec_isa_list if all(f in flags for f in str(v).split())]
@@ -97,8 +103,7 @@ def _record_what_torch_probed(key: dict) -> None:
 
 def use_record_or_keep_the_probe(config) -> None:
     """Skip the probe where the record stands for it; otherwise record what torch probes."""
-    isa = sys.modules.get("torch._inductor.cpu_vec_isa")
-    if config.cpp.vec_isa_ok is not None or (isa and isa.valid_vec_isa_list.cache_info().currsize):
+    if config.cpp.vec_isa_ok is not None or _probed_here() is not None:
         return                                      # the user's TORCHINDUCTOR_VEC_ISA_OK, or probed already
     key = machine_key()
     if record_applies(_read_record(), key):
