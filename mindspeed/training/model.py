@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -122,7 +123,25 @@ def build_model_chunks(args, config: TransformerConfig) -> list[GPTModel]:
             rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
             vp_stage=stage,
         ))
+    for chunk in chunks:
+        fold_mlp_input_biases(chunk)
     return chunks
+
+
+def fold_mlp_input_biases(model) -> int:
+    """Dense MLPs whose activation is not fused add linear_fc1's bias right after it
+    (`intermediate + bias`, Megatron's unfused branch): the linear adds it itself instead, where
+    torch's linear puts it inside the GEMM. The same sum; returns how many MLPs changed."""
+    folded = 0
+    for module in model.modules():
+        if type(module) is not MLP or module.config.bias_activation_fusion \
+                or getattr(module.config, "use_te_activation_func", False):
+            continue
+        fc1 = module.linear_fc1
+        if getattr(fc1, "bias", None) is not None and fc1.skip_bias_add:
+            fc1.skip_bias_add = False
+            folded += 1
+    return folded
 
 
 def count_parameters(chunks) -> int:

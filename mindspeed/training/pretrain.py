@@ -24,7 +24,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 import mindspeed
 from mindspeed.adaptor_core import current, packed_documents
 from mindspeed.backends import get_backend
+from mindspeed.backends.torch import glibc_heap
 from mindspeed.backends.torch.device import dist_backend_for
+from mindspeed.backends.torch.mode_free_steps import ModeFreeSteps
 from mindspeed.checkpoint import torch_dist
 from mindspeed.data import flag_tokenizers
 from mindspeed.data.indexed_reader import check_dataset
@@ -158,6 +160,7 @@ class Trainer:
         self.lora = lora            # the LoRA feature's part: adapters on a frozen model
         self.eod = eod if packed_documents(args) else None     # packed documents: varlen attention
         self.device = args.device_name
+        self._mode_free = ModeFreeSteps(self.device)
         self.config = transformer_config(args)
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
@@ -224,7 +227,11 @@ class Trainer:
 
     def train_step(self, iterator, num_microbatches: int | None = None, batch_size: int | None = None):
         """One optimizer step; during batch size ramp-up, of `batch_size` samples in
-        `num_microbatches` micro-batches per rank (default: the full global batch)."""
+        `num_microbatches` micro-batches per rank (default: the full global batch). On cpu the
+        steps after a first one that asked the device shim's mode for nothing run without it."""
+        return self._mode_free(self._train_step, iterator, num_microbatches, batch_size)
+
+    def _train_step(self, iterator, num_microbatches: int | None, batch_size: int | None):
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -284,6 +291,8 @@ def run(args) -> dict:
     os.umask(0o027)   # checkpoints, logs, TensorBoard files: 0640 / 0750
     state = _adapt(args)
     args.device_name = state.plan.device
+    if args.device_name == "cpu":
+        glibc_heap.keep_freed_memory()     # each step reuses the pages the last one freed
     rank = int(os.environ.get("RANK", "0"))
     say = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
 

@@ -1,14 +1,23 @@
 """ModeFreeSteps: a repeated step that made the cpu shim's CudaToCpuMode rewrite nothing runs on
-without torch-function handling; one that asked for cuda keeps the mode at every step; off cpu
-nothing changes."""
+without the mode (another mode on top of it stays); one that asked for cuda keeps the mode at
+every step; off cpu nothing changes."""
 import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from mindspeed.backends.torch.megatron_shim import CudaToCpuMode
 from mindspeed.backends.torch.mode_free_steps import ModeFreeSteps
 
 
 def _hooked() -> bool:
-    return torch._C._is_torch_function_enabled()
+    return isinstance(_get_current_function_mode(), CudaToCpuMode)
+
+
+class _Counting(TorchFunctionMode):
+    calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        _Counting.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 def test_a_step_that_asks_nothing_of_the_mode_runs_without_it_after_the_first():
@@ -30,3 +39,13 @@ def test_off_cpu_every_step_keeps_torch_function_handling():
     steps = ModeFreeSteps("npu")
     with CudaToCpuMode():
         assert all(steps(_hooked) for _ in range(3))
+
+
+def test_a_mode_above_the_cuda_mode_stays_and_so_does_the_cuda_mode():
+    steps = ModeFreeSteps("cpu")
+    with CudaToCpuMode(), _Counting():
+        before = _Counting.calls
+        for _ in range(3):
+            steps(lambda: torch.ones(2) + 1)
+        stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    assert _Counting.calls - before >= 6 and any(isinstance(m, CudaToCpuMode) for m in stack)

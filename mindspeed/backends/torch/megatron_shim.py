@@ -14,9 +14,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mindspeed.backends.torch.absent_packages import apply_absent_package_probes
+from mindspeed.backends.torch.cpu_torch_view import apply_cpu_torch_views, names_cuda
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
+from mindspeed.backends.torch.native_linear import apply_native_linear
+from mindspeed.backends.torch.one_rank_collectives import apply_one_rank_all_reduce
 from mindspeed.backends.torch.process_groups import wrap_destroy_model_parallel
 from mindspeed.backends.torch.sync_save_queue import apply_in_process_results_queue
 
@@ -110,21 +113,13 @@ class CudaToCpuMode(TorchFunctionMode):
             kwargs["pin_memory"] = False   # no pinned allocator without an accelerator
             CudaToCpuMode.rewrites += 1
         device = kwargs.get("device")
-        if device is not None and _is_cuda(device):
+        if device is not None and names_cuda(device):
             kwargs["device"] = "cpu"
             CudaToCpuMode.rewrites += 1
-        if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda(args[1]):
+        if func in (torch.Tensor.to,) and args and len(args) > 1 and names_cuda(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
             CudaToCpuMode.rewrites += 1
         return func(*args, **kwargs)
-
-
-def _is_cuda(device) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return False
 
 
 class _CpuRNGTrackerMixin:
@@ -293,6 +288,9 @@ def apply_cpu_shim(patcher) -> None:
     _define_missing_te_names(patcher)
     _skip_empty_fp8_quantize(patcher)
     apply_foreach_multi_tensor(patcher)
+    apply_native_linear(patcher)
+    apply_one_rank_all_reduce(patcher)
+    apply_cpu_torch_views(patcher)
     apply_in_process_results_queue(patcher)
     patcher.enter("torch.overrides.TorchFunctionMode[CudaToCpuMode]", CudaToCpuMode(),
                   reason="device='cuda' / .cuda() -> cpu")

@@ -175,9 +175,9 @@ def fast_path_bias(q, k, *, mask, causal, pre_tokens, next_tokens, alibi, unmask
     and empty_rows the bool [..., sq] of query rows whose every key is masked (None when none can be).
     unmask_empty_rows: those rows get no -inf (for kernels that give NaN there; zero their output)."""
     sq, skv = q.shape[2], k.shape[2]
+    if causal and mask is None and alibi is None and pre_tokens >= sq and next_tokens >= 0:
+        return True, None, None      # (a causal band_mask is never None: no need to build it)
     masked = band_mask(sq, skv, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens, device=q.device)
-    if causal and masked is not None and mask is None and alibi is None and pre_tokens >= sq and next_tokens >= 0:
-        return True, None, None
     if mask is not None:
         masked = mask.bool() if masked is None else (masked | mask.bool())
     if masked is None and alibi is None:
