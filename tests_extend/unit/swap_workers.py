@@ -26,13 +26,15 @@ class _Log:
 
 class SavedBytes:
     """Bytes of activations saved for backward outside any swap scope (device side), each storage
-    once; trainable leaves (weights) are not activations."""
+    once; trainable leaves (weights) and views of them (torch's linear saves `weight.t()`) are not
+    activations."""
 
     def __init__(self):
         self.seen, self.bytes = set(), 0
 
     def pack(self, t):
-        if not (t.requires_grad and t.is_leaf):
+        base = t if t._base is None else t._base
+        if not (base.requires_grad and base.is_leaf):
             key = t.untyped_storage().data_ptr()
             if key not in self.seen:
                 self.seen.add(key)
