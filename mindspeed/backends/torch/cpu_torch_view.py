@@ -3,8 +3,9 @@ tensor factories put 'cuda' tensors on the cpu.
 
 The cpu shim's CudaToCpuMode rewrites such calls anywhere, but it runs Python on every torch call
 of the process. A training step names 'cuda' in tensor factories of three modules (the schedule's
-token count; grad-norm and clipping's dummy overflow buffers; the unfused softmax's causal mask). Giving those modules this view of torch makes the step rewrite-free, so the
-trainer can run its steps without the mode (mode_free_steps): the step costs no Python per op.
+token count; grad-norm and clipping's dummy overflow buffers; the unfused softmax's causal mask).
+Giving those modules this view of torch makes the step rewrite-free, so the trainer can run its
+steps without the mode (mode_free_steps): the step costs no Python per op.
 Every other attribute is torch's own.
 """
 from __future__ import annotations
