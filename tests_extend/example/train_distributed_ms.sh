@@ -76,6 +76,8 @@ if [ ! -x "$MSRUN" ]; then
   exit 2
 fi
 export PATH="$(dirname "$MSRUN"):$PATH"    # msrun starts workers with the `python` on PATH
+MS_PYTHON="$(dirname "$MSRUN")/python"     # the launcher runs on that interpreter too
+[ -x "$MS_PYTHON" ] || MS_PYTHON=$PYTHON
 
 ARGS=(
   --backend mindspore --tensor-model-parallel-size "$TP"
@@ -108,10 +110,12 @@ MSRUN_ARGS=(--worker_num="$WORLD" --local_worker_num="$NPUS_PER_NODE"
   --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --node_rank="$NODE_RANK"
   --log_dir="$LOG_DIR" --join=True --cluster_time_out="$CLUSTER_TIMEOUT" --tail_worker_log=0
   "$HERE/pretrain_gpt.py" "${ARGS[@]}" "$@")
-[ "$MAX_RESTARTS" = 0 ] && exec "$MSRUN" "${MSRUN_ARGS[@]}"
+# mindspeed.msrun is msrun whose failed worker also stops the job's scheduler at once (msrun alone
+# waits for it to miss the dead worker's heartbeats for MS_NODE_TIMEOUT), ending in one line
+[ "$MAX_RESTARTS" = 0 ] && exec "$MS_PYTHON" -m mindspeed.msrun "${MSRUN_ARGS[@]}"
 for (( attempt = 0; ; attempt++ )); do
   rc=0
-  "$MSRUN" "${MSRUN_ARGS[@]}" || rc=$?
+  "$MS_PYTHON" -m mindspeed.msrun "${MSRUN_ARGS[@]}" || rc=$?
   if [ "$rc" = 0 ] || [ "$attempt" -ge "$MAX_RESTARTS" ]; then exit "$rc"; fi
   echo "> msrun exited with code $rc: restart $(( attempt + 1 )) of $MAX_RESTARTS, from the last checkpoint in $CKPT_DIR" >&2
 done

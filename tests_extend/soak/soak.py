@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests_extend", "stress"))
 from ms_native_crash import NATIVE_CRASH_SIGNS  # noqa: E402  (one list of what a native crash prints)
 sys.path.insert(0, ROOT)
 from mindspeed.net import free_port  # noqa: E402
+from tests_extend.system.interrupted_run import descendants  # noqa: E402
 
 SCRIPTS = {"torch": "train_distributed.sh", "mindspore": "train_distributed_ms.sh"}
 MODEL = dict(NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="64", MICRO_BATCH="4", GLOBAL_BATCH="8")
@@ -25,29 +26,10 @@ ITERATION = re.compile(r"iteration\s+(\d+)/")
 GROWTH_LIMIT = 1.05
 
 
-def _descendants(pid: int) -> list[int]:
-    children = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _worker_rss_mb(launcher: int) -> dict[int, float]:
     """RSS of each training worker (a process running pretrain_gpt.py) under the launcher."""
     rss = {}
-    for pid in _descendants(launcher):
+    for pid in descendants(launcher):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"pretrain_gpt.py" not in f.read():

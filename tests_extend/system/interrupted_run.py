@@ -32,12 +32,12 @@ def run_interrupted(argv, log, ready, act, timeout, **popen) -> tuple[int, str, 
                                  f"{log.read_text()[-3000:]}") from None
     finally:
         if job.poll() is None:
-            kill_everyone(job.pid, _descendants(job.pid))   # workers have sessions of their own
+            kill_everyone(job.pid, descendants(job.pid))   # workers have sessions of their own
             job.wait()
     return job.returncode, log.read_text(), acted
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     parents = {}
     for entry in os.listdir("/proc"):
         try:

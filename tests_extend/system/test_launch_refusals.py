@@ -27,10 +27,10 @@ def _recorder(directory, name: str, body: str):
     return path, log
 
 
-def _python_recorder(tmp_path):
-    """$PYTHON for train_distributed.sh: runs python, except torchrun (recorded, not started)."""
+def _python_recorder(tmp_path, launcher="mindspeed.torchrun"):
+    """$PYTHON for the launch scripts: runs python, except the launcher (recorded, not started)."""
     return _recorder(str(tmp_path / "bin"), "python",
-                     f'case "$*" in *mindspeed.torchrun*) exit {LAUNCHER_REACHED};; esac\n'
+                     f'case "$*" in *{launcher}*) exit {LAUNCHER_REACHED};; esac\n'
                      f'exec "{sys.executable}" "$@"')
 
 
@@ -111,12 +111,15 @@ MINDSPORE_REFUSALS = [
 
 
 def _ms_launch(tmp_path, name, args, env=None):
+    """train_distributed_ms.sh with its launcher (python -m mindspeed.msrun) recorded: (result,
+    seconds, the launcher's argument lines)."""
     ms_script = pytest.importorskip("tests_extend.system.test_mindspore_train_script")
-    msrun, log = _recorder(str(tmp_path / "bin"), "msrun", f"exit {LAUNCHER_REACHED}")
-    path = os.path.dirname(msrun) + os.pathsep + os.environ.get("PATH", "")
+    python, log = _python_recorder(tmp_path, "mindspeed.msrun")
+    _recorder(os.path.dirname(python), "msrun", f"exit {LAUNCHER_REACHED}")   # where the script finds msrun
+    path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
     start = time.monotonic()
-    result = ms_script.launch(tmp_path, name, dict(env or {}, PATH=path), args, timeout=120)
-    return result, time.monotonic() - start, _calls(log)
+    result = ms_script.launch(tmp_path, name, dict(env or {}, PYTHON=python, PATH=path), args, timeout=120)
+    return result, time.monotonic() - start, [c for c in _calls(log) if "mindspeed.msrun" in c]
 
 
 @pytest.mark.parametrize("name, args, expected", MINDSPORE_REFUSALS, ids=[c[0] for c in MINDSPORE_REFUSALS])

@@ -1,9 +1,10 @@
 """The shared-memory transport of the MindSpore backend's CPU collectives (shm_collectives.ShmGroup)
 in real processes, without MindSpore: sums, gathers and broadcasts against numpy over many rounds
 (a 64-byte slot, so both slot sets are reused many times), the same bits on every rank, and an error
-(not another rank's data) when ranks call different collectives or one never arrives."""
+(not another rank's data) when ranks call different collectives, one never arrives, or one dies."""
 import multiprocessing as mp
 import os
+import time
 import uuid
 
 import numpy as np
@@ -53,8 +54,20 @@ def _mismatched(group, me):
 def _one_rank_stays_away(group, me):
     group.set_timeout(2 / 60)
     if me == 1:
+        time.sleep(4)                     # alive (hung) past the others' timeout
         return "stayed away"
     return group.all_reduce_sum(np.ones(4, np.float32))
+
+
+def _one_rank_dies(group, me):
+    group.set_timeout(1)                  # a minute: the others must not wait it out
+    if me == 1:
+        os._exit(3)
+    start = time.perf_counter()
+    try:
+        group.all_reduce_sum(np.ones(4, np.float32))
+    except CollectiveTimeout as err:
+        return str(err), time.perf_counter() - start
 
 
 def run(script):
@@ -64,7 +77,7 @@ def run(script):
     procs = [ctx.Process(target=_rank, args=(path, me, script, results)) for me in range(N)]
     for p in procs:
         p.start()
-    got = dict(results.get(timeout=60) for _ in procs)
+    got = dict(results.get(timeout=60) for p in procs if script is not _one_rank_dies or p is not procs[1])
     for p in procs:
         p.join(timeout=30)
     if os.path.exists(path):
@@ -105,6 +118,15 @@ def test_a_rank_that_never_arrives_times_out_with_who_is_missing():
             f"rank {me}: shared-memory all_reduce_sum over ranks [0, 1, 2] timed out after 2 s "
             "(--distributed-timeout-minutes 0.0333333): rank 1 never joined it (hung, stopped, died or called fewer collectives); "
             "stopping"), got[me]
+
+
+def test_a_rank_that_dies_stops_the_others_within_seconds_naming_it():
+    got = run(_one_rank_dies)
+    for me in (0, 2):
+        line, waited = got[me]
+        assert line.startswith(f"rank {me}: rank 1 (process ") and line.endswith(
+            ") died while this rank waited for it in a shared-memory all_reduce_sum over ranks [0, 1, 2]; stopping"), line
+        assert waited < 10, waited
 
 
 def test_the_timeout_comes_from_the_flag_unless_the_environment_overrides_it(monkeypatch):

@@ -13,6 +13,9 @@ written again two rounds later, by which time every rank has published c + 1 and
 reading round c. x86-64 keeps stores in order, so a published counter means its slot is written;
 other CPUs (aarch64) do not, and keep MCCL. Each rank also publishes what it is doing (collective,
 dtype, size, chunk): ranks that call different collectives get an error, not each other's data.
+Each rank also leaves its process's identity in its header line, so a rank kept waiting notices
+within a second that the one it waits for has died (killed, crashed) instead of waiting out the
+timeout, which is meant for ranks that hang.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from mindspeed.errors import CollectiveTimeout, report
 SLOT_BYTES = 4 << 20          # a chunk per round; larger tensors take several rounds
 _HEADER_STRIDE = 64           # bytes per rank counter: one cache line each
 SPIN_S = 0.01                 # how long a waiting rank spins before it sleeps
+LIVENESS_EVERY_S = 1.0        # how often a waiting rank looks whether the late ones still live
 MIN_NAP_S, MAX_NAP_S = 50e-6, 1e-3   # its sleeps between looks: doubling from the first to the last
 TIMEOUT_ENV = "MINDSPEED_MS_SHM_TIMEOUT"
 # while the groups are set up (before the trainer reads --distributed-timeout-minutes): ranks start
@@ -87,6 +91,8 @@ class ShmGroup:
         # may publish round c + 1 while another still checks round c)
         self._arrived = header[:, 0]
         self._signatures = header[:, 1:3].T
+        self._identities = header[:, 3:6]
+        self._identities[me] = process_identity()
         self._slots = np.frombuffer(self._map, np.uint8, offset=n * _HEADER_STRIDE).reshape(2, n, slot_bytes)
         self._round = 0
         self._lock = threading.Lock()         # MindSpore may call a pyfunc from more than one thread
@@ -131,6 +137,7 @@ class ShmGroup:
             return
         start = time.perf_counter()
         spin_until = start + (self.spin_s if self.spin_s and _host_has_idle_cores(start) else 0.0)
+        look_at = start + LIVENESS_EVERY_S
         nap = MIN_NAP_S
         while arrived.min() < c:
             now = time.perf_counter()
@@ -138,6 +145,9 @@ class ShmGroup:
                 continue
             time.sleep(nap)
             nap = min(2 * nap, MAX_NAP_S)
+            if now > look_at:
+                look_at = now + LIVENESS_EVERY_S
+                self._stop_if_a_late_rank_died(c, what)
             if now - start > self.timeout_s:
                 late = [self.ranks[r] for r in range(self.n) if arrived[r] < c]
                 who = f"rank {late[0]}" if len(late) == 1 else f"ranks {late}"
@@ -145,6 +155,14 @@ class ShmGroup:
                     f"rank {self.ranks[self.me]}: shared-memory {what.split()[0]} over ranks {self.ranks} timed "
                     f"out after {self.timeout_s:g} s ({self.timeout_source}): {who} never joined it (hung, "
                     "stopped, died or called fewer collectives); stopping")
+
+    def _stop_if_a_late_rank_died(self, c: int, what: str) -> None:
+        for r in range(self.n):
+            if self._arrived[r] < c and has_died(*self._identities[r]):
+                raise CollectiveTimeout(
+                    f"rank {self.ranks[self.me]}: rank {self.ranks[r]} (process {self._identities[r][0]}) died "
+                    f"while this rank waited for it in a shared-memory {what.split()[0]} over ranks {self.ranks}; "
+                    "stopping")
 
     def _rounds(self, kind: str, x: np.ndarray):
         """(signature, byte offset, byte count) of each round's chunk of x."""
@@ -237,6 +255,33 @@ def primitive(group: ShmGroup, kind: str, *extra):
         (src,) = extra
         return ops.Custom(_stop_on_timeout(lambda x: group.broadcast(x, src)), same, dtype, func_type="pyfunc")
     raise ValueError(f"no shared-memory {kind}")
+
+
+def process_identity() -> tuple[int, int, int]:
+    """(pid, start time in clock ticks, pid namespace inode) of this process: a pid alone may be
+    reused, and another namespace's pid means nothing here. (0, 0, 0) where /proc cannot tell."""
+    try:
+        return os.getpid(), _start_ticks("self"), os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0, 0, 0
+
+
+def has_died(pid: int, start_ticks: int, namespace: int) -> bool:
+    """Whether the process of that identity is gone (or a zombie). False when it cannot be told:
+    no identity left yet, or a process in another pid namespace."""
+    if not pid or namespace != os.stat("/proc/self/ns/pid").st_ino:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return True
+    return fields[0] in ("Z", "X") or int(fields[19]) != start_ticks
+
+
+def _start_ticks(pid) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
 
 
 _LOAD_SEEN = {"at": float("-inf"), "idle": True}

@@ -29,10 +29,17 @@ def names_cuda(device) -> bool:
     return False
 
 
+def device_kwarg_to_cpu(kwargs: dict) -> bool:
+    """Turn a `device=` naming cuda in these keyword arguments into the cpu; whether it did."""
+    if names_cuda(kwargs.get("device")):
+        kwargs["device"] = "cpu"
+        return True
+    return False
+
+
 def _on_cpu(factory):
     def make(*args, **kwargs):
-        if names_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
+        device_kwarg_to_cpu(kwargs)
         return factory(*args, **kwargs)
     make.__name__ = factory.__name__
     return make

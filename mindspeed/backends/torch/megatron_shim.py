@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mindspeed.backends.torch.absent_packages import apply_absent_package_probes
-from mindspeed.backends.torch.cpu_torch_view import apply_cpu_torch_views, names_cuda
+from mindspeed.backends.torch.cpu_torch_view import apply_cpu_torch_views, device_kwarg_to_cpu, names_cuda
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
@@ -112,9 +112,7 @@ class CudaToCpuMode(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False   # no pinned allocator without an accelerator
             CudaToCpuMode.rewrites += 1
-        device = kwargs.get("device")
-        if device is not None and names_cuda(device):
-            kwargs["device"] = "cpu"
+        if device_kwarg_to_cpu(kwargs):
             CudaToCpuMode.rewrites += 1
         if func in (torch.Tensor.to,) and args and len(args) > 1 and names_cuda(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
