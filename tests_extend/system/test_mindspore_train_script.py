@@ -97,11 +97,13 @@ def full_run(tmp_path_factory, tiny_dataset):
     (msrun has no restart option; the script relaunches) and worker 1 killed (SIGKILL) once iteration 5
     is logged, so the job comes back by itself from the step-4 checkpoint (LOAD_DIR defaults to
     CKPT_DIR). The restart does not wait for MindSpore's scheduler to miss the dead worker's
-    heartbeats (MS_NODE_TIMEOUT, 30 s by default): the launcher, mindspeed.msrun, stops it at once."""
+    heartbeats: with MS_NODE_TIMEOUT at 10 minutes (past the wait below) the launcher,
+    mindspeed.msrun, stops the scheduler at once and says in one line which worker failed."""
     tmp_path = tmp_path_factory.mktemp("full")
     ckpt, loss_file, log = tmp_path / "ckpt", tmp_path / "full.jsonl", tmp_path / "job.log"
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset,
-               LOG_DIR=str(tmp_path / "logs"), CKPT_DIR=str(ckpt), SAVE_INTERVAL="4", MAX_RESTARTS="1", **TINY)
+               LOG_DIR=str(tmp_path / "logs"), CKPT_DIR=str(ckpt), SAVE_INTERVAL="4", MAX_RESTARTS="1",
+               MS_NODE_TIMEOUT="600", **TINY)
     rc, output, _ = run_interrupted(
         ["bash", SCRIPT, "--op-cal-tflops", "--npu-deterministic", "--log-loss-file", str(loss_file)], log,
         loss_lines(loss_file, 5), lambda job: os.kill(_msrun_worker(job, 1), signal.SIGKILL), 300,
@@ -145,6 +147,10 @@ def test_a_killed_worker_brings_the_job_back_from_the_last_checkpoint(full_run):
     before = {r["iteration"]: r["lm_loss"] for r in first}
     assert all(r["lm_loss"] == before[r["iteration"]] for r in second if r["iteration"] in before), records
     assert "> msrun exited with code 1: restart 1 of 1, from the last checkpoint" in output, output[-3000:]
+    assert (f"msrun: worker rank 1 was killed by SIGKILL (its own error line, if any, is in "
+            f"{ckpt.parent / 'logs' / 'worker_1.log'}); the job's other workers and its scheduler were stopped\n"
+            "> msrun exited with code 1") in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     assert "no checkpoint yet in this --save directory; starting from iteration 0" in output   # the first start
     assert f"loaded checkpoint {ckpt / 'iter_0000004'} at iteration 4" in output, output[-3000:]  # the restart
 
