@@ -11,7 +11,8 @@ and two layouts:
 - llama (the trainer's default): RMSNorm, SwiGLU, RoPE, no biases;
 - gpt2: LayerNorm, GELU MLP (4 x hidden), learned absolute positions, biases.
 
-Each row runs the two loops interleaved `--rounds` times (machine load hits them alike):
+Each row runs the two loops interleaved `--rounds` times, taking turns at going first (machine load
+hits them alike):
 - trainer: tests_extend/example/pretrain_gpt.py (Megatron-Core GPTModel, MindSpeed's device shim,
   --optimization-level L, --log-interval 10): the median of its "elapsed time per iteration" lines
   after the first one (warm-up);
@@ -188,13 +189,20 @@ def run_trainer(m: dict, iters: int, threads: int, level: int, extra: list[str])
 
 
 def run_row(m: dict, a) -> tuple[float, float]:
-    """Median trainer and plain ms/step over interleaved rounds."""
+    """Median trainer and plain ms/step over interleaved rounds; the trainer runs first in even
+    rounds and second in odd ones: which of two back-to-back runs came first moved them on this
+    machine (docs/performance.md)."""
     trainer, plain = [], []
-    for _ in range(a.rounds):
+    for round_ in range(a.rounds):
+        first_trainer = round_ % 2 == 0
+        if not first_trainer:
+            ms, plain_params = run_plain(m, a.iters, m["threads"])
+            plain.append(ms)
         ms, trainer_params = run_trainer(m, a.iters, m["threads"], a.level, a.extra)
         trainer.append(ms)
-        ms, plain_params = run_plain(m, a.iters, m["threads"])
-        plain.append(ms)
+        if first_trainer:
+            ms, plain_params = run_plain(m, a.iters, m["threads"])
+            plain.append(ms)
         if plain_params != trainer_params:
             raise SystemExit(f"{m}: architectures differ: trainer {trainer_params} parameters, plain {plain_params}")
     return statistics.median(trainer), statistics.median(plain)
