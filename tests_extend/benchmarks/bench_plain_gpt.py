@@ -192,20 +192,18 @@ def run_row(m: dict, a) -> tuple[float, float]:
     """Median trainer and plain ms/step over interleaved rounds; the trainer runs first in even
     rounds and second in odd ones: which of two back-to-back runs came first moved them on this
     machine (docs/performance.md)."""
-    trainer, plain = [], []
+    loops = {"trainer": lambda: run_trainer(m, a.iters, m["threads"], a.level, a.extra),
+             "plain": lambda: run_plain(m, a.iters, m["threads"])}
+    ms = {"trainer": [], "plain": []}
     for round_ in range(a.rounds):
-        first_trainer = round_ % 2 == 0
-        if not first_trainer:
-            ms, plain_params = run_plain(m, a.iters, m["threads"])
-            plain.append(ms)
-        ms, trainer_params = run_trainer(m, a.iters, m["threads"], a.level, a.extra)
-        trainer.append(ms)
-        if first_trainer:
-            ms, plain_params = run_plain(m, a.iters, m["threads"])
-            plain.append(ms)
-        if plain_params != trainer_params:
-            raise SystemExit(f"{m}: architectures differ: trainer {trainer_params} parameters, plain {plain_params}")
-    return statistics.median(trainer), statistics.median(plain)
+        params = {}
+        for name in (("trainer", "plain") if round_ % 2 == 0 else ("plain", "trainer")):
+            step_ms, params[name] = loops[name]()
+            ms[name].append(step_ms)
+        if params["plain"] != params["trainer"]:
+            raise SystemExit(f"{m}: architectures differ: trainer {params['trainer']} parameters, "
+                             f"plain {params['plain']}")
+    return statistics.median(ms["trainer"]), statistics.median(ms["plain"])
 
 
 def _load() -> str:

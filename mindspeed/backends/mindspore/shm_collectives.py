@@ -261,7 +261,7 @@ def process_identity() -> tuple[int, int, int]:
     """(pid, start time in clock ticks, pid namespace inode) of this process: a pid alone may be
     reused, and another namespace's pid means nothing here. (0, 0, 0) where /proc cannot tell."""
     try:
-        return os.getpid(), _start_ticks("self"), os.stat("/proc/self/ns/pid").st_ino
+        return os.getpid(), int(_stat_fields("self")[19]), os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0, 0, 0
 
@@ -272,16 +272,16 @@ def has_died(pid: int, start_ticks: int, namespace: int) -> bool:
     if not pid or namespace != os.stat("/proc/self/ns/pid").st_ino:
         return False
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = _stat_fields(pid)
     except OSError:
         return True
     return fields[0] in ("Z", "X") or int(fields[19]) != start_ticks
 
 
-def _start_ticks(pid) -> int:
+def _stat_fields(pid) -> list[str]:
+    """/proc/PID/stat's fields after the command name (state first, start time at 19)."""
     with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[19])
+        return f.read().rsplit(")", 1)[1].split()
 
 
 _LOAD_SEEN = {"at": float("-inf"), "idle": True}
