@@ -213,7 +213,8 @@ def _assert_tflops_and_mfu(output):
     assert len(lines) == int(TINY["TRAIN_ITERS"])
     for step_ms, tflops, mfu in lines:
         expected = flops.flops_per_iteration(args, int(TINY["GLOBAL_BATCH"])) / (float(step_ms) / 1000) / 1e12 / 2
-        assert float(tflops) == pytest.approx(expected, rel=2e-3, abs=1e-6)
+        # The log rounds the step time to 0.1 ms and TFLOP/s to 4 digits: a 20 ms step is off by up to 0.25 %.
+        assert float(tflops) == pytest.approx(expected, rel=0.05 / float(step_ms) + 5e-4, abs=1e-6)
         assert float(mfu) == pytest.approx(100 * float(tflops) / peak, rel=2e-3)
 
 
