@@ -6,17 +6,28 @@ scheduler, which only gives up once it has missed the dead workers' heartbeats f
 MS_NODE_TIMEOUT seconds (30 by default): every failed job, and so every self-healing restart,
 took that long to end. Here msrun stops the scheduler together with the workers it kills on that
 path, and its closing traceback ("Distributed job exited with exception") becomes one line naming
-the worker that failed first. Everything else is msrun's own behaviour.
+the worker that failed first.
+
+On a single-node job (all workers here) it also ends a finished job's scheduler itself: once every
+worker has exited 0 it gives the scheduler SCHEDULER_GRACE_S to end as usual, then stops it. The
+workers learn this from the environment (worker_exit.LAUNCHER_ENV), so a MindSpeed worker whose work
+succeeded leaves without MindSpore's exit handler, which now and then crashes a finished worker
+(docs/native-crash.md). Everything else is msrun's own behaviour.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
 
 from mindspore.parallel.cluster.process_entity._api import _ProcessManager
 from mindspore.parallel.cluster.run import get_args
 
+from mindspeed.backends.mindspore.worker_exit import LAUNCHER_ENV
+
 JOB_FAILED = "Distributed job exited with exception"
+SCHEDULER_GRACE_S = 3.0     # a scheduler whose workers all left through MindSpore's handler ends within about 1 s
 
 
 class FailFastProcessManager(_ProcessManager):
@@ -27,9 +38,31 @@ class FailFastProcessManager(_ProcessManager):
     _joining = False
     first_failure = None        # (rank, exit code, log file) of the first failed worker seen
 
+    @property
+    def single_node(self) -> bool:
+        return self.local_worker_num == self.worker_num and self.is_master and not self.is_simulation
+
     def join_processes(self):
         self._joining = True
         return super().join_processes()
+
+    def kill_tail_log_processes(self):
+        """msrun calls this once the workers are done, before waiting for the scheduler."""
+        super().kill_tail_log_processes()
+        if self._joining and self.single_node and all(p.poll() == 0 for p in self.cgn_processes):
+            self._end_scheduler()
+
+    def _end_scheduler(self):
+        scheduler = self.msn_process
+        if scheduler is None:
+            return
+        deadline = time.monotonic() + SCHEDULER_GRACE_S
+        while scheduler.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if scheduler.poll() is None:      # its workers left without saying so (worker_exit.finish)
+            scheduler.kill()
+            scheduler.wait()
+            self.msn_process = None       # msrun then judges the job by its workers alone
 
     def kill_worker_processes(self):
         if self._joining and self.first_failure is None:
@@ -67,6 +100,8 @@ def _signal_name(number: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     sys.argv = ["msrun", *(sys.argv[1:] if argv is None else argv)]
     manager = FailFastProcessManager(get_args())
+    if manager.single_node:
+        os.environ[LAUNCHER_ENV] = "1"      # inherited by the workers msrun starts
     try:
         manager.run()
     except RuntimeError as err:

@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 
 def main(out_dir, seq, hidden, ffn, steps):
@@ -94,3 +94,4 @@ def main(out_dir, seq, hidden, ffn, steps):
 
 if __name__ == "__main__":
     main(sys.argv[1], *map(int, sys.argv[2:6]))
+    end_worker()

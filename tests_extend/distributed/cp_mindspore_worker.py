@@ -6,7 +6,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 
 def main(out_dir, dtypes, labels=None):
@@ -23,3 +23,4 @@ def main(out_dir, dtypes, labels=None):
 
 if __name__ == "__main__":
     main(sys.argv[1], tuple(sys.argv[2].split(",")), tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else None)
+    end_worker()

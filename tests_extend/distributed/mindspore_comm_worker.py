@@ -10,7 +10,7 @@ import traceback
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 SHAPE = (4, 12)           # both dims divide by 2 and by 4
 SUBGROUPS = {"pairs": [[0, 1], [2, 3]], "strided": [[0, 2], [1, 3]]}
@@ -145,3 +145,4 @@ def main(out_dir):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_worker()

@@ -6,7 +6,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 
 def main(out_dir, init_ckpt):
@@ -28,3 +28,4 @@ def main(out_dir, init_ckpt):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_worker()

@@ -10,7 +10,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 STEPS = 4      # short: the TP=1 run (in the test process) carries the 20-step claim
 RUNS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sp=True), "dp2_distributed_optimizer": dict(distributed_optimizer=True),
@@ -48,3 +48,4 @@ def main(out_dir, init_ckpt, bf16_init_ckpt):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3])
+    end_worker()

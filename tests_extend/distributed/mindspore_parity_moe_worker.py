@@ -10,7 +10,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 
 # short (the dense bf16 test carries the 20-step claim), but long enough for bf16's effect on torch to
@@ -38,3 +38,4 @@ def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt):
 
 if __name__ == "__main__":
     main(*sys.argv[1:6])
+    end_worker()

@@ -8,7 +8,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 RECOMPUTE = {"pp2_selective": ("--recompute-granularity", "selective"),
              "pp2_block1": ("--recompute-granularity", "full", "--recompute-method", "block",
@@ -61,3 +61,4 @@ def main(out_dir, init_ckpt, save_dir):
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    end_worker()

@@ -8,7 +8,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 SHORT_STEPS = 4   # SP on top of TP=2, and CP=2: shorter runs keep CI time down
 COC_STEPS = 3     # CoC runs PyNative (slower than the traced graph); 3 steps: 2 updates checked
@@ -47,3 +47,4 @@ def main(out_dir, init_ckpt):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_worker()

@@ -6,7 +6,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 RESUME_AT, RESUMED_STEPS, FROM_PLAIN_STEPS, TP2_STEPS, SGD_STEPS = 10, 2, 2, 3, 3
 
@@ -35,3 +35,4 @@ def main(out_dir, init_ckpt):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_worker()

@@ -6,7 +6,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests_extend.distributed.msrun_helper import write_result  # noqa: E402
+from tests_extend.distributed.msrun_helper import end_worker, write_result  # noqa: E402
 
 
 def main(out_dir):
@@ -23,3 +23,4 @@ def main(out_dir):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_worker()

@@ -34,6 +34,8 @@ def main(argv=None) -> int:
             from mindspeed.training.mindspore.trainer import TrainerConfigError
             user_errors += (TrainerConfigError,)
             ms_trainer.run(args)
+            from mindspeed.backends.mindspore.worker_exit import finish
+            return finish(0)       # under mindspeed.msrun: without MindSpore's exit handler
         else:
             mindspeed.adapt(args)      # device shim + enabled features, before the model exists
             from mindspeed.training.pretrain import run

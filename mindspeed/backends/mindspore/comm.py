@@ -44,6 +44,13 @@ class _Done:
         return None
 
 
+def shared_memory_world():
+    """The world group's shared-memory collectives (a ShmGroup) once this process joined a job
+    whose processes all share this host and map them; else None. Process-wide, as the groups are."""
+    from mindspore.communication import GlobalComm
+    return _SHM_GROUPS.get(GlobalComm.WORLD_COMM_GROUP) if GlobalComm.INITED else None
+
+
 def launched_by_msrun() -> bool:
     """msrun starts a scheduler (MS_ROLE=MS_SCHED) and the workers (MS_WORKER), all running the
     same script; each must join the cluster."""

@@ -1,6 +1,7 @@
 """python -m mindspeed.training.mindspore [Megatron-style flags]: the MindSpore trainer directly."""
 import sys
 
+from mindspeed.backends.mindspore.worker_exit import finish
 from mindspeed.errors import ArgumentError, report
 from mindspeed.flags.trainer_flags import parse_args
 from mindspeed.training.mindspore import run
@@ -13,7 +14,7 @@ def main(argv=None) -> int:
         report(err)
         return 2
     run(args)
-    return 0
+    return finish(0)       # under mindspeed.msrun: without MindSpore's exit handler
 
 
 if __name__ == "__main__":
