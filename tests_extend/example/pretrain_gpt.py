@@ -34,8 +34,6 @@ def main(argv=None) -> int:
             from mindspeed.training.mindspore.trainer import TrainerConfigError
             user_errors += (TrainerConfigError,)
             ms_trainer.run(args)
-            from mindspeed.backends.mindspore.worker_exit import finish
-            return finish(0)       # under mindspeed.msrun: without MindSpore's exit handler
         else:
             mindspeed.adapt(args)      # device shim + enabled features, before the model exists
             from mindspeed.training.pretrain import run
@@ -49,5 +47,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def end(code: int) -> int:
+    """A MindSpore worker under mindspeed.msrun whose ranks all succeeded ends here, without
+    MindSpore's exit handler (mindspeed/backends/mindspore/worker_exit.py); else `code` is returned."""
+    if code != 0 or "mindspore" not in sys.modules:
+        return code
+    from mindspeed.backends.mindspore.worker_exit import finish
+    return finish(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(end(main()))

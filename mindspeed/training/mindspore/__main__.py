@@ -14,8 +14,10 @@ def main(argv=None) -> int:
         report(err)
         return 2
     run(args)
-    return finish(0)       # under mindspeed.msrun: without MindSpore's exit handler
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # under mindspeed.msrun, where every rank succeeded: the end without MindSpore's exit handler
+    sys.exit(finish(code) if code == 0 else code)
