@@ -8,18 +8,18 @@ took that long to end. Here msrun stops the scheduler together with the workers 
 path, and its closing traceback ("Distributed job exited with exception") becomes one line naming
 the worker that failed first.
 
-On a single-node job (all workers here) it also ends a finished job's scheduler itself: once every
-worker has exited 0 it gives the scheduler SCHEDULER_GRACE_S to end as usual, then stops it. The
+On a single-node job (all workers here) the job's result is its workers': once every worker has
+exited 0 the scheduler, whose only work was coordinating them, is stopped and not waited for. The
 workers learn this from the environment (worker_exit.LAUNCHER_ENV), so a MindSpeed worker whose work
-succeeded leaves without MindSpore's exit handler, which now and then crashes a finished worker
-(docs/native-crash.md). Everything else is msrun's own behaviour.
+succeeded leaves without MindSpore's exit handler, which now and then crashes a finished process
+(docs/native-crash.md); the scheduler would wait for such a worker's goodbye until MS_NODE_TIMEOUT.
+Everything else is msrun's own behaviour.
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
-import time
 
 from mindspore.parallel.cluster.process_entity._api import _ProcessManager
 from mindspore.parallel.cluster.run import get_args
@@ -27,7 +27,6 @@ from mindspore.parallel.cluster.run import get_args
 from mindspeed.backends.mindspore.worker_exit import LAUNCHER_ENV
 
 JOB_FAILED = "Distributed job exited with exception"
-SCHEDULER_GRACE_S = 3.0     # a scheduler whose workers all left through MindSpore's handler ends within about 1 s
 
 
 class FailFastProcessManager(_ProcessManager):
@@ -56,13 +55,10 @@ class FailFastProcessManager(_ProcessManager):
         scheduler = self.msn_process
         if scheduler is None:
             return
-        deadline = time.monotonic() + SCHEDULER_GRACE_S
-        while scheduler.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if scheduler.poll() is None:      # its workers left without saying so (worker_exit.finish)
+        if scheduler.poll() is None:
             scheduler.kill()
             scheduler.wait()
-            self.msn_process = None       # msrun then judges the job by its workers alone
+        self.msn_process = None       # msrun then judges the job by its workers alone
 
     def kill_worker_processes(self):
         if self._joining and self.first_failure is None:
