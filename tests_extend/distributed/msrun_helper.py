@@ -119,7 +119,6 @@ def end_worker() -> None:
     """A worker's last call. Where every rank's results were ok it ends as the trainer's workers
     end (worker_exit.finish: without MindSpore's exit handler under mindspeed.msrun); otherwise
     as before, exit code 0 with the failure in the result file for the test to show."""
-    if "mindspore" in sys.modules:
-        from mindspeed.backends.mindspore.worker_exit import finish
-        finish(0 if _results_ok and all(_results_ok) else 1)
+    from mindspeed.backends.mindspore.worker_exit import finish
+    finish(0 if _results_ok and all(_results_ok) else 1)
     sys.exit(0)

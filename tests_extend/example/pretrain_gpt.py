@@ -47,14 +47,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def end(code: int) -> int:
-    """A MindSpore worker under mindspeed.msrun whose ranks all succeeded ends here, without
-    MindSpore's exit handler (mindspeed/backends/mindspore/worker_exit.py); else `code` is returned."""
-    if code != 0 or "mindspore" not in sys.modules:
-        return code
-    from mindspeed.backends.mindspore.worker_exit import finish
-    return finish(code)
-
-
 if __name__ == "__main__":
-    sys.exit(end(main()))
+    from mindspeed.backends.mindspore.worker_exit import finish    # imports no framework
+    code = main()
+    # a MindSpore worker under mindspeed.msrun, where every rank succeeded: the end without MindSpore's exit handler
+    sys.exit(finish(code) if code == 0 else code)

@@ -2,12 +2,9 @@
 
 Each msrun worker joins the cluster (`mindspore.communication.init()`), runs a few CPU ops, optionally
 pins itself and every thread to one core (as MindSpeed's MINDSPEED_MS_CPU_AFFINITY=1 did), and ends
-the way --exit says:
-  python    Python's own exit: MindSpore's atexit handler finalizes the cluster node and clears its runtime
-  release   mindspore.communication.release() first, then Python's exit
-  destroy   mindspore.mint.distributed.destroy_process_group() first, then Python's exit
+as Python ends: MindSpore's atexit handler finalizes the cluster node and clears its runtime.
 
-    python tests_extend/stress/ms_exit_crash.py --launches 30 --workers 2 --pin --exit python
+    python tests_extend/stress/ms_exit_crash.py --launches 30 --workers 2 --pin
 
 Not a pytest test. Each launch prints its exit code and verdict; a crashed launch's logs are kept.
 """
@@ -16,15 +13,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-# what a native crash leaves in a worker's log (faulthandler, glibc, C++ terminate, msrun's report)
-CRASH_SIGNS = ("Fatal Python error", "Segmentation fault", "corrupted", "free():", "malloc():", "double free",
-               "terminate called", "core dumped", "exit code -", "Aborted")
+from ms_native_crash import NATIVE_CRASH_SIGNS, ROOT       # this script's folder is on sys.path
+
+# the exit crash's other form: std::system_error thrown out of the handler
+CRASH_SIGNS = (*NATIVE_CRASH_SIGNS, "terminate called")
 
 
 def worker(args) -> None:
@@ -46,32 +43,22 @@ def worker(args) -> None:
     for _ in range(args.steps):
         x = ops.tanh(ops.matmul(x, w))
     print(f"rank {get_rank()} done {float(x.sum()):.3f}", flush=True)
-    if args.exit == "release":
-        from mindspore.communication import release
-        release()
-    elif args.exit == "destroy":
-        from mindspore.mint.distributed import destroy_process_group
-        destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launches(args) -> int:
+    sys.path.insert(0, ROOT)
+    from mindspeed.net import free_port
     bindir = os.path.dirname(sys.executable)       # msrun starts `python` from PATH
     env = dict(os.environ, PYTHONFAULTHANDLER="1", GLOG_v="3", PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
     if args.perturb != "0":
         env.update(MALLOC_CHECK_="3", MALLOC_PERTURB_=args.perturb)
-    inner = [os.path.abspath(__file__), "--as-worker", "--exit", args.exit, "--steps", str(args.steps),
+    inner = [os.path.abspath(__file__), "--as-worker", "--steps", str(args.steps),
              *(["--pin"] if args.pin else [])]
     crashes = 0
     for k in range(args.launches):
         log_dir = tempfile.mkdtemp(prefix="ms_exit_")
         cmd = [os.path.join(bindir, "msrun"), f"--worker_num={args.workers}", f"--local_worker_num={args.workers}",
-               f"--master_port={_free_port()}", "--join=True", f"--log_dir={log_dir}", "--cluster_time_out=60", *inner]
+               f"--master_port={free_port()}", "--join=True", f"--log_dir={log_dir}", "--cluster_time_out=60", *inner]
         started = time.time()
         p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         logs = p.stdout + "".join(open(os.path.join(log_dir, f), errors="replace").read()
@@ -86,7 +73,7 @@ def launches(args) -> int:
                 f.write(logs)
             print(f"  log kept: {keep}", flush=True)
         shutil.rmtree(log_dir, ignore_errors=True)
-    print(f"crashes: {crashes}/{args.launches} launches; workers {args.workers}, exit {args.exit}, "
+    print(f"crashes: {crashes}/{args.launches} launches; workers {args.workers}, "
           f"pin {args.pin}, MALLOC_PERTURB_ {args.perturb}")
     return 0
 
@@ -96,7 +83,6 @@ def main() -> int:
     p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--launches", type=int, default=10)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--exit", choices=("python", "release", "destroy"), default="python")
     p.add_argument("--pin", action="store_true", help="pin each worker and its threads to one core")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--perturb", default="165", help="MALLOC_PERTURB_ (0: glibc's checks off)")

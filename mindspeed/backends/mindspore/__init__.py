@@ -1,2 +1,2 @@
-"""mindspore backend. capabilities.py, msadapter.py and device_select.py import no framework at
-module level; the other submodules import mindspore."""
+"""mindspore backend. capabilities.py, msadapter.py, device_select.py and worker_exit.py import no
+framework at module level; the other submodules import mindspore."""
