@@ -160,16 +160,16 @@ def _once(session: Session, prompt_ids: list[int]) -> None:
     result = session.answer(prompt_ids, out)
     if out:
         out.write("\n")
-        _speed(result)
+        _speed(result, session.generator.path)
         if session.opts.output_json:
             with open(session.opts.output_json, "w", encoding="utf-8") as f:
                 json.dump({"prompt": session.opts.prompt, "tokens": result.tokens,
                            "text": session.text(result.tokens)}, f, ensure_ascii=False)
 
 
-def _speed(result: Generation) -> None:
+def _speed(result: Generation, path: str) -> None:
     print(f"> {len(result.tokens)} new tokens after a {result.prompt_tokens}-token prompt in {result.seconds:.2f}s: "
-          f"{result.tokens_per_s:.1f} tokens/s", flush=True)
+          f"{result.tokens_per_s:.1f} tokens/s ({path})", flush=True)
 
 
 def _interactive(session: Session, seq_length: int) -> None:
@@ -191,7 +191,7 @@ def _interactive(session: Session, seq_length: int) -> None:
         result = session.answer(ids, sys.stdout if rank() == 0 else None)
         if rank() == 0:
             print(flush=True)
-            _speed(result)
+            _speed(result, session.generator.path)
         if opts.task == "chat":
             history += [{"role": "user", "content": line},
                         {"role": "assistant", "content": session.text(result.tokens)}]

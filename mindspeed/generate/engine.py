@@ -1,8 +1,10 @@
-"""Token generation on Megatron-Core's GPTModel: its GPTInferenceWrapper with a
-StaticInferenceContext (the KV cache: the prompt is encoded once, then one token per step) and its
-TextGenerationController's sampling (greedy, top-k, top-p, temperature). Without the cache
-(`use_cache=False`, for comparison) every step recomputes the whole prefix. On cpu the steps after
-the first run without the device shim's torch-function mode when it has nothing to rewrite there
+"""Token generation on Megatron-Core's GPTModel with a KV cache (the prompt is encoded once, then
+one token per step) and Megatron-Core's TextGenerationController sampling (greedy, top-k, top-p,
+temperature). The steps run through mindspeed.generate.lean_decoder where it covers the model
+(the same weights without Megatron's layer Python), else through Megatron-Core's
+GPTInferenceWrapper and StaticInferenceContext. Without the cache (`use_cache=False`, for
+comparison) every step recomputes the whole prefix, by the same path. On cpu the steps after the
+first run without the device shim's torch-function mode when it has nothing to rewrite there
 (mindspeed.backends.torch.mode_free_steps)."""
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
     TextGenerationController)
 
 from mindspeed.backends.torch.mode_free_steps import ModeFreeSteps
+from mindspeed.generate import lean_decoder
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,15 @@ class Generator:
     """Generates from one model (TP-sharded over the launch's processes), one sequence at a time."""
 
     def __init__(self, model, *, max_length: int, vocab_size: int, padded_vocab_size: int, hidden_size: int,
-                 params_dtype: torch.dtype, device: str, seed: int = 1234, use_cache: bool = True):
+                 params_dtype: torch.dtype, device: str, seed: int = 1234, use_cache: bool = True,
+                 lean: bool = True):
         self.model, self.max_length, self.vocab_size, self.device = model, max_length, vocab_size, device
         self.use_cache = use_cache
+        self.lean, why_not = None, "not asked for" if not lean else lean_decoder.unsupported(model)
+        if why_not is None:
+            self.lean = lean_decoder.LeanDecoder(model, max_length, parallel_state.get_tensor_model_parallel_group(),
+                                                 parallel_state.get_tensor_model_parallel_world_size())
+        self.path = "the lean decoder" if why_not is None else f"Megatron-Core's inference path (lean decoder: {why_not})"
         self.context = StaticInferenceContext(max_batch_size=1, max_sequence_length=max_length)
         config = InferenceWrapperConfig(hidden_size=hidden_size, params_dtype=params_dtype,
                                         inference_batch_times_seqlen_threshold=-1,
@@ -73,7 +82,10 @@ class Generator:
         params, out = sampling.params(), []
         start = time.perf_counter()
         with torch.inference_mode():
-            step = self._cached_steps(buffer, len(prompt)) if self.use_cache else self._recomputed_steps(buffer)
+            if self.lean is not None:
+                step = self._lean_steps(buffer, len(prompt))
+            else:
+                step = self._cached_steps(buffer, len(prompt)) if self.use_cache else self._recomputed_steps(buffer)
             later_step = ModeFreeSteps(self.device)      # the prefill is a step of its own kind
             length = len(prompt)
             for _ in range(budget):
@@ -87,6 +99,14 @@ class Generator:
                 if token == stop:
                     break
         return Generation(tokens=out, prompt_tokens=len(prompt), seconds=time.perf_counter() - start)
+
+    def _lean_steps(self, buffer: torch.Tensor, prompt_length: int):
+        self.lean.reset()
+
+        def step(length: int) -> torch.Tensor:
+            first = 0 if length == prompt_length or not self.use_cache else length - 1
+            return self.lean.logits(buffer[:, first:length], first, cache=self.use_cache)
+        return step
 
     def _cached_steps(self, buffer: torch.Tensor, prompt_length: int):
         self.wrapper.prep_model_for_inference()        # eval mode, an empty cache
