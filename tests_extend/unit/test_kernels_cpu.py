@@ -144,7 +144,7 @@ def test_attention(dtype, layout, case):
 @pytest.mark.parametrize("cpp", [True, False], ids=["cpp_softmax", "torch_softmax"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout,b,n,nkv,s", [("SBH", 2, 2, 2, 128), ("BSND", 1, 4, 2, 130), ("BNSD", 1, 2, 1, 200)])
-def test_block_causal_gemm_attention(dtype, layout, b, n, nkv, s, cpp, monkeypatch):
+def test_block_causal_gemm_attention(dtype, layout, b, n, nkv, s, cpp, monkeypatch, one_thread):
     """The GEMM path (whole blocks, a short last block, GQA): output, logsumexp and its gradient,
     with the C++ causal softmax and with its torch-ops fallback."""
     if not cpp:
@@ -159,12 +159,23 @@ def test_block_causal_gemm_attention(dtype, layout, b, n, nkv, s, cpp, monkeypat
     compare(fast, ref, inputs, dtype, n_out=2, floor=3e-2)
 
 
-def test_gemm_attention_only_where_it_pays():
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_gemm_attention_only_where_it_pays(one_thread):
     q = torch.empty(1, 2, 512, 16)
     assert C.gemm_attention_pays(q, q, True)
+    torch.set_num_threads(2)
+    assert not C.gemm_attention_pays(q, q, True)                          # flash uses a second thread better
+    torch.set_num_threads(1)
     assert not C.gemm_attention_pays(q, q, False)                         # masks, bands: flash
     assert not C.gemm_attention_pays(q.half(), q.half(), True)            # fp16 GEMMs are slow here
-    assert not C.gemm_attention_pays(q[:, :, :128], q[:, :, :128], True)  # s * d too small
+    assert not C.gemm_attention_pays(q[:, :, :256], q[:, :, :256], True)  # s * d too small
     assert not C.gemm_attention_pays(q, q[:, :, :256], True)              # cross lengths
     long = torch.empty(1, 1, C.GEMM_MAX_SEQ + 64, 16)
     assert not C.gemm_attention_pays(long, long, True)

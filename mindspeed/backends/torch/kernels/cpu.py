@@ -144,11 +144,12 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-# Block-causal GEMM attention: where it beats flash (bench_kernels.py, one thread, fwd+bwd).
+# Block-causal GEMM attention: where it beats flash (bench_kernels.py, fwd+bwd; docs/performance.md).
 GEMM_BLOCK = 64                      # query rows per GEMM: 64 beat 32 and 128 at s 128-1024
 GEMM_MAX_SEQ = 1024                  # flash is as fast from 2048 on, with O(s) memory
 GEMM_MAX_SAVED_BYTES = 64 << 20      # probabilities kept for backward, per call
-GEMM_MIN_SEQ_X_DIM = 4096            # below (e.g. s 64 at head dim 32) flash is as fast
+GEMM_MIN_SEQ_X_DIM = 8192            # below (e.g. s 128 at head dim 32) flash is as fast
+GEMM_MAX_THREADS = 1                 # the block loop's small GEMMs gain little from a second thread; flash does
 
 
 def _block_starts(s: int) -> range:
@@ -156,12 +157,12 @@ def _block_starts(s: int) -> range:
 
 
 def gemm_attention_pays(q, k, plain_causal: bool) -> bool:
-    """Plain causal self-attention [b, n, s, d] in fp32/bf16, s at most GEMM_MAX_SEQ, s * d at
-    least GEMM_MIN_SEQ_X_DIM, whose kept probabilities (the lower block triangle) fit
-    GEMM_MAX_SAVED_BYTES."""
+    """Plain causal self-attention [b, n, s, d] in fp32/bf16 on at most GEMM_MAX_THREADS torch
+    threads, s at most GEMM_MAX_SEQ, s * d at least GEMM_MIN_SEQ_X_DIM, whose kept probabilities
+    (the lower block triangle) fit GEMM_MAX_SAVED_BYTES."""
     b, n, s, d = q.shape
     if not plain_causal or k.shape[2] != s or q.dtype not in (torch.float32, torch.bfloat16) \
-            or s > GEMM_MAX_SEQ or s * d < GEMM_MIN_SEQ_X_DIM:
+            or s > GEMM_MAX_SEQ or s * d < GEMM_MIN_SEQ_X_DIM or torch.get_num_threads() > GEMM_MAX_THREADS:
         return False
     kept = sum(min(GEMM_BLOCK, s - r0) * min(r0 + GEMM_BLOCK, s) for r0 in _block_starts(s))
     return b * n * kept * q.element_size() <= GEMM_MAX_SAVED_BYTES
