@@ -8,18 +8,22 @@ took that long to end. Here msrun stops the scheduler together with the workers 
 path, and its closing traceback ("Distributed job exited with exception") becomes one line naming
 the worker that failed first.
 
-On a single-node job (all workers here) the job's result is its workers': once every worker has
-exited 0 the scheduler, whose only work was coordinating them, is stopped and not waited for. The
-workers learn this from the environment (worker_exit.LAUNCHER_ENV), so a MindSpeed worker whose work
-succeeded leaves without MindSpore's exit handler, which now and then crashes a finished process
+Once every worker of this node has exited 0 after agreeing with all ranks of the job that each
+succeeded (each leaves a mark in a folder this launcher passes them in worker_exit.LAUNCHER_ENV),
+the job has succeeded: the launcher holding the scheduler (node 0's), whose only work was
+coordinating them, stops it instead of waiting for it. So a MindSpeed worker whose work succeeded
+leaves without MindSpore's exit handler, which now and then crashes a finished process
 (docs/native-crash.md); the scheduler would wait for such a worker's goodbye until MS_NODE_TIMEOUT.
-Everything else is msrun's own behaviour.
+Every node of a job must be launched this way (the launch scripts do). Everything else is msrun's
+own behaviour.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 from mindspore.parallel.cluster.process_entity._api import _ProcessManager
 from mindspore.parallel.cluster.run import get_args
@@ -36,10 +40,7 @@ class FailFastProcessManager(_ProcessManager):
 
     _joining = False
     first_failure = None        # (rank, exit code, log file) of the first failed worker seen
-
-    @property
-    def single_node(self) -> bool:
-        return self.local_worker_num == self.worker_num and self.is_master and not self.is_simulation
+    marks = None                # the folder where workers that agreed the job succeeded leave a mark
 
     def join_processes(self):
         self._joining = True
@@ -48,8 +49,13 @@ class FailFastProcessManager(_ProcessManager):
     def kill_tail_log_processes(self):
         """msrun calls this once the workers are done, before waiting for the scheduler."""
         super().kill_tail_log_processes()
-        if self._joining and self.single_node and all(p.poll() == 0 for p in self.cgn_processes):
+        if self._joining and self.marks is not None and self._all_agreed():
             self._end_scheduler()
+
+    def _all_agreed(self) -> bool:
+        """Every local worker exited 0 after agreeing with all ranks (worker_exit.finish)."""
+        done = [name for name in os.listdir(self.marks) if name.endswith(".done")]
+        return all(p.poll() == 0 for p in self.cgn_processes) and len(done) == len(self.cgn_processes)
 
     def _end_scheduler(self):
         scheduler = self.msn_process
@@ -96,8 +102,13 @@ def _signal_name(number: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     sys.argv = ["msrun", *(sys.argv[1:] if argv is None else argv)]
     manager = FailFastProcessManager(get_args())
-    if manager.single_node:
-        os.environ[LAUNCHER_ENV] = "1"      # inherited by the workers msrun starts
+    if manager.node_rank > 0:
+        # node 0 holds the scheduler: msrun would start a second one (its port taken) on every
+        # other node that shares the master's machine
+        manager.is_master = False
+    if not manager.is_simulation:
+        manager.marks = tempfile.mkdtemp(prefix="mindspeed-msrun-")
+        os.environ[LAUNCHER_ENV] = manager.marks      # inherited by the workers msrun starts
     try:
         manager.run()
     except RuntimeError as err:
@@ -105,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(describe(manager.first_failure), file=sys.stderr)
         return 1
+    finally:
+        if manager.marks is not None:
+            shutil.rmtree(manager.marks, ignore_errors=True)
     return 0
 
 

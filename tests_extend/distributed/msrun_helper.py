@@ -34,10 +34,12 @@ def _tail(path: str, n: int = 60) -> str:
     return "\n".join(lines[-n:]) if lines else "(no log)"
 
 
-def run_msrun(script: str, args: list, out_dir: str, *, workers: int = 2, timeout: float = 240) -> list:
-    """Run `script args...` on `workers` msrun processes; return each rank's JSON result
-    (out_dir/rank{r}.json, written by the worker). Any failure fails the test at once: a crashed
-    worker is a defect to find, never launched again (PYTHONFAULTHANDLER puts its stack in its log)."""
+def run_msrun(script: str, args: list, out_dir: str, *, workers: int = 2, timeout: float = 240,
+              nodes: int = 1) -> list:
+    """Run `script args...` on `workers` msrun processes (split over `nodes` launches on this
+    machine acting as nodes); return each rank's JSON result (out_dir/rank{r}.json, written by the
+    worker). Any failure fails the test at once: a crashed worker is a defect to find, never
+    launched again (PYTHONFAULTHANDLER puts its stack in its log)."""
     bindir = os.path.dirname(sys.executable)
     # PYTHONFAULTHANDLER: a worker that dies of a signal inside MindSpore prints its Python stack to its log
     launch = uuid.uuid4().hex       # in every process of this launch's environment: found and ended after it
@@ -46,27 +48,39 @@ def run_msrun(script: str, args: list, out_dir: str, *, workers: int = 2, timeou
                PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
     env.setdefault("OMP_NUM_THREADS", "1")    # as train_distributed_ms.sh exports it: one compute thread per process
     log_dir = os.path.join(out_dir, "msrun_logs")
-    cmd = [sys.executable, "-m", "mindspeed.msrun", f"--worker_num={workers}", f"--local_worker_num={workers}",
-           f"--master_port={free_port()}", "--join=True", f"--log_dir={log_dir}", "--cluster_time_out=120",
-           script, *map(str, args)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)      # msrun and the workers it spawned
-        proc.communicate()
-        raise MsrunError(f"msrun {os.path.basename(script)} timed out after {timeout}s\n"
-                         + "\n".join(_tail(p) for p in sorted(glob.glob(os.path.join(log_dir, "worker_*.log")))))
-    if proc.returncode != 0:
+    port = free_port()
+    procs = []
+    for node in range(nodes):
+        cmd = [sys.executable, "-m", "mindspeed.msrun", f"--worker_num={workers}",
+               f"--local_worker_num={workers // nodes}", f"--master_port={port}", "--master_addr=127.0.0.1",
+               f"--node_rank={node}", "--join=True", f"--log_dir={log_dir}", "--cluster_time_out=120",
+               script, *map(str, args)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for each in procs:
+                try:
+                    os.killpg(each.pid, signal.SIGKILL)      # msrun and the workers it spawned
+                except ProcessLookupError:
+                    pass
+                each.communicate()
+            raise MsrunError(f"msrun {os.path.basename(script)} timed out after {timeout}s\n"
+                             + "\n".join(_tail(p) for p in sorted(glob.glob(os.path.join(log_dir, "worker_*.log")))))
+    failed = [proc for proc in procs if proc.returncode != 0]
+    for proc in failed:
         _end_leftover_workers(proc.pid, launch)
+    out = "\n".join(outputs)
     results = []
     for rank in range(workers):
         path = os.path.join(out_dir, f"rank{rank}.json")
-        if proc.returncode != 0 or not os.path.isfile(path):
+        if failed or not os.path.isfile(path):
             paths = sorted(glob.glob(os.path.join(log_dir, "worker_*.log")))
-            raise MsrunError(f"msrun {os.path.basename(script)} failed (rc {proc.returncode}); no result from "
-                             f"rank {rank}\n{out[-3000:]}\n" + "\n".join(f"--- {p}\n{_tail(p)}" for p in paths))
+            raise MsrunError(f"msrun {os.path.basename(script)} failed (rc {[p.returncode for p in procs]}); no result "
+                             f"from rank {rank}\n{out[-3000:]}\n" + "\n".join(f"--- {p}\n{_tail(p)}" for p in paths))
         with open(path) as f:
             results.append(json.load(f))
     return results
