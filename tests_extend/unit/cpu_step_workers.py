@@ -82,3 +82,14 @@ def _node_names(node, depth: int = 4) -> list[str]:
         names += [type(n).__name__ for n in frontier]
         frontier = [nxt for n in frontier for nxt, _ in n.next_functions]
     return names
+
+
+def regions_over_two_ranks(rank, world_size):
+    """A wrapped region function over the two-rank world: Megatron's own result (the reduce
+    sums the ranks' tensors), not the input."""
+    from megatron.core.tensor_parallel import mappings
+    from mindspeed.backends.torch.one_rank_regions import _wrap_region
+    group = torch.distributed.new_group([0, 1])
+    x = torch.full((2, 3), float(rank + 1))
+    reduced = _wrap_region(mappings.reduce_from_tensor_model_parallel_region)(x, group)
+    return float(reduced[0, 0])

@@ -81,6 +81,29 @@ def test_a_blocking_all_reduce_over_one_rank_leaves_gloo_out(one_rank):
         mindspeed.unadapt()
 
 
+def test_a_tensor_parallel_region_over_one_rank_is_its_input_with_megatrons_gradients(one_rank):
+    from megatron.core.tensor_parallel import mappings
+    from mindspeed.backends.torch.one_rank_regions import REGIONS, _wrap_region
+    functions = {"copy_to_tensor_model_parallel_region": mappings._CopyToModelParallelRegion,
+                 "reduce_from_tensor_model_parallel_region": mappings._ReduceFromModelParallelRegion,
+                 "scatter_to_tensor_model_parallel_region": mappings._ScatterToModelParallelRegion,
+                 "gather_from_tensor_model_parallel_region": mappings._GatherFromModelParallelRegion}
+    assert set(functions) == set(REGIONS)
+    for name, function in functions.items():
+        x, y = (torch.randn(4, 6, generator=torch.Generator().manual_seed(3)).requires_grad_() for _ in range(2))
+        out = _wrap_region(getattr(mappings, name))(x, one_rank)
+        assert out is x, name
+        (out * torch.arange(6.0)).sum().backward()
+        megatron = function.apply(y, one_rank)
+        (megatron * torch.arange(6.0)).sum().backward()
+        assert torch.equal(out, megatron) and torch.equal(x.grad, y.grad), name
+
+
+def test_a_tensor_parallel_region_over_two_ranks_keeps_megatrons_collective():
+    for rank_report in run_distributed(cpu_step_workers.regions_over_two_ranks, world_size=2, timeout=120):
+        assert rank_report == 3.0
+
+
 def test_the_torch_view_puts_cuda_factories_on_the_cpu_and_is_torch_otherwise():
     import megatron.core.optimizer.clip_grads as clip_grads
     view = CpuTorchView()
