@@ -8,7 +8,7 @@ forward and backward); here they return the input itself, which is what the Func
 """
 from __future__ import annotations
 
-from megatron.core.utils import get_tensor_model_parallel_group_if_none
+from megatron.core import parallel_state
 
 SITE = "megatron.core.tensor_parallel.mappings."
 REGIONS = ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
@@ -16,11 +16,13 @@ REGIONS = ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_par
 
 
 def _wrap_region(original):
-    def region(input_, group=None):
-        group = get_tensor_model_parallel_group_if_none(group)
-        if group.size() == 1:
+    # (input_, group=None) from core 0.13 on, (input_) before: the group is the TP group unless given
+    def region(input_, *args, **kwargs):
+        group = args[0] if args else kwargs.get("group")
+        size = parallel_state.get_tensor_model_parallel_world_size() if group is None else group.size()
+        if size == 1:
             return input_
-        return original(input_, group)
+        return original(input_, *args, **kwargs)
     region.__name__ = original.__name__
     return region
 
