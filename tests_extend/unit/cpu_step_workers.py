@@ -93,3 +93,19 @@ def regions_over_two_ranks(rank, world_size):
     x = torch.full((2, 3), float(rank + 1))
     reduced = _wrap_region(mappings.reduce_from_tensor_model_parallel_region)(x, group)
     return float(reduced[0, 0])
+
+
+def cross_entropy_over_two_ranks(rank, world_size):
+    """The wrapped cross entropy at TP=2, each rank holding half the vocabulary: Megatron's
+    reductions over both halves, i.e. the loss over the whole vocabulary."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import cross_entropy
+    from mindspeed.backends.torch.one_rank_cross_entropy import _wrap_cross_entropy
+    parallel_state.initialize_model_parallel(2)
+    g = torch.Generator().manual_seed(11)
+    logits, target = torch.randn(5, 2, 16, generator=g) * 3, torch.randint(0, 16, (5, 2), generator=g)
+    mine = logits[..., rank * 8:(rank + 1) * 8].clone()
+    loss = _wrap_cross_entropy(cross_entropy.vocab_parallel_cross_entropy)(mine, target)
+    whole = torch.nn.functional.cross_entropy(logits.view(-1, 16), target.view(-1), reduction="none")
+    parallel_state.destroy_model_parallel()
+    return float(loss.sum()), float(whole.sum())

@@ -1,8 +1,8 @@
 """What a cpu training step no longer pays for, each checked against the result it replaces:
 Megatron's linear Function where it only computes a linear (torch's linear instead), the device
 shim's mode on every torch call (the step asks it for nothing), gloo for an all-reduce over one
-rank, fresh pages for every step's activations (glibc keeps the freed ones), and a separate bias
-add after the MLP's first linear."""
+rank, fresh pages for every step's activations (glibc keeps the freed ones), a separate bias
+add after the MLP's first linear, and Megatron's vocab-parallel cross entropy over one rank."""
 import os
 import subprocess
 import sys
@@ -102,6 +102,48 @@ def test_a_tensor_parallel_region_over_one_rank_is_its_input_with_megatrons_grad
 def test_a_tensor_parallel_region_over_two_ranks_keeps_megatrons_collective():
     for rank_report in run_distributed(cpu_step_workers.regions_over_two_ranks, world_size=2, timeout=120):
         assert rank_report == 3.0
+
+
+def _cross_entropy(function, logits, target, **kwargs):
+    leaf = logits.clone().requires_grad_()
+    loss = function(leaf, target, **kwargs)
+    (loss * torch.arange(1.0, 1.0 + loss.numel()).view(loss.shape)).sum().backward()
+    return loss, leaf.grad
+
+
+def test_cross_entropy_over_one_rank_is_torchs_with_megatrons_losses_and_gradients(one_rank):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel import cross_entropy
+    from mindspeed.backends.torch.one_rank_cross_entropy import SITE
+    g = torch.Generator().manual_seed(7)
+    logits, target = torch.randn(6, 3, 40, generator=g) * 4, torch.randint(0, 40, (6, 3), generator=g)
+    original = cross_entropy.vocab_parallel_cross_entropy
+    parallel_state.initialize_model_parallel(1)
+    state = mindspeed.adapt([])
+    try:
+        assert SITE in state.patcher.describe()
+        # GPTModel calls it through the package's name
+        assert tensor_parallel.vocab_parallel_cross_entropy is cross_entropy.vocab_parallel_cross_entropy
+        assert tensor_parallel.vocab_parallel_cross_entropy is not original
+        expected_loss, expected_grad = _cross_entropy(original, logits, target)
+        loss, grad = _cross_entropy(tensor_parallel.vocab_parallel_cross_entropy, logits, target)
+        assert type(loss.grad_fn).__name__ != "_VocabParallelCrossEntropyBackward"
+        assert loss.shape == target.shape
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6)
+        # label smoothing keeps Megatron's Function (its smoothing differs from torch's)
+        smoothed, _ = _cross_entropy(tensor_parallel.vocab_parallel_cross_entropy, logits, target,
+                                     label_smoothing=0.1)
+        assert type(smoothed.grad_fn).__name__ == "_VocabParallelCrossEntropyBackward"
+    finally:
+        mindspeed.unadapt()
+        parallel_state.destroy_model_parallel()
+    assert tensor_parallel.vocab_parallel_cross_entropy is original
+
+
+def test_cross_entropy_over_two_ranks_keeps_megatrons_reductions():
+    for loss, want in run_distributed(cpu_step_workers.cross_entropy_over_two_ranks, world_size=2, timeout=120):
+        assert abs(loss - want) < 1e-5, (loss, want)
 
 
 def test_the_torch_view_puts_cuda_factories_on_the_cpu_and_is_torch_otherwise():
