@@ -131,6 +131,12 @@ def test_cross_entropy_over_one_rank_is_torchs_with_megatrons_losses_and_gradien
         assert loss.shape == target.shape
         torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6)
+        # bf16 logits: the loss in fp32, as Megatron's, and the gradient in the logits' dtype
+        expected_loss, expected_grad = _cross_entropy(original, logits.bfloat16(), target)
+        loss, grad = _cross_entropy(tensor_parallel.vocab_parallel_cross_entropy, logits.bfloat16(), target)
+        assert loss.dtype == expected_loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-2, atol=1e-3)
         # label smoothing keeps Megatron's Function (its smoothing differs from torch's)
         smoothed, _ = _cross_entropy(tensor_parallel.vocab_parallel_cross_entropy, logits, target,
                                      label_smoothing=0.1)

@@ -5,7 +5,7 @@ steps a vocabulary spread over ranks needs (the max, the target's logit and the 
 exponentials, each all-reduced) and saves the softmax for its own backward: about ten torch ops
 forward and four backward. Over one rank there is nothing to reduce, and torch's fused
 `cross_entropy` computes the same loss and gradient (within rounding: the same log-sum-exp in a
-different order). Label smoothing keeps Megatron's Function: Megatron scales the smoothing by
+different order; in fp32, as Megatron's, whatever the logits' dtype). Label smoothing keeps Megatron's Function: Megatron scales the smoothing by
 V / (V - 1), torch does not.
 """
 from __future__ import annotations
@@ -21,7 +21,9 @@ def _wrap_cross_entropy(original):
         if label_smoothing or parallel_state.get_tensor_model_parallel_world_size() != 1:
             return original(vocab_parallel_logits, target, label_smoothing)
         vocab = vocab_parallel_logits.size(-1)
-        losses = F.cross_entropy(vocab_parallel_logits.reshape(-1, vocab), target.reshape(-1), reduction="none")
+        # in fp32 whatever the logits' dtype, as Megatron's Function computes it
+        logits = vocab_parallel_logits.float().reshape(-1, vocab)
+        losses = F.cross_entropy(logits, target.reshape(-1), reduction="none")
         return losses.view(target.shape)
     vocab_parallel_cross_entropy.__name__ = original.__name__
     return vocab_parallel_cross_entropy
