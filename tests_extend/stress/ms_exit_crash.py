@@ -54,6 +54,15 @@ def worker(args) -> None:
 PARTS = ("groups", "sync", "async", "shm", "pyfunc", "traced")
 
 
+def _parts(value: str) -> list[str]:
+    """--without's comma list; a name that is not a part is refused, not ignored."""
+    names = [x for x in value.split(",") if x]
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown)}; the parts: {', '.join(PARTS)}")
+    return names
+
+
 def comm_worker(args) -> None:
     import numpy as np
     import mindspore as ms
@@ -168,7 +177,7 @@ def main() -> int:
     p.add_argument("--recipe", choices=("ops", "comm"), default="ops",
                    help="ops: a few CPU ops; comm: groups, collectives, shared memory, pyfunc ops, traced grads")
     p.add_argument("--perturb", default="165", help="MALLOC_PERTURB_ (0: glibc's checks off)")
-    p.add_argument("--without", type=lambda v: [x for x in v.split(",") if x], default=[],
+    p.add_argument("--without", type=_parts, default=[],
                    help=f"comm recipe: leave out some of {','.join(PARTS)}")
     p.add_argument("--keep", default=tempfile.gettempdir())
     args = p.parse_args()

@@ -5,8 +5,8 @@ steps a vocabulary spread over ranks needs (the max, the target's logit and the 
 exponentials, each all-reduced) and saves the softmax for its own backward: about ten torch ops
 forward and four backward. Over one rank there is nothing to reduce, and torch's fused
 `cross_entropy` computes the same loss and gradient (within rounding: the same log-sum-exp in a
-different order; in fp32, as Megatron's, whatever the logits' dtype). Label smoothing keeps Megatron's Function: Megatron scales the smoothing by
-V / (V - 1), torch does not.
+different order; in fp32, as Megatron's, whatever the logits' dtype). Label smoothing keeps
+Megatron's Function: Megatron scales the smoothing by V / (V - 1), torch does not.
 """
 from __future__ import annotations
 

@@ -65,9 +65,10 @@ def rope(x, cos, sin, mode: int = 0):
                          f"at most x's last dim {x.shape[-1]}")
     # a slice of the whole last dim is still a StridedSlice copy on CPU (about a tenth of a traced
     # training step at the default example's size): only slice a partial rotary dim
-    xf = _wide(x if rot_dim == x.shape[-1] else x[..., :rot_dim])
+    whole = rot_dim == x.shape[-1]
+    xf = _wide(x if whole else x[..., :rot_dim])
     out = (xf * _wide(cos) + _rotate(xf, mode) * _wide(sin)).astype(x.dtype)
-    if rot_dim == x.shape[-1]:
+    if whole:
         return out
     return ops.cat((out, x[..., rot_dim:]), axis=-1)
 
