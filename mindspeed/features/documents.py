@@ -3,14 +3,18 @@
 With EOD reset, attention stays inside each document. Instead of Megatron's dense [s, s] mask the
 kernel path takes the documents' cumulative ends (the TND layout's actual_seq_qlen): computed once
 per micro-batch from the EOD positions (a document ends right after its EOD token, as Megatron's
-mask has it), before context-parallel sharding, and read by every attention layer of that
-micro-batch. Framework-free: rows are anything with .tolist().
+mask has it), before context-parallel sharding.
+
+They travel with the micro-batch, as its attention_mask: an int32 [b, k] tensor of each sample's
+ends, zero-padded (`padded_rows`; Megatron's masks are bool or float, so the dtype tells them
+apart). Megatron hands attention_mask unchanged from the model's forward to every core attention,
+through the pipeline schedule (each micro-batch's forward gets its own) and activation recompute
+(which re-runs a layer on detached copies of its inputs: the values survive where an attribute
+would not). Framework-free: rows and masks are anything with .tolist().
 """
 from __future__ import annotations
 
 from mindspeed.backends import get_backend
-
-_current = {"ends": None}      # per sample: cumulative document ends over the whole sequence
 
 
 def ends_from_eod(tokens_row, eod: int) -> list[int]:
@@ -26,13 +30,22 @@ def ends_from_segments(segments_row) -> list[int]:
     return [i for i in range(1, len(row)) if row[i] != row[i - 1]] + [len(row)]
 
 
-def set_current(ends: list[list[int]] | None) -> None:
-    """The micro-batch's documents (one list per sample), or None: plain causal attention."""
-    _current["ends"] = ends
+def padded_rows(ends: list[list[int]]) -> list[list[int]]:
+    """Each sample's ends, zero-padded to one width: the values of the attention_mask that carries them."""
+    width = max(len(row) for row in ends)
+    return [list(row) + [0] * (width - len(row)) for row in ends]
 
 
-def current() -> list[list[int]] | None:
-    return _current["ends"]
+def carries_ends(mask) -> bool:
+    """Whether an attention_mask is the documents' ends (int32) rather than a mask."""
+    return mask is not None and str(getattr(mask, "dtype", "")).lower().endswith("int32")
+
+
+def ends_in(mask) -> list[list[int]] | None:
+    """The documents (one list of ends per sample) an attention_mask carries, or None: a mask or no mask."""
+    if not carries_ends(mask):
+        return None
+    return [[e for e in row if e > 0] for row in mask.tolist()]
 
 
 def packed_ends(ends: list[list[int]], s: int) -> list[int]:

@@ -245,18 +245,27 @@ def shard_for_context_parallel(batch: dict) -> dict:
 
 
 def get_batch(data_iterator, device: str, eod: int | None = None) -> dict:
-    """The next micro-batch on `device`, this CP rank's part of it. With `eod` (documents.on), the
-    documents' ends are taken from the whole sequences first, for every attention layer to read;
+    """The next micro-batch on `device`, this CP rank's part of it. With `eod` (packed documents),
+    the documents' ends are taken from the whole sequences first and travel as the batch's
+    attention_mask (features/documents.py), kept on the cpu: attention layers read them as lists;
     --neat-pack's batches bring sample numbers (`segments`) instead, which take precedence."""
     batch = dict(next(data_iterator))
     segments = batch.pop("segments", None)
+    ends = None
+    if segments is not None:
+        ends = [documents.ends_from_segments(row) for row in segments]
+    elif eod is not None:
+        ends = [documents.ends_from_eod(row, eod) for row in batch["tokens"]]
     batch = {k: shared_mask.causal_mask(v.shape[-1], device) if shared_mask.is_shared(v)
              else v.to(device, non_blocking=True) for k, v in batch.items()}
-    if segments is not None:
-        documents.set_current([documents.ends_from_segments(row) for row in segments])
-    elif eod is not None:
-        documents.set_current([documents.ends_from_eod(row, eod) for row in batch["tokens"]])
+    if ends is not None:
+        batch["attention_mask"] = documents_mask(ends)
     return shard_for_context_parallel(batch)
+
+
+def documents_mask(ends: list[list[int]]) -> torch.Tensor:
+    """The attention_mask that carries a micro-batch's documents (features/documents.py)."""
+    return torch.tensor(documents.padded_rows(ends), dtype=torch.int32)
 
 
 def samples_per_epoch_note(dataset, args) -> str:

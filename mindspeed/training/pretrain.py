@@ -31,7 +31,6 @@ from mindspeed.checkpoint import torch_dist
 from mindspeed.data import flag_tokenizers
 from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.errors import CheckpointError
-from mindspeed.features import documents
 from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
 from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.net import free_port
@@ -320,7 +319,6 @@ def run(args) -> dict:
         raise hung from None
     finally:
         logger.close()
-        documents.set_current(None)
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():

@@ -220,6 +220,7 @@ def eod_documents(rank, world_size, extra_flags=()):
     document run on its own (same weights), with every attention call's layout and mask recorded;
     and the packed batch with the documents withheld (plain causal), which must differ."""
     from mindspeed.features import documents
+    from mindspeed.training.data import documents_mask
     from tests_extend import megatron_tiny
     backend = _with_flags(EOD_FLAGS + list(extra_flags))
     calls = []
@@ -237,11 +238,9 @@ def eod_documents(rank, world_size, extra_flags=()):
     labels = torch.roll(tokens, -1, 1)
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     ends = [documents.ends_from_eod(row, eod) for row in tokens]
-    documents.set_current(ends)
-    packed = model(tokens, positions, None, labels=labels)
+    packed = model(tokens, positions, documents_mask(ends), labels=labels)
     packed.float().sum().backward()         # the TND path's backward runs too
     packed_calls = list(calls)
-    documents.set_current(None)
     # the references get Megatron's causal mask ([1, 1, s, s], True = masked), which sparse mode 1 uses as given
     causal = lambda s: torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)    # noqa: E731
     with torch.no_grad():
@@ -253,11 +252,40 @@ def eod_documents(rank, world_size, extra_flags=()):
                 alone[i, a:b] = model(doc, torch.arange(b - a).unsqueeze(0), causal(b - a),
                                       labels=labels[i:i + 1, a:b])[0]
     backend.kernels._impl["attention"] = impl
+    interleaved = _documents_under_recompute(model, tokens, eod)
     import mindspeed
     mindspeed.unadapt()
     # the last token of a document predicts the next document's first token: the same label either way
     return dict(ends=ends, calls=packed_calls, max_diff=float((packed.detach() - alone).abs().max()),
-                crossing_diff=float((crossing - alone).abs().max()))
+                crossing_diff=float((crossing - alone).abs().max()), **interleaved)
+
+
+def _documents_under_recompute(model, tokens_a, eod):
+    """A pipeline schedule's order with full recompute: micro-batch A's forward, then B's (other
+    documents), then A's backward, which re-runs A's layers. Returns the largest gradient difference
+    against A's forward and backward without recompute (same weights), and (the check's
+    sensitivity) against A's tokens run with B's documents. Each forward's documents are made right
+    before it, as get_batch makes them."""
+    from mindspeed.features import documents
+    from mindspeed.training.data import documents_mask
+    from tests_extend import megatron_tiny
+    recomputed = megatron_tiny.build_gpt(layers=2, recompute_granularity="full", recompute_method="uniform",
+                                         recompute_num_layers=1)
+    recomputed.load_state_dict(model.state_dict())
+    tokens_b = tokens_a.roll(7, 1)
+    positions = torch.arange(tokens_a.shape[1]).expand_as(tokens_a)
+
+    def grads(gpt, *forwards):           # (tokens, the tokens whose documents it gets) per micro-batch
+        gpt.zero_grad(set_to_none=True)
+        losses = [gpt(t, positions, documents_mask([documents.ends_from_eod(row, eod) for row in d]),
+                      labels=torch.roll(t, -1, 1)).float().sum() for t, d in forwards]
+        losses[0].backward()
+        return torch.cat([p.grad.flatten() for p in gpt.parameters() if p.grad is not None])
+    alone = grads(model, (tokens_a, tokens_a))
+    interleaved = grads(recomputed, (tokens_a, tokens_a), (tokens_b, tokens_b))
+    other_documents = grads(model, (tokens_a, tokens_b))
+    return dict(recompute_interleaved_diff=float((interleaved - alone).abs().max()),
+                recompute_other_documents_diff=float((other_documents - alone).abs().max()))
 
 
 def all_reports(rank, world_size):

@@ -109,6 +109,15 @@ def test_packed_documents_lose_what_each_document_loses_alone(reports):
     assert eod["crossing_diff"] > 1e-2
 
 
+def test_packed_documents_travel_with_their_micro_batch_through_recompute(reports):
+    """The documents are the micro-batch's attention_mask, not a module global: with full recompute,
+    micro-batch A's backward after B's forward (a pipeline schedule's order) re-runs A's layers with
+    A's documents, so A's gradients are those of A alone; with B's documents they would differ."""
+    eod = reports["eod"]
+    assert eod["recompute_interleaved_diff"] <= 1e-6, eod["recompute_interleaved_diff"]
+    assert eod["recompute_other_documents_diff"] > 1e-3, eod["recompute_other_documents_diff"]
+
+
 def test_packed_documents_with_sparse_mode_1_stay_causal_in_each_document(reports):
     """--sparse-mode 1 ('the given mask only'): the mask a packed batch would give is the documents'
     causal one, so each document's tokens see only the earlier tokens of their own document."""
@@ -119,8 +128,8 @@ def test_packed_documents_with_sparse_mode_1_stay_causal_in_each_document(report
 
 def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
     """The trainer's batch: with flash attention (or CP) and --reset-attention-mask the dataset
-    builds no attention mask and get_batch publishes each sample's document ends (a document ends
-    right after its EOD token); otherwise Megatron's dense mask stays."""
+    builds no attention mask and get_batch puts each sample's document ends in the batch's attention_mask
+    (a document ends right after its EOD token); otherwise Megatron's dense mask stays."""
     import torch
     from mindspeed.adaptor_core import packed_documents
     from mindspeed.features import documents
@@ -138,13 +147,9 @@ def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
     assert data._dataset_config(parse_args(base), tokenizer).create_attention_mask is True
     batch = {"tokens": torch.tensor([[1, 9, 2, 3, 9, 4, 5, 9], [9, 1, 2, 3, 4, 5, 6, 7]]),
              "labels": torch.zeros(2, 8, dtype=torch.long)}
-    try:
-        got = data.get_batch(iter([batch]), "cpu", eod=9)
-        assert documents.current() == [[2, 5, 8], [1, 8]] and "attention_mask" not in got
-        data.get_batch(iter([batch]), "cpu", eod=None)   # the plain path leaves them alone
-        assert documents.current() == [[2, 5, 8], [1, 8]]
-    finally:
-        documents.set_current(None)
+    got = data.get_batch(iter([batch]), "cpu", eod=9)
+    assert documents.ends_in(got["attention_mask"]) == [[2, 5, 8], [1, 8]]
+    assert "attention_mask" not in data.get_batch(iter([batch]), "cpu", eod=None)   # the plain path: no documents
 
 
 def test_documents_follow_the_applied_plan_not_the_flags_alone():

@@ -67,6 +67,9 @@ def install(patcher, options: CPOptions) -> None:
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             if self.config.context_parallel_size == 1:
+                if documents.carries_ends(attention_mask):   # Megatron's attention would take it for a mask
+                    raise NotImplementedError("--reset-attention-mask at context-parallel size 1 takes the "
+                                              "documents through --use-flash-attn; add it")
                 return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
                                 packed_seq_params)
             if packed_seq_params is not None or attention_bias is not None:
@@ -80,7 +83,7 @@ def install(patcher, options: CPOptions) -> None:
             s, b, heads, head_dim = query.shape
             sk, _, kv_heads, _ = key.shape
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-            docs = None if general else documents.current()     # EOD reset: the micro-batch's documents
+            docs = None if general else documents.ends_in(attention_mask)    # EOD reset: the micro-batch's documents
             out = context_parallel_attention(
                 query.reshape(s, b, heads * head_dim), key.reshape(sk, b, kv_heads * head_dim),
                 value.reshape(sk, b, kv_heads * head_dim), cp_groups(options), head_num=heads,

@@ -68,8 +68,9 @@ def _flash_class():
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
+            docs = documents.ends_in(attention_mask)    # EOD reset: the micro-batch's documents
             if self._defer(attention_bias, packed_seq_params):
-                if documents.current() is not None and self.config.context_parallel_size == 1:
+                if docs is not None and self.config.context_parallel_size == 1:
                     raise NotImplementedError("--reset-attention-mask with flash attention: attention bias, "
                                               "packed sequences and sliding windows cannot take the documents")
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
@@ -78,13 +79,12 @@ def _flash_class():
             skv, _, kv_heads, _ = key.shape
             causal_layer = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
             band = band_arguments(self.sparse_mode, causal_layer, sq, skv, self.pre_tokens, self.next_tokens)
-            if band.get("causal") and _is_plain_causal(attention_mask, sq, skv):
+            if docs is not None or (band.get("causal") and _is_plain_causal(attention_mask, sq, skv)):
                 attention_mask = None   # the kernel's own causal path: no s x s mask in memory
             # Megatron folds 1/layer_number into softmax_scale when it rescales in the softmax
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
             dropout_p = self.attention_dropout.p if self.training else 0.0
-            docs = documents.current()
-            if docs is not None:     # EOD reset: attention inside each document, no [s, s] mask
+            if docs is not None:     # attention inside each document, no [s, s] mask
                 documents.check(docs, b, sq)
                 if self.sparse_mode == 1:   # 'the given mask only': the documents' mask, causal in each
                     band = dict(causal=True)
