@@ -2,8 +2,8 @@
 Megatron's linear Function where it only computes a linear (torch's linear instead), the device
 shim's mode on every torch call (the step asks it for nothing), gloo for an all-reduce over one
 rank, fresh pages for every step's activations (glibc keeps the freed ones), a separate bias
-add after the MLP's first linear and after a row-parallel linear over one rank, and Megatron's
-vocab-parallel cross entropy over one rank."""
+add after the MLP's first linear and after a row-parallel linear over one rank, Megatron's
+vocab-parallel cross entropy over one rank, and torch's single-tensor Adam (its fused kernel instead)."""
 import os
 import subprocess
 import sys
@@ -261,3 +261,41 @@ def test_a_user_who_tuned_malloc_keeps_the_settings():
     assert glibc_heap.user_tuned_malloc({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096"})
     assert not glibc_heap.user_tuned_malloc({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
     assert not glibc_heap.keep_freed_memory({"MALLOC_MMAP_THRESHOLD_": "65536"})
+
+
+def _adam_run(optimizer, params, steps: int):
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i))
+        optimizer.step()
+
+
+def test_megatrons_adam_on_the_cpu_runs_torchs_fused_kernel_with_the_same_updates(monkeypatch):
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    fused_calls = []
+    kernel = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: fused_calls.append(1) or kernel(*a, **k))
+    start = [torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.randn(4)]
+
+    def params():
+        return [torch.nn.Parameter(t.clone()) for t in start]
+    groups = lambda ps: [dict(params=ps[:1], weight_decay=0.1), dict(params=ps[1:], weight_decay=0.0)]  # noqa: E731
+    reference = params()
+    single = torch.optim.AdamW(groups(reference), lr=1e-2)      # torch's single-tensor path on the cpu
+    _adam_run(single, reference, 3)
+    assert not fused_calls
+    mindspeed.adapt([])
+    try:
+        mine = params()
+        inner = torch.optim.AdamW(groups(mine), lr=1e-2)
+        FP32Optimizer(inner, OptimizerConfig(lr=1e-2), lambda optimizer: None)
+        _adam_run(inner, mine, 3)
+        assert len(fused_calls) == 6 and all(g["fused"] for g in inner.param_groups)    # 2 groups x 3 steps
+        for got, want in zip(mine, reference):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        inner.load_state_dict(single.state_dict())     # a checkpoint's groups, saved without the flag
+        _adam_run(inner, mine, 1)
+        assert len(fused_calls) == 8
+    finally:
+        mindspeed.unadapt()

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from mindspeed.backends.torch.absent_packages import apply_absent_package_probes
 from mindspeed.backends.torch.cpu_torch_view import apply_cpu_torch_views, device_kwarg_to_cpu, names_cuda
 from mindspeed.backends.torch.device import dist_backend_for
+from mindspeed.backends.torch.fused_cpu_adam import apply_fused_cpu_adam
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
 from mindspeed.backends.torch.native_linear import apply_native_linear
@@ -289,6 +290,7 @@ def apply_cpu_shim(patcher) -> None:
     _skip_empty_fp8_quantize(patcher)
     apply_foreach_multi_tensor(patcher)
     apply_native_linear(patcher)
+    apply_fused_cpu_adam(patcher)
     apply_one_rank_all_reduce(patcher)
     apply_one_rank_regions(patcher)
     apply_one_rank_cross_entropy(patcher)
