@@ -65,7 +65,7 @@ def _failures_in_world(failed: float) -> tuple[float, float] | None:
     from mindspore.communication import GlobalComm
     if not GlobalComm.INITED:
         return None
-    from mindspeed.backends.mindspore.comm import shared_memory_world
+    from mindspeed.backends.mindspore.comm import shared_memory_world  # imports MindSpore (exit path)
     world = shared_memory_world()
     if world is not None:
         return float(world.all_reduce_sum(np.array([failed], np.float32))[0]), 0.0
