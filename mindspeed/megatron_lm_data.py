@@ -9,9 +9,10 @@ builder is patched (not pretrain_gpt.py's provider) because the script binds the
 Packed documents (--reset-attention-mask with flash attention or CP): Megatron-LM's batches carry
 no document ends, so they are computed from the tokens (the EOD id of Megatron-LM's tokenizer) when
 its get_batch hands the whole sequences to get_batch_on_this_cp_rank, before CP sharding, and
-travel as the batch's attention_mask to every attention layer; the dataset then builds no [s, s] mask. Only where every stage sees the tokens: with PP > 1 the middle
-stages get no batch (Megatron's dense mask stays there), and --neat-pack's sample numbers do not
-pass Megatron-LM's get_batch (its dense mask stays too).
+travel as the batch's attention_mask to every attention layer; the dataset then builds no [s, s]
+mask. Only where every stage sees the tokens: with PP > 1 the middle stages get no batch
+(Megatron's dense mask stays there), and --neat-pack's sample numbers do not pass Megatron-LM's
+get_batch (its dense mask stays too).
 """
 from __future__ import annotations
 
@@ -75,10 +76,9 @@ def publish_documents(batch: dict) -> None:
     from megatron.training import get_args, get_tokenizer
     tokens = batch.get("tokens")
     if tokens is not None and packed_documents(get_args()):
-        import torch   # the batch's own framework, on the one path that builds a tensor here
+        from mindspeed.training.data import documents_mask  # Megatron-Core: megatron_lm loads us first
         eod = get_tokenizer().eod
-        ends = [documents.ends_from_eod(row, eod) for row in tokens]
-        batch["attention_mask"] = torch.tensor(documents.padded_rows(ends), dtype=torch.int32)
+        batch["attention_mask"] = documents_mask([documents.ends_from_eod(row, eod) for row in tokens])
 
 
 def _instruction_build(original):
