@@ -92,6 +92,15 @@ def test_omp_num_threads_sizes_mindspores_cpu_kernel_pool(monkeypatch, omp, expe
     assert r.stdout.strip().splitlines()[-1] == expected
 
 
+def test_the_kernel_pool_leaves_a_compute_thread_to_the_launching_thread():
+    """With synchronous ops the thread that launches a kernel computes a share of it: N compute
+    threads are the launching thread and a pool of N - 1 (a pool of 2 beside it was 1.4x slower
+    for the trainer at two threads on two cores: docs/performance.md)."""
+    from mindspeed.backends.mindspore.device import kernel_pool_size
+    assert [kernel_pool_size(n) for n in ("1", "2", "4")] == [1, 1, 3]
+    assert [kernel_pool_size(n) for n in ("", "0", "two")] == [None, None, None]
+
+
 # -- MSAdapter detection ------------------------------------------------------------------------------
 def _fake_msadapter(tmp_path):
     """An MSAdapter-style checkout: MSAdapter/mindtorch/torch/__init__.py built on MindSpore."""

@@ -52,16 +52,25 @@ class MsDevice(DeviceAPI):
             ms.set_rng_state(state["generator"])
 
 
+def kernel_pool_size(omp_num_threads: str) -> int | None:
+    """MindSpore's CPU kernel pool for OMP_NUM_THREADS compute threads, or None (MindSpore's default).
+    With synchronous ops the thread that launches a kernel computes a share of it beside the pool's
+    threads, so N compute threads are a pool of N - 1 (at least 1: MindSpore has no empty pool)."""
+    if not omp_num_threads.isdigit() or int(omp_num_threads) < 1:
+        return None
+    return max(1, int(omp_num_threads) - 1)
+
+
 def _size_cpu_kernel_pool() -> None:
     """OMP_NUM_THREADS (the launch scripts set 1: one compute thread per process) also sizes
     MindSpore's CPU kernel thread pool, which does not read it: otherwise every msrun worker runs a
     pool of its own default size on the same cores."""
-    wanted = os.environ.get("OMP_NUM_THREADS", "")
-    if not wanted.isdigit() or int(wanted) < 1:
+    size = kernel_pool_size(os.environ.get("OMP_NUM_THREADS", ""))
+    if size is None:
         return
     from mindspore.device_context.cpu import op_tuning
     try:
-        op_tuning.threads_num(int(wanted))
+        op_tuning.threads_num(size)
     except RuntimeError:      # set once per process: a second backend object keeps the first setting
         pass
 
