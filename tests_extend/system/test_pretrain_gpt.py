@@ -457,7 +457,7 @@ def test_bad_inputs_fail_before_training(tiny_dataset, tmp_path):
 
 def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tiny_dataset, tmp_path):
     """A 16 MB tmpfs as --save: once the iteration-10 checkpoint is written the disk is filled, so the
-    final save (iteration 12) fails. The run stops with one line naming the cause, the tracker still
+    final save (iteration 20) fails. The run stops with one line naming the cause, the tracker still
     names iteration 10, and that checkpoint loads."""
     args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--micro-batch-size", "4", "--global-batch-size", "8", "--data-path", tiny_dataset, "--eval-iters", "0",
@@ -465,9 +465,9 @@ def test_a_full_disk_during_a_save_stops_the_run_in_one_line_and_keeps_the_last_
     with small_tmpfs(tmp_path / "disk", 16) as disk:
         ckpt = disk / "ckpt"
         rc, _output, error = run_filling_after_first_save(
-            [sys.executable, PRETRAIN, *args, "--train-iters", "20", "--save", str(ckpt), "--save-interval", "10",
-             "--exit-interval", "12"], disk, ckpt, tmp_path / "run.log", LAUNCH_TIMEOUT, cwd=ROOT)
-        assert rc == 2 and str(ckpt) in error and "No space left on device" in error, error   # iteration 12
+            [sys.executable, PRETRAIN, *args, "--train-iters", "20", "--save", str(ckpt), "--save-interval", "10"],
+            disk, ckpt, tmp_path / "run.log", LAUNCH_TIMEOUT, cwd=ROOT)
+        assert rc == 2 and str(ckpt) in error and "No space left on device" in error, error   # iteration 20
         rc, out = _pretrain_single([*args, "--load", str(ckpt), "--train-iters", "11"])
         assert rc == 0 and f"loaded checkpoint {ckpt} at iteration 10" in out, out[-3000:]
 
