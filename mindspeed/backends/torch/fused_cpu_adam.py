@@ -30,7 +30,10 @@ def fused_kernel_applies(optimizer) -> bool:
 
 
 def use_fused_kernel(optimizer, args=None, kwargs=None) -> None:
-    """A step pre-hook: the groups take torch's fused kernel where it applies."""
+    """A step pre-hook: the groups take torch's fused kernel where it applies. Once they have it,
+    a step costs one look at the groups, not a walk over every parameter."""
+    if all(group.get("fused") for group in optimizer.param_groups):
+        return
     if fused_kernel_applies(optimizer):
         for group in optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
