@@ -36,6 +36,14 @@ class AppliedPatch:
         return f"{self.kind:7s} {self.target}{extra}{why}"
 
 
+def _is_missing(err: ImportError, name: str) -> bool:
+    """True when `err` says the module `name` (or a package above it) does not exist, not that
+    something it imports is missing."""
+    missing = getattr(err, "name", None)
+    return isinstance(err, ModuleNotFoundError) and missing is not None and (
+        name == missing or name.startswith(missing + "."))
+
+
 def resolve(target: str) -> tuple[Any, str]:
     """Split 'pkg.mod.Class.attr' into (owner object, 'attr'); raise PatchError if absent."""
     parts = target.split(".")
@@ -49,8 +57,9 @@ def resolve(target: str) -> tuple[Any, str]:
             owner = importlib.import_module(name)
             index = i
             break
-        except ImportError:
-            continue
+        except ImportError as err:
+            if not _is_missing(err, name):      # the module exists and its own import failed
+                raise PatchError(f"patch target {target!r}: importing {name} failed: {err}") from err
     if owner is None:
         raise PatchError(f"patch target {target!r}: no importable module in its path")
     for part in parts[index:-1]:

@@ -127,3 +127,21 @@ def test_provide_module_stands_in_and_is_removed():
         pm.provide_module(name, types.ModuleType(name))   # already there: patch its attributes instead
     pm.remove_all()
     assert name not in sys.modules
+
+
+def test_a_target_whose_module_fails_to_import_names_the_failure(tmp_path, monkeypatch):
+    """A module that exists but imports something missing (Megatron-LM's megatron.training without
+    pydantic, on a GPU machine's own Python) is reported as such, not as an absent attribute of
+    the package above it."""
+    pkg = tmp_path / "ms_needs_dep"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "arguments.py").write_text("import ms_absent_dependency\n\ndef parse_args():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PatchError, match=r"importing ms_needs_dep.arguments failed: No module named "
+                                         r"'ms_absent_dependency'"):
+        PatchManager().wrap("ms_needs_dep.arguments.parse_args", lambda orig: orig)
+    with pytest.raises(PatchError, match=r"ms_needs_dep.absent.parse_args.*has no attribute 'absent'"):
+        PatchManager().wrap("ms_needs_dep.absent.parse_args", lambda orig: orig)
+    for name in [m for m in sys.modules if m.startswith("ms_needs_dep")]:
+        del sys.modules[name]
