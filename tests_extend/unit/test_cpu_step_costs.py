@@ -258,3 +258,46 @@ def test_megatrons_adam_on_the_cpu_runs_torchs_fused_kernel_with_the_same_update
         assert len(fused_calls) == 8
     finally:
         mindspeed.unadapt()
+
+
+def test_to_local_of_a_plain_tensor_is_the_tensor_and_a_dtensor_keeps_megatrons_path(one_rank):
+    from megatron.core import utils
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from mindspeed.backends.torch.per_step_walks import TO_LOCAL_SITE, _wrap_to_local
+    calls = []
+    counted = _wrap_to_local(lambda t: calls.append(t) or utils.to_local_if_dtensor(t))
+    for plain in (torch.randn(3), torch.nn.Parameter(torch.randn(3))):
+        assert counted(plain) is plain is utils.to_local_if_dtensor(plain)
+    assert calls == []                                  # no no_grad context entered for a plain tensor
+    local = torch.randn(4)
+    dtensor = DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Replicate()])
+    assert torch.equal(counted(dtensor), local) and calls == [dtensor]
+    state = mindspeed.adapt([])
+    try:
+        assert TO_LOCAL_SITE in state.patcher.describe()
+    finally:
+        mindspeed.unadapt()
+
+
+@pytest.mark.parametrize("flags, walks", [({}, False), ({"moe_router_enable_expert_bias": True}, True),
+                                          ({"moe_router_load_balancing_type": "global_aux_loss"}, True),
+                                          ({"moe_router_load_balancing_type": ["aux_loss", "global_aux_loss"]}, True),
+                                          ({"moe_router_load_balancing_type": "seq_aux_loss"}, False)])
+def test_the_per_step_module_walk_runs_only_where_megatron_resets_router_state(flags, walks):
+    import importlib
+    import types
+    from mindspeed.backends.torch.per_step_walks import RESET_MODULE, RESET_SITE, _wrap_reset
+    finalize_model_grads = importlib.import_module(RESET_MODULE)     # the package exports a function of that name
+    config = types.SimpleNamespace(**dict(dict(moe_router_enable_expert_bias=False,
+                                               moe_router_load_balancing_type="aux_loss"), **flags))
+    model = [torch.nn.Sequential(torch.nn.Linear(2, 2))]
+    walked = []
+    _wrap_reset(lambda c, m: walked.append(m))(config, model)
+    assert walked == ([model] if walks else [])
+    finalize_model_grads.reset_model_temporary_tensors(config, model)      # Megatron's own: nothing to reset
+    state = mindspeed.adapt([])
+    try:
+        assert RESET_SITE in state.patcher.describe()
+    finally:
+        mindspeed.unadapt()
