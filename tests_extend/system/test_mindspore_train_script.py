@@ -373,5 +373,6 @@ def _assert_tflops_and_mfu(output, logged):
     assert len(lines) == logged
     for step_ms, tflops, mfu in lines:
         expected = flops.flops_per_iteration(args, int(TINY["GLOBAL_BATCH"])) / (float(step_ms) / 1000) / 1e12 / 2
-        assert float(tflops) == pytest.approx(expected, rel=2e-3)
+        # the line gives the step to 0.1 ms and TFLOP/s to 4 digits: at a 24 ms step the first alone is 0.2 %
+        assert float(tflops) == pytest.approx(expected, rel=0.05 / float(step_ms) + 5e-4)
         assert float(mfu) == pytest.approx(100 * float(tflops) / peak, rel=2e-3)
