@@ -23,7 +23,6 @@ from mindspeed.backends.torch.native_linear import apply_native_linear
 from mindspeed.backends.torch.one_rank_collectives import apply_one_rank_all_reduce
 from mindspeed.backends.torch.one_rank_cross_entropy import apply_one_rank_cross_entropy
 from mindspeed.backends.torch.one_rank_regions import apply_one_rank_regions
-from mindspeed.backends.torch.per_step_walks import apply_per_step_walks
 from mindspeed.backends.torch.process_groups import wrap_destroy_model_parallel
 from mindspeed.backends.torch.sync_save_queue import apply_in_process_results_queue
 
@@ -295,7 +294,6 @@ def apply_cpu_shim(patcher) -> None:
     apply_one_rank_all_reduce(patcher)
     apply_one_rank_regions(patcher)
     apply_one_rank_cross_entropy(patcher)
-    apply_per_step_walks(patcher)
     apply_cpu_torch_views(patcher)
     apply_in_process_results_queue(patcher)
     patcher.enter("torch.overrides.TorchFunctionMode[CudaToCpuMode]", CudaToCpuMode(),
