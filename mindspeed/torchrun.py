@@ -70,8 +70,6 @@ def for_this_torchrun(argv: list[str], parser=None) -> list[str]:
     return out
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         argv = for_this_torchrun(sys.argv[1:] if argv is None else argv)
