@@ -13,6 +13,11 @@ def loss_lines(path, count: int):
     return lambda: path.exists() and path.read_text().count("\n") >= count
 
 
+# how often `ready` is asked: the tiny jobs run an iteration in 10-30 ms, and a 50 ms poll let one run
+# 6 iterations past its trigger, to its end, before the test's SIGTERM came (a clean-clone CI run)
+POLL_S = 0.005
+
+
 def run_interrupted(argv, log, ready, act, timeout, **popen) -> tuple[int, str, object]:
     """Start `argv` (its output to the file `log`); as soon as `ready()` holds, call `act(pid)` with
     the job's pid, which leads its process group; wait for the job to end. Returns (exit code, output,
@@ -23,7 +28,7 @@ def run_interrupted(argv, log, ready, act, timeout, **popen) -> tuple[int, str, 
         deadline = time.time() + timeout
         while not ready():
             assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
+            time.sleep(POLL_S)
         acted = act(job.pid)
         try:
             job.wait(timeout=timeout)
