@@ -18,6 +18,7 @@ import pytest
 from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
+from tests_extend.system.throughput_lines import assert_tflops_and_mfu
 from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
 from tests_extend.system.killed_save import assert_killed_in_the_save_of_8, assert_redid_5_to_8, kill_inside_save
 
@@ -298,7 +299,8 @@ def test_train_save_and_resume(tmp_path, tiny_dataset, full_run):
     ckpt, out, records = full_run
     full = {r["iteration"]: r["lm_loss"] for r in records}
     assert "iteration        8/       8" in out and "lm loss:" in out and "validation loss" in out
-    _assert_tflops_and_mfu(out, sum(r["iteration"] % int(TINY["LOG_INTERVAL"]) == 0 for r in records))
+    logged = sum(r["iteration"] % int(TINY["LOG_INTERVAL"]) == 0 for r in records)
+    assert_tflops_and_mfu(out, TINY, logged, "fp32 matmul with mindspore")
     assert sorted(full) == list(range(1, 9))
     assert full[7] + full[8] < full[1] + full[2] - 0.2          # it learns
     for it in (4, 8):
@@ -353,26 +355,3 @@ def test_checkpoint_crosses_to_torch_and_back_bit_for_bit(tmp_path, tiny_dataset
     assert sorted(resumed) == [5, 6, 7, 8]
     for it in resumed:
         assert resumed[it] == full[it], (it, resumed[it], full[it])
-
-
-def _assert_tflops_and_mfu(output, logged):
-    """The MindSpore trainer's TFLOP/s per device: the same FLOP count as the torch trainer's over the
-    logged step time and 2 devices; MFU: that over the peak it measured with MindSpore's matmul."""
-    import re
-
-    from mindspeed.training import flops
-    from mindspeed.flags.trainer_flags import parse_args
-    args = parse_args(["--num-layers", TINY["NUM_LAYERS"], "--hidden-size", TINY["HIDDEN_SIZE"],
-                       "--num-attention-heads", TINY["NUM_HEADS"], "--seq-length", TINY["SEQ_LENGTH"],
-                       "--swiglu"], world_size=2)
-    args.padded_vocab_size = int(re.search(r"\(padded (\d+)\)", output).group(1))
-    peak = float(re.search(r"> device peak for MFU: ([0-9.e+-]+) TFLOP/s per device, measured: fp32 matmul "
-                           r"with mindspore", output).group(1))
-    lines = re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+) \| throughput per device "
-                       r"\(TFLOP/s/device\): ([0-9.e+-]+) \| MFU: ([0-9.e+-]+)% \|", output)
-    assert len(lines) == logged
-    for step_ms, tflops, mfu in lines:
-        expected = flops.flops_per_iteration(args, int(TINY["GLOBAL_BATCH"])) / (float(step_ms) / 1000) / 1e12 / 2
-        # the line gives the step to 0.1 ms and TFLOP/s to 4 digits: at a 24 ms step the first alone is 0.2 %
-        assert float(tflops) == pytest.approx(expected, rel=0.05 / float(step_ms) + 5e-4)
-        assert float(mfu) == pytest.approx(100 * float(tflops) / peak, rel=2e-3)

@@ -15,6 +15,7 @@ import pytest
 from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
 from tests_extend.system.file_snapshot import snapshot
+from tests_extend.system.throughput_lines import assert_tflops_and_mfu
 from tests_extend.system.interrupted_run import loss_lines, run_interrupted, sigterm_everyone
 from tests_extend.system.tiny_corpus import build_indexed_corpus
 from tests_extend.system.killed_save import assert_killed_in_the_save_of_8, assert_redid_5_to_8, kill_inside_save
@@ -111,7 +112,7 @@ def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extr
         if flag.startswith("--") and flag[2:] in ("reuse-fp32-param", *(f[2:] for f in MEMORY_SAVERS)):
             assert flag[2:] in features, (flag, features)
     if "--op-cal-tflops" in extra:
-        _assert_tflops_and_mfu(output)
+        assert_tflops_and_mfu(output, TINY, int(TINY["TRAIN_ITERS"]), "fp32 matmul", abs_tol=1e-6)
     else:                                     # the flag off: no such fields
         assert "TFLOP/s" not in output and "MFU" not in output
     if "--tensorboard-dir" in extra:
@@ -195,27 +196,6 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(tiny_dataset, tmp_pat
     assert all(r["lm_loss"] == before[r["iteration"]] for r in redone), (redone, before)
     assert "no checkpoint yet in this --save directory; starting from iteration 0" in output   # the first start
     assert f"loaded checkpoint {ckpt} at iteration {resumed_from - 1}" in output, output[-3000:]  # the restart
-
-
-def _assert_tflops_and_mfu(output):
-    """Each logged TFLOP/s per device is the model's FLOPs per iteration / the logged step time /
-    2 devices, and MFU is that over the device peak the run stated."""
-    from mindspeed.training import flops
-    from mindspeed.flags.trainer_flags import parse_args
-    args = parse_args(["--num-layers", TINY["NUM_LAYERS"], "--hidden-size", TINY["HIDDEN_SIZE"],
-                       "--num-attention-heads", TINY["NUM_HEADS"], "--seq-length", TINY["SEQ_LENGTH"],
-                       "--swiglu"], world_size=2)
-    args.padded_vocab_size = int(re.search(r"\(padded (\d+)\)", output).group(1))
-    peak = float(re.search(r"> device peak for MFU: ([0-9.e+-]+) TFLOP/s per device, measured: fp32 matmul", output)
-                 .group(1))
-    lines = re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+) \| throughput per device "
-                       r"\(TFLOP/s/device\): ([0-9.e+-]+) \| MFU: ([0-9.e+-]+)% \|", output)
-    assert len(lines) == int(TINY["TRAIN_ITERS"])
-    for step_ms, tflops, mfu in lines:
-        expected = flops.flops_per_iteration(args, int(TINY["GLOBAL_BATCH"])) / (float(step_ms) / 1000) / 1e12 / 2
-        # The log rounds the step time to 0.1 ms and TFLOP/s to 4 digits: a 20 ms step is off by up to 0.25 %.
-        assert float(tflops) == pytest.approx(expected, rel=0.05 / float(step_ms) + 5e-4, abs=1e-6)
-        assert float(mfu) == pytest.approx(100 * float(tflops) / peak, rel=2e-3)
 
 
 def _assert_plots(tmp_path, output, losses):
