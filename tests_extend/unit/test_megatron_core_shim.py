@@ -2,6 +2,7 @@
 asked for nccl gets gloo, Transformer Engine's version probe answers "not installed", the groups
 Megatron's destroy_model_parallel forgets are destroyed; each is listed by describe() and undone
 by unadapt()."""
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -123,3 +124,29 @@ def test_a_test_too_large_for_a_cpu_run_is_not_run():
     assert "MindSpeed skip list: builds two 4096-wide" in skip_before_running(large, 1)
     assert "MindSpeed skip list" in skip_before_running("megatron-lm/" + large, 8)
     assert skip_before_running(large.replace("[1-1-1-1]", "[8-8-1-1]"), 1) is None   # Megatron skips it itself
+
+
+def test_a_cuda_machine_without_apex_or_te_builds_torch_norms_under_megatron_lm_defaults():
+    """Megatron-LM's defaults (persist_layer_norm) and sequence parallelism are Apex/TE choices that
+    Megatron-Core's torch norm refuses; the cuda shim patches that norm and nothing else."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from mindspeed.backends.torch.megatron_shim import apply_device_shim
+    from mindspeed.patching import PatchManager
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, persist_layer_norm=True,
+                               sequence_parallel=True, tensor_model_parallel_size=2)
+    with pytest.raises(AssertionError, match="persist_layer_norm"):
+        WrappedTorchNorm(config, 8)
+    patcher = PatchManager()
+    apply_device_shim(patcher, "cuda")
+    try:
+        assert [p.target for p in patcher.applied()] == ["megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"]
+        norm = WrappedTorchNorm(config, 8)
+        assert isinstance(norm, torch.nn.LayerNorm)
+        assert all(p.sequence_parallel for p in norm.parameters())   # their grads are all-reduced over TP
+        assert config.persist_layer_norm and config.sequence_parallel   # the model's config is not changed
+    finally:
+        patcher.remove_all()
+    with pytest.raises(AssertionError):
+        WrappedTorchNorm(config, 8)

@@ -2,7 +2,8 @@
 
 cpu: Megatron-Core assumes CUDA everywhere (RNG tracker, current_device, streams, literal
 'cuda' devices). Each mismatch is one listed patch through the PatchManager, so
-`mindspeed.unadapt()` restores every original. npu: torch_npu's own cuda->npu transfer.
+`mindspeed.unadapt()` restores every original. cuda: torch's norms where Apex and Transformer
+Engine are absent. npu: torch_npu's own cuda->npu transfer.
 """
 from __future__ import annotations
 
@@ -172,6 +173,13 @@ def _wrap_torch_norm_new(original_new):
     return __new__
 
 
+def apply_torch_norm_shim(patcher) -> None:
+    """Megatron-Core builds WrappedTorchNorm where neither Apex nor Transformer Engine is installed
+    (always on cpu; on a CUDA machine without them), and it refuses Megatron-LM's defaults there."""
+    patcher.wrap("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", _wrap_torch_norm_new,
+                 reason="torch norms stand in for Apex/TE ones: under sequence parallelism, without persist")
+
+
 def _wrap_all_to_all(original):
     """gloo's all_to_all needs python lists for split sizes; Megatron passes tensors."""
 
@@ -277,8 +285,7 @@ def apply_cpu_shim(patcher) -> None:
     cpu_tracker = type("CpuRNGStatesTracker", (_CpuRNGTrackerMixin, mrandom.CudaRNGStatesTracker), {})
     patcher.replace("megatron.core.tensor_parallel.random.CudaRNGStatesTracker", cpu_tracker,
                     reason="fork without the cuda/cpu state warning", aliases="megatron")
-    patcher.wrap("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", _wrap_torch_norm_new,
-                 reason="allow torch norms under sequence parallelism (no Apex/TE)")
+    apply_torch_norm_shim(patcher)
     patcher.wrap("megatron.core.tensor_parallel.mappings.all_to_all", _wrap_all_to_all,
                  reason="gloo all_to_all needs list split sizes", aliases="megatron")
     # the overlapped (interleaved-schedule) sends; the batched ones are waited on before Megatron frees
@@ -348,5 +355,7 @@ def apply_device_shim(patcher, device: str, megatron_lm: bool = False) -> None:
         if megatron_lm:   # before megatron.training (and with it megatron.core) is imported
             apply_cpu_training_shim(patcher)
         apply_cpu_shim(patcher)
+    elif device == "cuda":
+        apply_torch_norm_shim(patcher)
     elif device == "npu":
         apply_npu_shim(patcher)
