@@ -1,7 +1,7 @@
 """The cpu device shim's mappings for what Megatron-Core's own unit tests touch: a process group
 asked for nccl gets gloo, Transformer Engine's version probe answers "not installed", the groups
 Megatron's destroy_model_parallel forgets are destroyed; each is listed by describe() and undone
-by unadapt()."""
+by unadapt(). The cuda shim's one patch (torch norms without Apex/TE) is checked here too."""
 import pytest
 import torch
 import torch.distributed as dist
