@@ -3,14 +3,14 @@ ops without a bf16 CPU kernel in fp32) against Megatron-Core's bf16 (Float16Modu
 Float16OptimizerWithFloat16Params, no loss scaling) on torch/CPU: same bf16-representable initial
 weights, same batches, 20 steps.
 
-The bounds come from torch's own bf16 effect, the largest gap between torch's bf16 and fp32 losses
-over the 20 steps (measured here: 1.02e-3). The two bf16 runs round at different points (MindSpore's
-attention block computes in fp32 and rounds its output once; torch rounds q/k/v, the scores and the
-probabilities too), so their rounding errors are independent and their losses differ by about as much
-as each differs from fp32 (measured: MindSpore bf16 vs torch bf16 1.31e-3, MindSpore bf16 vs its fp32
-run 0.94e-3). So: MindSpore's bf16 losses within GAP_FACTOR x torch's effect of torch's bf16 ones, and
-bf16 moves MindSpore's losses by between 1/GAP_FACTOR and GAP_FACTOR x what it moves torch's (an fp32
-run in disguise, or a broken bf16 path, fails one of the two). The gradient norms likewise against
+The bounds come from torch's own bf16 effect measured in the same run: the largest gap between
+torch's bf16 and fp32 losses over the 20 steps (how large it is depends on torch's CPU kernels: the
+AVX-512 BF16 and the AVX2 ones round differently). MindSpore rounds at a subset of the points torch
+rounds at (its attention block computes in fp32 and rounds its output once; torch rounds q/k/v, the
+scores and the probabilities too), so bf16 moves its losses off fp32 by no more than it moves torch's,
+and the two bf16 runs, each within torch's effect of fp32, are within GAP_FACTOR = 2 times it of each
+other. A lower bound holds MindSpore's bf16 in effect: its losses leave its fp32 run's by more than
+the fp32 parity bound (FP32_TOL), which an fp32 run in disguise cannot do. The gradient norms likewise against
 torch's own bf16 effect on them. The checkpoint holds the fp32 masters and Megatron-Core (fp32) loads
 it. TP=2 with bf16 runs in the --fp16 test's msrun launch (test_mindspore_parity_fp16.py)."""
 import numpy as np
@@ -23,6 +23,7 @@ from tests_extend.distributed import mindspore_parity_fp16 as pf  # noqa: E402
 from tests_extend.distributed.harness import run_distributed  # noqa: E402
 
 GAP_FACTOR = pf.GAP_FACTOR
+FP32_TOL = 1e-4        # the fp32 parity bound (test_mindspore_parity.py)
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +60,10 @@ def test_bf16_losses_match_torch_bf16_within_torchs_bf16_effect(ms_runs, torch_r
     np.testing.assert_allclose(m, t16, atol=GAP_FACTOR * effect, rtol=0)
     np.testing.assert_allclose(ms_runs["bf16"]["grad_norms"], torch_runs["bf16"]["grad_norms"],
                                rtol=GAP_FACTOR * torch_bf16_effect(torch_runs, "grad_norms", relative=True))
-    # bf16 moves MindSpore's losses off its fp32 run about as far as it moves torch's
+    # bf16 moves MindSpore's losses off its fp32 run beyond fp32's bound, and no further than twice
+    # what it moves torch's (it rounds at fewer points)
     own = np.abs(m - np.array(ms_runs["fp32"]["losses"])).max()
-    assert effect / GAP_FACTOR < own < effect * GAP_FACTOR, (own, effect)
+    assert FP32_TOL < own < effect * GAP_FACTOR, (own, effect)
     assert ms_runs["bf16"]["param_dtypes"] == ["BFloat16"] and not ms_runs["bf16"]["graph_mode"]
     assert ms_runs["bf16"]["scales"] == [None] * mp.STEPS and not any(ms_runs["bf16"]["skipped"])
     assert m[-4:].mean() < m[:4].mean() - 0.05      # it trains

@@ -13,7 +13,8 @@ way, and its MindSpore checkpoint loads into Megatron-Core at that layout (in th
 one msrun, one gloo spawn running both torch layouts). --bf16 at EP=2 (the MoE layer computes in fp32
 on its bf16 weights on CPU, backends/mindspore/precision.py) follows Megatron-Core's bf16 at EP=2 over
 a few steps within test_mindspore_parity_bf16.py's bound, twice torch's own bf16 effect measured in
-the same launch (EP=2 in bf16 and fp32 from the same bf16-representable weights)."""
+the same launch (EP=2 in bf16 and fp32 from the same bf16-representable weights), and bf16 moves its
+losses beyond fp32's bound TOL."""
 import os
 
 import numpy as np
@@ -149,8 +150,10 @@ def test_ep2_bf16_matches_megatron_bf16_within_torchs_bf16_effect(two_processes)
         np.testing.assert_allclose(run["grad_norms"], t16["grad_norms"],
                                    rtol=pf.GAP_FACTOR * pf.bf16_effect(t16, t32, "grad_norms", relative=True))
         # bf16 moves MindSpore's losses off the fp32 ones (torch's; MindSpore's fp32 EP=2 run is torch's
-        # within TOL, test_ep2_matches_megatron_and_checkpoint_crosses) about as far as it moves torch's
+        # within TOL, test_ep2_matches_megatron_and_checkpoint_crosses) beyond fp32's bound, and no
+        # further than twice torch's effect: it rounds at fewer points (the MoE layer in fp32); how far
+        # torch's rounding moves its own losses depends on torch's CPU kernels (pf.GAP_FACTOR)
         own = np.abs(m - np.array(t32["losses"])).max()
-        assert effect / pf.GAP_FACTOR < own < effect * pf.GAP_FACTOR, (own, effect)
+        assert TOL < own < effect * pf.GAP_FACTOR, (own, effect)
         assert run["param_dtypes"] == ["BFloat16"] and not run["graph_mode"]
         assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]

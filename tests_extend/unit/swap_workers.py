@@ -155,28 +155,39 @@ def checkpoint_crossing(root, on, off, steps=2, more=2, world_size=1):
 
 
 def reuse_fp32_param(root, steps=20):
-    """--bf16 with and without --reuse-fp32-param: losses of `steps` updates; after the first update
-    the masters (fp32 copies) and where the bf16 parameters differ, with the masters' rounding ties;
-    parameter + master bytes; checkpoints across the flag; a model-only load (--no-load-optim)."""
+    """--bf16 with and without --reuse-fp32-param: losses of `steps` updates (also of Megatron's
+    optimizer rounding ties away from zero, as the flag does, and of fp32); after each update of the
+    run without, the masters at a tie the two roundings split; after the first update the masters
+    (fp32 copies) and where the bf16 parameters differ, with the masters' rounding ties; parameter +
+    master bytes; checkpoints across the flag; a model-only load (--no-load-optim)."""
     import os
+    from contextlib import nullcontext
     from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
     from mindspeed.training import pretrain
+    from tests_extend.unit.bf16_rounding import differing_ties, megatron_copies_round_ties_away
     out, first = {}, {}
     one_micro_batch = ["--global-batch-size", "2"]       # 20 steps at half the cost
-    for name, flags in (("off", ["--bf16"]), ("on", ["--bf16", "--reuse-fp32-param"])):
-        args, tr = trainer_for(flags + one_micro_batch)
-        it = batches(args, tr)
-        (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
-        shared = getattr(opt, "mindspeed_reuse", None)
-        total, bf16, params = parameter_and_master_bytes(tr.model, tr.optimizer)
-        run = {"bytes_per_bf16_param": (total - 4 * (params - bf16)) / bf16, "attached": shared is not None,
-               "losses": [tr.train_step(it)[0]]}
-        copies = shared.master_copies() if shared else {}
-        first[name] = ([copies.get(id(m), m).clone() for g in opt.fp32_from_float16_groups for m in g],
-                       [p.detach().clone() for g in opt.float16_groups for p in g])
-        run["losses"] += [tr.train_step(it)[0] for _ in range(steps - 1)]
-        tr.optimizer.reload_model_params()            # what a model-only load calls
-        run["reloaded_masters_equal_params"] = _masters_equal_params(opt)
+    runs = (("off", ["--bf16"]), ("reference", ["--bf16"]), ("on", ["--bf16", "--reuse-fp32-param"]), ("fp32", []))
+    for name, flags in runs:
+        with megatron_copies_round_ties_away() if name == "reference" else nullcontext():
+            args, tr = trainer_for(flags + one_micro_batch)
+            it = batches(args, tr)
+            (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+            shared = getattr(opt, "mindspeed_reuse", None)
+            total, bf16, params = parameter_and_master_bytes(tr.model, tr.optimizer)
+            run = {"bytes_per_bf16_param": (total - 4 * (params - bf16)) / bf16 if bf16 else None,
+                   "attached": shared is not None, "losses": [], "differing_ties": []}
+            masters = [m for g in getattr(opt, "fp32_from_float16_groups", []) for m in g]
+            for step in range(steps):
+                run["losses"].append(tr.train_step(it)[0])
+                run["differing_ties"].append(differing_ties(masters) if name == "off" else None)
+                if step == 0 and name in ("off", "on"):
+                    copies = shared.master_copies() if shared else {}
+                    first[name] = ([copies.get(id(m), m).clone() for m in masters],
+                                   [p.detach().clone() for g in opt.float16_groups for p in g])
+            if name != "fp32":
+                tr.optimizer.reload_model_params()            # what a model-only load calls
+                run["reloaded_masters_equal_params"] = _masters_equal_params(opt)
         out[name] = run
     (m_off, p_off), (m_on, p_on) = first["off"], first["on"]
     ties = [(m.view(torch.int32) & 0xFFFF) == 0x8000 for m in m_off]
@@ -189,8 +200,10 @@ def reuse_fp32_param(root, steps=20):
     # Megatron's Float16 optimizer (no --use-distributed-optimizer) both ways, the other side with
     # --swap-optimizer; --add-bias-linear: the norms' fp32 weights sit among bf16 biases in the
     # no-weight-decay group (what once failed: "Param id N does not match any model sharded param")
-    out["checkpoint"] = checkpoint_crossing(path, ["--bf16", "--add-bias-linear", "--reuse-fp32-param"],
-                                            ["--bf16", "--add-bias-linear", "--swap-optimizer"])
+    # (Megatron's side rounds ties away from zero, as the flag does: the continuations agree bit for bit)
+    with megatron_copies_round_ties_away():
+        out["checkpoint"] = checkpoint_crossing(path, ["--bf16", "--add-bias-linear", "--reuse-fp32-param"],
+                                                ["--bf16", "--add-bias-linear", "--swap-optimizer"])
     # a model-only load (--no-load-optim) must give the masters the loaded weights
     args, tr = trainer_for(["--bf16", "--add-bias-linear", "--load", os.path.join(path, "on_to_off"),
                             "--no-load-optim"])
@@ -215,58 +228,79 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
     import os
     import time
     import mindspeed
-    from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
+    from contextlib import nullcontext
     from mindspeed.training import pretrain
     from mindspeed.flags.trainer_flags import parse_args
+    from tests_extend.unit.bf16_rounding import megatron_copies_round_ties_away
     t0 = time.perf_counter()
     base = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "4"]
     args = parse_args(TINY + base, world_size=world_size)
     mindspeed.adapt(args)
     pretrain._init_distributed(args, "cpu")
     pretrain.init_batch_schedule(args, rank)
-    from mindspeed.checkpoint import torch_dist as checkpointing
     out, first = {"rank": rank}, {}
-    runs = (("off", base), ("on", base + ["--reuse-fp32-param"]))
+    runs = (("off", base), ("reference", base), ("on", base + ["--reuse-fp32-param"]),
+            ("fp32", ["--use-distributed-optimizer", "--global-batch-size", "4"]))
     for name, flags in runs:
-        args, tr = trainer_for(flags, world_size=world_size)
-        it = batches(args, tr)
-        (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
-        shared = getattr(opt, "mindspeed_reuse", None)
-        total, bf16, params = parameter_and_master_bytes(tr.model, tr.optimizer)
-        buffers = [b for b in opt.buffers if b.param_dtype == torch.bfloat16]
-        run = {"attached": shared is not None, "bytes": total, "bf16_params": bf16, "params": params,
-               "bf16_buffer_bytes": sum(b.param_data.numel() * 2 for b in buffers),
-               "other_buffer_bytes": sum(b.param_data.untyped_storage().nbytes() for b in opt.buffers
-                                         if b.param_dtype != torch.bfloat16),
-               "master_elements": sum(m.numel() for g in opt.shard_fp32_from_float16_groups for m in g),
-               "losses": [tr.train_step(it)[0]]}
-        first[name] = [(shared.read(m) if shared else m).clone() for g in opt.shard_fp32_from_float16_groups for m in g]
-        run["losses"].append(tr.train_step(it)[0])
-        # a checkpoint after 2 steps, loaded below by a trainer with the flag the other way
-        checkpointing.save_checkpoint(os.path.join(root, "reuse_dist", name), 2, tr.model, tr.optimizer,
-                                      tr.scheduler, 2 * args.global_batch_size)
-        run["losses"] += [tr.train_step(it)[0] for _ in range(steps - 2)]
-        full = torch.cat([b.param_data.float() for b in buffers])
-        gathered = [torch.empty_like(full) for _ in range(world_size)]
-        torch.distributed.all_gather(gathered, full)
-        run["buffers_agree_across_ranks"] = all(torch.equal(g, gathered[0]) for g in gathered)
-        tr.optimizer.reload_model_params()           # what a model-only load calls
-        run["reloaded_masters_equal_params"] = all(
-            torch.equal((shared.read(m) if shared else m),
-                        p.detach().view(-1)[opt._get_model_param_range_map(p)["param"].start:
-                                            opt._get_model_param_range_map(p)["param"].end].float())
-            for mg, pg in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups) for m, p in zip(mg, pg))
+        with megatron_copies_round_ties_away() if name == "reference" else nullcontext():
+            run = _distributed_run(name, flags, world_size, root, steps, first)
         out[name] = run
     out["masters_bitwise_after_first_update"] = all(torch.equal(a, b) for a, b in zip(first["off"], first["on"]))
     out["checkpoint"] = {}
-    for direction, saved, flags in (("on_to_off", "on", runs[0][1]), ("off_to_on", "off", runs[1][1])):
-        args, tr = trainer_for(flags + ["--load", os.path.join(root, "reuse_dist", saved)], world_size=world_size)
-        iteration, consumed = pretrain.resume(args, tr, _Log())
-        out["checkpoint"][direction] = {"iteration": iteration, "continued": out[saved]["losses"][2:4],
-                                        "resumed": train(args, tr, 2, consumed)}
+    # Megatron's side rounds ties away from zero, as the flag does: the continuations agree bit for bit
+    with megatron_copies_round_ties_away():
+        for direction, saved, flags in (("on_to_off", "on", runs[1][1]), ("off_to_on", "reference", runs[2][1])):
+            args, tr = trainer_for(flags + ["--load", os.path.join(root, "reuse_dist", saved)], world_size=world_size)
+            iteration, consumed = pretrain.resume(args, tr, _Log())
+            out["checkpoint"][direction] = {"iteration": iteration, "continued": out[saved]["losses"][2:4],
+                                            "resumed": train(args, tr, 2, consumed)}
     mindspeed.unadapt()
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
+    """One run of reuse_fp32_param_distributed: losses (and, for "off", this rank's masters at a
+    tie the two bf16 roundings split, after each update); for the bf16 runs the bytes, the masters
+    after the first update (into `first`), a checkpoint after 2 steps, whether the full buffers agree
+    across ranks, and whether a model-only load sets the masters from the weights."""
+    import os
+    from mindspeed.checkpoint import torch_dist as checkpointing
+    from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
+    from tests_extend.unit.bf16_rounding import differing_ties
+    args, tr = trainer_for(flags, world_size=world_size)
+    it = batches(args, tr)
+    if "--bf16" not in flags:
+        return {"losses": train(args, tr, steps)}
+    (opt,) = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+    shared = getattr(opt, "mindspeed_reuse", None)
+    total, bf16, params = parameter_and_master_bytes(tr.model, tr.optimizer)
+    buffers = [b for b in opt.buffers if b.param_dtype == torch.bfloat16]
+    masters = [m for g in opt.shard_fp32_from_float16_groups for m in g]
+    run = {"attached": shared is not None, "bytes": total, "bf16_params": bf16, "params": params,
+           "bf16_buffer_bytes": sum(b.param_data.numel() * 2 for b in buffers),
+           "other_buffer_bytes": sum(b.param_data.untyped_storage().nbytes() for b in opt.buffers
+                                     if b.param_dtype != torch.bfloat16),
+           "master_elements": sum(m.numel() for m in masters), "losses": [], "differing_ties": []}
+    for step in range(steps):
+        run["losses"].append(tr.train_step(it)[0])
+        run["differing_ties"].append(differing_ties(masters) if name == "off" else None)
+        if step == 0:
+            first[name] = [(shared.read(m) if shared else m).clone() for m in masters]
+        if step == 1:      # a checkpoint after 2 steps, loaded by a trainer with the flag the other way
+            checkpointing.save_checkpoint(os.path.join(root, "reuse_dist", name), 2, tr.model, tr.optimizer,
+                                          tr.scheduler, 2 * args.global_batch_size)
+    full = torch.cat([b.param_data.float() for b in buffers])
+    gathered = [torch.empty_like(full) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, full)
+    run["buffers_agree_across_ranks"] = all(torch.equal(g, gathered[0]) for g in gathered)
+    tr.optimizer.reload_model_params()           # what a model-only load calls
+    run["reloaded_masters_equal_params"] = all(
+        torch.equal((shared.read(m) if shared else m),
+                    p.detach().view(-1)[opt._get_model_param_range_map(p)["param"].start:
+                                        opt._get_model_param_range_map(p)["param"].end].float())
+        for mg, pg in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups) for m, p in zip(mg, pg))
+    return run
 
 
 def shared_mask_report(steps=2) -> dict:

@@ -6,6 +6,7 @@ test_swap_memory.py."""
 import pytest
 
 from tests_extend.unit import swap_workers
+from tests_extend.unit.bf16_rounding import largest_gap, losses_before_a_differing_tie
 
 
 # --reuse-fp32-param with --use-distributed-optimizer: the layouts of one bucket (in process) ...
@@ -45,13 +46,25 @@ def dist_report(tmp_path_factory):
                            daemon=False)
 
 
-def test_distributed_reuse_fp32_param_keeps_the_losses_within_bf16_rounding(dist_report):
+def test_distributed_reuse_fp32_param_trains_as_megatron_rounding_ties_away_from_zero(dist_report):
     for rank in dist_report:
-        off, on = rank["off"]["losses"], rank["on"]["losses"]
-        assert rank["on"]["attached"] and not rank["off"]["attached"]
-        assert len(on) == 20 and on[:3] == off[:3] and on == pytest.approx(off, rel=1e-3)
-        assert off[-1] < off[0] - 1.5
+        assert rank["on"]["attached"] and not rank["off"]["attached"] and not rank["reference"]["attached"]
+        assert len(rank["on"]["losses"]) == 20 and rank["on"]["losses"] == rank["reference"]["losses"]
         assert rank["masters_bitwise_after_first_update"]
+
+
+def test_distributed_reuse_fp32_param_keeps_the_losses_within_bf16_rounding(dist_report):
+    # each rank counts the ties its own master shard holds: the model's are the sum
+    ties = [sum(counts) for counts in zip(*(rank["off"]["differing_ties"] for rank in dist_report))]
+    same = losses_before_a_differing_tie(ties)
+    for rank in dist_report:
+        off, on, fp32 = rank["off"]["losses"], rank["on"]["losses"], rank["fp32"]["losses"]
+        # the same updates until one leaves a master where ties-away and to-even rounding differ (when
+        # depends on the CPU's kernels: bf16_rounding.py) ...
+        assert same >= 1 and on[:same] == off[:same]
+        # ... then a few bf16 parameters one step apart: less than bf16 itself moves the losses off fp32
+        assert largest_gap(on, off) <= largest_gap(off, fp32)
+        assert off[-1] < off[0] - 1.5
 
 
 def test_distributed_reuse_fp32_param_stores_the_master_shard_in_the_bf16_buffer(dist_report):
@@ -71,7 +84,7 @@ def test_distributed_reuse_fp32_param_all_gather_rewrites_the_borrowed_shards(di
 
 def test_distributed_reuse_fp32_param_model_only_load_sets_the_masters(dist_report):
     for rank in dist_report:
-        assert rank["on"]["reloaded_masters_equal_params"] and rank["off"]["reloaded_masters_equal_params"]
+        assert all(rank[name]["reloaded_masters_equal_params"] for name in ("off", "reference", "on"))
 
 
 @pytest.mark.parametrize("direction", ["on_to_off", "off_to_on"])
