@@ -43,6 +43,11 @@ def _cpu_flags() -> str:
         return next((line for line in f if line.startswith("flags")), "")
 
 
+def cpu_flags_digest() -> str:
+    """A digest of this CPU's instruction-set flags: what code built for this machine depends on."""
+    return hashlib.sha256(_cpu_flags().encode()).hexdigest()
+
+
 def machine_key() -> dict:
     """What the probe's answer depends on: torch's build, the compiler torch would run (its own
     default, $CXX or g++), the CPU's flags."""
@@ -54,7 +59,7 @@ def machine_key() -> dict:
         stat = os.stat(real)
         compiler_id = [real, stat.st_size, stat.st_mtime_ns]
     return {"torch": torch.__version__, "torch_dir": os.path.dirname(torch.__file__), "compiler": compiler_id,
-            "cpu_flags": hashlib.sha256(_cpu_flags().encode()).hexdigest()}
+            "cpu_flags": cpu_flags_digest()}
 
 
 def _read_record() -> dict | None:

@@ -4,6 +4,8 @@ q/k/v gradients equal single-process attention on the whole sequence (causal and
 MHA and GQA, fp32 and bf16; packed documents given by their ends, against the dense per-document
 mask, fp32). At CP 4: hybrid is Ulysses 2 x ring 2 (with and without a window),
 and the double ring has two inner rings of 2; the groups actually built are checked."""
+import pytest
+
 from tests_extend.distributed import cp_cases
 from tests_extend.distributed.harness import run_distributed
 
@@ -19,6 +21,7 @@ def _body(rank, world_size):
     return results, docs
 
 
+@pytest.mark.cpu_numerics
 def test_cp_attention_matches_single_process():
     results = run_distributed(_body, world_size=4, timeout=300)
     expected = {f"cp{size}/{label}" for size in (2, 4) for label, _, _ in cp_cases.cases_for(size)}

@@ -139,6 +139,7 @@ def test_ep2_matches_megatron_and_checkpoint_crosses(two_processes):
         _assert_chunked_comm(ms[rank]["comm_features"], run)
 
 
+@pytest.mark.cpu_numerics
 def test_ep2_bf16_matches_megatron_bf16_within_torchs_bf16_effect(two_processes):
     ms, torch_runs = two_processes
     for rank in range(2):

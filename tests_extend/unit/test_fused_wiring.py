@@ -27,6 +27,7 @@ def test_gpt_layer_with_flags_uses_the_kernels_and_without_does_not(reports):
     assert on["swiglu_fusion"] and on["grad_fusion"] and not off["swiglu_fusion"] and not off["grad_fusion"]
 
 
+@pytest.mark.cpu_numerics
 def test_tiny_gpt_trains_to_the_same_losses_with_all_fused_flags(reports):
     curves = reports["train"]
     on, off = curves["on"], curves["off"]
@@ -62,6 +63,7 @@ def test_unadapt_removes_the_fused_hooks():
     assert LocalSpecProvider.core_attention is before and not ring_attention_update._state["fused"]
 
 
+@pytest.mark.cpu_numerics
 def test_moe_grouped_gemm_and_fused_permutation_in_a_megatron_moe_layer(reports):
     """Each fused MoE path, loaded with the unfused run's weights, calls its kernels, uses their
     results (doubling a kernel's output moves the loss), and matches Megatron's own unfused path

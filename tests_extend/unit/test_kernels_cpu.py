@@ -13,6 +13,9 @@ from mindspeed.backends.torch.kernels.layouts import to_bnsd
 from tests_extend.unit.kernel_checks import assert_close_fp32, assert_low_precision_ok, run
 
 DTYPES = [torch.float32, torch.bfloat16]
+# each kernel against its reference in fp32 and bf16, built for this CPU: CI runs them with torch (and
+# the build) held to AVX2 too
+pytestmark = pytest.mark.cpu_numerics
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):
@@ -57,6 +60,21 @@ def test_a_build_killed_earlier_does_not_stop_the_next_one():
     lock = build_dir / "lock"
     now = lock.stat() if lock.exists() else None
     assert now is None or (now.st_ino, now.st_mtime_ns) != (planted.st_ino, planted.st_mtime_ns)
+
+
+def test_native_builds_are_kept_per_cpu_and_follow_torchs_isa_cap(monkeypatch):
+    """A -march=native library from another CPU is never loaded (illegal instructions): its cache
+    directory names this CPU's flags; with torch's kernels held to AVX2, these are built without
+    AVX-512 too, so a forced-AVX2 run tests what an AVX2-only machine runs."""
+    from mindspeed.vec_isa_memo import cpu_flags_digest
+    monkeypatch.setenv("MINDSPEED_CPP_NATIVE", "1")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert csrc.cache_dir().name.endswith("-cpu-" + cpu_flags_digest()[:12])
+    assert csrc.machine_flags() == ["-march=native"]
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert csrc.machine_flags() == ["-march=native", "-mno-avx512f"]
+    monkeypatch.setenv("MINDSPEED_CPP_NATIVE", "0")
+    assert csrc.machine_flags() == [] and "-cpu-" not in csrc.cache_dir().name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,6 +8,8 @@ import pytest
 from tests_extend.unit import swap_workers
 from tests_extend.unit.bf16_rounding import largest_gap, losses_before_a_differing_tie
 
+pytestmark = pytest.mark.cpu_numerics      # bf16 training: CI runs it with torch's AVX2 kernels too
+
 
 # --reuse-fp32-param with --use-distributed-optimizer: the layouts of one bucket (in process) ...
 

@@ -140,11 +140,13 @@ def test_mindspore_swap_attention_same_losses_and_bytes_through_the_host():
 
 # --reuse-fp32-param (same worker process: swap_workers.reuse_fp32_param)
 
+@pytest.mark.cpu_numerics
 def test_reuse_fp32_param_trains_as_megatron_rounding_ties_away_from_zero(report):
     reuse = report["reuse"]
     assert len(reuse["on"]["losses"]) == 20 and reuse["on"]["losses"] == reuse["reference"]["losses"]
 
 
+@pytest.mark.cpu_numerics
 def test_reuse_fp32_param_keeps_the_losses_within_bf16_rounding(report):
     reuse = report["reuse"]
     off, on, fp32 = reuse["off"]["losses"], reuse["on"]["losses"], reuse["fp32"]["losses"]
@@ -157,6 +159,7 @@ def test_reuse_fp32_param_keeps_the_losses_within_bf16_rounding(report):
     assert off[-1] < off[0] - 1.5                               # it trained
 
 
+@pytest.mark.cpu_numerics
 def test_reuse_fp32_param_masters_are_bitwise_and_params_differ_only_at_ties(report):
     first = report["reuse"]["after_first_update"]
     assert first["masters_bitwise"]
@@ -171,6 +174,7 @@ def test_reuse_fp32_param_stores_a_bf16_parameter_and_its_master_in_4_bytes(repo
     assert report["reuse"]["on"]["bytes_per_bf16_param"] == 4 and report["reuse"]["on"]["attached"]
 
 
+@pytest.mark.cpu_numerics
 @pytest.mark.parametrize("direction", ["on_to_off", "off_to_on"])
 def test_reuse_fp32_param_checkpoints_cross_the_flag(report, direction):
     """Megatron's Float16 optimizer, other side with --swap-optimizer (a --bf16 checkpoint without the

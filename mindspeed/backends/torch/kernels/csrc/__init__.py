@@ -1,7 +1,8 @@
 """Just-in-time build of the fused C++ CPU kernels (fused_cpu.cpp) with ninja.
 
-Built once per (torch version, source) into MindSpeed's cache root (mindspeed/files.py:
-~/.cache/mindspeed/torch_extensions/torch-<version> unless $MINDSPEED_CACHE_DIR moves it). When no compiler or ninja is
+Built once per (torch version, CPU flags, source, compiler flags) into MindSpeed's cache root
+(mindspeed/files.py: ~/.cache/mindspeed/torch_extensions/torch-<version>-cpu-<digest of the CPU's
+flags> unless $MINDSPEED_CACHE_DIR moves it; without the digest for MINDSPEED_CPP_NATIVE=0). When no compiler or ninja is
 available the build is skipped, one log line says so, and callers use the pure-PyTorch kernels.
 MINDSPEED_DISABLE_CPP_KERNELS=1 skips the build on purpose.
 """
@@ -25,10 +26,31 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
+def native_build() -> bool:
+    return os.environ.get("MINDSPEED_CPP_NATIVE", "1") == "1"
+
+
 def cache_dir() -> Path:
-    path = Path(cache_path("torch_extensions")) / f"torch-{torch.__version__.split('+')[0]}"
+    name = f"torch-{torch.__version__.split('+')[0]}"
+    if native_build():
+        # a -march=native library runs only on CPUs with this one's instruction sets: a cache that
+        # moved to another machine (a copied home, a migrated disk) builds its own beside it
+        from mindspeed.vec_isa_memo import cpu_flags_digest
+        name += f"-cpu-{cpu_flags_digest()[:12]}"
+    path = Path(cache_path("torch_extensions")) / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def machine_flags() -> list[str]:
+    """-march=native unless MINDSPEED_CPP_NATIVE=0; where torch's own kernels are held to AVX2
+    (ATEN_CPU_CAPABILITY=avx2, as on a CPU without AVX-512), these are too."""
+    if not native_build():
+        return []
+    flags = ["-march=native"]
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
+        flags.append("-mno-avx512f")
+    return flags
 
 
 def _build():
@@ -36,8 +58,7 @@ def _build():
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not installed")
     flags = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]  # fast-math: lets exp and reductions vectorize
-    if os.environ.get("MINDSPEED_CPP_NATIVE", "1") == "1":
-        flags.append("-march=native")   # the cache is per machine; set 0 for a portable build
+    flags += machine_flags()
     build_dir = cache_dir()
     with build_lock(build_dir):
         cpp_extension.load(name=_LIB_NAME, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
