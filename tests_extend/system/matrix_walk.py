@@ -51,13 +51,16 @@ def trainer_main():
 
 def start(argv: list[str], loss_file: str) -> dict:
     """A real start of the trainer's entry point (tests_extend/example/pretrain_gpt.py)."""
+    import time
     err = io.StringIO()
+    started = time.perf_counter()
     with contextlib.redirect_stderr(err):
         rc = trainer_main()(argv + ["--log-loss-file", loss_file])
+    seconds = time.perf_counter() - started
     losses = []
     if os.path.isfile(loss_file):
         with open(loss_file) as f:
             losses = [json.loads(line)["lm_loss"] for line in f if line.strip()]
     lines = [line for line in err.getvalue().splitlines() if line.strip() and "WARNING" not in line]
-    return {"rc": rc, "line": lines[-1] if lines else "", "losses": losses,
+    return {"rc": rc, "line": lines[-1] if lines else "", "losses": losses, "seconds": round(seconds, 2),
             "trained": rc == 0 and len(losses) >= 2 and all(math.isfinite(x) for x in losses)}

@@ -73,6 +73,7 @@ def test_native_builds_are_kept_per_cpu_and_follow_torchs_isa_cap(monkeypatch):
     assert csrc.machine_flags() == ["-march=native"]
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert csrc.machine_flags() == ["-march=native", "-mno-avx512f"]
+    assert csrc.cache_dir().name.endswith("-cpu-" + cpu_flags_digest()[:12] + "-no-avx512")
     monkeypatch.setenv("MINDSPEED_CPP_NATIVE", "0")
     assert csrc.machine_flags() == [] and "-cpu-" not in csrc.cache_dir().name
 

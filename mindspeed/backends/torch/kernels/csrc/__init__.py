@@ -34,9 +34,10 @@ def cache_dir() -> Path:
     name = f"torch-{torch.__version__.split('+')[0]}"
     if native_build():
         # a -march=native library runs only on CPUs with this one's instruction sets: a cache that
-        # moved to another machine (a copied home, a migrated disk) builds its own beside it
+        # moved to another machine (a copied home, a migrated disk) builds its own beside it; the
+        # build held to AVX2 has its own too (torch would rebuild in place at each switch)
         from mindspeed.vec_isa_memo import cpu_flags_digest
-        name += f"-cpu-{cpu_flags_digest()[:12]}"
+        name += f"-cpu-{cpu_flags_digest()[:12]}" + ("-no-avx512" if "-mno-avx512f" in machine_flags() else "")
     path = Path(cache_path("torch_extensions")) / name
     path.mkdir(parents=True, exist_ok=True)
     return path
