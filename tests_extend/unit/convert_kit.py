@@ -132,7 +132,10 @@ def ms_load(mg_dir: str, backend, tp: int = 1, world_size: int = 1, train: bool 
     from mindspeed.training.mindspore.model import GPTConfig, GPTModel
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
+    # Adam's eps far above the gradients' rounding noise: an element whose gradient is noise moves by
+    # about lr * g / eps, not by +-lr whichever way the noise fell, so TP layouts agree on every element
     args = trainer_args(mg_dir, tp=tp, world_size=world_size, extra=("--lr", "0.01", "--lr-decay-style", "constant",
+                                                                           "--adam-eps", "1e-3",
                                                                            "--seq-length", str(seq_length), *extra))
     ps = build_parallel_state(backend.comm, tp)
     cfg = GPTConfig.from_args(args, args.padded_vocab_size, [])
