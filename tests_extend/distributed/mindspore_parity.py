@@ -13,6 +13,7 @@ from mindspeed.training.mindspore.schedule import learning_rate
 
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, MBS = 2, 32, 4, 2, 64, 64, 16, 2
 STEPS = 20
+FP32_TOL = 1e-4     # the fp32 parity bound on a loss (test_mindspore_parity.py's TOL)
 OPT = dict(lr=5e-3, min_lr=5e-4, warmup=3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, clip=1.0)
 EVAL_SEED = 1000
 

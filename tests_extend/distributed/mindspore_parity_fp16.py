@@ -24,8 +24,8 @@ GAP_FACTOR = 2.0
 
 
 def bf16_effect(bf16: dict, fp32: dict, key: str = "losses", relative: bool = False) -> float:
-    """How far bf16 moves a run: the largest gap between its bf16 and fp32 values of `key` over the
-    bf16 run's steps (relative to the fp32 values if asked)."""
+    """How far bf16 (or fp16: any lower precision) moves a run: the largest gap between its values of
+    `key` and the fp32 run's over the lower-precision run's steps (relative to the fp32 values if asked)."""
     b = np.array(bf16[key], np.float64)
     f = np.array(fp32[key][:len(b)], np.float64)
     return float((np.abs(b - f) / (np.abs(f) if relative else 1.0)).max())

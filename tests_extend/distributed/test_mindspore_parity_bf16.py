@@ -10,7 +10,7 @@ rounds at (its attention block computes in fp32 and rounds its output once; torc
 scores and the probabilities too), so bf16 moves its losses off fp32 by no more than it moves torch's,
 and the two bf16 runs, each within torch's effect of fp32, are within GAP_FACTOR = 2 times it of each
 other. A lower bound holds MindSpore's bf16 in effect: its losses leave its fp32 run's by more than
-the fp32 parity bound (FP32_TOL), which an fp32 run in disguise cannot do. The gradient norms likewise against
+the fp32 parity bound (mp.FP32_TOL), which an fp32 run in disguise cannot do. The gradient norms likewise against
 torch's own bf16 effect on them. The checkpoint holds the fp32 masters and Megatron-Core (fp32) loads
 it. TP=2 with bf16 runs in the --fp16 test's msrun launch (test_mindspore_parity_fp16.py)."""
 import numpy as np
@@ -24,7 +24,6 @@ from tests_extend.distributed.harness import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.cpu_numerics      # torch's bf16 effect: CI measures it with torch's AVX2 kernels too
 GAP_FACTOR = pf.GAP_FACTOR
-FP32_TOL = 1e-4        # the fp32 parity bound (test_mindspore_parity.py)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,7 @@ def test_bf16_losses_match_torch_bf16_within_torchs_bf16_effect(ms_runs, torch_r
     # bf16 moves MindSpore's losses off its fp32 run beyond fp32's bound, and no further than twice
     # what it moves torch's (it rounds at fewer points)
     own = np.abs(m - np.array(ms_runs["fp32"]["losses"])).max()
-    assert FP32_TOL < own < effect * GAP_FACTOR, (own, effect)
+    assert mp.FP32_TOL < own < effect * GAP_FACTOR, (own, effect)
     assert ms_runs["bf16"]["param_dtypes"] == ["BFloat16"] and not ms_runs["bf16"]["graph_mode"]
     assert ms_runs["bf16"]["scales"] == [None] * mp.STEPS and not any(ms_runs["bf16"]["skipped"])
     assert m[-4:].mean() < m[:4].mean() - 0.05      # it trains

@@ -26,7 +26,6 @@ from tests_extend.distributed import mindspore_parity_fp16 as pf  # noqa: E402
 from tests_extend.distributed.harness import run_distributed  # noqa: E402
 from tests_extend.distributed.msrun_helper import run_msrun  # noqa: E402
 
-FP32_TOL = 1e-4       # the fp32 parity bound (test_mindspore_parity.py)
 NORM_RTOL = 1e-3
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_parity_fp16_worker.py")
 
@@ -64,7 +63,7 @@ def fp16_tol(torch_runs):
 def test_fp16_losses_match_torch_fp16(ms_runs, torch_runs, fp16_tol):
     m, t16 = (np.array(r["losses"]) for r in (ms_runs["fp16"], torch_runs["fp16"]))
     assert len(m) == len(t16) == mp.STEPS
-    assert 2 * fp16_tol > FP32_TOL                   # fp16 moves torch's losses beyond fp32's bound
+    assert 2 * fp16_tol > mp.FP32_TOL                   # fp16 moves torch's losses beyond fp32's bound
     np.testing.assert_allclose(m, t16, atol=fp16_tol, rtol=0)
     np.testing.assert_allclose(ms_runs["fp16"]["grad_norms"], torch_runs["fp16"]["grad_norms"], rtol=NORM_RTOL)
     # the scale doubled after each 10 clean steps on both sides; nothing skipped
@@ -145,7 +144,7 @@ def test_two_process_bf16_follows_tp1(paths, two_process):
     tp1 = pf.ms_train_fp16(backend, paths["init_bf16"], pf.BF16, STEPS)
     # the layouts round at other points than TP=1: within twice how far bf16 moves TP=1 off fp32 here
     effect = pf.bf16_effect(tp1, pf.ms_train_fp16(backend, paths["init_bf16"], (), STEPS))
-    tol = max(pf.GAP_FACTOR * effect, FP32_TOL)      # or fp32's bound, where bf16 has moved it less
+    tol = max(pf.GAP_FACTOR * effect, mp.FP32_TOL)      # or fp32's bound, where bf16 has moved it less
     for rank in range(2):
         assert two_process[rank]["ok"], two_process[rank].get("error")
         for run in BF16_RUNS:

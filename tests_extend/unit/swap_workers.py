@@ -262,8 +262,9 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
 def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
     """One run of reuse_fp32_param_distributed: losses (and, for "off", this rank's masters at a
     tie the two bf16 roundings split, after each update); for the bf16 runs the bytes, the masters
-    after the first update (into `first`), a checkpoint after 2 steps, whether the full buffers agree
-    across ranks, and whether a model-only load sets the masters from the weights."""
+    after the first update (into `first`), a checkpoint after 2 steps ("on" and "reference": the
+    runs the crossing loads), whether the full buffers agree across ranks, and whether a model-only
+    load sets the masters from the weights."""
     import os
     from mindspeed.checkpoint import torch_dist as checkpointing
     from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
@@ -287,7 +288,7 @@ def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
         run["differing_ties"].append(differing_ties(masters) if name == "off" else None)
         if step == 0:
             first[name] = [(shared.read(m) if shared else m).clone() for m in masters]
-        if step == 1:      # a checkpoint after 2 steps, loaded by a trainer with the flag the other way
+        if step == 1 and name in ("on", "reference"):   # loaded below by a trainer with the flag the other way
             checkpointing.save_checkpoint(os.path.join(root, "reuse_dist", name), 2, tr.model, tr.optimizer,
                                           tr.scheduler, 2 * args.global_batch_size)
     full = torch.cat([b.param_data.float() for b in buffers])
