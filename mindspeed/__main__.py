@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     except MindSpeedConfigError as exc:
         report(exc, prefix="")
         return 2
-    print(result.describe())
+    print("\n".join([result.describe(), *result.notes()]))
     return 0
 
 

@@ -33,6 +33,12 @@ class Plan:
     features: list[Feature]
     dropped: list[Feature] = field(default_factory=list)   # above --optimization-level
     msadapter: bool = False
+    # (feature, why) for each feature the flags turn on that has no effect in this layout (Feature.inert)
+    inert: list = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        """One line per accepted flag that does nothing here, for the trainers' logs and `check`."""
+        return [f"MindSpeed: {f.trigger(self.args)} has no effect here: {why}" for f, why in self.inert]
 
     def describe(self) -> str:
         lines = [f"backend: {self.backend} (device {self.device})"
@@ -87,9 +93,11 @@ def plan(args=None, unknown_flags: str = "error") -> Plan:
             ns.backend = "mindspore"   # `import torch` is MindSpore underneath: it must serve kernels/comm
         device = resolve_device(ns.backend, getattr(ns, "mindspeed_device", "auto") or "auto")
         on = enabled_features(ns)
+        inert = [(f, why) for f in on for why in [f.inert(ns)] if why]
+        orphans = orphan_flag_problems(ns, {f.id for f in on})     # an inert feature's sub-flags are its own
+        on = [f for f in on if not any(f is g for g, _ in inert)]
         for f in on:
             f.validate(ns)
-        orphans = orphan_flag_problems(ns, {f.id for f in on})
         if orphans:
             raise FeatureConfigError("; ".join(orphans))
     except (FeatureConfigError, ValueError, RuntimeError, ImportError) as exc:
@@ -103,7 +111,7 @@ def plan(args=None, unknown_flags: str = "error") -> Plan:
         raise MindSpeedConfigError(str(exc)) from exc
     for f in dropped:    # after the gate: a refusal is one line on stderr, not a warning and the error
         log.warning("MindSpeed: %s is above --optimization-level %d and is not applied", f.id, level)
-    return Plan(ns, ns.backend, device, kept, dropped, msadapter)
+    return Plan(ns, ns.backend, device, kept, dropped, msadapter, inert)
 
 
 @dataclass
@@ -171,6 +179,9 @@ def set_host_flags(p: Plan, args) -> None:
         return
     for f in p.features:
         for dest, value in f.host_values(p.args).items():
+            setattr(args, dest, value)
+    for f, _ in p.inert:
+        for dest, value in f.inert_host_flags.items():
             setattr(args, dest, value)
 
 

@@ -186,7 +186,8 @@ class MegatronLMHooks:
         if int(os.environ.get("RANK", "0")) == 0:
             # one write with its newline: under `python -u` print writes the end apart, and another
             # rank's output sharing the pipe could land between the two
-            sys.stdout.write("> MindSpeed " + p.describe().replace("\n", "; ") + "\n")
+            sys.stdout.write("".join(f"> {line}\n" for line in
+                                     ["MindSpeed " + p.describe().replace("\n", "; "), *p.notes()]))
             sys.stdout.flush()
 
 

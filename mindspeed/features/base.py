@@ -100,6 +100,16 @@ class Feature:
     def validate(self, args: Any) -> None:
         """Raise FeatureConfigError for bad values. Runs before process groups exist."""
 
+    def inert(self, args: Any) -> str:
+        """Why this enabled feature has no effect in the given layout ('' when it has one), as Megatron
+        says of --sequence-parallel at TP 1: the plan then accepts it, applies nothing, and says so in
+        one line. Only for what cannot act here; what cannot be honoured is a validate() refusal."""
+        return ""
+
+    # host flags (dest -> value) set in the host's namespace when the feature is inert: Megatron-Core
+    # itself refuses some values its parser lets through (sequence_parallel at TP 1)
+    inert_host_flags: dict = {}
+
     def apply(self, ctx: "ApplyContext", args: Any) -> None:
         """Integrate with the host model of ctx.backend (patches go through ctx.patcher)."""
 

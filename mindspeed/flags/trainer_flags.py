@@ -381,8 +381,6 @@ def validate_args(args) -> None:
         if pp < 2 or (args.num_layers // pp) % args.num_layers_per_virtual_pipeline_stage:
             problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline size >= 2 and "
                             "must divide the layers of each pipeline stage")
-    if args.sequence_parallel and tp == 1:   # Megatron turns it off with a warning; here nothing is ignored
-        problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (drop the flag at TP 1)")
     if args.sequence_parallel and args.seq_length % tp:
         problems.append(f"--seq-length {args.seq_length} is not divisible by "
                         f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel)")

@@ -22,7 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import mindspeed
-from mindspeed.adaptor_core import current, packed_documents
+from mindspeed.adaptor_core import current, packed_documents, set_host_flags
 from mindspeed.backends import get_backend
 from mindspeed.backends.torch import glibc_heap
 from mindspeed.backends.torch.device import dist_backend_for
@@ -94,7 +94,8 @@ def _set_seeds(args) -> None:
 def _adapt(args):
     state = current()
     if state is None:
-        state = mindspeed.adapt(args)
+        return mindspeed.adapt(args)
+    set_host_flags(state.plan, args)     # the import line planned from sys.argv: its features' host flags
     return state
 
 
@@ -414,6 +415,8 @@ def _train(args, tokenizer, logger: TrainingLogger, state, started_at: float) ->
                       lora=state.context.part("lora"))
     n_params = count_parameters(trainer.model)
     logger.print(f"> MindSpeed {state.plan.describe()}".replace("\n", "; "))
+    for note in state.plan.notes():
+        logger.print(f"> {note}")
     logger.print(f"> world {a.world_size} = TP {a.tensor_model_parallel_size} x PP {a.pipeline_model_parallel_size}"
                  f" x CP {a.context_parallel_size} x DP {a.data_parallel_size}; micro-batches per step "
                  f"{trainer.num_microbatches}; parameters on rank 0: {n_params}")

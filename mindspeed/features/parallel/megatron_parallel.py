@@ -107,9 +107,13 @@ class SequenceParallel(Feature):
     requires = (Cap.ALL_GATHER, Cap.REDUCE_SCATTER)
     example, example_world = ("--tensor-model-parallel-size", "2", "--sequence-parallel"), 2
 
-    def validate(self, args) -> None:
-        if getattr(args, "sequence_parallel", False) and (getattr(args, "tensor_model_parallel_size", 1) or 1) < 2:
-            raise FeatureConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    inert_host_flags = {"sequence_parallel": False}     # Megatron-Core's TransformerConfig refuses it at TP 1
+
+    def inert(self, args) -> str:
+        if (getattr(args, "tensor_model_parallel_size", 1) or 1) < 2:
+            return ("at --tensor-model-parallel-size 1 there is no tensor-parallel group to shard the sequence "
+                    "over (Megatron turns it off too)")
+        return ""
 
 
 @register

@@ -366,6 +366,8 @@ def _train(args, backend, ps, logger, started_at: float, gc_point) -> dict:
     trainer = Trainer(a, backend, ps, cfg)
     n_params = sum(int(np.prod(p.shape)) for p in trainer.model.parameters())
     _print_setup(a, logger, backend, ps, cfg, trainer, n_params)
+    for note in state.plan.notes() if state else ():
+        logger.print(f"> {note}")
     logger.print(f"> data {a.data_path or 'default'}: vocab {vocab} (padded {a.padded_vocab_size}), "
                  f"train {train.num_samples} samples of {a.seq_length + 1} tokens")
 
