@@ -33,12 +33,14 @@ class Plan:
     features: list[Feature]
     dropped: list[Feature] = field(default_factory=list)   # above --optimization-level
     msadapter: bool = False
-    # (feature, why) for each feature the flags turn on that has no effect in this layout (Feature.inert)
+    # (feature, why, its flags as typed) for each feature the flags turn on that has no effect in this
+    # layout (Feature.inert); `args` holds its inert_host_flags' values instead of the typed ones
     inert: list = field(default_factory=list)
 
     def notes(self) -> list[str]:
-        """One line per accepted flag that does nothing here, for the trainers' logs and `check`."""
-        return [f"MindSpeed: {f.trigger(self.args)} has no effect here: {why}" for f, why in self.inert]
+        """One line per accepted feature that does nothing here, naming its flags, for the trainers'
+        logs and `check`."""
+        return [f"MindSpeed: {typed} has no effect here: {why}" for _, why, typed in self.inert]
 
     def describe(self) -> str:
         lines = [f"backend: {self.backend} (device {self.device})"
@@ -82,6 +84,12 @@ def resolve_device(backend: str, requested: str) -> str:
     return ms_select(requested)
 
 
+def _as_typed(f: Feature, ns) -> str:
+    """An inert feature's flags as the user typed them: the first, then '(with ...)' the others."""
+    typed = f.typed_flags(ns) or [f.trigger(ns)]
+    return typed[0] + (f" (with {', '.join(typed[1:])})" if typed[1:] else "")
+
+
 def plan(args=None, unknown_flags: str = "error") -> Plan:
     """args: an argv list (a whole command line: unknown flags are refused, or only likely typos
     with unknown_flags="typos"; "trainer": Megatron flags not given take the built-in trainers'
@@ -93,9 +101,12 @@ def plan(args=None, unknown_flags: str = "error") -> Plan:
             ns.backend = "mindspore"   # `import torch` is MindSpore underneath: it must serve kernels/comm
         device = resolve_device(ns.backend, getattr(ns, "mindspeed_device", "auto") or "auto")
         on = enabled_features(ns)
-        inert = [(f, why) for f in on for why in [f.inert(ns)] if why]
+        inert = [(f, why, _as_typed(f, ns)) for f in on for why in [f.inert(ns)] if why]
         orphans = orphan_flag_problems(ns, {f.id for f in on})     # an inert feature's sub-flags are its own
-        on = [f for f in on if not any(f is g for g, _ in inert)]
+        on = [f for f in on if not any(f is g for g, *_ in inert)]
+        for f, *_ in inert:      # the rest is planned (and the host run) as without the inert flags
+            for dest, value in f.inert_host_flags.items():
+                setattr(ns, dest, value)
         for f in on:
             f.validate(ns)
         if orphans:
@@ -180,7 +191,7 @@ def set_host_flags(p: Plan, args) -> None:
     for f in p.features:
         for dest, value in f.host_values(p.args).items():
             setattr(args, dest, value)
-    for f, _ in p.inert:
+    for f, *_ in p.inert:
         for dest, value in f.inert_host_flags.items():
             setattr(args, dest, value)
 

@@ -335,6 +335,9 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
     iteration = read_tracker(root, step)
     path = iteration_dir(root, iteration)
     use_optim = load_optim and not finetune
+    if use_optim and optimizer is not None and not is_neutral(path) and read_common(root, iteration).get("no_optimizer"):
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with --no-save-optim): "
+                              "resume it with --no-load-optim (or --finetune)")
     state = _sharded_state(chunks, optimizer if use_optim else None, is_loading=True, only=only)
     if not finetune:
         state.update(iteration=0, consumed_train_samples=0, opt_param_scheduler={}, checkpoint_version=0.0)
@@ -385,6 +388,25 @@ def read_common(root: str, step: int | None = None) -> dict:
     if is_neutral(directory):
         return {}
     return torch.load(os.path.join(directory, COMMON_FILE), map_location="cpu", weights_only=True)
+
+
+def check_vocab_rows(root: str, step: int | None, rows: int) -> None:
+    """Before the model is built: the torch_dist checkpoint --load reads has as many vocabulary rows
+    (embedding, output layer) as this run's model, `rows` (--padded-vocab-size, or the tokenizer's
+    vocabulary padded for this TP size). torch_dist keeps global shapes, so other rows cannot load;
+    a neutral checkpoint's padding rows are fitted on load (cross_format), and a checkpoint without
+    an embedding (LoRA adapters) or with an unreadable index is left to the load to judge."""
+    directory = iteration_dir(root, read_tracker(root, step))
+    if is_neutral(directory):
+        return
+    try:
+        meta = read_index(directory).state_dict_metadata
+    except (OSError, EOFError, AttributeError, pickle.UnpicklingError):
+        return
+    saved = next((int(meta[key].size[0]) for key in cross_format.VOCAB_ROWS if key in meta), None)
+    if saved is not None and saved != rows:
+        raise CheckpointError(f"checkpoint {directory} has {saved} vocabulary rows, this run's model {rows}: give "
+                              f"--padded-vocab-size {saved} (as the run or conversion that wrote it) to load it")
 
 
 def _load_failure(root: str, iteration: int, err: BaseException) -> CheckpointError:

@@ -80,6 +80,10 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
                    help="hf->mg: the tokenizer.json the trainer will use: the embedding keeps its vocabulary's "
                         "rows, padded as the trainer pads it (default: config.json's vocab_size)")
     p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
+    p.add_argument("--padded-vocab-size", type=positive_int, default=None,
+                   help="hf->mg: write this many embedding/output rows instead of the vocabulary padded to a "
+                        "multiple of --make-vocab-size-divisible-by x TP; train with the same --padded-vocab-size "
+                        "(it is in the printed trainer flags)")
     p.add_argument("--hf-config", default=None,
                    help="mg->hf: the Hugging Face model directory (or config.json) that describes the "
                         "checkpoint, when it has no hf_config/ of its own")
@@ -122,6 +126,9 @@ def _run(parser: argparse.ArgumentParser, opts) -> int:
                     or opts.num_layer_list:
                 raise ConvertError("mg->hf writes one unsharded Hugging Face model: leave out "
                                    "--target-*-parallel-size and --num-layer-list")
+            if opts.padded_vocab_size is not None:
+                raise ConvertError("--padded-vocab-size sets the rows hf->mg writes; mg->hf reads the checkpoint's "
+                                   "rows and writes config.json's vocab_size: drop it")
             from mindspeed.convert import mg_to_hf  # imports torch (as hf_to_mg)
             mg_to_hf.convert(opts)
         else:

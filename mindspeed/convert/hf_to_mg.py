@@ -64,6 +64,21 @@ def check_tied_embeddings(reader: HFReader, arch: Arch, rows_at_once: int = 4096
                        "its own output layer")
 
 
+def _padded_rows(opts, vocab: int, tp: int) -> int:
+    """The embedding/output rows to write: --padded-vocab-size (as the trainer takes it: at least the
+    vocabulary, divisible by TP), else the vocabulary padded as the trainer pads it at TP `tp`."""
+    given = getattr(opts, "padded_vocab_size", None)
+    if given is None:
+        return padded_vocab_size(vocab, opts.make_vocab_size_divisible_by, tp)
+    if given < vocab:
+        source = "--tokenizer-model's" if opts.tokenizer_model else "config.json's"
+        raise ConvertError(f"--padded-vocab-size {given} is smaller than the vocabulary ({vocab}, {source}): "
+                           f"give at least {vocab}")
+    if given % tp:
+        raise ConvertError(f"--padded-vocab-size {given} is not divisible by --target-tensor-parallel-size {tp}")
+    return given
+
+
 def convert(opts, log=print) -> dict:
     start = time.perf_counter()
     if not os.path.isdir(opts.load_dir):
@@ -73,12 +88,12 @@ def convert(opts, log=print) -> dict:
     arch = arch_from_config(read_config(opts.load_dir), opts.model_type_hf, opts.add_qkv_bias)
     tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
     check_parallel(arch, tp, pp, opts.num_layer_list)
+    vocab = vocab_from_tokenizer or arch.vocab_size
+    padded = _padded_rows(opts, vocab, tp)
     check_save_dir(opts.save_dir)
     reader = HFReader(opts.load_dir)
     try:
         check_tensors(reader, arch)
-        vocab = vocab_from_tokenizer or arch.vocab_size
-        padded = padded_vocab_size(vocab, opts.make_vocab_size_divisible_by, tp)
         with staged(opts.save_dir) as tmp:
             megatron_write.write_megatron(tmp, arch, reader, vocab, padded, opts.params_dtype,
                                           neutral_copy=opts.neutral_copy)
@@ -90,6 +105,8 @@ def convert(opts, log=print) -> dict:
                                             "--pipeline-model-parallel-size", str(pp),
                                             "--make-vocab-size-divisible-by", str(opts.make_vocab_size_divisible_by)]
             flags += pipeline_split_flags(opts.num_layer_list)
+            if getattr(opts, "padded_vocab_size", None) is not None:   # the trainer must build these rows
+                flags += ["--padded-vocab-size", str(padded)]
             flags += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[opts.params_dtype]
             sidecar.write_info(tmp, {"model_type_hf": opts.model_type_hf, "params_dtype": opts.params_dtype,
                                      "target_tensor_parallel_size": tp, "target_pipeline_parallel_size": pp,

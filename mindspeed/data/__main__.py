@@ -18,6 +18,7 @@ from mindspeed.data.errors import DataError
 from mindspeed.data.shakespeare import ensure_dataset
 from mindspeed.data.tokenizer import TokenizerError
 from mindspeed.errors import ArgumentError, OneLineParser, hide_fallback_warnings, report
+from mindspeed.flags.checks import SLOW_TOKENIZER_REFUSAL
 
 HANDLER_ONLY = ("handler_name", "prompt_type", "map_keys", "json_keys", "seq_length", "pack", "neat_pack",
                 "overwrite_cache", "dataset_additional_keys")
@@ -149,8 +150,7 @@ def parse(argv=None) -> argparse.Namespace:
         raise ArgumentError(f"unknown {'flag' if unknown else 'argument'} {flag}{hint}: "
                             "`python -m mindspeed.data --help` lists the flags")
     if args.tokenizer_not_use_fast:
-        raise ArgumentError("--tokenizer-not-use-fast (tokenizer_not_use_fast: true): transformers 5 loads every "
-                            "tokenizer with its fast implementation, the slow one cannot be chosen; drop it")
+        raise ArgumentError(f"--tokenizer-not-use-fast (tokenizer_not_use_fast: true): {SLOW_TOKENIZER_REFUSAL}")
     args.overridden = sorted(key for key, value in from_file.items() if getattr(args, key) != value)
     return args
 

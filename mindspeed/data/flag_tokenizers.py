@@ -14,6 +14,7 @@ import json
 import os
 
 from mindspeed.data.tokenizer import HuggingFaceTokenizer, TokenizerError, load_tokenizer, tokenizer_path
+from mindspeed.flags.trainer_flags import padded_vocab_size
 
 GPT2_EOD = "<|endoftext|>"
 
@@ -88,6 +89,20 @@ def named_tokenizer(args):
     if args.tokenizer_type == HuggingFaceTokenizer.kind:
         return load_tokenizer("", args.tokenizer_type, args.tokenizer_model)
     return from_flags(args)
+
+
+def model_vocab_size(args, vocab_size: int, tp: int) -> int:
+    """The embedding's and output layer's rows (args.padded_vocab_size, set by both trainers):
+    --padded-vocab-size N as given (MindSpeed-LLM's override of Megatron's padding; TP divides it,
+    checked with the flags), else the tokenizer's vocabulary padded to a multiple of
+    --make-vocab-size-divisible-by x TP, as Megatron pads it."""
+    given = getattr(args, "padded_vocab_size", None)
+    if given is None:
+        return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
+    if given < vocab_size:
+        raise TokenizerError(f"--padded-vocab-size {given} is smaller than the tokenizer's vocabulary ({vocab_size} "
+                             f"tokens): give at least {vocab_size}, or drop it to pad the vocabulary as Megatron does")
+    return given
 
 
 def check_dataset_tokenizer(prefix: str, tokenizer) -> None:

@@ -83,15 +83,22 @@ class Feature:
 
     def trigger(self, args: Any) -> str:
         """The flag (with its value) that turned the feature on, as the user typed it."""
+        typed = self.typed_flags(args)
+        return typed[0] if typed else (self.flags[0].name if self.flags else self.id)
+
+    def typed_flags(self, args: Any) -> list[str]:
+        """Each of the feature's flags changed from its default, as the user typed it (with its value)."""
+        typed = []
         for fl in self.flags:
             value = getattr(args, fl.dest, fl.default)
             if value == fl.default or value is None:
                 continue
             if isinstance(value, bool):
-                return fl.name
+                typed.append(fl.name)
+                continue
             shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-            return f"{fl.name} {shown}"
-        return self.flags[0].name if self.flags else self.id
+            typed.append(f"{fl.name} {shown}")
+        return typed
 
     def host_values(self, args: Any) -> dict:
         """The host flags to set, given the command line's values (default: host_flags)."""
@@ -106,9 +113,11 @@ class Feature:
         one line. Only for what cannot act here; what cannot be honoured is a validate() refusal."""
         return ""
 
-    # host flags (dest -> value) set in the host's namespace when the feature is inert: Megatron-Core
-    # itself refuses some values its parser lets through (sequence_parallel at TP 1)
+    # flag values (dest -> value) the plan's namespace and the host's take when the feature is inert,
+    # so that neither the other features' checks nor the host act on the flag: Megatron-Core itself
+    # refuses some values its parser lets through (sequence_parallel at TP 1)
     inert_host_flags: dict = {}
+    inert_example: tuple = ()          # argv that turns the feature on where it has no effect (tests)
 
     def apply(self, ctx: "ApplyContext", args: Any) -> None:
         """Integrate with the host model of ctx.backend (patches go through ctx.patcher)."""

@@ -79,7 +79,7 @@ Moe = option("moe", (host("--num-experts"),), lambda a: bool(a.num_experts), "Me
              {}, "", ("--num-experts", "4", "--moe-aux-loss-coeff", "0.01"))
 option("qkv-bias", (host("--add-qkv-bias", False),), lambda a: a.add_qkv_bias,
        "biases on the fused q/k/v projection (Qwen2)", {}, "", ("--add-qkv-bias",))
-option("rope-scaling", (host("--use-rope-scaling", False), host("--rope-scaling-factor", 8.0)),
+option("rope-scaling", (host("--use-rope-scaling", False), host("--rope-scaling-factor")),
        lambda a: a.use_rope_scaling, "Llama 3.1 RoPE frequency scaling", {}, "", ("--use-rope-scaling",))
 UnevenPipelineStages = option("uneven-pipeline-stages", (host("--decoder-first-pipeline-num-layers"),
                                   host("--decoder-last-pipeline-num-layers")),
@@ -185,13 +185,17 @@ GeneralMask = option(
      "--context-parallel-algo", "megatron_cp_algo"), example_world=2)
 
 
-def _general_mask_needs_cp(self, args) -> None:
-    if (getattr(args, "context_parallel_size", 1) or 1) < 2:
-        raise FeatureConfigError("--attention-mask-type general applies to context-parallel attention "
-                                 "(--context-parallel-size > 1); without CP Megatron's own mask is used")
+def _general_mask_without_cp(self, args) -> str:
+    if (getattr(args, "context_parallel_size", 1) or 1) == 1:
+        return "at --context-parallel-size 1 there is no context-parallel attention (Megatron's own mask is used)"
+    return ""
 
 
-GeneralMask.validate = _general_mask_needs_cp
+GeneralMask.inert = _general_mask_without_cp
+# packed documents take the dense mask under "general" (adaptor_core.packed_documents): a run at CP 1
+# must not, as without the flag
+GeneralMask.inert_host_flags = {MASK_TYPE.dest: MASK_TYPE.default}
+GeneralMask.inert_example = ("--attention-mask-type", "general")
 FlashAttnBand = option(
     "flash-attn-band", FlashAttention.flags[1:],
     lambda a: (a.sparse_mode, a.pre_tockens, a.next_tockens) != (0, 65536, 0),

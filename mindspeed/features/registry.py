@@ -20,6 +20,7 @@ FEATURE_MODULES = [
     "mindspeed.features.training.deterministic",
     "mindspeed.features.fused.features",
     "mindspeed.features.megatron_options",
+    "mindspeed.features.model_family_options",
     "mindspeed.features.memory.recompute",
     "mindspeed.features.memory.swap_features",
     "mindspeed.features.memory.reuse_fp32_param",

@@ -5,15 +5,22 @@ Framework-free; `trainer_flags.validate_args` collects their one-line problems.
 from __future__ import annotations
 
 import os
+import re
 
 from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 
-# Megatron's --tokenizer-type values; the trainers implement the first four (data/flag_tokenizers.py)
-TOKENIZER_TYPES = ["CharLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer",
+# MindSpeed-LLM's name for Megatron's HuggingFaceTokenizer (--tokenizer-name-or-path for --tokenizer-model)
+PRETRAINED_FROM_HF = "PretrainedFromHF"
+# Megatron's --tokenizer-type values (and MindSpeed-LLM's); the trainers implement the first five
+# (data/flag_tokenizers.py; PretrainedFromHF is HuggingFaceTokenizer: resolve_hf_alias)
+TOKENIZER_TYPES = ["CharLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer", PRETRAINED_FROM_HF,
                    "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
                    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
                    "NullMultimodalTokenizer", "SFTTokenizer"]
-IMPLEMENTED_TOKENIZERS = TOKENIZER_TYPES[:4]
+IMPLEMENTED_TOKENIZERS = TOKENIZER_TYPES[:5]
+# why MindSpeed-LLM's --tokenizer-not-use-fast is refused (python -m mindspeed.data and the trainers)
+SLOW_TOKENIZER_REFUSAL = ("transformers 5 loads every tokenizer with its fast implementation, the slow one "
+                          "cannot be chosen; drop it")
 # Megatron's fp16 dynamic loss scaling defaults (OptimizerConfig's too)
 LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "loss_scale_window": 1000.0,
                        "hysteresis": 2}
@@ -22,6 +29,7 @@ LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "
 def cross_flag_problems(args) -> list[str]:
     problems = []
     for check in (_implementation_problems, _loss_scale_problems, _rampup_problems, _tokenizer_problems,
+                  padded_vocab_problems,
                   _checkpoint_problems, _moe_problems, instruction_problems, _wsd_problems, _timeout_problems):
         problems.extend(check(args))
     return problems
@@ -161,8 +169,9 @@ def _tokenizer_problems(args) -> list[str]:
     if kind is not None and kind not in IMPLEMENTED_TOKENIZERS:
         return [f"--tokenizer-type {kind} is not available in the built-in trainer: use GPT2BPETokenizer "
                 "(--vocab-file/--merge-file), NullTokenizer (--vocab-size), HuggingFaceTokenizer "
-                "(--tokenizer-model DIR, offline) or CharLevel"]
-    problems = []
+                "(--tokenizer-model DIR, offline; MindSpeed-LLM's PretrainedFromHF --tokenizer-name-or-path DIR) "
+                "or CharLevel"]
+    problems = hf_tokenizer_problems(args)
     if kind == "GPT2BPETokenizer":
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
             if not path:
@@ -181,3 +190,94 @@ def _tokenizer_problems(args) -> list[str]:
         problems.append(f"--tokenizer-type {kind} needs --data-path (or --mock-data): the bundled default "
                         "dataset is character-level")
     return problems
+
+
+# --- Hugging Face tokenizer folders, in Megatron's spelling and MindSpeed-LLM's ---------------------------
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")     # a Hugging Face Hub name: NAME or ORG/NAME
+
+
+def resolve_hf_alias(args) -> None:
+    """MindSpeed-LLM's --tokenizer-type PretrainedFromHF --tokenizer-name-or-path DIR is Megatron's
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR: rewritten to it here, so that one
+    tokenizer (data/tokenizer.py's HuggingFaceTokenizer) and one code path serve both spellings.
+    args.tokenizer_type_given keeps what was typed, for the messages; a --tokenizer-model that
+    differs from --tokenizer-name-or-path is kept for hf_tokenizer_problems to refuse."""
+    args.tokenizer_type_given = getattr(args, "tokenizer_type", None)
+    if args.tokenizer_type == PRETRAINED_FROM_HF:
+        args.tokenizer_type = "HuggingFaceTokenizer"
+    if args.tokenizer_type == "HuggingFaceTokenizer" and getattr(args, "tokenizer_model", None) is None:
+        args.tokenizer_model = getattr(args, "tokenizer_name_or_path", None)
+
+
+def hf_tokenizer_problems(args, local_only: bool = True) -> list[str]:
+    """The Hugging Face tokenizer flags, either spelling (after resolve_hf_alias). local_only: a
+    --tokenizer-model folder must be on this machine too (the built-in trainers load offline;
+    Megatron-LM's own HuggingFaceTokenizer may download, so there only MindSpeed-LLM's
+    --tokenizer-name-or-path, which MindSpeed-LLM loads offline, is checked)."""
+    problems = []
+    if getattr(args, "tokenizer_not_use_fast", False):
+        problems.append(f"--tokenizer-not-use-fast: {SLOW_TOKENIZER_REFUSAL}")
+    named, model = getattr(args, "tokenizer_name_or_path", None), getattr(args, "tokenizer_model", None)
+    if named and model and named != model:
+        return problems + [f"--tokenizer-name-or-path {named} and --tokenizer-model {model} name different "
+                           "tokenizers: give one (--tokenizer-name-or-path is MindSpeed-LLM's name for --tokenizer-model)"]
+    if args.tokenizer_type != "HuggingFaceTokenizer":
+        if named:
+            problems.append(f"--tokenizer-name-or-path is read only by --tokenizer-type {PRETRAINED_FROM_HF} "
+                            f"(Megatron's HuggingFaceTokenizer): add --tokenizer-type {PRETRAINED_FROM_HF}, or drop it")
+        return problems
+    typed = getattr(args, "tokenizer_type_given", None) or args.tokenizer_type
+    flag = "--tokenizer-name-or-path" if named or (not model and typed == PRETRAINED_FROM_HF) else "--tokenizer-model"
+    if not model:
+        problems.append(f"--tokenizer-type {typed} needs {flag} DIR (a Hugging Face tokenizer folder on this machine)")
+    elif local_only or named:
+        problems.extend(filter(None, [tokenizer_folder_problem(flag, model)]))
+    return problems
+
+
+def tokenizer_folder_problem(flag: str, path: str) -> str | None:
+    """None when `path` is a folder with a Hugging Face tokenizer's files (or a Hub name already in
+    the local Hugging Face cache), else the one line that says what is wrong."""
+    if os.path.isdir(path):
+        try:
+            names = os.listdir(path)
+        except OSError as err:
+            return f"{flag} {path!r} cannot be read ({err.strerror or err})"
+        if any(n in TOKENIZER_FILES or n.startswith("vocab") or n.endswith((".model", ".tiktoken")) for n in names):
+            return None
+        return (f"{flag} {path!r} holds no tokenizer files (tokenizer.json, tokenizer_config.json or a vocabulary "
+                "file): give the Hugging Face model's folder")
+    if os.path.exists(path):
+        return f"{flag} {path!r} is a file, not a tokenizer folder: give the folder that holds it"
+    if _in_hub_cache(path):
+        return None
+    return (f"{flag} {path!r} does not exist: give a Hugging Face tokenizer folder on this machine "
+            "(tokenizer.json / tokenizer_config.json)")
+
+
+def _in_hub_cache(name: str) -> bool:
+    """A Hub name (ORG/NAME) that Hugging Face's local cache holds: loadable offline."""
+    if not HUB_ID.fullmatch(name):
+        return False
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        return False
+    return os.path.isdir(os.path.join(HF_HUB_CACHE, "models--" + name.replace("/", "--")))
+
+
+def padded_vocab_problems(args) -> list[str]:
+    """--padded-vocab-size N (MindSpeed-LLM's; Megatron-LM 0.16's): the embedding and output rows
+    instead of the padded vocabulary. N below the tokenizer's vocabulary is refused once the
+    tokenizer is read (flag_tokenizers.model_vocab_size)."""
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is None:
+        return []
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if padded < 1:
+        return [f"--padded-vocab-size must be a positive integer (got {padded})"]
+    if padded % tp:
+        return [f"--padded-vocab-size {padded} is not divisible by --tensor-model-parallel-size {tp} (each "
+                "tensor-parallel rank holds an equal share of the vocabulary rows)"]
+    return []

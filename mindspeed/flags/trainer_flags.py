@@ -19,7 +19,8 @@ import os
 from typing import Sequence
 
 from mindspeed.errors import ArgumentError, OneLineParser
-from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems
+from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems, resolve_hf_alias
+from mindspeed.flags.family_flags import add_family_args, derive_family_args, family_problems
 from mindspeed.flags.mindspeed_flags import add_mindspeed_args, refuse_unknown, resolve_backend_name, shared_parser
 from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 
@@ -46,7 +47,8 @@ def _network(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.1 RoPE frequency scaling (Megatron-Core's: low/high frequency factors 1/4, "
                         "original context 8192)")
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="with --use-rope-scaling (default 8) or --rope-scaling-type yarn|llama3")
     g.add_argument("--normalization", default="RMSNorm", choices=["RMSNorm", "LayerNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", default=True,
@@ -60,13 +62,18 @@ def _network(parser: argparse.ArgumentParser) -> None:
                    help="biases on the fused q/k/v projection only (Qwen2); other linears follow --add-bias-linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="embedding and output rows instead of the tokenizer's vocabulary padded to a multiple of "
+                        "--make-vocab-size-divisible-by x TP (MindSpeed-LLM's; at least the vocabulary, divisible "
+                        "by TP)")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer (None = dense)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
-    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall"])
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall", "alltoall_seq"],
+                   help="alltoall_seq (Megatron 0.12's) runs as alltoall, which replaced it in Megatron-Core 0.16")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="MoE: shared experts' total FFN size (Megatron-Core's SharedExpertMLP)")
@@ -194,6 +201,11 @@ def _data(parser: argparse.ArgumentParser) -> None:
                    help="default: the tokenizer saved next to the dataset (GPT2BPETokenizer when "
                         "--vocab-file and --merge-file are given)")
     g.add_argument("--tokenizer-model", default=None, help="HF tokenizer name or path (offline)")
+    g.add_argument("--tokenizer-name-or-path", default=None,
+                   help="MindSpeed-LLM's name for --tokenizer-model (--tokenizer-type PretrainedFromHF is "
+                        "HuggingFaceTokenizer)")
+    g.add_argument("--tokenizer-not-use-fast", action="store_true",
+                   help="MindSpeed-LLM's: refused (transformers 5 loads every tokenizer with its fast implementation)")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     g.add_argument("--vocab-size", type=int, default=None,
@@ -243,7 +255,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     """Megatron's flags only (no MindSpeed flags; see mindspeed.flags.mindspeed_flags.add_mindspeed_args)."""
     parser = OneLineParser(prog=prog, allow_abbrev=False,
                            description="GPT pretraining on Megatron-Core with MindSpeed")
-    for add in (_network, _implementation, _training, _parallel, _data, _checkpointing, _logging):
+    for add in (_network, _implementation, _training, _parallel, _data, _checkpointing, _logging, add_family_args):
         add(parser)
     return parser
 
@@ -280,6 +292,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 def derive_args(args, world_size: int | None = None) -> None:
     """Fill values Megatron derives from others (world size from WORLD_SIZE when not given)."""
     args.backend = backend_name(args)
+    args.flag_notes = []      # one line each for the trainers' logs: a flag that runs as another here
+    derive_family_args(args, args.flag_notes.append)
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
@@ -311,6 +325,7 @@ def derive_args(args, world_size: int | None = None) -> None:
         args.use_flash_attn = True
     if args.tokenizer_type is None and args.vocab_file and args.merge_file:
         args.tokenizer_type = "GPT2BPETokenizer"   # the one tokenizer that reads both files
+    resolve_hf_alias(args)      # PretrainedFromHF --tokenizer-name-or-path: HuggingFaceTokenizer --tokenizer-model
     args.load_note = None
     if _nothing_to_resume(args):
         args.load_note = (f"> --load {args.load}: no checkpoint yet in this --save directory; "
@@ -418,6 +433,7 @@ def validate_args(args) -> None:
         problems.append("--ckpt-format torch (per-rank files) is not written by the built-in trainer: "
                         "use --ckpt-format torch_dist (the default)")
     problems.extend(cross_flag_problems(args))
+    problems.extend(family_problems(args))
     if problems:
         raise ArgumentError("; ".join(problems))    # one line, every problem
 

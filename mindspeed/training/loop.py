@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from mindspeed.checkpoint import run_flags
 from mindspeed.features.base import TRAIN_END, TRAIN_STEP_BEGIN, TRAIN_STEP_END
 from mindspeed.training.logger import StepRecorder, TrainingLogger
+from mindspeed.training.manual_gc import ManualGC
 
 
 @dataclass(frozen=True)
@@ -159,12 +160,15 @@ def train(args, logger: TrainingLogger, parts: TrainParts, report: RunReport, st
     _announce(args, logger, start.iteration, stop_at)
     progress = dataclasses.replace(start)
     last_saved, early_exit = None, None
-    with ExitWatch(args, report.started_at) as watch:
+    with ExitWatch(args, report.started_at) as watch, ManualGC(args) as collector:
         while not should_stop(progress, stop_at):
             _step(parts, steps, progress, publish)
+            collector.after_step(progress.iteration)
             if eval_due(args, progress.iteration, stop_at):
+                collector.at_pause()
                 _validate(logger, parts, progress.iteration)
             if save_due(args, progress.iteration):
+                collector.at_pause()
                 _save(args, logger, parts, progress)
                 last_saved = progress.iteration
             early_exit = watch.reason(parts.any_rank)

@@ -13,16 +13,21 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                      get_gpt_mtp_block_spec)
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from mindspeed.flags.family_flags import moe_layer_pattern
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def transformer_config(args) -> TransformerConfig:
     dtype = DTYPES[args.params_dtype]
-    return TransformerConfig(
+    config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
+    config = config_class(
+        **_family_fields(args),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -78,6 +83,57 @@ def transformer_config(args) -> TransformerConfig:
         persist_layer_norm=False,
         calculate_per_token_loss=False,
     )
+    if getattr(args, "yarn", False) and not config.multi_latent_attention:
+        _set_dense_yarn(config, args)
+    return config
+
+
+def _family_fields(args) -> dict:
+    """The model-family flags (flags/family_flags.py) as TransformerConfig fields; none for a namespace
+    without them (a host's own)."""
+    if not hasattr(args, "qk_layernorm"):
+        return {}
+    fields = dict(qk_layernorm=args.qk_layernorm, mtp_num_layers=args.mtp_num_layers,
+                  mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+    if args.num_experts:
+        fields.update(
+            moe_layer_freq=moe_layer_pattern(args),
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+            moe_router_num_groups=args.moe_router_num_groups,
+            moe_router_group_topk=args.moe_router_group_topk,
+            moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_router_dtype=args.moe_router_dtype,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+    if args.multi_latent_attention:
+        fields.update(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                      qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                      rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+                      rope_type="yarn" if args.yarn else "rope", **_yarn_values(args))
+    return fields
+
+
+def _yarn_values(args) -> dict:
+    """YaRN's settings with Megatron-Core's defaults for those not given."""
+    given = dict(rotary_scaling_factor=args.rotary_scaling_factor, beta_fast=args.beta_fast,
+                 beta_slow=args.beta_slow, mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
+                 original_max_position_embeddings=args.rope_scaling_original_max_position_embeddings)
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _set_dense_yarn(config, args) -> None:
+    """GPTModel reads YaRN's settings for a dense model from yarn_* attributes of its config (Megatron-Core
+    0.16 declares them only on MLATransformerConfig, without the prefix)."""
+    defaults = {f.name: f.default for f in MLATransformerConfig.__dataclass_fields__.values()}
+    values = {k: defaults[k] for k in ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale",
+                                       "mscale_all_dim", "original_max_position_embeddings")}
+    values.update(_yarn_values(args))
+    for name, value in values.items():
+        setattr(config, f"yarn_{name}", value)
+    config.yarn_correction_range_round_to_int = True
 
 
 SOFTMAX_EXTENSIONS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda", "scaled_softmax_cuda")
@@ -98,8 +154,24 @@ def _virtual_pp(args):
     return args.num_layers // args.pipeline_model_parallel_size // per_stage
 
 
-def layer_spec(args):
-    return get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
+def layer_spec(args, config=None, vp_stage=None):
+    """Megatron-Core's local spec; a per-layer block spec where dense and MoE layers mix."""
+    pattern = moe_layer_pattern(args) if hasattr(args, "moe_layer_freq") else None
+    if config is not None and pattern is not None and not all(pattern):
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          vp_stage=vp_stage)
+    return get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization,
+                                    qk_layernorm=getattr(args, "qk_layernorm", False),
+                                    multi_latent_attention=getattr(args, "multi_latent_attention", False))
+
+
+def mtp_spec(args, config, decoder_spec, vp_stage=None):
+    """Megatron-Core's MTP block for --mtp-num-layers (None elsewhere, and on stages that hold none of it)."""
+    if not getattr(args, "mtp_num_layers", None):
+        return None
+    last = decoder_spec.layer_specs[-1] if hasattr(decoder_spec, "layer_specs") and decoder_spec.layer_specs \
+        else decoder_spec
+    return get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
 
 
 def build_model_chunks(args, config: TransformerConfig) -> list[GPTModel]:
@@ -108,19 +180,22 @@ def build_model_chunks(args, config: TransformerConfig) -> list[GPTModel]:
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
+        spec = layer_spec(args, config, stage)
         chunks.append(GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(args),
+            transformer_layer_spec=spec,
+            mtp_block_spec=mtp_spec(args, config, spec, stage),
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
+            position_embedding_type="yarn" if getattr(args, "yarn", False) and not config.multi_latent_attention
+            else args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
             rope_scaling=getattr(args, "use_rope_scaling", False),
-            rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+            rope_scaling_factor=getattr(args, "rope_scaling_factor", None) or 8.0,
             vp_stage=stage,
         ))
     for chunk in chunks:

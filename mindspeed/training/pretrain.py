@@ -32,7 +32,6 @@ from mindspeed.data import flag_tokenizers
 from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.errors import CheckpointError
 from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
-from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.net import free_port
 from mindspeed.training import collective_timeout, data, loop
 from mindspeed.training.logger import TrainingLogger
@@ -112,9 +111,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": torch.stack([local_sum.detach(), count.detach()])}
 
 
-def forward_step(device: str, data_iterator, model, eod: int | None = None):
+def forward_step(device: str, data_iterator, model, eod: int | None = None, mtp: bool = False):
     batch = data.get_batch(data_iterator, device, eod)
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    # the MTP block masks its own losses with the batch's mask (GPTModel's loss_mask is read by MTP only)
+    extra = {"loss_mask": batch["loss_mask"]} if mtp else {}
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                   **extra)
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -181,7 +183,7 @@ class Trainer:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=a.overlap_grad_reduce,
             overlap_param_gather=a.overlap_param_gather, use_distributed_optimizer=a.use_distributed_optimizer,
-            check_for_nan_in_grad=True, bucket_size=None if not a.overlap_grad_reduce else 40_000_000)
+            check_for_nan_in_grad=getattr(a, "check_for_nan_in_loss_and_grad", True), bucket_size=None if not a.overlap_grad_reduce else 40_000_000)
         wrapped = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk,
                                            disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
         for model_chunk in wrapped:
@@ -256,7 +258,8 @@ def run_schedule(args, model_chunks: list, iterator, device: str, eod: int | Non
     """One global batch through Megatron-Core's pipeline schedule; the losses of its micro-batches."""
     forward_backward = forward_backward or get_forward_backward_func()
     return forward_backward(
-        forward_step_func=partial(forward_step, device, eod=eod), data_iterator=iterator,
+        forward_step_func=partial(forward_step, device, eod=eod, mtp=bool(getattr(args, "mtp_num_layers", None))),
+        data_iterator=iterator,
         model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
         num_microbatches=num_microbatches, seq_length=args.seq_length // args.context_parallel_size,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=forward_only)
@@ -299,10 +302,11 @@ def run(args) -> dict:
     # --- everything that can be wrong with the inputs is found before any work -------------
     tokenizer = resolve_tokenizer(args, log=say)
     args.vocab_size = tokenizer.vocab_size
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
+    args.padded_vocab_size = flag_tokenizers.model_vocab_size(args, tokenizer.vocab_size,
+                                                              args.tensor_model_parallel_size)
     if args.load:
         torch_dist.read_tracker(args.load, args.ckpt_step)
+        torch_dist.check_vocab_rows(args.load, args.ckpt_step, args.padded_vocab_size)
     lora = state.context.part("lora")
     if lora is not None:
         check_lora_checkpoints(args, lora)
@@ -349,6 +353,8 @@ def resume(args, trainer, logger) -> tuple[int, int]:
     none is loaded (--no-load-rng holds): every run seeds from --seed."""
     if getattr(args, "load_note", None):
         logger.print(args.load_note)
+    for note in getattr(args, "flag_notes", ()):
+        logger.print(note)
     if trainer.lora is not None:
         return resume_lora(args, trainer, logger)
     if not args.load:
@@ -443,10 +449,13 @@ def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:
     lora = trainer.lora
 
     def save(iteration: int, consumed: int) -> str:
-        return torch_dist.save_checkpoint(args.save, iteration, trainer.model, trainer.optimizer,
+        extra = {"lora": lora.settings} if lora else {}
+        if getattr(args, "no_save_optim", False):
+            extra["no_optimizer"] = True      # a resume that asks for optimizer state is refused in one line
+        return torch_dist.save_checkpoint(args.save, iteration, trainer.model,
+                                          None if extra.get("no_optimizer") else trainer.optimizer,
                                           trainer.scheduler, consumed,
-                                          only=lora.is_adapter_key if lora else None,
-                                          extra={"lora": lora.settings} if lora else None)
+                                          only=lora.is_adapter_key if lora else None, extra=extra or None)
 
     return loop.TrainParts(
         step=step, evaluate=lambda: trainer.evaluate(valid_ds), save=save,

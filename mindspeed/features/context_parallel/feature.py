@@ -26,14 +26,53 @@ ULYSSES_DEGREE = Flag("--ulysses-degree-in-cp", dict(type=int, default=None,
                                                      help="hybrid CP: Ulysses group size inside the CP group"))
 
 
+def _cp_size(args) -> int:
+    return getattr(args, "context_parallel_size", 1) or 1
+
+
+FLAGS = {"ulysses_cp_algo": (CP_ALGO, CP_SIZE, MASK_TYPE),
+         "megatron_cp_algo": (CP_ALGO, CP_SIZE, MASK_TYPE, OVERLAP, WINDOW),
+         "hybrid_cp_algo": (CP_ALGO, CP_SIZE, MASK_TYPE, OVERLAP, WINDOW, ULYSSES_DEGREE)}
+# the CP flags that only an algorithm reads (not --attention-mask-type: general-attention-mask's too)
+_ALGO_FLAGS = (CP_ALGO, OVERLAP, WINDOW, ULYSSES_DEGREE)
+
+
+def _given(fl: Flag, args) -> bool:
+    return getattr(args, fl.dest, fl.default) not in (fl.default, None)
+
+
+def algo_at_cp1(args) -> str | None:
+    """At --context-parallel-size 1, the algorithm whose feature takes the CP flags given (inert: they
+    split nothing): the one named if it reads them all, else ring's or hybrid's (which reads every
+    one); None when none is given."""
+    given = [fl for fl in _ALGO_FLAGS if _given(fl, args)]
+    if not given:
+        return None
+    named = getattr(args, CP_ALGO.dest, CP_ALGO.default)
+    return next(algo for algo in (named, "megatron_cp_algo", "hybrid_cp_algo")
+                if all(fl in FLAGS.get(algo, ()) for fl in given))
+
+
 class _ContextParallel(Feature):
     category = "context_parallel"
     optimization_level = 2
     algo = ""
 
     def enabled(self, args) -> bool:
-        return ((getattr(args, "context_parallel_size", 1) or 1) > 1
-                and getattr(args, "context_parallel_algo", "ulysses_cp_algo") == self.algo)
+        size = _cp_size(args)
+        if size == 1:      # on only to say that the CP flags given do nothing (inert)
+            return algo_at_cp1(args) == self.algo
+        return size > 1 and getattr(args, "context_parallel_algo", "ulysses_cp_algo") == self.algo
+
+    def inert(self, args) -> str:
+        return "at --context-parallel-size 1 there is no sequence to split" if _cp_size(args) == 1 else ""
+
+    # the flags only an algorithm reads: what a run without them has
+    inert_host_flags = {fl.dest: fl.default for fl in _ALGO_FLAGS}
+
+    def typed_flags(self, args) -> list[str]:
+        # --attention-mask-type is general-attention-mask's to name (it says so itself when inert)
+        return [t for t in super().typed_flags(args) if not t.startswith(MASK_TYPE.name + " ")]
 
     shared_hint = "--context-parallel-size > 1"
 
@@ -91,7 +130,7 @@ class UlyssesContextParallel(_ContextParallel):
     id = "ulysses-cp-algo"
     algo = "ulysses_cp_algo"
     description = "Ulysses context parallelism: all_to_all of sequence and heads around attention"
-    flags = (CP_ALGO, CP_SIZE, MASK_TYPE)
+    flags = FLAGS[algo]
     requires = (Cap.ALL_TO_ALL, Cap.FLASH_ATTENTION)
     alternatives = "use --context-parallel-algo megatron_cp_algo (ring attention needs only send/recv)"
 
@@ -101,9 +140,11 @@ class RingContextParallel(_ContextParallel):
     id = "megatron-cp-algo"
     algo = "megatron_cp_algo"
     description = "ring attention context parallelism (load balanced causal), overlap, double ring"
-    flags = (CP_ALGO, CP_SIZE, MASK_TYPE, OVERLAP, WINDOW)
+    flags = FLAGS[algo]
     requires = (Cap.SEND_RECV, Cap.FLASH_ATTENTION, Cap.RING_ATTENTION_UPDATE, Cap.CUSTOM_OP)
     alternatives = "use --context-parallel-algo ulysses_cp_algo"
+    inert_example = ("--context-parallel-algo", "megatron_cp_algo", "--use-cp-send-recv-overlap",
+                     "--cp-window-size", "2")
 
 
 @register
@@ -111,7 +152,8 @@ class HybridContextParallel(_ContextParallel):
     id = "hybrid-cp-algo"
     algo = "hybrid_cp_algo"
     description = "hybrid context parallelism: Ulysses inside groups of --ulysses-degree-in-cp, ring across"
-    flags = (CP_ALGO, CP_SIZE, MASK_TYPE, OVERLAP, WINDOW, ULYSSES_DEGREE)
+    flags = FLAGS[algo]
     requires = (Cap.ALL_TO_ALL, Cap.SEND_RECV, Cap.SUBGROUPS, Cap.FLASH_ATTENTION,
                 Cap.RING_ATTENTION_UPDATE, Cap.CUSTOM_OP)
     alternatives = "use --context-parallel-algo ulysses_cp_algo or megatron_cp_algo"
+    inert_example = ("--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2")

@@ -48,7 +48,8 @@ def missing_megatron_hook(hooks) -> str | None:
 
 
 def _dispatcher(args):
-    return getattr(args, "moe_token_dispatcher_type", "alltoall")
+    kind = getattr(args, "moe_token_dispatcher_type", "alltoall")
+    return "alltoall" if kind == "alltoall_seq" else kind     # Megatron 0.12's name: alltoall runs it here
 
 
 class _MoeComm(Feature):

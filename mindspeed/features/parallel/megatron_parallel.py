@@ -108,6 +108,7 @@ class SequenceParallel(Feature):
     example, example_world = ("--tensor-model-parallel-size", "2", "--sequence-parallel"), 2
 
     inert_host_flags = {"sequence_parallel": False}     # Megatron-Core's TransformerConfig refuses it at TP 1
+    inert_example = ("--sequence-parallel",)
 
     def inert(self, args) -> str:
         if (getattr(args, "tensor_model_parallel_size", 1) or 1) < 2:

@@ -121,7 +121,7 @@ class GPTConfig:
                    init_method_std=args.init_method_std, recompute=args.recompute_granularity == "full",
                    add_bias_linear=bool(args.add_bias_linear),
                    add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
-                   rope_scaling_factor=float(args.rope_scaling_factor) if getattr(args, "use_rope_scaling", False)
+                   rope_scaling_factor=float(args.rope_scaling_factor or 8.0) if getattr(args, "use_rope_scaling", False)
                    else None,
                    recompute_activation_layers=cls._recomputed_layers(args, features, "recompute-activation-function",
                                                                       "recompute_activation_function_num_layers"),

@@ -15,10 +15,9 @@ from mindspeed.backends.mindspore import precision
 from mindspeed.backends.mindspore.main_thread_gc import MainThreadCollection, ops_without_collection
 from mindspeed.backends.mindspore.msadapter import describe
 from mindspeed.checkpoint import neutral
-from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, named_tokenizer
+from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, model_vocab_size, named_tokenizer
 from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.features.context_parallel.groups import build_cp_groups
-from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 from mindspeed.training import loop
 from mindspeed.training.logger import TrainingLogger
@@ -337,6 +336,8 @@ def resume(args, trainer, logger) -> tuple[int, int]:
     Neutral checkpoints hold no RNG state, so none is loaded (--no-load-rng holds)."""
     if getattr(args, "load_note", None):
         logger.print(args.load_note)
+    for note in getattr(args, "flag_notes", ()):
+        logger.print(note)
     if not args.load:
         return 0, 0
     meta = checkpoint.load(args.load, trainer.model, trainer.optimizer,
@@ -360,7 +361,7 @@ def _train(args, backend, ps, logger, started_at: float, gc_point) -> dict:
     a = args
     vocab, train, valid, eod_rules = _data(a, logger)
     a.vocab_size = vocab
-    a.padded_vocab_size = padded_vocab_size(vocab, a.make_vocab_size_divisible_by, ps.tp_size)
+    a.padded_vocab_size = model_vocab_size(a, vocab, ps.tp_size)
     state = current()
     cfg = GPTConfig.from_args(a, a.padded_vocab_size, [f.id for f in state.plan.features] if state else ())
     trainer = Trainer(a, backend, ps, cfg)

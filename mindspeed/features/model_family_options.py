@@ -1,0 +1,86 @@
+"""The model-family options of MindSpeed-LLM's recipes (flags/family_flags.py) as support-matrix rows:
+Megatron-Core's own modules run each on the torch backend; each `unsupported` entry says what the
+MindSpore trainer's GPT lacks. Their values are the host parser's; the rows only read them, in the
+spelling a user typed (the trainers derive Megatron-Core's values from them after the gate).
+"""
+from __future__ import annotations
+
+from mindspeed.features.megatron_options import MS, TORCH, host, option
+
+MOE_EXAMPLE = ("--num-experts", "4", "--moe-ffn-hidden-size", "64")
+
+
+def _lacks(what: str) -> dict:
+    return {"mindspore": f"{MS}'s GPT has no {what} (MindSpore's side of the model families is its own work)"}
+
+
+option("qk-layernorm", (host("--qk-layernorm", False),), lambda a: a.qk_layernorm,
+       "per-head RMSNorm/LayerNorm of queries and keys (Qwen3, DeepSeek-V3)", _lacks("q/k normalization"), TORCH,
+       ("--qk-layernorm",))
+option("yarn-rope", (host("--rope-scaling-type"), host("--rope-type")),
+       lambda a: a.rope_scaling_type == "yarn" or a.rope_type == "yarn",
+       "YaRN RoPE scaling (Megatron-Core's YarnRotaryEmbedding): frequencies interpolated beyond the original "
+       "context, attention scaled by mscale", _lacks("YaRN RoPE scaling"), TORCH,
+       ("--rope-scaling-type", "yarn", "--rope-scaling-factor", "4", "--rope-scaling-original-max-position-embeddings",
+        "32"))
+option("llama3-rope", (host("--rope-scaling-type"),), lambda a: a.rope_scaling_type == "llama3",
+       "MindSpeed-LLM's spelling of Llama-3.1's RoPE scaling (--use-rope-scaling)", {}, "",
+       ("--rope-scaling-type", "llama3", "--rope-scaling-factor", "8"))
+RouterOptions = option(
+    "moe-router-options",
+    (host("--moe-router-load-balancing-type", "aux_loss"), host("--moe-router-score-function", "softmax"),
+     host("--moe-router-enable-expert-bias", False), host("--moe-router-num-groups"),
+     host("--moe-router-topk-scaling-factor"), host("--moe-router-pre-softmax", False), host("--moe-router-dtype"),
+     host("--seq-aux", False)),
+    lambda a: (a.moe_router_load_balancing_type != "aux_loss" or a.moe_router_score_function != "softmax"
+               or a.moe_router_enable_expert_bias or a.moe_router_num_groups is not None
+               or a.moe_router_topk_scaling_factor is not None or a.moe_router_pre_softmax
+               or a.moe_router_dtype is not None or a.seq_aux),
+    "Megatron-Core's router options: sigmoid scores, expert bias (aux-loss-free balancing), group-limited top-k, "
+    "scaled weights, pre-softmax, sequence/global aux loss, router precision",
+    _lacks("router other than softmax top-k with the aux loss"), TORCH,
+    MOE_EXAMPLE + ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--norm-topk-prob",
+                   "--moe-router-load-balancing-type", "none", "--moe-router-topk-scaling-factor", "2.5"),
+    depends=("moe",))
+option("moe-layer-layout", (host("--moe-layer-freq", 1), host("--first-k-dense-replace")),
+       lambda a: a.moe_layer_freq not in (1, -1) or (a.first_k_dense_replace or 0) > 0,
+       "dense and MoE layers mixed (--moe-layer-freq, MindSpeed-LLM's --first-k-dense-replace)",
+       _lacks("dense layers among MoE layers"), TORCH,
+       MOE_EXAMPLE + ("--first-k-dense-replace", "1"), depends=("moe",))
+option("mtp", (host("--mtp-num-layers"), host("--mtp-loss-scaling-factor", 0.1)), lambda a: bool(a.mtp_num_layers),
+       "multi-token prediction (Megatron-Core's MTP block): extra layers predict later tokens; their losses "
+       "weighted into training", _lacks("multi-token prediction block"), TORCH,
+       ("--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"))
+NoSaveOptim = option(
+    "no-save-optim", (host("--no-save-optim", False),), lambda a: a.no_save_optim,
+    "checkpoints without optimizer state (resumed with --no-load-optim)",
+    {"mindspore": f"{MS} writes the optimizer state into every checkpoint"}, "drop --no-save-optim",
+    ("--no-save-optim",))
+option("manual-gc", (host("--manual-gc", False), host("--manual-gc-interval", 0)), lambda a: a.manual_gc,
+       "Python's garbage collector at fixed steps only (training/manual_gc.py)", {}, "",
+       ("--manual-gc", "--manual-gc-interval", "1"))
+MoePermuteFusion = option(
+    "moe-permute-fusion", (host("--moe-permute-fusion", False),), lambda a: a.moe_permute_fusion,
+    "Transformer Engine's fused MoE token permutation", {}, "", MOE_EXAMPLE + ("--moe-permute-fusion",),
+    depends=("moe",))
+MoePermuteFusion.inert = lambda self, args: (
+    "Megatron-Core fuses the permutation with Transformer Engine only, which MindSpeed does not use; the "
+    "unfused permutation moves the same tokens (MindSpeed's own: --use-fused-moe-token-permute-and-unpermute)")
+NoSharedStorage = option(
+    "no-shared-storage", (host("--no-shared-storage", False),), lambda a: a.no_shared_storage,
+    "MindSpeed-LLM's switch for nodes without a shared filesystem", {}, "", ("--no-shared-storage",))
+NoSharedStorage.inert = lambda self, args: (
+    "each rank writes its own checkpoint shards and one node reads them back; across nodes, save to a shared "
+    "filesystem")
+MtpMemEfficientLogits = option(
+    "mtp-mem-efficient-logits", (host("--mtp-mem-efficient-logits", False),), lambda a: a.mtp_mem_efficient_logits,
+    "MindSpeed-LLM's memory saver for the MTP logits", {}, "",
+    ("--mtp-num-layers", "1", "--untie-embeddings-and-output-weights", "--mtp-mem-efficient-logits"))
+MtpMemEfficientLogits.inert = lambda self, args: (
+    "Megatron-Core's MTP computes each MTP layer's logits and loss in turn, freeing the last before the next")
+
+option("expert-tensor-parallel", (host("--expert-tensor-parallel-size"),),
+       lambda a: a.expert_tensor_parallel_size is not None,
+       "a tensor-parallel size inside the experts other than the attention's (Megatron-Core's expert TP)",
+       _lacks("expert tensor-parallel size of its own (--moe-tp-extend-ep spreads whole experts)"), TORCH,
+       MOE_EXAMPLE + ("--expert-tensor-parallel-size", "1"), depends=("moe",))

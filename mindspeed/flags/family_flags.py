@@ -1,0 +1,318 @@
+"""The model-family flags of MindSpeed-LLM's recipes (Llama-3/3.1, Qwen2.5, Qwen3, Qwen3-MoE, Mixtral,
+DeepSeek-V3) for the built-in trainers' parser: q/k norms, RoPE scaling (llama3, yarn), multi-latent
+attention, multi-token prediction, the MoE router's options and layer layout, and the run switches
+those recipes pass.
+
+Megatron-Core 0.16.1's own modules do the work (training/model.py maps the values to its
+TransformerConfig); both spellings of a setting land in one dest here — Megatron's
+(`--moe-router-num-groups`, `--qk-head-dim`) and MindSpeed-LLM's (`--n-group`, `--qk-nope-head-dim`,
+its 2.1.0 names) — and `derive_family_args` turns MindSpeed-LLM's combined options (`--rope-scaling-type`,
+`--first-k-dense-replace`, `--n-shared-experts`, `--seq-aux`, its balancing types) into Megatron-Core's
+values. What Megatron-Core cannot express is refused in `family_problems`, one line each.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+
+# MindSpeed-LLM's load-balancing types -> (Megatron-Core's type, what else it sets)
+LLM_BALANCING = {
+    "noaux_tc": "none",        # DeepSeek-V3: sigmoid scores, expert bias, group-limited top-k, no aux loss
+    "softmax_topk": "none",    # softmax over all experts, then top-k (Megatron-Core's pre-softmax routing)
+}
+MCORE_BALANCING = ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
+UNSUPPORTED_BALANCING = {
+    "group_limited_greedy": "DeepSeek-V2's per-group maximum; Megatron-Core's group-limited routing sums the "
+                            "top scores of each group: use --moe-router-load-balancing-type aux_loss (or none) "
+                            "with --moe-router-num-groups/--moe-router-group-topk",
+    "pai_megatron_aux_loss": "PAI-Megatron's auxiliary loss is not in Megatron-Core: use aux_loss",
+    "sparsemixer_topk": "SparseMixer's top-2 estimator is not in Megatron-Core: use aux_loss",
+}
+
+
+def moe_layer_freq(text: str):
+    """Megatron's --moe-layer-freq: an int N (every N-th layer is MoE; MindSpeed-LLM's -1: every layer), or a
+    list of 0/1 per layer written as Megatron writes it, e.g. "([0]*3+[1]*29)" — read without eval()."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+
+    def value(node):
+        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and e.value in (0, 1) for e in node.elts):
+            return [e.value for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+    try:
+        pattern = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or not pattern:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer or a 0/1 list such as \"([0]*3+[1]*29)\"")
+    return pattern
+
+
+def add_family_args(parser: argparse.ArgumentParser) -> None:
+    _attention(parser)
+    _rope_scaling(parser)
+    _router(parser)
+    _moe_layout(parser)
+    _mtp(parser)
+    _run_switches(parser)
+
+
+def _attention(parser) -> None:
+    g = parser.add_argument_group("attention variants (Megatron-Core's q/k norms and multi-latent attention)")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys per head (Qwen3)")
+    g.add_argument("--multi-latent-attention", "--multi-head-latent-attention", dest="multi_latent_attention",
+                   action="store_true", help="DeepSeek's multi-latent attention (MindSpeed-LLM 2.1.0's spelling too)")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="MLA: query low-rank size (None: full-rank)")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: key/value low-rank size")
+    g.add_argument("--qk-head-dim", "--qk-nope-head-dim", dest="qk_head_dim", type=int, default=128,
+                   help="MLA: the q/k head size without the positional part")
+    g.add_argument("--qk-pos-emb-head-dim", "--qk-rope-head-dim", dest="qk_pos_emb_head_dim", type=int, default=64,
+                   help="MLA: the q/k head size that carries RoPE")
+    g.add_argument("--v-head-dim", type=int, default=128, help="MLA: the value head size")
+    g.add_argument("--mla-fa-without-pad", action="store_true",
+                   help="MLA: flash attention takes v's head size as it is (never padded to q's here)")
+
+
+def _rope_scaling(parser) -> None:
+    g = parser.add_argument_group("RoPE scaling (Llama-3.1's and YaRN)")
+    g.add_argument("--rope-scaling-type", default=None, choices=["llama3", "yarn"],
+                   help="MindSpeed-LLM's: llama3 (with --rope-scaling-factor, --low/--high-freq-factor, "
+                        "--original-max-position-embeddings) or yarn (with --rope-scaling-factor, --beta-fast, ...)")
+    g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
+                   help="Megatron's: yarn = YaRN scaling by --rotary-scaling-factor, --mscale, --mscale-all-dim")
+    g.add_argument("--rotary-scaling-factor", type=float, default=None, help="Megatron's YaRN factor (--rope-type yarn)")
+    g.add_argument("--mscale", "--rope-scaling-mscale", dest="mscale", type=float, default=None,
+                   help="YaRN attention scale (default 1.0)")
+    g.add_argument("--mscale-all-dim", "--rope-scaling-mscale-all-dim", dest="mscale_all_dim", type=float,
+                   default=None, help="YaRN attention scale over all dims (default 0.0)")
+    g.add_argument("--beta-fast", "--rope-scaling-beta-fast", dest="beta_fast", type=float, default=None,
+                   help="YaRN: rotations above which frequencies are kept (default 32)")
+    g.add_argument("--beta-slow", "--rope-scaling-beta-slow", dest="beta_slow", type=float, default=None,
+                   help="YaRN: rotations below which frequencies are interpolated (default 1)")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=None,
+                   help="YaRN: the context length the model was pretrained at (default 4096)")
+    g.add_argument("--original-max-position-embeddings", type=float, default=None,
+                   help="llama3 scaling: the original context (Llama-3.1: 8192)")
+    g.add_argument("--low-freq-factor", type=float, default=None, help="llama3 scaling (Llama-3.1: 1)")
+    g.add_argument("--high-freq-factor", type=float, default=None, help="llama3 scaling (Llama-3.1: 4)")
+
+
+def _router(parser) -> None:
+    g = parser.add_argument_group("MoE router (Megatron-Core's TopKRouter)")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=MCORE_BALANCING + list(LLM_BALANCING) + list(UNSUPPORTED_BALANCING),
+                   help="Megatron-Core's types; MindSpeed-LLM's noaux_tc and softmax_topk map onto them")
+    g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias on the routing scores, updated each step "
+                        "(sigmoid scores)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-num-groups", "--n-group", dest="moe_router_num_groups", type=int, default=None,
+                   help="group-limited routing: expert groups")
+    g.add_argument("--moe-router-group-topk", "--topk-group", dest="moe_router_group_topk", type=int, default=None,
+                   help="group-limited routing: groups each token may use")
+    g.add_argument("--moe-router-topk-scaling-factor", "--routed-scaling-factor",
+                   dest="moe_router_topk_scaling_factor", type=float, default=None,
+                   help="multiply the routed experts' weights (DeepSeek-V3: 2.5)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (weights not renormalized)")
+    g.add_argument("--norm-topk-prob", action="store_true",
+                   help="MindSpeed-LLM's: the top-k weights sum to 1 (Megatron-Core's default routing)")
+    g.add_argument("--seq-aux", action="store_true",
+                   help="MindSpeed-LLM's: the auxiliary loss per sequence (Megatron-Core's seq_aux_loss)")
+    g.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"],
+                   help="the router's scores in this precision")
+    g.add_argument("--router-gating-in-fp32", dest="moe_router_dtype", action="store_const", const="fp32",
+                   help="MindSpeed-LLM 2.1.0's spelling of --moe-router-dtype fp32")
+
+
+def _moe_layout(parser) -> None:
+    g = parser.add_argument_group("MoE layout")
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
+                   help="every N-th layer is MoE, or a 0/1 list per layer (\"([0]*3+[1]*29)\")")
+    g.add_argument("--first-k-dense-replace", type=int, default=None,
+                   help="MindSpeed-LLM's: the first K layers are dense (with --moe-layer-freq)")
+    g.add_argument("--n-shared-experts", type=int, default=None,
+                   help="MindSpeed-LLM's: shared experts, each of --moe-ffn-hidden-size "
+                        "(Megatron's --moe-shared-expert-intermediate-size = N x that)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor-parallel size inside each expert (default: --tensor-model-parallel-size)")
+
+
+def _mtp(parser) -> None:
+    g = parser.add_argument_group("multi-token prediction (Megatron-Core's MTP block)")
+    g.add_argument("--mtp-num-layers", type=int, default=None, help="MTP layers after the decoder (DeepSeek-V3: 1)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="the MTP losses' weight in the training loss")
+    g.add_argument("--mtp-mem-efficient-logits", action="store_true",
+                   help="MindSpeed-LLM's memory saver for the MTP logits: the same loss, computed as Megatron-Core does")
+
+
+def _run_switches(parser) -> None:
+    g = parser.add_argument_group("run switches of MindSpeed-LLM's recipes")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="checkpoints without optimizer state (resume them with --no-load-optim)")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="checkpoints without RNG state (the built-in trainers never save it)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector runs every --manual-gc-interval steps, not when it likes")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="steps between collections with --manual-gc (0: only at evaluation and checkpoints)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="a nan/inf loss does not stop the run")
+    g.add_argument("--no-shared-storage", action="store_true",
+                   help="MindSpeed-LLM's: each node saves to its own disk (one node here: no effect)")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="Megatron's fused token permutation (Transformer Engine's kernel)")
+
+
+def moe_layer_pattern(args) -> list[int] | None:
+    """0/1 per layer (1: MoE) from --moe-layer-freq and --first-k-dense-replace; None for a dense model."""
+    if not getattr(args, "num_experts", None):
+        return None
+    freq, first = args.moe_layer_freq, args.first_k_dense_replace
+    if isinstance(freq, list):
+        pattern = list(freq)
+    else:   # Megatron's and MindSpeed-LLM's rule (i % -1 == 0: every layer)
+        pattern = [1 if freq and i % freq == 0 else 0 for i in range(args.num_layers)]
+    if first is not None and first > 0:
+        pattern = [0 if i < first else p for i, p in enumerate(pattern)]
+    return pattern
+
+
+def derive_family_args(args, say) -> None:
+    """MindSpeed-LLM's combined options -> the Megatron-Core values training/model.py reads; `say` gets the
+    one line for a flag that runs as another here."""
+    kind = args.moe_router_load_balancing_type
+    if kind == "noaux_tc":
+        args.moe_router_score_function = "sigmoid"
+        args.moe_router_enable_expert_bias = True
+    if kind == "softmax_topk":
+        args.moe_router_pre_softmax = True
+    if kind in LLM_BALANCING:
+        args.moe_router_load_balancing_type = LLM_BALANCING[kind]
+    if args.seq_aux and args.moe_router_load_balancing_type in ("aux_loss", "none"):
+        args.moe_router_load_balancing_type = "seq_aux_loss"
+    if args.n_shared_experts and args.moe_shared_expert_intermediate_size is None:
+        args.moe_shared_expert_intermediate_size = args.n_shared_experts * (args.moe_ffn_hidden_size
+                                                                            or args.ffn_hidden_size)
+    if args.rope_scaling_type == "llama3":
+        args.use_rope_scaling = True
+    yarn = args.rope_scaling_type == "yarn" or args.rope_type == "yarn"
+    args.yarn = yarn
+    if yarn and args.rotary_scaling_factor is None:
+        args.rotary_scaling_factor = args.rope_scaling_factor     # MindSpeed-LLM's spelling of the factor
+    if getattr(args, "moe_token_dispatcher_type", None) == "alltoall_seq":
+        args.moe_token_dispatcher_type = "alltoall"
+        say("> --moe-token-dispatcher-type alltoall_seq runs as alltoall: Megatron-Core 0.16 dropped alltoall_seq "
+            "(the same tokens reach the same experts)")
+
+
+LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
+
+
+def family_problems(args) -> list[str]:
+    problems = []
+    kind = args.moe_router_load_balancing_type
+    if kind in UNSUPPORTED_BALANCING:
+        problems.append(f"--moe-router-load-balancing-type {kind}: {UNSUPPORTED_BALANCING[kind]}")
+    if args.rope_scaling_type == "llama3":
+        other = {k: getattr(args, k) for k, v in LLAMA3_SCALING.items()
+                 if getattr(args, k) is not None and getattr(args, k) != v}
+        if other:
+            problems.append("--rope-scaling-type llama3 with " + ", ".join(f"--{k.replace('_', '-')} {v:g}"
+                                                                          for k, v in other.items())
+                            + ": Megatron-Core's Llama-3.1 scaling has low/high frequency factors 1/4 and an "
+                              "original context of 8192; drop those flags (or give those values)")
+    else:
+        given = [f"--{k.replace('_', '-')}" for k in LLAMA3_SCALING if getattr(args, k) is not None]
+        if given:
+            problems.append(f"{', '.join(given)}: only --rope-scaling-type llama3 reads them: add it or drop them")
+    yarn_flags = [f for f, dest in (("--beta-fast", "beta_fast"), ("--beta-slow", "beta_slow"),
+                                    ("--mscale", "mscale"), ("--mscale-all-dim", "mscale_all_dim"),
+                                    ("--rotary-scaling-factor", "rotary_scaling_factor"),
+                                    ("--rope-scaling-original-max-position-embeddings",
+                                     "rope_scaling_original_max_position_embeddings"))
+                  if getattr(args, dest) is not None]
+    if yarn_flags and not args.yarn and not args.multi_latent_attention:
+        problems.append(f"{', '.join(yarn_flags)}: only YaRN scaling reads them: add --rope-scaling-type yarn "
+                        "(or Megatron's --rope-type yarn) or drop them")
+    if args.rope_scaling_type and args.rope_type and (args.rope_type == "yarn") != (args.rope_scaling_type == "yarn"):
+        problems.append(f"--rope-scaling-type {args.rope_scaling_type} and --rope-type {args.rope_type} disagree: "
+                        "give one")
+    if args.yarn and args.use_rope_scaling:
+        problems.append("YaRN scaling and --use-rope-scaling (Llama-3.1's) both scale RoPE: give one")
+    if args.yarn and args.rotary_scaling_factor is None:
+        problems.append("YaRN scaling needs its factor: add --rope-scaling-factor N (Megatron: --rotary-scaling-factor)")
+    if args.rope_scaling_factor is not None and not (args.use_rope_scaling or args.yarn):
+        problems.append(f"--rope-scaling-factor {args.rope_scaling_factor:g} acts only with --use-rope-scaling "
+                        "(Llama-3.1) or --rope-scaling-type yarn|llama3: add one, or drop the factor")
+    mla = args.multi_latent_attention
+    mla_given = [f"--{d.replace('_', '-')}" for d, default in (("q_lora_rank", None), ("kv_lora_rank", 32),
+                 ("qk_head_dim", 128), ("qk_pos_emb_head_dim", 64), ("v_head_dim", 128), ("mla_fa_without_pad", False))
+                 if getattr(args, d) != default]
+    if mla_given and not mla:
+        problems.append(f"{', '.join(mla_given)}: only multi-latent attention reads them: add "
+                        "--multi-latent-attention or drop them")
+    moe_only = [f for f, on in (("--moe-router-score-function", args.moe_router_score_function != "softmax"),
+                                ("--moe-router-enable-expert-bias", args.moe_router_enable_expert_bias),
+                                ("--moe-router-num-groups", args.moe_router_num_groups is not None),
+                                ("--moe-router-group-topk", args.moe_router_group_topk is not None),
+                                ("--moe-router-topk-scaling-factor", args.moe_router_topk_scaling_factor is not None),
+                                ("--moe-router-pre-softmax", args.moe_router_pre_softmax),
+                                ("--moe-router-dtype", args.moe_router_dtype is not None),
+                                ("--seq-aux", args.seq_aux), ("--first-k-dense-replace",
+                                                              (args.first_k_dense_replace or 0) > 0),
+                                ("--n-shared-experts", bool(args.n_shared_experts)),
+                                ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size is not None))
+                if on]
+    if moe_only and not args.num_experts:
+        problems.append(f"{', '.join(moe_only)} configure MoE layers: add --num-experts or drop them")
+    if args.num_experts:
+        problems.extend(_router_problems(args))
+    if args.mtp_num_layers is not None and args.mtp_num_layers < 1:
+        problems.append(f"--mtp-num-layers must be a positive integer (got {args.mtp_num_layers})")
+    if args.manual_gc_interval and not args.manual_gc:
+        problems.append("--manual-gc-interval acts only with --manual-gc: add it or drop the interval")
+    if args.manual_gc_interval < 0:
+        problems.append(f"--manual-gc-interval must be >= 0 (got {args.manual_gc_interval})")
+    return problems
+
+
+def _router_problems(args) -> list[str]:
+    problems = []
+    pattern = moe_layer_pattern(args)
+    if len(pattern) != args.num_layers:
+        problems.append(f"--moe-layer-freq gives {len(pattern)} layers, --num-layers {args.num_layers}")
+    elif not any(pattern):
+        problems.append("--moe-layer-freq/--first-k-dense-replace leave no MoE layer: drop --num-experts for a "
+                        "dense model")
+    groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        problems.append("--moe-router-num-groups and --moe-router-group-topk (--n-group/--topk-group) go together")
+    elif groups is not None and (args.num_experts % groups or group_topk > groups
+                                 or args.moe_router_topk % group_topk
+                                 or args.moe_router_topk // group_topk > args.num_experts // groups):
+        problems.append(f"group-limited routing needs --num-experts {args.num_experts} divisible by "
+                        f"--moe-router-num-groups {groups}, --moe-router-group-topk {group_topk} <= the groups, and "
+                        f"--moe-router-topk {args.moe_router_topk} divisible by the group top-k, at most the "
+                        "experts of a group per chosen group")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        problems.append("--moe-router-enable-expert-bias balances sigmoid scores: add "
+                        "--moe-router-score-function sigmoid")
+    sigmoid_normalizes = args.moe_router_score_function == "sigmoid" and args.moe_router_topk > 1
+    if sigmoid_normalizes and not args.norm_topk_prob:
+        problems.append("--moe-router-score-function sigmoid: Megatron-Core's router always normalizes the top-k "
+                        "sigmoid weights (DeepSeek-V3's norm_topk_prob): add --norm-topk-prob")
+    if args.norm_topk_prob and args.moe_router_pre_softmax and args.moe_router_score_function == "softmax":
+        problems.append("--norm-topk-prob with --moe-router-pre-softmax (or softmax_topk): renormalized pre-softmax "
+                        "weights are Megatron-Core's default routing; drop both for it")
+    return problems
