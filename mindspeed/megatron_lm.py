@@ -5,7 +5,8 @@ device shim (Megatron-Core's and megatron.training's CUDA assumptions), then joi
 argument parsing:
 - `parse_args`: MindSpeed's flags are added to Megatron's own parser through its extra-args
   provider, so Megatron parses the whole command line and a misspelt flag is an error;
-- `validate_args`: before Megatron's checks, the device's collective backend replaces nccl and
+- `validate_args`: before Megatron's checks, MindSpeed-LLM's tokenizer flags become Megatron's
+  (megatron_lm_data.tokenizer_problems), the device's collective backend replaces nccl and
   options the device cannot honour are refused; after them, MindSpeed plans the enabled features,
   the support matrix gates them, and their hooks are applied, all before any model exists.
 """
@@ -100,6 +101,7 @@ class MegatronLMHooks:
                     parser = extra_args_provider(parser)
                 add_mindspeed_args(parser)
                 megatron_lm_data.add_args(parser)
+                megatron_lm_data.add_tokenizer_args(parser)
                 parser.error = _one_line_error(parser)
                 if not _transformer_engine_present():
                     # the default (transformer_engine) cannot import here: Megatron-Core's local
@@ -112,6 +114,9 @@ class MegatronLMHooks:
     # -- validate_args -------------------------------------------------------------------------
     def wrap_validate_args(self, original):
         def validate_args(args, defaults={}):   # noqa: B006 (Megatron's signature)
+            tokenizer_problems = megatron_lm_data.tokenizer_problems(args)   # PretrainedFromHF: HuggingFaceTokenizer
+            if tokenizer_problems:
+                self._refuse(tokenizer_problems[0])
             self._before_megatron(args)
             result = original(args, defaults)
             self._after_megatron(args)

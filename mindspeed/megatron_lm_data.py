@@ -13,13 +13,21 @@ travel as the batch's attention_mask to every attention layer; the dataset then 
 mask. Only where every stage sees the tokens: with PP > 1 the middle stages get no batch
 (Megatron's dense mask stays there), and --neat-pack's sample numbers do not pass Megatron-LM's
 get_batch (its dense mask stays too).
+
+MindSpeed-LLM's tokenizer flags (--tokenizer-type PretrainedFromHF --tokenizer-name-or-path DIR,
+--padded-vocab-size N) join Megatron-LM's parser too, and become Megatron's own HuggingFaceTokenizer
+--tokenizer-model DIR and preset padded_vocab_size before its checks (add_tokenizer_args,
+tokenizer_problems).
 """
 from __future__ import annotations
+
+import os
 
 from mindspeed.adaptor_core import packed_documents
 from mindspeed.features import documents
 from mindspeed.flags import trainer_flags
-from mindspeed.flags.checks import instruction_problems
+from mindspeed.flags.checks import (PRETRAINED_FROM_HF, hf_tokenizer_problems, instruction_problems,
+                                    padded_vocab_problems, resolve_hf_alias)
 
 BUILD = "megatron.core.datasets.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder.build"
 
@@ -32,6 +40,57 @@ def add_args(parser) -> None:
         if flag not in existing:
             action = donor._option_string_actions[flag]
             group.add_argument(flag, action="store_true", help=action.help)
+
+
+def add_tokenizer_args(parser) -> None:
+    """MindSpeed-LLM's tokenizer flags join Megatron-LM's: --tokenizer-type PretrainedFromHF with
+    --tokenizer-name-or-path (Megatron's HuggingFaceTokenizer --tokenizer-model, tokenizer_problems),
+    --tokenizer-not-use-fast (refused there) and --padded-vocab-size (Megatron-LM's own from core_v0.16;
+    its build_tokenizer keeps a padded_vocab_size that is already set)."""
+    existing = set(parser._option_string_actions)
+    kind = parser._option_string_actions.get("--tokenizer-type")
+    if kind is not None and kind.choices is not None and PRETRAINED_FROM_HF not in kind.choices:
+        kind.choices = [*kind.choices, PRETRAINED_FROM_HF]
+    donor = trainer_flags.build_parser()._option_string_actions     # one help text with the built-in trainers
+    group = parser.add_argument_group("MindSpeed-LLM tokenizer flags")
+    if "--tokenizer-name-or-path" not in existing:
+        group.add_argument("--tokenizer-name-or-path", default=None, help=donor["--tokenizer-name-or-path"].help)
+    if "--tokenizer-not-use-fast" not in existing:
+        group.add_argument("--tokenizer-not-use-fast", action="store_true", help=donor["--tokenizer-not-use-fast"].help)
+    if "--padded-vocab-size" not in existing:
+        group.add_argument("--padded-vocab-size", type=int, default=None, help=donor["--padded-vocab-size"].help)
+
+
+def tokenizer_problems(args) -> list[str]:
+    """Before Megatron's checks: MindSpeed-LLM's spelling becomes Megatron's HuggingFaceTokenizer
+    --tokenizer-model DIR (what its build_tokenizer loads), and the flags are checked as the built-in
+    trainers check them; a --padded-vocab-size below a tokenizer.json's vocabulary (or NullTokenizer's)
+    is refused too (Megatron would build the smaller embedding)."""
+    resolve_hf_alias(args)
+    found = hf_tokenizer_problems(args, local_only=False) + padded_vocab_problems(args)
+    padded = getattr(args, "padded_vocab_size", None)
+    if not found and padded is not None:
+        vocab = _flag_vocab_size(args)
+        if vocab is not None and padded < vocab:
+            found.append(f"--padded-vocab-size {padded} is smaller than the tokenizer's vocabulary ({vocab} "
+                         f"tokens): give at least {vocab}, or drop it to pad the vocabulary as Megatron does")
+    return found
+
+
+def _flag_vocab_size(args) -> int | None:
+    """The vocabulary the flags give without building the tokenizer: NullTokenizer's, or a Hugging
+    Face folder's tokenizer.json (as len(tokenizer) counts it); None otherwise."""
+    if args.tokenizer_type == "NullTokenizer" and getattr(args, "vocab_size", None):
+        return args.vocab_size + 1          # Megatron's NullTokenizer adds its end-of-document id
+    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model and os.path.isfile(
+            os.path.join(args.tokenizer_model, "tokenizer.json")):
+        from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size
+        from mindspeed.errors import ConvertError
+        try:
+            return tokenizer_vocab_size(args.tokenizer_model)
+        except ConvertError:
+            return None                     # Megatron's own tokenizer load reports an unreadable one
+    return None
 
 
 def problems(args) -> list[str]:

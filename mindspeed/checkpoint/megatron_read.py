@@ -37,6 +37,51 @@ LAYER_KEYS = {
 }
 LAYER_SUFFIXES = tuple(LAYER_KEYS)
 
+# Where a layer's tensors sit in torch_dist: stacked over the layers as above ("decoder.layers.<suffix>",
+# the layer a prepended axis), or -- where the layers differ, as dense and MoE layers do -- one key per
+# layer ("decoder.layers.<i>.<suffix>", i the global layer). Either way each MoE expert's weight is one
+# key with the global expert as a further prepended axis: model-local `mlp.experts.local_experts.<e>.X`
+# is torch_dist's `mlp.experts.experts.X` at expert e.
+NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+NORM_SUFFIXES = {key: suffix for suffix, key in NORM_KEYS.items()}
+LOCAL_EXPERTS, EXPERT_KEYS = "mlp.experts.local_experts.", "mlp.experts.experts."
+
+
+def key_suffix(suffix: str) -> tuple[str, int | None]:
+    """A layer's model-local suffix -> (its torch_dist suffix, the global expert or None)."""
+    if suffix.startswith(LOCAL_EXPERTS):
+        expert, rest = suffix[len(LOCAL_EXPERTS):].split(".", 1)
+        return EXPERT_KEYS + rest, int(expert)
+    return NORM_KEYS.get(suffix, suffix), None
+
+
+def model_suffix(key_part: str, expert: int | None) -> str:
+    """The inverse of key_suffix."""
+    if key_part.startswith(EXPERT_KEYS):
+        return f"{LOCAL_EXPERTS}{expert}.{key_part[len(EXPERT_KEYS):]}"
+    return NORM_SUFFIXES.get(key_part, key_part)
+
+
+def split_layer_key(key: str) -> tuple[int | None, str]:
+    """(the layer, the suffix) of a per-layer torch_dist key "decoder.layers.<i>.<suffix>"; (None, the
+    suffix) of a stacked one "decoder.layers.<suffix>"."""
+    rest = key[len(STACKED):]
+    head, _, tail = rest.partition(".")
+    return (int(head), tail) if head.isdigit() else (None, rest)
+
+
+def model_name(key: str, prepended: tuple[int, ...]) -> str:
+    """The model-local parameter name of the torch_dist chunk `key` whose prepended axes sit at the
+    offsets `prepended` (layer and/or expert)."""
+    if not key.startswith(STACKED):
+        return key
+    layer, part = split_layer_key(key)
+    if layer is None:
+        layer, prepended = prepended[0], prepended[1:]
+    expert = prepended[0] if part.startswith(EXPERT_KEYS) else None
+    return f"decoder.layers.{layer}.{model_suffix(part, expert)}"
+
 
 def open_checkpoint(root: str):
     """The reader for the iteration the tracker names, checked as the trainers check it before a
@@ -74,41 +119,85 @@ class TorchDistReader:
         return tuple(self.meta[name].size)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._assemble(name, None)
+        return self._assemble(name, ())
 
-    def has_layer(self, suffix: str) -> bool:
-        return self.has(LAYER_KEYS[suffix])
+    def _where(self, suffix: str, layer: int) -> tuple[str, tuple[int, ...]] | None:
+        """(torch_dist key, the indices of its prepended axes) of layer `layer`'s `suffix`, None if absent."""
+        part, expert = key_suffix(suffix)
+        experts = () if expert is None else (expert,)
+        for key, index in ((f"{STACKED}{layer}.{part}", experts), (STACKED + part, (layer, *experts))):
+            if key in self.pieces and all(i < n for i, n in zip(index, self.meta[key].size)):
+                return key, index
+        return None
+
+    def has_layer(self, suffix: str, layer: int | None = None) -> bool:
+        """Layer `layer` (any layer with None) has the tensor `suffix`."""
+        layers = range(self.num_layers()) if layer is None else (layer,)
+        return any(self._where(suffix, i) is not None for i in layers)
 
     def num_layers(self) -> int:
-        return self.shape(LAYER_KEYS["self_attention.linear_qkv.weight"])[0]
+        count = 0
+        for key in self.pieces:
+            if key.startswith(STACKED):
+                layer, _ = split_layer_key(key)
+                count = max(count, layer + 1 if layer is not None else self.meta[key].size[0])
+        return count
 
-    def layer_shape(self, suffix: str) -> tuple[int, ...]:
-        return self.shape(LAYER_KEYS[suffix])[1:]
+    def layer_suffixes(self, layer: int) -> set[str]:
+        """The model-local suffixes of every tensor layer `layer` has."""
+        found = set()
+        for key in self.pieces:
+            if not key.startswith(STACKED):
+                continue
+            at, part = split_layer_key(key)
+            size = tuple(self.meta[key].size)
+            if at is None:
+                if layer >= size[0]:
+                    continue
+                size = size[1:]
+            elif at != layer:
+                continue
+            experts = range(size[0]) if part.startswith(EXPERT_KEYS) else (None,)
+            found.update(model_suffix(part, e) for e in experts)
+        return found
+
+    def layer_shape(self, suffix: str, layer: int = 0) -> tuple[int, ...]:
+        where = self._where(suffix, layer)
+        if where is None:
+            raise ConvertError(f"checkpoint {self.dir} has no decoder.layers.{layer}.{suffix}")
+        key, index = where
+        return self.shape(key)[len(index):]
 
     def get_layer(self, suffix: str, layer: int) -> torch.Tensor:
-        return self._assemble(LAYER_KEYS[suffix], layer)
+        where = self._where(suffix, layer)
+        if where is None:
+            raise ConvertError(f"checkpoint {self.dir} has no decoder.layers.{layer}.{suffix}")
+        return self._assemble(*where)
 
     def layer_tensor(self, key: str, layer: int) -> torch.Tensor:
-        """Layer `layer` of the layer-stacked tensor `key` (a torch_dist key)."""
-        return self._assemble(key, layer)
+        """Layer `layer` of the layer-stacked tensor `key` (a torch_dist key), or of its per-layer key."""
+        if key not in self.pieces and key.startswith(STACKED):
+            return self._assemble(f"{STACKED}{layer}.{key[len(STACKED):]}", ())
+        return self._assemble(key, (layer,))
 
     # chunks -----------------------------------------------------------------------------------
-    def _assemble(self, key: str, layer: int | None) -> torch.Tensor:
-        """The global tensor `key`, or its slice [layer] for layer-stacked keys."""
+    def _assemble(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
+        """The global tensor `key`, or its slice [index] along its first axes (layer-stacked keys: the
+        layer; expert keys: the expert)."""
         shape = self.shape(key)
-        out = torch.empty(shape if layer is None else shape[1:], dtype=self.meta[key].properties.dtype)
+        n = len(index)
+        out = torch.empty(shape[n:], dtype=self.meta[key].properties.dtype)
         filled = 0
         for offsets, info in self.pieces[key]:
-            if layer is not None and offsets[0] != layer:
+            if tuple(offsets[:n]) != tuple(index):
                 continue
             chunk = self._read(info)
-            if layer is not None:
-                chunk, offsets = chunk[0], offsets[1:]
-            out[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))] = chunk
+            chunk, offsets = chunk[(0,) * n], offsets[n:]
+            out[tuple(slice(o, o + c) for o, c in zip(offsets, chunk.shape))] = chunk
             filled += chunk.numel()
         if filled != out.numel():   # chunks never overlap in torch_dist (replicas are written once)
             raise ConvertError(f"checkpoint {self.dir}: the chunks of {key!r}"
-                               f"{'' if layer is None else f' layer {layer}'} cover {filled} of "
+                               f"{'' if not index else f' at {list(index)}'} cover {filled} of "
                                f"{out.numel()} values")
         return out
 
@@ -140,14 +229,19 @@ class NeutralReader:
         self.shape(name)
         return self._file.get_tensor(name)
 
-    def has_layer(self, suffix: str) -> bool:
-        return self.has(f"decoder.layers.0.{suffix}")
+    def has_layer(self, suffix: str, layer: int | None = None) -> bool:
+        layers = range(self.num_layers()) if layer is None else (layer,)
+        return any(self.has(f"decoder.layers.{i}.{suffix}") for i in layers)
 
     def num_layers(self) -> int:
-        return sum(1 for n in self._names if n.endswith(".self_attention.linear_qkv.weight"))
+        return 1 + max((int(n.split(".")[2]) for n in self._names if n.startswith(STACKED)), default=-1)
 
-    def layer_shape(self, suffix: str) -> tuple[int, ...]:
-        return self.shape(f"decoder.layers.0.{suffix}")
+    def layer_suffixes(self, layer: int) -> set[str]:
+        prefix = f"decoder.layers.{layer}."
+        return {n[len(prefix):] for n in self._names if n.startswith(prefix)}
+
+    def layer_shape(self, suffix: str, layer: int = 0) -> tuple[int, ...]:
+        return self.shape(f"decoder.layers.{layer}.{suffix}")
 
     def get_layer(self, suffix: str, layer: int) -> torch.Tensor:
         return self.get(f"decoder.layers.{layer}.{suffix}")

@@ -391,11 +391,12 @@ def read_common(root: str, step: int | None = None) -> dict:
 
 
 def check_vocab_rows(root: str, step: int | None, rows: int) -> None:
-    """Before the model is built: the torch_dist checkpoint --load reads has as many vocabulary rows
-    (embedding, output layer) as this run's model, `rows` (--padded-vocab-size, or the tokenizer's
-    vocabulary padded for this TP size). torch_dist keeps global shapes, so other rows cannot load;
-    a neutral checkpoint's padding rows are fitted on load (cross_format), and a checkpoint without
-    an embedding (LoRA adapters) or with an unreadable index is left to the load to judge."""
+    """Before the model is built, with --padded-vocab-size `rows`: the torch_dist checkpoint --load
+    reads has at least that many vocabulary rows (embedding, output layer). torch_dist loads the
+    rows both have, so a checkpoint with more rows loses only padding rows (`rows` is at least the
+    vocabulary), as at another TP size; one with fewer would leave this model's last rows untrained.
+    A neutral checkpoint's rows are fitted on load (cross_format); a checkpoint without an embedding
+    (LoRA adapters) or with an unreadable index is left to the load to judge."""
     directory = iteration_dir(root, read_tracker(root, step))
     if is_neutral(directory):
         return
@@ -404,9 +405,10 @@ def check_vocab_rows(root: str, step: int | None, rows: int) -> None:
     except (OSError, EOFError, AttributeError, pickle.UnpicklingError):
         return
     saved = next((int(meta[key].size[0]) for key in cross_format.VOCAB_ROWS if key in meta), None)
-    if saved is not None and saved != rows:
-        raise CheckpointError(f"checkpoint {directory} has {saved} vocabulary rows, this run's model {rows}: give "
-                              f"--padded-vocab-size {saved} (as the run or conversion that wrote it) to load it")
+    if saved is not None and saved < rows:
+        raise CheckpointError(f"checkpoint {directory} has {saved} vocabulary rows, fewer than --padded-vocab-size "
+                              f"{rows}: the other {rows - saved} would start untrained; give --padded-vocab-size "
+                              f"{saved}, or convert the model with --padded-vocab-size {rows}")
 
 
 def _load_failure(root: str, iteration: int, err: BaseException) -> CheckpointError:

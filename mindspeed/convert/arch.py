@@ -1,10 +1,16 @@
 """The architecture of a Llama-family model, read from a Hugging Face config.json and checked
 against the converter's flags; also the trainer flags that rebuild the same model.
 
-Supported: Llama 2/3/3.1 (model_type "llama") and Qwen2/2.5 ("qwen2"): RMSNorm, SwiGLU, RoPE (plain,
-or Llama 3.1's scaling), no linear biases except optional q/k/v biases, tied or untied embeddings, GQA.
-Qwen2 is the Llama layout plus q/k/v biases, so --model-type-hf llama2/llama3 convert it too (with
---add-qkv-bias), as MindSpeed-LLM's guides for Qwen2.5 ask.
+Supported (--model-type-hf, config.json model_type):
+- llama2 / llama3: Llama 2/3/3.1 ("llama", Llama 3.1's RoPE scaling too) and Qwen2/2.5 ("qwen2", with
+  --add-qkv-bias, as MindSpeed-LLM's guides for Qwen2.5 ask); qwen2: Qwen2 only.
+- qwen25: Qwen2.5 ("qwen2"): the Llama layout with q/k/v biases (always there: no --add-qkv-bias needed).
+- qwen3: Qwen3 ("qwen3"): per-head q/k RMSNorms (the trainer's --qk-layernorm), head_dim of its own
+  (--kv-channels), no biases.
+- qwen3-moe: Qwen3-MoE ("qwen3_moe"): Qwen3's attention, MoE layers (softmax router, top-k, renormalized
+  when norm_topk_prob) where decoder_sparse_step / mlp_only_layers put them, dense SwiGLU elsewhere.
+- mixtral: Mixtral ("mixtral"): the Llama attention, every layer MoE (softmax, top-k, renormalized).
+All: RMSNorm, SwiGLU, RoPE (plain, or Llama 3.1's scaling), tied or untied embeddings, GQA.
 """
 from __future__ import annotations
 
@@ -14,8 +20,15 @@ import os
 
 from mindspeed.errors import ConvertError
 
-# --model-type-hf -> the config.json model_types it converts (all of them the Llama layout)
-HF_MODEL_TYPES = {"llama2": ("llama", "qwen2"), "llama3": ("llama", "qwen2"), "qwen2": ("qwen2",)}
+# --model-type-hf -> the config.json model_types it converts
+HF_MODEL_TYPES = {"llama2": ("llama", "qwen2"), "llama3": ("llama", "qwen2"), "qwen2": ("qwen2",),
+                  "qwen25": ("qwen2",), "qwen3": ("qwen3",), "qwen3-moe": ("qwen3_moe",), "mixtral": ("mixtral",)}
+# what each config.json model_type is converted as (the layer layout and its extras)
+FAMILIES = {"llama": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+# the --model-type-hf that suits each model_type best (named in a mismatch refusal)
+SUGGESTED = {"llama": "llama2", "qwen2": "qwen25", "qwen3": "qwen3", "qwen3_moe": "qwen3-moe", "mixtral": "mixtral"}
+# model types whose q/k/v biases follow from the family (--add-qkv-bias only for llama2/llama3/qwen2)
+QKV_BIAS = {"qwen25": True, "qwen3": False, "qwen3-moe": False, "mixtral": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +46,17 @@ class Arch:
     tied_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    family: str = "llama"                  # FAMILIES' values: the layer layout
+    qk_layernorm: bool = False             # per-head q/k RMSNorms (Qwen3)
+    num_experts: int = 0                   # 0: dense
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_layers: tuple[int, ...] = ()       # 1 for each MoE layer, 0 for each dense one
+    norm_topk_prob: bool = True            # the top-k routing weights renormalized to sum to 1
+    moe_aux_loss_coeff: float | None = None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.num_experts) and bool(self.moe_layers[i])
 
     @property
     def heads_per_group(self) -> int:
@@ -54,7 +78,33 @@ class Arch:
             flags.append("--add-qkv-bias")
         if not self.tied_embeddings:
             flags.append("--untie-embeddings-and-output-weights")
+        if self.qk_layernorm:
+            flags.append("--qk-layernorm")
+        if self.num_experts:
+            flags += ["--num-experts", str(self.num_experts), "--moe-router-topk", str(self.moe_topk),
+                      "--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size)]
+            if not all(self.moe_layers):
+                flags += ["--moe-layer-freq", layer_pattern_text(self.moe_layers)]
+            # Megatron-Core's default routing (top-k of the logits, softmax over those) is softmax ->
+            # top-k -> renormalize; without renormalizing it is softmax over all experts first
+            flags.append("--norm-topk-prob" if self.norm_topk_prob else "--moe-router-pre-softmax")
+            if self.moe_aux_loss_coeff:
+                flags += ["--moe-router-load-balancing-type", "aux_loss",
+                          "--moe-aux-loss-coeff", repr(self.moe_aux_loss_coeff)]
+            else:
+                flags += ["--moe-router-load-balancing-type", "none"]
         return flags
+
+
+def layer_pattern_text(pattern) -> str:
+    """A 0/1 list per layer as Megatron's --moe-layer-freq writes it: "([0]*3+[1]*29)"."""
+    runs: list[list[int]] = []
+    for p in pattern:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return "(" + "+".join(f"[{p}]*{n}" for p, n in runs) + ")"
 
 
 def read_config(hf_dir: str, flag: str = "--load-dir") -> dict:
@@ -110,13 +160,22 @@ def _arch(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
     if got not in want:
         archs = config.get("architectures")
         named = f" ({', '.join(map(str, archs))})" if isinstance(archs, list) and archs else ""
-        layout = "is not a Llama-layout model" if got not in HF_MODEL_TYPES["llama2"] else "does not match"
+        layout = "does not match" if got in SUGGESTED else "is not a model type this converter knows"
+        hint = (f" (convert it with --model-type-hf {SUGGESTED[got]})" if got in SUGGESTED else
+                f" (it knows {', '.join(map(repr, sorted(SUGGESTED)))})")
         raise ConvertError(f"config.json model_type {got!r}{named} {layout}: --model-type-hf {model_type_hf} "
-                           f"converts model_type {' or '.join(map(repr, want))}")
+                           f"converts model_type {' or '.join(map(repr, want))}{hint}")
+    family = FAMILIES[got]
+    if model_type_hf in QKV_BIAS:
+        if add_qkv_bias and not QKV_BIAS[model_type_hf]:
+            raise ConvertError(f"--add-qkv-bias: a {model_type_hf} model has no q/k/v biases; drop it")
+        add_qkv_bias = QKV_BIAS[model_type_hf]
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ConvertError(f"config.json hidden_act {act!r}: only SwiGLU (silu) MLPs convert")
-    if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or []):
+    if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or []) \
+            or (family == "mixtral" and config.get("sliding_window") is not None
+                and int(config["sliding_window"]) < int(config.get("max_position_embeddings", 4096))):
         raise ConvertError("config.json uses sliding-window attention: the trainer attends over the whole "
                            "sequence, so such a model does not convert")
     for flag in ("attention_bias", "mlp_bias"):
@@ -129,12 +188,39 @@ def _arch(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
         raise ConvertError(f"config.json num_attention_heads {heads} is not a multiple of "
                            f"num_key_value_heads {kv_heads}")
     theta, scaling = _rope(config)
-    return Arch(num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
+    layers = int(config["num_hidden_layers"])
+    return Arch(num_layers=layers, hidden_size=hidden,
                 ffn_hidden_size=int(config["intermediate_size"]), num_heads=heads, num_kv_heads=kv_heads,
                 head_dim=int(config.get("head_dim") or hidden // heads), vocab_size=int(config["vocab_size"]),
                 norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling_factor=scaling,
                 tied_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=add_qkv_bias,
-                max_position_embeddings=int(config.get("max_position_embeddings", 4096)))
+                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+                family=family, qk_layernorm=family in ("qwen3", "qwen3_moe"), **_moe(config, family, layers))
+
+
+def _moe(config: dict, family: str, layers: int) -> dict:
+    """The MoE fields of Arch for the MoE families (none for a dense model)."""
+    if family == "qwen3_moe":
+        experts = int(config.get("num_experts") or config["num_local_experts"])
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in config.get("mlp_only_layers") or []}
+        # transformers' Qwen3MoeDecoderLayer: MoE where not in mlp_only_layers and (i + 1) % step == 0
+        pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
+        ffn, norm = int(config["moe_intermediate_size"]), bool(config.get("norm_topk_prob", False))
+    elif family == "mixtral":
+        experts, pattern = int(config["num_local_experts"]), (1,) * layers
+        ffn, norm = int(config["intermediate_size"]), True     # Mixtral always renormalizes the top-k
+    else:
+        return {}
+    topk = int(config["num_experts_per_tok"])
+    if not 0 < topk <= experts:
+        raise ConvertError(f"config.json num_experts_per_tok {topk} is not between 1 and the {experts} experts")
+    if not any(pattern):
+        raise ConvertError("config.json places no MoE layer (decoder_sparse_step / mlp_only_layers): "
+                           "a dense model does not convert as qwen3-moe")
+    coeff = config.get("router_aux_loss_coef")
+    return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=ffn, moe_layers=pattern,
+                norm_topk_prob=norm, moe_aux_loss_coeff=float(coeff) if coeff else None)
 
 
 def pipeline_split_flags(layer_list: list[int] | None) -> list[str]:
@@ -145,13 +231,22 @@ def pipeline_split_flags(layer_list: list[int] | None) -> list[str]:
             "--decoder-last-pipeline-num-layers", str(layer_list[-1])]
 
 
-def check_parallel(arch: Arch, tp: int, pp: int, layer_list: list[int] | None) -> None:
-    """What the target tensor/pipeline sizes need of the model (the trainer checks the same)."""
-    for name, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
-                        ("intermediate_size", arch.ffn_hidden_size)):
+def check_parallel(arch: Arch, tp: int, pp: int, layer_list: list[int] | None, ep: int = 1) -> None:
+    """What the target tensor/pipeline/expert sizes need of the model (the trainer checks the same)."""
+    sizes = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+             ("intermediate_size", arch.ffn_hidden_size)]
+    if arch.num_experts:       # each expert is split over the tensor-parallel ranks too
+        sizes.append(("moe_intermediate_size" if arch.family != "mixtral" else "intermediate_size",
+                      arch.moe_ffn_hidden_size))
+    for name, value in sizes:
         if value % tp:
             raise ConvertError(f"config.json {name} {value} is not divisible by "
                                f"--target-tensor-parallel-size {tp}")
+    if ep > 1 and not arch.num_experts:
+        raise ConvertError(f"--target-expert-parallel-size {ep}: the model has no experts (drop it)")
+    if arch.num_experts % ep:
+        raise ConvertError(f"config.json has {arch.num_experts} experts, not divisible by "
+                           f"--target-expert-parallel-size {ep}")
     if layer_list is not None:
         if len(layer_list) != pp:
             raise ConvertError(f"--num-layer-list has {len(layer_list)} entries, "

@@ -52,7 +52,8 @@ def _layer_list(text: str) -> list[int]:
 
 def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, allow_abbrev=False,
-                      description="Convert Llama-family checkpoints between Hugging Face and Megatron-Core")
+                      description="Convert Llama-family checkpoints (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral) "
+                                  "between Hugging Face and Megatron-Core")
     p.add_argument("--use-mcore-models", action="store_true",
                    help="accepted for Megatron-LM's command lines: Megatron-Core models are the only ones")
     p.add_argument("--model-type", default="GPT", choices=["GPT"])
@@ -66,10 +67,14 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p.add_argument("--model-type-hf", default="llama2", choices=sorted(HF_MODEL_TYPES))
     p.add_argument("--target-tensor-parallel-size", type=positive_int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=positive_int, default=1)
+    p.add_argument("--target-expert-parallel-size", type=positive_int, default=1,
+                   help="MoE models: the trainer's --expert-model-parallel-size (checked against the experts and "
+                        "given in the trainer flags; the torch_dist files keep every expert at any EP size)")
     p.add_argument("--num-layer-list", type=_layer_list, default=None,
                    help="layers per pipeline stage, e.g. 1,3: checked, and given to the trainer as "
                         "--decoder-first/last-pipeline-num-layers (the torch_dist files do not depend on it)")
-    p.add_argument("--add-qkv-bias", action="store_true", help="the model has q/k/v biases (Qwen2)")
+    p.add_argument("--add-qkv-bias", action="store_true",
+                   help="the model has q/k/v biases (Qwen2 as llama2/llama3/qwen2; qwen25 has them without it)")
     p.add_argument("--params-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="dtype of the Megatron parameters (hf->mg; bf16 and fp16 work on CPU too); "
                         "mg->hf writes config.json's dtype")
@@ -123,7 +128,7 @@ def _run(parser: argparse.ArgumentParser, opts) -> int:
             hf_to_mg.convert(opts)
         elif direction == ("mg", "hf"):
             if opts.target_tensor_parallel_size != 1 or opts.target_pipeline_parallel_size != 1 \
-                    or opts.num_layer_list:
+                    or opts.target_expert_parallel_size != 1 or opts.num_layer_list:
                 raise ConvertError("mg->hf writes one unsharded Hugging Face model: leave out "
                                    "--target-*-parallel-size and --num-layer-list")
             if opts.padded_vocab_size is not None:

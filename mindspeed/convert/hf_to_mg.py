@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import time
 
 import torch
 
 from mindspeed.convert import layout, megatron_write, sidecar
-from mindspeed.convert.arch import Arch, arch_from_config, check_parallel, pipeline_split_flags, read_config
+from mindspeed.convert.arch import QKV_BIAS, Arch, arch_from_config, check_parallel, pipeline_split_flags, read_config
 from mindspeed.errors import ConvertError
 from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.convert.hf_io import HFReader, copy_side_files
@@ -19,14 +20,15 @@ from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 
-def check_tensors(reader: HFReader, arch: Arch) -> None:
+def check_tensors(reader: HFReader, arch: Arch, model_type_hf: str | None = None) -> None:
     """Every tensor the config implies is there with its shape, and nothing unexplained is."""
     names = reader.names()
     has_bias = any(n.endswith("self_attn.q_proj.bias") for n in names)
-    if has_bias and not arch.qkv_bias:
-        raise ConvertError(f"{reader.dir} has q/k/v biases (Qwen2-style): add --add-qkv-bias")
-    if arch.qkv_bias and not has_bias:
-        raise ConvertError(f"--add-qkv-bias given but {reader.dir} has no q/k/v biases")
+    if model_type_hf not in QKV_BIAS:     # --add-qkv-bias decides (the other types fix the biases)
+        if has_bias and not arch.qkv_bias:
+            raise ConvertError(f"{reader.dir} has q/k/v biases (Qwen2-style): add --add-qkv-bias")
+        if arch.qkv_bias and not has_bias:
+            raise ConvertError(f"--add-qkv-bias given but {reader.dir} has no q/k/v biases")
     check_tied_embeddings(reader, arch)
     expected = layout.hf_shapes(arch)
     missing = sorted(set(expected) - names)
@@ -35,8 +37,8 @@ def check_tensors(reader: HFReader, arch: Arch) -> None:
     extra = sorted(n for n in names - set(expected) if not IGNORED.match(n)
                    and not (arch.tied_embeddings and n == "lm_head.weight"))
     if extra:
-        raise ConvertError(f"{reader.dir} has {len(extra)} tensor(s) a {arch.num_layers}-layer Llama-family "
-                           f"model does not, e.g. {extra[0]} (config.json and weights disagree?)")
+        raise ConvertError(f"{reader.dir} has {len(extra)} tensor(s) a {arch.num_layers}-layer model of its "
+                           f"config.json does not, e.g. {extra[0]} (config.json and weights disagree?)")
     for name, shape in expected.items():
         got = reader.shape(name)
         if got != shape:
@@ -87,13 +89,18 @@ def convert(opts, log=print) -> dict:
     vocab_from_tokenizer = tokenizer_vocab_size(opts.tokenizer_model) if opts.tokenizer_model else None
     arch = arch_from_config(read_config(opts.load_dir), opts.model_type_hf, opts.add_qkv_bias)
     tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
-    check_parallel(arch, tp, pp, opts.num_layer_list)
+    ep = getattr(opts, "target_expert_parallel_size", 1)
+    check_parallel(arch, tp, pp, opts.num_layer_list, ep)
+    if opts.neutral_copy and (arch.qk_layernorm or arch.num_experts):
+        what = "MoE layers" if arch.num_experts else "q/k norms"
+        raise ConvertError(f"--neutral-copy: the MindSpore trainer does not build {what} "
+                           f"(--model-type-hf {opts.model_type_hf}); convert without it for the torch trainer")
     vocab = vocab_from_tokenizer or arch.vocab_size
     padded = _padded_rows(opts, vocab, tp)
     check_save_dir(opts.save_dir)
     reader = HFReader(opts.load_dir)
     try:
-        check_tensors(reader, arch)
+        check_tensors(reader, arch, opts.model_type_hf)
         with staged(opts.save_dir) as tmp:
             megatron_write.write_megatron(tmp, arch, reader, vocab, padded, opts.params_dtype,
                                           neutral_copy=opts.neutral_copy)
@@ -105,11 +112,14 @@ def convert(opts, log=print) -> dict:
                                             "--pipeline-model-parallel-size", str(pp),
                                             "--make-vocab-size-divisible-by", str(opts.make_vocab_size_divisible_by)]
             flags += pipeline_split_flags(opts.num_layer_list)
+            if ep > 1:
+                flags += ["--expert-model-parallel-size", str(ep)]
             if getattr(opts, "padded_vocab_size", None) is not None:   # the trainer must build these rows
                 flags += ["--padded-vocab-size", str(padded)]
             flags += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[opts.params_dtype]
             sidecar.write_info(tmp, {"model_type_hf": opts.model_type_hf, "params_dtype": opts.params_dtype,
                                      "target_tensor_parallel_size": tp, "target_pipeline_parallel_size": pp,
+                                     "target_expert_parallel_size": ep,
                                      "num_layer_list": opts.num_layer_list, "vocab_size": vocab,
                                      "hf_vocab_size": arch.vocab_size,
                                      "neutral_copy": opts.neutral_copy,
@@ -119,5 +129,5 @@ def convert(opts, log=print) -> dict:
     seconds = time.perf_counter() - start
     log(f"converted {opts.load_dir} -> {opts.save_dir} ({arch.num_layers} layers, vocab {vocab} "
         f"padded to {padded}, {opts.params_dtype}) in {seconds:.1f}s")
-    log("load it in the trainer with --load " + opts.save_dir + " --finetune " + " ".join(flags))
+    log("load it in the trainer with --load " + shlex.quote(opts.save_dir) + " --finetune " + shlex.join(flags))
     return {"seconds": seconds, "trainer_flags": flags}

@@ -21,7 +21,7 @@ import torch
 import mindspeed
 from mindspeed.adaptor_core import current
 from mindspeed.checkpoint import neutral
-from mindspeed.checkpoint.megatron_read import LAYER_KEYS
+from mindspeed.checkpoint.megatron_read import model_name
 from mindspeed.convert import layout
 from mindspeed.convert.arch import Arch
 from mindspeed.errors import ConvertError
@@ -89,7 +89,6 @@ class _Producer:
 
     def __init__(self, arch: Arch, reader: HFReader, vocab: int, padded_vocab: int):
         self.arch, self.reader, self.vocab, self.padded = arch, reader, vocab, padded_vocab
-        self.stacked = {key: suffix for suffix, key in LAYER_KEYS.items()}
         self._layer, self._tensors = None, {}
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
@@ -117,14 +116,10 @@ class _Producer:
         raise ConvertError(f"the trainer's model has a parameter the conversion does not fill: {name}")
 
     def chunk(self, sh) -> torch.Tensor:
-        """The data of torch_dist chunk `sh` (a ShardedTensor of the trainer's sharded state dict)."""
+        """The data of torch_dist chunk `sh` (a ShardedTensor of the trainer's sharded state dict): decoder
+        layers stacked over the layers or one key per layer, each expert's weights stacked over the experts."""
         pre = sh.prepend_axis_num
-        if sh.key in self.stacked:     # decoder layers: one tensor stacked over the layers
-            if pre != 1:
-                raise ConvertError(f"{sh.key}: unexpected torch_dist layout (prepended axes {pre})")
-            whole = self.whole(f"decoder.layers.{sh.global_offset[0]}.{self.stacked[sh.key]}")
-        else:
-            whole = self.whole(sh.key)
+        whole = self.whole(model_name(sh.key, tuple(sh.global_offset[:pre])))
         if tuple(whole.shape) != tuple(sh.global_shape[pre:]):
             raise ConvertError(f"{sh.key}: converted shape {tuple(whole.shape)} does not fit the model's "
                                f"{tuple(sh.global_shape[pre:])}")

@@ -14,22 +14,23 @@ import time
 import torch
 
 from mindspeed.convert import layout, lora_merge, sidecar
-from mindspeed.convert.arch import Arch, arch_from_config, read_config
+from mindspeed.convert.arch import QKV_BIAS, Arch, arch_from_config, read_config
 from mindspeed.errors import ConvertError
 from mindspeed.convert.hf_io import HFWriter, copy_side_files
-from mindspeed.checkpoint.megatron_read import LAYER_SUFFIXES, open_checkpoint
+from mindspeed.checkpoint.megatron_read import open_checkpoint
 from mindspeed.convert.staging import check_save_dir, staged
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_checkpoint(reader, arch: Arch) -> None:
+def check_checkpoint(reader, arch: Arch, model_type_hf: str | None = None) -> None:
     """The checkpoint's tensors are the ones the Hugging Face config describes."""
     has_bias = reader.has_layer("self_attention.linear_qkv.bias")
-    if has_bias and not arch.qkv_bias:
-        raise ConvertError(f"checkpoint {reader.dir} has q/k/v biases: add --add-qkv-bias")
-    if arch.qkv_bias and not has_bias:
-        raise ConvertError(f"--add-qkv-bias given but checkpoint {reader.dir} has no q/k/v biases")
+    if model_type_hf not in QKV_BIAS:     # --add-qkv-bias decides (the other types fix the biases)
+        if has_bias and not arch.qkv_bias:
+            raise ConvertError(f"checkpoint {reader.dir} has q/k/v biases: add --add-qkv-bias")
+        if arch.qkv_bias and not has_bias:
+            raise ConvertError(f"--add-qkv-bias given but checkpoint {reader.dir} has no q/k/v biases")
     if not arch.tied_embeddings and not reader.has("output_layer.weight"):
         raise ConvertError(f"config.json has untied embeddings but checkpoint {reader.dir} has no output_layer")
     if arch.tied_embeddings and reader.has("output_layer.weight"):
@@ -37,21 +38,37 @@ def check_checkpoint(reader, arch: Arch) -> None:
                            "--untie-embeddings-and-output-weights) but config.json ties the embeddings "
                            "(tie_word_embeddings true), which would drop it: give --hf-config a copy of the "
                            "config with tie_word_embeddings false")
-    h, d = arch.hidden_size, arch.head_dim
+    h = arch.hidden_size
     if reader.num_layers() != arch.num_layers:
         raise ConvertError(f"checkpoint {reader.dir} has {reader.num_layers()} layers, the Hugging Face config "
                            f"{arch.num_layers} (wrong --hf-config?)")
-    want = {"self_attention.linear_qkv.weight": ((arch.num_heads + 2 * arch.num_kv_heads) * d, h),
-            "mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h)}
-    for suffix, shape in want.items():
-        if reader.layer_shape(suffix) != shape:
-            raise ConvertError(f"checkpoint {suffix} has shape {reader.layer_shape(suffix)}, the Hugging Face "
-                               f"config implies {shape} (wrong --hf-config?)")
+    for i in range(arch.num_layers):
+        want = layout.mg_layer_shapes(arch, i)
+        have = reader.layer_suffixes(i)
+        missing = [suffix for suffix in want if suffix not in have]
+        if missing:
+            raise ConvertError(f"checkpoint {reader.dir} has no decoder.layers.{i}.{missing[0]}, which the Hugging "
+                               f"Face config implies ({_kind(arch, i)}: wrong --model-type-hf or --hf-config?)")
+        extra = sorted(suffix for suffix in have - set(want) if ".lora." not in suffix)
+        if extra:
+            raise ConvertError(f"checkpoint {reader.dir} has decoder.layers.{i}.{extra[0]}, which the Hugging Face "
+                               f"config does not describe ({_kind(arch, i)}: wrong --model-type-hf or --hf-config?)")
+        for suffix, shape in want.items():
+            if reader.layer_shape(suffix, i) != shape:
+                raise ConvertError(f"checkpoint decoder.layers.{i}.{suffix} has shape {reader.layer_shape(suffix, i)}, the Hugging "
+                                   f"Face config implies {shape} (wrong --hf-config?)")
     if reader.shape("decoder.final_layernorm.weight") != (h,):
         raise ConvertError(f"checkpoint hidden size {reader.shape('decoder.final_layernorm.weight')} != {h}")
     width = reader.shape("embedding.word_embeddings.weight")[1]
     if width != h:
         raise ConvertError(f"checkpoint embedding width {width} is not the Hugging Face config's hidden size {h}")
+
+
+def _kind(arch: Arch, i: int) -> str:
+    """What the config makes of layer i, for a refusal."""
+    what = [f"{arch.num_experts} experts" if arch.is_moe_layer(i) else "a dense MLP"]
+    what.append("q/k norms" if arch.qk_layernorm else "no q/k norms")
+    return "layer " + str(i) + ": " + ", ".join(what)
 
 
 MG2HG = "mg2hg"
@@ -89,7 +106,7 @@ def convert(opts, log=print) -> dict:
                                          f"weights go to its {MG2HG}/; nothing is overwritten: move or remove it")
     check_save_dir(out_dir)
     reader = open_checkpoint(opts.load_dir)
-    check_checkpoint(reader, arch)
+    check_checkpoint(reader, arch, opts.model_type_hf)
     adapters = lora_merge.adapters_for(opts)
     dtype = HF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
     shapes = layout.hf_shapes(arch)
@@ -111,7 +128,7 @@ def convert(opts, log=print) -> dict:
 
         add("model.embed_tokens.weight", vocab_rows(reader.get("embedding.word_embeddings.weight")))
         for i in range(arch.num_layers):
-            mg = {suffix: reader.get_layer(suffix, i) for suffix in LAYER_SUFFIXES if reader.has_layer(suffix)}
+            mg = {suffix: reader.get_layer(suffix, i) for suffix in layout.mg_layer_shapes(arch, i)}
             if adapters is not None:
                 adapters.fold(mg, i)
             for name, tensor in layout.mg_to_hf_layer(arch, i, mg).items():

@@ -59,18 +59,20 @@ def check(ends: list[list[int]], b: int, s: int) -> None:
 
 
 def attention(q, k, v, ends: list[list[int]], *, head_num: int, **kwargs):
-    """Attention inside each document: q [s, b, n*d], k/v [s, b, nkv*d] (SBH) whose samples hold
-    documents ending at `ends` (per sample, cumulative over s) -> (out [s, b, n*d], softmax max and
-    sum [b, n, s]). One TND kernel call packs the samples one after another."""
+    """Attention inside each document: q [s, b, n*d], k/v [s, b, nkv*d] (SBH; v's head size may be its
+    own) whose samples hold documents ending at `ends` (per sample, cumulative over s) -> (out
+    [s, b, n*dv], softmax max and sum [b, n, s]). One TND kernel call packs the samples one after another."""
     s, b, h = q.shape
     d = h // head_num
     check(ends, b, s)
-    tnd = lambda t: t.swapaxes(0, 1).reshape(b * s, t.shape[2] // d, d)
+    kv_heads = k.shape[2] // d
+    tnd = lambda t, heads: t.swapaxes(0, 1).reshape(b * s, heads, t.shape[2] // heads)
     packed = packed_ends(ends, s)
-    out, mx, sm = get_backend().kernels.attention(tnd(q), tnd(k), tnd(v), layout="TND", head_num=head_num,
-                                                  actual_seq_qlen=packed, actual_seq_kvlen=packed, **kwargs)
+    out, mx, sm = get_backend().kernels.attention(tnd(q, head_num), tnd(k, kv_heads), tnd(v, kv_heads), layout="TND",
+                                                  head_num=head_num, actual_seq_qlen=packed, actual_seq_kvlen=packed,
+                                                  **kwargs)
     stats = lambda t: t.reshape(b, s, head_num).permute(0, 2, 1)
-    return out.reshape(b, s, h).swapaxes(0, 1), stats(mx), stats(sm)
+    return out.reshape(b, s, -1).swapaxes(0, 1), stats(mx), stats(sm)
 
 
 def within(ends: list[list[int]], start: int, end: int) -> list[list[int]]:

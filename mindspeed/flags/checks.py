@@ -136,15 +136,24 @@ def _flag(name: str) -> str:
 def _loss_scale_problems(args) -> list[str]:
     dynamic = [_flag(n) for n in LOSS_SCALE_DEFAULTS if getattr(args, n) is not None]
     given = dynamic + (["--loss-scale"] if args.loss_scale is not None else [])
-    if given and not args.fp16:
-        return [f"{', '.join(given)}: loss scaling is for --fp16 only (bf16 and fp32 train without it): "
-                "drop the flag or add --fp16"]
+    if given and not args.fp16:     # no effect, as in Megatron: said in one line (loss_scale_note)
+        return []
     if dynamic and args.loss_scale is not None:
         return [f"--loss-scale sets a static scale, so {', '.join(dynamic)} (dynamic scaling) would be "
                 "unused: give one or the other"]
     return [f"{_flag(n)} must be positive (got {getattr(args, n)})"
             for n in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")
             if getattr(args, n) is not None and getattr(args, n) <= 0]
+
+
+def loss_scale_note(args) -> str:
+    """The line for loss-scaling flags given to a bf16 or fp32 run (MindSpeed-LLM's bf16 recipes pass
+    --initial-loss-scale), which Megatron accepts and never reads; '' otherwise."""
+    given = [_flag(n) for n in LOSS_SCALE_DEFAULTS if getattr(args, n) is not None] + \
+        (["--loss-scale"] if args.loss_scale is not None else [])
+    if not given or args.fp16:
+        return ""
+    return f"> {', '.join(given)} has no effect here: loss scaling is for --fp16 (bf16 and fp32 train without it)"
 
 
 def _rampup_problems(args) -> list[str]:

@@ -63,6 +63,7 @@ def add_family_args(parser: argparse.ArgumentParser) -> None:
     _moe_layout(parser)
     _mtp(parser)
     _run_switches(parser)
+    _recipe_launch(parser)
 
 
 def _attention(parser) -> None:
@@ -174,6 +175,23 @@ def _run_switches(parser) -> None:
                    help="Megatron's fused token permutation (Transformer Engine's kernel)")
 
 
+# MindSpeed-LLM's layer specs and the flags that express each on Megatron-Core's own local spec
+KNOWN_SPECS = {"mindspeed_llm.tasks.models.spec.qwen3_spec": ("--qk-layernorm", "qk_layernorm"),
+               "mindspeed_llm.tasks.models.spec.deepseek_spec": ("--multi-latent-attention", "multi_latent_attention")}
+
+
+def _recipe_launch(parser) -> None:
+    g = parser.add_argument_group("MindSpeed-LLM launch options")
+    g.add_argument("--spec", nargs=2, default=None, metavar=("MODULE", "NAME"),
+                   help="a layer spec: MindSpeed-LLM's qwen3_spec/deepseek_spec are Megatron-Core's local spec with "
+                        "the flags that say so (--qk-layernorm; --multi-latent-attention)")
+    g.add_argument("--handler-name", default=None, help="preprocessing's (python -m mindspeed.data): no effect here")
+    g.add_argument("--workers", type=int, default=None, help="preprocessing's (python -m mindspeed.data): no effect here")
+    g.add_argument("--enable-hf2mg-convert", action="store_true",
+                   help="MindSpeed-LLM's on-the-fly Hugging Face conversion: convert with convert_ckpt.py first")
+    g.add_argument("--model-type-hf", default=None, help="with --enable-hf2mg-convert (convert_ckpt.py's flag)")
+
+
 def moe_layer_pattern(args) -> list[int] | None:
     """0/1 per layer (1: MoE) from --moe-layer-freq and --first-k-dense-replace; None for a dense model."""
     if not getattr(args, "num_experts", None):
@@ -190,7 +208,15 @@ def moe_layer_pattern(args) -> list[int] | None:
 
 def derive_family_args(args, say) -> None:
     """MindSpeed-LLM's combined options -> the Megatron-Core values training/model.py reads; `say` gets the
-    one line for a flag that runs as another here."""
+    one line for a flag that runs as another here, or has no effect."""
+    for flag, dest in (("--handler-name", "handler_name"), ("--workers", "workers")):
+        if getattr(args, dest) is not None:
+            say(f"> {flag} has no effect here: it is a preprocessing flag (python -m mindspeed.data reads it); "
+                "training reads the dataset --data-path names")
+    if args.model_type_hf is not None and not args.enable_hf2mg_convert:
+        say("> --model-type-hf has no effect without --enable-hf2mg-convert")
+    if args.spec is not None and args.spec[0] in KNOWN_SPECS:
+        say(f"> --spec {' '.join(args.spec)}: Megatron-Core's local spec with {KNOWN_SPECS[args.spec[0]][0]}")
     kind = args.moe_router_load_balancing_type
     if kind == "noaux_tc":
         args.moe_router_score_function = "sigmoid"
@@ -221,6 +247,20 @@ LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max
 
 def family_problems(args) -> list[str]:
     problems = []
+    if args.spec is not None:
+        module, name = args.spec
+        flag, dest = KNOWN_SPECS.get(module, (None, None))
+        if flag is None:
+            problems.append(f"--spec {module} {name}: the built-in trainer builds Megatron-Core's local spec; "
+                            "MindSpeed-LLM's qwen3_spec and deepseek_spec are known (their flags: --qk-layernorm, "
+                            "--multi-latent-attention); run your own spec in Megatron-LM's pretrain_gpt.py")
+        elif not getattr(args, dest):
+            problems.append(f"--spec {module} {name} is Megatron-Core's local spec with {flag}: add {flag}")
+    if args.enable_hf2mg_convert:
+        problems.append("--enable-hf2mg-convert: convert the Hugging Face weights once, before training: "
+                        "python convert_ckpt.py --model-type GPT --load-model-type hf --save-model-type mg "
+                        f"--model-type-hf {args.model_type_hf or 'TYPE'} --load-dir HF_DIR --save-dir MG_DIR "
+                        "(with this run's parallel sizes), then --load MG_DIR; drop --enable-hf2mg-convert")
     kind = args.moe_router_load_balancing_type
     if kind in UNSUPPORTED_BALANCING:
         problems.append(f"--moe-router-load-balancing-type {kind}: {UNSUPPORTED_BALANCING[kind]}")

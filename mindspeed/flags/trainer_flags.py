@@ -19,7 +19,7 @@ import os
 from typing import Sequence
 
 from mindspeed.errors import ArgumentError, OneLineParser
-from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems, resolve_hf_alias
+from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems, loss_scale_note, resolve_hf_alias
 from mindspeed.flags.family_flags import add_family_args, derive_family_args, family_problems
 from mindspeed.flags.mindspeed_flags import add_mindspeed_args, refuse_unknown, resolve_backend_name, shared_parser
 from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
@@ -71,7 +71,8 @@ def _network(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer (None = dense)")
     g.add_argument("--moe-router-topk", type=int, default=2)
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    g.add_argument("--moe-ffn-hidden-size", "--moe-intermediate-size", dest="moe_ffn_hidden_size", type=int,
+                   default=None, help="each expert's FFN size (--moe-intermediate-size: MindSpeed-LLM 2.1.0's spelling)")
     g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall", "alltoall_seq"],
                    help="alltoall_seq (Megatron 0.12's) runs as alltoall, which replaced it in Megatron-Core 0.16")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
@@ -294,6 +295,8 @@ def derive_args(args, world_size: int | None = None) -> None:
     args.backend = backend_name(args)
     args.flag_notes = []      # one line each for the trainers' logs: a flag that runs as another here
     derive_family_args(args, args.flag_notes.append)
+    if loss_scale_note(args):
+        args.flag_notes.append(loss_scale_note(args))
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"

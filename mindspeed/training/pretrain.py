@@ -294,6 +294,10 @@ def run(args) -> dict:
     os.umask(0o027)   # checkpoints, logs, TensorBoard files: 0640 / 0750
     state = _adapt(args)
     args.device_name = state.plan.device
+    collectives = process_group_backend(args.distributed_backend, args.device_name)
+    if args.distributed_backend not in (None, collectives):
+        args.flag_notes = [*getattr(args, "flag_notes", []), f"> --distributed-backend {args.distributed_backend} "
+                           f"runs as {collectives}: the collective library of device {args.device_name}"]
     if args.device_name == "cpu":
         glibc_heap.keep_freed_memory()     # each step reuses the pages the last one freed
     rank = int(os.environ.get("RANK", "0"))
@@ -302,11 +306,13 @@ def run(args) -> dict:
     # --- everything that can be wrong with the inputs is found before any work -------------
     tokenizer = resolve_tokenizer(args, log=say)
     args.vocab_size = tokenizer.vocab_size
+    rows_given = args.padded_vocab_size is not None         # --padded-vocab-size
     args.padded_vocab_size = flag_tokenizers.model_vocab_size(args, tokenizer.vocab_size,
                                                               args.tensor_model_parallel_size)
     if args.load:
         torch_dist.read_tracker(args.load, args.ckpt_step)
-        torch_dist.check_vocab_rows(args.load, args.ckpt_step, args.padded_vocab_size)
+        if rows_given:
+            torch_dist.check_vocab_rows(args.load, args.ckpt_step, args.padded_vocab_size)
     lora = state.context.part("lora")
     if lora is not None:
         check_lora_checkpoints(args, lora)

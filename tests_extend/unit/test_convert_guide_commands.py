@@ -202,7 +202,8 @@ REFUSALS = {
         "7b", {}, _without_qkv_bias, "has q/k/v biases (Qwen2-style): add --add-qkv-bias", 1),
     "a config whose architecture is not the Llama layout": (
         "7b", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, None,
-        "config.json model_type 'qwen3' (Qwen3ForCausalLM) is not a Llama-layout model", 1),
+        "config.json model_type 'qwen3' (Qwen3ForCausalLM) does not match: --model-type-hf llama2 converts "
+        "model_type 'llama' or 'qwen2' (convert it with --model-type-hf qwen3)", 1),
     "untied config, tied weights": ("0.5b", {"tie_word_embeddings": False}, None,
                                     "tie_word_embeddings false (untied) but", 1),
     "tied config, untied weights": ("7b", {"tie_word_embeddings": True}, None,

@@ -128,10 +128,12 @@ def test_a_test_too_large_for_a_cpu_run_is_not_run():
 
 def test_a_cuda_machine_without_apex_or_te_builds_torch_norms_under_megatron_lm_defaults():
     """Megatron-LM's defaults (persist_layer_norm) and sequence parallelism are Apex/TE choices that
-    Megatron-Core's torch norm refuses; the cuda shim patches that norm and nothing else."""
+    Megatron-Core's torch norm refuses; the cuda shim patches that norm and nothing else (but multi-latent
+    attention's TE-less stand-in, which every device gets)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from mindspeed.backends.torch.megatron_shim import apply_device_shim
+    from mindspeed.backends.torch.mla_standin import PATCH_TARGETS
     from mindspeed.patching import PatchManager
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, persist_layer_norm=True,
@@ -141,7 +143,8 @@ def test_a_cuda_machine_without_apex_or_te_builds_torch_norms_under_megatron_lm_
     patcher = PatchManager()
     apply_device_shim(patcher, "cuda")
     try:
-        assert [p.target for p in patcher.applied()] == ["megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"]
+        assert [p.target for p in patcher.applied()] == ["megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+                                                         *PATCH_TARGETS]
         norm = WrappedTorchNorm(config, 8)
         assert isinstance(norm, torch.nn.LayerNorm)
         assert all(p.sequence_parallel for p in norm.parameters())   # their grads are all-reduced over TP

@@ -1,6 +1,7 @@
 """--moe-tp-extend-ep, --moe-alltoall-overlap-comm, --moe-permutation-async-comm: every combination
-they cannot honour is refused in one line before any work (rules after MindSpeed upstream's), and
-the good ones plan. (The computations: tests_extend/distributed/test_moe_comm.py.)"""
+they cannot honour is refused in one line before any work (rules after MindSpeed upstream's), the
+good ones plan, and where the layout leaves them nothing to do (TP 1, EP 1) they are accepted with
+one line saying so. (The computations: tests_extend/distributed/test_moe_comm.py.)"""
 import re
 
 import pytest
@@ -13,20 +14,15 @@ EP2 = ["--expert-model-parallel-size", "2"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--moe-tp-extend-ep"] + MOE, "--moe-tp-extend-ep needs --tensor-model-parallel-size > 1"),
     (["--moe-tp-extend-ep", "--num-experts", "6"] + TP2 + EP2,
      "--num-experts (6) divisible by tensor x expert parallel size (2 x 2)"),
     (["--moe-tp-extend-ep"] + TP2, "needs --num-experts (moe) to be on too"),
     (["--moe-tp-extend-ep", "--tensor-model-parallel-size", "2"] + MOE, "needs --sequence-parallel"),
     (["--moe-tp-extend-ep", "--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"] + MOE + TP2,
      "does not combine with --moe-shared-expert-overlap"),
-    (["--moe-alltoall-overlap-comm"] + MOE, "--moe-alltoall-overlap-comm needs --expert-model-parallel-size > 1"),
     (["--moe-alltoall-overlap-comm", "--moe-token-dispatcher-type", "allgather"] + MOE + EP2,
      "--moe-alltoall-overlap-comm needs --moe-token-dispatcher-type alltoall"),
     (["--moe-alltoall-overlap-comm", "--num-experts", "4"] + TP2 + EP2, "at TP > 1 needs --moe-tp-extend-ep"),
-    (["--moe-permutation-async-comm"] + MOE, "with the alltoall dispatcher needs expert parallel size > 1"),
-    (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE,
-     "with the allgather dispatcher needs tensor x expert parallel size > 1"),
     (["--moe-permutation-async-comm"] + MOE + TP2 + EP2, "at TP > 1 needs --moe-tp-extend-ep"),
     # the MindSpore trainer's MoE layer: TP > 1 only with whole experts over TP (--moe-tp-extend-ep),
     # and then without TP-split shared experts or a distributed optimizer over the experts
@@ -64,6 +60,28 @@ def test_combinations_they_cannot_honour_are_refused(argv, message):
 def test_good_combinations_plan(argv, expected):
     ids = {f.id for f in plan(argv).features}
     assert expected <= ids
+
+
+@pytest.mark.parametrize("argv, inert, why", [
+    (["--moe-tp-extend-ep"] + MOE, "moe-tp-extend-ep", "the experts are whole on each rank already"),
+    # with what it would refuse at TP > 1: moot where the flag does nothing
+    (["--moe-tp-extend-ep", "--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"] + MOE,
+     "moe-tp-extend-ep", "the experts are whole on each rank already"),
+    (["--moe-alltoall-overlap-comm"] + MOE, "moe-alltoall-overlap-comm", "no all-to-all to overlap"),
+    (["--moe-alltoall-overlap-comm", "--tensor-model-parallel-size", "2", "--sequence-parallel"] + MOE,
+     "moe-alltoall-overlap-comm", "no all-to-all to overlap"),
+    (["--moe-permutation-async-comm"] + MOE, "moe-permutation-async-comm", "sends no tokens to another rank"),
+    (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE,
+     "moe-permutation-async-comm", "the allgather dispatcher does not communicate"),
+    # the MindSpore trainer refuses a distributed optimizer over expert-parallel weights: none here
+    (["--backend", "mindspore", "--moe-tp-extend-ep", "--use-distributed-optimizer"] + MOE,
+     "moe-tp-extend-ep", "the experts are whole on each rank already"),
+])
+def test_where_the_layout_leaves_them_nothing_to_do_they_are_noted(argv, inert, why):
+    p = plan(argv)
+    assert [f.id for f, *_ in p.inert] == [inert] and inert not in {f.id for f in p.features}
+    assert len(p.notes()) == 1 and why in p.notes()[0]
+    assert not getattr(p.args, inert.replace("-", "_"))      # the rest of the run sees it off
 
 
 def test_the_gate_finds_the_megatron_core_methods_the_features_wrap():

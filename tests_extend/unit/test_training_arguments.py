@@ -154,8 +154,6 @@ def test_no_gradient_accumulation_fusion_turns_off_mindspeeds_feature_flag():
      "--attention-backend unfused (Megatron-Core's unfused attention) contradicts --use-flash-attn"),
     (["--no-bias-swiglu-fusion", "--use-fused-swiglu"], "--no-bias-swiglu-fusion contradicts --use-fused-swiglu"),
     (["--no-rope-fusion", "--use-fused-rotary-pos-emb"], "--no-rope-fusion contradicts --use-fused-rotary-pos-emb"),
-    (["--initial-loss-scale", "4096"], "--initial-loss-scale: loss scaling is for --fp16 only"),
-    (["--bf16", "--loss-scale", "128", "--hysteresis", "3"], "--hysteresis, --loss-scale: loss scaling is for --fp16"),
     (["--fp16", "--loss-scale", "128", "--min-loss-scale", "2"],
      "--loss-scale sets a static scale, so --min-loss-scale (dynamic scaling) would be unused"),
     (["--fp16", "--initial-loss-scale", "0"], "--initial-loss-scale must be positive"),

@@ -19,6 +19,7 @@ from mindspeed.backends.torch.cpu_torch_view import apply_cpu_torch_views, devic
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.fused_cpu_adam import apply_fused_cpu_adam
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
+from mindspeed.backends.torch.mla_standin import apply_mla_standin
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
 from mindspeed.backends.torch.native_linear import apply_native_linear
 from mindspeed.backends.torch.one_rank_collectives import apply_one_rank_all_reduce
@@ -359,3 +360,4 @@ def apply_device_shim(patcher, device: str, megatron_lm: bool = False) -> None:
         apply_torch_norm_shim(patcher)
     elif device == "npu":
         apply_npu_shim(patcher)
+    apply_mla_standin(patcher)     # every device: MindSpeed's Megatron-Core runs without Transformer Engine

@@ -53,6 +53,16 @@ def algo_at_cp1(args) -> str | None:
                 if all(fl in FLAGS.get(algo, ()) for fl in given))
 
 
+def _bad_value(args) -> str:
+    """What is wrong with the CP flags' own values in any layout ('' if nothing)."""
+    window, u = getattr(args, WINDOW.dest, 1), getattr(args, ULYSSES_DEGREE.dest, None)
+    if (window or 1) < 1:                # 0 reads as 1, as at CP > 1
+        return f"{WINDOW.name} must be >= 1, got {window}"
+    if u is not None and u < 1:
+        return f"{ULYSSES_DEGREE.name} must be >= 1, got {u}"
+    return ""
+
+
 class _ContextParallel(Feature):
     category = "context_parallel"
     optimization_level = 2
@@ -65,7 +75,9 @@ class _ContextParallel(Feature):
         return size > 1 and getattr(args, "context_parallel_algo", "ulysses_cp_algo") == self.algo
 
     def inert(self, args) -> str:
-        return "at --context-parallel-size 1 there is no sequence to split" if _cp_size(args) == 1 else ""
+        if _cp_size(args) == 1 and not _bad_value(args):
+            return "at --context-parallel-size 1 there is no sequence to split"
+        return ""
 
     # the flags only an algorithm reads: what a run without them has
     inert_host_flags = {fl.dest: fl.default for fl in _ALGO_FLAGS}
@@ -86,6 +98,8 @@ class _ContextParallel(Feature):
     example_world = 2
 
     def validate(self, args) -> None:
+        if _cp_size(args) == 1:      # on at CP 1 and not inert: a value wrong in any layout
+            raise FeatureConfigError(_bad_value(args))
         size = args.context_parallel_size
         try:
             u = check_options(self.algo, size, getattr(args, "ulysses_degree_in_cp", None),

@@ -92,9 +92,9 @@ def _flash_class():
             def run():
                 if docs is not None:
                     return _attend_documents(query, key, value, docs, scale=scale, dropout_p=dropout_p, **band)
-                return get_backend().kernels.attention(
+                return get_backend().kernels.attention(   # v's head size may be its own (multi-latent attention)
                     query.reshape(sq, b, heads * head_dim), key.reshape(skv, b, kv_heads * head_dim),
-                    value.reshape(skv, b, kv_heads * head_dim), layout="SBH", head_num=heads,
+                    value.reshape(skv, b, kv_heads * value.shape[-1]), layout="SBH", head_num=heads,
                     mask=attention_mask, scale=scale, dropout_p=dropout_p, **band)[0]
 
             if dropout_p > 0 and not self.config.sequence_parallel:
@@ -106,9 +106,9 @@ def _flash_class():
 
 
 def _attend_documents(query, key, value, docs, **kwargs):
-    """[s, b, n, d] q/k/v of packed documents -> [s, b, n*d] (one TND kernel call)."""
+    """[s, b, n, d] q/k/v of packed documents (v's d may be its own) -> [s, b, n*dv] (one TND kernel call)."""
     sq, b, heads, head_dim = query.shape
-    sbh = lambda t: t.reshape(t.shape[0], b, t.shape[2] * head_dim)
+    sbh = lambda t: t.reshape(t.shape[0], b, t.shape[2] * t.shape[3])
     return documents.attention(sbh(query), sbh(key), sbh(value), docs, head_num=heads, **kwargs)[0]
 
 

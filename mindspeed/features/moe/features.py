@@ -95,12 +95,18 @@ class MoeTpExtendEp(_MoeComm):
     alternatives = "leave it off: each expert's weights are split over the tensor-parallel ranks"
     example = ("--moe-tp-extend-ep", "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel")
 
+    inert_example = ("--moe-tp-extend-ep", "--num-experts", "4")
+    # the MindSpore trainer's process groups and MoE checks read it (and refuse it beside CP or PP)
+    inert_host_flags = {"moe_tp_extend_ep": False}
+
+    def inert(self, args) -> str:
+        if _size(args, "tensor_model_parallel_size") < 2:
+            return "at --tensor-model-parallel-size 1 the experts are whole on each rank already"
+        return ""
+
     def validate(self, args) -> None:
         self._common(args)
         tp, ep = _size(args, "tensor_model_parallel_size"), _size(args, "expert_model_parallel_size")
-        if hasattr(args, "tensor_model_parallel_size") and tp < 2:
-            raise FeatureConfigError("--moe-tp-extend-ep needs --tensor-model-parallel-size > 1 "
-                                     "(with TP 1 experts are already whole)")
         experts = getattr(args, "num_experts", None)
         if experts and experts % (tp * ep):
             raise FeatureConfigError(f"--moe-tp-extend-ep needs --num-experts ({experts}) divisible by "
@@ -131,6 +137,18 @@ class MoePermutationAsyncComm(_MoeComm):
     # the MindSpore trainer's MoE layer dispatches by all-to-all only
     examples = {"mindspore": ("--moe-permutation-async-comm", "--num-experts", "4", "--expert-model-parallel-size", "2")}
 
+    inert_example = ("--moe-permutation-async-comm", "--num-experts", "4")
+    inert_host_flags = {"moe_permutation_async_comm": False}
+
+    def inert(self, args) -> str:
+        kind = _dispatcher(args)
+        if kind == "alltoall" and expert_parallel(args) < 2:
+            return "at expert parallel size 1 the alltoall dispatcher sends no tokens to another rank"
+        tp, ep = _size(args, "tensor_model_parallel_size"), _size(args, "expert_model_parallel_size")
+        if tp * ep < 2:
+            return f"at tensor x expert parallel size 1 the {kind} dispatcher does not communicate"
+        return ""
+
     def validate(self, args) -> None:
         self._common(args)
         kind = _dispatcher(args)
@@ -138,11 +156,6 @@ class MoePermutationAsyncComm(_MoeComm):
             raise FeatureConfigError("--moe-permutation-async-comm needs --moe-token-dispatcher-type allgather "
                                      "or alltoall")
         tp = _size(args, "tensor_model_parallel_size")
-        ranks = expert_parallel(args) if kind == "alltoall" else _size(args, "expert_model_parallel_size") * tp
-        if hasattr(args, "expert_model_parallel_size") and ranks < 2:
-            what = "expert parallel size" if kind == "alltoall" else "tensor x expert parallel size"
-            raise FeatureConfigError(f"--moe-permutation-async-comm with the {kind} dispatcher needs {what} > 1 "
-                                     "(no dispatcher communication to overlap)")
         if kind == "alltoall" and tp > 1 and not getattr(args, "moe_tp_extend_ep", False):
             raise FeatureConfigError("--moe-permutation-async-comm with the alltoall dispatcher at TP > 1 needs "
                                      "--moe-tp-extend-ep (the expert-TP gather stays synchronous)")
@@ -165,13 +178,18 @@ class MoeAlltoallOverlapComm(_MoeComm):
     alternatives = "leave it off: Megatron's alltoall dispatcher communicates before and after the experts"
     example = ("--moe-alltoall-overlap-comm", "--num-experts", "4", "--expert-model-parallel-size", "2")
 
+    inert_example = ("--moe-alltoall-overlap-comm", "--num-experts", "4")
+    inert_host_flags = {"moe_alltoall_overlap_comm": False}
+
+    def inert(self, args) -> str:
+        if _dispatcher(args) == "alltoall" and expert_parallel(args) < 2:
+            return "at expert parallel size 1 the alltoall dispatcher has no all-to-all to overlap"
+        return ""
+
     def validate(self, args) -> None:
         self._common(args)
         if _dispatcher(args) != "alltoall":
             raise FeatureConfigError("--moe-alltoall-overlap-comm needs --moe-token-dispatcher-type alltoall")
-        if hasattr(args, "expert_model_parallel_size") and expert_parallel(args) < 2:
-            raise FeatureConfigError("--moe-alltoall-overlap-comm needs --expert-model-parallel-size > 1 "
-                                     "(or --moe-tp-extend-ep at TP > 1): no all-to-all to overlap")
         if _size(args, "tensor_model_parallel_size") > 1 and not getattr(args, "moe_tp_extend_ep", False):
             raise FeatureConfigError("--moe-alltoall-overlap-comm at TP > 1 needs --moe-tp-extend-ep (as upstream)")
 

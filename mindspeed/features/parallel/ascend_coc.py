@@ -5,7 +5,8 @@ the MindSpore trainer's: coc_mindspore.py).
 Flag semantics follow MindSpeed upstream: --coc-parallel-num in {1, 2, 4, 8} chunks; --coc-mode
 0 the original path, 1 the rewritten path without chunking, 2 chunked overlap, -1 (default) 2
 when --coc-parallel-num > 1 else 0. --coc-fused-kernel names Ascend's fused matmul+collective
-kernels, which no device here has: refused."""
+kernels, which no device here has: refused. In mode 0, or at TP 1, the flag has no effect: accepted
+with one line saying so (Feature.inert)."""
 from __future__ import annotations
 
 from mindspeed.backends.base import Cap
@@ -50,23 +51,38 @@ class AscendCoc(Feature):
     example = ("--use-ascend-coc", "--coc-parallel-num", "2", "--tensor-model-parallel-size", "2")
     example_world = 2
 
-    def validate(self, args) -> None:
+    inert_example = ("--use-ascend-coc", "--coc-parallel-num", "2")      # at TP 1
+    # what a run without the flags has (--gradient-accumulation-fusion's check on MindSpore reads it)
+    inert_host_flags = {"use_ascend_coc": False, "coc_mode": -1, "coc_parallel_num": 1}
+
+    @staticmethod
+    def _bad_value(args) -> str:
+        """What is wrong with the flags' own values in any layout ('' if nothing)."""
         if args.coc_fused_kernel:
-            raise FeatureConfigError("--coc-fused-kernel: no fused matmul+collective kernel exists on this "
-                                     "device; use --coc-parallel-num 2|4|8 (chunked overlap) instead")
+            return ("--coc-fused-kernel: no fused matmul+collective kernel exists on this device; use "
+                    "--coc-parallel-num 2|4|8 (chunked overlap) instead")
         if args.coc_parallel_num not in PARALLEL_NUMS:
-            raise FeatureConfigError(f"--coc-parallel-num must be 1, 2, 4 or 8, got {args.coc_parallel_num}")
+            return f"--coc-parallel-num must be 1, 2, 4 or 8, got {args.coc_parallel_num}"
         if args.coc_mode not in MODES:
-            raise FeatureConfigError(f"--coc-mode must be -1, 0, 1 or 2, got {args.coc_mode}")
-        if resolved_mode(args) == 0:
-            raise FeatureConfigError("--use-ascend-coc with --coc-mode 0 (or -1 with --coc-parallel-num 1) "
-                                     "runs the original path: set --coc-parallel-num 2, 4 or 8")
+            return f"--coc-mode must be -1, 0, 1 or 2, got {args.coc_mode}"
         if resolved_mode(args) == 2 and args.coc_parallel_num == 1:
-            raise FeatureConfigError("--coc-mode 2 needs --coc-parallel-num 2, 4 or 8 (1 chunk overlaps nothing)")
+            return "--coc-mode 2 needs --coc-parallel-num 2, 4 or 8 (1 chunk overlaps nothing)"
+        return ""
+
+    def inert(self, args) -> str:
+        if self._bad_value(args):
+            return ""                   # refused by validate, in every layout
+        if resolved_mode(args) == 0:
+            return "at --coc-mode 0, or the default -1 with --coc-parallel-num 1, the layers run their original path"
         tp = getattr(args, "tensor_model_parallel_size", None)
         if tp is not None and tp < 2:
-            raise FeatureConfigError("--use-ascend-coc needs --tensor-model-parallel-size > 1 "
-                                     "(no tensor-parallel communication to overlap)")
+            return "at --tensor-model-parallel-size 1 there is no tensor-parallel communication to overlap"
+        return ""
+
+    def validate(self, args) -> None:
+        bad = self._bad_value(args)
+        if bad:
+            raise FeatureConfigError(bad)
         if getattr(args, "defer_embedding_wgrad_compute", False):
             raise FeatureConfigError("--use-ascend-coc does not combine with --defer-embedding-wgrad-compute")
 

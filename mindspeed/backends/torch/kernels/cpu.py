@@ -22,6 +22,7 @@ Semantics are those of reference.py; tests compare both, forward and backward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mindspeed.backends.torch.kernels import reference
 from mindspeed.backends.torch.kernels.csrc import fused_ops
@@ -176,8 +177,8 @@ class _BlockCausalAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, groups):
         k, v = reference.repeat_kv(k, v, groups)
         b, n, s, d = q.shape
-        q3, k3, v3 = (t.reshape(b * n, s, d) for t in (q, k, v))
-        out = torch.empty_like(q3)
+        q3, k3, v3 = (t.reshape(b * n, s, t.shape[-1]) for t in (q, k, v))   # v's head size may be its own
+        out = v3.new_empty(b * n, s, v3.shape[-1])
         lse = torch.empty(b * n, s, dtype=torch.float32)
         future = torch.ones(GEMM_BLOCK, GEMM_BLOCK, dtype=torch.bool).triu_(1)
         ops = fused_ops()      # the C++ causal softmax, or None: the same in torch ops
@@ -199,13 +200,13 @@ class _BlockCausalAttention(torch.autograd.Function):
         ctx.save_for_backward(q3, k3, v3, out, *probs)
         ctx.shape, ctx.scale, ctx.groups = (b, n, s, d), scale, groups
         ctx.set_materialize_grads(False)
-        return out.view(b, n, s, d), lse.view(b, n, s)
+        return out.view(b, n, s, out.shape[-1]), lse.view(b, n, s)
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q3, k3, v3, out, *probs = ctx.saved_tensors
         b, n, s, d = ctx.shape
-        dout = torch.zeros_like(out) if dout is None else dout.reshape(b * n, s, d)
+        dout = torch.zeros_like(out) if dout is None else dout.reshape(b * n, s, out.shape[-1])
         # dS = P * (dP - D), D = rowsum(dO * O) - dlse (d lse / d S = P)
         row_term = (dout.float() * out.float()).sum(-1)
         if dlse is not None:
@@ -225,7 +226,7 @@ class _BlockCausalAttention(torch.autograd.Function):
             torch.bmm(dscores, k3[:, :r1], out=dq[:, r0:r1])
             dk[:, :r1].baddbmm_(dscores.transpose(1, 2), q3[:, r0:r1], alpha=ctx.scale)
         dq.mul_(ctx.scale)
-        dq, dk, dv = (t.view(b, n, s, d) for t in (dq, dk, dv))
+        dq, dk, dv = (t.view(b, n, s, t.shape[-1]) for t in (dq, dk, dv))
         dk, dv = reference.sum_kv_groups(dk, dv, ctx.groups)
         return dq, dk, dv, None, None
 
@@ -237,7 +238,12 @@ def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, al
     if gemm_attention_pays(q, k, plain_causal):
         out, lse = _BlockCausalAttention.apply(q, k, v, scale, groups)
     else:
+        # torch's CPU flash kernel takes one head size: an unequal v (multi-latent attention) gets zero
+        # channels (or q and k do, leaving the scores as they are), cut from the output again
+        width, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+        q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
         out, lse = _FlashAttention.apply(q, k, v, bias, plain_causal, scale, groups)
+        out = out if dv == width else out[..., :dv]
     return (out, *reference.stats_from_logsumexp(lse, empty_rows))   # the kernel reports lse 0 in empty rows
 
 

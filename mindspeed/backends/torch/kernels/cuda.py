@@ -1,7 +1,8 @@
 """CUDA fast paths (catalog.FAST_PATHS["cuda"] lists which kernels use them); the others run the
 reference on CUDA tensors.
 
-- attention: torch's memory-efficient CUDA attention (O(s) memory, any head dim, fp32/fp16/bf16,
+- attention: torch's memory-efficient CUDA attention (O(s) memory, any head dim, v's its own as in
+  multi-latent attention, fp32/fp16/bf16,
   an additive bias for masks, bands and alibi, logsumexp returned) behind an autograd.Function
   whose backward also carries the gradient of the softmax statistics, so ring attention can
   differentiate through ring_attention_update: d lse / d scores is the softmax P itself, so the

@@ -39,6 +39,26 @@ def head_dim_of(q: torch.Tensor, layout: str, head_num: int) -> int:
     return q.shape[-1]
 
 
+def value_head_dim(k: torch.Tensor, v: torch.Tensor, layout: str, head_dim: int) -> int:
+    """The head size of `v`, which may differ from q's and k's `head_dim` (multi-latent attention):
+    in the packed-H layouts v's hidden size over k's head count."""
+    if layout in ("SBH", "BSH"):
+        heads = heads_of(k, layout, head_dim)
+        if v.shape[-1] % heads:
+            raise ValueError(f"value hidden size {v.shape[-1]} is not a multiple of the {heads} key/value heads")
+        return v.shape[-1] // heads
+    return v.shape[-1]
+
+
+def resize_heads(t: torch.Tensor, layout: str, head_dim: int, size: int) -> torch.Tensor:
+    """Each head of `t` (head size `head_dim`) cut to its first `size` channels, or zero channels
+    appended up to `size`: how a kernel that takes one head size for q, k and v serves an unequal v."""
+    if layout in ("SBH", "BSH"):
+        heads = t.unflatten(-1, (t.shape[-1] // head_dim, head_dim))
+        return torch.nn.functional.pad(heads, (0, size - head_dim)).flatten(-2)
+    return torch.nn.functional.pad(t, (0, size - head_dim))
+
+
 def to_bnsd(t: torch.Tensor, layout: str, head_dim: int) -> torch.Tensor:
     """View `t` (any layout but TND) as [b, n, s, d]."""
     if layout == "SBH":

@@ -8,7 +8,7 @@ import torch
 import torch_npu  # noqa: F401  (only importable on Ascend machines)
 
 from mindspeed.backends.torch.kernels import reference
-from mindspeed.backends.torch.kernels.layouts import check_layout
+from mindspeed.backends.torch.kernels.layouts import check_layout, resize_heads, value_head_dim
 
 _CAUSAL_MASK_SIZE = 2048   # npu_fusion_attention's compressed mask for sparse modes 2/3/4
 
@@ -38,6 +38,17 @@ def attention(q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale=N
               pre_tokens: int = reference.NO_LIMIT, next_tokens: int = reference.NO_LIMIT, causal: bool = False,
               actual_seq_qlen=None, actual_seq_kvlen=None, alibi=None):
     d, scale = reference.check_attention_args(q, k, v, layout, head_num, dropout_p, scale)
+    dv = value_head_dim(k, v, layout, d)
+    if dv != d:
+        # an unequal v (multi-latent attention): one head size for q, k and v, which every CANN version's
+        # npu_fusion_attention takes; zero channels leave the scores and v's own output channels exact
+        width = max(d, dv)
+        out, softmax_max, softmax_sum = attention(
+            resize_heads(q, layout, d, width), resize_heads(k, layout, d, width), resize_heads(v, layout, dv, width),
+            layout=layout, head_num=head_num, mask=mask, scale=scale, dropout_p=dropout_p, pre_tokens=pre_tokens,
+            next_tokens=next_tokens, causal=causal, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+            alibi=alibi)
+        return resize_heads(out, layout, width, dv), softmax_max, softmax_sum
     if mask is None and causal and pre_tokens >= reference.NO_LIMIT:
         sparse_mode, atten_mask = 2, _compressed_causal(q.device)           # leftUpCausal
     elif mask is None and (pre_tokens < reference.NO_LIMIT or next_tokens < reference.NO_LIMIT):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed.backends.torch.kernels.layouts import (check_layout, from_bnsd, head_dim_of, heads_of,
-                                                     seq_bounds, stats_view, to_bnsd)
+                                                     seq_bounds, stats_view, to_bnsd, value_head_dim)
 
 NO_LIMIT = 2**31 - 1   # pre_tokens / next_tokens default: no band
 
@@ -117,7 +117,8 @@ def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dr
 def check_attention_args(q, k, v, layout, head_num, dropout_p, scale):
     check_layout(layout)
     d = head_dim_of(q, layout, head_num)
-    if k.shape[-1] != v.shape[-1] or k.dim() != q.dim() or v.dim() != q.dim():
+    # v's head size may differ from q's and k's (multi-latent attention); every other dim is k's
+    if k.shape[:-1] != v.shape[:-1] or k.dim() != q.dim() or v.dim() != q.dim():
         raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} do not match q "
                          f"{tuple(q.shape)} in layout {layout}")
     if layout not in ("SBH", "BSH") and k.shape[-1] != d:
@@ -127,6 +128,7 @@ def check_attention_args(q, k, v, layout, head_num, dropout_p, scale):
     nkv = heads_of(k, layout, d)
     if head_num % nkv:
         raise ValueError(f"attention: {head_num} query heads are not a multiple of {nkv} kv heads")
+    value_head_dim(k, v, layout, d)       # raises where v's hidden size is no whole number of kv heads
     return d, (scale if scale is not None else d ** -0.5)
 
 
@@ -136,7 +138,8 @@ def attention(q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale=N
     """softmax(scale*QK^T + alibi, masked) V. mask: bool, True = masked out, broadcastable to
     [b, n, sq, skv] (TND: [sq_i, skv_i] slices of a shared mask). Returns (out in `layout`,
     softmax_max, softmax_sum) with fp32 stats [b, n, sq] (TND: [t, n]); logsumexp = max + log(sum).
-    Fully masked rows give out 0, max -inf, sum 0."""
+    Fully masked rows give out 0, max -inf, sum 0. v's head size may differ from q's and k's (the
+    output's is v's; multi-latent attention)."""
     d, scale = check_attention_args(q, k, v, layout, head_num, dropout_p, scale)
     return attend_in_layout(_attention_bnsd, q, k, v, layout, d, mask=mask, alibi=alibi,
                             actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, scale=scale,
@@ -149,8 +152,8 @@ def attend_in_layout(core, q, k, v, layout: str, head_dim: int, *, mask, alibi, 
     max, sum) for tensors in `layout`; TND runs it once per packed sequence, with that sequence's
     corner of the mask and alibi. Every backend's kernel (reference, cpu, cuda) shares this."""
     if layout != "TND":
-        out, mx, sm = core(to_bnsd(q, layout, head_dim), to_bnsd(k, layout, head_dim), to_bnsd(v, layout, head_dim),
-                           mask=mask, alibi=alibi, **common)
+        out, mx, sm = core(to_bnsd(q, layout, head_dim), to_bnsd(k, layout, head_dim),
+                           to_bnsd(v, layout, value_head_dim(k, v, layout, head_dim)), mask=mask, alibi=alibi, **common)
         return from_bnsd(out, layout), mx, sm
     q_bounds = seq_bounds(actual_seq_qlen, q.shape[0], "actual_seq_qlen")
     kv_bounds = seq_bounds(actual_seq_kvlen, k.shape[0], "actual_seq_kvlen")

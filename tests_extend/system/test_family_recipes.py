@@ -1,0 +1,107 @@
+"""MindSpeed-LLM's pretraining recipes of the model families (tests_extend/example/recipes/*.flags: every
+flag of the full-size script), at CPU size (recipes/shrink.py changes only sizes, paths and parallel sizes):
+
+* the flag check accepts each recipe but for the options whose work has not landed (shrink.NOT_YET), and
+  refuses exactly those, in one line;
+* each recipe trains 3 iterations on 2 processes through recipes/train.sh (two families in CI, the others
+  with MINDSPEED_SLOW_TESTS=1: a launch costs ~25 s of this machine's two cores).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mindspeed.adaptor_core import MindSpeedConfigError, plan
+from mindspeed.errors import ArgumentError
+from mindspeed.flags.trainer_flags import parse_args
+from mindspeed.net import free_port
+from tests_extend.example.recipes import shrink
+from tests_extend.unit import data_kit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = os.path.join(ROOT, "tests_extend", "example", "recipes", "train.sh")
+TRAINED_IN_CI = ("qwen3_moe", "llama31")      # a MoE family at EP 2 and a dense one at TP 2 with SP
+SLOW = not os.environ.get("MINDSPEED_SLOW_TESTS")
+# what still stops a recipe beyond shrink.NOT_YET, and why; strict: the test fails once it trains
+BLOCKED = {
+    "qwen3": "--reuse-fp32-param with --use-distributed-optimizer is refused with --overlap-param-gather",
+    "deepseek3": "multi-latent attention does not build on Megatron-Core's local (TE-less) spec yet",
+    "deepseek3_2_1_0": "multi-latent attention does not build on Megatron-Core's local (TE-less) spec yet",
+    "mixtral": "MindSpeed-LLM 2.1.0's Mixtral recipe reads a SentencePiece model (--tokenizer-type Llama2Tokenizer "
+               "--tokenizer-model FILE), which the built-in trainers do not read",
+}
+
+
+FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(reason=BLOCKED[f], strict=True)) if f in BLOCKED else f
+            for f in shrink.FAMILIES]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A word-level Hugging Face tokenizer and a dataset written with it (MindSpeed-LLM's PretrainedFromHF)."""
+    tmp = tmp_path_factory.mktemp("recipes")
+    tok = data_kit.make_tokenizer(str(tmp / "tok"), extra_texts=["the quick brown fox jumps over the lazy dog"])
+    docs = data_kit.write_jsonl(str(tmp / "docs.jsonl"), [{"text": f"the quick brown fox jumps over the lazy dog {i % 3} "
+                                                           * 20} for i in range(60)])
+    assert data_kit.preprocess("--input", docs, "--output-prefix", str(tmp / "data"), "--tokenizer-type",
+                               "PretrainedFromHF", "--tokenizer-name-or-path", tok, "--append-eod") == 0
+    return {"TOKENIZER_PATH": tok, "TOKENIZER_MODEL": tok, "DATA_PATH": str(tmp / "data_text_document"),
+            "CKPT_LOAD_DIR": str(tmp / "ckpt"), "CKPT_SAVE_DIR": str(tmp / "ckpt")}
+
+
+def _gate(argv) -> str:
+    """'' when the trainer's flag check and the support matrix accept argv, else the one-line refusal."""
+    try:
+        plan(parse_args(argv, world_size=2))
+    except (ArgumentError, MindSpeedConfigError) as err:
+        assert len(str(err).splitlines()) == 1, str(err)
+        return str(err)
+    return ""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recipe_passes_the_flag_check_but_for_the_work_not_yet_done(family, corpus, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    not_yet = [flag for flag, *_ in shrink.recipe(family) if flag in shrink.NOT_YET]
+    refusal = _gate(shrink.shrink(family, corpus))
+    # the flag check lists its problems in one line ("; "), the support matrix names one feature
+    problems = refusal.removeprefix("MindSpeed: ").split("; ") if refusal else []
+    assert bool(problems) == bool(not_yet), refusal
+    assert all(any(flag in problem for flag in not_yet) for problem in problems), refusal
+    assert _gate(shrink.shrink(family, corpus, runnable=True)) == ""
+
+
+def test_shrinking_changes_only_sizes_paths_and_parallel_sizes(corpus):
+    """Every option of every recipe is kept (but for NOT_YET in the runnable form), in its order; the
+    values that change are sizes, paths or parallel sizes."""
+    changed = set(shrink.SIZES) | set(shrink.DERIVED) | set(shrink.PARALLEL_FLAGS)
+    for family in shrink.FAMILIES:
+        options = shrink.recipe(family)
+        argv = shrink.shrink(family, corpus)
+        flags = [token for token in argv if token.startswith("--")]
+        assert flags[:len(options)] == [flag for flag, *_ in options], family
+        position = 0
+        for flag, *values in options:
+            position = argv.index(flag, position) + 1
+            kept = argv[position:position + len(values)]
+            assert kept == values or flag in changed or any(v.startswith("$") for v in values), (family, flag)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recipe_trains_three_iterations_on_two_processes(family, corpus, tmp_path):
+    if family not in TRAINED_IN_CI and SLOW:
+        pytest.skip("MINDSPEED_SLOW_TESTS=1 trains every family (CI trains " + ", ".join(TRAINED_IN_CI) + ")")
+    losses = tmp_path / "loss.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(free_port()), CKPT_DIR=str(tmp_path / "ckpt"),
+               TOKENIZER_PATH=corpus["TOKENIZER_PATH"], DATA_PATH=corpus["DATA_PATH"])
+    result = subprocess.run(["bash", TRAIN, family, "--log-loss-file", str(losses)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    values = [json.loads(line)["lm_loss"] for line in losses.read_text().splitlines()]
+    assert len(values) == 3 and all(math.isfinite(v) for v in values), values
+    assert "> --distributed-backend nccl runs as gloo" in output      # said once, not ignored
+    assert os.path.isdir(tmp_path / "ckpt")                             # --save at the last iteration
