@@ -1,4 +1,4 @@
-"""Tiny Hugging Face Llama/Qwen2 models built locally (no download) and the built-in trainer's
+"""Tiny Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral models built locally (no download) and the built-in trainer's
 model loading a converted checkpoint, for the checkpoint-conversion tests."""
 from __future__ import annotations
 
@@ -14,16 +14,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")   # every model here is built local
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 128, 64, 96, 4, 2, 4
 
 
+# make_hf_model's kinds: transformers' config and model classes
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+
+
 def make_hf_model(out_dir: str, kind: str = "llama", tied: bool = False, seed: int = 0,
                   dtype: torch.dtype = torch.float32, max_shard_size: str | None = None, **overrides) -> None:
-    """A random tiny model saved with save_pretrained (safetensors). Norm weights and q/k/v biases
-    are randomised too, so a conversion that drops or swaps them changes the logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    """A random tiny model saved with save_pretrained (safetensors), built from transformers' own
+    config class of `kind` (HF_CLASSES). Norm weights (q/k norms too) and q/k/v biases are randomised
+    too, so a conversion that drops or swaps them changes the logits."""
+    import transformers
+    config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[kind])
     fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=tied,
                   rms_norm_eps=1e-5, max_position_embeddings=64,
-                  rope_theta=1000000.0 if kind == "qwen2" else 500000.0)
+                  rope_theta=500000.0 if kind == "llama" else 1000000.0)
     fields.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**fields))

@@ -21,6 +21,9 @@ For each command line:
   4. a drawn flag the trainer's parser does not know is refused by both, and one that is one edit
      (insert/delete/replace/adjacent swap) from known flags gets `<flag> (did you mean <one of them>?)`
      when the rest of the command line is well formed (otherwise argparse's error comes first).
+  5. check accepts => each flag with no effect in the layout (Feature.inert) has one line of its own
+     on stdout ("MindSpeed: <flags> has no effect here: <why>") naming only flags the command line
+     gave, and the trainer's gate, when it accepts too, gives the same lines.
 The gate for --backend mindspore resolves the device through MindSpore (import_mindspore), so
 MindSpore is imported once here (plan() needs it; nothing else does).
 
@@ -35,6 +38,7 @@ import functools
 import io
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -310,16 +314,15 @@ def run_check(argv) -> tuple[int, str, str]:
 
 
 def run_trainer(argv, world: int):
-    """The trainers' checks before work: parse_args, then the support-matrix gate. Returns None or
-    the user-facing error raised."""
+    """The trainers' checks before work: parse_args, then the support-matrix gate. Returns the
+    user-facing error raised, or the plan."""
     try:
-        plan(parse_args(list(argv), world_size=world))
+        return plan(parse_args(list(argv), world_size=world))
     except (ArgumentError, MindSpeedConfigError) as exc:
         return exc
     except BaseException as exc:
         raise AssertionError(f"trainer argument checks raised {type(exc).__name__}: {exc} "
                              f"for argv {argv} (world size {world})") from exc
-    return None
 
 
 def _resolve(tokens, paths) -> list[str]:
@@ -348,7 +351,8 @@ def check_properties(fragments, world, backend, backend_first, paths):
         assert err.strip() and len(err.strip().splitlines()) == 1 and len(err.splitlines()) == 1, \
             f"check refused {argv} with {len(err.splitlines())} stderr lines:\n{err}"
     # 2. the trainer's argument checks + gate: return or one user-facing line
-    refused = run_trainer(argv, world)
+    planned = run_trainer(argv, world)
+    refused = planned if isinstance(planned, Exception) else None
     if refused is not None:
         message = str(refused)
         assert message.strip() and "\n" not in message, \
@@ -374,6 +378,17 @@ def check_properties(fragments, world, backend, backend_first, paths):
                         assert any(f"{name} (did you mean {k}?)" in text for k in near), \
                             (f"{who}: {name} is one edit from {near} but the refusal does not "
                              f"suggest one of them: {text.strip()}")
+    # 5. a flag with no effect in this layout (Feature.inert): accepted with one line of its own on
+    #    stdout, naming only flags the command line gave; the trainer's gate says the same lines
+    if rc == 0:
+        notes = [line for line in out.splitlines() if "has no effect here" in line]
+        for line in notes:
+            assert line.startswith("MindSpeed: ") and line.count(" has no effect here: ") == 1, line
+            named = re.findall(r"--[a-z0-9][a-z0-9-]*", line[len("MindSpeed: "):].split(" has no effect here: ")[0])
+            assert named and set(named) <= set(names), f"{line!r} names a flag {argv} does not give"
+        if refused is None:
+            assert planned.notes() == notes, \
+                f"check and the trainer's gate note {argv} differently:\ncheck:   {notes}\ntrainer: {planned.notes()}"
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -404,6 +419,12 @@ FOUND = {
     # fixed: check refused --sequence-parallel at TP 1, which the trainer turned off (as Megatron
     # does) and ignored: the two refused this line for different reasons
     "sequence-parallel-tp1": _case("torch", ["--sequence-parallel"], ["--alibi-diagonal-opposite"]),
+    # flags with no effect in the layout: accepted with one line each, by check and the trainer alike
+    "inert-at-size-1": _case("mindspore", ["--sequence-parallel"], ["--context-parallel-algo", "hybrid_cp_algo"],
+                             ["--cp-window-size", "2"], ["--use-ascend-coc"], ["--num-experts", "4"],
+                             ["--moe-permutation-async-comm"]),
+    "inert-with-a-refusal": _case("torch", ["--attention-mask-type", "general"], ["--coc-parallel-num", "3"],
+                                  ["--use-ascend-coc"]),
     # fixed: a traceback in parse_args (int(nan * iters) in derive_args: ValueError / OverflowError)
     "lr-warmup-fraction-nan": _case("torch", ["--lr-warmup-fraction", "nan"]),
     "lr-warmup-fraction-inf": _case("mindspore", ["--lr-warmup-fraction=inf"]),

@@ -13,6 +13,7 @@ from mindspeed.__main__ import main as mindspeed_main
 from mindspeed.adaptor_core import MindSpeedConfigError, plan
 from mindspeed.features.base import Feature
 from mindspeed.features.registry import all_features
+from mindspeed.flags.mindspeed_flags import trainer_parser
 
 BACKENDS = ("torch", "mindspore")
 # features whose inert() no command line reaches, and why
@@ -25,9 +26,13 @@ def _inert_argv(feature) -> tuple:
     return feature.inert_example or feature.example
 
 
+def _plan(argv):
+    return plan(list(argv), unknown_flags="trainer")      # as `check` plans: the built-in trainers' flags
+
+
 def _inert_in(feature, argv) -> bool:
     try:
-        return feature.id in {f.id for f, *_ in plan(list(argv)).inert}
+        return feature.id in {f.id for f, *_ in _plan(argv).inert}
     except MindSpeedConfigError:
         return False
 
@@ -45,13 +50,14 @@ def _check(argv) -> tuple[int, str, str]:
 
 def _without_flags(feature, argv) -> list[str]:
     """argv less the feature's own flags (and their values): the same run without it."""
-    own = {fl.name: fl for fl in feature.flags}
+    actions = trainer_parser()._option_string_actions       # what each flag takes, host flags included
+    own = {fl.name for fl in feature.flags}
     kept, skip = [], False
     for tok in argv:
         if skip:
             skip = False
         elif tok in own:
-            skip = own[tok].kwargs.get("action") != "store_true"
+            skip = actions[tok].nargs != 0
         else:
             kept.append(tok)
     return kept
@@ -79,13 +85,13 @@ def test_an_inert_flag_is_accepted_with_one_line_naming_it(feature, backend):
     own = [tok for tok in argv if tok in {fl.name for fl in feature.flags}]
     assert own and typed.startswith(own[0]), notes[0]
     assert all(tok in typed for tok in own), notes[0]       # every flag of its own given is named
-    p = plan(argv)
+    p = _plan(argv)
     assert p.notes() == notes
     assert [f.id for f, *_ in p.inert] == [feature.id]
     assert feature.id not in {f.id for f in p.features + p.dropped}
     # the rest of the plan, and what the host is given, is as without the flags: its own flags are
     # the values of a run without them (inert_host_flags) or left as typed, nothing else differs
-    base = plan(_without_flags(feature, argv))
+    base = _plan(_without_flags(feature, argv))
     assert [f.id for f in p.features] == [f.id for f in base.features]
     own_dests = {fl.dest for fl in feature.flags} - set(feature.inert_host_flags)
     assert {k: v for k, v in vars(p.args).items() if k not in own_dests} == \

@@ -10,6 +10,9 @@ its core attention from it, every other attention keeps the class it had. Megatr
 needs nothing else (its value matmul and output already follow v), nor does the flash path (the
 attention kernel takes v's head size as it is, docs/kernels.md).
 
+Without TE, MLA's module finds Megatron's mocks of TE's linears and takes TE for present (its
+HAVE_TE): that flag is set False.
+
 Megatron-Core's local spec gives MLA's down projections as ColumnParallelLinear, whose sharded
 output MLA gathers itself: no replicated linear (TE's `linear()`) is needed. One gradient is
 mis-reduced on that spec: finalize_model_grads sums the grads of every parameter named
@@ -24,9 +27,10 @@ import dataclasses
 import inspect
 
 MLA_MODULE = "megatron.core.transformer.multi_latent_attention"
-#: what apply_mla_standin patches
+#: what apply_mla_standin patches (HAVE_TE where Transformer Engine is absent)
 PATCH_TARGETS = (f"{MLA_MODULE}.MultiLatentAttention.__init__", f"{MLA_MODULE}.MLASelfAttention.__init__",
-                 "megatron.core.distributed.finalize_model_grads._allreduce_non_tensor_model_parallel_grads")
+                 "megatron.core.distributed.finalize_model_grads._allreduce_non_tensor_model_parallel_grads",
+                 f"{MLA_MODULE}.HAVE_TE")
 REPLICATED_Q_NORM = "_mindspeed_mla_q_norm"     # marks MLA's q_layernorm parameters
 
 _variants: dict = {}
@@ -130,8 +134,13 @@ def _share_replicated_q_norm_grads(model, tp_group) -> None:
 def apply_mla_standin(patcher) -> None:
     """MLA's core attention with its head sizes, and its q norm's grads reduced once; both act on
     multi-latent attention only."""
-    mla_init, self_attention_init, non_tp_grads = PATCH_TARGETS
+    mla_init, self_attention_init, non_tp_grads, have_te = PATCH_TARGETS
     patcher.wrap(mla_init, _wrap_mla_init, reason="MLA's core attention with k/v head sizes of its own (TE-less)")
     patcher.wrap(self_attention_init, _wrap_mla_self_attention_init,
                  reason="MLA's q_layernorm: replicated over TP ranks")
     patcher.wrap(non_tp_grads, _wrap_non_tp_grads, reason="MLA's q_layernorm grads summed over TP once, not TP times")
+    from megatron.core.extensions import transformer_engine
+    if not transformer_engine.HAVE_TE:
+        # MLA imports TE's linears from Megatron's extensions, which hold mocks without TE: the import
+        # succeeds, HAVE_TE says True, and MLA's `isinstance(self.linear_proj, TELinear)` raises
+        patcher.replace(have_te, False, reason="Transformer Engine absent (MLA read its mocks as TE)")
