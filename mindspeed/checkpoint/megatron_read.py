@@ -41,26 +41,35 @@ LAYER_SUFFIXES = tuple(LAYER_KEYS)
 # the layer a prepended axis), or -- where the layers differ, as dense and MoE layers do -- one key per
 # layer ("decoder.layers.<i>.<suffix>", i the global layer). Either way each MoE expert's weight is one
 # key with the global expert as a further prepended axis: model-local `mlp.experts.local_experts.<e>.X`
-# is torch_dist's `mlp.experts.experts.X` at expert e.
+# is torch_dist's `mlp.experts.experts.X` at expert e. (Multi-latent attention's spec keeps the norms'
+# own names.)
 NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 NORM_SUFFIXES = {key: suffix for suffix, key in NORM_KEYS.items()}
 LOCAL_EXPERTS, EXPERT_KEYS = "mlp.experts.local_experts.", "mlp.experts.experts."
 
 
+MTP = "mtp.layers."             # Megatron-Core's multi-token-prediction layers: one key each, never stacked
+MTP_LAYER = "transformer_layer."   # an MTP layer's decoder layer
+
+
 def key_suffix(suffix: str) -> tuple[str, int | None]:
     """A layer's model-local suffix -> (its torch_dist suffix, the global expert or None)."""
+    head = MTP_LAYER if suffix.startswith(MTP_LAYER) else ""
+    suffix = suffix[len(head):]
     if suffix.startswith(LOCAL_EXPERTS):
         expert, rest = suffix[len(LOCAL_EXPERTS):].split(".", 1)
-        return EXPERT_KEYS + rest, int(expert)
-    return NORM_KEYS.get(suffix, suffix), None
+        return head + EXPERT_KEYS + rest, int(expert)
+    return head + NORM_KEYS.get(suffix, suffix), None
 
 
 def model_suffix(key_part: str, expert: int | None) -> str:
     """The inverse of key_suffix."""
+    head = MTP_LAYER if key_part.startswith(MTP_LAYER) else ""
+    key_part = key_part[len(head):]
     if key_part.startswith(EXPERT_KEYS):
-        return f"{LOCAL_EXPERTS}{expert}.{key_part[len(EXPERT_KEYS):]}"
-    return NORM_SUFFIXES.get(key_part, key_part)
+        return f"{head}{LOCAL_EXPERTS}{expert}.{key_part[len(EXPERT_KEYS):]}"
+    return head + NORM_SUFFIXES.get(key_part, key_part)
 
 
 def split_layer_key(key: str) -> tuple[int | None, str]:
@@ -71,28 +80,29 @@ def split_layer_key(key: str) -> tuple[int | None, str]:
     return (int(head), tail) if head.isdigit() else (None, rest)
 
 
+def _expert_axis(part: str) -> bool:
+    return part.startswith(EXPERT_KEYS) or part.startswith(MTP_LAYER + EXPERT_KEYS)
+
+
 def model_name(key: str, prepended: tuple[int, ...]) -> str:
     """The model-local parameter name of the torch_dist chunk `key` whose prepended axes sit at the
     offsets `prepended` (layer and/or expert)."""
+    if key.startswith(MTP):
+        j, _, part = key[len(MTP):].partition(".")
+        return f"{MTP}{j}.{model_suffix(part, prepended[0] if _expert_axis(part) else None)}"
     if not key.startswith(STACKED):
         return key
     layer, part = split_layer_key(key)
     if layer is None:
         layer, prepended = prepended[0], prepended[1:]
-    expert = prepended[0] if part.startswith(EXPERT_KEYS) else None
+    expert = prepended[0] if _expert_axis(part) else None
     return f"decoder.layers.{layer}.{model_suffix(part, expert)}"
 
 
-def open_checkpoint(root: str):
-    """The reader for the iteration the tracker names, checked as the trainers check it before a
-    load: torch_dist when the directory holds one (it keeps the parameters' dtype), else the
-    MindSpore trainer's neutral safetensors."""
-    from mindspeed.checkpoint import torch_dist  # imports Megatron-Core: mg->hf conversion reads with torch alone
-    try:
-        directory = iteration_dir(root, torch_dist.read_tracker(root))   # checks either format
-    except CheckpointError as err:
-        raise ConvertError(str(err)) from None
-    return NeutralReader(directory) if torch_dist.is_neutral(directory) else TorchDistReader(directory)
+def block_prefix(layer) -> str:
+    """The model-local prefix of a block: decoder layer `layer` (an int), or the prefix itself (a str,
+    e.g. "mtp.layers.0.")."""
+    return f"{STACKED}{layer}." if isinstance(layer, int) else layer
 
 
 class TorchDistReader:
@@ -121,17 +131,23 @@ class TorchDistReader:
     def get(self, name: str) -> torch.Tensor:
         return self._assemble(name, ())
 
-    def _where(self, suffix: str, layer: int) -> tuple[str, tuple[int, ...]] | None:
-        """(torch_dist key, the indices of its prepended axes) of layer `layer`'s `suffix`, None if absent."""
+    def _where(self, suffix: str, layer) -> tuple[str, tuple[int, ...]] | None:
+        """(torch_dist key, the indices of its prepended axes) of `suffix` in decoder layer `layer` (an int) or
+        under the prefix `layer` (a str), None if absent."""
         part, expert = key_suffix(suffix)
         experts = () if expert is None else (expert,)
-        for key, index in ((f"{STACKED}{layer}.{part}", experts), (STACKED + part, (layer, *experts))):
-            if key in self.pieces and all(i < n for i, n in zip(index, self.meta[key].size)):
-                return key, index
+        # the norms under Transformer Engine's fused names, or their own (multi-latent attention's spec)
+        for name in dict.fromkeys((part, suffix if expert is None else part)):
+            candidates = [(block_prefix(layer) + name, experts)]
+            if isinstance(layer, int):
+                candidates.append((STACKED + name, (layer, *experts)))
+            for key, index in candidates:
+                if key in self.pieces and all(i < n for i, n in zip(index, self.meta[key].size)):
+                    return key, index
         return None
 
     def has_layer(self, suffix: str, layer: int | None = None) -> bool:
-        """Layer `layer` (any layer with None) has the tensor `suffix`."""
+        """Layer `layer` (any decoder layer with None) has the tensor `suffix`."""
         layers = range(self.num_layers()) if layer is None else (layer,)
         return any(self._where(suffix, i) is not None for i in layers)
 
@@ -143,35 +159,39 @@ class TorchDistReader:
                 count = max(count, layer + 1 if layer is not None else self.meta[key].size[0])
         return count
 
-    def layer_suffixes(self, layer: int) -> set[str]:
-        """The model-local suffixes of every tensor layer `layer` has."""
+    def mtp_layers(self) -> int:
+        return len({key[len(MTP):].split(".", 1)[0] for key in self.pieces if key.startswith(MTP)})
+
+    def layer_suffixes(self, layer) -> set[str]:
+        """The model-local suffixes of every tensor of decoder layer `layer` (an int), or under the
+        prefix `layer` (a str: an MTP layer's)."""
         found = set()
+        prefix = block_prefix(layer)
         for key in self.pieces:
-            if not key.startswith(STACKED):
-                continue
-            at, part = split_layer_key(key)
             size = tuple(self.meta[key].size)
-            if at is None:
-                if layer >= size[0]:
+            if key.startswith(prefix):
+                part = key[len(prefix):]
+            elif isinstance(layer, int) and key.startswith(STACKED) and split_layer_key(key)[0] is None:
+                part, size = key[len(STACKED):], size[1:]
+                if layer >= self.meta[key].size[0]:
                     continue
-                size = size[1:]
-            elif at != layer:
+            else:
                 continue
-            experts = range(size[0]) if part.startswith(EXPERT_KEYS) else (None,)
+            experts = range(size[0]) if _expert_axis(part) else (None,)
             found.update(model_suffix(part, e) for e in experts)
         return found
 
-    def layer_shape(self, suffix: str, layer: int = 0) -> tuple[int, ...]:
+    def layer_shape(self, suffix: str, layer=0) -> tuple[int, ...]:
         where = self._where(suffix, layer)
         if where is None:
-            raise ConvertError(f"checkpoint {self.dir} has no decoder.layers.{layer}.{suffix}")
+            raise ConvertError(f"checkpoint {self.dir} has no {block_prefix(layer)}{suffix}")
         key, index = where
         return self.shape(key)[len(index):]
 
-    def get_layer(self, suffix: str, layer: int) -> torch.Tensor:
+    def get_layer(self, suffix: str, layer) -> torch.Tensor:
         where = self._where(suffix, layer)
         if where is None:
-            raise ConvertError(f"checkpoint {self.dir} has no decoder.layers.{layer}.{suffix}")
+            raise ConvertError(f"checkpoint {self.dir} has no {block_prefix(layer)}{suffix}")
         return self._assemble(*where)
 
     def layer_tensor(self, key: str, layer: int) -> torch.Tensor:
@@ -236,12 +256,15 @@ class NeutralReader:
     def num_layers(self) -> int:
         return 1 + max((int(n.split(".")[2]) for n in self._names if n.startswith(STACKED)), default=-1)
 
-    def layer_suffixes(self, layer: int) -> set[str]:
-        prefix = f"decoder.layers.{layer}."
+    def mtp_layers(self) -> int:
+        return len({n[len(MTP):].split(".", 1)[0] for n in self._names if n.startswith(MTP)})
+
+    def layer_suffixes(self, layer) -> set[str]:
+        prefix = block_prefix(layer)
         return {n[len(prefix):] for n in self._names if n.startswith(prefix)}
 
-    def layer_shape(self, suffix: str, layer: int = 0) -> tuple[int, ...]:
-        return self.shape(f"decoder.layers.{layer}.{suffix}")
+    def layer_shape(self, suffix: str, layer=0) -> tuple[int, ...]:
+        return self.shape(block_prefix(layer) + suffix)
 
-    def get_layer(self, suffix: str, layer: int) -> torch.Tensor:
-        return self.get(f"decoder.layers.{layer}.{suffix}")
+    def get_layer(self, suffix: str, layer) -> torch.Tensor:
+        return self.get(block_prefix(layer) + suffix)

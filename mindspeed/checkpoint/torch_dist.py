@@ -299,6 +299,17 @@ def _sharded_state(chunks, optimizer, is_loading: bool, only=None) -> dict:
     return state
 
 
+def _finish_param_gathers(chunks) -> None:
+    """--overlap-param-gather defers the parameter all-gather that follows each update of the
+    distributed optimizer to the next forward's pre-hooks: until then a rank holds only its own shard
+    of the updated weights (the others as before the update; with --reuse-fp32-param, fp32 bits where
+    its master shard borrowed a neighbour's). A save reads whole weights: gather now (waiting for one
+    in flight), as Megatron-LM's save does (force_param_sync); the next forward finds it done."""
+    for chunk in chunks:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
+
+
 def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, consumed_samples: int,
                     sharded_strategy=None, only=None, extra: dict | None = None) -> str:
     """sharded_strategy: dist_checkpointing's (default: Megatron's torch_dist writer; the converter
@@ -310,6 +321,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
         os.makedirs(root, mode=DIR_MODE, exist_ok=True)
         scan.fresh_staging_dir(root, iteration, DIR_MODE)
     torch.distributed.barrier()
+    _finish_param_gathers(chunks)
     state = _sharded_state(chunks, optimizer, is_loading=False, only=only)
     state.update(iteration=iteration, consumed_train_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0, **(extra or {}))
@@ -339,6 +351,8 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
         raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with --no-save-optim): "
                               "resume it with --no-load-optim (or --finetune)")
     state = _sharded_state(chunks, optimizer if use_optim else None, is_loading=True, only=only)
+    if only is None and not is_neutral(path):
+        _refuse_other_architecture(root, path, [state[key] for key in _model_keys(chunks)])
     if not finetune:
         state.update(iteration=0, consumed_train_samples=0, opt_param_scheduler={}, checkpoint_version=0.0)
     if is_neutral(path):
@@ -368,6 +382,20 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
     else:                      # a neutral checkpoint keeps no schedule: this run's, at the samples consumed
         scheduler.step(increment=consumed)
     return int(loaded["iteration"]), consumed
+
+
+def _refuse_other_architecture(root: str, path: str, model_states: list) -> None:
+    """dist_checkpointing loads the tensors the model asks for and ignores the others: a checkpoint of
+    another architecture (with q/k norms, more layers, an MTP block) would load into a smaller model
+    without a word, dropping its weights. Refused in one line, naming the first tensors it would drop."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    wanted = {getattr(v, "key", None) for state in model_states for v in nested_values(state)}
+    saved = dist_checkpointing.load_tensors_metadata(path)
+    extra = sorted(k for k in saved if k not in wanted and not k.startswith(("chained_", "optimizer")))
+    if extra:
+        raise CheckpointError(f"checkpoint {path} holds {len(extra)} weight tensor(s) this model does not have "
+                              f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): it was trained with other "
+                              f"model flags (see {os.path.join(root, 'run_flags.json')}); give those flags")
 
 
 def _load_model(model, loaded: dict, only) -> None:

@@ -10,6 +10,10 @@ Supported (--model-type-hf, config.json model_type):
 - qwen3-moe: Qwen3-MoE ("qwen3_moe"): Qwen3's attention, MoE layers (softmax router, top-k, renormalized
   when norm_topk_prob) where decoder_sparse_step / mlp_only_layers put them, dense SwiGLU elsewhere.
 - mixtral: Mixtral ("mixtral"): the Llama attention, every layer MoE (softmax, top-k, renormalized).
+- deepseek3: DeepSeek-V3 ("deepseek_v3"): multi-latent attention (YaRN RoPE), the first
+  first_k_dense_replace layers dense, then MoE with a sigmoid router (e_score_correction_bias: Megatron-Core's
+  expert bias; n_group / topk_group; routed_scaling_factor) and shared experts; its multi-token-prediction
+  layers (model.layers.<num_hidden_layers + j>, which transformers drops on load) where the weights have them.
 All: RMSNorm, SwiGLU, RoPE (plain, or Llama 3.1's scaling), tied or untied embeddings, GQA.
 """
 from __future__ import annotations
@@ -22,13 +26,16 @@ from mindspeed.errors import ConvertError
 
 # --model-type-hf -> the config.json model_types it converts
 HF_MODEL_TYPES = {"llama2": ("llama", "qwen2"), "llama3": ("llama", "qwen2"), "qwen2": ("qwen2",),
-                  "qwen25": ("qwen2",), "qwen3": ("qwen3",), "qwen3-moe": ("qwen3_moe",), "mixtral": ("mixtral",)}
+                  "qwen25": ("qwen2",), "qwen3": ("qwen3",), "qwen3-moe": ("qwen3_moe",), "mixtral": ("mixtral",),
+                  "deepseek3": ("deepseek_v3",)}
 # what each config.json model_type is converted as (the layer layout and its extras)
-FAMILIES = {"llama": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+FAMILIES = {"llama": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+            "deepseek_v3": "deepseek_v3"}
 # the --model-type-hf that suits each model_type best (named in a mismatch refusal)
-SUGGESTED = {"llama": "llama2", "qwen2": "qwen25", "qwen3": "qwen3", "qwen3_moe": "qwen3-moe", "mixtral": "mixtral"}
+SUGGESTED = {"llama": "llama2", "qwen2": "qwen25", "qwen3": "qwen3", "qwen3_moe": "qwen3-moe", "mixtral": "mixtral",
+             "deepseek_v3": "deepseek3"}
 # model types whose q/k/v biases follow from the family (--add-qkv-bias only for llama2/llama3/qwen2)
-QKV_BIAS = {"qwen25": True, "qwen3": False, "qwen3-moe": False, "mixtral": False}
+QKV_BIAS = {"qwen25": True, "qwen3": False, "qwen3-moe": False, "mixtral": False, "deepseek3": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +61,19 @@ class Arch:
     moe_layers: tuple[int, ...] = ()       # 1 for each MoE layer, 0 for each dense one
     norm_topk_prob: bool = True            # the top-k routing weights renormalized to sum to 1
     moe_aux_loss_coeff: float | None = None
+    # DeepSeek-V3: multi-latent attention (q_lora_rank or None, kv_lora_rank, qk_nope_head_dim,
+    # qk_rope_head_dim, v_head_dim), YaRN's settings, the sigmoid router's extras, shared experts, MTP
+    mla: tuple | None = None
+    yarn: tuple | None = None              # ((name, value), ...) of YARN_FLAGS' names
+    router_sigmoid: bool = False           # sigmoid scores with a per-expert bias (e_score_correction_bias)
+    moe_groups: tuple[int, int] | None = None     # (n_group, topk_group)
+    routed_scaling_factor: float | None = None
+    shared_expert_ffn: int = 0
+    mtp_layers: int = 0                    # multi-token-prediction layers (their weights: layers num_layers..)
 
     def is_moe_layer(self, i: int) -> bool:
-        return bool(self.num_experts) and bool(self.moe_layers[i])
+        """Layer i (an MTP layer for i >= num_layers, MoE as the last decoder layer) is an MoE layer."""
+        return bool(self.num_experts) and bool(self.moe_layers[min(i, self.num_layers - 1)])
 
     @property
     def heads_per_group(self) -> int:
@@ -67,11 +84,21 @@ class Arch:
         flags = ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
                  "--ffn-hidden-size", str(self.ffn_hidden_size),
                  "--num-attention-heads", str(self.num_heads),
-                 "--group-query-attention", "--num-query-groups", str(self.num_kv_heads),
-                 "--kv-channels", str(self.head_dim),
                  "--position-embedding-type", "rope", "--rotary-base", str(int(self.rope_theta)),
                  "--normalization", "RMSNorm", "--norm-epsilon", repr(self.norm_epsilon),
                  "--swiglu", "--disable-bias-linear"]
+        if self.mla is None:
+            flags[8:8] = ["--group-query-attention", "--num-query-groups", str(self.num_kv_heads),
+                          "--kv-channels", str(self.head_dim)]
+        else:
+            q_rank, kv_rank, nope, rope, v = self.mla
+            flags += ["--multi-latent-attention", "--kv-lora-rank", str(kv_rank), "--qk-head-dim", str(nope),
+                      "--qk-pos-emb-head-dim", str(rope), "--v-head-dim", str(v)]
+            flags += ["--q-lora-rank", str(q_rank)] if q_rank is not None else []
+        if self.yarn is not None:
+            flags += ["--rope-scaling-type", "yarn"]
+            for name, value in self.yarn:
+                flags += [YARN_FLAGS[name], repr(value)]
         if self.rope_scaling_factor is not None:
             flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(self.rope_scaling_factor)]
         if self.qkv_bias:
@@ -88,12 +115,30 @@ class Arch:
             # Megatron-Core's default routing (top-k of the logits, softmax over those) is softmax ->
             # top-k -> renormalize; without renormalizing it is softmax over all experts first
             flags.append("--norm-topk-prob" if self.norm_topk_prob else "--moe-router-pre-softmax")
+            if self.router_sigmoid:     # DeepSeek-V3's router, computed in fp32 as transformers does
+                flags += ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                          "--moe-router-dtype", "fp32"]
+            if self.moe_groups is not None:
+                flags += ["--moe-router-num-groups", str(self.moe_groups[0]),
+                          "--moe-router-group-topk", str(self.moe_groups[1])]
+            if self.routed_scaling_factor is not None:
+                flags += ["--moe-router-topk-scaling-factor", repr(self.routed_scaling_factor)]
+            if self.shared_expert_ffn:
+                flags += ["--moe-shared-expert-intermediate-size", str(self.shared_expert_ffn)]
             if self.moe_aux_loss_coeff:
                 flags += ["--moe-router-load-balancing-type", "aux_loss",
                           "--moe-aux-loss-coeff", repr(self.moe_aux_loss_coeff)]
             else:
                 flags += ["--moe-router-load-balancing-type", "none"]
+        if self.mtp_layers:
+            flags += ["--mtp-num-layers", str(self.mtp_layers)]
         return flags
+
+
+# YaRN's config.json fields -> the trainer's flags (MindSpeed-LLM's spellings)
+YARN_FLAGS = {"factor": "--rope-scaling-factor", "beta_fast": "--beta-fast", "beta_slow": "--beta-slow",
+              "mscale": "--rope-scaling-mscale", "mscale_all_dim": "--rope-scaling-mscale-all-dim",
+              "original_max_position_embeddings": "--rope-scaling-original-max-position-embeddings"}
 
 
 def layer_pattern_text(pattern) -> str:
@@ -125,15 +170,38 @@ def read_config(hf_dir: str, flag: str = "--load-dir") -> dict:
 LLAMA3_SCALING_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _rope(config: dict) -> tuple[float, float | None]:
-    """(rope_theta, Llama 3.1 scaling factor or None). transformers 5 writes rope_parameters;
-    older configs (and the Hub's) have rope_theta and rope_scaling."""
+def _rope_params(config: dict) -> tuple[str, dict]:
+    """(RoPE type, its parameters): transformers 5 writes rope_parameters; older configs (and the Hub's)
+    have rope_theta and rope_scaling."""
     params = dict(config.get("rope_scaling") or {}, **(config.get("rope_parameters") or {}))
-    kind = params.get("rope_type") or params.get("type") or "default"
+    return params.get("rope_type") or params.get("type") or "default", params
+
+
+def _yarn(config: dict) -> tuple | None:
+    """DeepSeek-V3's YaRN settings (multi-latent attention's, in Megatron-Core) as Arch.yarn, None unscaled."""
+    kind, params = _rope_params(config)
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ConvertError(f"config.json asks for RoPE scaling {kind!r}: a DeepSeek-V3 model converts with YaRN or "
+                           "unscaled RoPE")
+    if params.get("truncate") is False:
+        raise ConvertError("config.json's YaRN has truncate false: Megatron-Core rounds the correction range "
+                           "(transformers' truncate true)")
+    values = {name: params.get(name) for name in YARN_FLAGS}
+    if values["original_max_position_embeddings"] is None:
+        values["original_max_position_embeddings"] = config.get("original_max_position_embeddings")
+    return tuple((name, float(v) if name != "original_max_position_embeddings" else int(v))
+                 for name, v in values.items() if v is not None)
+
+
+def _rope(config: dict) -> tuple[float, float | None]:
+    """(rope_theta, Llama 3.1 scaling factor or None)."""
+    kind, params = _rope_params(config)
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     if float(theta) != int(theta):
         raise ConvertError(f"config.json rope_theta {theta} is not an integer (the trainer's --rotary-base is)")
-    if kind == "default":
+    if kind == "default" or (kind == "yarn" and config.get("model_type") == "deepseek_v3"):
         return float(theta), None
     fixed = {k: params.get(k) for k in LLAMA3_SCALING_FIXED}
     if kind != "llama3" or any(fixed[k] is None or float(fixed[k]) != v for k, v in LLAMA3_SCALING_FIXED.items()):
@@ -189,6 +257,8 @@ def _arch(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
                            f"num_key_value_heads {kv_heads}")
     theta, scaling = _rope(config)
     layers = int(config["num_hidden_layers"])
+    if family == "deepseek_v3":
+        return _deepseek(config, hidden, heads, theta, layers)
     return Arch(num_layers=layers, hidden_size=hidden,
                 ffn_hidden_size=int(config["intermediate_size"]), num_heads=heads, num_kv_heads=kv_heads,
                 head_dim=int(config.get("head_dim") or hidden // heads), vocab_size=int(config["vocab_size"]),
@@ -223,6 +293,47 @@ def _moe(config: dict, family: str, layers: int) -> dict:
                 norm_topk_prob=norm, moe_aux_loss_coeff=float(coeff) if coeff else None)
 
 
+def _deepseek(config: dict, hidden: int, heads: int, theta: float, layers: int) -> Arch:
+    if config.get("rope_interleave") is False:
+        raise ConvertError("config.json has rope_interleave false: Megatron-Core's multi-latent attention takes "
+                           "DeepSeek's interleaved RoPE layout only")
+    q_rank = config.get("q_lora_rank")
+    mla = (int(q_rank) if q_rank else None, int(config["kv_lora_rank"]), int(config["qk_nope_head_dim"]),
+           int(config["qk_rope_head_dim"]), int(config["v_head_dim"]))
+    experts = int(config.get("n_routed_experts") or 0)
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    topk = int(config["num_experts_per_tok"]) if experts else 0
+    moe = {}
+    if experts:
+        if not 0 < topk <= experts:
+            raise ConvertError(f"config.json num_experts_per_tok {topk} is not between 1 and the {experts} experts")
+        if topk > 1 and not config.get("norm_topk_prob", True):
+            raise ConvertError("config.json has norm_topk_prob false: Megatron-Core's sigmoid router always "
+                               "renormalizes the top-k weights")
+        groups, group_topk = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+        if groups > 1 and (experts % groups or topk % group_topk or topk // group_topk != 2):
+            # transformers scores a group by its top 2 experts, Megatron-Core by its top (top-k / topk_group)
+            raise ConvertError(f"config.json's group-limited routing (n_group {groups}, topk_group {group_topk}, "
+                               f"num_experts_per_tok {topk}): Megatron-Core scores each group by its top "
+                               "num_experts_per_tok / topk_group experts, transformers by its top 2: only configs "
+                               "where those agree convert (DeepSeek-V3's 8 / 4)")
+        if first_dense >= layers:
+            raise ConvertError(f"config.json first_k_dense_replace {first_dense} leaves no MoE layer of {layers}")
+        scaling = config.get("routed_scaling_factor")
+        shared = int(config.get("n_shared_experts") or 0) * int(config["moe_intermediate_size"])
+        moe = dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=int(config["moe_intermediate_size"]),
+                   moe_layers=tuple(int(i >= first_dense) for i in range(layers)), norm_topk_prob=True,
+                   router_sigmoid=True, moe_groups=(groups, group_topk) if groups > 1 else None,
+                   routed_scaling_factor=float(scaling) if scaling not in (None, 1, 1.0) else None,
+                   shared_expert_ffn=shared)
+    return Arch(num_layers=layers, hidden_size=hidden, ffn_hidden_size=int(config["intermediate_size"]),
+                num_heads=heads, num_kv_heads=heads, head_dim=mla[2] + mla[3], vocab_size=int(config["vocab_size"]),
+                norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling_factor=None,
+                tied_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=False,
+                max_position_embeddings=int(config.get("max_position_embeddings", 4096)), family="deepseek_v3",
+                qk_layernorm=True, mla=mla, yarn=_yarn(config), **moe)
+
+
 def pipeline_split_flags(layer_list: list[int] | None) -> list[str]:
     """The trainer's flags for an uneven pipeline split (none for an even one)."""
     if not layer_list or len(set(layer_list)) == 1:
@@ -238,6 +349,8 @@ def check_parallel(arch: Arch, tp: int, pp: int, layer_list: list[int] | None, e
     if arch.num_experts:       # each expert is split over the tensor-parallel ranks too
         sizes.append(("moe_intermediate_size" if arch.family != "mixtral" else "intermediate_size",
                       arch.moe_ffn_hidden_size))
+    if arch.mla is not None:
+        sizes = [s for s in sizes if s[0] != "num_key_value_heads"]
     for name, value in sizes:
         if value % tp:
             raise ConvertError(f"config.json {name} {value} is not divisible by "

@@ -1,6 +1,7 @@
 """Hugging Face (safetensors + config.json) -> the built-in trainer's Megatron-Core checkpoint."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -43,6 +44,40 @@ def check_tensors(reader: HFReader, arch: Arch, model_type_hf: str | None = None
         got = reader.shape(name)
         if got != shape:
             raise ConvertError(f"{name} has shape {got}, config.json implies {shape}")
+    check_mtp_shared(reader, arch)
+
+
+def with_mtp_layers(reader: HFReader, arch: Arch) -> Arch:
+    """A DeepSeek-V3 model with its multi-token-prediction layers where the weights have them
+    (model.layers.<num_hidden_layers + j>; transformers' own save has none)."""
+    if arch.family != "deepseek_v3":
+        return arch
+    extra = sorted({int(n.split(".")[2]) for n in reader.names()
+                    if n.startswith("model.layers.") and n.split(".")[2].isdigit()
+                    and int(n.split(".")[2]) >= arch.num_layers})
+    if extra != list(range(arch.num_layers, arch.num_layers + len(extra))):
+        raise ConvertError(f"{reader.dir} has layers {extra} beyond the config's {arch.num_layers}: multi-token-"
+                           "prediction layers follow the decoder layers without a gap")
+    return dataclasses.replace(arch, mtp_layers=len(extra))
+
+
+def check_mtp_shared(reader: HFReader, arch: Arch, rows_at_once: int = 4096) -> None:
+    """An MTP layer's embedding and output head are the main model's (Megatron-Core shares them)."""
+    for i in range(arch.num_layers, arch.num_layers + arch.mtp_layers):
+        for name, main in layout.MTP_SHARED.items():
+            main = "model.embed_tokens.weight" if arch.tied_embeddings and main == "lm_head.weight" else main
+            if not _same_rows(reader, f"model.layers.{i}.{name}", main, rows_at_once):
+                raise ConvertError(f"model.layers.{i}.{name} differs from {main}: Megatron-Core's multi-token "
+                                   "prediction shares the main model's, so this model does not convert")
+
+
+def _same_rows(reader: HFReader, a: str, b: str, rows_at_once: int) -> bool:
+    """Tensors a and b are equal, compared a few thousand rows at a time."""
+    if reader.shape(a) != reader.shape(b):
+        return False
+    rows = reader.shape(a)[0]
+    return all(torch.equal(reader.get_rows(a, i, i + rows_at_once), reader.get_rows(b, i, i + rows_at_once))
+               for i in range(0, rows, rows_at_once))
 
 
 def check_tied_embeddings(reader: HFReader, arch: Arch, rows_at_once: int = 4096) -> None:
@@ -56,11 +91,8 @@ def check_tied_embeddings(reader: HFReader, arch: Arch, rows_at_once: int = 4096
                            "the weights are tied; set tie_word_embeddings true if the model shares them")
     if not arch.tied_embeddings or head not in names or embed not in names:
         return
-    if reader.shape(head) == reader.shape(embed):
-        rows = reader.shape(head)[0]
-        if all(torch.equal(reader.get_rows(head, i, i + rows_at_once), reader.get_rows(embed, i, i + rows_at_once))
-               for i in range(0, rows, rows_at_once)):
-            return
+    if _same_rows(reader, head, embed, rows_at_once):
+        return
     raise ConvertError(f"config.json ties the embeddings (tie_word_embeddings true) but {reader.dir} has an "
                        f"{head} that differs from {embed}: set tie_word_embeddings false if the model has "
                        "its own output layer")
@@ -100,6 +132,7 @@ def convert(opts, log=print) -> dict:
     check_save_dir(opts.save_dir)
     reader = HFReader(opts.load_dir)
     try:
+        arch = with_mtp_layers(reader, arch)
         check_tensors(reader, arch, opts.model_type_hf)
         with staged(opts.save_dir) as tmp:
             megatron_write.write_megatron(tmp, arch, reader, vocab, padded, opts.params_dtype,

@@ -65,8 +65,10 @@ class Part:
 
 # the MoE block's Hugging Face names: (prefix, router, expert linears gate / up / down)
 MOE_NAMES = {"qwen3_moe": ("mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")),
-             "mixtral": ("block_sparse_moe.", "gate.weight", ("w1", "w3", "w2"))}
+             "mixtral": ("block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")),
+             "deepseek_v3": ("mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj"))}
 EXPERT = "mlp.experts.local_experts."        # Megatron's SequentialMLP: global expert e at EP 1
+DENSE = ("gate_proj", "up_proj", "down_proj")
 
 
 def _swiglu(mg: str, hf: str, names: tuple[str, str, str], ffn: int, h: int) -> list[Part]:
@@ -76,48 +78,96 @@ def _swiglu(mg: str, hf: str, names: tuple[str, str, str], ffn: int, h: int) -> 
             Part(mg + "linear_fc2.weight", ((down, (h, ffn)),))]
 
 
-def layer_parts(arch: Arch, i: int) -> list[Part]:
-    """Every tensor of decoder layer i, Megatron's side and Hugging Face's."""
-    h, d = arch.hidden_size, arch.head_dim
+def _same(mg: str, hf: str, shape: tuple[int, ...]) -> Part:
+    return Part(mg, ((hf, shape),))
+
+
+def _attention(arch: Arch) -> list[Part]:
+    h, d, att = arch.hidden_size, arch.head_dim, "self_attn."
+    if arch.mla is not None:   # DeepSeek's multi-latent attention: Megatron-Core's MLASelfAttention
+        q_rank, kv_rank, nope, rope, v = arch.mla
+        heads, sa = arch.num_heads, "self_attention."
+        parts = [_same(sa + "linear_proj.weight", att + "o_proj.weight", (h, heads * v)),
+                 _same(sa + "linear_kv_down_proj.weight", att + "kv_a_proj_with_mqa.weight", (kv_rank + rope, h)),
+                 _same(sa + "kv_layernorm.weight", att + "kv_a_layernorm.weight", (kv_rank,)),
+                 _same(sa + "linear_kv_up_proj.weight", att + "kv_b_proj.weight", (heads * (nope + v), kv_rank))]
+        if q_rank is None:
+            return parts + [_same(sa + "linear_q_proj.weight", att + "q_proj.weight", (heads * (nope + rope), h))]
+        return parts + [_same(sa + "linear_q_down_proj.weight", att + "q_a_proj.weight", (q_rank, h)),
+                        _same(sa + "q_layernorm.weight", att + "q_a_layernorm.weight", (q_rank,)),
+                        _same(sa + "linear_q_up_proj.weight", att + "q_b_proj.weight", (heads * (nope + rope), q_rank))]
     q, kv = arch.num_heads * d, arch.num_kv_heads * d
-    att = "self_attn."
-    parts = [Part("input_layernorm.weight", (("input_layernorm.weight", (h,)),)),
-             Part("self_attention.linear_qkv.weight", ((att + "q_proj.weight", (q, h)),
-                                                        (att + "k_proj.weight", (kv, h)),
-                                                        (att + "v_proj.weight", (kv, h))), "qkv"),
-             Part("self_attention.linear_proj.weight", ((att + "o_proj.weight", (h, q)),)),
-             Part("pre_mlp_layernorm.weight", (("post_attention_layernorm.weight", (h,)),))]
+    parts = [Part("self_attention.linear_qkv.weight", ((att + "q_proj.weight", (q, h)),
+                                                       (att + "k_proj.weight", (kv, h)),
+                                                       (att + "v_proj.weight", (kv, h))), "qkv"),
+             _same("self_attention.linear_proj.weight", att + "o_proj.weight", (h, q))]
     if arch.qkv_bias:
         parts.append(Part("self_attention.linear_qkv.bias", ((att + "q_proj.bias", (q,)), (att + "k_proj.bias", (kv,)),
                                                              (att + "v_proj.bias", (kv,))), "qkv"))
     if arch.qk_layernorm:     # per head, shared by the heads: Megatron-Core's q_layernorm / k_layernorm
-        parts += [Part("self_attention.q_layernorm.weight", ((att + "q_norm.weight", (d,)),)),
-                  Part("self_attention.k_layernorm.weight", ((att + "k_norm.weight", (d,)),))]
-    if not arch.is_moe_layer(i):
-        return parts + _swiglu("mlp.", "mlp.", ("gate_proj", "up_proj", "down_proj"), arch.ffn_hidden_size, h)
-    prefix, router, names = MOE_NAMES[arch.family]
-    parts.append(Part("mlp.router.weight", ((prefix + router, (arch.num_experts, h)),)))
-    for e in range(arch.num_experts):
-        parts += _swiglu(f"{EXPERT}{e}.", f"{prefix}experts.{e}.", names, arch.moe_ffn_hidden_size, h)
+        parts += [_same("self_attention.q_layernorm.weight", att + "q_norm.weight", (d,)),
+                  _same("self_attention.k_layernorm.weight", att + "k_norm.weight", (d,))]
     return parts
 
 
+def layer_parts(arch: Arch, i: int) -> list[Part]:
+    """Every tensor of decoder layer i (or of the transformer layer of MTP layer i - num_layers),
+    Megatron's side (model-local, in the layer) and Hugging Face's (in model.layers.i.)."""
+    h = arch.hidden_size
+    parts = [_same("input_layernorm.weight", "input_layernorm.weight", (h,)), *_attention(arch),
+             _same("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", (h,))]
+    if not arch.is_moe_layer(i):
+        return parts + _swiglu("mlp.", "mlp.", DENSE, arch.ffn_hidden_size, h)
+    prefix, router, names = MOE_NAMES[arch.family]
+    parts.append(_same("mlp.router.weight", prefix + router, (arch.num_experts, h)))
+    if arch.router_sigmoid:    # DeepSeek-V3's aux-loss-free balancing bias: Megatron-Core's expert bias
+        parts.append(_same("mlp.router.expert_bias", prefix + "gate.e_score_correction_bias", (arch.num_experts,)))
+    for e in range(arch.num_experts):
+        parts += _swiglu(f"{EXPERT}{e}.", f"{prefix}experts.{e}.", names, arch.moe_ffn_hidden_size, h)
+    if arch.shared_expert_ffn:
+        parts += _swiglu("mlp.shared_experts.", prefix + "shared_experts.", DENSE, arch.shared_expert_ffn, h)
+    return parts
+
+
+# an MTP layer's Hugging Face tensors that are the main model's in Megatron-Core (it shares them): on the
+# way back they are written as copies of those, as DeepSeek-V3's checkpoints hold them
+MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+
+
+def block_parts(arch: Arch, i: int) -> list[Part]:
+    """Decoder layer i's parts; for i >= num_layers, MTP layer i - num_layers' (Megatron-Core's
+    MultiTokenPredictionLayer: norms of the embedding and the hidden state, their projection, a
+    transformer layer and a final norm), Hugging Face's model.layers.i. (DeepSeek-V3's layout)."""
+    if i < arch.num_layers:
+        return layer_parts(arch, i)
+    h = arch.hidden_size
+    return [Part("transformer_layer." + p.mg, p.hf, p.kind) for p in layer_parts(arch, i)] + [
+        _same("enorm.weight", "enorm.weight", (h,)), _same("hnorm.weight", "hnorm.weight", (h,)),
+        _same("eh_proj.weight", "eh_proj.weight", (h, 2 * h)),
+        _same("final_layernorm.weight", "shared_head.norm.weight", (h,))]
+
+
+def mg_prefix(arch: Arch, i: int) -> str:
+    """Where block i's Megatron tensors are: decoder layer i, or MTP layer i - num_layers."""
+    return f"decoder.layers.{i}." if i < arch.num_layers else f"mtp.layers.{i - arch.num_layers}."
+
+
 def hf_layer_names(arch: Arch, i: int) -> list[str]:
-    """Every Hugging Face tensor name of decoder layer i."""
+    """Every Hugging Face tensor name of block i that has a Megatron tensor."""
     p = f"model.layers.{i}."
-    return [p + name for part in layer_parts(arch, i) for name, _ in part.hf]
+    return [p + name for part in block_parts(arch, i) for name, _ in part.hf]
 
 
 def mg_layer_shapes(arch: Arch, i: int) -> dict[str, tuple[int, ...]]:
-    """Decoder layer i's Megatron tensors (model-local suffixes) and their whole shapes."""
-    return {part.mg: part.mg_shape for part in layer_parts(arch, i)}
+    """Block i's Megatron tensors (relative to mg_prefix) and their whole shapes."""
+    return {part.mg: part.mg_shape for part in block_parts(arch, i)}
 
 
 def hf_to_mg_layer(arch: Arch, i: int, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Layer i's Hugging Face tensors (full names) -> Megatron model-local suffixes."""
+    """Block i's Hugging Face tensors (full names) -> Megatron names relative to mg_prefix."""
     p = f"model.layers.{i}."
     out = {}
-    for part in layer_parts(arch, i):
+    for part in block_parts(arch, i):
         tensors = [hf[p + name] for name, _ in part.hf]
         if part.kind == "qkv":
             out[part.mg] = fuse_qkv(arch, *tensors)
@@ -132,7 +182,7 @@ def mg_to_hf_layer(arch: Arch, i: int, mg: dict[str, torch.Tensor]) -> dict[str,
     """The inverse of hf_to_mg_layer."""
     p = f"model.layers.{i}."
     out = {}
-    for part in layer_parts(arch, i):
+    for part in block_parts(arch, i):
         tensor = mg[part.mg]
         if part.kind == "qkv":
             pieces = split_qkv(arch, tensor)
@@ -161,6 +211,8 @@ def hf_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not arch.tied_embeddings:
         shapes["lm_head.weight"] = (v, h)
-    for i in range(arch.num_layers):
-        shapes.update({f"model.layers.{i}.{name}": shape for part in layer_parts(arch, i) for name, shape in part.hf})
+    for i in range(arch.num_layers + arch.mtp_layers):
+        shapes.update({f"model.layers.{i}.{name}": shape for part in block_parts(arch, i) for name, shape in part.hf})
+        if i >= arch.num_layers:
+            shapes.update({f"model.layers.{i}.{name}": (v, h) for name in MTP_SHARED})
     return shapes

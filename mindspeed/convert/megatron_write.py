@@ -101,9 +101,11 @@ class _Producer:
     def whole(self, name: str) -> torch.Tensor:
         """The converted tensor of the trainer's parameter `name` (model-local)."""
         keep = min(self.vocab, self.arch.vocab_size)
-        if name.startswith("decoder.layers."):
-            i, suffix = name[len("decoder.layers."):].split(".", 1)
-            tensors = self.layer(int(i))
+        for prefix, first in (("decoder.layers.", 0), ("mtp.layers.", self.arch.num_layers)):
+            if not name.startswith(prefix):
+                continue
+            i, suffix = name[len(prefix):].split(".", 1)
+            tensors = self.layer(first + int(i))      # MTP layer j: Hugging Face's layer num_layers + j
             if suffix not in tensors:
                 raise ConvertError(f"the trainer's model has a parameter the conversion does not fill: {name}")
             return tensors[suffix]

@@ -8,6 +8,7 @@ receives the converted model in its mg2hg/ subfolder, as MindSpeed-LLM writes it
 as they are, and an mg2hg/ that is already there and not empty is refused."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -42,21 +43,27 @@ def check_checkpoint(reader, arch: Arch, model_type_hf: str | None = None) -> No
     if reader.num_layers() != arch.num_layers:
         raise ConvertError(f"checkpoint {reader.dir} has {reader.num_layers()} layers, the Hugging Face config "
                            f"{arch.num_layers} (wrong --hf-config?)")
-    for i in range(arch.num_layers):
+    if reader.mtp_layers() and arch.family != "deepseek_v3":
+        raise ConvertError(f"checkpoint {reader.dir} has multi-token-prediction layers: only --model-type-hf "
+                           "deepseek3 converts them")
+    for i in range(arch.num_layers + arch.mtp_layers):
+        block = _block(arch, i)
         want = layout.mg_layer_shapes(arch, i)
-        have = reader.layer_suffixes(i)
+        have = reader.layer_suffixes(block)
         missing = [suffix for suffix in want if suffix not in have]
+        where = layout.mg_prefix(arch, i)
         if missing:
-            raise ConvertError(f"checkpoint {reader.dir} has no decoder.layers.{i}.{missing[0]}, which the Hugging "
+            raise ConvertError(f"checkpoint {reader.dir} has no {where}{missing[0]}, which the Hugging "
                                f"Face config implies ({_kind(arch, i)}: wrong --model-type-hf or --hf-config?)")
         extra = sorted(suffix for suffix in have - set(want) if ".lora." not in suffix)
         if extra:
-            raise ConvertError(f"checkpoint {reader.dir} has decoder.layers.{i}.{extra[0]}, which the Hugging Face "
+            raise ConvertError(f"checkpoint {reader.dir} has {where}{extra[0]}, which the Hugging Face "
                                f"config does not describe ({_kind(arch, i)}: wrong --model-type-hf or --hf-config?)")
         for suffix, shape in want.items():
-            if reader.layer_shape(suffix, i) != shape:
-                raise ConvertError(f"checkpoint decoder.layers.{i}.{suffix} has shape {reader.layer_shape(suffix, i)}, the Hugging "
-                                   f"Face config implies {shape} (wrong --hf-config?)")
+            got = reader.layer_shape(suffix, block)
+            if got != shape:
+                raise ConvertError(f"checkpoint {where}{suffix} has shape {got}, the Hugging Face config implies "
+                                   f"{shape} (wrong --hf-config?)")
     if reader.shape("decoder.final_layernorm.weight") != (h,):
         raise ConvertError(f"checkpoint hidden size {reader.shape('decoder.final_layernorm.weight')} != {h}")
     width = reader.shape("embedding.word_embeddings.weight")[1]
@@ -64,11 +71,24 @@ def check_checkpoint(reader, arch: Arch, model_type_hf: str | None = None) -> No
         raise ConvertError(f"checkpoint embedding width {width} is not the Hugging Face config's hidden size {h}")
 
 
+def _block(arch: Arch, i: int):
+    """The reader's name of block i: decoder layer i, or the prefix of MTP layer i - num_layers."""
+    return i if i < arch.num_layers else layout.mg_prefix(arch, i)
+
+
 def _kind(arch: Arch, i: int) -> str:
     """What the config makes of layer i, for a refusal."""
     what = [f"{arch.num_experts} experts" if arch.is_moe_layer(i) else "a dense MLP"]
-    what.append("q/k norms" if arch.qk_layernorm else "no q/k norms")
+    if arch.mla is not None:
+        what.append("multi-latent attention")
+    else:
+        what.append("q/k norms" if arch.qk_layernorm else "no q/k norms")
     return "layer " + str(i) + ": " + ", ".join(what)
+
+
+def with_mtp_layers(reader, arch: Arch) -> Arch:
+    """A DeepSeek-V3 model with the checkpoint's multi-token-prediction layers."""
+    return dataclasses.replace(arch, mtp_layers=reader.mtp_layers()) if arch.family == "deepseek_v3" else arch
 
 
 MG2HG = "mg2hg"
@@ -106,6 +126,7 @@ def convert(opts, log=print) -> dict:
                                          f"weights go to its {MG2HG}/; nothing is overwritten: move or remove it")
     check_save_dir(out_dir)
     reader = open_checkpoint(opts.load_dir)
+    arch = with_mtp_layers(reader, arch)
     check_checkpoint(reader, arch, opts.model_type_hf)
     adapters = lora_merge.adapters_for(opts)
     dtype = HF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
@@ -117,7 +138,9 @@ def convert(opts, log=print) -> dict:
         def add(name: str, tensor: torch.Tensor) -> None:
             if tuple(tensor.shape) != shapes[name]:   # a layout bug, never the user's input
                 raise AssertionError(f"{name}: {tuple(tensor.shape)} != {shapes[name]}")
-            writer.add(name, tensor.to(dtype) if dtype is not None else tensor)
+            # DeepSeek-V3's routing bias stays fp32, as its checkpoints (and Megatron-Core) keep it
+            keep = name.endswith("e_score_correction_bias")
+            writer.add(name, tensor.to(dtype) if dtype is not None and not keep else tensor)
 
         # the config's vocab_size rows: rows the checkpoint lacks (cut to a smaller tokenizer by
         # hf->mg --tokenizer-model) come back as zeros
@@ -127,12 +150,17 @@ def convert(opts, log=print) -> dict:
             return layout.fit_vocab(weight, min(v, weight.shape[0]), v).clone()
 
         add("model.embed_tokens.weight", vocab_rows(reader.get("embedding.word_embeddings.weight")))
-        for i in range(arch.num_layers):
-            mg = {suffix: reader.get_layer(suffix, i) for suffix in layout.mg_layer_shapes(arch, i)}
-            if adapters is not None:
+        for i in range(arch.num_layers + arch.mtp_layers):
+            mg = {suffix: reader.get_layer(suffix, _block(arch, i)) for suffix in layout.mg_layer_shapes(arch, i)}
+            if adapters is not None and i < arch.num_layers:
                 adapters.fold(mg, i)
             for name, tensor in layout.mg_to_hf_layer(arch, i, mg).items():
                 add(name, tensor)
+            if i >= arch.num_layers:     # the main model's embedding and output layer, as the MTP layer's
+                head = "embedding.word_embeddings.weight" if arch.tied_embeddings else "output_layer.weight"
+                add(f"model.layers.{i}.embed_tokens.weight",
+                    vocab_rows(reader.get("embedding.word_embeddings.weight")))
+                add(f"model.layers.{i}.shared_head.head.weight", vocab_rows(reader.get(head)))
         add("model.norm.weight", reader.get("decoder.final_layernorm.weight"))
         if not arch.tied_embeddings:
             add("lm_head.weight", vocab_rows(reader.get("output_layer.weight")))

@@ -97,7 +97,7 @@ def model_vocab_size(args, vocab_size: int, tp: int) -> int:
     checked with the flags), else the tokenizer's vocabulary padded to a multiple of
     --make-vocab-size-divisible-by x TP, as Megatron pads it."""
     given = getattr(args, "padded_vocab_size", None)
-    if True:  # MUTATION: ignore --padded-vocab-size
+    if given is None:
         return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
     if given < vocab_size:
         raise TokenizerError(f"--padded-vocab-size {given} is smaller than the tokenizer's vocabulary ({vocab_size} "

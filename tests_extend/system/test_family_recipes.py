@@ -105,3 +105,21 @@ def test_recipe_trains_three_iterations_on_two_processes(family, corpus, tmp_pat
     assert len(values) == 3 and all(math.isfinite(v) for v in values), values
     assert "> --distributed-backend nccl runs as gloo" in output      # said once, not ignored
     assert os.path.isdir(tmp_path / "ckpt")                             # --save at the last iteration
+    if family == "qwen3_moe":
+        _another_architecture_is_refused(tmp_path / "ckpt", corpus)
+
+
+def _another_architecture_is_refused(ckpt, corpus):
+    """The checkpoint loaded by the same recipe without its q/k norms: refused in one line before any
+    step, not loaded with those weights dropped (dist_checkpointing reads only what a model asks for)."""
+    argv = shrink.shrink("qwen3_moe", dict(corpus, CKPT_LOAD_DIR=str(ckpt), CKPT_SAVE_DIR=str(ckpt)), runnable=True)
+    spec = argv.index("--spec")
+    argv = [a for a in argv[:spec] + argv[spec + 3:] if a != "--qk-layernorm"] + ["--train-iters", "4"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-m", "mindspeed.torchrun", "--nproc_per_node", "2", "--nnodes", "1",
+                             "--node_rank", "0", "--master_addr", "localhost", "--master_port", str(free_port()),
+                             os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"), *argv],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    errors = {line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error: ")}
+    assert result.returncode != 0 and len(errors) == 1, (result.stdout + result.stderr)[-3000:]
+    assert "this model does not have (decoder.layers.0.self_attention.k_layernorm.weight" in errors.pop()

@@ -13,7 +13,7 @@ from mindspeed.__main__ import main as mindspeed_main
 from mindspeed.adaptor_core import MindSpeedConfigError, plan
 from mindspeed.features.base import Feature
 from mindspeed.features.registry import all_features
-from mindspeed.flags.mindspeed_flags import trainer_parser
+from tests_extend.system.matrix_walk import without_flags
 
 BACKENDS = ("torch", "mindspore")
 # features whose inert() no command line reaches, and why
@@ -48,21 +48,6 @@ def _check(argv) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-def _without_flags(feature, argv) -> list[str]:
-    """argv less the feature's own flags (and their values): the same run without it."""
-    actions = trainer_parser()._option_string_actions       # what each flag takes, host flags included
-    own = {fl.name for fl in feature.flags}
-    kept, skip = [], False
-    for tok in argv:
-        if skip:
-            skip = False
-        elif tok in own:
-            skip = actions[tok].nargs != 0
-        else:
-            kept.append(tok)
-    return kept
-
-
 def test_every_feature_that_can_be_inert_has_an_example():
     assert {f.id for f in INERT} == {f.id for f in OVERRIDING} - set(NEVER_INERT), \
         "a feature with an inert() needs an inert_example where it is inert (or a NEVER_INERT entry saying why)"
@@ -74,7 +59,7 @@ def test_every_feature_that_can_be_inert_has_an_example():
 @pytest.mark.parametrize("feature", INERT, ids=[f.id for f in INERT])
 def test_an_inert_flag_is_accepted_with_one_line_naming_it(feature, backend):
     argv = [*_inert_argv(feature), "--backend", backend]
-    if backend != "torch" and _check(_without_flags(feature, argv))[0] != 0:
+    if backend != "torch" and _check(without_flags(feature, argv))[0] != 0:
         pytest.skip(f"the rest of {feature.id}'s command line is refused on {backend}")
     rc, out, err = _check(argv)
     assert rc == 0, err
@@ -91,7 +76,7 @@ def test_an_inert_flag_is_accepted_with_one_line_naming_it(feature, backend):
     assert feature.id not in {f.id for f in p.features + p.dropped}
     # the rest of the plan, and what the host is given, is as without the flags: its own flags are
     # the values of a run without them (inert_host_flags) or left as typed, nothing else differs
-    base = _plan(_without_flags(feature, argv))
+    base = _plan(without_flags(feature, argv))
     assert [f.id for f in p.features] == [f.id for f in base.features]
     own_dests = {fl.dest for fl in feature.flags} - set(feature.inert_host_flags)
     assert {k: v for k, v in vars(p.args).items() if k not in own_dests} == \

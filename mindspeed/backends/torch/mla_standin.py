@@ -20,6 +20,9 @@ mis-reduced on that spec: finalize_model_grads sums the grads of every parameter
 rank's heads), but MLA's q_layernorm normalises the whole compressed query, the same on every rank
 without sequence parallelism, so the sum is TP times the gradient (TE's spec fuses that norm into
 linear_q_up_proj, under another name). Those grads are divided by the TP size before that sum.
+And one is lost: the key's RoPE part k_pos_emb, shared by all heads, is gathered from the sharded
+down projection on every rank, but each rank's heads give only their share of its gradient and the
+gather's backward keeps only this rank's slice (_KeyPositionGrads adds the other ranks' share).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import inspect
 MLA_MODULE = "megatron.core.transformer.multi_latent_attention"
 #: what apply_mla_standin patches (HAVE_TE where Transformer Engine is absent)
 PATCH_TARGETS = (f"{MLA_MODULE}.MultiLatentAttention.__init__", f"{MLA_MODULE}.MLASelfAttention.__init__",
+                 f"{MLA_MODULE}.MLASelfAttention.get_query_key_value_tensors",
                  "megatron.core.distributed.finalize_model_grads._allreduce_non_tensor_model_parallel_grads",
                  f"{MLA_MODULE}.HAVE_TE")
 REPLICATED_Q_NORM = "_mindspeed_mla_q_norm"     # marks MLA's q_layernorm parameters
@@ -107,6 +111,58 @@ def _wrap_mla_self_attention_init(original):
     return __init__
 
 
+class _KeyPositionGrads:
+    """Identity on MLA's key [.., heads, qk_head_dim + qk_pos_emb_head_dim]; backward: the RoPE part's
+    gradient of every TP rank's heads reaches k_pos_emb. Every head's key shares one k_pos_emb, which
+    the local spec's ColumnParallelLinear down projection computes once on every rank (gathered), but
+    each rank's heads add only their own share of its gradient, and the gather's backward keeps this
+    rank's slice of it: the other ranks' heads are lost. Here each rank's first head also carries what
+    the other ranks' heads give (one all-reduce of [.., 1, qk_pos_emb_head_dim]), so the sum over
+    its heads is the whole gradient on every rank."""
+
+    _function = None
+
+    @classmethod
+    def apply(cls, key, pos_dim: int, group):
+        if cls._function is None:
+            import torch
+
+            class KeyPositionGrads(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, key, pos_dim, group):
+                    ctx.pos_dim, ctx.group = pos_dim, group
+                    return key.view_as(key)
+
+                @staticmethod
+                def backward(ctx, grad):
+                    local = grad[..., -ctx.pos_dim:].sum(-2, keepdim=True)    # this rank's heads
+                    total = local.clone()
+                    torch.distributed.all_reduce(total, group=ctx.group)
+                    grad = grad.clone()
+                    grad[..., :1, -ctx.pos_dim:] += total - local
+                    return grad, None, None
+
+            cls._function = KeyPositionGrads
+        return cls._function.apply(key, pos_dim, group)
+
+
+def _wrap_query_key_value(original):
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        query, key, value, *rest = original(self, *args, **kwargs)
+        if key is not None and key.requires_grad and _shares_key_position_by_gather(self):
+            key = _KeyPositionGrads.apply(key, self.config.qk_pos_emb_head_dim, self.tp_group)
+        return (query, key, value, *rest)
+    return get_query_key_value_tensors
+
+
+def _shares_key_position_by_gather(attention) -> bool:
+    """k_pos_emb came from a TP-sharded down projection gathered over the ranks (the local spec)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    return (attention.tp_group is not None and attention.tp_group.size() > 1
+            and isinstance(attention.linear_kv_down_proj, ColumnParallelLinear)
+            and not attention.config.cache_mla_latents)
+
+
 def _wrap_non_tp_grads(original):
     def allreduce(model, config, *args, **kwargs):
         tp_group = kwargs.get("tp_group", args[0] if args else None)
@@ -134,10 +190,12 @@ def _share_replicated_q_norm_grads(model, tp_group) -> None:
 def apply_mla_standin(patcher) -> None:
     """MLA's core attention with its head sizes, and its q norm's grads reduced once; both act on
     multi-latent attention only."""
-    mla_init, self_attention_init, non_tp_grads, have_te = PATCH_TARGETS
+    mla_init, self_attention_init, query_key_value, non_tp_grads, have_te = PATCH_TARGETS
     patcher.wrap(mla_init, _wrap_mla_init, reason="MLA's core attention with k/v head sizes of its own (TE-less)")
     patcher.wrap(self_attention_init, _wrap_mla_self_attention_init,
                  reason="MLA's q_layernorm: replicated over TP ranks")
+    patcher.wrap(query_key_value, _wrap_query_key_value,
+                 reason="MLA's k_pos_emb gradient from every TP rank's heads (gathered down projection)")
     patcher.wrap(non_tp_grads, _wrap_non_tp_grads, reason="MLA's q_layernorm grads summed over TP once, not TP times")
     from megatron.core.extensions import transformer_engine
     if not transformer_engine.HAVE_TE:

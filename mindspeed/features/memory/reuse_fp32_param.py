@@ -36,11 +36,15 @@ class ReuseFp32Param(Feature):
             raise FeatureConfigError("--reuse-fp32-param needs --bf16 (a bf16 value is the high half of an "
                                      "fp32 one; fp16 is not)")
         if getattr(args, "use_distributed_optimizer", False):
-            if getattr(args, "overlap_param_gather", False):
-                # the borrowed neighbour shards hold fp32 bits until the all-gather; deferred to the next
-                # forward, anything reading the weights before it (a save, a norm) would see them
-                raise FeatureConfigError("--reuse-fp32-param with --use-distributed-optimizer needs the param "
-                                         "all-gather right after each update: drop --overlap-param-gather")
+            # --overlap-param-gather is fine (reuse_fp32_param_distrib.py: the borrowed halves hold fp32 bits
+            # until the deferred all-gather, which the next forward's pre-hooks, a save and a params norm
+            # wait for); Megatron-LM's --overlap-param-gather-with-optimizer-step is not with MoE: it starts
+            # the all-gather after the first of the chained optimizers' updates, while the expert one's
+            # update still turns its buckets into fp32 pairs
+            if getattr(args, "overlap_param_gather_with_optimizer_step", False) and getattr(args, "num_experts", None):
+                raise FeatureConfigError("--reuse-fp32-param with --use-distributed-optimizer and MoE: drop "
+                                         "--overlap-param-gather-with-optimizer-step (its all-gather would start "
+                                         "before the expert optimizer's update)")
             world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "0") or 0)
             size = lambda name: getattr(args, name, None) or 1
             tp, pp = size("tensor_model_parallel_size"), size("pipeline_model_parallel_size")

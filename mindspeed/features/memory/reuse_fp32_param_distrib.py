@@ -12,10 +12,20 @@ Per bucket (bf16, N elements, DP shards of n; rank r owns shard r), two layouts:
   interleaved (little-endian), which Megatron's shard_fp32_from_float16 tensors view.
 
 The update runs step (-> fp32 layout) then Megatron's copy of masters to the model
-(-> bf16 layout: own shard rewritten); the neighbour's half is then stale, and the param
-all-gather that follows every update (or, with --overlap-param-gather, precedes that bucket's
-next forward) rewrites it from its owner. Rounding is the Float16 path's (reuse_fp32_param_megatron):
-+0x8000, high half = master rounded to nearest (ties away from zero), low half lossless.
+(-> bf16 layout: own shard rewritten); the neighbour's half then holds fp32 bits, and the param
+all-gather that follows every update rewrites it from its owner. Rounding is the Float16 path's
+(reuse_fp32_param_megatron): +0x8000, high half = master rounded to nearest (ties away from zero),
+low half lossless.
+
+With --overlap-param-gather Megatron defers that all-gather to the next forward: each module's
+pre-hook waits for its bucket's gather (dispatching it, and the next bucket's, asynchronously), so
+the overlap with the forward is Megatron's own. Until then the neighbour's half is not weights, and
+whatever reads whole weights between the update and the next forward gathers first, exactly the
+gather the forward would run: a save (mindspeed/checkpoint/torch_dist.py here; Megatron-LM's
+save_checkpoint_and_time and its evaluation and weight-hash check already do, force_param_sync /
+disable_forward_pre_hook), Megatron-LM's --log-params-norm (calc_params_l2_norm, wrapped below), and
+the built-in trainer's evaluation runs forward through the pre-hooks. The next update waits for any
+gather still in flight on its buckets before turning them into fp32 pairs.
 
 Outside the update, readers of the masters (checkpoints: _get/_set_main_param_and_optimizer_states;
 a model-only load: _copy_model_params_to_main_params; the dummy step before a load) get or set
@@ -23,6 +33,8 @@ exact fp32 values through the bf16 layout, never disturbing the neighbour's para
 """
 from __future__ import annotations
 
+import functools
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -31,6 +43,7 @@ from mindspeed.features.memory.reuse_fp32_param_megatron import (RESIDUAL_ZERO, 
                                                                   expand_before_step)
 
 OPTIMIZER = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+MEGATRON_LM_PARAMS_NORM = "megatron.training.utils.calc_params_l2_norm"     # --log-params-norm
 CHUNK = 1 << 20          # elements interleaved per copy: bounds the temporary to 4 MiB
 
 
@@ -118,9 +131,20 @@ class SharedShards:
                 self.where[id(main)] = (shard, s, e)
                 main.data = shard.fp32[s:e]
         self.fp32 = False
+        # DDP's bucket groups whose param all-gather writes these buckets (one may be in flight with
+        # --overlap-param-gather)
+        mine = {id(opt.buffers[g].buckets[b]) for g, b in self.buckets}
+        self.gathers = [group for chunk in getattr(opt, "model_chunks", ())
+                        for group in list(getattr(chunk, "bucket_groups", ())) +
+                        list(getattr(chunk, "expert_parallel_bucket_groups", ()))
+                        if any(id(bucket) in mine for bucket in group.buckets)]
 
     def to_fp32(self) -> None:
         if not self.fp32:
+            for group in self.gathers:          # never rewrite a region an all-gather is still writing
+                handle = getattr(group, "param_gather_handle", None)
+                if handle is not None:
+                    handle.wait()
             for shard in self.buckets.values():
                 shard.to_fp32()
             self.fp32 = True
@@ -235,6 +259,27 @@ def attach(opt) -> SharedShards:
     return shared
 
 
+def finish_param_gathers(model_chunks) -> None:
+    """Run the param all-gather --overlap-param-gather deferred to the next forward (waiting for one
+    in flight): the chunks' weights whole again, and nothing left for that forward's pre-hooks."""
+    for chunk in model_chunks:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
+
+
+def _params_norm_of_gathered_weights(original):
+    """Megatron-LM's --log-params-norm reads every bf16 weight right after the update, before the
+    deferred all-gather (unlike its save, evaluation and weight-hash check, it does not gather first)."""
+    @functools.wraps(original)
+    def calc_params_l2_norm(model, *a, **kw):
+        finish_param_gathers(model if isinstance(model, (list, tuple)) else [model])
+        return original(model, *a, **kw)
+    return calc_params_l2_norm
+
+
 def install(patcher) -> None:
     attach_after_init(patcher, OPTIMIZER, attach,
                       "--reuse-fp32-param: fp32 master shards stored in DDP's bf16 parameter buffer")
+    if "megatron.training.training" in sys.modules:     # under Megatron-LM's pretrain_gpt.py
+        patcher.wrap(MEGATRON_LM_PARAMS_NORM, _params_norm_of_gathered_weights, aliases="megatron",
+                     reason="--reuse-fp32-param: --log-params-norm after the deferred param all-gather")
