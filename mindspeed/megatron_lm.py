@@ -6,7 +6,8 @@ argument parsing:
 - `parse_args`: MindSpeed's flags are added to Megatron's own parser through its extra-args
   provider, so Megatron parses the whole command line and a misspelt flag is an error;
 - `validate_args`: before Megatron's checks, MindSpeed-LLM's tokenizer flags become Megatron's
-  (megatron_lm_data.tokenizer_problems), the device's collective backend replaces nccl and
+  (megatron_lm_data.tokenizer_problems), and so do its model-family spellings (megatron_lm_family;
+  `parse_args` added those the parser lacks); the device's collective backend replaces nccl and
   options the device cannot honour are refused; after them, MindSpeed plans the enabled features,
   the support matrix gates them, and their hooks are applied, all before any model exists.
 """
@@ -27,7 +28,7 @@ from mindspeed.features.context_parallel import sharding
 from mindspeed.features.registry import all_features
 from mindspeed.flags.mindspeed_flags import (add_mindspeed_args, known_flags, mindspeed_parser, resolve_backend_name,
                                  unknown_flag_message, unknown_options)
-from mindspeed import megatron_lm_data
+from mindspeed import megatron_lm_data, megatron_lm_family
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
 from mindspeed.versions import megatron_version
 
@@ -92,6 +93,8 @@ class MegatronLMHooks:
     def __init__(self, state: AdaptState, msadapter: bool):
         self.state = state
         self.msadapter = msadapter
+        self.family = None          # megatron_lm_family.ParsedFamily of the last parse
+        self.family_notes = []
 
     # -- parse_args ----------------------------------------------------------------------------
     def wrap_parse_args(self, original):
@@ -102,6 +105,7 @@ class MegatronLMHooks:
                 add_mindspeed_args(parser)
                 megatron_lm_data.add_args(parser)
                 megatron_lm_data.add_tokenizer_args(parser)
+                self.family = megatron_lm_family.add_args(parser)      # MindSpeed-LLM's model-family spellings
                 parser.error = _one_line_error(parser)
                 if not _transformer_engine_present():
                     # the default (transformer_engine) cannot import here: Megatron-Core's local
@@ -117,8 +121,14 @@ class MegatronLMHooks:
             tokenizer_problems = megatron_lm_data.tokenizer_problems(args)   # PretrainedFromHF: HuggingFaceTokenizer
             if tokenizer_problems:
                 self._refuse(tokenizer_problems[0])
+            if self.family is not None:       # MindSpeed-LLM's family spellings become Megatron's args
+                family_problems, self.family_notes = megatron_lm_family.before_checks(args, self.family)
+                if family_problems:
+                    self._refuse(family_problems[0])
             self._before_megatron(args)
             result = original(args, defaults)
+            if self.family is not None:
+                megatron_lm_family.after_checks(args)
             self._after_megatron(args)
             return result
         return validate_args
@@ -192,7 +202,8 @@ class MegatronLMHooks:
             # one write with its newline: under `python -u` print writes the end apart, and another
             # rank's output sharing the pipe could land between the two
             sys.stdout.write("".join(f"> {line}\n" for line in
-                                     ["MindSpeed " + p.describe().replace("\n", "; "), *p.notes()]))
+                                     ["MindSpeed " + p.describe().replace("\n", "; "), *p.notes(),
+                                      *(f"MindSpeed: {note}" for note in self.family_notes)]))
             sys.stdout.flush()
 
 

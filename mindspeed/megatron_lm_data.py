@@ -22,6 +22,7 @@ tokenizer_problems).
 from __future__ import annotations
 
 import os
+import sys
 
 from mindspeed.adaptor_core import packed_documents
 from mindspeed.features import documents
@@ -45,7 +46,7 @@ def add_args(parser) -> None:
 def add_tokenizer_args(parser) -> None:
     """MindSpeed-LLM's tokenizer flags join Megatron-LM's: --tokenizer-type PretrainedFromHF with
     --tokenizer-name-or-path (Megatron's HuggingFaceTokenizer --tokenizer-model, tokenizer_problems),
-    --tokenizer-not-use-fast (refused there) and --padded-vocab-size (Megatron-LM's own from core_v0.16;
+    --tokenizer-not-use-fast (no effect in training: said in one line) and --padded-vocab-size (Megatron-LM's own from core_v0.16;
     its build_tokenizer keeps a padded_vocab_size that is already set)."""
     existing = set(parser._option_string_actions)
     kind = parser._option_string_actions.get("--tokenizer-type")
@@ -67,6 +68,8 @@ def tokenizer_problems(args) -> list[str]:
     trainers check them; a --padded-vocab-size below a tokenizer.json's vocabulary (or NullTokenizer's)
     is refused too (Megatron would build the smaller embedding)."""
     resolve_hf_alias(args)
+    if getattr(args, "tokenizer_not_use_fast", False) and int(os.environ.get("RANK", "0")) == 0:
+        sys.stdout.write("> --tokenizer-not-use-fast has no effect here: training reads token ids, it encodes no text\n")
     found = hf_tokenizer_problems(args, local_only=False) + padded_vocab_problems(args)
     padded = getattr(args, "padded_vocab_size", None)
     if not found and padded is not None:

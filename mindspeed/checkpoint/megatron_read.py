@@ -105,6 +105,18 @@ def block_prefix(layer) -> str:
     return f"{STACKED}{layer}." if isinstance(layer, int) else layer
 
 
+def open_checkpoint(root: str):
+    """The reader for the iteration the tracker names, checked as the trainers check it before a
+    load: torch_dist when the directory holds one (it keeps the parameters' dtype), else the
+    MindSpore trainer's neutral safetensors."""
+    from mindspeed.checkpoint import torch_dist  # imports Megatron-Core: mg->hf conversion reads with torch alone
+    try:
+        directory = iteration_dir(root, torch_dist.read_tracker(root))   # checks either format
+    except CheckpointError as err:
+        raise ConvertError(str(err)) from None
+    return NeutralReader(directory) if torch_dist.is_neutral(directory) else TorchDistReader(directory)
+
+
 class TorchDistReader:
     def __init__(self, directory: str):
         from mindspeed.checkpoint.torch_dist import read_index  # imports Megatron-Core (see open_checkpoint)

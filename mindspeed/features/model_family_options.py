@@ -79,8 +79,10 @@ MtpMemEfficientLogits = option(
 MtpMemEfficientLogits.inert = lambda self, args: (
     "Megatron-Core's MTP computes each MTP layer's logits and loss in turn, freeing the last before the next")
 
-option("expert-tensor-parallel", (host("--expert-tensor-parallel-size"),),
-       lambda a: a.expert_tensor_parallel_size is not None,
+option("expert-tensor-parallel", (host("--expert-tensor-parallel-size"), host("--num-experts"),
+                                  host("--tensor-model-parallel-size", 1)),
+       # Megatron's default (None, or Megatron-LM's 1 at TP 1) is the attention's TP: only another size is the option
+       lambda a: bool(a.num_experts) and a.expert_tensor_parallel_size not in (None, a.tensor_model_parallel_size or 1),
        "a tensor-parallel size inside the experts other than the attention's (Megatron-Core's expert TP)",
        _lacks("expert tensor-parallel size of its own (--moe-tp-extend-ep spreads whole experts)"), TORCH,
-       MOE_EXAMPLE + ("--expert-tensor-parallel-size", "1"), depends=("moe",))
+       MOE_EXAMPLE + ("--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"), example_world=2)

@@ -146,14 +146,22 @@ def _loss_scale_problems(args) -> list[str]:
             if getattr(args, n) is not None and getattr(args, n) <= 0]
 
 
-def loss_scale_note(args) -> str:
-    """The line for loss-scaling flags given to a bf16 or fp32 run (MindSpeed-LLM's bf16 recipes pass
-    --initial-loss-scale), which Megatron accepts and never reads; '' otherwise."""
-    given = [_flag(n) for n in LOSS_SCALE_DEFAULTS if getattr(args, n) is not None] + \
+def no_effect_notes(args) -> list[str]:
+    """One line each for flags a run accepts, as Megatron does, but never reads (MindSpeed-LLM's recipes pass
+    them): loss scaling without --fp16, --vocab-size with a tokenizer that knows its vocabulary, the slow
+    tokenizer switch (training reads token ids; `python -m mindspeed.data`, which encodes, refuses it)."""
+    notes = []
+    scaling = [_flag(n) for n in LOSS_SCALE_DEFAULTS if getattr(args, n) is not None] + \
         (["--loss-scale"] if args.loss_scale is not None else [])
-    if not given or args.fp16:
-        return ""
-    return f"> {', '.join(given)} has no effect here: loss scaling is for --fp16 (bf16 and fp32 train without it)"
+    if scaling and not args.fp16:
+        notes.append(f"> {', '.join(scaling)} has no effect here: loss scaling is for --fp16 (bf16 and fp32 train "
+                     "without it)")
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
+        notes.append("> --vocab-size has no effect here: only --tokenizer-type NullTokenizer reads it (this "
+                     "tokenizer knows its vocabulary; --padded-vocab-size sets the embedding's rows)")
+    if getattr(args, "tokenizer_not_use_fast", False):
+        notes.append("> --tokenizer-not-use-fast has no effect here: training reads token ids, it encodes no text")
+    return notes
 
 
 def _rampup_problems(args) -> list[str]:
@@ -192,9 +200,6 @@ def _tokenizer_problems(args) -> list[str]:
                         "(give both files, or drop them)")
     if kind == "NullTokenizer" and (args.vocab_size is None or args.vocab_size < 1):
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size N (a positive integer)")
-    elif kind != "NullTokenizer" and args.vocab_size is not None:
-        problems.append("--vocab-size is read only by --tokenizer-type NullTokenizer (other tokenizers "
-                        "know their vocabulary): drop it")
     if kind in ("GPT2BPETokenizer", "NullTokenizer") and not args.data_path and not args.mock_data:
         problems.append(f"--tokenizer-type {kind} needs --data-path (or --mock-data): the bundled default "
                         "dataset is character-level")
@@ -225,12 +230,11 @@ def hf_tokenizer_problems(args, local_only: bool = True) -> list[str]:
     Megatron-LM's own HuggingFaceTokenizer may download, so there only MindSpeed-LLM's
     --tokenizer-name-or-path, which MindSpeed-LLM loads offline, is checked)."""
     problems = []
-    if getattr(args, "tokenizer_not_use_fast", False):
-        problems.append(f"--tokenizer-not-use-fast: {SLOW_TOKENIZER_REFUSAL}")
     named, model = getattr(args, "tokenizer_name_or_path", None), getattr(args, "tokenizer_model", None)
     if named and model and named != model:
         return problems + [f"--tokenizer-name-or-path {named} and --tokenizer-model {model} name different "
-                           "tokenizers: give one (--tokenizer-name-or-path is MindSpeed-LLM's name for --tokenizer-model)"]
+                           "tokenizers: give one (--tokenizer-name-or-path is MindSpeed-LLM's name for "
+                           "--tokenizer-model)"]
     if args.tokenizer_type != "HuggingFaceTokenizer":
         if named:
             problems.append(f"--tokenizer-name-or-path is read only by --tokenizer-type {PRETRAINED_FROM_HF} "

@@ -206,17 +206,27 @@ def moe_layer_pattern(args) -> list[int] | None:
     return pattern
 
 
-def derive_family_args(args, say) -> None:
-    """MindSpeed-LLM's combined options -> the Megatron-Core values training/model.py reads; `say` gets the
-    one line for a flag that runs as another here, or has no effect."""
-    for flag, dest in (("--handler-name", "handler_name"), ("--workers", "workers")):
-        if getattr(args, dest) is not None:
-            say(f"> {flag} has no effect here: it is a preprocessing flag (python -m mindspeed.data reads it); "
-                "training reads the dataset --data-path names")
+def preprocessing_notes(args) -> list[str]:
+    """The one line for each preprocessing or conversion flag that has no effect in training."""
+    notes = [f"> {flag} has no effect here: it is a preprocessing flag (python -m mindspeed.data reads it); "
+             "training reads the dataset --data-path names"
+             for flag, dest in (("--handler-name", "handler_name"), ("--workers", "workers"))
+             if getattr(args, dest) is not None]
     if args.model_type_hf is not None and not args.enable_hf2mg_convert:
-        say("> --model-type-hf has no effect without --enable-hf2mg-convert")
-    if args.spec is not None and args.spec[0] in KNOWN_SPECS:
-        say(f"> --spec {' '.join(args.spec)}: Megatron-Core's local spec with {KNOWN_SPECS[args.spec[0]][0]}")
+        notes.append("> --model-type-hf has no effect without --enable-hf2mg-convert")
+    return notes
+
+
+def spec_note(spec, built: str = "Megatron-Core's local spec") -> str | None:
+    """The line for MindSpeed-LLM's known --spec (MODULE NAME): `built` with the flag that says so."""
+    if spec and spec[0] in KNOWN_SPECS:
+        return f"> --spec {' '.join(spec)}: {built} with {KNOWN_SPECS[spec[0]][0]}"
+    return None
+
+
+def derive_router(args) -> None:
+    """MindSpeed-LLM's load-balancing types and --seq-aux as Megatron-Core's router values (one type in
+    args.moe_router_load_balancing_type)."""
     kind = args.moe_router_load_balancing_type
     if kind == "noaux_tc":
         args.moe_router_score_function = "sigmoid"
@@ -227,9 +237,28 @@ def derive_family_args(args, say) -> None:
         args.moe_router_load_balancing_type = LLM_BALANCING[kind]
     if args.seq_aux and args.moe_router_load_balancing_type in ("aux_loss", "none"):
         args.moe_router_load_balancing_type = "seq_aux_loss"
+
+
+def shared_expert_size(args) -> int:
+    """--n-shared-experts N as Megatron's --moe-shared-expert-intermediate-size: N experts' FFN sizes."""
+    return args.n_shared_experts * (args.moe_ffn_hidden_size or args.ffn_hidden_size)
+
+
+ALLTOALL_SEQ_NOTE = ("> --moe-token-dispatcher-type alltoall_seq runs as alltoall: Megatron-Core 0.16 dropped "
+                     "alltoall_seq (the same tokens reach the same experts)")
+
+
+def derive_family_args(args, say) -> None:
+    """MindSpeed-LLM's combined options -> the Megatron-Core values training/model.py reads; `say` gets the
+    one line for a flag that runs as another here, or has no effect."""
+    for note in preprocessing_notes(args):
+        say(note)
+    note = spec_note(args.spec)
+    if note:
+        say(note)
+    derive_router(args)
     if args.n_shared_experts and args.moe_shared_expert_intermediate_size is None:
-        args.moe_shared_expert_intermediate_size = args.n_shared_experts * (args.moe_ffn_hidden_size
-                                                                            or args.ffn_hidden_size)
+        args.moe_shared_expert_intermediate_size = shared_expert_size(args)
     if args.rope_scaling_type == "llama3":
         args.use_rope_scaling = True
     yarn = args.rope_scaling_type == "yarn" or args.rope_type == "yarn"
@@ -238,58 +267,103 @@ def derive_family_args(args, say) -> None:
         args.rotary_scaling_factor = args.rope_scaling_factor     # MindSpeed-LLM's spelling of the factor
     if getattr(args, "moe_token_dispatcher_type", None) == "alltoall_seq":
         args.moe_token_dispatcher_type = "alltoall"
-        say("> --moe-token-dispatcher-type alltoall_seq runs as alltoall: Megatron-Core 0.16 dropped alltoall_seq "
-            "(the same tokens reach the same experts)")
+        say(ALLTOALL_SEQ_NOTE)
 
 
 LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
+YARN_FLAGS = (("--beta-fast", "beta_fast"), ("--beta-slow", "beta_slow"), ("--mscale", "mscale"),
+              ("--mscale-all-dim", "mscale_all_dim"), ("--rotary-scaling-factor", "rotary_scaling_factor"),
+              ("--rope-scaling-original-max-position-embeddings", "rope_scaling_original_max_position_embeddings"))
+YARN_AND_LLAMA3 = "YaRN scaling and --use-rope-scaling (Llama-3.1's) both scale RoPE: give one"
+NO_MOE_LAYER = "--moe-layer-freq/--first-k-dense-replace leave no MoE layer: drop --num-experts for a dense model"
+SIGMOID_NORMALIZES = ("--moe-router-score-function sigmoid: Megatron-Core's router always normalizes the top-k "
+                      "sigmoid weights (DeepSeek-V3's norm_topk_prob): add --norm-topk-prob")
+NORM_TOPK_PRE_SOFTMAX = ("--norm-topk-prob with --moe-router-pre-softmax (or softmax_topk): renormalized pre-softmax "
+                         "weights are Megatron-Core's default routing; drop both for it")
+
+
+def known_spec_problem(args, spec) -> str | None:
+    """MindSpeed-LLM's known --spec without the flag that expresses it."""
+    flag, dest = KNOWN_SPECS.get(spec[0], (None, None)) if spec else (None, None)
+    if flag is not None and not getattr(args, dest):
+        return f"--spec {' '.join(spec)} is Megatron-Core's local spec with {flag}: add {flag}"
+    return None
+
+
+def convert_problem(args) -> str | None:
+    if not args.enable_hf2mg_convert:
+        return None
+    return ("--enable-hf2mg-convert: convert the Hugging Face weights once, before training: "
+            "python convert_ckpt.py --model-type GPT --load-model-type hf --save-model-type mg "
+            f"--model-type-hf {args.model_type_hf or 'TYPE'} --load-dir HF_DIR --save-dir MG_DIR "
+            "(with this run's parallel sizes), then --load MG_DIR; drop --enable-hf2mg-convert")
+
+
+def balancing_problem(kind) -> str | None:
+    if kind in UNSUPPORTED_BALANCING:
+        return f"--moe-router-load-balancing-type {kind}: {UNSUPPORTED_BALANCING[kind]}"
+    return None
+
+
+def llama3_problems(args) -> list[str]:
+    """Llama-3.1's factors other than Megatron-Core's, or given without --rope-scaling-type llama3."""
+    if args.rope_scaling_type == "llama3":
+        other = {k: getattr(args, k) for k, v in LLAMA3_SCALING.items()
+                 if getattr(args, k) is not None and getattr(args, k) != v}
+        if other:
+            return ["--rope-scaling-type llama3 with " + ", ".join(f"--{k.replace('_', '-')} {v:g}"
+                                                                   for k, v in other.items())
+                    + ": Megatron-Core's Llama-3.1 scaling has low/high frequency factors 1/4 and an "
+                      "original context of 8192; drop those flags (or give those values)"]
+        return []
+    given = [f"--{k.replace('_', '-')}" for k in LLAMA3_SCALING if getattr(args, k) is not None]
+    if given:
+        return [f"{', '.join(given)}: only --rope-scaling-type llama3 reads them: add it or drop them"]
+    return []
+
+
+def yarn_flags_problem(flags) -> str:
+    return (f"{', '.join(flags)}: only YaRN scaling reads them: add --rope-scaling-type yarn "
+            "(or Megatron's --rope-type yarn) or drop them")
+
+
+def rope_types_problem(scaling_type, rope_type) -> str | None:
+    """--rope-scaling-type and Megatron's --rope-type naming different scalings."""
+    if scaling_type and rope_type and (rope_type == "yarn") != (scaling_type == "yarn"):
+        return f"--rope-scaling-type {scaling_type} and --rope-type {rope_type} disagree: give one"
+    return None
+
+
+def mla_only_problem(flags) -> str:
+    return f"{', '.join(flags)}: only multi-latent attention reads them: add --multi-latent-attention or drop them"
+
+
+def moe_only_problem(flags) -> str:
+    return f"{', '.join(flags)} configure MoE layers: add --num-experts or drop them"
 
 
 def family_problems(args) -> list[str]:
     problems = []
     if args.spec is not None:
         module, name = args.spec
-        flag, dest = KNOWN_SPECS.get(module, (None, None))
-        if flag is None:
+        if module not in KNOWN_SPECS:
             problems.append(f"--spec {module} {name}: the built-in trainer builds Megatron-Core's local spec; "
                             "MindSpeed-LLM's qwen3_spec and deepseek_spec are known (their flags: --qk-layernorm, "
                             "--multi-latent-attention); run your own spec in Megatron-LM's pretrain_gpt.py")
-        elif not getattr(args, dest):
-            problems.append(f"--spec {module} {name} is Megatron-Core's local spec with {flag}: add {flag}")
-    if args.enable_hf2mg_convert:
-        problems.append("--enable-hf2mg-convert: convert the Hugging Face weights once, before training: "
-                        "python convert_ckpt.py --model-type GPT --load-model-type hf --save-model-type mg "
-                        f"--model-type-hf {args.model_type_hf or 'TYPE'} --load-dir HF_DIR --save-dir MG_DIR "
-                        "(with this run's parallel sizes), then --load MG_DIR; drop --enable-hf2mg-convert")
-    kind = args.moe_router_load_balancing_type
-    if kind in UNSUPPORTED_BALANCING:
-        problems.append(f"--moe-router-load-balancing-type {kind}: {UNSUPPORTED_BALANCING[kind]}")
-    if args.rope_scaling_type == "llama3":
-        other = {k: getattr(args, k) for k, v in LLAMA3_SCALING.items()
-                 if getattr(args, k) is not None and getattr(args, k) != v}
-        if other:
-            problems.append("--rope-scaling-type llama3 with " + ", ".join(f"--{k.replace('_', '-')} {v:g}"
-                                                                          for k, v in other.items())
-                            + ": Megatron-Core's Llama-3.1 scaling has low/high frequency factors 1/4 and an "
-                              "original context of 8192; drop those flags (or give those values)")
-    else:
-        given = [f"--{k.replace('_', '-')}" for k in LLAMA3_SCALING if getattr(args, k) is not None]
-        if given:
-            problems.append(f"{', '.join(given)}: only --rope-scaling-type llama3 reads them: add it or drop them")
-    yarn_flags = [f for f, dest in (("--beta-fast", "beta_fast"), ("--beta-slow", "beta_slow"),
-                                    ("--mscale", "mscale"), ("--mscale-all-dim", "mscale_all_dim"),
-                                    ("--rotary-scaling-factor", "rotary_scaling_factor"),
-                                    ("--rope-scaling-original-max-position-embeddings",
-                                     "rope_scaling_original_max_position_embeddings"))
-                  if getattr(args, dest) is not None]
+        elif known_spec_problem(args, args.spec):
+            problems.append(known_spec_problem(args, args.spec))
+    if convert_problem(args):
+        problems.append(convert_problem(args))
+    if balancing_problem(args.moe_router_load_balancing_type):
+        problems.append(balancing_problem(args.moe_router_load_balancing_type))
+    problems.extend(llama3_problems(args))
+    yarn_flags = [f for f, dest in YARN_FLAGS if getattr(args, dest) is not None]
     if yarn_flags and not args.yarn and not args.multi_latent_attention:
-        problems.append(f"{', '.join(yarn_flags)}: only YaRN scaling reads them: add --rope-scaling-type yarn "
-                        "(or Megatron's --rope-type yarn) or drop them")
-    if args.rope_scaling_type and args.rope_type and (args.rope_type == "yarn") != (args.rope_scaling_type == "yarn"):
-        problems.append(f"--rope-scaling-type {args.rope_scaling_type} and --rope-type {args.rope_type} disagree: "
-                        "give one")
+        problems.append(yarn_flags_problem(yarn_flags))
+    if rope_types_problem(args.rope_scaling_type, args.rope_type):
+        problems.append(rope_types_problem(args.rope_scaling_type, args.rope_type))
     if args.yarn and args.use_rope_scaling:
-        problems.append("YaRN scaling and --use-rope-scaling (Llama-3.1's) both scale RoPE: give one")
+        problems.append(YARN_AND_LLAMA3)
     if args.yarn and args.rotary_scaling_factor is None:
         problems.append("YaRN scaling needs its factor: add --rope-scaling-factor N (Megatron: --rotary-scaling-factor)")
     if args.rope_scaling_factor is not None and not (args.use_rope_scaling or args.yarn):
@@ -300,8 +374,7 @@ def family_problems(args) -> list[str]:
                  ("qk_head_dim", 128), ("qk_pos_emb_head_dim", 64), ("v_head_dim", 128), ("mla_fa_without_pad", False))
                  if getattr(args, d) != default]
     if mla_given and not mla:
-        problems.append(f"{', '.join(mla_given)}: only multi-latent attention reads them: add "
-                        "--multi-latent-attention or drop them")
+        problems.append(mla_only_problem(mla_given))
     moe_only = [f for f, on in (("--moe-router-score-function", args.moe_router_score_function != "softmax"),
                                 ("--moe-router-enable-expert-bias", args.moe_router_enable_expert_bias),
                                 ("--moe-router-num-groups", args.moe_router_num_groups is not None),
@@ -315,7 +388,7 @@ def family_problems(args) -> list[str]:
                                 ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size is not None))
                 if on]
     if moe_only and not args.num_experts:
-        problems.append(f"{', '.join(moe_only)} configure MoE layers: add --num-experts or drop them")
+        problems.append(moe_only_problem(moe_only))
     if args.num_experts:
         problems.extend(_router_problems(args))
     if args.mtp_num_layers is not None and args.mtp_num_layers < 1:
@@ -333,8 +406,7 @@ def _router_problems(args) -> list[str]:
     if len(pattern) != args.num_layers:
         problems.append(f"--moe-layer-freq gives {len(pattern)} layers, --num-layers {args.num_layers}")
     elif not any(pattern):
-        problems.append("--moe-layer-freq/--first-k-dense-replace leave no MoE layer: drop --num-experts for a "
-                        "dense model")
+        problems.append(NO_MOE_LAYER)
     groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         problems.append("--moe-router-num-groups and --moe-router-group-topk (--n-group/--topk-group) go together")
@@ -350,9 +422,7 @@ def _router_problems(args) -> list[str]:
                         "--moe-router-score-function sigmoid")
     sigmoid_normalizes = args.moe_router_score_function == "sigmoid" and args.moe_router_topk > 1
     if sigmoid_normalizes and not args.norm_topk_prob:
-        problems.append("--moe-router-score-function sigmoid: Megatron-Core's router always normalizes the top-k "
-                        "sigmoid weights (DeepSeek-V3's norm_topk_prob): add --norm-topk-prob")
+        problems.append(SIGMOID_NORMALIZES)
     if args.norm_topk_prob and args.moe_router_pre_softmax and args.moe_router_score_function == "softmax":
-        problems.append("--norm-topk-prob with --moe-router-pre-softmax (or softmax_topk): renormalized pre-softmax "
-                        "weights are Megatron-Core's default routing; drop both for it")
+        problems.append(NORM_TOPK_PRE_SOFTMAX)
     return problems

@@ -19,7 +19,7 @@ import os
 from typing import Sequence
 
 from mindspeed.errors import ArgumentError, OneLineParser
-from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems, loss_scale_note, resolve_hf_alias
+from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems, no_effect_notes, resolve_hf_alias
 from mindspeed.flags.family_flags import add_family_args, derive_family_args, family_problems
 from mindspeed.flags.mindspeed_flags import add_mindspeed_args, refuse_unknown, resolve_backend_name, shared_parser
 from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
@@ -206,7 +206,7 @@ def _data(parser: argparse.ArgumentParser) -> None:
                    help="MindSpeed-LLM's name for --tokenizer-model (--tokenizer-type PretrainedFromHF is "
                         "HuggingFaceTokenizer)")
     g.add_argument("--tokenizer-not-use-fast", action="store_true",
-                   help="MindSpeed-LLM's: refused (transformers 5 loads every tokenizer with its fast implementation)")
+                   help="MindSpeed-LLM's: no effect in training (token ids are read, no text is encoded)")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     g.add_argument("--vocab-size", type=int, default=None,
@@ -295,8 +295,6 @@ def derive_args(args, world_size: int | None = None) -> None:
     args.backend = backend_name(args)
     args.flag_notes = []      # one line each for the trainers' logs: a flag that runs as another here
     derive_family_args(args, args.flag_notes.append)
-    if loss_scale_note(args):
-        args.flag_notes.append(loss_scale_note(args))
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
@@ -329,6 +327,7 @@ def derive_args(args, world_size: int | None = None) -> None:
     if args.tokenizer_type is None and args.vocab_file and args.merge_file:
         args.tokenizer_type = "GPT2BPETokenizer"   # the one tokenizer that reads both files
     resolve_hf_alias(args)      # PretrainedFromHF --tokenizer-name-or-path: HuggingFaceTokenizer --tokenizer-model
+    args.flag_notes.extend(no_effect_notes(args))
     args.load_note = None
     if _nothing_to_resume(args):
         args.load_note = (f"> --load {args.load}: no checkpoint yet in this --save directory; "

@@ -77,6 +77,10 @@ def _kernel_cases():
         "attention stats grad GQA": (_lse(lambda k, q, kk, v: k.attention(q, kk, v, layout="BNSD", head_num=n,
                                                                           causal=True)),
                                      [bnsd[0], bnsd[1][:, :2].contiguous(), bnsd[2][:, :2].contiguous()], 2),
+        # multi-latent attention: v's head size (16) is not q's and k's (8)
+        "attention v head size SBH": (_lse(lambda k, q, kk, v: k.attention(q, kk, v, layout="SBH", head_num=n,
+                                                                           causal=True)),
+                                      qkv[:2] + [_rand(s, b, n * 16, seed=3)], 1),
         # a bool mask (True = masked) with one fully masked query row: output 0, logsumexp -inf
         "attention mask BNSD": (_lse(lambda k, q, kk, v: k.attention(q, kk, v, layout="BNSD", head_num=n,
                                                                      mask=mask.to(q.device))), bnsd, 1),

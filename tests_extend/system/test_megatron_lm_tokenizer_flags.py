@@ -38,7 +38,7 @@ if SPELLING == 'refusals':
     empty = os.path.join(os.path.dirname(TOK), 'empty')
     os.makedirs(empty, exist_ok=True)
     for extra in (['--tokenizer-type', 'PretrainedFromHF'], llm[:3] + [os.path.join(TOK, 'missing')],
-                  llm[:3] + [empty], llm + ['--tokenizer-model', empty], llm + ['--tokenizer-not-use-fast'],
+                  llm[:3] + [empty], llm + ['--tokenizer-model', empty],
                   llm + ['--padded-vocab-size', '64'], ['--tokenizer-name-or-path', TOK]):
         print('REFUSED', refused(*extra))
     sys.exit(0)
@@ -84,7 +84,6 @@ def test_bad_tokenizer_flags_are_one_line(checkout, tokenizer):
     expected = ["--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path DIR",
                 "--tokenizer-name-or-path '" + os.path.join(tokenizer, "missing") + "' does not exist",
                 "holds no tokenizer files", "name different tokenizers: give one",
-                "--tokenizer-not-use-fast: transformers 5 loads every tokenizer with its fast implementation",
                 "--padded-vocab-size 64 is smaller than the tokenizer's vocabulary",
                 "--tokenizer-name-or-path is read only by --tokenizer-type PretrainedFromHF"]
     assert len(lines) == len(expected), result.stdout[-3000:]

@@ -17,7 +17,8 @@ VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 128, 64, 96, 4, 2, 4
 # make_hf_model's kinds: transformers' config and model classes
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-              "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+              "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 
 
 def make_hf_model(out_dir: str, kind: str = "llama", tied: bool = False, seed: int = 0,
@@ -41,6 +42,9 @@ def make_hf_model(out_dir: str, kind: str = "llama", tied: bool = False, seed: i
                             else 0.5 * torch.randn_like(param))
             else:
                 param.normal_(0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):      # DeepSeek-V3's routing bias
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True, **shards)
 

@@ -224,7 +224,10 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
     """DP=2 (run_distributed), --bf16 --use-distributed-optimizer with and without --reuse-fp32-param:
     this rank's losses; the masters after the first update; bytes of the bf16 buffer, fp32 master
     shards and residuals; checkpoints across the flag; a model-only load; the stale neighbour half
-    after an update is rewritten by the all-gather (the full buffers agree across ranks)."""
+    after an update is rewritten by the all-gather (the full buffers agree across ranks). With
+    --overlap-param-gather too ("overlap": the all-gather deferred to the next forward): its losses,
+    masters, a save right after an update (every tensor saved), a forward-only loss and a weights norm
+    right after the last update, against "on" bit for bit, and checkpoints across that flag."""
     import os
     import time
     import mindspeed
@@ -239,17 +242,24 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
     pretrain._init_distributed(args, "cpu")
     pretrain.init_batch_schedule(args, rank)
     out, first = {"rank": rank}, {}
-    runs = (("off", base), ("reference", base), ("on", base + ["--reuse-fp32-param"]),
+    on = base + ["--reuse-fp32-param"]
+    runs = (("off", base), ("reference", base), ("on", on), ("overlap", on + OVERLAP_PARAM_GATHER),
             ("fp32", ["--use-distributed-optimizer", "--global-batch-size", "4"]))
     for name, flags in runs:
         with megatron_copies_round_ties_away() if name == "reference" else nullcontext():
             run = _distributed_run(name, flags, world_size, root, steps, first)
         out[name] = run
     out["masters_bitwise_after_first_update"] = all(torch.equal(a, b) for a, b in zip(first["off"], first["on"]))
+    out["overlap_masters_bitwise"] = {
+        when: all(torch.equal(a, b) for a, b in zip(first["on" + suffix], first["overlap" + suffix]))
+        for when, suffix in (("after_first_update", ""), ("at_the_end", "_end"))}
+    out["overlap_saved_tensors"] = _saved_tensors_equal(*(os.path.join(root, "reuse_dist", name, "iter_0000002")
+                                                          for name in ("on", "overlap")), first["bucket_params"])
     out["checkpoint"] = {}
     # Megatron's side rounds ties away from zero, as the flag does: the continuations agree bit for bit
     with megatron_copies_round_ties_away():
-        for direction, saved, flags in (("on_to_off", "on", runs[1][1]), ("off_to_on", "reference", runs[2][1])):
+        for direction, saved, flags in (("on_to_off", "on", runs[1][1]), ("off_to_on", "reference", on),
+                                        ("overlap_to_on", "overlap", on), ("on_to_overlap", "on", runs[3][1])):
             args, tr = trainer_for(flags + ["--load", os.path.join(root, "reuse_dist", saved)], world_size=world_size)
             iteration, consumed = pretrain.resume(args, tr, _Log())
             out["checkpoint"][direction] = {"iteration": iteration, "continued": out[saved]["losses"][2:4],
@@ -259,12 +269,66 @@ def reuse_fp32_param_distributed(rank, world_size, root, steps=20):
     return out
 
 
+OVERLAP_PARAM_GATHER = ["--overlap-param-gather"]
+
+
+def _buffers_agree(buffers, world_size) -> bool:
+    """Whether the full bf16 buffers are the same on every rank (the all-gather has run since the update)."""
+    full = torch.cat([b.param_data.float() for b in buffers])
+    gathered = [torch.empty_like(full) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, full)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _bucket_params(opt) -> dict:
+    """Where the optimizer's checkpoint tensors (dp_reshardable: one per bucket, the padding between
+    parameters included, never written) hold parameters: key part -> bool mask over the bucket."""
+    masks = {}
+    for g, buffer in enumerate(opt.buffers):
+        (bucket,) = buffer.buckets                   # the tiny model: one bucket per buffer
+        mask = torch.zeros(bucket.numel_unpadded, dtype=torch.bool)
+        for start, end, _bucket in buffer.param_index_map.values():
+            mask[start - bucket.offset:end - bucket.offset] = True
+        masks[f".gbuf_idx_{g}."] = mask
+    return masks
+
+
+def _saved_tensors_equal(a: str, b: str, masks: dict) -> dict:
+    """Every tensor two checkpoints hold (the model's weights, the optimizer's masters and moments at
+    the parameters' places): the keys, and which differ bit for bit."""
+    from megatron.core import dist_checkpointing
+
+    def flat(tree, prefix=""):
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}/").items()}
+        return {prefix.rstrip("/"): tree}
+
+    def same(key, x, y):
+        if not isinstance(x, torch.Tensor):
+            return x == y
+        mask = next((m for part, m in masks.items() if key.startswith("optimizer.") and part in key), None)
+        return torch.equal(x, y) if mask is None else torch.equal(x[mask], y[mask])
+    ta, tb = flat(dist_checkpointing.load_plain_tensors(a)), flat(dist_checkpointing.load_plain_tensors(b))
+    tensors = {k: v for k, v in ta.items() if isinstance(v, torch.Tensor)}
+    return {"keys": sorted(ta), "same_keys": sorted(ta) == sorted(tb),
+            "bf16_weights": sum(1 for t in tensors.values() if t.dtype == torch.bfloat16),
+            "optimizer_tensors": sum(1 for k in tensors if k.startswith("optimizer.")),
+            "differ": sorted(k for k in ta if k in tb and not same(k, ta[k], tb[k]))}
+
+
+def _weights_norm(model_chunks):
+    """A norm of every weight as Megatron-LM's calc_params_l2_norm reads them (param.data.float())."""
+    return float(torch.sqrt(sum(p.detach().float().pow(2).sum() for c in model_chunks for p in c.parameters())))
+
+
 def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
     """One run of reuse_fp32_param_distributed: losses (and, for "off", this rank's masters at a
     tie the two bf16 roundings split, after each update); for the bf16 runs the bytes, the masters
-    after the first update (into `first`), a checkpoint after 2 steps ("on" and "reference": the
-    runs the crossing loads), whether the full buffers agree across ranks, and whether a model-only
-    load sets the masters from the weights."""
+    after the first update (into `first`), a checkpoint after 2 steps ("on", "reference" and
+    "overlap": the runs the crossings load), whether the full buffers agree across ranks, and whether
+    a model-only load sets the masters from the weights; for "on" and "overlap" also the masters
+    after the last update (into `first`), then, before any forward, Megatron-LM's weights norm (as
+    --log-params-norm wraps it) and a forward-only loss (the built-in trainer's evaluation)."""
     import os
     from mindspeed.checkpoint import torch_dist as checkpointing
     from mindspeed.features.memory.reuse_fp32_param_megatron import parameter_and_master_bytes
@@ -288,13 +352,26 @@ def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
         run["differing_ties"].append(differing_ties(masters) if name == "off" else None)
         if step == 0:
             first[name] = [(shared.read(m) if shared else m).clone() for m in masters]
-        if step == 1 and name in ("on", "reference"):   # loaded below by a trainer with the flag the other way
+        if step == 1 and name in ("on", "reference", "overlap"):   # loaded below by trainers with other flags
+            # right after the update: with --overlap-param-gather the all-gather has not run yet
+            run["buffers_agree_before_save"] = _buffers_agree(buffers, world_size)
             checkpointing.save_checkpoint(os.path.join(root, "reuse_dist", name), 2, tr.model, tr.optimizer,
                                           tr.scheduler, 2 * args.global_batch_size)
-    full = torch.cat([b.param_data.float() for b in buffers])
-    gathered = [torch.empty_like(full) for _ in range(world_size)]
-    torch.distributed.all_gather(gathered, full)
-    run["buffers_agree_across_ranks"] = all(torch.equal(g, gathered[0]) for g in gathered)
+            run["buffers_agree_after_save"] = _buffers_agree(buffers, world_size)
+    if name in ("on", "overlap"):
+        from mindspeed.features.memory.reuse_fp32_param_distrib import _params_norm_of_gathered_weights
+        from mindspeed.training import pretrain
+        first[name + "_end"] = [shared.read(m).clone() for m in masters]
+        first["bucket_params"] = _bucket_params(opt)
+        run["buffers_agree_after_update"] = _buffers_agree(buffers, world_size)
+        run["weights_norm"] = _params_norm_of_gathered_weights(_weights_norm)(tr.model)
+        run["buffers_agree_after_norm"] = _buffers_agree(buffers, world_size)
+        tr.train_step(it)                       # one more update; then the evaluation's forward gathers
+        run["buffers_agree_before_forward"] = _buffers_agree(buffers, world_size)
+        args.eval_iters = 1
+        run["forward_only_loss"] = pretrain.validation_loss(args, tr.model, _DATA[0], "cpu", None,
+                                                            tr.num_microbatches)
+    run["buffers_agree_across_ranks"] = _buffers_agree(buffers, world_size)
     tr.optimizer.reload_model_params()           # what a model-only load calls
     run["reloaded_masters_equal_params"] = all(
         torch.equal((shared.read(m) if shared else m),

@@ -1,9 +1,13 @@
-"""Conversion of the model families beyond Llama/Qwen2 (--model-type-hf qwen25, qwen3, qwen3-moe, mixtral),
-on tiny models built from transformers' own config classes (random weights, fixed seeds): hf->mg, then
-the built-in torch trainer's model loaded by its own checkpoint loader gives transformers' logits
-within 1e-4 -- at TP1 in this process; at TP2 (the experts split over the TP ranks), PP2 and EP2 in
-two gloo processes -- and mg->hf gives every tensor back bit for bit, from the converted checkpoint and
-from the checkpoints the trainer saves at TP2 and at EP2 (experts spread over the ranks)."""
+"""Conversion of the model families beyond Llama/Qwen2 (--model-type-hf qwen25, qwen3, qwen3-moe, mixtral,
+deepseek3; Llama 3.1 as llama2), on tiny models built from transformers' own config classes (random
+weights, fixed seeds): hf->mg, then the built-in torch trainer's model loaded by its own checkpoint
+loader gives transformers' logits within 1e-4 -- at TP1 in this process; at TP2 (the experts split over
+the TP ranks), PP2 and EP2 in two gloo processes -- and mg->hf gives every tensor back bit for bit, from
+the converted checkpoint and from the checkpoints the trainer saves at TP2 and at EP2 (experts spread
+over the ranks). DeepSeek-V3's multi-token-prediction layer (which transformers drops on load) is
+checked by the round trip and by the trainer's per-token loss. A converted Qwen3-MoE fine-tunes in the
+trainer and converts back to what the trainer computes; `python -m mindspeed.generate` on converted
+Qwen3 and Mixtral gives transformers' greedy tokens."""
 from __future__ import annotations
 
 import json
@@ -30,8 +34,17 @@ FAMILIES = {
     "qwen3-moe": ("qwen3_moe", False, dict(head_dim=24, num_experts=4, moe_intermediate_size=32, mlp_only_layers=[0],
                                            norm_topk_prob=False, **MOE)),
     "mixtral": ("mixtral", False, dict(num_local_experts=4, **MOE)),
+    # multi-latent attention with YaRN (mscale 1: the softmax scale changes too), layer 0 dense, then a
+    # sigmoid router with a random e_score_correction_bias, 2 groups of which 1 is used, scaled weights,
+    # one shared expert
+    "deepseek3": ("deepseek_v3", False, dict(
+        num_key_value_heads=kit.HEADS, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                             mscale_all_dim=1.0, original_max_position_embeddings=16, rope_theta=10000.0))),
 }
-MOE_TYPES = ("qwen3-moe", "mixtral")
+MOE_TYPES = ("qwen3-moe", "mixtral", "deepseek3")
 
 
 def _convert_hf_to_mg(hf: str, mg: str, model_type: str, *extra: str) -> None:
@@ -88,9 +101,22 @@ def test_trainer_flags_rebuild_each_family(models):
     # norm_topk_prob false: softmax over all experts, top-k, no renormalization
     assert "--moe-router-pre-softmax" in flags["qwen3-moe"] and "--norm-topk-prob" not in flags["qwen3-moe"]
     assert "--norm-topk-prob" in flags["mixtral"] and "--moe-layer-freq" not in flags["mixtral"]
-    for model_type in MOE_TYPES:
+    for model_type in ("qwen3-moe", "mixtral"):
         assert value(model_type, "--moe-router-topk") == "2" and value(model_type, "--moe-aux-loss-coeff") == "0.001"
+    for model_type in MOE_TYPES:
         assert value(model_type, "--expert-model-parallel-size") == "2"
+    # DeepSeek-V3: MLA, YaRN, the sigmoid router with expert bias and groups, shared experts, no aux loss
+    assert "--multi-latent-attention" in flags["deepseek3"] and "--group-query-attention" not in flags["deepseek3"]
+    assert [value("deepseek3", f) for f in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                                            "--v-head-dim")] == ["32", "16", "16", "8", "16"]
+    assert value("deepseek3", "--rope-scaling-type") == "yarn" and value("deepseek3", "--rope-scaling-factor") == "4.0"
+    assert value("deepseek3", "--moe-router-score-function") == "sigmoid"
+    assert "--moe-router-enable-expert-bias" in flags["deepseek3"] and "--norm-topk-prob" in flags["deepseek3"]
+    assert (value("deepseek3", "--moe-router-num-groups"), value("deepseek3", "--moe-router-group-topk")) == ("2", "1")
+    assert value("deepseek3", "--moe-router-topk-scaling-factor") == "2.5"
+    assert value("deepseek3", "--moe-shared-expert-intermediate-size") == "32"
+    assert value("deepseek3", "--moe-router-load-balancing-type") == "none"
+    assert "--mtp-num-layers" not in flags["deepseek3"]      # transformers' save has no MTP layer
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -146,8 +172,9 @@ def _logits_at(mg_dir, tokens, tp, pp, ep, world_size):
 
 # (model type, TP, PP, EP) run in the two processes; the trainer saves the models of SAVED again
 LAYOUTS = [("qwen25", 2, 1, 1), ("qwen3", 2, 1, 1), ("qwen3", 1, 2, 1), ("qwen3-moe", 2, 1, 1),
-           ("qwen3-moe", 1, 2, 1), ("qwen3-moe", 1, 1, 2), ("mixtral", 2, 1, 1), ("mixtral", 1, 1, 2)]
-SAVED = {("mixtral", 2, 1, 1), ("qwen3-moe", 1, 1, 2)}
+           ("qwen3-moe", 1, 2, 1), ("qwen3-moe", 1, 1, 2), ("mixtral", 2, 1, 1), ("mixtral", 1, 1, 2),
+           ("deepseek3", 2, 1, 1), ("deepseek3", 1, 1, 2)]
+SAVED = {("mixtral", 2, 1, 1), ("qwen3-moe", 1, 1, 2), ("deepseek3", 1, 1, 2)}
 
 
 def _two_rank_body(rank, world_size, dirs, tokens, save_root):
@@ -187,6 +214,133 @@ def test_tp2_pp2_ep2_logits_in_two_processes_and_back(models, tmp_path):
         _assert_same_hf(models[model_type]["hf"], back)
 
 
+def _add_mtp_layer(hf_dir: str) -> None:
+    """DeepSeek-V3's MTP layer as its checkpoints hold it (model.layers.<num_hidden_layers>: a decoder layer,
+    enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and the output head), random."""
+    from safetensors.torch import save_file
+    tensors = kit.read_safetensors(hf_dir)
+    last, mtp = f"model.layers.{kit.LAYERS - 1}.", f"model.layers.{kit.LAYERS}."
+    g = torch.Generator().manual_seed(5)
+    for name in [n for n in tensors if n.startswith(last)]:
+        tensors[mtp + name[len(last):]] = tensors[name] + 0.05 * torch.randn(tensors[name].shape, generator=g)
+    h = kit.HIDDEN
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{mtp}{norm}.weight"] = 1 + 0.5 * torch.randn(h, generator=g)
+    tensors[mtp + "eh_proj.weight"] = 0.2 * torch.randn(h, 2 * h, generator=g)
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_deepseek3_mtp_layer_round_trip(models, tmp_path):
+    """The MTP layer becomes Megatron-Core's mtp.layers.0 (its experts at EP2 too); the trainer builds it
+    (--mtp-num-layers 1) and its per-token language-model loss is the cross entropy of transformers'
+    logits (the MTP layer adds its own loss only to the gradient); mg->hf gives the layer back bit for bit.
+    An MTP embedding that is not the main model's is refused (Megatron-Core shares it)."""
+    import shutil
+    from mindspeed.convert.megatron_write import adapted, world_of_one
+    from mindspeed.convert.sidecar import read_info
+    hf, mg, back = str(tmp_path / "hf"), str(tmp_path / "mg"), str(tmp_path / "back")
+    shutil.copytree(models["deepseek3"]["hf"], hf)
+    _add_mtp_layer(hf)
+    _convert_hf_to_mg(hf, mg, "deepseek3")
+    flags = read_info(mg)["trainer_flags"]
+    assert flags[flags.index("--mtp-num-layers") + 1] == "1"
+    labels = torch.roll(TOKENS, -1, dims=1)
+    ref = models["deepseek3"]["ref"]
+    expected = torch.nn.functional.cross_entropy(ref.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    args = kit.trainer_args(mg)
+    with adapted(args), world_of_one():
+        model = kit.load_trainer_model(args)
+        assert len(model.mtp.layers) == 1
+        positions = torch.arange(TOKENS.shape[1]).unsqueeze(0).expand_as(TOKENS)
+        with torch.no_grad():
+            loss = model(TOKENS, positions, None, labels=labels)
+    assert (loss - expected).abs().max().item() <= TOL
+    _mg_to_hf(mg, back, "deepseek3")
+    _assert_same_hf(hf, back)
+    from safetensors.torch import save_file
+    tensors = kit.read_safetensors(hf)
+    tensors[f"model.layers.{kit.LAYERS}.embed_tokens.weight"][5, 3] += 1
+    save_file(tensors, os.path.join(hf, "model.safetensors"), metadata={"format": "pt"})
+    rc, err = run_cli("--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", "deepseek3",
+                      "--load-dir", hf, "--save-dir", str(tmp_path / "out"))
+    assert rc == 1 and err.count("\n") == 1, err
+    assert f"model.layers.{kit.LAYERS}.embed_tokens.weight differs from model.embed_tokens.weight" in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_llama31_as_llama2_with_its_rope_flags(tmp_path):
+    """Llama 3.1 converted as MindSpeed-LLM's guides do (--model-type-hf llama2): its scaled RoPE in the
+    trainer flags, transformers' logits over 64 positions (where the scaling acts at head_dim 16)."""
+    from mindspeed.convert.sidecar import read_info
+    hf, mg = str(tmp_path / "hf"), str(tmp_path / "mg")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
+    kit.make_hf_model(hf, "llama", num_hidden_layers=2, rope_theta=10000.0, rope_parameters=scaling)
+    _convert_hf_to_mg(hf, mg, "llama2")
+    flags = read_info(mg)["trainer_flags"]
+    assert flags[flags.index("--use-rope-scaling"):][:3] == ["--use-rope-scaling", "--rope-scaling-factor", "8.0"]
+    tokens = torch.randint(0, kit.VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
+    assert _close(kit.tp1_logits(mg, tokens), kit.hf_logits(hf, tokens)) <= TOL
+
+
+def test_converted_qwen3_moe_fine_tunes_and_converts_back(models, tmp_path):
+    """The converted Qwen3-MoE trains in the torch trainer (pretrain_gpt.py, 3 steps); the checkpoint it
+    saves (optimizer state beside the weights) converts back to a Hugging Face model whose transformers
+    logits are the trainer's, with weights that moved."""
+    import math
+    import shutil
+    from mindspeed.convert.sidecar import INFO_FILE, read_info
+    from tests_extend.system.one_process_run import run_pretrain_gpt
+    case = models["qwen3-moe"]
+    save, back, losses = str(tmp_path / "trained"), str(tmp_path / "back"), str(tmp_path / "loss.jsonl")
+    flags = read_info(case["mg"])["trainer_flags"] + [
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--expert-model-parallel-size",
+        "1", "--make-vocab-size-divisible-by", "256", "--load", case["mg"], "--finetune", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(kit.VOCAB - 1), "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
+        "--log-interval", "1", "--eval-iters", "0", "--save", save, "--save-interval", "3", "--log-loss-file", losses]
+    result = run_pretrain_gpt(*flags)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    logged = [json.loads(line)["lm_loss"] for line in open(losses)]
+    assert len(logged) == 3 and all(math.isfinite(x) for x in logged), logged
+    _mg_to_hf(save, back, "qwen3-moe", "--hf-config", case["hf"])
+    shutil.copyfile(os.path.join(case["mg"], INFO_FILE), os.path.join(save, INFO_FILE))   # the model's flags
+    trained = kit.tp1_logits(save, TOKENS, extra=("--make-vocab-size-divisible-by", "256",
+                                                 "--expert-model-parallel-size", "1"))
+    assert _close(trained, kit.hf_logits(back, TOKENS)) <= TOL
+    assert _close(trained, case["ref"]) > 1e-3          # it trained
+    before, after = kit.read_safetensors(case["hf"]), kit.read_safetensors(back)
+    assert not torch.equal(before["model.layers.1.mlp.experts.3.down_proj.weight"],
+                           after["model.layers.1.mlp.experts.3.down_proj.weight"])
+
+
+GENERATE_PROMPT = [42, 93, 96, 47, 64, 21, 11, 76]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "mixtral"])
+def test_generate_gives_transformers_greedy_tokens(models, model_type, tmp_path):
+    """`python -m mindspeed.generate` (in this process, TP1) on the converted checkpoint: transformers'
+    greedy continuation, token for token (Megatron-Core's inference path: q/k norms, MoE layers)."""
+    from transformers import AutoModelForCausalLM
+    from mindspeed.generate.cli import main
+    case, eos, new = models[model_type], kit.VOCAB - 1, 16
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    kit.write_tokenizer_json(str(tok / "tokenizer.json"), kit.VOCAB)
+    (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                          "eos_token": "<eos>"}))
+    hf = AutoModelForCausalLM.from_pretrained(case["hf"], dtype=torch.float32, attn_implementation="eager").eval()
+    expected = hf.generate(torch.tensor([GENERATE_PROMPT]), max_new_tokens=new, do_sample=False, eos_token_id=eos,
+                           pad_token_id=eos)[0, len(GENERATE_PROMPT):].tolist()
+    assert len(set(expected)) >= 8, expected        # a continuation that tells two models apart
+    out = str(tmp_path / "out.json")
+    assert main(["--load", case["mg"], "--tokenizer-model", str(tok), "--prompt",
+                 " ".join(f"w{i}" for i in GENERATE_PROMPT), "--max-new-tokens", str(new), "--output-json", out]) == 0
+    assert json.load(open(out))["tokens"] == expected
+
+
 REFUSALS = {
     # (model type of the HF model, --model-type-hf given, what the one line says)
     "qwen3 as qwen3-moe": ("qwen3", "qwen3-moe", "model_type 'qwen3' (Qwen3ForCausalLM) does not match: "
@@ -197,6 +351,9 @@ REFUSALS = {
                           "--model-type-hf mixtral)"),
     "qwen2.5 as qwen3": ("qwen25", "qwen3", "model_type 'qwen2' (Qwen2ForCausalLM) does not match"),
     "qwen3-moe as mixtral": ("qwen3-moe", "mixtral", "model_type 'qwen3_moe' (Qwen3MoeForCausalLM) does not match"),
+    "deepseek3 as qwen3-moe": ("deepseek3", "qwen3-moe", "model_type 'deepseek_v3' (DeepseekV3ForCausalLM) does not "
+                               "match: --model-type-hf qwen3-moe converts model_type 'qwen3_moe' (convert it with "
+                               "--model-type-hf deepseek3)"),
 }
 
 

@@ -112,6 +112,8 @@ def test_what_megatron_core_cannot_express_is_refused_in_one_line(argv, message)
     (["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec", "--qk-layernorm"],
      "> --spec mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec: Megatron-Core's local spec with --qk-layernorm"),
     ([*MOE, "--moe-token-dispatcher-type", "alltoall_seq"], "> --moe-token-dispatcher-type alltoall_seq runs as alltoall"),
+    (["--tokenizer-not-use-fast"], "> --tokenizer-not-use-fast has no effect here: training reads token ids"),
+    (["--vocab-size", "129280"], "> --vocab-size has no effect here: only --tokenizer-type NullTokenizer reads it"),
 ])
 def test_flags_that_do_nothing_or_run_as_another_say_so_once(argv, note):
     notes = _args(*argv).flag_notes

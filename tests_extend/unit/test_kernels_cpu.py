@@ -212,6 +212,29 @@ def test_attention_tnd_and_cross_lengths():
     compare(fast, ref, _qkv("BNSD", 1, 4, 4, 5, 9, d, torch.float32), torch.float32, n_out=2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,d,dv", [("SBH", 24, 16), ("BSND", 16, 24), ("BNSD", 24, 16)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention_with_a_value_head_size_of_its_own(dtype, layout, d, dv, causal):
+    """Multi-latent attention's v head size (smaller or larger than q's and k's): torch's CPU flash
+    kernel takes one head size, so the fast path pads; output [.., n*dv] and gradients as the reference's."""
+    b, n, nkv, s = 2, 4, 2, 12
+    q, k, _ = _qkv(layout, b, n, nkv, s, s, d, dtype)
+    v = _qkv(layout, b, n, nkv, s, s, dv, dtype)[2]
+    fast, ref = _attention_pair(layout=layout, head_num=n, causal=causal, scale=0.3)
+    assert fast(q, k, v)[0].shape == q.shape[:-1] + (n * dv if layout == "SBH" else dv,)
+    compare(fast, ref, [q, k, v], dtype, n_out=2, floor=3e-2)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 48), (48, 64)])
+def test_block_causal_gemm_attention_with_a_value_head_size_of_its_own(d, dv, one_thread):
+    q, k, _ = _qkv("BNSD", 1, 2, 2, 200, 200, d, torch.float32)
+    v = _qkv("BNSD", 1, 2, 2, 200, 200, dv, torch.float32)[2]
+    assert C.gemm_attention_pays(q, k, plain_causal=True)
+    fast, ref = _attention_pair(layout="BNSD", head_num=2, causal=True)
+    compare(fast, ref, [q, k, v], torch.float32, n_out=2)
+
+
 def test_attention_dropout_uses_the_reference_path():
     q = _rand(4, 1, 16)
     torch.manual_seed(0)

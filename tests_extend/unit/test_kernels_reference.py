@@ -74,6 +74,22 @@ def test_attention_layouts_gqa_and_causal_match_sdpa(layout):
     assert mx.shape == (b, n, s)
 
 
+@pytest.mark.parametrize("layout", ["SBH", "BSH", "BSND", "BNSD", "TND"])
+def test_attention_takes_a_value_head_size_of_its_own(layout):
+    """Multi-latent attention: v's head size (6) differs from q's and k's (10); the output has v's."""
+    b, n, nkv, s, d, dv = 2, 4, 2, 7, 10, 6
+    if layout == "TND":
+        b = 1
+    q, k, v = _rand(b, n, s, d), _rand(b, nkv, s, d, seed=1), _rand(b, nkv, s, dv, seed=2)
+    to = {"SBH": lambda t: t.permute(2, 0, 1, 3).flatten(2), "BSH": lambda t: t.permute(0, 2, 1, 3).flatten(2),
+          "BSND": lambda t: t.permute(0, 2, 1, 3), "BNSD": lambda t: t, "TND": lambda t: t[0].transpose(0, 1)}[layout]
+    seqs = dict(actual_seq_qlen=[s], actual_seq_kvlen=[s]) if layout == "TND" else {}
+    out, _, _ = R.attention(to(q), to(k), to(v), layout=layout, head_num=n, causal=True, **seqs)
+    torch.testing.assert_close(out, to(_sdpa_bnsd(q, k, v, causal=True)))
+    with pytest.raises(ValueError, match="not a multiple of the 2 key/value heads"):
+        R.attention(_rand(s, b, n * d), _rand(s, b, nkv * d), _rand(s, b, 7), layout="SBH", head_num=n)
+
+
 def test_attention_mask_band_alibi_and_top_left_causal():
     b, n, sq, skv, d = 1, 2, 6, 9, 4
     q, k, v = _rand(b, n, sq, d), _rand(b, n, skv, d, seed=1), _rand(b, n, skv, d, seed=2)

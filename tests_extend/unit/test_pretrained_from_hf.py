@@ -6,7 +6,7 @@ losses. --padded-vocab-size N is the model's embedding and output rows (read bac
 checkpoint, on both trainers), survives a resume, and is what `python -m mindspeed.convert
 --padded-vocab-size N` writes and prints for the trainer. Every bad input is one line before any
 work: a missing tokenizer folder, one without tokenizer files, PretrainedFromHF without a folder,
-two different folders, --tokenizer-not-use-fast, N below the vocabulary or not divisible by TP, a
+two different folders, N below the vocabulary or not divisible by TP, a
 checkpoint with fewer rows than N. (Megatron-LM's own pretrain_gpt.py:
 tests_extend/system/test_megatron_lm_tokenizer_flags.py.)"""
 from __future__ import annotations
@@ -93,8 +93,6 @@ def _refusals(root, tok):
         (llm(afile), 1, "is a file, not a tokenizer folder"),
         (megatron(empty), 1, "--tokenizer-model '" + empty + "' holds no tokenizer files"),
         ([*llm(tok), "--tokenizer-model", empty], 1, "name different tokenizers: give one"),
-        ([*llm(tok), "--tokenizer-not-use-fast"], 1,
-         "--tokenizer-not-use-fast: transformers 5 loads every tokenizer with its fast implementation"),
         (["--tokenizer-name-or-path", tok], 1,
          "--tokenizer-name-or-path is read only by --tokenizer-type PretrainedFromHF"),
         ([*llm(tok), "--padded-vocab-size", "255", "--tensor-model-parallel-size", "2"], 2,

@@ -1,8 +1,9 @@
 """--reuse-fp32-param with --use-distributed-optimizer (reuse_fp32_param_distrib.py): the two layouts of
 one bucket in process, then DP=2 training in one 2-process spawn (swap_workers.reuse_fp32_param_distributed):
 losses against --bf16 alone, bytes per parameter, the borrowed shards repaired by the all-gather, a
-model-only load, checkpoints across the flag. A file of its own so CI's workers run it beside
-test_swap_memory.py."""
+model-only load, checkpoints across the flag; with --overlap-param-gather (the all-gather deferred to
+the next forward) the same losses, masters, saved tensors, evaluation loss and weights norm bit for bit,
+and checkpoints across that flag. A file of its own so CI's workers run it beside test_swap_memory.py."""
 import pytest
 
 from tests_extend.unit import swap_workers
@@ -89,8 +90,50 @@ def test_distributed_reuse_fp32_param_model_only_load_sets_the_masters(dist_repo
         assert all(rank[name]["reloaded_masters_equal_params"] for name in ("off", "reference", "on"))
 
 
-@pytest.mark.parametrize("direction", ["on_to_off", "off_to_on"])
+@pytest.mark.parametrize("direction", ["on_to_off", "off_to_on", "overlap_to_on", "on_to_overlap"])
 def test_distributed_reuse_fp32_param_checkpoints_cross_the_flag(dist_report, direction):
     for rank in dist_report:
         run = rank["checkpoint"][direction]
         assert run["iteration"] == 2 and run["resumed"] == run["continued"]
+
+
+# ... with --overlap-param-gather: the all-gather that rewrites the borrowed halves runs in the next
+# forward's pre-hooks; whatever reads whole weights before it gathers first
+
+def test_overlap_param_gather_trains_bit_for_bit_as_without_it(dist_report):
+    for rank in dist_report:
+        on, overlap = rank["on"], rank["overlap"]
+        assert overlap["attached"] and len(overlap["losses"]) == 20 and overlap["losses"] == on["losses"]
+        assert rank["overlap_masters_bitwise"] == {"after_first_update": True, "at_the_end": True}
+        assert overlap["bytes"] == on["bytes"]                     # the same 3 bytes per bf16 parameter
+
+
+def test_overlap_param_gather_really_defers_the_gather(dist_report):
+    # right after an update the borrowed halves still hold fp32 bits (the ranks' buffers differ) until a
+    # reader gathers: without the overlap they never differ
+    for rank in dist_report:
+        on, overlap = rank["on"], rank["overlap"]
+        for when in ("before_save", "after_update", "before_forward"):
+            assert on[f"buffers_agree_{when}"] and not overlap[f"buffers_agree_{when}"], when
+        for when in ("after_save", "after_norm", "across_ranks"):
+            assert on[f"buffers_agree_{when}"] and overlap[f"buffers_agree_{when}"], when
+
+
+def test_overlap_param_gather_save_right_after_an_update_holds_the_weights(dist_report):
+    # every tensor of the checkpoint saved right after update 2 (before any forward gathered) is bit for
+    # bit the one saved without the overlap (the optimizer's at the parameters' places: the padding between
+    # them is saved unwritten): no fp32 bits in a bf16 weight (5 bf16 weight tensors: embedding, 4 stacked
+    # per-layer ones; masters and Adam's moments of the bf16 and the fp32 buffer)
+    for rank in dist_report:
+        saved = rank["overlap_saved_tensors"]
+        assert saved["same_keys"] and saved["bf16_weights"] == 5 and saved["optimizer_tensors"] == 6
+        assert saved["differ"] == [], saved["differ"]
+
+
+def test_overlap_param_gather_readers_after_an_update_see_the_weights(dist_report):
+    # the built-in trainer's evaluation (forward only, through the pre-hooks) and Megatron-LM's
+    # --log-params-norm (calc_params_l2_norm, as wrapped), each right after an update
+    for rank in dist_report:
+        on, overlap = rank["on"], rank["overlap"]
+        assert overlap["forward_only_loss"] == on["forward_only_loss"]
+        assert overlap["weights_norm"] == on["weights_norm"]
