@@ -321,7 +321,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
         os.makedirs(root, mode=DIR_MODE, exist_ok=True)
         scan.fresh_staging_dir(root, iteration, DIR_MODE)
     torch.distributed.barrier()
-    pass  # MUTATION
+    _finish_param_gathers(chunks)
     state = _sharded_state(chunks, optimizer, is_loading=False, only=only)
     state.update(iteration=iteration, consumed_train_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0, **(extra or {}))

@@ -26,16 +26,18 @@ TRAIN = os.path.join(ROOT, "tests_extend", "example", "recipes", "train.sh")
 TRAINED_IN_CI = ("qwen3_moe", "llama31")      # a MoE family at EP 2 and a dense one at TP 2 with SP
 SLOW = not os.environ.get("MINDSPEED_SLOW_TESTS")
 # what still stops a recipe beyond shrink.NOT_YET, and why; strict: the test fails once it trains
+# what still stops a recipe beyond shrink.NOT_YET, and why; strict: the test fails once it passes
+MLA = "multi-latent attention does not build on Megatron-Core's local (TE-less) spec yet"
 BLOCKED = {
-    "qwen3": "--reuse-fp32-param with --use-distributed-optimizer is refused with --overlap-param-gather",
-    "deepseek3": "multi-latent attention does not build on Megatron-Core's local (TE-less) spec yet",
-    "deepseek3_2_1_0": "multi-latent attention does not build on Megatron-Core's local (TE-less) spec yet",
+    "qwen3": "--reuse-fp32-param with --use-distributed-optimizer is refused at data-parallel size 1 (PP 2 of 2)",
     "mixtral": "MindSpeed-LLM 2.1.0's Mixtral recipe reads a SentencePiece model (--tokenizer-type Llama2Tokenizer "
                "--tokenizer-model FILE), which the built-in trainers do not read",
 }
+BLOCKED_TRAINING = dict(BLOCKED, deepseek3=MLA, deepseek3_2_1_0=MLA)
 
 
-FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(reason=BLOCKED[f], strict=True)) if f in BLOCKED else f
+def _families(blocked: dict) -> list:
+    return [pytest.param(f, marks=pytest.mark.xfail(reason=blocked[f], strict=True)) if f in blocked else f
             for f in shrink.FAMILIES]
 
 
@@ -52,26 +54,28 @@ def corpus(tmp_path_factory):
             "CKPT_LOAD_DIR": str(tmp / "ckpt"), "CKPT_SAVE_DIR": str(tmp / "ckpt")}
 
 
-def _gate(argv) -> str:
-    """'' when the trainer's flag check and the support matrix accept argv, else the one-line refusal."""
+def _gate(argv) -> list[str]:
+    """The one-line refusal of the trainer's flag check (its problems, "; "-separated) or of the support matrix
+    (one feature), as a list of problems; [] when both accept argv."""
     try:
         plan(parse_args(argv, world_size=2))
-    except (ArgumentError, MindSpeedConfigError) as err:
+    except ArgumentError as err:
         assert len(str(err).splitlines()) == 1, str(err)
-        return str(err)
-    return ""
+        return str(err).split("; ")
+    except MindSpeedConfigError as err:
+        assert len(str(err).splitlines()) == 1, str(err)
+        return [str(err)]
+    return []
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", _families(BLOCKED))
 def test_recipe_passes_the_flag_check_but_for_the_work_not_yet_done(family, corpus, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     not_yet = [flag for flag, *_ in shrink.recipe(family) if flag in shrink.NOT_YET]
-    refusal = _gate(shrink.shrink(family, corpus))
-    # the flag check lists its problems in one line ("; "), the support matrix names one feature
-    problems = refusal.removeprefix("MindSpeed: ").split("; ") if refusal else []
-    assert bool(problems) == bool(not_yet), refusal
-    assert all(any(flag in problem for flag in not_yet) for problem in problems), refusal
-    assert _gate(shrink.shrink(family, corpus, runnable=True)) == ""
+    problems = _gate(shrink.shrink(family, corpus))
+    assert bool(problems) == bool(not_yet), problems
+    assert all(any(flag in problem for flag in not_yet) for problem in problems), problems
+    assert _gate(shrink.shrink(family, corpus, runnable=True)) == []
 
 
 def test_shrinking_changes_only_sizes_paths_and_parallel_sizes(corpus):
@@ -90,7 +94,7 @@ def test_shrinking_changes_only_sizes_paths_and_parallel_sizes(corpus):
             assert kept == values or flag in changed or any(v.startswith("$") for v in values), (family, flag)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", _families(BLOCKED_TRAINING))
 def test_recipe_trains_three_iterations_on_two_processes(family, corpus, tmp_path):
     if family not in TRAINED_IN_CI and SLOW:
         pytest.skip("MINDSPEED_SLOW_TESTS=1 trains every family (CI trains " + ", ".join(TRAINED_IN_CI) + ")")
