@@ -93,7 +93,7 @@ def _given(args, parsed: ParsedFamily, dest: str) -> bool:
 
 def _balancing(args) -> tuple[str | None, list[str]]:
     """Megatron 0.16's --moe-router-load-balancing-type takes several types (a list): MindSpeed-LLM's
-    values and --seq-aux take one, returned as a plain value (Megatron makes a one-item list that)."""
+    values and --seq-aux take one, returned as a plain value (as Megatron's checks make a one-item list)."""
     kind = args.moe_router_load_balancing_type
     if isinstance(kind, list) and len(kind) == 1:
         kind = args.moe_router_load_balancing_type = kind[0]

@@ -16,9 +16,10 @@ CORE_REQUIREMENTS = [TORCH, MEGATRON_CORE, NUMPY, "ninja==1.13.2", "safetensors=
 MINDSPORE_REQUIREMENTS = [MINDSPORE, NUMPY]
 TRANSFORMERS = "transformers==5.23.0"
 PYYAML = "pyyaml==6.0.3"
-# `python -m mindspeed.data` with Hugging Face tokenizers, parquet inputs and --config YAML files:
+# `python -m mindspeed.data` with Hugging Face tokenizers, parquet inputs and --config YAML files (and the
+# trainers' Llama2Tokenizer: a SentencePiece model):
 # `pip install -e ".[data]"` (pyarrow 17 is the last line that supports numpy<2, which mindspore needs)
-DATA_REQUIREMENTS = [TRANSFORMERS, "pyarrow==17.0.0", PYYAML]
+DATA_REQUIREMENTS = [TRANSFORMERS, "pyarrow==17.0.0", PYYAML, "sentencepiece==0.2.2"]
 # matplotlib: `python -m mindspeed plot` (`pip install -e ".[plot]"`); the tests draw with it too
 PLOT_REQUIREMENTS = ["matplotlib==3.11.2"]
 # transformers: the conversion tests build tiny Llama/Qwen2 models and compare their logits, the data

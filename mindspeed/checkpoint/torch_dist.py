@@ -389,7 +389,10 @@ def _refuse_other_architecture(root: str, path: str, model_states: list) -> None
     another architecture (with q/k norms, more layers, an MTP block) would load into a smaller model
     without a word, dropping its weights. Refused in one line, naming the first tensors it would drop."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    wanted = {getattr(v, "key", None) for state in model_states for v in nested_values(state)}
+    local = {getattr(v, "key", None) for state in model_states for v in nested_values(state)}
+    every_rank = [None] * torch.distributed.get_world_size()     # pipeline stages hold different layers
+    torch.distributed.all_gather_object(every_rank, local)
+    wanted = set().union(*every_rank)
     saved = dist_checkpointing.load_tensors_metadata(path)
     extra = sorted(k for k in saved if k not in wanted and not k.startswith(("chained_", "optimizer")))
     if extra:

@@ -73,6 +73,39 @@ class NullTokenizer:
         return self._size
 
 
+class SentencePieceModelTokenizer:
+    """Megatron's Llama2Tokenizer (--tokenizer-model FILE: a SentencePiece tokenizer.model, as
+    MindSpeed-LLM 2.1.0's Mixtral recipe passes): its vocabulary and end-of-sequence id, as Megatron's
+    _Llama2Tokenizer reports them (SentencePiece's piece count and eos id)."""
+    kind = "Llama2Tokenizer"
+
+    def __init__(self, model_file: str):
+        try:
+            import sentencepiece
+        except ImportError as err:
+            raise TokenizerError("--tokenizer-type Llama2Tokenizer reads a SentencePiece model: pip install "
+                                 "sentencepiece (in MindSpeed's `data` extra)") from err
+        processor = sentencepiece.SentencePieceProcessor()
+        try:
+            processor.Load(model_file)
+        except (OSError, RuntimeError) as err:
+            raise TokenizerError(f"--tokenizer-model {model_file!r} is not a SentencePiece model: "
+                                 f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+        if processor.eos_id() < 0:
+            raise TokenizerError(f"--tokenizer-model {model_file!r} has no end-of-sequence piece (Llama2Tokenizer "
+                                 "ends documents with it)")
+        self._size, self._eod = processor.vocab_size(), processor.eos_id()
+        self.unique_identifiers = {"class": self.kind, "tokenizer_model": os.path.abspath(model_file)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+
 def from_flags(args):
     """The tokenizer the flags describe, or None: the trainer then uses the one saved beside the
     dataset (or the HuggingFace one --tokenizer-model names)."""
@@ -80,6 +113,8 @@ def from_flags(args):
         return GPT2VocabTokenizer(args.vocab_file, args.merge_file)
     if args.tokenizer_type == NullTokenizer.kind:
         return NullTokenizer(args.vocab_size)
+    if args.tokenizer_type == SentencePieceModelTokenizer.kind:
+        return SentencePieceModelTokenizer(args.tokenizer_model)
     return None
 
 

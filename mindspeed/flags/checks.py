@@ -11,13 +11,13 @@ from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 
 # MindSpeed-LLM's name for Megatron's HuggingFaceTokenizer (--tokenizer-name-or-path for --tokenizer-model)
 PRETRAINED_FROM_HF = "PretrainedFromHF"
-# Megatron's --tokenizer-type values (and MindSpeed-LLM's); the trainers implement the first five
+# Megatron's --tokenizer-type values (and MindSpeed-LLM's); the trainers implement the first six
 # (data/flag_tokenizers.py; PretrainedFromHF is HuggingFaceTokenizer: resolve_hf_alias)
 TOKENIZER_TYPES = ["CharLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer", PRETRAINED_FROM_HF,
-                   "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
-                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
+                   "Llama2Tokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
+                   "GPTSentencePieceTokenizer", "TikTokenizer", "MultimodalTokenizer",
                    "NullMultimodalTokenizer", "SFTTokenizer"]
-IMPLEMENTED_TOKENIZERS = TOKENIZER_TYPES[:5]
+IMPLEMENTED_TOKENIZERS = TOKENIZER_TYPES[:6]
 # why MindSpeed-LLM's --tokenizer-not-use-fast is refused (python -m mindspeed.data and the trainers)
 SLOW_TOKENIZER_REFUSAL = ("transformers 5 loads every tokenizer with its fast implementation, the slow one "
                           "cannot be chosen; drop it")
@@ -186,8 +186,16 @@ def _tokenizer_problems(args) -> list[str]:
     if kind is not None and kind not in IMPLEMENTED_TOKENIZERS:
         return [f"--tokenizer-type {kind} is not available in the built-in trainer: use GPT2BPETokenizer "
                 "(--vocab-file/--merge-file), NullTokenizer (--vocab-size), HuggingFaceTokenizer "
-                "(--tokenizer-model DIR, offline; MindSpeed-LLM's PretrainedFromHF --tokenizer-name-or-path DIR) "
-                "or CharLevel"]
+                "(--tokenizer-model DIR, offline; MindSpeed-LLM's PretrainedFromHF --tokenizer-name-or-path DIR), "
+                "Llama2Tokenizer (--tokenizer-model FILE, a SentencePiece model) or CharLevel"]
+    if kind == "Llama2Tokenizer":
+        model = getattr(args, "tokenizer_model", None)
+        if not model or not os.path.isfile(model):
+            return [f"--tokenizer-type Llama2Tokenizer needs --tokenizer-model FILE (a SentencePiece tokenizer.model)"
+                    + (f": {model!r} is not a file" if model else "")]
+        return [] if args.data_path or args.mock_data else [
+            "--tokenizer-type Llama2Tokenizer needs --data-path (or --mock-data): the bundled default dataset is "
+            "character-level"]
     problems = hf_tokenizer_problems(args)
     if kind == "GPT2BPETokenizer":
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):

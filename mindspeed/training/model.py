@@ -97,7 +97,8 @@ def _family_fields(args) -> dict:
                   mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
     if args.num_experts:
         fields.update(
-            moe_layer_freq=moe_layer_pattern(args),
+            # every layer MoE: Megatron's default (1), which keeps its stacked-layer checkpoint keys
+            moe_layer_freq=1 if all(moe_layer_pattern(args)) else moe_layer_pattern(args),
             moe_router_load_balancing_type=args.moe_router_load_balancing_type,
             moe_router_score_function=args.moe_router_score_function,
             moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,

@@ -27,13 +27,10 @@ TRAINED_IN_CI = ("qwen3_moe", "llama31")      # a MoE family at EP 2 and a dense
 SLOW = not os.environ.get("MINDSPEED_SLOW_TESTS")
 # what still stops a recipe beyond shrink.NOT_YET, and why; strict: the test fails once it trains
 # what still stops a recipe beyond shrink.NOT_YET, and why; strict: the test fails once it passes
-MLA = "multi-latent attention does not build on Megatron-Core's local (TE-less) spec yet"
 BLOCKED = {
     "qwen3": "--reuse-fp32-param with --use-distributed-optimizer is refused at data-parallel size 1 (PP 2 of 2)",
-    "mixtral": "MindSpeed-LLM 2.1.0's Mixtral recipe reads a SentencePiece model (--tokenizer-type Llama2Tokenizer "
-               "--tokenizer-model FILE), which the built-in trainers do not read",
 }
-BLOCKED_TRAINING = dict(BLOCKED, deepseek3=MLA, deepseek3_2_1_0=MLA)
+BLOCKED_TRAINING = dict(BLOCKED)
 
 
 def _families(blocked: dict) -> list:
@@ -54,6 +51,35 @@ def corpus(tmp_path_factory):
             "CKPT_LOAD_DIR": str(tmp / "ckpt"), "CKPT_SAVE_DIR": str(tmp / "ckpt")}
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_corpus(tmp_path_factory):
+    """MindSpeed-LLM 2.1.0's Mixtral recipe: Megatron's Llama2Tokenizer, a SentencePiece tokenizer.model, and a
+    dataset of its ids (as MindSpeed-LLM's preprocess_data.py writes one: no tokenizer description beside it)."""
+    import io
+
+    import numpy as np
+    import sentencepiece
+    from mindspeed.data.indexed import write_dataset
+    tmp = tmp_path_factory.mktemp("sentencepiece")
+    text = [f"the quick brown fox jumps over the lazy dog {i % 3} and runs" for i in range(200)]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=48,
+                                             model_type="bpe", minloglevel=2)
+    (tmp / "tokenizer.model").write_bytes(model.getvalue())
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp / "tokenizer.model"))
+    # the recipe's --split 99990,8,2 gives its test split 2 in 100,000 documents (Megatron's GPTDataset loops
+    # forever on an empty split, so the trainers refuse one): 50,000 short ones
+    ids = [np.array(sp.encode(line) + [sp.eos_id()], dtype=np.int32) for line in text]
+    documents = (ids[i % len(ids)] for i in range(50_000))
+    write_dataset(str(tmp / "data_text_document"), documents, sp.vocab_size())
+    return {"TOKENIZER_MODEL": str(tmp / "tokenizer.model"), "DATA_PATH": str(tmp / "data_text_document"),
+            "CKPT_LOAD_DIR": str(tmp / "ckpt"), "CKPT_SAVE_DIR": str(tmp / "ckpt")}
+
+
+def _paths(family, corpus, sentencepiece_corpus) -> dict:
+    return sentencepiece_corpus if family == "mixtral" else corpus
+
+
 def _gate(argv) -> list[str]:
     """The one-line refusal of the trainer's flag check (its problems, "; "-separated) or of the support matrix
     (one feature), as a list of problems; [] when both accept argv."""
@@ -69,22 +95,24 @@ def _gate(argv) -> list[str]:
 
 
 @pytest.mark.parametrize("family", _families(BLOCKED))
-def test_recipe_passes_the_flag_check_but_for_the_work_not_yet_done(family, corpus, monkeypatch):
+def test_recipe_passes_the_flag_check_but_for_the_work_not_yet_done(family, corpus, sentencepiece_corpus,
+                                                                    monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    paths = _paths(family, corpus, sentencepiece_corpus)
     not_yet = [flag for flag, *_ in shrink.recipe(family) if flag in shrink.NOT_YET]
-    problems = _gate(shrink.shrink(family, corpus))
+    problems = _gate(shrink.shrink(family, paths))
     assert bool(problems) == bool(not_yet), problems
     assert all(any(flag in problem for flag in not_yet) for problem in problems), problems
-    assert _gate(shrink.shrink(family, corpus, runnable=True)) == []
+    assert _gate(shrink.shrink(family, paths, runnable=True)) == []
 
 
-def test_shrinking_changes_only_sizes_paths_and_parallel_sizes(corpus):
+def test_shrinking_changes_only_sizes_paths_and_parallel_sizes(corpus, sentencepiece_corpus):
     """Every option of every recipe is kept (but for NOT_YET in the runnable form), in its order; the
     values that change are sizes, paths or parallel sizes."""
     changed = set(shrink.SIZES) | set(shrink.DERIVED) | set(shrink.PARALLEL_FLAGS)
     for family in shrink.FAMILIES:
         options = shrink.recipe(family)
-        argv = shrink.shrink(family, corpus)
+        argv = shrink.shrink(family, _paths(family, corpus, sentencepiece_corpus))
         flags = [token for token in argv if token.startswith("--")]
         assert flags[:len(options)] == [flag for flag, *_ in options], family
         position = 0
@@ -95,12 +123,14 @@ def test_shrinking_changes_only_sizes_paths_and_parallel_sizes(corpus):
 
 
 @pytest.mark.parametrize("family", _families(BLOCKED_TRAINING))
-def test_recipe_trains_three_iterations_on_two_processes(family, corpus, tmp_path):
+def test_recipe_trains_three_iterations_on_two_processes(family, corpus, sentencepiece_corpus, tmp_path):
     if family not in TRAINED_IN_CI and SLOW:
         pytest.skip("MINDSPEED_SLOW_TESTS=1 trains every family (CI trains " + ", ".join(TRAINED_IN_CI) + ")")
     losses = tmp_path / "loss.jsonl"
+    paths = _paths(family, corpus, sentencepiece_corpus)
     env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(free_port()), CKPT_DIR=str(tmp_path / "ckpt"),
-               TOKENIZER_PATH=corpus["TOKENIZER_PATH"], DATA_PATH=corpus["DATA_PATH"])
+               TOKENIZER_PATH=paths.get("TOKENIZER_PATH", ""), TOKENIZER_MODEL=paths.get("TOKENIZER_MODEL", ""),
+               DATA_PATH=paths["DATA_PATH"])
     result = subprocess.run(["bash", TRAIN, family, "--log-loss-file", str(losses)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr

@@ -32,7 +32,7 @@ os.environ['WORLD_SIZE'] = '2'
 base = ['pretrain_gpt.py', '--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '4',
         '--seq-length', '64', '--max-position-embeddings', '64', '--micro-batch-size', '1',
         '--tokenizer-type', 'NullTokenizer', '--vocab-size', '100', '--train-iters', '1', '--lr', '1e-3',
-        '--optimization-level', '0']
+        '--disable-bias-linear', '--optimization-level', '0']
 sys.argv = base
 import torch
 import mindspeed.megatron_adaptor
@@ -93,10 +93,10 @@ DEEPSEEK_MEGATRON = MLA_SIZES + [
     "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
     "--moe-router-load-balancing-type", "none", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
     "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32", "--moe-ffn-hidden-size", "16"]
-NEWER_MEGATRON = {"deepseek-megatron": ["--rope-type", "yarn"]}     # core_v0.13 on (core_v0.12's MLA: always YaRN)
 # YaRN's settings that only MindSpeed-LLM spells: MLATransformerConfig's fields
 YARN_ONLY_LLM = DEEPSEEK_LLM + ["--rope-scaling-beta-fast", "16", "--beta-slow", "2",
                                 "--rope-scaling-original-max-position-embeddings", "64"]
+YARN_ORIGINAL_LLM = DEEPSEEK_LLM + ["--rope-scaling-original-max-position-embeddings", "4096"]
 # the dests only MindSpeed-LLM's spellings write (Megatron's own spelling leaves them at their defaults)
 SPELLING_ONLY = {"norm_topk_prob", "first_k_dense_replace", "n_shared_experts", "seq_aux", "rope_scaling_type",
                  "rope_scaling_factor"}
@@ -145,12 +145,14 @@ def _version(checkout) -> str:
 @pytest.fixture(scope="module")
 def parsed(checkout):
     """Every command line of this module, through Megatron-LM's own parse_args/validate_args, in one process."""
-    newer = _version(checkout) != "0.12.1"
     runs = {"qwen3-moe-llm": QWEN3_MOE_LLM, "qwen3-moe-megatron": QWEN3_MOE_MEGATRON,
             "deepseek-llm": DEEPSEEK_LLM, "deepseek-megatron": DEEPSEEK_MEGATRON, "yarn-only-llm": YARN_ONLY_LLM,
-            "notes": NOTES_RUN, **{name: argv for name, (argv, _) in REFUSED.items()}}
-    if newer:
-        runs.update({name: runs[name] + extra for name, extra in NEWER_MEGATRON.items()})
+            "yarn-original-llm": YARN_ORIGINAL_LLM, "notes": NOTES_RUN,
+            **{name: argv for name, (argv, _) in REFUSED.items()}}
+    if _version(checkout) != "0.12.1":
+        runs["deepseek-megatron"] = DEEPSEEK_MEGATRON + ["--rope-type", "yarn"]   # core_v0.12's MLA: always YaRN
+    else:       # core_v0.12's Megatron-Core still has alltoall_seq: MindSpeed-LLM's value is Megatron's own there
+        runs["qwen3-moe-megatron"] = [("alltoall_seq" if a == "alltoall" else a) for a in QWEN3_MOE_MEGATRON]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout, kit.ROOT]), RANK="0",
                CASES=json.dumps({"flags": FLAGS, "runs": runs}))
     result = subprocess.run([sys.executable, "-c", CODE], cwd=checkout, env=env, capture_output=True, text=True,
@@ -205,11 +207,22 @@ def test_the_translations_reach_megatrons_transformer_config(parsed, checkout):
             config["moe_router_group_topk"], config["moe_router_topk_scaling_factor"],
             config["moe_router_dtype"]) == ("sigmoid", True, "none", 2, 1, 2.5, "fp32")
     assert (config["qk_head_dim"], config["qk_pos_emb_head_dim"]) == (16, 8)
+    # the YaRN fields only MindSpeed-LLM spells keep MLATransformerConfig's defaults when not given (never None)
+    assert (config["beta_fast"], config["beta_slow"], config.get("original_max_position_embeddings", 4096)) == \
+        (32, 1, 4096)
     yarn = parsed["runs"]["yarn-only-llm"]["config"]
     assert (yarn["beta_fast"], yarn["beta_slow"]) == (16, 2)
     original = "original_max_position_embeddings" if "original_max_position_embeddings" in yarn \
         else "max_position_embeddings"      # core_v0.12's MLA: YaRN's original context is its max_position_embeddings
     assert yarn[original] == 64
+    other = parsed["runs"]["yarn-original-llm"]
+    if original == "original_max_position_embeddings":
+        assert other["config"][original] == 4096, other
+    else:
+        assert other["refused"] == (
+            "MindSpeed: --rope-scaling-original-max-position-embeddings 4096: Megatron-Core 0.12.1's multi-latent "
+            "attention takes YaRN's original context from --max-position-embeddings (64): give the same value, or "
+            "use Megatron-LM core_v0.16.1"), other
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

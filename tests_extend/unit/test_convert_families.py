@@ -146,6 +146,28 @@ def test_qwen3_moe_renormalized_router_and_sparse_step(tmp_path):
     assert _close(kit.tp1_logits(mg, TOKENS), kit.hf_logits(hf, TOKENS)) <= TOL
 
 
+def test_experts_stacked_over_the_layers_round_trip(models, tmp_path, monkeypatch):
+    """Megatron-LM's own runs give Megatron-Core an int --moe-layer-freq: every layer's experts then sit in
+    one torch_dist tensor [layer, expert, ...]. The converter writes (its model built so) and reads that
+    layout too."""
+    import mindspeed.training.model as trainer_model
+    from mindspeed.checkpoint.megatron_read import open_checkpoint
+    built = trainer_model.transformer_config
+
+    def stacked(args):
+        config = built(args)
+        config.moe_layer_freq = 1
+        return config
+    monkeypatch.setattr(trainer_model, "transformer_config", stacked)
+    case, mg, back = models["mixtral"], str(tmp_path / "mg"), str(tmp_path / "back")
+    _convert_hf_to_mg(case["hf"], mg, "mixtral")
+    reader = open_checkpoint(mg)
+    assert tuple(reader.meta["decoder.layers.mlp.experts.experts.linear_fc2.weight"].size) == (
+        kit.LAYERS, 4, kit.HIDDEN, kit.FFN)
+    _mg_to_hf(mg, back, "mixtral")
+    _assert_same_hf(case["hf"], back)
+
+
 def _logits_at(mg_dir, tokens, tp, pp, ep, world_size):
     """The trainer's model at this rank for TP x PP (x EP over the data-parallel ranks), loaded with the
     trainer's loader, the pipeline stages run by hand, the vocab-parallel logits gathered. Returns
@@ -324,7 +346,6 @@ def test_generate_gives_transformers_greedy_tokens(models, model_type, tmp_path)
     """`python -m mindspeed.generate` (in this process, TP1) on the converted checkpoint: transformers'
     greedy continuation, token for token (Megatron-Core's inference path: q/k norms, MoE layers)."""
     from transformers import AutoModelForCausalLM
-    from mindspeed.generate.cli import main
     case, eos, new = models[model_type], kit.VOCAB - 1, 16
     tok = tmp_path / "tok"
     tok.mkdir()
@@ -336,9 +357,16 @@ def test_generate_gives_transformers_greedy_tokens(models, model_type, tmp_path)
                            pad_token_id=eos)[0, len(GENERATE_PROMPT):].tolist()
     assert len(set(expected)) >= 8, expected        # a continuation that tells two models apart
     out = str(tmp_path / "out.json")
-    assert main(["--load", case["mg"], "--tokenizer-model", str(tok), "--prompt",
-                 " ".join(f"w{i}" for i in GENERATE_PROMPT), "--max-new-tokens", str(new), "--output-json", out]) == 0
+    argv = ["--load", case["mg"], "--tokenizer-model", str(tok), "--prompt", " ".join(f"w{i}" for i in GENERATE_PROMPT),
+            "--max-new-tokens", str(new), "--output-json", out]
+    # in a child process: generate's process group and environment stay out of this test process
+    assert run_distributed(_generate, world_size=1, args=(argv,))[0] == 0
     assert json.load(open(out))["tokens"] == expected
+
+
+def _generate(rank, world_size, argv):
+    from mindspeed.generate.cli import main
+    return main(argv)
 
 
 REFUSALS = {
