@@ -186,7 +186,7 @@ def _train(rank, world_size, tmp):
 
 
 @pytest.mark.parametrize("layout", sorted(TRAINER))
-def test_the_trainer_trains_mla_on_two_processes(tmp_path_factory, layout, trained):
+def test_the_trainer_trains_mla_on_two_processes(layout, trained):
     losses = trained[layout]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], losses

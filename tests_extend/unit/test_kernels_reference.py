@@ -220,3 +220,40 @@ def test_dropout_add_layer_norm_without_dropout_is_layer_norm_of_sum():
     torch.testing.assert_close(z, x0 + res)
     torch.testing.assert_close(out, F.layer_norm(x0 + res, (8,), w, bias, 1e-5))
     assert mask is None
+
+
+def test_npu_mapping_gives_an_unequal_value_head_size_one_size_for_the_kernel(monkeypatch):
+    """kernels/npu.py on a stand-in torch_npu whose npu_fusion_attention takes one head size for q, k and v
+    (the reference behind it): v (or q and k) padded with zero channels, the output cut back, results
+    and gradients the reference's, in a packed, a named and the TND layout."""
+    import sys
+    import types
+    seen = []
+
+    def npu_fusion_attention(q, k, v, head_num, layout, pse=None, atten_mask=None, scale=1.0, keep_prob=1.0,
+                             pre_tockens=0, next_tockens=0, sparse_mode=0, actual_seq_qlen=None, actual_seq_kvlen=None):
+        seen.append(k.shape == v.shape)
+        out, mx, sm = R.attention(q, k, v, layout=layout, head_num=head_num, scale=scale, causal=sparse_mode == 2,
+                                  mask=None if sparse_mode == 2 else atten_mask, actual_seq_qlen=actual_seq_qlen,
+                                  actual_seq_kvlen=actual_seq_kvlen)
+        eight = lambda t: t.unsqueeze(-1).expand(*t.shape, 8)
+        return out, eight(mx), eight(sm), None, 0, 0, 0
+
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=npu_fusion_attention))
+    monkeypatch.delitem(sys.modules, "mindspeed.backends.torch.kernels.npu", raising=False)
+    from mindspeed.backends.torch.kernels import npu as N
+    monkeypatch.delitem(sys.modules, "mindspeed.backends.torch.kernels.npu")   # not left bound to the stand-in
+    cases = {"SBH": ((6, 2, 4 * 20), (6, 2, 2 * 20), (6, 2, 2 * 12), {}),
+             "BNSD": ((2, 4, 6, 12), (2, 2, 6, 12), (2, 2, 6, 20), {}),
+             "TND": ((6, 4, 20), (6, 4, 20), (6, 4, 12), dict(actual_seq_qlen=[2, 6], actual_seq_kvlen=[2, 6]))}
+    for layout, (qs, ks, vs, seqs) in cases.items():
+        inputs = [_rand(*qs), _rand(*ks, seed=1), _rand(*vs, seed=2)]
+        results = []
+        for attention in (N.attention, R.attention):
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            out, mx, sm = attention(*leaves, layout=layout, head_num=4, causal=True, scale=0.3, **seqs)
+            (out * _rand(*out.shape, seed=3)).sum().backward()
+            results.append([out, mx, sm] + [t.grad for t in leaves])
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want)
+    assert seen == [True] * 3
