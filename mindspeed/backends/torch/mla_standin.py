@@ -189,16 +189,40 @@ def _share_replicated_q_norm_grads(model, tp_group) -> None:
 
 def apply_mla_standin(patcher) -> None:
     """MLA's core attention with its head sizes, and its q norm's grads reduced once; both act on
-    multi-latent attention only."""
+    multi-latent attention only. A Megatron-Core without a target (core 0.12: no
+    _allreduce_non_tensor_model_parallel_grads, its TE extensions import only with TE) gets the others."""
     mla_init, self_attention_init, query_key_value, non_tp_grads, have_te = PATCH_TARGETS
-    patcher.wrap(mla_init, _wrap_mla_init, reason="MLA's core attention with k/v head sizes of its own (TE-less)")
-    patcher.wrap(self_attention_init, _wrap_mla_self_attention_init,
-                 reason="MLA's q_layernorm: replicated over TP ranks")
-    patcher.wrap(query_key_value, _wrap_query_key_value,
-                 reason="MLA's k_pos_emb gradient from every TP rank's heads (gathered down projection)")
-    patcher.wrap(non_tp_grads, _wrap_non_tp_grads, reason="MLA's q_layernorm grads summed over TP once, not TP times")
-    from megatron.core.extensions import transformer_engine
-    if not transformer_engine.HAVE_TE:
+    for target, wrapper, why in (
+            (mla_init, _wrap_mla_init, "MLA's core attention with k/v head sizes of its own (TE-less)"),
+            (self_attention_init, _wrap_mla_self_attention_init, "MLA's q_layernorm: replicated over TP ranks"),
+            (query_key_value, _wrap_query_key_value,
+             "MLA's k_pos_emb gradient from every TP rank's heads (gathered down projection)"),
+            (non_tp_grads, _wrap_non_tp_grads, "MLA's q_layernorm grads summed over TP once, not TP times")):
+        if _present(target):
+            patcher.wrap(target, wrapper, reason=why)
+    try:
+        from megatron.core.extensions import transformer_engine
+        te_present = transformer_engine.HAVE_TE
+    except ImportError:           # core 0.12: the extensions module imports TE itself
+        te_present = False
+    if not te_present and _present(have_te):
         # MLA imports TE's linears from Megatron's extensions, which hold mocks without TE: the import
         # succeeds, HAVE_TE says True, and MLA's `isinstance(self.linear_proj, TELinear)` raises
         patcher.replace(have_te, False, reason="Transformer Engine absent (MLA read its mocks as TE)")
+
+
+def _present(target: str) -> bool:
+    """Whether the dotted `module.attr[.attr]` exists in the installed Megatron-Core."""
+    import importlib
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
