@@ -87,7 +87,7 @@ def _flag_vocab_size(args) -> int | None:
         return args.vocab_size + 1          # Megatron's NullTokenizer adds its end-of-document id
     if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model and os.path.isfile(
             os.path.join(args.tokenizer_model, "tokenizer.json")):
-        from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size
+        from mindspeed.data.tokenizer_vocab import tokenizer_vocab_size
         from mindspeed.errors import ConvertError
         try:
             return tokenizer_vocab_size(args.tokenizer_model)

@@ -15,7 +15,7 @@ from mindspeed.errors import ConvertError
 from mindspeed.flags.trainer_flags import padded_vocab_size
 from mindspeed.convert.hf_io import HFReader, copy_side_files
 from mindspeed.convert.staging import check_save_dir, staged
-from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size
+from mindspeed.data.tokenizer_vocab import tokenizer_vocab_size
 
 # buffers some older checkpoints carry; recomputed by every model, not weights
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")

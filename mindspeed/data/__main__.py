@@ -18,8 +18,10 @@ from mindspeed.data.errors import DataError
 from mindspeed.data.shakespeare import ensure_dataset
 from mindspeed.data.tokenizer import TokenizerError
 from mindspeed.errors import ArgumentError, OneLineParser, hide_fallback_warnings, report
-from mindspeed.flags.checks import SLOW_TOKENIZER_REFUSAL
 
+# why MindSpeed-LLM's --tokenizer-not-use-fast is refused here (the trainers encode no text: no effect there)
+SLOW_TOKENIZER_REFUSAL = ("transformers 5 loads every tokenizer with its fast implementation, the slow one "
+                          "cannot be chosen; drop it")
 HANDLER_ONLY = ("handler_name", "prompt_type", "map_keys", "json_keys", "seq_length", "pack", "neat_pack",
                 "overwrite_cache", "dataset_additional_keys")
 

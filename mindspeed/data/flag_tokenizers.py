@@ -14,7 +14,7 @@ import json
 import os
 
 from mindspeed.data.tokenizer import HuggingFaceTokenizer, TokenizerError, load_tokenizer, tokenizer_path
-from mindspeed.flags.trainer_flags import padded_vocab_size
+from mindspeed.megatron_defaults import padded_vocab_size
 
 GPT2_EOD = "<|endoftext|>"
 

@@ -76,6 +76,7 @@ MtpMemEfficientLogits = option(
     "mtp-mem-efficient-logits", (host("--mtp-mem-efficient-logits", False),), lambda a: a.mtp_mem_efficient_logits,
     "MindSpeed-LLM's memory saver for the MTP logits", {}, "",
     ("--mtp-num-layers", "1", "--untie-embeddings-and-output-weights", "--mtp-mem-efficient-logits"))
+MtpMemEfficientLogits.examples = {"mindspore": ("--mtp-mem-efficient-logits",)}    # its MTP is refused there
 MtpMemEfficientLogits.inert = lambda self, args: (
     "Megatron-Core's MTP computes each MTP layer's logits and loss in turn, freeing the last before the next")
 
@@ -85,4 +86,6 @@ option("expert-tensor-parallel", (host("--expert-tensor-parallel-size"), host("-
        lambda a: bool(a.num_experts) and a.expert_tensor_parallel_size not in (None, a.tensor_model_parallel_size or 1),
        "a tensor-parallel size inside the experts other than the attention's (Megatron-Core's expert TP)",
        _lacks("expert tensor-parallel size of its own (--moe-tp-extend-ep spreads whole experts)"), TORCH,
-       MOE_EXAMPLE + ("--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"), example_world=2)
+       # Megatron-Core: MoE at TP > 1 needs sequence parallelism
+       MOE_EXAMPLE + ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"),
+       example_world=2)

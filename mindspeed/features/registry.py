@@ -60,10 +60,11 @@ def enabled_features(args) -> list[Feature]:
     """The enabled features, checked for conflicts and dependencies; deterministic order."""
     on = [f for f in all_features() if f.enabled(args)]
     ids = {f.id for f in on}
-    problems = []
+    problems, reported = [], set()
     for f in on:
-        for other in f.conflicts:
-            if other in ids and f.id < other:   # report each pair once
+        for other in f.conflicts:       # declared on either side: each pair reported once
+            if other in ids and frozenset((f.id, other)) not in reported:
+                reported.add(frozenset((f.id, other)))
                 problems.append(f"feature '{f.id}' conflicts with '{other}': enable only one of them")
         for need in f.depends:
             if need not in ids:

@@ -18,9 +18,6 @@ TOKENIZER_TYPES = ["CharLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer", "Nul
                    "GPTSentencePieceTokenizer", "TikTokenizer", "MultimodalTokenizer",
                    "NullMultimodalTokenizer", "SFTTokenizer"]
 IMPLEMENTED_TOKENIZERS = TOKENIZER_TYPES[:6]
-# why MindSpeed-LLM's --tokenizer-not-use-fast is refused (python -m mindspeed.data and the trainers)
-SLOW_TOKENIZER_REFUSAL = ("transformers 5 loads every tokenizer with its fast implementation, the slow one "
-                          "cannot be chosen; drop it")
 # Megatron's fp16 dynamic loss scaling defaults (OptimizerConfig's too)
 LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "loss_scale_window": 1000.0,
                        "hysteresis": 2}

@@ -22,7 +22,7 @@ from mindspeed.errors import ArgumentError, OneLineParser
 from mindspeed.flags.checks import TOKENIZER_TYPES, cross_flag_problems, no_effect_notes, resolve_hf_alias
 from mindspeed.flags.family_flags import add_family_args, derive_family_args, family_problems
 from mindspeed.flags.mindspeed_flags import add_mindspeed_args, refuse_unknown, resolve_backend_name, shared_parser
-from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
+from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES, padded_vocab_size  # noqa: F401 (re-exported)
 
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"   # in both trainers' checkpoint roots
@@ -282,12 +282,6 @@ def backend_name(args) -> str:
         return resolve_backend_name(args)
     except ValueError as err:
         raise ArgumentError(str(err)) from err
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron pads the vocab so each TP shard of the embedding has the same size."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def derive_args(args, world_size: int | None = None) -> None:

@@ -27,9 +27,7 @@ TRAINED_IN_CI = ("qwen3_moe", "llama31")      # a MoE family at EP 2 and a dense
 SLOW = not os.environ.get("MINDSPEED_SLOW_TESTS")
 # what still stops a recipe beyond shrink.NOT_YET, and why; strict: the test fails once it trains
 # what still stops a recipe beyond shrink.NOT_YET, and why; strict: the test fails once it passes
-BLOCKED = {
-    "qwen3": "--reuse-fp32-param with --use-distributed-optimizer is refused at data-parallel size 1 (PP 2 of 2)",
-}
+BLOCKED = {}
 BLOCKED_TRAINING = dict(BLOCKED)
 
 

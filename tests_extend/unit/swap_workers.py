@@ -68,11 +68,15 @@ class _Tok:
 _DATA = []
 
 
-def batches(args, tr, consumed=0):
+def dataset(args):
     from mindspeed.training import data
     if not _DATA:       # every run here has the same data flags: build the mock dataset once
         _DATA.append(data.build_datasets(args, _Tok())[0])
-    return tr.iterators(_DATA[0], consumed)
+    return _DATA[0]
+
+
+def batches(args, tr, consumed=0):
+    return tr.iterators(dataset(args), consumed)
 
 
 def train(args, tr, steps, consumed=0):
@@ -378,6 +382,136 @@ def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
                     p.detach().view(-1)[opt._get_model_param_range_map(p)["param"].start:
                                         opt._get_model_param_range_map(p)["param"].end].float())
         for mg, pg in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups) for m, p in zip(mg, pg))
+    return run
+
+
+# --reuse-fp32-param with --use-distributed-optimizer where a rank's shard is a whole buffer (no neighbour
+# shard to borrow: the buffer's storage grows to hold the masters' low halves)
+
+RECIPE_OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]      # Qwen3's recipe
+FOLD_CHUNK_SMALL = 100
+SIZE_ONE = {
+    # 2 processes, pipeline-parallel 2: data-parallel size 1 (Qwen3's recipe at PP 2 on 2 processes)
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    # 2 processes, MoE at expert-parallel 2: the dense optimizer's data-parallel size 2 (neighbour shards),
+    # the experts' optimizer's expert-data-parallel size 1 (a whole buffer), chained
+    "moe_ep2": ["--num-experts", "2", "--expert-model-parallel-size", "2"],
+}
+
+
+def reuse_fp32_param_size_one(rank, world_size, root, layout, steps=20):
+    """SIZE_ONE[layout] with --bf16 --use-distributed-optimizer: runs "off", "reference" (Megatron's copy
+    rounding ties away from zero), "on" (--reuse-fp32-param), "recipe" (on + Qwen3's overlap flags) and
+    "fp32", `steps` updates each (_size_one_run); the masters after the first update; checkpoints saved
+    after 2 updates loaded across the flag and across the overlap flags."""
+    import os
+    import time
+    import mindspeed
+    from contextlib import nullcontext
+    from mindspeed.training import pretrain
+    from mindspeed.flags.trainer_flags import parse_args
+    from tests_extend.unit.bf16_rounding import megatron_copies_round_ties_away
+    t0 = time.perf_counter()
+    base = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "4"] + SIZE_ONE[layout]
+    args = parse_args(TINY + base, world_size=world_size)
+    mindspeed.adapt(args)
+    pretrain._init_distributed(args, "cpu")
+    pretrain.init_batch_schedule(args, rank)
+    dataset(args)                                # built before any run counts its bytes
+    on = base + ["--reuse-fp32-param"]
+    runs = {"off": base, "reference": base, "on": on, "recipe": on + RECIPE_OVERLAP,
+            "fp32": base[1:]}
+    out, first = {"rank": rank, "layout": layout}, {}
+    from mindspeed.features.memory import reuse_fp32_param_megatron as folding
+    for name, flags in runs.items():
+        # the recipe run folds its buffers FOLD_CHUNK_SMALL pairs at a time (the recursive path of fold)
+        folding.FOLD_CHUNK, default_chunk = (FOLD_CHUNK_SMALL if name == "recipe" else folding.FOLD_CHUNK,
+                                             folding.FOLD_CHUNK)
+        try:
+            with megatron_copies_round_ties_away() if name == "reference" else nullcontext():
+                out[name] = _size_one_run(name, flags, world_size, os.path.join(root, layout, name), steps, first)
+        finally:
+            folding.FOLD_CHUNK = default_chunk
+    out["masters_bitwise_after_first_update"] = {
+        name: len(first[name]) > 0 and all(torch.equal(a, b) for a, b in zip(first["off"], first[name], strict=True))
+        for name in ("reference", "on", "recipe")}
+    out["checkpoint"] = {}
+    with megatron_copies_round_ties_away():     # the flag's rounding on Megatron's side: bit for bit
+        for direction, saved, flags in (("on_to_off", "on", runs["reference"]), ("off_to_on", "reference", on),
+                                        ("recipe_to_off", "recipe", runs["reference"]),
+                                        ("off_to_recipe", "reference", runs["recipe"])):
+            args, tr = trainer_for(flags + ["--load", os.path.join(root, layout, saved)], world_size=world_size)
+            iteration, consumed = pretrain.resume(args, tr, _Log())
+            out["checkpoint"][direction] = {"iteration": iteration, "continued": out[saved]["losses"][2:4],
+                                            "resumed": train(args, tr, 2, consumed)}
+    mindspeed.unadapt()
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the storages every live tensor of this process views, each storage once."""
+    import gc
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _optimizer_bytes(opt) -> dict:
+    """One of the (chained) distributed optimizers: its data-parallel size, what holds its masters, the
+    elements of its bf16 buffers, the bytes of the storages of those buffers, of its masters and of
+    --reuse-fp32-param's residuals (each storage once), and its masters' elements."""
+    buffers = [b for b in opt.buffers if b.param_dtype == torch.bfloat16]
+    masters = [m for g in opt.shard_fp32_from_float16_groups for m in g]
+    shared = getattr(opt, "mindspeed_reuse", None)
+    residuals = [sh.residual for sh in shared.buckets.values()] if shared else []
+    storages = {}
+    for t in [b.param_data for b in buffers] + masters + residuals:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return {"data_parallel_size": opt.data_parallel_group.size(),
+            "units": sorted({type(u).__name__ for u in shared.units}) if shared else [],
+            "fold_chunks": sorted({u.chunk for u in shared.units if hasattr(u, "buffer")}) if shared else [],
+            "bf16_elements": sum(b.param_data.numel() for b in buffers), "bytes": sum(storages.values()),
+            "master_elements": sum(m.numel() for m in masters)}
+
+
+def _size_one_run(name, flags, world_size, path, steps, first) -> dict:
+    """One run of reuse_fp32_param_size_one: losses; for bf16 runs (every chained optimizer): whether the
+    flag attached, per optimizer its bytes (_optimizer_bytes), the bytes every live tensor of the process
+    holds once the trainer is built less those before it, the masters after the first update (into
+    `first`; for "off" also the masters at a tie the two roundings split, after each update), a checkpoint
+    after 2 updates (reference, on, recipe), and whether a model-only load sets the masters from the weights."""
+    from mindspeed.checkpoint import torch_dist as checkpointing
+    from tests_extend.unit.bf16_rounding import differing_ties
+    before = _live_tensor_bytes()
+    args, tr = trainer_for(flags, world_size=world_size)
+    it = batches(args, tr)
+    if "--bf16" not in flags:
+        return {"losses": train(args, tr, steps)}
+    live = _live_tensor_bytes() - before
+    opts = getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+    shared = [getattr(o, "mindspeed_reuse", None) for o in opts]
+    pairs = [(sh, m) for o, sh in zip(opts, shared) for g in o.shard_fp32_from_float16_groups for m in g]
+    run = {"attached": [sh is not None for sh in shared], "optimizers": [_optimizer_bytes(o) for o in opts],
+           "live_bytes_after_build": live, "losses": [], "differing_ties": []}
+    for step in range(steps):
+        run["losses"].append(tr.train_step(it)[0])
+        run["differing_ties"].append(differing_ties([m for _, m in pairs]) if name == "off" else None)
+        if step == 0:
+            first[name] = [(sh.read(m) if sh else m).clone() for sh, m in pairs]
+        if step == 1 and name != "off":
+            checkpointing.save_checkpoint(path, 2, tr.model, tr.optimizer, tr.scheduler, 2 * args.global_batch_size)
+    tr.optimizer.reload_model_params()           # what a model-only load calls
+    run["reloaded_masters_equal_params"] = all(
+        torch.equal(sh.read(m) if sh else m,
+                    p.detach().view(-1)[o._get_model_param_range_map(p)["param"].start:
+                                        o._get_model_param_range_map(p)["param"].end].float())
+        for o, sh in zip(opts, shared)
+        for mg, pg in zip(o.shard_fp32_from_float16_groups, o.model_float16_groups) for m, p in zip(mg, pg))
     return run
 
 

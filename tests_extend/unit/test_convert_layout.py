@@ -46,7 +46,7 @@ def test_vocab_rows_are_cut_then_padded_with_zeros():
 
 
 def test_tokenizer_vocab_counts_added_tokens(tmp_path):
-    from mindspeed.convert.tokenizer_vocab import tokenizer_vocab_size
+    from mindspeed.data.tokenizer_vocab import tokenizer_vocab_size
     from tests_extend.unit.convert_kit import write_tokenizer_json
     write_tokenizer_json(str(tmp_path / "tokenizer.json"), 10)
     assert tokenizer_vocab_size(str(tmp_path)) == 10

@@ -138,7 +138,7 @@ def test_wrong_checkpoints_and_settings_are_refused_in_one_line(lora_run, base_m
     (["--lora-alpha", "0"], "--lora-alpha must be > 0"),
     (["--num-experts", "4"], "adapters on MoE experts are not implemented"),
     (["--backend", "mindspore"], "MindSpore trainer's GPT has no adapter layers"),
-    (["--use-ascend-coc", "--tensor-model-parallel-size", "2"], "ascend-coc"),
+    (["--use-ascend-coc", "--tensor-model-parallel-size", "2", "--coc-parallel-num", "2"], "ascend-coc"),
 ])
 def test_flags_lora_cannot_honour_are_refused(argv, message):
     from mindspeed.adaptor_core import MindSpeedConfigError, plan

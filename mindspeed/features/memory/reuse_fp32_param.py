@@ -1,10 +1,8 @@
 """--reuse-fp32-param: bf16 parameters share storage with their fp32 master copies (6 bytes per bf16
-parameter become 4; with the distributed optimizer 2 + 4/DP become 2 + 2/DP). Framework-free (the
-matrix imports it); the Megatron-Core hooks are reuse_fp32_param_megatron.py (Float16 optimizer) and
+parameter become 4; with the distributed optimizer 2 + 4/DP become 2 + 2/DP, DP=1 included).
+Framework-free (the matrix imports it); the Megatron-Core hooks are reuse_fp32_param_megatron.py (Float16 optimizer) and
 reuse_fp32_param_distrib.py (distributed optimizer), imported only when applied."""
 from __future__ import annotations
-
-import os
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, switch
@@ -45,20 +43,8 @@ class ReuseFp32Param(Feature):
                 raise FeatureConfigError("--reuse-fp32-param with --use-distributed-optimizer and MoE: drop "
                                          "--overlap-param-gather-with-optimizer-step (its all-gather would start "
                                          "before the expert optimizer's update)")
-            world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "0") or 0)
-            size = lambda name: getattr(args, name, None) or 1
-            tp, pp = size("tensor_model_parallel_size"), size("pipeline_model_parallel_size")
-            dp = world // (tp * pp * size("context_parallel_size")) if world else 2
-            # MoE experts have their own optimizer over the expert-data-parallel group
-            edp = world // (size("expert_model_parallel_size") * (getattr(args, "expert_tensor_parallel_size",
-                                                                          None) or tp) * pp) if world else 2
-            if dp < 2 or (getattr(args, "num_experts", None) and edp < 2):
-                which, value = ("data-parallel", dp) if dp < 2 else ("expert-data-parallel", edp)
-                raise FeatureConfigError(f"--reuse-fp32-param with --use-distributed-optimizer needs the {which} "
-                                         "size >= 2 (each fp32 master shard borrows a neighbour's shard of the "
-                                         f"bf16 buffer); here it is {value}: drop --use-distributed-optimizer "
-                                         "(at size 1 it shards nothing; Megatron's Float16 optimizer with "
-                                         "--reuse-fp32-param holds the same 4 bytes per bf16 parameter)")
+            # at data-parallel (or expert-data-parallel) size 1 a rank's master shard is the whole buffer:
+            # reuse_fp32_param_distrib.py folds the masters into the buffer's storage grown to twice its size
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":

@@ -3,7 +3,7 @@ each rank's fp32 master shard lives inside DDP's bf16 parameter buffer, so the s
 is gone; a bf16 residual of the shard's size keeps the low 16 bits. Per bf16 parameter and rank:
 2 + 4/DP bytes become 2 + 2/DP (DP=2: 4 -> 3).
 
-Per bucket (bf16, N elements, DP shards of n; rank r owns shard r), two layouts:
+Per bucket (bf16, N elements, DP shards of n; rank r owns shard r) at DP >= 2, two layouts:
 
 * bf16 layout (forward, backward, checkpoints): the bucket holds every rank's bf16 parameters, as
   Megatron keeps it; `residual` (n bf16, separate) holds the low halves of this rank's masters.
@@ -27,6 +27,15 @@ disable_forward_pre_hook), Megatron-LM's --log-params-norm (calc_params_l2_norm,
 the built-in trainer's evaluation runs forward through the pre-hooks. The next update waits for any
 gather still in flight on its buckets before turning them into fp32 pairs.
 
+At data-parallel size 1 (and, for MoE experts' optimizer, expert-data-parallel size 1) a rank's
+shard is the whole buffer: there is no neighbour to borrow. Each bf16 buffer's storage then grows to
+twice its size in place (untyped_storage().resize_: every view of it, the parameters', the buckets',
+Megatron's shard views, follows), and the buffer becomes the Float16 path's `Folded` buffer
+(reuse_fp32_param_megatron): [bf16 params | residual] between updates, the fp32 masters interleaved
+over the whole storage for the update, switched in place a block at a time. Per bf16 parameter:
+2 + 4 bytes become 2 + 2, the formula above at DP=1. The all-gather after the update copies the
+buffer onto itself, as without the flag.
+
 Outside the update, readers of the masters (checkpoints: _get/_set_main_param_and_optimizer_states;
 a model-only load: _copy_model_params_to_main_params; the dummy step before a load) get or set
 exact fp32 values through the bf16 layout, never disturbing the neighbour's parameters.
@@ -39,22 +48,17 @@ from contextlib import contextmanager
 
 import torch
 
-from mindspeed.features.memory.reuse_fp32_param_megatron import (RESIDUAL_ZERO, ROUND, attach_after_init,
-                                                                  expand_before_step)
+from mindspeed.features.memory.reuse_fp32_param_megatron import (Folded, Halves, attach_after_init, expand_before_step,
+                                                                  join, split)
 
 OPTIMIZER = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 MEGATRON_LM_PARAMS_NORM = "megatron.training.utils.calc_params_l2_norm"     # --log-params-norm
 CHUNK = 1 << 20          # elements interleaved per copy: bounds the temporary to 4 MiB
 
 
-def _pairs(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """(low, high) bf16 halves -> int32 bit patterns of the fp32 masters (a new tensor)."""
-    bits = torch.stack((low, high), dim=1).view(torch.int32).view(-1)
-    return bits.sub_(ROUND)
-
-
-class BucketShard:
-    """This rank's master shard inside one bf16 bucket."""
+class BucketShard(Halves):
+    """This rank's master shard inside one bf16 bucket (DP >= 2): high halves in the own shard,
+    low halves in `residual`; for the update, the fp32 masters over the own and a neighbour's shard."""
 
     def __init__(self, data: torch.Tensor, dp: int, rank: int, chunk: int = CHUNK):
         n = data.numel() // dp
@@ -62,7 +66,7 @@ class BucketShard:
             raise RuntimeError(f"--reuse-fp32-param: a bucket of {data.numel()} elements over {dp} "
                                "data-parallel ranks leaves no aligned neighbour shard for the fp32 masters")
         self.n, self.chunk = n, chunk
-        self.own = data[rank * n:(rank + 1) * n]
+        self.own = self.high = data[rank * n:(rank + 1) * n]
         start = (rank - 1) * n if rank > 0 else 0
         self.region = data[start:start + 2 * n]
         self.own_second = rank > 0      # rank 0 borrows shard 1 after its own, others shard r-1 before
@@ -77,31 +81,49 @@ class BucketShard:
     def to_fp32(self) -> None:
         # in place: every chunk reads own values no earlier chunk has overwritten (direction below)
         for s, e in self._ranges(forward=self.own_second):
-            self.region[2 * s:2 * e].view(torch.int32).copy_(_pairs(self.residual[s:e], self.own[s:e]))
+            self.region[2 * s:2 * e].view(torch.int32).copy_(join(self.residual[s:e], self.own[s:e]))
 
     @torch.no_grad()
     def to_bf16(self) -> None:
         for s, e in self._ranges(forward=not self.own_second):
-            bits = self.region[2 * s:2 * e].view(torch.int32).clone().add_(ROUND)
-            halves = bits.view(torch.bfloat16).view(-1, 2)
+            halves = split(self.region[2 * s:2 * e].view(torch.float32))
             self.residual[s:e].copy_(halves[:, 0])
             self.own[s:e].copy_(halves[:, 1])
 
-    # -- exact fp32 values through the bf16 layout ------------------------------------------
-    @torch.no_grad()
-    def read(self, s: int, e: int) -> torch.Tensor:
-        return _pairs(self.residual[s:e], self.own[s:e]).view(torch.float32)
+    def saved(self) -> list:
+        """What an update can change: the own and borrowed slots, the residual."""
+        return [self.region, self.residual]
 
-    @torch.no_grad()
-    def write(self, s: int, e: int, values: torch.Tensor) -> None:
-        halves = values.detach().reshape(-1).float().clone().view(torch.int32).add_(ROUND)
-        halves = halves.view(torch.bfloat16).view(-1, 2)
-        self.residual[s:e].copy_(halves[:, 0])
-        self.own[s:e].copy_(halves[:, 1])
 
-    @torch.no_grad()
-    def clear_residual(self) -> None:
-        self.residual.view(torch.int16).fill_(RESIDUAL_ZERO)
+class WholeBuffer(Folded):
+    """One DDP bf16 buffer at data-parallel size 1, its storage grown to [bf16 params | residual]."""
+
+    def __init__(self, buffer, chunk: int | None = None):
+        data = buffer.param_data
+        m, storage = data.numel(), data.untyped_storage()
+        if data.dim() != 1 or data.storage_offset() != 0 or storage.nbytes() != 2 * m:
+            raise RuntimeError("--reuse-fp32-param: this DDP bf16 buffer's parameters do not own their storage "
+                               "(NCCL user buffers or MXFP8's shared buffer): no room to fold the masters in")
+        storage.resize_(4 * m)          # in place: every view of the parameters follows the new memory
+        super().__init__(torch.empty(0, dtype=torch.bfloat16, device=data.device).set_(storage, 0, (2 * m,)), chunk)
+        self.clear_residual()           # padding too: deterministic bits; the masters are written next
+
+    def bucket(self, bucket) -> "BucketView":
+        return BucketView(self, bucket)
+
+    def saved(self) -> list:
+        return [self.buffer]
+
+
+class BucketView(Halves):
+    """One bucket of a WholeBuffer: its masters, read and written in the bucket's own numbering."""
+
+    def __init__(self, whole: WholeBuffer, bucket):
+        off, self.n = bucket.offset, bucket.param_data.numel()
+        self.own = self.high = whole.high[off:off + self.n]
+        assert self.own.data_ptr() == bucket.param_data.data_ptr()
+        self.residual = whole.residual[off:off + self.n]
+        self.fp32 = whole.fp32[off:off + self.n]           # valid in the fp32 layout only
 
 
 class SharedShards:
@@ -111,13 +133,21 @@ class SharedShards:
         self.opt = opt
         group = opt.data_parallel_group
         dp, rank = group.size(), group.rank()
-        self.buckets = {}               # (gbuf index, bucket id) -> BucketShard
+        self.units = []                 # what switches layout: BucketShards (DP >= 2), WholeBuffers (DP 1)
+        self.buckets = {}               # (gbuf index, bucket id) -> BucketShard or BucketView
         for g, buffer in enumerate(opt.buffers):
             if buffer.param_dtype != torch.bfloat16:
                 continue
+            if dp == 1:
+                whole = WholeBuffer(buffer)
+                self.units.append(whole)
+                for b, bucket in enumerate(buffer.buckets):
+                    self.buckets[(g, b)] = whole.bucket(bucket)
+                continue
             for b, bucket in enumerate(buffer.buckets):
                 self.buckets[(g, b)] = BucketShard(bucket.param_data, dp, rank)
-        self.where = {}                 # id(master) -> (BucketShard, start, end) in the own shard
+                self.units.append(self.buckets[(g, b)])
+        self.where = {}                 # id(master) -> (BucketShard/View, start, end) in the own shard
         for models, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
             for model, main in zip(models, mains):
                 g, _, b = opt.model_param_gbuf_map[model]
@@ -145,14 +175,14 @@ class SharedShards:
                 handle = getattr(group, "param_gather_handle", None)
                 if handle is not None:
                     handle.wait()
-            for shard in self.buckets.values():
-                shard.to_fp32()
+            for unit in self.units:
+                unit.to_fp32()
             self.fp32 = True
 
     def to_bf16(self) -> None:
         if self.fp32:
-            for shard in self.buckets.values():
-                shard.to_bf16()
+            for unit in self.units:
+                unit.to_bf16()
             self.fp32 = False
 
     def read(self, main) -> torch.Tensor:
@@ -174,20 +204,21 @@ class SharedShards:
     @contextmanager
     def kept(self):
         """Run something that may step the masters, then put the buckets' own and borrowed slots
-        and the residuals back as they were (the dummy step before a checkpoint load)."""
-        saved = [(sh, sh.region.clone(), sh.residual.clone()) for sh in self.buckets.values()]
+        and the residuals (at DP 1: the whole folded storage) back as they were (the dummy step
+        before a checkpoint load)."""
+        saved = [(t, t.clone()) for unit in self.units for t in unit.saved()]
         fp32 = self.fp32
         try:
             yield
         finally:
-            for sh, region, residual in saved:
-                sh.region.copy_(region)
-                sh.residual.copy_(residual)
+            for t, copy in saved:
+                t.copy_(copy)
             self.fp32 = fp32
 
     def bytes(self) -> int:
-        """Residual storage this rank adds (the masters themselves take none)."""
-        return sum(sh.residual.untyped_storage().nbytes() for sh in self.buckets.values())
+        """Residual storage this rank adds (the masters themselves take none; at DP 1 the residuals
+        are the half each buffer's storage grew by)."""
+        return sum(sh.residual.numel() * sh.residual.element_size() for sh in self.buckets.values())
 
 
 def attach(opt) -> SharedShards:

@@ -2,11 +2,14 @@
 parameter and its fp32 master copy share one 4-byte-per-element buffer, so the separate 2-byte bf16
 copy is gone (6 bytes per bf16 parameter become 4).
 
-The buffer has two layouts. Between updates ("bf16 layout") it holds [residual | bf16 param]: the
-second half is the model's parameter (contiguous, what forward and backward read), the first half
+The buffer has two layouts (`Folded`, shared with the distributed optimizer at data-parallel size 1,
+reuse_fp32_param_distrib.py). Between updates ("bf16 layout") it holds [bf16 param | residual]: the
+first half is the model's parameter (contiguous, what forward and backward read), the second half
 the low 16 bits the bf16 value dropped. For the update ("fp32 layout") the halves are interleaved
 back into the fp32 master (little-endian: low half first), which the torch optimizer updates in
-place; the update's copy of the masters to the model's parameters becomes the split back.
+place; the update's copy of the masters to the model's parameters becomes the split back. The
+interleaving is in place, a block of at most FOLD_CHUNK pairs at a time (`fold`): no temporary
+copy of a whole parameter.
 
 The split rounds as upstream MindSpeed does: 0x8000 is added to the fp32 bit pattern, so the high
 half is the master rounded to nearest with ties away from zero, and the low half keeps what is needed
@@ -31,10 +34,123 @@ import torch
 OPTIMIZER = "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params"
 ROUND = 0x8000
 RESIDUAL_ZERO = -0x8000          # 0x8000 as int16: the low half of an exact bf16 value, rounded
+FOLD_CHUNK = 1 << 22             # pairs (un)interleaved at once: bounds fold's temporaries to 16 MiB
+
+
+# -- the bit arithmetic: an fp32 master is (low half, high half) after adding 0x8000 -----------------
+
+def join(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """(low, high) bf16 halves -> int32 bit patterns of the fp32 masters (a new tensor)."""
+    bits = torch.stack((low, high), dim=1).view(torch.int32).view(-1)
+    return bits.sub_(ROUND)
+
+
+def split(values: torch.Tensor) -> torch.Tensor:
+    """fp32 values -> their (low, high) bf16 halves as an [n, 2] tensor (a new one): the high half the
+    value rounded to nearest, ties away from zero."""
+    bits = values.detach().reshape(-1).float().clone().view(torch.int32).add_(ROUND)
+    return bits.view(torch.bfloat16).view(-1, 2)
+
+
+class Halves:
+    """Masters held as `high` (the bf16 parameters) and `residual` (their low halves), read and written
+    as exact fp32 values whatever else the storage holds."""
+    high: torch.Tensor
+    residual: torch.Tensor
+
+    @torch.no_grad()
+    def read(self, s: int, e: int) -> torch.Tensor:
+        return join(self.residual[s:e], self.high[s:e]).view(torch.float32)
+
+    @torch.no_grad()
+    def write(self, s: int, e: int, values: torch.Tensor) -> None:
+        halves = split(values)
+        self.residual[s:e].copy_(halves[:, 0])
+        self.high[s:e].copy_(halves[:, 1])
+
+    @torch.no_grad()
+    def clear_residual(self) -> None:
+        """Masters := the bf16 values exactly."""
+        self.residual.view(torch.int16).fill_(RESIDUAL_ZERO)
+
+
+# -- the two layouts of one buffer, switched in place -------------------------------------------
+
+def _swap(x: torch.Tensor, y: torch.Tensor, chunk: int) -> None:
+    for s in range(0, x.numel(), chunk):
+        t = x[s:s + chunk].clone()
+        x[s:s + chunk].copy_(y[s:s + chunk])
+        y[s:s + chunk].copy_(t)
+
+
+def _move(buffer: torch.Tensor, src: int, dst: int, n: int, chunk: int) -> None:
+    """buffer[dst:dst+n] := buffer[src:src+n] (overlapping), a chunk at a time, in the direction that
+    reads each chunk before it is overwritten."""
+    starts = range(0, n, chunk)
+    for s in (reversed(starts) if dst > src else starts):
+        e = min(s + chunk, n)
+        buffer[dst + s:dst + e].copy_(buffer[src + s:src + e].clone())
+
+
+def fold(buffer: torch.Tensor, chunk: int = FOLD_CHUNK) -> None:
+    """[high halves (L) | low halves (L)] -> L (low, high) pairs, in place. Above `chunk` pairs: swap
+    the middle quarters ([h' h'' | r' r''] -> [h' r' | h'' r'']) and fold each half (an odd L first
+    moves one pair out front), so no temporary exceeds `chunk` pairs."""
+    n = buffer.numel() // 2
+    if n <= chunk:
+        buffer.copy_(torch.stack((buffer[n:], buffer[:n]), dim=1).view(-1))
+    elif n % 2:
+        low = buffer[n:n + 1].clone()                 # [h0 h.. | r0 r..] -> [r0 h0 | h.. | r..]
+        _move(buffer, 0, 1, n, chunk)
+        buffer[:1].copy_(low)
+        fold(buffer[2:], chunk)
+    else:
+        _swap(buffer[n // 2:n], buffer[n:n + n // 2], chunk)
+        fold(buffer[:n], chunk)
+        fold(buffer[n:], chunk)
+
+
+def unfold(buffer: torch.Tensor, chunk: int = FOLD_CHUNK) -> None:
+    """The inverse of fold: L (low, high) pairs -> [high halves | low halves], in place."""
+    n = buffer.numel() // 2
+    if n <= chunk:
+        pairs = buffer.view(n, 2)
+        buffer.copy_(torch.cat((pairs[:, 1], pairs[:, 0])))
+    elif n % 2:
+        unfold(buffer[2:], chunk)
+        low = buffer[:1].clone()
+        _move(buffer, 1, 0, n, chunk)
+        buffer[n:n + 1].copy_(low)
+    else:
+        unfold(buffer[:n], chunk)
+        unfold(buffer[n:], chunk)
+        _swap(buffer[n // 2:n], buffer[n:n + n // 2], chunk)
+
+
+class Folded(Halves):
+    """A 2n-element bf16 buffer holding n bf16 parameters and their fp32 masters: [high | residual]
+    between updates (bf16 layout), n fp32 masters (`fp32`, valid in the fp32 layout) for the update."""
+
+    def __init__(self, buffer: torch.Tensor, chunk: int | None = None):
+        n = buffer.numel() // 2
+        assert buffer.dtype == torch.bfloat16 and buffer.dim() == 1 and buffer.numel() == 2 * n
+        self.buffer, self.n, self.chunk = buffer, n, chunk or FOLD_CHUNK
+        self.high, self.residual = buffer[:n], buffer[n:]
+        self.fp32 = buffer.view(torch.float32)
+
+    @torch.no_grad()
+    def to_fp32(self) -> None:
+        fold(self.buffer, self.chunk)
+        self.buffer.view(torch.int32).sub_(ROUND)
+
+    @torch.no_grad()
+    def to_bf16(self) -> None:
+        self.buffer.view(torch.int32).add_(ROUND)
+        unfold(self.buffer, self.chunk)
 
 
 class SharedMasters:
-    """The shared buffers of one Float16 optimizer: (model param, master, buffer) per bf16 param."""
+    """The shared buffers of one Float16 optimizer: (model param, master, Folded) per bf16 param."""
 
     def __init__(self, opt):
         self.opt = opt
@@ -45,60 +161,42 @@ class SharedMasters:
                     if model.dtype != torch.bfloat16:
                         continue
                     n = main.numel()
-                    buffer = torch.empty(2 * n, dtype=torch.bfloat16, device=main.device)
-                    buffer.view(torch.float32).copy_(main.detach().reshape(-1))
-                    main.data = buffer.view(torch.float32).view(main.shape)
-                    model.data = buffer[n:].view(model.shape)
-                    self.pairs.append((model, main, buffer))
-        self.fp32 = True
-        self.to_bf16()
+                    folded = Folded(torch.empty(2 * n, dtype=torch.bfloat16, device=main.device))
+                    folded.write(0, n, main)
+                    main.data = folded.fp32.view(main.shape)
+                    model.data = folded.high.view(model.shape)
+                    self.pairs.append((model, main, folded))
+        self.fp32 = False
 
     # -- the two layouts ------------------------------------------------------------------
-    @torch.no_grad()
     def to_fp32(self) -> None:
-        if self.fp32:
-            return
-        for _model, _main, buffer in self.pairs:
-            n = buffer.numel() // 2
-            buffer.copy_(buffer.view(2, n).t().reshape(-1))       # [res | hi] -> (res, hi) pairs
-            buffer.view(torch.int32).sub_(ROUND)
-        self.fp32 = True
-
-    @torch.no_grad()
-    def to_bf16(self) -> None:
         if not self.fp32:
-            return
-        for _model, _main, buffer in self.pairs:
-            n = buffer.numel() // 2
-            buffer.view(torch.int32).add_(ROUND)
-            buffer.copy_(buffer.view(n, 2).t().reshape(-1))       # (res, hi) pairs -> [res | hi]
-        self.fp32 = False
+            for _model, _main, folded in self.pairs:
+                folded.to_fp32()
+            self.fp32 = True
+
+    def to_bf16(self) -> None:
+        if self.fp32:
+            for _model, _main, folded in self.pairs:
+                folded.to_bf16()
+            self.fp32 = False
 
     @torch.no_grad()
     def master_copies(self) -> dict:
         """id(master) -> an fp32 copy of it, read without changing the layout."""
-        out = {}
-        for _model, main, buffer in self.pairs:
-            if self.fp32:
-                out[id(main)] = main.detach().clone()
-                continue
-            n = buffer.numel() // 2
-            pairs = buffer.view(2, n).t().contiguous()
-            pairs.view(torch.int32).sub_(ROUND)
-            out[id(main)] = pairs.view(torch.float32).view(main.shape)
-        return out
+        return {id(main): main.detach().clone() if self.fp32 else folded.read(0, folded.n).view(main.shape)
+                for _model, main, folded in self.pairs}
 
     @torch.no_grad()
     def clear_residuals(self) -> None:
         """Masters := the bf16 parameters exactly (a model-only checkpoint load)."""
         self.to_bf16()
-        for _model, _main, buffer in self.pairs:
-            n = buffer.numel() // 2
-            buffer[:n].view(torch.int16).fill_(RESIDUAL_ZERO)
+        for _model, _main, folded in self.pairs:
+            folded.clear_residual()
 
     def bytes(self) -> int:
         """Storage of the bf16 parameters and their masters (each buffer once)."""
-        return sum(buffer.untyped_storage().nbytes() for _m, _p, buffer in self.pairs)
+        return sum(folded.buffer.untyped_storage().nbytes() for _m, _p, folded in self.pairs)
 
 
 def expand_before_step(opt, shared) -> None:
