@@ -19,7 +19,21 @@ from mindspeed.megatron_defaults import padded_vocab_size
 GPT2_EOD = "<|endoftext|>"
 
 
-class GPT2VocabTokenizer:
+class _ReadVocabulary:
+    """A tokenizer read for what a trainer needs of it: its vocabulary size and end-of-document id."""
+    _size: int
+    _eod: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+
+class GPT2VocabTokenizer(_ReadVocabulary):
     kind = "GPT2BPETokenizer"
 
     def __init__(self, vocab_file: str, merge_file: str):
@@ -34,14 +48,6 @@ class GPT2VocabTokenizer:
         self._size, self._eod = len(encoder), int(encoder[GPT2_EOD])
         self.unique_identifiers = {"class": self.kind, "vocab_file": os.path.abspath(vocab_file),
                                    "merge_file": os.path.abspath(merge_file)}
-
-    @property
-    def vocab_size(self) -> int:
-        return self._size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
 
 
 def _check_merges(merge_file: str) -> None:
@@ -73,7 +79,7 @@ class NullTokenizer:
         return self._size
 
 
-class SentencePieceModelTokenizer:
+class SentencePieceModelTokenizer(_ReadVocabulary):
     """Megatron's Llama2Tokenizer (--tokenizer-model FILE: a SentencePiece tokenizer.model, as
     MindSpeed-LLM 2.1.0's Mixtral recipe passes): its vocabulary and end-of-sequence id, as Megatron's
     _Llama2Tokenizer reports them (SentencePiece's piece count and eos id)."""
@@ -96,14 +102,6 @@ class SentencePieceModelTokenizer:
                                  "ends documents with it)")
         self._size, self._eod = processor.vocab_size(), processor.eos_id()
         self.unique_identifiers = {"class": self.kind, "tokenizer_model": os.path.abspath(model_file)}
-
-    @property
-    def vocab_size(self) -> int:
-        return self._size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
 
 
 def from_flags(args):

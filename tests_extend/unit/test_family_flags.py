@@ -161,3 +161,24 @@ def test_the_model_is_megatron_cores_own_with_each_option():
     assert built["mtp"] == 1 and plain["mtp"] == 0
     assert built["rotary"] == "YarnRotaryEmbedding" and plain["rotary"] == "RotaryEmbedding"
     assert built["expert_bias"] and built["router"] == ("sigmoid", 2, 1, 2.5)
+
+
+def test_llama2_tokenizer_reads_a_sentencepiece_model_and_refuses_anything_else(tmp_path):
+    """Megatron's Llama2Tokenizer (MindSpeed-LLM 2.1.0's Mixtral recipe): SentencePiece's piece count and eos id."""
+    import io
+
+    import sentencepiece
+    from mindspeed.data import TokenizerError
+    from mindspeed.data.flag_tokenizers import from_flags
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["a quick brown fox"] * 20), model_writer=model,
+                                             vocab_size=20, model_type="bpe", minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    argv = ["--tokenizer-type", "Llama2Tokenizer", "--data-path", "x"]
+    tok = from_flags(_args(*argv, "--tokenizer-model", str(tmp_path / "tokenizer.model")))
+    assert (tok.vocab_size, tok.eod) == (20, 2)
+    (tmp_path / "not.model").write_text("not a model")
+    with pytest.raises(TokenizerError, match="is not a SentencePiece model"):
+        from_flags(_args(*argv, "--tokenizer-model", str(tmp_path / "not.model")))
+    with pytest.raises(ArgumentError, match="Llama2Tokenizer needs --tokenizer-model FILE"):
+        _args(*argv, "--tokenizer-model", str(tmp_path / "missing.model"))
