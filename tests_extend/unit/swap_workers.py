@@ -190,6 +190,7 @@ def reuse_fp32_param(root, steps=20):
                     first[name] = ([copies.get(id(m), m).clone() for m in masters],
                                    [p.detach().clone() for g in opt.float16_groups for p in g])
             if name != "fp32":
+                run["masters_norm"] = masters_norm(tr.model)  # Megatron-LM's --log-params-norm reads these
                 tr.optimizer.reload_model_params()            # what a model-only load calls
                 run["reloaded_masters_equal_params"] = _masters_equal_params(opt)
         out[name] = run
@@ -325,6 +326,21 @@ def _weights_norm(model_chunks):
     return float(torch.sqrt(sum(p.detach().float().pow(2).sum() for c in model_chunks for p in c.parameters())))
 
 
+def _masters_norm(model_chunks):
+    """This rank's sum of squares of the bf16 weights' masters, read as Megatron-LM's calc_params_l2_norm
+    reads them with --bf16 (`param.main_param`, the master or this rank's master shard)."""
+    mains = [p.main_param for c in model_chunks for p in c.parameters()
+             if p.dtype == torch.bfloat16 and getattr(p, "main_param", None) is not None]
+    assert mains
+    return float(sum(m.detach().double().pow(2).sum() for m in mains))
+
+
+def masters_norm(model_chunks):
+    """_masters_norm through --reuse-fp32-param's wrapper of calc_params_l2_norm (masters readable)."""
+    from mindspeed.features.memory.reuse_fp32_param_distrib import _params_norm_of_gathered_weights
+    return _params_norm_of_gathered_weights(_masters_norm)(model_chunks)
+
+
 def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
     """One run of reuse_fp32_param_distributed: losses (and, for "off", this rank's masters at a
     tie the two bf16 roundings split, after each update); for the bf16 runs the bytes, the masters
@@ -362,6 +378,8 @@ def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
             checkpointing.save_checkpoint(os.path.join(root, "reuse_dist", name), 2, tr.model, tr.optimizer,
                                           tr.scheduler, 2 * args.global_batch_size)
             run["buffers_agree_after_save"] = _buffers_agree(buffers, world_size)
+    if name not in ("on", "overlap"):
+        run["masters_norm"] = masters_norm(tr.model)       # Megatron-LM's --log-params-norm reads these
     if name in ("on", "overlap"):
         from mindspeed.features.memory.reuse_fp32_param_distrib import _params_norm_of_gathered_weights
         from mindspeed.training import pretrain
@@ -369,6 +387,7 @@ def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
         first["bucket_params"] = _bucket_params(opt)
         run["buffers_agree_after_update"] = _buffers_agree(buffers, world_size)
         run["weights_norm"] = _params_norm_of_gathered_weights(_weights_norm)(tr.model)
+        run["masters_norm"] = masters_norm(tr.model)       # (after the check above: the wrapper gathers)
         run["buffers_agree_after_norm"] = _buffers_agree(buffers, world_size)
         tr.train_step(it)                       # one more update; then the evaluation's forward gathers
         run["buffers_agree_before_forward"] = _buffers_agree(buffers, world_size)
@@ -484,7 +503,8 @@ def _size_one_run(name, flags, world_size, path, steps, first) -> dict:
     flag attached, per optimizer its bytes (_optimizer_bytes), the bytes every live tensor of the process
     holds once the trainer is built less those before it, the masters after the first update (into
     `first`; for "off" also the masters at a tie the two roundings split, after each update), a checkpoint
-    after 2 updates (reference, on, recipe), and whether a model-only load sets the masters from the weights."""
+    after 2 updates (reference, on, recipe), with the flag whether the dummy step before a checkpoint load
+    leaves masters and weights as they were, and whether a model-only load sets the masters from the weights."""
     from mindspeed.checkpoint import torch_dist as checkpointing
     from tests_extend.unit.bf16_rounding import differing_ties
     before = _live_tensor_bytes()
@@ -505,6 +525,21 @@ def _size_one_run(name, flags, world_size, path, steps, first) -> dict:
             first[name] = [(sh.read(m) if sh else m).clone() for sh, m in pairs]
         if step == 1 and name != "off":
             checkpointing.save_checkpoint(path, 2, tr.model, tr.optimizer, tr.scheduler, 2 * args.global_batch_size)
+    run["masters_norm"] = masters_norm(tr.model)           # Megatron-LM's --log-params-norm reads these
+    if all(run["attached"]):
+        # the dummy step a checkpoint load runs on an optimizer without state (torch_dist.py): it steps the
+        # masters (here with 20 updates' moments) and must leave the bf16 weights and their masters as they
+        # were (the fp32 norms are their own masters: Megatron's dummy step moves them, flag or not)
+        bf16 = [p for chunk in tr.model for p in chunk.parameters() if p.dtype == torch.bfloat16]
+        weights = [p.detach().clone() for p in bf16]
+        masters = [sh.read(m).clone() for sh, m in pairs]
+        for o in opts:
+            o._init_optimizer_states_with_dummy_values()
+        run["dummy_step_keeps_masters_and_weights"] = (
+            all(torch.equal(a, sh.read(m)) for a, (sh, m) in zip(masters, pairs, strict=True)) and
+            # bitwise: with --overlap-param-gather at DP 2 the borrowed halves hold fp32 bits until the gather
+            all(torch.equal(a.view(torch.int16), p.detach().view(torch.int16))
+                for a, p in zip(weights, bf16, strict=True)))
     tr.optimizer.reload_model_params()           # what a model-only load calls
     run["reloaded_masters_equal_params"] = all(
         torch.equal(sh.read(m) if sh else m,

@@ -134,6 +134,15 @@ def test_overlap_param_gather_save_right_after_an_update_holds_the_weights(dist_
         assert saved["differ"] == [], saved["differ"]
 
 
+def test_masters_read_as_megatron_lm_params_norm_reads_them(dist_report):
+    # calc_params_l2_norm (--log-params-norm) reads `param.main_param`, the master shard, between updates a
+    # view of (own, borrowed) halves: through the wrapper it reads fp32 values, those of Megatron's optimizer
+    # rounding ties away (it read the neighbour's weights as fp32 bits before: 27.271 for 27.213 under
+    # Megatron-LM 0.16.1's pretrain_gpt.py at DP=2)
+    for rank in dist_report:
+        assert rank["on"]["masters_norm"] == rank["overlap"]["masters_norm"] == rank["reference"]["masters_norm"]
+
+
 def test_overlap_param_gather_readers_after_an_update_see_the_weights(dist_report):
     # the built-in trainer's evaluation (forward only, through the pre-hooks) and Megatron-LM's
     # --log-params-norm (calc_params_l2_norm, as wrapped), each right after an update
@@ -265,16 +274,32 @@ def test_size_one_holds_the_masters_in_4_bytes_per_bf16_parameter(size_one):
             assert rank["off"]["optimizers"][0]["bytes"] == 6 * rank["off"]["optimizers"][0]["bf16_elements"]
             assert rank["on"]["optimizers"][0]["bytes"] == 4 * rank["on"]["optimizers"][0]["bf16_elements"]
         # every live tensor of the process, each storage once (trainer built, before any update), against
-        # the same run without the flag: exactly the master bytes less the residual's (no old master or
-        # buffer storage left alive); "reference" rather than "off", the first run, which also builds
-        # what every later run shares
-        assert rank["reference"]["live_bytes_after_build"] - rank["on"]["live_bytes_after_build"] == saved
-        assert rank["recipe"]["live_bytes_after_build"] == rank["on"]["live_bytes_after_build"]
+        # the same run without the flag: the master bytes less the residual's (no old master or buffer
+        # storage left alive: that would be 4 or 2 bytes per bf16 parameter, tens of KiB here); within
+        # 256 bytes: a few small tensors created lazily come and go between runs (seen: 100 bytes once in
+        # ten runs; usually exact); "reference" rather than "off", the first run, which also builds what
+        # every later run shares
+        live = {name: rank[name]["live_bytes_after_build"] for name in ("off", "reference", "on", "recipe")}
+        assert abs(live["reference"] - live["on"] - saved) <= 256 and abs(live["recipe"] - live["on"]) <= 256, \
+            (saved, live)
+        assert saved > 16 * 1024
+
+
+def test_size_one_masters_read_as_megatron_lm_params_norm_reads_them(size_one):
+    # calc_params_l2_norm (--log-params-norm) reads `param.main_param`, here a view of the folded storage:
+    # through the wrapper the masters are fp32 values, those of Megatron's optimizer rounding ties away
+    for rank in size_one:
+        assert rank["on"]["masters_norm"] == rank["recipe"]["masters_norm"] == rank["reference"]["masters_norm"]
 
 
 def test_size_one_model_only_load_sets_the_masters(size_one):
     for rank in size_one:
         assert all(rank[name]["reloaded_masters_equal_params"] for name in ("off", "reference", "on", "recipe"))
+
+
+def test_size_one_dummy_step_before_a_load_leaves_masters_and_weights(size_one):
+    for rank in size_one:
+        assert all(rank[name]["dummy_step_keeps_masters_and_weights"] for name in ("on", "recipe"))
 
 
 @pytest.mark.parametrize("direction", ["on_to_off", "off_to_on", "recipe_to_off", "off_to_recipe"])

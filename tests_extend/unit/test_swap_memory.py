@@ -169,6 +169,13 @@ def test_reuse_fp32_param_masters_are_bitwise_and_params_differ_only_at_ties(rep
     assert first["params_differ"] == report["reuse"]["off"]["differing_ties"][0] <= first["ties"]
 
 
+@pytest.mark.cpu_numerics
+def test_reuse_fp32_param_masters_read_as_megatron_lm_params_norm_reads_them(report):
+    # calc_params_l2_norm (--log-params-norm) reads `param.main_param`, between updates a view of the
+    # [bf16 | residual] buffer: through the wrapper, fp32 values (it read nan under Megatron-LM before)
+    assert report["reuse"]["on"]["masters_norm"] == report["reuse"]["reference"]["masters_norm"]
+
+
 def test_reuse_fp32_param_stores_a_bf16_parameter_and_its_master_in_4_bytes(report):
     assert report["reuse"]["off"]["bytes_per_bf16_param"] == 6 and not report["reuse"]["off"]["attached"]
     assert report["reuse"]["on"]["bytes_per_bf16_param"] == 4 and report["reuse"]["on"]["attached"]

@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import functools
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
-from mindspeed.features.memory.reuse_fp32_param_megatron import (Folded, Halves, attach_after_init, expand_before_step,
-                                                                  join, split)
+from mindspeed.features.memory.reuse_fp32_param_megatron import (ATTACHED, Folded, Halves, attach_after_init,
+                                                                  expand_before_step, join, split)
 
 OPTIMIZER = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 MEGATRON_LM_PARAMS_NORM = "megatron.training.utils.calc_params_l2_norm"     # --log-params-norm
@@ -202,6 +202,33 @@ class SharedShards:
             shard.write(s, e, values)
 
     @contextmanager
+    def masters_readable(self):
+        """The masters (`param.main_param`, which Megatron-LM's params norm reads) hold their fp32 values
+        inside. At DP 1 the buffers are folded in place and split back (bit for bit) after; at DP >= 2
+        folding would overwrite the borrowed halves, other ranks' weights (an all-gather to repair), so
+        the masters view exact copies meanwhile (4/DP bytes per bf16 parameter, for the call only)."""
+        if any(isinstance(unit, WholeBuffer) for unit in self.units):
+            switched = not self.fp32
+            self.to_fp32()
+            try:
+                yield
+            finally:
+                if switched:
+                    self.to_bf16()
+            return
+        views = {}
+        for mains in self.opt.shard_fp32_from_float16_groups:
+            for main in mains:
+                if id(main) in self.where and not self.fp32:
+                    views[id(main)] = (main, main.data)
+                    main.data = self.read(main)
+        try:
+            yield
+        finally:
+            for main, view in views.values():
+                main.data = view
+
+    @contextmanager
     def kept(self):
         """Run something that may step the masters, then put the buckets' own and borrowed slots
         and the residuals (at DP 1: the whole folded storage) back as they were (the dummy step
@@ -300,11 +327,16 @@ def finish_param_gathers(model_chunks) -> None:
 
 def _params_norm_of_gathered_weights(original):
     """Megatron-LM's --log-params-norm reads every bf16 weight right after the update, before the
-    deferred all-gather (unlike its save, evaluation and weight-hash check, it does not gather first)."""
+    deferred all-gather (unlike its save, evaluation and weight-hash check, it does not gather first);
+    with --bf16 it reads each bf16 parameter's master (`param.main_param`), which between updates is
+    a view of the folded storage, not fp32 values: the call runs with the masters readable."""
     @functools.wraps(original)
     def calc_params_l2_norm(model, *a, **kw):
         finish_param_gathers(model if isinstance(model, (list, tuple)) else [model])
-        return original(model, *a, **kw)
+        with ExitStack() as stack:
+            for shared in list(ATTACHED):
+                stack.enter_context(shared.masters_readable())
+            return original(model, *a, **kw)
     return calc_params_l2_norm
 
 

@@ -28,6 +28,8 @@ the flag.
 from __future__ import annotations
 
 import functools
+import weakref
+from contextlib import contextmanager
 
 import torch
 
@@ -35,6 +37,7 @@ OPTIMIZER = "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params
 ROUND = 0x8000
 RESIDUAL_ZERO = -0x8000          # 0x8000 as int16: the low half of an exact bf16 value, rounded
 FOLD_CHUNK = 1 << 22             # pairs (un)interleaved at once: bounds fold's temporaries to 16 MiB
+ATTACHED = weakref.WeakSet()     # every live SharedMasters / SharedShards (masters_readable for a params norm)
 
 
 # -- the bit arithmetic: an fp32 master is (low half, high half) after adding 0x8000 -----------------
@@ -187,6 +190,19 @@ class SharedMasters:
         return {id(main): main.detach().clone() if self.fp32 else folded.read(0, folded.n).view(main.shape)
                 for _model, main, folded in self.pairs}
 
+    @contextmanager
+    def masters_readable(self):
+        """The masters (`param.main_param`, which Megatron-LM's params norm reads) hold their fp32 values
+        inside: the buffers folded in place, split back (bit for bit) after; the bf16 parameters are not
+        readable meanwhile."""
+        switched = not self.fp32
+        self.to_fp32()
+        try:
+            yield
+        finally:
+            if switched:
+                self.to_bf16()
+
     @torch.no_grad()
     def clear_residuals(self) -> None:
         """Masters := the bf16 parameters exactly (a model-only checkpoint load)."""
@@ -203,6 +219,7 @@ def expand_before_step(opt, shared) -> None:
     """Mark opt as reusing (attach once) and let its inner optimizer step on fp32 masters: shared
     turns the buffers into fp32 first (the copy back to bf16 follows Megatron's own copy-out)."""
     opt.mindspeed_reuse = shared
+    ATTACHED.add(shared)
     inner_step = opt.optimizer.step
 
     def step(closure=None):
