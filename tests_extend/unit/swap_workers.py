@@ -474,7 +474,8 @@ def _live_tensor_bytes() -> int:
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+        # type(), not isinstance(): a weakref.proxy forwards __class__ to its referent, which may be gone
+        if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
