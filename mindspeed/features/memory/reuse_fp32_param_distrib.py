@@ -49,7 +49,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from mindspeed.features.memory.reuse_fp32_param_megatron import (ATTACHED, Folded, Halves, attach_after_init,
-                                                                  expand_before_step, join, split)
+                                                                  expand_before_step, fp32_meanwhile, join, split)
 
 OPTIMIZER = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 MEGATRON_LM_PARAMS_NORM = "megatron.training.utils.calc_params_l2_norm"     # --log-params-norm
@@ -208,13 +208,8 @@ class SharedShards:
         folding would overwrite the borrowed halves, other ranks' weights (an all-gather to repair), so
         the masters view exact copies meanwhile (4/DP bytes per bf16 parameter, for the call only)."""
         if any(isinstance(unit, WholeBuffer) for unit in self.units):
-            switched = not self.fp32
-            self.to_fp32()
-            try:
+            with fp32_meanwhile(self):
                 yield
-            finally:
-                if switched:
-                    self.to_bf16()
             return
         views = {}
         for mains in self.opt.shard_fp32_from_float16_groups:

@@ -195,13 +195,8 @@ class SharedMasters:
         """The masters (`param.main_param`, which Megatron-LM's params norm reads) hold their fp32 values
         inside: the buffers folded in place, split back (bit for bit) after; the bf16 parameters are not
         readable meanwhile."""
-        switched = not self.fp32
-        self.to_fp32()
-        try:
+        with fp32_meanwhile(self):
             yield
-        finally:
-            if switched:
-                self.to_bf16()
 
     @torch.no_grad()
     def clear_residuals(self) -> None:
@@ -213,6 +208,18 @@ class SharedMasters:
     def bytes(self) -> int:
         """Storage of the bf16 parameters and their masters (each buffer once)."""
         return sum(folded.buffer.untyped_storage().nbytes() for _m, _p, folded in self.pairs)
+
+
+@contextmanager
+def fp32_meanwhile(shared):
+    """`shared` (to_fp32 / to_bf16, its `fp32` state) in the fp32 layout for the block, back after if it was not."""
+    switched = not shared.fp32
+    shared.to_fp32()
+    try:
+        yield
+    finally:
+        if switched:
+            shared.to_bf16()
 
 
 def expand_before_step(opt, shared) -> None:
