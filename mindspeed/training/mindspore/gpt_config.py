@@ -1,0 +1,175 @@
+"""What the MindSpore GPT is: its sizes and switches, read from the trainer's flags and the enabled
+features (GPTConfig.from_args), and the pipeline's stage arithmetic: which layers a pipeline stage,
+or a model chunk of a virtual pipeline, holds (Megatron-Core's split)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mindspeed.features.parallel.layers import layer_list, noop_layer_set
+from mindspeed.training.mindspore import param_layout
+from mindspeed.training.mindspore.attention_band import CAUSAL, band_keywords
+from mindspeed.training.mindspore.parallel import stage_layer_counts
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int              # padded
+    seq_length: int
+    norm_epsilon: float = 1e-5
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    tied_embeddings: bool = True
+    init_method_std: float = 0.02
+    recompute: bool = False
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False               # --add-qkv-bias: biases on linear_qkv only (Qwen2)
+    rope_scaling_factor: float | None = None  # --use-rope-scaling: Llama 3.1's frequency scaling
+    recompute_activation_layers: int = 0     # --recompute-activation-function: the first N layers
+    recompute_norm_layers: int = 0           # --recompute-norm: the first N layers
+    fused_kernels: frozenset = frozenset()   # kernels whose fused feature is on: the device's fast path
+    noop_layers: frozenset = frozenset()     # --noop-layers: indices of layers that pass their input through
+    pipeline_layers: tuple = ()              # layers per pipeline stage (empty: one stage holds all)
+    virtual_chunks: int = 1                  # --num-layers-per-virtual-pipeline-stage: model chunks per stage
+    recompute_method: str = "uniform"        # with recompute: uniform groups or the first N layers (recompute_plan)
+    recompute_num_layers: int = 1
+    recompute_core_attention: bool = False   # --recompute-granularity selective
+    swiglu: bool = True                      # --no-swiglu: fc1 -> GELU (exact, Megatron's F.gelu) -> fc2
+    normalization: str = "RMSNorm"           # or "LayerNorm" (with bias)
+    position_embedding_type: str = "rope"    # or "learned_absolute" (a table added to the embedding), "none"
+    max_position_embeddings: int = 0         # rows of the learned table (default: seq_length)
+    hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
+    attention_dropout: float = 0.0           # on the attention probabilities (training only)
+    params_dtype: str = "fp32"               # --fp16 / --bf16: 16-bit weights and activations, fp32 masters
+    num_experts: int = 0                     # --num-experts: every layer's MLP is an MoE layer (moe.py)
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0             # each expert's FFN size (default: --ffn-hidden-size)
+    moe_aux_loss_coeff: float = 0.0
+    moe_shared_expert_size: int = 0          # --moe-shared-expert-intermediate-size (0: none)
+    moe_dispatch: frozenset = frozenset()    # the MOE_DISPATCH features on: how moe.py schedules its exchanges
+    attention_band: tuple = CAUSAL           # the attention kernel's mask keywords (attention_band.py)
+
+    # feature id -> the kernels it switches to the device's fast path (the MoE layer's from its own
+    # host permutation and per-expert loop to the kernels: moe.py)
+    FEATURE_KERNELS = {"fused-rmsnorm": ("rms_norm",), "fused-swiglu": ("swiglu",), "fused-rotary-pos-emb": ("rope",),
+                       "flash-attn": ("attention",),
+                       "fused-moe-token-permute-and-unpermute": ("moe_permute", "moe_unpermute"),
+                       "moe-grouped-gemm": ("gmm",), "gradient-accumulation-fusion": ("matmul_add_fp32",)}
+    # feature ids that change the MoE layer's dispatch and combine (moe.py)
+    MOE_DISPATCH = ("moe-alltoall-overlap-comm", "moe-permutation-async-comm", "moe-shared-expert-overlap")
+
+    @classmethod
+    def from_args(cls, args, padded_vocab: int, features=()) -> "GPTConfig":
+        """features: ids of the enabled (adapted) features; fused ones pick the fast kernels."""
+        return cls(**_architecture(args, padded_vocab), **_positions(args), **_recompute(args, features),
+                   **_training(args), **_pipeline(args), **_moe(args, features, cls.MOE_DISPATCH),
+                   fused_kernels=frozenset(k for f in features for k in cls.FEATURE_KERNELS.get(f, ())),
+                   attention_band=band_keywords(args, features))
+
+    # pipeline stages -------------------------------------------------------------------------------
+    def stage_layers(self, pp_rank: int) -> list:
+        """The layer indices pipeline stage pp_rank holds (all of them without PP), chunk by chunk."""
+        return [i for c in range(self.virtual_chunks) for i in self.chunk_layers(pp_rank, c)]
+
+    def chunk_layers(self, pp_rank: int, chunk: int) -> range:
+        """The layers of model chunk `chunk` on stage pp_rank. With a virtual pipeline (Megatron-Core's
+        layout) chunk c of stage r is virtual stage c x PP + r of PP x chunks equal ones; else the
+        stage's layers."""
+        counts = self.pipeline_layers or (self.num_layers,)
+        if self.virtual_chunks > 1:
+            per_chunk = counts[0] // self.virtual_chunks
+            first = (chunk * len(counts) + pp_rank) * per_chunk
+            return range(first, first + per_chunk)
+        first = sum(counts[:pp_rank])
+        return range(first, first + counts[pp_rank])
+
+    def real_layers(self) -> list[int]:
+        """Indices of the layers that compute (the others have no weights and pass through)."""
+        return [i for i in range(self.num_layers) if i not in self.noop_layers]
+
+    def full_shapes(self) -> dict:
+        """Every parameter's whole (unsharded) shape by Megatron-Core name (param_layout.py)."""
+        return param_layout.full_shapes(self)
+
+
+# from_args, one group of fields at a time -----------------------------------------------------------
+def _architecture(args, padded_vocab: int) -> dict:
+    """The sizes and the layer's shape: norm, activation, biases, tied output layer, no-op layers."""
+    return dict(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                kv_channels=args.kv_channels, vocab_size=padded_vocab, seq_length=args.seq_length,
+                norm_epsilon=args.norm_epsilon, tied_embeddings=not args.untie_embeddings_and_output_weights,
+                init_method_std=args.init_method_std, add_bias_linear=bool(args.add_bias_linear),
+                add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)), swiglu=bool(args.swiglu),
+                normalization=args.normalization, noop_layers=noop_layer_set(args))
+
+
+def _positions(args) -> dict:
+    """RoPE (base, share of the head, Llama 3.1's scaling) or a learned table, or none."""
+    scaled = getattr(args, "use_rope_scaling", False)
+    return dict(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+                rope_scaling_factor=float(args.rope_scaling_factor or 8.0) if scaled else None,
+                position_embedding_type=args.position_embedding_type,
+                max_position_embeddings=args.max_position_embeddings or args.seq_length)
+
+
+def _recompute(args, features) -> dict:
+    """Full (by layer chunks) or selective recompute from the flags; norm and activation recompute
+    from their features."""
+    return dict(recompute=args.recompute_granularity == "full",
+                recompute_activation_layers=_recomputed_layers(args, features, "recompute-activation-function",
+                                                               "recompute_activation_function_num_layers"),
+                recompute_norm_layers=_recomputed_layers(args, features, "recompute-norm", "recompute_norm_num_layers"),
+                recompute_method=args.recompute_method or "uniform",
+                recompute_num_layers=1 if args.recompute_num_layers is None else args.recompute_num_layers,
+                recompute_core_attention=args.recompute_granularity == "selective")
+
+
+def _recomputed_layers(args, features, feature_id: str, num_layers_dest: str) -> int:
+    if feature_id not in features:
+        return 0
+    return getattr(args, num_layers_dest, None) or args.num_layers
+
+
+def _training(args) -> dict:
+    """Dropout and the weights' dtype."""
+    dtype = "fp16" if getattr(args, "fp16", False) else "bf16" if getattr(args, "bf16", False) else "fp32"
+    return dict(hidden_dropout=float(args.hidden_dropout or 0.0), attention_dropout=float(args.attention_dropout or 0.0),
+                params_dtype=dtype)
+
+
+def _pipeline(args) -> dict:
+    """Layers per pipeline stage (Megatron's split, uneven first/last stages included) and model
+    chunks per stage."""
+    return dict(pipeline_layers=_pipeline_layers(args), virtual_chunks=_virtual_chunks(args))
+
+
+def _pipeline_layers(args) -> tuple:
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if pp == 1:
+        return ()
+    return tuple(stage_layer_counts(args.num_layers, pp, layer_list(args),
+                                    getattr(args, "decoder_first_pipeline_num_layers", None),
+                                    getattr(args, "decoder_last_pipeline_num_layers", None)))
+
+
+def _virtual_chunks(args) -> int:
+    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_chunk is None:
+        return 1
+    return args.num_layers // args.pipeline_model_parallel_size // per_chunk
+
+
+def _moe(args, features, dispatch_features: tuple) -> dict:
+    """--num-experts and the MoE layer's settings; the dispatch features on (moe.py)."""
+    return dict(num_experts=getattr(args, "num_experts", None) or 0,
+                moe_router_topk=getattr(args, "moe_router_topk", 2),
+                moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
+                moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
+                moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
+                moe_dispatch=frozenset(f for f in features if f in dispatch_features))
