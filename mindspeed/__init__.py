@@ -2,18 +2,20 @@
 
 `mindspeed.adapt(args)` applies the device shim and the features enabled in `args` (an argv
 list, an argparse Namespace such as Megatron's args, or None for defaults) and returns the
-active state; `import mindspeed.megatron_adaptor` does the same from sys.argv.
+active state; `import mindspeed.megatron_adaptor` does the same from sys.argv. Importing `mindspeed`
+itself patches nothing and imports no framework.
 """
 __version__ = "0.1.0"
 
-from mindspeed import deferred_compile as _deferred_compile
-
-_deferred_compile.install()   # before any megatron import: its torch.compile decorations cost seconds per rank
-
 
 def adapt(args=None):
-    from mindspeed.adaptor_core import apply_plan, plan, set_host_flags  # cycle: adaptor_core imports mindspeed
-    state = apply_plan(plan(args))
+    from mindspeed import deferred_compile
+    from mindspeed.adaptor_core import apply_plan, plan, set_host_flags, unadapt  # cycle: adaptor_core imports mindspeed
+    from mindspeed.patching import GLOBAL_PATCHES
+    p = plan(args)    # a refused plan leaves the previous adaptation as it was
+    unadapt()         # the previous adaptation goes first here, not in apply_plan: the deferral below stays
+    deferred_compile.install(GLOBAL_PATCHES)   # before apply_plan imports Megatron (~4 s of each rank's start)
+    state = apply_plan(p)
     set_host_flags(state.plan, args)
     return state
 

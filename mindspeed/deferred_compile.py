@@ -7,8 +7,12 @@ fusions off). While a `megatron` module executes, `torch.compile(fn)` returns a 
 the real `torch.compile(fn)` on its first call. Nothing compiles earlier or later than it would
 have: torch.compile never compiles before the first call either.
 
-`install()` (from `import mindspeed`) adds the import hook; it imports nothing, and it changes
-nothing for a megatron already imported or for calls made after the import.
+`install(patcher)` adds the import hook as one of `patcher`'s patches (listed with its reason,
+removed with the others). It imports nothing, and it changes nothing for a megatron already
+imported or for calls made after the import. `import mindspeed` alone does not call it: each entry
+point that may import Megatron does, first (mindspeed.adapt, mindspeed.megatron_adaptor, the pytest
+plugin, the built-in trainers' pretrain_gpt.py, `python -m mindspeed.generate|evaluate|data` and
+the converter's main).
 """
 import contextlib
 import functools
@@ -59,5 +63,11 @@ def _is_megatron(name: str) -> bool:
     return name == "megatron" or name.startswith("megatron.")
 
 
-def install() -> None:
-    import_hooks.install(import_hooks.AroundImport("deferred-compile", _is_megatron, _compile_deferred))
+HOOK_NAME = "deferred-compile"
+REASON = "Megatron's import-time torch.compile decorations compile on first call (TorchDynamo's import: ~4 s a rank)"
+
+
+def install(patcher) -> None:
+    """Before Megatron's import; a second call (another entry point on the way) changes nothing."""
+    if not patcher.has_import_hook(HOOK_NAME):
+        patcher.hook_imports(import_hooks.AroundImport(HOOK_NAME, _is_megatron, _compile_deferred), reason=REASON)

@@ -1,5 +1,6 @@
 """Code run around one module's body when it is first imported: a meta path finder that asks the
-other finders for the module and hands their loader back wrapped. Imports nothing itself."""
+other finders for the module and hands their loader back wrapped. Imports nothing itself; it goes
+on sys.meta_path as a patch (PatchManager.hook_imports), listed and removable like the others."""
 import importlib.abc
 import sys
 
@@ -44,8 +45,3 @@ class AroundImport(importlib.abc.MetaPathFinder):
                 return spec
         return None
 
-
-def install(finder: AroundImport) -> None:
-    """First on sys.meta_path, once per name."""
-    if not any(getattr(f, "name", None) == finder.name for f in sys.meta_path if isinstance(f, AroundImport)):
-        sys.meta_path.insert(0, finder)

@@ -10,8 +10,13 @@ Programmatic users call mindspeed.adapt(args) instead and nothing reads sys.argv
 """
 import sys
 
-from mindspeed import megatron_lm
-from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, plan
+from mindspeed import deferred_compile
+from mindspeed.patching import GLOBAL_PATCHES
+
+deferred_compile.install(GLOBAL_PATCHES)   # before mindspeed.megatron_lm, which may import Megatron
+
+from mindspeed import megatron_lm  # noqa: E402  (after the install)
+from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, plan  # noqa: E402
 
 try:
     if megatron_lm.present():

@@ -21,7 +21,7 @@ class PatchError(RuntimeError):
 @dataclass
 class AppliedPatch:
     target: str            # dotted path as the caller wrote it
-    kind: str              # "replace", "wrap", "define", "module", "env" or "context"
+    kind: str              # "replace", "wrap", "define", "module", "env", "context" or "import"
     owner: Any             # module or class that holds the attribute
     attr: str
     original: Any          # the raw attribute (descriptor kept for class attributes)
@@ -89,6 +89,10 @@ def _raw_get(owner: Any, attr: str) -> Any:
                 return vars(klass)[attr]
         return _MISSING
     return getattr(owner, attr, _MISSING)
+
+
+def _import_hook_target(name: str) -> str:
+    return f"sys.meta_path[{name}]"
 
 
 def _unwrap_descriptor(value: Any) -> Any:
@@ -160,6 +164,21 @@ class PatchManager:
         self._applied.append(record)
         return record
 
+    def hook_imports(self, finder: Any, *, reason: str = "") -> AppliedPatch:
+        """Put an import hook (a sys.meta_path finder with a `name`, e.g. import_hooks.AroundImport)
+        first on sys.meta_path, so it sees each import before the standard finders; removal takes it
+        off again. Listed as `sys.meta_path[name]`."""
+        target = _import_hook_target(finder.name)
+        if self.find(target) is not None:
+            raise PatchError(f"import hook {finder.name!r} is already installed")
+        sys.meta_path.insert(0, finder)
+        record = AppliedPatch(target, "import", sys.meta_path, finder.name, _MISSING, finder, reason)
+        self._applied.append(record)
+        return record
+
+    def has_import_hook(self, name: str) -> bool:
+        return self.find(_import_hook_target(name)) is not None
+
     def _apply(self, target, kind, make_new, reason, aliases) -> AppliedPatch:
         owner, attr = resolve(target)
         if self.find(target) is not None:
@@ -228,6 +247,9 @@ class PatchManager:
         if record.kind == "module":
             if sys.modules.get(record.attr) is record.new:
                 del sys.modules[record.attr]
+            return
+        if record.kind == "import":
+            sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not record.new]
             return
         for module, attr, original in record.aliases:
             setattr(module, attr, original)

@@ -13,8 +13,11 @@ then picks exactly what the probe would. Where one failed, or the user set TORCH
 (or the switch) themselves, torch probes or obeys as before. x86-64 Linux only (elsewhere torch's
 list is not "the CPU's flags, filtered by the probe").
 
-`install()` (the torch backend, before anything compiles) hooks the import of
-torch._inductor.config: a process that never compiles imports and reads nothing more.
+`install(patcher)` (the torch backend, before anything compiles) hooks the import of
+torch._inductor.config, the hook one of `patcher`'s patches: a process that never compiles imports
+and reads nothing more. The switch, once set, stays set in torch's config as the user's
+TORCHINDUCTOR_VEC_ISA_OK would: torch reads it again each time it asks whether an ISA works, so
+setting it back when the patches are removed would start the probe then.
 """
 from __future__ import annotations
 
@@ -123,11 +126,16 @@ def _after_the_body(config):
     use_record_or_keep_the_probe(config)
 
 
-def install() -> None:
+HOOK_NAME = "vec-isa-memo"
+REASON = "TorchInductor's vector-ISA probe answered from this machine's record (~1 s of each compiling process)"
+
+
+def install(patcher) -> None:
     """From the torch backend; a no-op where the record cannot stand for the probe."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return
     if CONFIG_MODULE in sys.modules:
         use_record_or_keep_the_probe(sys.modules[CONFIG_MODULE])
-    else:
-        import_hooks.install(import_hooks.AroundImport("vec-isa-memo", CONFIG_MODULE.__eq__, _after_the_body))
+    elif not patcher.has_import_hook(HOOK_NAME):
+        patcher.hook_imports(import_hooks.AroundImport(HOOK_NAME, CONFIG_MODULE.__eq__, _after_the_body),
+                             reason=REASON)

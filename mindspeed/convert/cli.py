@@ -11,8 +11,10 @@ import difflib
 import sys
 import warnings
 
+from mindspeed import deferred_compile
 from mindspeed.convert.arch import HF_MODEL_TYPES
 from mindspeed.errors import ConvertError, positive_int, report
+from mindspeed.patching import GLOBAL_PATCHES
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -105,6 +107,7 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
 def main(argv=None, prog: str = "convert_ckpt.py") -> int:
     parser = build_parser(prog)
     opts = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    deferred_compile.install(GLOBAL_PATCHES)   # before either direction imports Megatron-Core: ~4 s of the start
     with warnings.catch_warnings():
         # Megatron warns on import about Apex/Transformer Engine and CUDA settings that a
         # conversion never uses; a refusal must stay one line

@@ -13,11 +13,13 @@ import argparse
 import difflib
 import sys
 
+from mindspeed import deferred_compile
 from mindspeed.data.config_file import config_defaults
 from mindspeed.data.errors import DataError
 from mindspeed.data.shakespeare import ensure_dataset
 from mindspeed.data.tokenizer import TokenizerError
 from mindspeed.errors import ArgumentError, OneLineParser, hide_fallback_warnings, report
+from mindspeed.patching import GLOBAL_PATCHES
 
 # why MindSpeed-LLM's --tokenizer-not-use-fast is refused here (the trainers encode no text: no effect there)
 SLOW_TOKENIZER_REFUSAL = ("transformers 5 loads every tokenizer with its fast implementation, the slow one "
@@ -164,6 +166,7 @@ def main(argv=None) -> int:
     except ArgumentError as err:
         report(err)
         return 2
+    deferred_compile.install(GLOBAL_PATCHES)   # before the builders import Megatron-Core: ~4 s of the start
     if args.overridden:
         print(f"> the command line overrides {', '.join(args.overridden)} of --config {args.config}")
     try:

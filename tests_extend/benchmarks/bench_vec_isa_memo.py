@@ -25,8 +25,9 @@ WAYS = ("probe", "record")
 def child(way: str) -> None:
     sys.path.insert(0, ROOT)
     from mindspeed import vec_isa_memo
+    from mindspeed.patching import GLOBAL_PATCHES
     if way == "record":
-        vec_isa_memo.install()
+        vec_isa_memo.install(GLOBAL_PATCHES)
     from torch._inductor import config, cpu_vec_isa
     start = time.perf_counter()
     picked = cpu_vec_isa.pick_vec_isa()

@@ -22,6 +22,9 @@ def main(argv=None) -> int:
     except ArgumentError as err:
         report(err)
         return 2
+    from mindspeed import deferred_compile
+    from mindspeed.patching import GLOBAL_PATCHES
+    deferred_compile.install(GLOBAL_PATCHES)   # before Megatron's import (either trainer): ~4 s of each rank's start
     import mindspeed
     from mindspeed.adaptor_core import MindSpeedConfigError
     from mindspeed.backends import BackendUnavailableError

@@ -124,3 +124,27 @@ def test_a_record_is_used_only_for_its_machine_and_when_every_allowed_isa_passed
     assert not vec_isa_memo.record_applies({"key": key, "probed": [], "allowed": []}, key)
     assert not vec_isa_memo.record_applies({"key": {"torch": "u"}, "probed": ["avx2"], "allowed": ["avx2"]}, key)
     assert not vec_isa_memo.record_applies(None, key)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
+                    reason="the record stands for the probe on x86-64 Linux only")
+def test_the_probes_import_hook_is_a_listed_patch_that_is_removed():
+    """Before torch._inductor.config is imported, install hooks its import as one of the patcher's
+    patches (once however often it is called); removing the patches takes the hook off."""
+    code = textwrap.dedent("""
+        import sys
+        from mindspeed import vec_isa_memo
+        from mindspeed.patching import PatchManager
+        patcher = PatchManager()
+        vec_isa_memo.install(patcher)
+        vec_isa_memo.install(patcher)
+        print(patcher.describe() == "import  sys.meta_path[vec-isa-memo] - " + vec_isa_memo.REASON)
+        hook = patcher.applied()[0].new
+        print(sys.meta_path[0] is hook, vec_isa_memo.CONFIG_MODULE in sys.modules)
+        patcher.remove_all()
+        print(any(finder is hook for finder in sys.meta_path))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "True", "False", "False"]

@@ -145,3 +145,38 @@ def test_a_target_whose_module_fails_to_import_names_the_failure(tmp_path, monke
         PatchManager().wrap("ms_needs_dep.absent.parse_args", lambda orig: orig)
     for name in [m for m in sys.modules if m.startswith("ms_needs_dep")]:
         del sys.modules[name]
+
+
+
+def test_an_import_hook_is_listed_first_on_meta_path_and_removed(tmp_path, monkeypatch):
+    import contextlib
+    import importlib
+    from mindspeed.import_hooks import AroundImport
+    (tmp_path / "ms_hooked_module.py").write_text("body_ran = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    events = []
+
+    @contextlib.contextmanager
+    def around(module):                   # encloses the module's body
+        events.append(("before", module.__name__, hasattr(module, "body_ran")))
+        yield
+        events.append(("after", module.__name__, hasattr(module, "body_ran")))
+
+    hook = AroundImport("ms-test-hook", "ms_hooked_module".__eq__, around)
+    pm = PatchManager()
+    pm.hook_imports(hook, reason="why it is there")
+    try:
+        assert sys.meta_path[0] is hook and pm.has_import_hook("ms-test-hook")
+        assert pm.describe() == "import  sys.meta_path[ms-test-hook] - why it is there"
+        with pytest.raises(PatchError, match="already installed"):
+            pm.hook_imports(AroundImport("ms-test-hook", "ms_hooked_module".__eq__, around))
+        assert importlib.import_module("ms_hooked_module").body_ran
+        assert events == [("before", "ms_hooked_module", False), ("after", "ms_hooked_module", True)]
+    finally:
+        pm.remove("sys.meta_path[ms-test-hook]")
+        sys.modules.pop("ms_hooked_module", None)
+    assert all(finder is not hook for finder in sys.meta_path)
+    assert not pm.has_import_hook("ms-test-hook") and pm.applied() == []
+    assert importlib.import_module("ms_hooked_module").body_ran     # imported again, without the hook
+    sys.modules.pop("ms_hooked_module", None)
+    assert len(events) == 2
