@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, field
-
 from mindspeed import compile_cache, vec_isa_memo
-from mindspeed.backends import reset_backend, set_backend
+from mindspeed.backends import active_backend, reset_backend, set_backend
 from mindspeed.backends.mindspore.device_select import select_device as ms_select
 from mindspeed.backends.mindspore.msadapter import msadapter_active
 from mindspeed.flags.mindspeed_flags import defaults, parse_mindspeed_args, resolve_backend_name
 from mindspeed.features.base import ApplyContext, Feature, FeatureConfigError
 from mindspeed.features.registry import all_features, enabled_features, orphan_flag_problems
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
+from mindspeed.session import Plan, Session
 from mindspeed.support_matrix import UnsupportedFeatureError, check
 
 log = logging.getLogger("mindspeed")
@@ -23,33 +22,6 @@ _DEVICE_ALIASES = {"torch": {"ascend": "npu"}, "mindspore": {"npu": "ascend"}}
 
 class MindSpeedConfigError(RuntimeError):
     """Anything that makes a requested run impossible, found before work starts."""
-
-
-@dataclass
-class Plan:
-    args: argparse.Namespace
-    backend: str
-    device: str
-    features: list[Feature]
-    dropped: list[Feature] = field(default_factory=list)   # above --optimization-level
-    msadapter: bool = False
-    # (feature, why, its flags as typed) for each feature the flags turn on that has no effect in this
-    # layout (Feature.inert); `args` holds its inert_host_flags' values instead of the typed ones
-    inert: list = field(default_factory=list)
-
-    def notes(self) -> list[str]:
-        """One line per accepted feature that does nothing here, naming its flags, for the trainers'
-        logs and `check`."""
-        return [f"MindSpeed: {typed} has no effect here: {why}" for _, why, typed in self.inert]
-
-    def describe(self) -> str:
-        lines = [f"backend: {self.backend} (device {self.device})"
-                 + (" via MSAdapter" if self.msadapter else ""),
-                 f"optimization level: {self.args.optimization_level}",
-                 "features: " + (", ".join(f.id for f in self.features if f.category != "option") or "(none)")]
-        if self.dropped:
-            lines.append("dropped by --optimization-level: " + ", ".join(f.id for f in self.dropped))
-        return "\n".join(lines)
 
 
 def _as_namespace(args, unknown: str) -> argparse.Namespace:
@@ -125,16 +97,6 @@ def plan(args=None, unknown_flags: str = "error") -> Plan:
     return Plan(ns, ns.backend, device, kept, dropped, msadapter, inert)
 
 
-@dataclass
-class AdaptState:
-    plan: Plan
-    context: ApplyContext
-    patcher: PatchManager
-
-
-_state: AdaptState | None = None
-
-
 def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLOBAL_PATCHES,
                      megatron_lm: bool = False) -> ApplyContext:
     """Create the backend and apply its device shim (plus the Megatron-LM training shim when the
@@ -146,7 +108,7 @@ def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLO
     try:
         if backend_name == "torch":
             compile_cache.remove_broken_kernels()   # before anything compiles: a killed compile's leftovers
-            vec_isa_memo.install()                  # the CPU's vector-ISA probe, once per machine
+            vec_isa_memo.install(patcher)           # the CPU's vector-ISA probe, once per machine
             from mindspeed.backends.torch.megatron_shim import apply_device_shim  # imports torch (see resolve_device)
             apply_device_shim(patcher, device, megatron_lm=megatron_lm)
             from mindspeed.features.memory import shared_mask  # always on: one causal mask object; imports torch
@@ -159,6 +121,7 @@ def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLO
 
 def apply_features(ctx: ApplyContext, p: Plan) -> None:
     """Each enabled feature's hook, in registry order."""
+    ctx.features = tuple(f.id for f in p.features)
     try:
         for f in p.features:
             f.apply(ctx, p.args)
@@ -167,20 +130,14 @@ def apply_features(ctx: ApplyContext, p: Plan) -> None:
         raise
 
 
-def apply_plan(p: Plan, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptState:
-    """Create the backend, apply its device shim, then each feature's hook, in order."""
-    global _state
-    if _state is not None:
-        unadapt()
+def apply_plan(p: Plan, patcher: PatchManager = GLOBAL_PATCHES) -> Session:
+    """Create the backend, apply its device shim, then each feature's hook, in order. An adaptation
+    already in the process (a backend is active) is undone first: patches are process-wide."""
+    if active_backend() is not None:
+        unadapt(patcher)
     ctx = activate_backend(p.backend, p.device, patcher)
     apply_features(ctx, p)
-    _state = AdaptState(p, ctx, patcher)
-    return _state
-
-
-def set_current(state: AdaptState | None) -> None:
-    global _state
-    _state = state
+    return Session(p, ctx, patcher)
 
 
 def set_host_flags(p: Plan, args) -> None:
@@ -196,35 +153,10 @@ def set_host_flags(p: Plan, args) -> None:
             setattr(args, dest, value)
 
 
-def unadapt() -> None:
-    """Remove every patch MindSpeed applied and forget the active plan."""
-    global _state
-    if _state is not None:
-        _state.patcher.remove_all()
-    _state = None
+def unadapt(patcher: PatchManager = GLOBAL_PATCHES) -> None:
+    """Remove every patch MindSpeed applied in the process and forget the backend."""
+    patcher.remove_all()
     reset_backend()
-
-
-def current() -> AdaptState | None:
-    return _state
-
-
-def packed_documents(args) -> bool:
-    """Whether the kernel path takes packed documents (features/documents.py) (no dense mask is built): --reset-attention-mask with
-    flash attention or context parallelism (as applied: the active plan's features, so that one
-    dropped by --optimization-level falls back to the mask), unless CP is asked for the batch's
-    general mask. Documents are EOD-separated, or --neat-pack's numbered samples. A host whose
-    batches cannot carry them everywhere (Megatron-LM's pretrain_gpt.py with PP > 1) says so
-    through the `documents_possible` hook; the dense mask stays there."""
-    if not getattr(args, "reset_attention_mask", False) \
-            or getattr(args, "attention_mask_type", "causal") == "general":
-        return False
-    state = _state
-    if state is not None:
-        if not all(rule(args) for rule in state.context.parts.get("documents_possible", [])):
-            return False
-        return any(f.id == "flash-attn" or f.category == "context_parallel" for f in state.plan.features)
-    return bool(getattr(args, "use_flash_attn", False) or (getattr(args, "context_parallel_size", 1) or 1) > 1)
 
 
 def feature_ids() -> list[str]:

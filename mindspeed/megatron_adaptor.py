@@ -20,9 +20,9 @@ from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, plan  # noq
 
 try:
     if megatron_lm.present():
-        STATE = megatron_lm.adapt_megatron_lm(sys.argv[1:])
+        SESSION = megatron_lm.adapt_megatron_lm(sys.argv[1:])
     else:
         # the script's own flags are its business; flags close to MindSpeed's or Megatron's are typos
-        STATE = apply_plan(plan(sys.argv[1:], unknown_flags="typos"))
+        SESSION = apply_plan(plan(sys.argv[1:], unknown_flags="typos"))
 except MindSpeedConfigError as _exc:
     raise SystemExit(str(_exc)) from None

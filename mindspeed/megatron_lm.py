@@ -20,16 +20,16 @@ import logging
 import os
 import sys
 
-from mindspeed.adaptor_core import (AdaptState, MindSpeedConfigError, Plan, _msadapter_active, activate_backend,
-                                    apply_features, current, plan, resolve_device, set_current, set_host_flags,
-                                    unadapt)
+from mindspeed.adaptor_core import (MindSpeedConfigError, _msadapter_active, activate_backend, apply_features,
+                                    plan, resolve_device, set_host_flags, unadapt)
 from mindspeed.features.base import FeatureConfigError
-from mindspeed.features.context_parallel import sharding
 from mindspeed.features.registry import all_features
 from mindspeed.flags.mindspeed_flags import (add_mindspeed_args, known_flags, mindspeed_parser, resolve_backend_name,
                                  unknown_flag_message, unknown_options)
 from mindspeed import megatron_lm_data, megatron_lm_family
+from mindspeed.backends import active_backend
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
+from mindspeed.session import Plan, Session
 from mindspeed.versions import megatron_version
 
 log = logging.getLogger("mindspeed")
@@ -90,8 +90,8 @@ def _one_line_error(parser):
 class MegatronLMHooks:
     """The parse_args / validate_args wrappers, bound to one activated backend."""
 
-    def __init__(self, state: AdaptState, msadapter: bool):
-        self.state = state
+    def __init__(self, session: Session, msadapter: bool):
+        self.session = session
         self.msadapter = msadapter
         self.family = None          # megatron_lm_family.ParsedFamily of the last parse
         self.family_notes = []
@@ -137,8 +137,8 @@ class MegatronLMHooks:
         raise SystemExit(f"MindSpeed: {message}")
 
     def _before_megatron(self, args) -> None:
-        device = self.state.plan.device
-        if self.state.plan.backend != "torch":
+        device = self.session.plan.device
+        if self.session.plan.backend != "torch":
             return
         from mindspeed.backends.torch.device import dist_backend_for  # imports torch: torch backend only
         wanted, given = dist_backend_for(device), getattr(args, "distributed_backend", None)
@@ -188,16 +188,16 @@ class MegatronLMHooks:
         data_problems = megatron_lm_data.problems(args)
         if data_problems:
             self._refuse(data_problems[0])
-        active = self.state.plan
+        active = self.session.plan
         if (p.backend, p.device) != (active.backend, active.device):
             self._refuse(f"--backend/--device give {p.backend}/{p.device} but the adaptor activated "
                          f"{active.backend}/{active.device} at import; pass them on the command line")
-        apply_features(self.state.context, p)
+        apply_features(self.session.context, p)
         if getattr(args, "is_instruction_dataset", False):
-            megatron_lm_data.install(self.state.patcher)
+            megatron_lm_data.install(self.session.patcher)
         set_host_flags(p, args)      # after Megatron's checks (its --deterministic-mode asserts NCCL_ALGO)
-        self.state.plan = p
-        megatron_lm_data.after_plan(args)
+        self.session.plan = p
+        megatron_lm_data.after_plan(args, self.session)
         if int(os.environ.get("RANK", "0")) == 0:
             # one write with its newline: under `python -u` print writes the end apart, and another
             # rank's output sharing the pipe could land between the two
@@ -207,22 +207,23 @@ class MegatronLMHooks:
             sys.stdout.flush()
 
 
-def _route_cp_batch_sharding(original):
+def _route_cp_batch_sharding(session: Session):
     """Megatron-LM's get_batch shards for its own (load-balanced ring) layout; MindSpeed's CP
     algorithms each expect their own. Bound at import, before pretrain_gpt.py imports the name;
-    routes to the CP feature's sharding once that feature is applied."""
-    def get_batch_on_this_cp_rank(batch, *args, **kwargs):
-        megatron_lm_data.publish_documents(batch)      # EOD reset: the document ends, before sharding
-        if sharding.active():
-            return sharding.get_batch_on_this_cp_rank(batch)
-        return original(batch, *args, **kwargs)
-    return get_batch_on_this_cp_rank
+    routes to the CP feature's sharding once that feature is applied (validate_args)."""
+    def wrap(original):
+        def get_batch_on_this_cp_rank(batch, *args, **kwargs):
+            megatron_lm_data.publish_documents(batch, session)    # EOD reset: the document ends, before sharding
+            shard = session.shard_batch
+            return shard(batch) if shard is not None else original(batch, *args, **kwargs)
+        return get_batch_on_this_cp_rank
+    return wrap
 
 
-def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptState:
+def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> Session:
     """The import hook under Megatron-LM: version check, backend + device shim, parser hooks."""
-    if current() is not None:
-        unadapt()
+    if active_backend() is not None:
+        unadapt(patcher)
     check_version()
     msadapter = _msadapter_active()
     ns = _pre_read(argv)
@@ -237,18 +238,17 @@ def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> AdaptStat
     except (ValueError, RuntimeError, ImportError) as exc:
         raise MindSpeedConfigError(f"MindSpeed: {exc}") from exc
     ctx = activate_backend(ns.backend, device, patcher, megatron_lm=(ns.backend == "torch"))
-    state = AdaptState(Plan(ns, ns.backend, device, [], msadapter=msadapter), ctx, patcher)
-    hooks = MegatronLMHooks(state, msadapter)
+    session = Session(Plan(ns, ns.backend, device, [], msadapter=msadapter), ctx, patcher)
+    hooks = MegatronLMHooks(session, msadapter)
     patcher.wrap("megatron.training.arguments.parse_args", hooks.wrap_parse_args,
                  reason="MindSpeed's flags join Megatron's parser", aliases="megatron")
     patcher.wrap("megatron.training.arguments.validate_args", hooks.wrap_validate_args,
                  reason="device backend, then MindSpeed's gate and features after Megatron's checks",
                  aliases="megatron")
-    patcher.wrap("megatron.core.utils.get_batch_on_this_cp_rank", _route_cp_batch_sharding,
+    patcher.wrap("megatron.core.utils.get_batch_on_this_cp_rank", _route_cp_batch_sharding(session),
                  reason="batches sharded as the active MindSpeed CP algorithm expects", aliases="megatron")
     if ns.backend == "torch":
         from mindspeed.features.memory import shared_mask  # imports torch: torch backend only
         shared_mask.install_megatron_lm(patcher)
     megatron_lm_data.install_documents(ctx)
-    set_current(state)
-    return state
+    return session

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import sys
 
-from mindspeed.adaptor_core import packed_documents
 from mindspeed.features import documents
 from mindspeed.flags import trainer_flags
 from mindspeed.flags.checks import (PRETRAINED_FROM_HF, hf_tokenizer_problems, instruction_problems,
@@ -122,22 +121,22 @@ def documents_possible(args) -> bool:
 
 
 def install_documents(ctx) -> None:
-    """At import (before pretrain_gpt.py runs): adaptor_core.packed_documents consults this host's limit."""
+    """At import (before pretrain_gpt.py runs): Session.packed_documents consults this host's limit."""
     ctx.provide("documents_possible", documents_possible)
 
 
-def after_plan(args) -> None:
+def after_plan(args, session) -> None:
     """Once the plan is applied: with documents on, Megatron-LM's dataset builds no [s, s] mask."""
-    if packed_documents(args):
+    if session.packed_documents(args):
         args.create_attention_mask_in_dataloader = False
 
 
-def publish_documents(batch: dict) -> None:
+def publish_documents(batch: dict, session) -> None:
     """Megatron-LM's get_batch, whole sequences in hand: each sample's document ends, from its EOD
     tokens, become the batch's attention_mask (features/documents.py; Megatron-LM built no mask)."""
     from megatron.training import get_args, get_tokenizer
     tokens = batch.get("tokens")
-    if tokens is not None and packed_documents(get_args()):
+    if tokens is not None and session.packed_documents(get_args()):
         from mindspeed.training.data import documents_mask  # Megatron-Core: megatron_lm loads us first
         eod = get_tokenizer().eod
         batch["attention_mask"] = documents_mask([documents.ends_from_eod(row, eod) for row in tokens])

@@ -20,8 +20,13 @@ import types
 
 import pytest
 
-from mindspeed import megatron_lm
-from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, current, plan
+from mindspeed import deferred_compile
+from mindspeed.patching import GLOBAL_PATCHES
+
+deferred_compile.install(GLOBAL_PATCHES)   # before Megatron's conftest imports Megatron: ~4 s of the start
+
+from mindspeed import megatron_lm  # noqa: E402  (after the install)
+from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, plan
 from mindspeed.megatron_test_skips import listed_failure, more_ranks_needed, skip_before_running
 
 DOWNLOAD_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
@@ -30,8 +35,6 @@ LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
 
 
 def _adapt():
-    if current() is not None:     # the script or another plugin adapted already
-        return current()
     try:
         if megatron_lm.present():
             return megatron_lm.adapt_megatron_lm([])

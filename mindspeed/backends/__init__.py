@@ -55,6 +55,11 @@ def get_backend() -> Backend:
     return _active
 
 
+def active_backend() -> Backend | None:
+    """The active backend, or None: whether something adapted this process."""
+    return _active
+
+
 def framework_of(tensor) -> str | None:
     """'torch' or 'mindspore' for a tensor of that framework (MSAdapter's torch tensors are
     MindSpore's), else None."""
@@ -85,6 +90,6 @@ def reset_backend() -> None:
     _by_tensor.clear()
 
 
-__all__ = ["Backend", "Cap", "Level", "get_backend", "backend_for", "framework_of", "set_backend", "reset_backend",
+__all__ = ["Backend", "Cap", "Level", "get_backend", "active_backend", "backend_for", "framework_of", "set_backend", "reset_backend",
            "backend_class",
            "capability_table", "BACKEND_NAMES", "BackendUnavailableError"]

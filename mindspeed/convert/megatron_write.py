@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 
 import mindspeed
-from mindspeed.adaptor_core import current
+from mindspeed.session import Session
 from mindspeed.checkpoint import neutral
 from mindspeed.checkpoint.megatron_read import model_name
 from mindspeed.convert import layout
@@ -63,16 +63,17 @@ def world_of_one():
 
 
 @contextmanager
-def adapted(args):
-    """MindSpeed's device shim (CPU stand-ins for Megatron's CUDA-only calls), as the trainer has it."""
-    if current() is not None:
-        yield
+def adapted(args, session: Session | None = None):
+    """The Session of MindSpeed's device shim (CPU stand-ins for Megatron's CUDA-only calls) and the
+    features of `args`, as the trainer has them, undone at the end; a given `session` is used as is."""
+    if session is not None:
+        yield session
         return
-    mindspeed.adapt(args)
+    session = mindspeed.adapt(args)
     try:
-        yield
+        yield session
     finally:
-        mindspeed.unadapt()
+        session.close()
 
 
 def trainer_args(arch: Arch, vocab: int, padded_vocab: int, params_dtype: str):

@@ -69,23 +69,23 @@ def _evaluate(args, origin: str, opts, lora: dict) -> float:
     say = print if rank() == 0 else (lambda _msg: None)
     if origin == "mindspore":
         # the model is Megatron-Core's: the device shim only (the run's features were MindSpore's)
-        state = mindspeed.adapt(["--optimization-level", "0", *lora_adapters.as_flags(lora)])
-        split = losses.mindspore_trainer_data(args, say)
+        session = mindspeed.adapt(["--optimization-level", "0", *lora_adapters.as_flags(lora)])
     else:
         vars(args).update(lora)
-        state = mindspeed.adapt(args)      # the run's features, so the kernels are the trainer's
-        split = losses.torch_trainer_data(args, say)
-    args.device_name = state.plan.device
+        session = mindspeed.adapt(args)      # the run's features, so the kernels are the trainer's
+    args.device_name = session.device
+    split = (losses.mindspore_trainer_data(args, say) if origin == "mindspore"
+             else losses.torch_trainer_data(args, session, say))
     start_processes(args)
     try:
-        chunks = load_model(args, opts.ckpt_step, state.context.part("lora"))
+        chunks = load_model(args, opts.ckpt_step, session.part("lora"))
         if origin == "mindspore":
             loss = losses.mindspore_trainer_loss(args, chunks[0], *split)
         else:
             loss = losses.torch_trainer_loss(args, chunks, split[1], split[0])
     finally:
         stop_processes()
-        mindspeed.unadapt()
+        session.close()
     return losses.check_split(loss, opts.load)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mindspeed.adaptor_core import packed_documents
 from mindspeed.data.flag_tokenizers import from_flags
 from mindspeed.errors import InferenceError
 from mindspeed.training import data, pretrain
@@ -18,17 +17,17 @@ from mindspeed.training.mindspore import data as ms_data
 from mindspeed.training.mindspore.eod import EodRules
 
 
-def torch_trainer_data(args, log):
-    """(tokenizer, validation dataset) as the torch trainer builds them from the run's flags."""
+def torch_trainer_data(args, session, log):
+    """(batch reader, validation dataset) as the torch trainer builds them from the run's flags and
+    the features `session` applied."""
     tokenizer = pretrain.resolve_tokenizer(args, log=log)
-    _train, valid, _test = data.build_datasets(args, tokenizer)
-    return tokenizer, valid
+    reader = data.BatchReader.for_session(session, args, tokenizer.eod)
+    _train, valid, _test = data.build_datasets(args, tokenizer, packed=reader.eod is not None)
+    return reader, valid
 
 
-def torch_trainer_loss(args, chunks, valid, tokenizer) -> float | None:
-    eod = tokenizer.eod if packed_documents(args) else None
-    return pretrain.validation_loss(args, chunks, valid, args.device_name, eod,
-                                    args.global_batch_size // args.micro_batch_size)
+def torch_trainer_loss(args, chunks, valid, reader) -> float | None:
+    return pretrain.validation_loss(args, chunks, valid, reader, args.global_batch_size // args.micro_batch_size)
 
 
 def mindspore_trainer_data(args, log):

@@ -139,7 +139,12 @@ class ApplyContext:
     patcher: Any                  # mindspeed.patching.PatchManager
     backend: Any = None           # the live backend object, when one is created
     parts: dict = field(default_factory=dict)        # name -> what features provide to the host trainer
+    features: tuple = ()          # ids of the features the plan applies (set before their hooks run)
     subscribers: dict = field(default_factory=dict)  # training-loop event -> callbacks
+
+    def applies(self, feature_id: str) -> bool:
+        """Whether the plan being applied turns on `feature_id` (one feature's hook asking about another's)."""
+        return feature_id in self.features
 
     def provide(self, name: str, part: Any) -> None:
         """Offer the trainer a named part (a batch sharder, an attention, ...); the last one wins."""

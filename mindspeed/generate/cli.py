@@ -126,13 +126,13 @@ def main(argv=None) -> int:
         opts = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         source, tokenizer, sampling, prompt_ids = prepare(opts)
         # the device shim only (Megatron-Core's own kernels), and the LoRA feature for --lora-load
-        state = mindspeed.adapt(["--optimization-level", "0", *lora_adapters.as_flags(lora_adapters.settings(opts))])
+        applied = mindspeed.adapt(["--optimization-level", "0", *lora_adapters.as_flags(lora_adapters.settings(opts))])
         args = source.args
-        args.device_name = state.plan.device
+        args.device_name = applied.device
         with quiet_frameworks():
             start_processes(args)
             try:
-                model = load_model(args, opts.ckpt_step, state.context.part("lora"))[0]
+                model = load_model(args, opts.ckpt_step, applied.part("lora"))[0]
                 session = Session(_generator(args, model, source.vocab_size, opts.seed), tokenizer,
                                   tokenizer.eod, opts, sampling)
                 if prompt_ids is not None:
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
                     _interactive(session, args.seq_length)
             finally:
                 stop_processes()
-                mindspeed.unadapt()
+                applied.close()
     except USER_ERRORS as err:
         if rank() == 0:
             report(str(err))

@@ -7,7 +7,8 @@ iteration N sees exactly the batches the uninterrupted run saw.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -23,7 +24,6 @@ from mindspeed.data.errors import DataError
 from mindspeed.data.indexed_reader import check_dataset, split_bounds
 from mindspeed.data.shakespeare import ensure_dataset
 from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer
-from mindspeed.adaptor_core import current, packed_documents
 from mindspeed.features import documents
 from mindspeed.features.memory import shared_mask
 from mindspeed.data import instruction_samples
@@ -78,7 +78,7 @@ def unigram_entropy(prefixes: list[str], vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
+def _dataset_config(args, tokenizer, packed: bool) -> GPTDatasetConfig:
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -89,7 +89,7 @@ def _dataset_config(args, tokenizer) -> GPTDatasetConfig:
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=not packed_documents(args),   # varlen attention reads the EOD positions
+        create_attention_mask=not packed,   # varlen attention reads the EOD positions
         mid_level_dataset_surplus=0.005,
     )
 
@@ -115,8 +115,8 @@ class InstructionGPTDataset:
     """Instruction samples as GPTDataset items: Megatron's own masks and positions (so --reset-*
     and --eod-mask-loss act as in pretraining), the loss mask also zero on the prompt."""
 
-    def __init__(self, samples: instruction_samples.InstructionSamples, length: int, args, eod: int):
-        self.samples, self.length, self.args, self.eod = samples, length, args, eod
+    def __init__(self, samples: instruction_samples.InstructionSamples, length: int, args, eod: int, packed: bool):
+        self.samples, self.length, self.args, self.eod, self.packed = samples, length, args, eod, packed
         self.epoch_samples = samples.num_samples      # one epoch (len() is the whole run's)
 
     def __len__(self) -> int:
@@ -127,12 +127,12 @@ class InstructionGPTDataset:
         tokens = torch.from_numpy(sample["tokens"])
         a = self.args
         attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
-            tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, not packed_documents(a))
+            tokens, self.eod, a.reset_position_ids, a.reset_attention_mask, a.eod_mask_loss, not self.packed)
         item = {}
         if "segments" in sample:      # --neat-pack: the stored sample numbers separate, not eod tokens
             segments = torch.from_numpy(sample["segments"])
             position_ids = neat_pack_positions(segments, a.reset_position_ids)
-            if packed_documents(a):       # varlen attention: get_batch reads the numbers, no [s, s] mask
+            if self.packed:       # varlen attention: get_batch reads the numbers, no [s, s] mask
                 item["segments"] = segments
             else:
                 attention_mask = neat_pack_mask(segments)
@@ -166,23 +166,24 @@ def neat_pack_positions(segments: torch.Tensor, reset_position_ids: bool) -> tor
     return positions
 
 
-def build_instruction_datasets(args, tokenizer, sizes):
+def build_instruction_datasets(args, tokenizer, sizes, packed: bool):
     train, valid = instruction_samples.build_splits(dataset_prefixes(args.data_path)[0], args.split, args.seq_length,
                                                  args.seed, tokenizer.eod, getattr(args, "neat_pack", False))
-    wrap = lambda samples, size: InstructionGPTDataset(samples, max(size, 1), args, tokenizer.eod)
+    wrap = lambda samples, size: InstructionGPTDataset(samples, max(size, 1), args, tokenizer.eod, packed)
     return wrap(train, sizes[0]), (wrap(valid, sizes[1]) if valid else None), None
 
 
-def build_datasets(args, tokenizer):
-    """(train, valid, test) GPTDatasets sized for the whole run."""
+def build_datasets(args, tokenizer, packed: bool = False):
+    """(train, valid, test) GPTDatasets sized for the whole run; `packed`: the batches carry packed
+    documents (Session.packed_documents), so no dense attention mask is built."""
     gbs = args.global_batch_size
     sizes = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]
     if getattr(args, "is_instruction_dataset", False):
-        return build_instruction_datasets(args, tokenizer, sizes)
+        return build_instruction_datasets(args, tokenizer, sizes, packed)
     if not args.mock_data:
         check_splits_have_documents(args)
     cls = MockGPTDataset if args.mock_data else GPTDataset
-    cfg = _dataset_config(args, tokenizer)   # no blend -> Megatron's mock mode
+    cfg = _dataset_config(args, tokenizer, packed)   # no blend -> Megatron's mock mode
     try:
         train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, cfg).build()
     except (AssertionError, ValueError, IndexError) as err:
@@ -228,27 +229,26 @@ def cut_to_longest(batch: dict, longest: int, args) -> dict:
     return out
 
 
-def shard_for_context_parallel(batch: dict) -> dict:
+def shard_for_context_parallel(batch: dict, shard: Callable | None = None) -> dict:
     """THE place where a batch is cut for context parallelism (identity when cp size is 1).
 
-    A CP feature provides its sharding as the `shard_batch` part (ApplyContext.provide); without
-    one, Megatron-Core's own load-balanced split (2*cp chunks, rank r keeps r and 2cp-1-r) is used.
+    `shard`: the CP feature's sharding (Session.shard_batch); without one, Megatron-Core's own
+    load-balanced split (2*cp chunks, rank r keeps r and 2cp-1-r) is used.
     """
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
-    state = current()
-    shard = state.context.part("shard_batch") if state is not None else None
     if shard is not None:
         return shard(batch)
     from megatron.core.utils import get_batch_on_this_cp_rank
     return get_batch_on_this_cp_rank(batch)
 
 
-def get_batch(data_iterator, device: str, eod: int | None = None) -> dict:
-    """The next micro-batch on `device`, this CP rank's part of it. With `eod` (packed documents),
-    the documents' ends are taken from the whole sequences first and travel as the batch's
-    attention_mask (features/documents.py), kept on the cpu: attention layers read them as lists;
-    --neat-pack's batches bring sample numbers (`segments`) instead, which take precedence."""
+def get_batch(data_iterator, device: str, eod: int | None = None, shard: Callable | None = None) -> dict:
+    """The next micro-batch on `device`, this CP rank's part of it (cut by `shard`, see
+    shard_for_context_parallel). With `eod` (packed documents), the documents' ends are taken from the
+    whole sequences first and travel as the batch's attention_mask (features/documents.py), kept on the
+    cpu: attention layers read them as lists; --neat-pack's batches bring sample numbers (`segments`)
+    instead, which take precedence."""
     batch = dict(next(data_iterator))
     segments = batch.pop("segments", None)
     ends = None
@@ -260,7 +260,24 @@ def get_batch(data_iterator, device: str, eod: int | None = None) -> dict:
              else v.to(device, non_blocking=True) for k, v in batch.items()}
     if ends is not None:
         batch["attention_mask"] = documents_mask(ends)
-    return shard_for_context_parallel(batch)
+    return shard_for_context_parallel(batch, shard)
+
+
+@dataclass(frozen=True)
+class BatchReader:
+    """How the trainer reads its micro-batches: onto `device`, documents' ends from `eod` when batches
+    carry packed documents (None: they do not), cut for context parallelism by `shard`."""
+    device: str
+    eod: int | None = None
+    shard: Callable | None = None
+
+    @classmethod
+    def for_session(cls, session, args, eod: int | None) -> "BatchReader":
+        """The reader a run's applied features call for (mindspeed.session.Session)."""
+        return cls(args.device_name, eod if session.packed_documents(args) else None, session.shard_batch)
+
+    def __call__(self, data_iterator) -> dict:
+        return get_batch(data_iterator, self.device, self.eod, self.shard)
 
 
 def documents_mask(ends: list[list[int]]) -> torch.Tensor:

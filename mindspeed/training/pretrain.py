@@ -21,8 +21,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-import mindspeed
-from mindspeed.adaptor_core import current, packed_documents, set_host_flags
+from mindspeed.session import Session
 from mindspeed.backends import get_backend
 from mindspeed.backends.torch import glibc_heap
 from mindspeed.backends.torch.device import dist_backend_for
@@ -90,14 +89,6 @@ def _set_seeds(args) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def _adapt(args):
-    state = current()
-    if state is None:
-        return mindspeed.adapt(args)
-    set_host_flags(state.plan, args)     # the import line planned from sys.argv: its features' host flags
-    return state
-
-
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Mean token loss of this micro-batch; with CP the token count is the whole sequence's."""
     losses = output_tensor.float().view(-1)
@@ -111,8 +102,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": torch.stack([local_sum.detach(), count.detach()])}
 
 
-def forward_step(device: str, data_iterator, model, eod: int | None = None, mtp: bool = False):
-    batch = data.get_batch(data_iterator, device, eod)
+def forward_step(reader: data.BatchReader, data_iterator, model, mtp: bool = False):
+    batch = reader(data_iterator)
     # the MTP block masks its own losses with the batch's mask (GPTModel's loss_mask is read by MTP only)
     extra = {"loss_mask": batch["loss_mask"]} if mtp else {}
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
@@ -157,11 +148,11 @@ def _reduce_loss(losses_reduced: list, device: str) -> float:
 
 
 class Trainer:
-    def __init__(self, args, logger: TrainingLogger, eod: int | None = None, lora=None):
+    def __init__(self, args, logger: TrainingLogger, reader: data.BatchReader | None = None, lora=None):
         self.args, self.log = args, logger
         self.lora = lora            # the LoRA feature's part: adapters on a frozen model
-        self.eod = eod if packed_documents(args) else None     # packed documents: varlen attention
         self.device = args.device_name
+        self.reader = reader or data.BatchReader(self.device)
         self._mode_free = ModeFreeSteps(self.device)
         self.config = transformer_config(args)
         self.model = self._build_model()
@@ -224,7 +215,7 @@ class Trainer:
         return microbatch_iterators(self.args, self.model, dataset, consumed)
 
     def _run_schedule(self, iterator, forward_only: bool, num_microbatches: int | None = None):
-        return run_schedule(self.args, self.model, iterator, self.device, self.eod, forward_only,
+        return run_schedule(self.args, self.model, iterator, self.reader, forward_only,
                             num_microbatches or self.num_microbatches, self.forward_backward)
 
     def train_step(self, iterator, num_microbatches: int | None = None, batch_size: int | None = None):
@@ -244,7 +235,7 @@ class Trainer:
         return _reduce_loss(losses, self.device), grad_norm, ok
 
     def evaluate(self, dataset) -> float | None:
-        return validation_loss(self.args, self.model, dataset, self.device, self.eod, self.num_microbatches)
+        return validation_loss(self.args, self.model, dataset, self.reader, self.num_microbatches)
 
 
 def microbatch_iterators(args, model_chunks: list, dataset, consumed: int):
@@ -253,19 +244,19 @@ def microbatch_iterators(args, model_chunks: list, dataset, consumed: int):
         if len(model_chunks) > 1 else data.microbatches(dataset, consumed, args)
 
 
-def run_schedule(args, model_chunks: list, iterator, device: str, eod: int | None, forward_only: bool,
+def run_schedule(args, model_chunks: list, iterator, reader: data.BatchReader, forward_only: bool,
                  num_microbatches: int, forward_backward=None):
     """One global batch through Megatron-Core's pipeline schedule; the losses of its micro-batches."""
     forward_backward = forward_backward or get_forward_backward_func()
     return forward_backward(
-        forward_step_func=partial(forward_step, device, eod=eod, mtp=bool(getattr(args, "mtp_num_layers", None))),
+        forward_step_func=partial(forward_step, reader, mtp=bool(getattr(args, "mtp_num_layers", None))),
         data_iterator=iterator,
         model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
         num_microbatches=num_microbatches, seq_length=args.seq_length // args.context_parallel_size,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=forward_only)
 
 
-def validation_loss(args, model_chunks: list, dataset, device: str, eod: int | None,
+def validation_loss(args, model_chunks: list, dataset, reader: data.BatchReader,
                     num_microbatches: int) -> float | None:
     """The trainer's validation loss: the mean over --eval-iters global batches (the same batches
     every time, from the split's first sample) of each batch's mean token loss. Also what
@@ -278,8 +269,8 @@ def validation_loss(args, model_chunks: list, dataset, device: str, eod: int | N
     pair = []
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            losses = run_schedule(args, model_chunks, iterator, device, eod, True, num_microbatches)
-            pair.append(_reduce_loss(losses, device))
+            losses = run_schedule(args, model_chunks, iterator, reader, True, num_microbatches)
+            pair.append(_reduce_loss(losses, reader.device))
     for chunk in model_chunks:
         chunk.train()
     return sum(pair) / len(pair)
@@ -289,11 +280,11 @@ def _peak_memory_mb() -> float:
     return get_backend().memory.peak_memory_bytes() / 2**20
 
 
-def run(args) -> dict:
+def run(args, session: Session) -> dict:
+    """Train as `args` say, with the features `session` applied (mindspeed.adapt(args))."""
     started_at = time.time()     # --exit-duration-in-mins counts setup too, as Megatron's
     os.umask(0o027)   # checkpoints, logs, TensorBoard files: 0640 / 0750
-    state = _adapt(args)
-    args.device_name = state.plan.device
+    args.device_name = session.device
     collectives = process_group_backend(args.distributed_backend, args.device_name)
     if args.distributed_backend not in (None, collectives):
         args.flag_notes = [*getattr(args, "flag_notes", []), f"> --distributed-backend {args.distributed_backend} "
@@ -313,7 +304,7 @@ def run(args) -> dict:
         torch_dist.read_tracker(args.load, args.ckpt_step)
         if rows_given:
             torch_dist.check_vocab_rows(args.load, args.ckpt_step, args.padded_vocab_size)
-    lora = state.context.part("lora")
+    lora = session.part("lora")
     if lora is not None:
         check_lora_checkpoints(args, lora)
 
@@ -322,7 +313,7 @@ def run(args) -> dict:
     init_batch_schedule(args, rank)
     logger = TrainingLogger(args, is_writer=rank == 0)
     try:
-        return _train(args, tokenizer, logger, state, started_at)
+        return _train(args, tokenizer, logger, session, started_at)
     except RuntimeError as err:
         hung = collective_timeout.one_line_error(err, args.distributed_timeout_minutes)
         if hung is None:
@@ -419,15 +410,15 @@ def resume_lora(args, trainer, logger) -> tuple[int, int]:
 SUMMARY_KEYS = ("iteration", "final_valid_loss", "unigram_baseline", "tokens_per_s", "parameters")
 
 
-def _train(args, tokenizer, logger: TrainingLogger, state, started_at: float) -> dict:
+def _train(args, tokenizer, logger: TrainingLogger, session: Session, started_at: float) -> dict:
     a = args
     baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
-    train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer)
-    trainer = Trainer(a, logger, eod=tokenizer.eod if packed_documents(a) else None,
-                      lora=state.context.part("lora"))
+    reader = data.BatchReader.for_session(session, a, tokenizer.eod)
+    train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer, packed=reader.eod is not None)
+    trainer = Trainer(a, logger, reader, lora=session.part("lora"))
     n_params = count_parameters(trainer.model)
-    logger.print(f"> MindSpeed {state.plan.describe()}".replace("\n", "; "))
-    for note in state.plan.notes():
+    logger.print(f"> MindSpeed {session.plan.describe()}".replace("\n", "; "))
+    for note in session.notes():
         logger.print(f"> {note}")
     logger.print(f"> world {a.world_size} = TP {a.tensor_model_parallel_size} x PP {a.pipeline_model_parallel_size}"
                  f" x CP {a.context_parallel_size} x DP {a.data_parallel_size}; micro-batches per step "
@@ -442,7 +433,7 @@ def _train(args, tokenizer, logger: TrainingLogger, state, started_at: float) ->
     report = loop.RunReport(parameters=n_params, summary_keys=SUMMARY_KEYS, device=a.device_name,
                             write_loss_file=torch.distributed.get_rank() == 0, unigram_baseline=baseline,
                             started_at=started_at)
-    return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed), publish=state.context.publish)
+    return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed), publish=session.publish)
 
 
 def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:

@@ -7,6 +7,7 @@ one per framework) differs between backends; the feature code and the checks are
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import numpy as np
@@ -65,6 +66,8 @@ def cases_for(cp_size):
     configs = [("ulysses", "ulysses_cp_algo", {}),
                ("ring", "megatron_cp_algo", {}),
                ("ring-overlap", "megatron_cp_algo", {"overlap": True})]
+    if cp_size == 2:      # --use-fused-ring-attention-update: the backend's fused merge of the ring steps
+        configs += [("ring-fused", "megatron_cp_algo", {"fused_merge": True})]
     if cp_size == 4:
         configs += [("double-ring", "megatron_cp_algo", {"window_size": 2, "overlap": True}),
                     ("hybrid", "hybrid_cp_algo", {"ulysses_degree": 2}),
@@ -95,7 +98,7 @@ def arrangement(cp) -> str:
 
 
 # the arrangement each case must build (cases_for), by CP size
-ARRANGEMENTS = {2: {"ulysses": "u2xr1w1", "ring": "u1xr2w1", "ring-overlap": "u1xr2w1"},
+ARRANGEMENTS = {2: {"ulysses": "u2xr1w1", "ring": "u1xr2w1", "ring-overlap": "u1xr2w1", "ring-fused": "u1xr2w1"},
                 4: {"ulysses": "u4xr1w1", "ring": "u1xr4w1", "ring-overlap": "u1xr4w1", "double-ring": "u1xr4w2",
                     "hybrid": "u2xr2w1", "hybrid-window": "u2xr2w2"}}
 
@@ -103,7 +106,8 @@ ARRANGEMENTS = {2: {"ulysses": "u2xr1w1", "ring": "u1xr2w1", "ring-overlap": "u1
 def run_all(kit, world_size, dtypes=("float32", "bfloat16"), cp_size=None, labels=None):
     """Every algorithm (or those in `labels`) x {causal, general} x {MHA, GQA} x dtypes on CP
     groups of cp_size ranks (default: the world); returns {label/case: max error} plus
-    {label/arrangement: what was built}."""
+    {label/arrangement: what was built} and {label/fused_merges: calls of the backend's fused
+    ring_attention_update}."""
     cp_size = cp_size or world_size
     group, blocks = cp_subgroups(world_size, cp_size)
     results = {}
@@ -112,15 +116,41 @@ def run_all(kit, world_size, dtypes=("float32", "bfloat16"), cp_size=None, label
             continue
         cp = build_cp_groups(algo, group=group, all_cp_ranks=blocks, **options)
         results[f"cp{cp_size}/{label}/arrangement"] = arrangement(cp)
-        for mask_type in ("causal", "general"):
-            for nkv in (4, 2 if cp_size == 2 else 1):
-                for dtype in dtypes:
-                    case = make_case(seed=zlib.crc32(f"{label}/{mask_type}/{nkv}".encode()), nkv=nkv,
-                                     mask_type=mask_type)
-                    tol = "bfloat16-gqa" if dtype == "bfloat16" and nkv < 4 else dtype
-                    errs = check_case(kit, cp, case, dtype, tol)
-                    results[f"cp{cp_size}/{label}/{mask_type}/nkv{nkv}/{dtype}"] = max(errs)
+        with counted_fused_merges() as calls:
+            _run_cases(kit, cp, cp_size, label, dtypes, results)
+        results[f"cp{cp_size}/{label}/fused_merges"] = None if calls is None else len(calls)
     return results
+
+
+@contextlib.contextmanager
+def counted_fused_merges():
+    """The list of calls the backend's fused ring_attention_update gets meanwhile (the real kernel runs);
+    None where the device serves the reference for it (nothing to tell apart)."""
+    kernels, calls = get_backend().kernels, []
+    if kernels.reference is kernels:
+        yield None
+        return
+    fused = kernels._impl["ring_attention_update"]
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+    kernels._impl["ring_attention_update"] = counted
+    try:
+        yield calls
+    finally:
+        kernels._impl["ring_attention_update"] = fused
+
+
+def _run_cases(kit, cp, cp_size, label, dtypes, results):
+    for mask_type in ("causal", "general"):
+        for nkv in (4, 2 if cp_size == 2 else 1):
+            for dtype in dtypes:
+                case = make_case(seed=zlib.crc32(f"{label}/{mask_type}/{nkv}".encode()), nkv=nkv,
+                                 mask_type=mask_type)
+                tol = "bfloat16-gqa" if dtype == "bfloat16" and nkv < 4 else dtype
+                errs = check_case(kit, cp, case, dtype, tol)
+                results[f"cp{cp_size}/{label}/{mask_type}/nkv{nkv}/{dtype}"] = max(errs)
 
 
 # packed documents (EOD reset) per sample over s = 16 tokens: ends inside chunks and on chunk

@@ -60,16 +60,16 @@ def ms_train(backend, tp: int, sp: bool, init_ckpt: str, save_dir: str | None = 
     argv = trainer_argv(tp, sp) + (["--context-parallel-size", str(cp), "--context-parallel-algo", cp_algo]
                                    if cp > 1 else []) + list(extra)
     args = parse_args(argv, world_size=backend.comm.world_size())
-    adapt, features = cp > 1 or bool(extra), ()
-    if adapt:
+    session = None
+    if cp > 1 or extra:
         args.backend = "mindspore"
-        features = tuple(f.id for f in mindspeed.adapt(args).plan.features)   # as the trainer's main reads them
-        backend = get_backend()
+        session = mindspeed.adapt(args)      # as the trainer's setup does
+        backend = session.backend
     try:
-        return _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn, features)
+        return _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn, session)
     finally:
-        if adapt:
-            mindspeed.unadapt()
+        if session is not None:
+            session.close()
 
 
 def _as_micro_batch(step):
@@ -77,13 +77,14 @@ def _as_micro_batch(step):
     return {"tokens": tokens, "labels": labels, "loss_mask": mask}
 
 
-def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=None, features=()):
+def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=None, session=None):
     from mindspeed.training.mindspore import checkpoint
     from mindspeed.training.mindspore.model import GPTConfig
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     ps = build_parallel_state(backend.comm, tp, sp, cp)
-    trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB, features))
+    features = session.feature_ids if session is not None else ()     # as the trainer's _train reads them
+    trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, VOCAB, features), session)
     if init_ckpt:      # else the trainer's own initialisation (TP-independent, from --seed)
         checkpoint.load(init_ckpt, trainer.model)
     losses, norms = [], []

@@ -88,11 +88,11 @@ def ms_train_fp16(backend, init_ckpt: str, flags=PARITY, steps: int = mp.STEPS, 
     argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
     args = parse_args(argv + (["--untie-embeddings-and-output-weights"] if pp > 1 else []), world_size=world)
     args.backend = "mindspore"
-    features = tuple(f.id for f in mindspeed.adapt(args).plan.features)   # as the trainer's main reads them
+    session = mindspeed.adapt(args)       # as the trainer's setup does
     try:
         backend = get_backend()
         ps = build_parallel_state(backend.comm, tp, sp, cp, pp)
-        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, features))
+        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, session.feature_ids), session)
         checkpoint.load(init_ckpt, trainer.model)
         out = {k: [] for k in ("losses", "grad_norms", "scales", "skipped", "lrs")}
         for step in range(steps):

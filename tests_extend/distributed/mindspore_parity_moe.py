@@ -73,8 +73,7 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
     state = mindspeed.adapt(args)       # the support matrix's gate: MoE (and EP) must be accepted here
     try:
         ps = build_parallel_state(backend.comm, tp, tp > 1, ep_size=ep, tp_extend_ep=tp > 1)
-        features = [f.id for f in state.plan.features]       # as the trainer's _train passes them
-        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, features))
+        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, state.feature_ids), state)
         checkpoint.load(init_ckpt, trainer.model)
         losses, norms = [], []
         for step in range(steps):

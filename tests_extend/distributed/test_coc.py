@@ -101,9 +101,9 @@ def _body(rank, world_size, tmp):
         next_rendezvous(rank, loss_file + ".port")
         args = parse_args(TINY + flags + ["--log-loss-file", loss_file])
         coc_megatron.CALLS.update(column=0, row=0)
-        mindspeed.adapt(args)
+        session = mindspeed.adapt(args)
         try:
-            run(args)
+            run(args, session)
         finally:
             mindspeed.unadapt()
         out[f"train-{name}/calls"] = dict(coc_megatron.CALLS)

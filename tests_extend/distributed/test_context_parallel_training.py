@@ -77,9 +77,9 @@ def _train_all(rank, world_size, runs, tmp):
         else:
             base = TINY
         args = parse_args(base + ["--log-loss-file", loss_file] + extra)
-        mindspeed.adapt(args)
+        session = mindspeed.adapt(args)
         try:
-            run(args)
+            run(args, session)
         finally:
             mindspeed.unadapt()
         if rank == 0:

@@ -29,9 +29,9 @@ def _train_twice(rank, world_size, tmp):
             loss_file = os.path.join(tmp, f"{name}-{attempt}.jsonl")
             next_rendezvous(rank, loss_file + ".port")
             args = parse_args(TINY + layout + ["--log-loss-file", loss_file])
-            mindspeed.adapt(args)
+            session = mindspeed.adapt(args)
             try:
-                run(args)
+                run(args, session)
                 # what the flag switched on, seen from inside the run
                 out[f"{name}-{attempt}/switches"] = (torch.are_deterministic_algorithms_enabled(),
                                                      torch.backends.cudnn.deterministic, args.deterministic_mode)

@@ -174,9 +174,9 @@ def _train(rank, world_size, tmp):
         loss_file = os.path.join(tmp, f"{name}.jsonl")
         next_rendezvous(rank, loss_file + ".port")
         args = parse_args(TINY + layout + ["--log-loss-file", loss_file], world_size=world_size)
-        mindspeed.adapt(args)
+        session = mindspeed.adapt(args)
         try:
-            run(args)
+            run(args, session)
         finally:
             mindspeed.unadapt()
         if rank == 0:

@@ -152,9 +152,9 @@ def _body(rank, world_size, tmp):
         next_rendezvous(rank, loss_file + ".port")
         args = parse_args(TRAIN + flags + ["--log-loss-file", loss_file])
         async_comm.reset_counts()
-        mindspeed.adapt(args)
+        session = mindspeed.adapt(args)
         try:
-            run(args)
+            run(args, session)
         finally:
             mindspeed.unadapt()
         out[f"train-{name}/counts"] = dict(async_comm.COUNTS)

@@ -73,13 +73,13 @@ def _train(rank, tmp, name, flags, inspect=None):
         flags = [os.path.join(tmp, "instructions") if f == INSTRUCTIONS else f for f in flags]
     base = [f for f in TINY if f != "--mock-data"] if "--data-path" in flags else TINY
     args = parse_args(base + flags + ["--log-loss-file", loss_file])
-    mindspeed.adapt(args)
+    session = mindspeed.adapt(args)
     seen = {}
     original = pretrain.Trainer._build_model
     if inspect is not None:     # look at the model the trainer builds, before it trains
         pretrain.Trainer._build_model = lambda self: inspect(original(self), seen)
     try:
-        pretrain.run(args)
+        pretrain.run(args, session)
     finally:
         pretrain.Trainer._build_model = original
         mindspeed.unadapt()

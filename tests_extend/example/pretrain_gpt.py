@@ -38,9 +38,9 @@ def main(argv=None) -> int:
             user_errors += (TrainerConfigError,)
             ms_trainer.run(args)
         else:
-            mindspeed.adapt(args)      # device shim + enabled features, before the model exists
+            session = mindspeed.adapt(args)      # device shim + enabled features, before the model exists
             from mindspeed.training.pretrain import run
-            run(args)
+            run(args, session)
     except user_errors as err:
         report(err)
         return 2

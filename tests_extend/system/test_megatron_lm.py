@@ -199,7 +199,7 @@ def test_describe_lists_the_training_shim_and_unadapt_removes_it(checkout):
         "import sys, torch; sys.argv = ['pretrain_gpt.py']\n"
         "import mindspeed.megatron_adaptor as m\n"
         "import megatron.training.initialize as init, megatron.training.arguments as margs\n"
-        "described = m.STATE.patcher.describe()\n"
+        "described = m.SESSION.patcher.describe()\n"
         "for needle in ('initialize_megatron', 'torch.cuda.device_count', 'fused_kernels.load',\n"
         "               'CUDA_DEVICE_MAX_CONNECTIONS', 'parse_args', 'validate_args', '_warmup_jit_function'):\n"
         "    assert needle in described, (needle, described)\n"
@@ -234,7 +234,7 @@ from megatron.training.initialize import initialize_megatron
 from megatron.training import get_args, get_tokenizer
 initialize_megatron()
 import pretrain_gpt
-from mindspeed.adaptor_core import packed_documents
+packed_documents = mindspeed.megatron_adaptor.SESSION.packed_documents
 from mindspeed.features import documents
 args = get_args()
 assert get_tokenizer().eod == 100 and args.create_attention_mask_in_dataloader is False

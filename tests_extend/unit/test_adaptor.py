@@ -49,7 +49,7 @@ def test_adapt_twice_does_not_stack_patches():
 
 
 def test_import_hook_reads_only_mindspeed_flags():
-    code = "import mindspeed.megatron_adaptor as m; print(m.STATE.plan.backend, m.STATE.plan.device, len(m.STATE.patcher.applied()))"
+    code = "import mindspeed.megatron_adaptor as m; print(m.SESSION.plan.backend, m.SESSION.device, len(m.SESSION.patcher.applied()))"
     out = subprocess.run([sys.executable, "-c", code, "--num-layers", "2", "--optimization-level", "1",
                           "--tensor-model-parallel-size", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)

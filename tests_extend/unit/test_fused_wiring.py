@@ -56,11 +56,11 @@ def test_optimization_level_0_drops_the_fused_features():
 def test_unadapt_removes_the_fused_hooks():
     from megatron.core.models.backends import LocalSpecProvider
     before = LocalSpecProvider.core_attention
-    mindspeed.adapt(["--use-flash-attn", "--use-fused-ring-attention-update"])
-    from mindspeed.features.fused import ring_attention_update
-    assert LocalSpecProvider.core_attention is not before and ring_attention_update._state["fused"]
-    mindspeed.unadapt()
-    assert LocalSpecProvider.core_attention is before and not ring_attention_update._state["fused"]
+    session = mindspeed.adapt(["--use-flash-attn", "--use-fused-ring-attention-update"])
+    assert LocalSpecProvider.core_attention is not before and session.applied("fused-ring-attention-update")
+    assert session.fused_kernels == ("flash-attn", "fused-ring-attention-update")
+    session.close()
+    assert LocalSpecProvider.core_attention is before
 
 
 @pytest.mark.cpu_numerics
@@ -133,10 +133,17 @@ def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
     builds no attention mask and get_batch puts each sample's document ends in the batch's attention_mask
     (a document ends right after its EOD token); otherwise Megatron's dense mask stays."""
     import torch
-    from mindspeed.adaptor_core import packed_documents
+    from mindspeed.adaptor_core import plan
     from mindspeed.features import documents
+    from mindspeed.features.base import ApplyContext
+    from mindspeed.patching import PatchManager
+    from mindspeed.session import Session
     from mindspeed.training import data
     from mindspeed.flags.trainer_flags import parse_args
+
+    def packed_documents(args) -> bool:      # the rule of the run these flags plan (nothing applied)
+        return Session(plan(args), ApplyContext("torch", "cpu", PatchManager()), PatchManager()).packed_documents(args)
+
     base = ["--mock-data", "--seq-length", "8", "--reset-attention-mask"]
     assert packed_documents(parse_args(base + ["--use-flash-attn"]))
     assert packed_documents(parse_args(base + ["--context-parallel-size", "2"], world_size=2))
@@ -145,8 +152,9 @@ def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
                                                "--attention-mask-type", "general"], world_size=2))
     flash = parse_args(base + ["--use-flash-attn"])
     tokenizer = data.resolve_data(flash)
-    assert data._dataset_config(flash, tokenizer).create_attention_mask is False
-    assert data._dataset_config(parse_args(base), tokenizer).create_attention_mask is True
+    assert data._dataset_config(flash, tokenizer, packed_documents(flash)).create_attention_mask is False
+    plain = parse_args(base)
+    assert data._dataset_config(plain, tokenizer, packed_documents(plain)).create_attention_mask is True
     batch = {"tokens": torch.tensor([[1, 9, 2, 3, 9, 4, 5, 9], [9, 1, 2, 3, 4, 5, 6, 7]]),
              "labels": torch.zeros(2, 8, dtype=torch.long)}
     got = data.get_batch(iter([batch]), "cpu", eod=9)
@@ -157,17 +165,16 @@ def test_documents_come_from_the_eod_tokens_and_replace_the_dense_mask():
 def test_documents_follow_the_applied_plan_not_the_flags_alone():
     """--use-flash-attn dropped by --optimization-level 0: Megatron's attention (and its dense
     mask) runs, so the dataset must build the mask."""
-    from mindspeed.adaptor_core import packed_documents
     from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(["--mock-data", "--reset-attention-mask", "--use-flash-attn", "--optimization-level", "0"])
-    mindspeed.adapt(args)
+    session = mindspeed.adapt(args)
     try:
-        assert not packed_documents(args)
+        assert not session.packed_documents(args)
     finally:
-        mindspeed.unadapt()
+        session.close()
     args = parse_args(["--mock-data", "--reset-attention-mask", "--use-flash-attn"])
-    mindspeed.adapt(args)
+    session = mindspeed.adapt(args)
     try:
-        assert packed_documents(args)
+        assert session.packed_documents(args)
     finally:
-        mindspeed.unadapt()
+        session.close()

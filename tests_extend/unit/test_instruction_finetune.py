@@ -53,12 +53,11 @@ def trainer_session(flags):
     """The loaded checkpoint in the torch trainer (one process): (args, tokenizer, loss_of) where
     `loss_of(batch)` runs the trainer's forward step -> (loss sum, kept-token count)."""
     from mindspeed.convert.megatron_write import adapted, world_of_one
-    from mindspeed.adaptor_core import packed_documents
     from mindspeed.training import data, pretrain
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.flags.trainer_flags import padded_vocab_size
     args = parse_args(flags + ["--backend", "torch", "--device", "cpu"], world_size=1)
-    with adapted(args), world_of_one():
+    with adapted(args) as session, world_of_one():
         tokenizer = data.resolve_data(args, log=lambda m: None)
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
         model = convert_kit.load_trainer_model(args)
@@ -66,10 +65,12 @@ def trainer_session(flags):
         def loss_of(batch, eod="trainer's"):
             with torch.no_grad():
                 if eod == "trainer's":
-                    eod = tokenizer.eod if packed_documents(args) else None
-                output, loss_func = pretrain.forward_step("cpu", iter([batch]), model, eod)
+                    eod = tokenizer.eod if session.packed_documents(args) else None
+                output, loss_func = pretrain.forward_step(data.BatchReader("cpu", eod), iter([batch]), model)
                 return loss_func(output)[1]["lm loss"]
-        yield args, tokenizer, loss_of
+        def datasets(a):      # the trainer's: no dense mask where the session's batches carry documents
+            return data.build_datasets(a, tokenizer, packed=session.packed_documents(a))
+        yield args, tokenizer, loss_of, datasets
 
 
 @contextlib.contextmanager
@@ -77,8 +78,8 @@ def torch_trainer(flags):
     """The trainer's own data path and forward step on the loaded checkpoint (one process): the
     first global batch's micro-batches and `loss_of(batch)` -> (loss sum, kept-token count)."""
     from mindspeed.training import data
-    with trainer_session(flags) as (args, tokenizer, loss_of):
-        train, _valid, _ = data.build_datasets(args, tokenizer)
+    with trainer_session(flags) as (args, _tokenizer, loss_of, datasets):
+        train, _valid, _ = datasets(args)
         batches = data.microbatches(train, 0, args)
         micro = [next(batches) for _ in range(args.global_batch_size // args.micro_batch_size)]
         yield micro, loss_of
@@ -138,7 +139,7 @@ def test_neat_packed_samples_have_the_losses_of_the_samples_alone(setup):
         assert runs in (list(range(1, len(runs) + 1)), list(range(1, len(runs))) + [0]), b
         assert (labels.document_range_tokens(i, i + 1)[b == 0] == -100).all()
     whole = ["--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids", "--use-flash-attn"]
-    with trainer_session(setup["flags"] + whole + ["--neat-pack", "--data-path", neat]) as (a, tokenizer, loss_of):
+    with trainer_session(setup["flags"] + whole + ["--neat-pack", "--data-path", neat]) as (a, tokenizer, loss_of, datasets):
         kernels, calls = get_backend().kernels, []
         impl = kernels._impl["attention"]
 
@@ -149,7 +150,7 @@ def test_neat_packed_samples_have_the_losses_of_the_samples_alone(setup):
 
         def total(prefix, neat_pack):       # every sample of the dataset, one forward each
             a.data_path, a.neat_pack = [prefix], neat_pack
-            train = data.build_datasets(a, tokenizer)[0]
+            train = datasets(a)[0]
             # packed: no EOD given, so the stored sample numbers alone must place the documents
             pairs = [loss_of({k: v.unsqueeze(0) for k, v in train[i].items() if k != "length"},   # (an int)
                              **({"eod": None} if neat_pack else {})) for i in range(train.epoch_samples)]
@@ -158,7 +159,7 @@ def test_neat_packed_samples_have_the_losses_of_the_samples_alone(setup):
             n_bins, bin_loss, bin_tokens = total(neat, True)
         finally:
             kernels._impl["attention"] = impl
-        train = data.build_datasets(a, tokenizer)[0]
+        train = datasets(a)[0]
         assert "attention_mask" not in train[0] and "segments" in train[0]
         # one TND call per layer and bin (in the split's order), maskless, as many sequences as the
         # bin has runs of numbers

@@ -22,8 +22,8 @@ def test_a_feature_reaching_up_into_the_adaptor_breaks_the_layers(tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__", "csrc"))
     shutil.copy(os.path.join(ROOT, ".importlinter"), copy / ".importlinter")
     documents = copy / "mindspeed" / "features" / "documents.py"
-    documents.write_text(documents.read_text() + "\n\ndef _state():\n    from mindspeed.adaptor_core import current\n"
-                         "    return current()\n")
+    documents.write_text(documents.read_text() + "\n\ndef _state():\n    from mindspeed.adaptor_core import plan\n"
+                         "    return plan()\n")
     lint = os.path.join(os.path.dirname(sys.executable), "lint-imports")
     env = dict(os.environ, PYTHONPATH=str(copy))
     done = subprocess.run([lint, "--no-cache"], cwd=copy, capture_output=True, text=True, timeout=300, env=env)

@@ -112,10 +112,11 @@ def _ms_losses(flags, steps=2):
     from mindspeed.training.mindspore.trainer import Trainer
     from tests_extend.distributed import mindspore_parity as kit
     args = parse_args(kit.trainer_argv(1) + ["--backend", "mindspore"] + flags, world_size=1)
-    mindspeed.adapt(args)
+    session = mindspeed.adapt(args)
     try:
         backend = get_backend()
-        trainer = Trainer(args, backend, build_parallel_state(backend.comm, 1), GPTConfig.from_args(args, kit.VOCAB))
+        trainer = Trainer(args, backend, build_parallel_state(backend.comm, 1), GPTConfig.from_args(args, kit.VOCAB),
+                          session)
         trainer.model.load_full(init_full_weights(trainer.cfg, 3))
         losses = []
         for step in range(steps):

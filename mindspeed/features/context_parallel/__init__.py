@@ -3,7 +3,7 @@ attention kernel), ring attention (K/V rotated with send/recv, merged with ring_
 and their hybrid. feature.py registers the flags; megatron_hook.py routes Megatron-Core to it."""
 from mindspeed.features.context_parallel.attention import context_parallel_attention
 from mindspeed.features.context_parallel.groups import CPGroups, build_cp_groups
-from mindspeed.features.context_parallel.sharding import get_batch_on_this_cp_rank, local_positions, shard_batch
+from mindspeed.features.context_parallel.sharding import BatchSharding, local_positions, shard_batch
 
-__all__ = ["context_parallel_attention", "CPGroups", "build_cp_groups", "get_batch_on_this_cp_rank",
+__all__ = ["context_parallel_attention", "CPGroups", "build_cp_groups", "BatchSharding",
            "local_positions", "shard_batch"]

@@ -18,7 +18,7 @@ def context_parallel_attention(q, k, v, cp: CPGroups, *, head_num: int, causal: 
                   documents=documents)
     if cp.algo == "ulysses_cp_algo":
         return ulysses_attention(q, k, v, group=cp.ulysses_group, **common)
-    ring = dict(window_size=cp.window_size, overlap=cp.overlap)
+    ring = dict(window_size=cp.window_size, overlap=cp.overlap, fused_merge=cp.fused_merge)
     if cp.algo == "megatron_cp_algo" or cp.ulysses_degree == 1:
         return ring_attention(q, k, v, group=cp.ring_group, **ring, **common)
     if cp.ring_size == 1:

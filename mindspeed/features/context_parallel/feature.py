@@ -14,6 +14,9 @@ from mindspeed.features.context_parallel.groups import ALGOS, MASK_TYPES, check_
 from mindspeed.features.context_parallel.ulysses import kv_repeats
 from mindspeed.features.registry import register
 
+# the fused feature whose kernel merges the ring steps (features/fused/features.py)
+FUSED_MERGE = "fused-ring-attention-update"
+
 CP_SIZE = Flag("--context-parallel-size", dict(type=int, default=1, help="context-parallel size"), megatron=True)
 CP_ALGO = Flag("--context-parallel-algo", dict(choices=list(ALGOS), default="ulysses_cp_algo",
                                                help="how attention is split across CP ranks"))
@@ -130,12 +133,10 @@ class _ContextParallel(Feature):
         provider = None
         if ctx.backend_name == "torch":
             from mindspeed.features.context_parallel import megatron_hook  # hook may import Megatron (.importlinter)
-            megatron_hook.install(ctx.patcher, megatron_hook.CPOptions(args))
+            megatron_hook.install(ctx.patcher, megatron_hook.CPOptions(args, ctx.applies(FUSED_MERGE)))
             from megatron.core import parallel_state
             provider = parallel_state.get_context_parallel_group
-        ctx.patcher.replace(f"{sharding.__name__}._state", sharding.options_state(self.algo, u, provider),
-                            reason=f"batch sharding for {self.algo}")
-        ctx.provide("shard_batch", sharding.get_batch_on_this_cp_rank)
+        ctx.provide("shard_batch", sharding.BatchSharding(self.algo, u, provider))
         ctx.provide("context_parallel_attention", attention.context_parallel_attention)   # read at apply
 
 

@@ -26,6 +26,7 @@ class CPGroups:
     ulysses_degree: int = 1
     window_size: int = 1           # > 1: double ring, inner rings of this size
     overlap: bool = False          # --use-cp-send-recv-overlap
+    fused_merge: bool = False      # ring steps merged by the fused ring_attention_update (the feature applied)
 
     @property
     def ring_size(self) -> int:
@@ -59,14 +60,16 @@ def hybrid_subgroup_ranks(cp_ranks: Sequence[int], u: int) -> tuple[list[list[in
 
 
 def build_cp_groups(algo: str, *, group=None, all_cp_ranks: Sequence[Sequence[int]] | None = None,
-                    ulysses_degree: int | None = None, window_size: int = 1, overlap: bool = False) -> CPGroups:
+                    ulysses_degree: int | None = None, window_size: int = 1, overlap: bool = False,
+                    fused_merge: bool = False) -> CPGroups:
     """CPGroups for this process. `group` is its CP group (None = the world). Hybrid creates
     subgroups, which every process must do for every CP group in the same order: `all_cp_ranks`
     lists every CP group's global ranks (default: one CP group = the world)."""
     comm = get_backend().comm
     size, rank = comm.world_size(group), comm.rank(group)
     u = check_options(algo, size, ulysses_degree, window_size)
-    cp = CPGroups(algo, size, rank, group, ulysses_degree=u, window_size=window_size, overlap=overlap)
+    cp = CPGroups(algo, size, rank, group, ulysses_degree=u, window_size=window_size, overlap=overlap,
+                  fused_merge=fused_merge)
     if algo == "ulysses_cp_algo":
         cp.ulysses_group = group
     elif algo == "megatron_cp_algo":

@@ -20,7 +20,8 @@ _groups = {}      # id(Megatron CP group) -> CPGroups
 
 
 class CPOptions:
-    def __init__(self, args):
+    def __init__(self, args, fused_merge: bool = False):
+        self.fused_merge = fused_merge      # --use-fused-ring-attention-update, as applied
         self.algo = args.context_parallel_algo
         self.ulysses_degree = getattr(args, "ulysses_degree_in_cp", None)
         self.window_size = getattr(args, "cp_window_size", 1) or 1
@@ -46,7 +47,8 @@ def cp_groups(options: CPOptions):
         _groups.clear()
         _groups[id(group)] = build_cp_groups(options.algo, group=group, all_cp_ranks=all_ranks,
                                              ulysses_degree=options.ulysses_degree,
-                                             window_size=options.window_size, overlap=options.overlap)
+                                             window_size=options.window_size, overlap=options.overlap,
+                                             fused_merge=options.fused_merge)
     return _groups[id(group)]
 
 

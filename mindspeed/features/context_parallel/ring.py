@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from mindspeed.backends import get_backend
 from mindspeed.features.context_parallel import ring_documents
-from mindspeed.features.fused.ring_attention_update import merge_function
 
 
 def ring_schedule(rank: int, size: int, window: int = 1) -> list[tuple[int, tuple[int, int] | None]]:
@@ -102,12 +101,13 @@ def _halves(out, mx, sm, c):
 
 def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, mask=None,
                    scale: float | None = None, window_size: int = 1, overlap: bool = False,
-                   dropout_p: float = 0.0, documents=None):
+                   dropout_p: float = 0.0, documents=None, fused_merge: bool = False):
     """q [2c, b, n*d], k/v [2c, b, nkv*d] (SBH; this ring rank's chunks r and 2N-1-r) ->
     attention output [2c, b, n*d] over the group's whole sequence. mask: None, or bool
     broadcastable to [b, n, S, S] over the group's sequence of S = 2Nc tokens (used instead of
     `causal`). documents: per sample, the cumulative ends of its packed documents over the S
-    tokens: causal attention inside each document (ring_documents), instead of `causal`/`mask`."""
+    tokens: causal attention inside each document (ring_documents), instead of `causal`/`mask`.
+    fused_merge: the steps merged by the backend's fused ring_attention_update, else its reference."""
     backend = get_backend()
     comm, kernels = backend.comm, backend.kernels
     size, rank = comm.world_size(group), comm.rank(group)
@@ -127,7 +127,7 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
         raise ValueError(f"ring attention: mask covers {mask.shape[-1]} tokens, the ring's sequence "
                          f"has {2 * size * c}")
     rows = chunk_positions(rank, size, c) if mask is not None else None
-    merge = merge_function()       # the fused kernel under --use-fused-ring-attention-update
+    merge = kernels.ring_attention_update if fused_merge else kernels.reference.ring_attention_update
     first = second = None
     for owner, rotation in ring_schedule(rank, size, window_size):
         hop = _Rotation(rotation[0], rotation[1], group) if rotation else None

@@ -6,12 +6,14 @@ chunks j and 2R-1-j of 2R; Ulysses rank i = r % u takes the i-th contiguous part
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from mindspeed.backends import get_backend
 from mindspeed.features.context_parallel.groups import check_options
 from mindspeed.features.context_parallel.ring import chunk_positions
 
 SEQ_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-_state = {"options": None, "group_provider": None}
 
 
 def check_seq_len(seq_len: int, algo: str, size: int, ulysses_degree: int | None = None) -> None:
@@ -60,24 +62,18 @@ def shard_batch(batch: dict, *, algo: str, size: int, rank: int, ulysses_degree:
     return out
 
 
-def options_state(algo: str, ulysses_degree: int | None = None, group_provider=None) -> dict:
-    """What the CP feature's apply hook installs as `_state` (through the patch manager, so
-    unadapt() restores the inactive state): the algorithm and how to find the CP group."""
-    return {"options": (algo, ulysses_degree), "group_provider": group_provider}
+@dataclass(frozen=True)
+class BatchSharding:
+    """The batch sharding a CP feature provides the trainers (Session.shard_batch): its algorithm,
+    and how to find the CP group (None: the backend's whole world, as the MindSpore trainer's is
+    passed in)."""
+    algo: str
+    ulysses_degree: int | None = None
+    group_provider: Callable | None = None
 
-
-def active() -> bool:
-    """A CP algorithm has been configured by the feature's apply hook."""
-    return _state["options"] is not None
-
-
-def get_batch_on_this_cp_rank(batch: dict, group=None) -> dict:
-    """The training loop's one call: shard `batch` for the active CP configuration (a no-op
-    without context parallelism)."""
-    if _state["options"] is None:
-        return batch
-    comm = get_backend().comm
-    if group is None and _state["group_provider"] is not None:
-        group = _state["group_provider"]()
-    algo, u = _state["options"]
-    return shard_batch(batch, algo=algo, size=comm.world_size(group), rank=comm.rank(group), ulysses_degree=u)
+    def __call__(self, batch: dict, group=None) -> dict:
+        comm = get_backend().comm
+        if group is None and self.group_provider is not None:
+            group = self.group_provider()
+        return shard_batch(batch, algo=self.algo, size=comm.world_size(group), rank=comm.rank(group),
+                           ulysses_degree=self.ulysses_degree)

@@ -3,8 +3,6 @@ feature's Megatron-Core hook lives in its own module, imported only when the fea
 on the torch backend (the mindspore backend's native trainer reads the same flags itself)."""
 from __future__ import annotations
 
-import importlib
-
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
 from mindspeed.features.registry import register
@@ -15,7 +13,6 @@ SPARSE_MODES = (0, 1, 2, 3, 4)   # as flash_attention.band_arguments
 class _FusedFeature(Feature):
     category = "fused"
     optimization_level = 1
-    hook_module = ""   # mindspeed.features.fused.<module> with install(patcher, args)
 
     @property
     def example(self) -> tuple:
@@ -24,7 +21,13 @@ class _FusedFeature(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            importlib.import_module(f"mindspeed.features.fused.{self.hook_module}").install(ctx.patcher, args)
+            self.megatron_hook().install(ctx.patcher, args)
+
+    @staticmethod
+    def megatron_hook():
+        """The module whose install(patcher, args) routes Megatron-Core to the kernel; imported only
+        here, on the torch backend (it imports Megatron-Core and torch)."""
+        raise NotImplementedError
 
 
 @register
@@ -33,7 +36,11 @@ class FusedRmsNorm(_FusedFeature):
     description = "RMSNorm through the fused rms_norm kernel (npu_rms_norm; fused C++ on cpu)"
     flags = (switch("--use-fused-rmsnorm", "use the fused RMSNorm kernel"),)
     requires = (Cap.RMS_NORM,)
-    hook_module = "rms_norm"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.fused import rms_norm
+        return rms_norm
 
 
 @register
@@ -42,7 +49,11 @@ class FusedSwiglu(_FusedFeature):
     description = "SwiGLU activation through the fused swiglu kernel (npu_swiglu; fused C++ on cpu)"
     flags = (switch("--use-fused-swiglu", "use the fused SwiGLU kernel"),)
     requires = (Cap.SWIGLU,)
-    hook_module = "swiglu"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.fused import swiglu
+        return swiglu
 
 
 @register
@@ -51,7 +62,11 @@ class FusedRotaryPosEmb(_FusedFeature):
     description = "rotary position embedding through the fused rope kernel (npu_rotary_position_embedding)"
     flags = (switch("--use-fused-rotary-pos-emb", "use the fused rotary position embedding kernel"),)
     requires = (Cap.ROPE,)
-    hook_module = "rotary_pos_emb"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.fused import rotary_pos_emb
+        return rotary_pos_emb
 
 
 @register
@@ -68,7 +83,11 @@ class FlashAttention(_FusedFeature):
         Flag("--next-tockens", dict(type=int, default=0, help="band (sparse mode 4): keys after the query")),
     )
     requires = (Cap.FLASH_ATTENTION,)
-    hook_module = "flash_attention"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.fused import flash_attention
+        return flash_attention
 
     def validate(self, args) -> None:
         mode = getattr(args, "sparse_mode", 0)
@@ -87,11 +106,10 @@ class FusedRingAttentionUpdate(_FusedFeature):
     description = "ring attention's online-softmax merge through the fused ring_attention_update kernel"
     flags = (switch("--use-fused-ring-attention-update", "use the fused ring-attention update kernel"),)
     requires = (Cap.RING_ATTENTION_UPDATE,)
-    hook_module = "ring_attention_update"
 
     def apply(self, ctx, args) -> None:
-        # framework-free hook: ring attention on either backend asks merge_function()
-        importlib.import_module(f"mindspeed.features.fused.{self.hook_module}").install(ctx.patcher, args)
+        """Nothing to patch: the context-parallel feature builds its ring with the fused merge when
+        the session applies this feature (ApplyContext.applies, Session.applied)."""
 
 
 @register
@@ -104,7 +122,11 @@ class GradientAccumulationFusion(_FusedFeature):
     requires = (Cap.MATMUL_ADD_FP32,)
     # torch: Megatron-Core's linears' main_grad; mindspore: the trainer's decoder linears (main_grad.py)
     alternatives = "leave it off: weight gradients are then accumulated by Megatron's DDP (or the MindSpore trainer)"
-    hook_module = "gradient_accumulation_fusion"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.fused import gradient_accumulation_fusion
+        return gradient_accumulation_fusion
 
     def validate(self, args) -> None:
         if getattr(args, "backend", None) == "mindspore" and getattr(args, "use_ascend_coc", False):
@@ -125,7 +147,11 @@ class MoeGroupedGemm(_FusedFeature):
     companions = ("--num-experts", "4", "--bf16")
     # the MindSpore trainer's grouped experts (training/mindspore/moe.py) run in its own precision
     examples = {"mindspore": ("--moe-grouped-gemm", "--num-experts", "4")}
-    hook_module = "grouped_gemm"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.fused import grouped_gemm
+        return grouped_gemm
 
     def validate(self, args) -> None:
         # num_experts is the host's (Megatron's) flag: checked when the host's args are given
@@ -148,4 +174,8 @@ class FusedMoeTokenPermute(_FusedFeature):
     requires = (Cap.MOE_PERMUTE, Cap.MOE)
     alternatives = "leave it off: Megatron's own permutation runs"
     companions = ("--num-experts", "4")
-    hook_module = "moe_token_permute"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.fused import moe_token_permute
+        return moe_token_permute

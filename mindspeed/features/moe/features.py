@@ -59,7 +59,6 @@ class _MoeComm(Feature):
     depends = ("moe",)
     example_world = 2
 
-    hook_module = ""           # mindspeed.features.moe.<hook_module>.install patches Megatron-Core
     megatron_hooks = ()        # ((module, class, methods), ...) that install wraps
 
     def _megatron_has_hooks(self, args) -> None:
@@ -73,7 +72,13 @@ class _MoeComm(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            importlib.import_module(f"mindspeed.features.moe.{self.hook_module}").install(ctx.patcher)
+            self.megatron_hook().install(ctx.patcher)
+
+    @staticmethod
+    def megatron_hook():
+        """The module whose install(patcher) patches Megatron-Core's MoE layer; imported only here,
+        on the torch backend (it imports Megatron-Core)."""
+        raise NotImplementedError
 
     def _common(self, args) -> None:
         self._megatron_has_hooks(args)
@@ -120,7 +125,11 @@ class MoeTpExtendEp(_MoeComm):
         if _dispatcher(args) not in ("alltoall", "allgather"):
             raise FeatureConfigError("--moe-tp-extend-ep needs --moe-token-dispatcher-type alltoall or allgather")
 
-    hook_module = "tp_extend_ep"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.moe import tp_extend_ep
+        return tp_extend_ep
 
 
 @register
@@ -160,7 +169,11 @@ class MoePermutationAsyncComm(_MoeComm):
             raise FeatureConfigError("--moe-permutation-async-comm with the alltoall dispatcher at TP > 1 needs "
                                      "--moe-tp-extend-ep (the expert-TP gather stays synchronous)")
 
-    hook_module = "permutation_async"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.moe import permutation_async
+        return permutation_async
     megatron_hooks = (("megatron.core.transformer.moe.token_dispatcher", "MoEAllGatherTokenDispatcher",
                        ("token_dispatch", "dispatch_postprocess")),
                       ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher",
@@ -193,6 +206,10 @@ class MoeAlltoallOverlapComm(_MoeComm):
         if _size(args, "tensor_model_parallel_size") > 1 and not getattr(args, "moe_tp_extend_ep", False):
             raise FeatureConfigError("--moe-alltoall-overlap-comm at TP > 1 needs --moe-tp-extend-ep (as upstream)")
 
-    hook_module = "alltoall_overlap"
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.moe import alltoall_overlap
+        return alltoall_overlap
     megatron_hooks = (("megatron.core.transformer.moe.moe_layer", "MoELayer",
                        ("dispatch", "routed_experts_compute", "combine")),)

@@ -9,16 +9,16 @@ import mindspore as ms
 import numpy as np
 
 import mindspeed
-from mindspeed.adaptor_core import current
-from mindspeed.backends import get_backend
 from mindspeed.backends.mindspore import precision
 from mindspeed.backends.mindspore.main_thread_gc import MainThreadCollection, ops_without_collection
 from mindspeed.backends.mindspore.msadapter import describe
 from mindspeed.checkpoint import neutral
 from mindspeed.data.flag_tokenizers import check_dataset_tokenizer, model_vocab_size, named_tokenizer
 from mindspeed.data.indexed_reader import check_dataset
+from mindspeed.features.context_parallel.feature import FUSED_MERGE
 from mindspeed.features.context_parallel.groups import build_cp_groups
 from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
+from mindspeed.session import Session
 from mindspeed.training import loop
 from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.mindspore import checkpoint, data, schedule
@@ -44,27 +44,23 @@ def to_tensors(batch: dict) -> tuple:
     return ms.Tensor(batch["tokens"]), ms.Tensor(batch["labels"]), ms.Tensor(batch["loss_mask"])
 
 
-def _named_hook(name: str):
-    """A part a feature provides to this trainer (ApplyContext.provide), or None."""
-    state = current()
-    return state.context.part(name) if state is not None else None
-
-
-def _cp_hook(name: str):
-    part = _named_hook(name)
+def _cp_part(session: Session | None, name: str):
+    """What the context-parallel feature provides this trainer under `name` (ApplyContext.provide)."""
+    part = session.part(name) if session is not None else None
     if part is None:
         raise TrainerConfigError("--context-parallel-size > 1 needs a context-parallel algorithm "
                                  "(--context-parallel-algo ulysses_cp_algo | megatron_cp_algo | hybrid_cp_algo)")
     return part
 
 
-def enable_context_parallel(args, model, ps) -> None:
+def enable_context_parallel(args, model, ps, session: Session | None) -> None:
     """Shard the sequence over the CP group: the CP feature's groups, batch sharding and attention."""
     cp = build_cp_groups(args.context_parallel_algo, group=ps.cp_group, all_cp_ranks=ps.all_cp_ranks,
                          ulysses_degree=getattr(args, "ulysses_degree_in_cp", None),
                          window_size=getattr(args, "cp_window_size", 1) or 1,
-                         overlap=bool(getattr(args, "use_cp_send_recv_overlap", False)))
-    model.enable_context_parallel(cp, _cp_hook("context_parallel_attention"))
+                         overlap=bool(getattr(args, "use_cp_send_recv_overlap", False)),
+                         fused_merge=session is not None and session.applied(FUSED_MERGE))
+    model.enable_context_parallel(cp, _cp_part(session, "context_parallel_attention"))
 
 
 def graph_mode_ok(cfg, ps, swap: bool) -> bool:
@@ -116,9 +112,10 @@ def _scaled(loss_fn):
 
 
 class Trainer:
-    """Model + optimizer + one training step; usable without the data pipeline (parity tests)."""
+    """Model + optimizer + one training step; usable without the data pipeline (parity tests).
+    `session`: the applied features' parts (activation swap, CoC linears, CP), None: none."""
 
-    def __init__(self, args, backend, ps, cfg: GPTConfig):
+    def __init__(self, args, backend, ps, cfg: GPTConfig, session: Session | None = None):
         self.args, self.backend, self.ps, self.cfg = args, backend, ps, cfg
         self.model = GPTModel(cfg, backend, ps)
         self.model.load_full(init_full_weights(cfg, args.seed))
@@ -134,15 +131,16 @@ class Trainer:
         self.skipped_samples, self.scheduled_samples = 0, 0
         self.lr_at = schedule.from_args(args)
         self._shard = None
-        swap = _named_hook("activation_swap")
+        part = session.part if session is not None else (lambda _name: None)
+        swap = part("activation_swap")
         if swap is not None:
             self.model.enable_activation_swap(*swap())
-        linears = _named_hook("tensor_parallel_linear")
+        linears = part("tensor_parallel_linear")
         if linears is not None:
             ps.tp_linear = linears()
         if ps.cp_size > 1:
-            enable_context_parallel(args, self.model, ps)
-            self._shard = _cp_hook("shard_batch")
+            enable_context_parallel(args, self.model, ps, session)
+            self._shard = _cp_part(session, "shard_batch")
         if "matmul_add_fp32" in cfg.fused_kernels:
             ps.main_grads = MainGrads(backend)
         self.graph_mode = graph_mode_ok(cfg, ps, swap is not None)
@@ -282,8 +280,8 @@ def setup(args):
     """Gate the requested features (support matrix), create the backend and the process groups,
     fix up sizes; no data, no model yet."""
     args.backend = "mindspore"
-    mindspeed.adapt(args)        # the support matrix (the one gate) refuses what this trainer cannot run
-    backend = get_backend()
+    session = mindspeed.adapt(args)        # the support matrix (the one gate) refuses what this trainer cannot run
+    backend = session.backend
     world = backend.comm.world_size()
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
                               args.context_parallel_size, args.pipeline_model_parallel_size,
@@ -300,7 +298,7 @@ def setup(args):
     # it refuses to set twice in one process (a second run in the same process finds it on)
     if args.deterministic_mode and ms.get_context("deterministic") != "ON":
         ms.set_deterministic(True)
-    return backend, ps
+    return session, ps
 
 
 def set_collective_timeout(backend, minutes: float) -> None:
@@ -320,14 +318,13 @@ def run(args) -> dict:
     # collections only on this thread: one started on a MindSpore runtime thread (running a pyfunc
     # kernel) frees autograd graphs there, under the main thread's feet
     with MainThreadCollection() as gc_point:
-        backend, ps = setup(args)
-        rank = backend.comm.rank()
-        logger = TrainingLogger(args, is_writer=rank == 0)
+        session, ps = setup(args)
+        logger = TrainingLogger(args, is_writer=session.backend.comm.rank() == 0)
         try:
-            return _train(args, backend, ps, logger, started_at, gc_point)
+            return _train(args, session, ps, logger, started_at, gc_point)
         finally:
             logger.close()
-            mindspeed.unadapt()
+            session.close()
 
 
 def resume(args, trainer, logger) -> tuple[int, int]:
@@ -357,17 +354,16 @@ def resume(args, trainer, logger) -> tuple[int, int]:
 SUMMARY_KEYS = ("iteration", "final_valid_loss", "tokens_per_s", "parameters", "losses", "step_time_s")
 
 
-def _train(args, backend, ps, logger, started_at: float, gc_point) -> dict:
-    a = args
+def _train(args, session: Session, ps, logger, started_at: float, gc_point) -> dict:
+    a, backend = args, session.backend
     vocab, train, valid, eod_rules = _data(a, logger)
     a.vocab_size = vocab
     a.padded_vocab_size = model_vocab_size(a, vocab, ps.tp_size)
-    state = current()
-    cfg = GPTConfig.from_args(a, a.padded_vocab_size, [f.id for f in state.plan.features] if state else ())
-    trainer = Trainer(a, backend, ps, cfg)
+    cfg = GPTConfig.from_args(a, a.padded_vocab_size, session.feature_ids)
+    trainer = Trainer(a, backend, ps, cfg, session)
     n_params = sum(int(np.prod(p.shape)) for p in trainer.model.parameters())
     _print_setup(a, logger, backend, ps, cfg, trainer, n_params)
-    for note in state.plan.notes() if state else ():
+    for note in session.notes():
         logger.print(f"> {note}")
     logger.print(f"> data {a.data_path or 'default'}: vocab {vocab} (padded {a.padded_vocab_size}), "
                  f"train {train.num_samples} samples of {a.seq_length + 1} tokens")
@@ -377,7 +373,7 @@ def _train(args, backend, ps, logger, started_at: float, gc_point) -> dict:
     report = loop.RunReport(parameters=n_params, summary_keys=SUMMARY_KEYS, device=backend.device.name,
                             write_loss_file=rank_is_zero(backend), started_at=started_at)
     return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed, trainer.skipped_iterations),
-                      publish=state.context.publish if state else loop.no_subscribers)
+                      publish=session.publish)
 
 
 def _data(args, logger):
