@@ -198,8 +198,9 @@ class KernelsAPI(ABC):
         """-> (out, softmax_max, softmax_sum); stats fp32 shaped [b, n, sq] (TND: [t, n])."""
 
     @abstractmethod
-    def ring_attention_update(self, prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum):
-        """-> (out, max, sum) merged with the online-softmax rule."""
+    def ring_attention_update(self, prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum, *,
+                              layout: str = "SBH"):
+        """-> (out, max, sum) merged with the online-softmax rule; outs in `layout`."""
 
     @abstractmethod
     def gmm(self, x, weight, group_list, group_list_type: int = 0):
@@ -219,13 +220,21 @@ class KernelsAPI(ABC):
         """-> (permuted_tokens, sorted_indices); routing_map [T, E] bool, expert-major order."""
 
     @abstractmethod
-    def moe_unpermute(self, permuted_tokens, sorted_indices, probs, restore_shape):
-        """Scatter-add back to [T, H], each row weighted by its routing prob."""
+    def moe_unpermute(self, permuted_tokens, sorted_indices, probs, restore_shape, *, routing_map=None):
+        """Scatter-add back to [T, H], each row weighted by its routing prob. probs: None (1), [P]
+        per permuted row, or [T, E] together with the routing_map that made the permutation."""
+
+    @abstractmethod
+    def dropout_add_layer_norm(self, x0, residual, weight, bias, dropout_p: float, epsilon: float, *,
+                               rowscale=None, layerscale=None, prenorm: bool = False,
+                               residual_in_fp32: bool = False, return_dropout_mask: bool = False):
+        """z = dropout(x0 * rowscale * layerscale) + residual; out = layer_norm(z, weight, bias,
+        epsilon). -> (out, mask), with prenorm (out, z, mask); mask is None unless asked for."""
 
 
-KERNEL_NAMES = ("rms_norm", "swiglu", "rope", "attention", "ring_attention_update", "gmm",
-                "matmul_add_fp32", "grouped_matmul_add_fp32", "moe_permute", "moe_unpermute",
-                "dropout_add_layer_norm")
+#: the kernels KernelsAPI declares, in declaration order (read from the class: they cannot drift)
+KERNEL_NAMES = tuple(name for name, member in vars(KernelsAPI).items()
+                     if getattr(member, "__isabstractmethod__", False))
 
 #: capability -> the kernels that must all have a fast path for the capability to be native
 #: (grouped_matmul_add_fp32 has none: the gmm weight-gradient fusion, served by the reference everywhere)
@@ -249,35 +258,77 @@ def kernel_levels(fast: set) -> dict:
             for cap, kernels in KERNEL_CAPS.items()}
 
 
-def _delegate(name):
-    def method(self, *args, **kwargs):
-        return self._impl[name](*args, **kwargs)
-    method.__name__ = name
-    return method
-
-
 class DispatchKernels(KernelsAPI):
     """Serves each kernel from a device's fast module where it has one, else from the reference
-    module; `reference` is the reference alone. Modules are imported by name, on construction."""
+    module; `reference` is the reference alone, through the same class (its methods).
 
-    def __init__(self, reference_module: str, fast_module: str | None = None, fast: set = frozenset()):
-        import importlib
-        ref = importlib.import_module(reference_module)
-        self._impl = {name: getattr(ref, name) for name in KERNEL_NAMES}
-        if fast:
-            module = importlib.import_module(fast_module)
-            self._impl.update({name: getattr(module, name) for name in fast})
-            self.reference = DispatchKernels(reference_module)
+    A kernel module holds one function per kernel, named as KernelsAPI's method. The fast kernels
+    are chosen by name because the catalogue that lists them is framework-free (the support matrix
+    reads it without importing the modules); the names are KERNEL_NAMES, checked by the tests."""
+
+    def __init__(self, reference, fast=None, fast_names=frozenset()):
+        self._impl = {name: getattr(reference, name) for name in KERNEL_NAMES}
+        if fast_names:
+            self._impl.update({name: getattr(fast, name) for name in fast_names})
+            self.reference = self._serving_only(reference)
         else:
             self.reference = self
+
+    def _serving_only(self, reference) -> "DispatchKernels":
+        # the subclass's own methods (a backend may extend a kernel's keywords), no fast path
+        kernels = object.__new__(type(self))
+        DispatchKernels.__init__(kernels, reference)
+        return kernels
 
     def implementation(self, name: str):
         """The callable that serves `name` (for tests and logs)."""
         return self._impl[name]
 
-    for _name in KERNEL_NAMES:
-        locals()[_name] = _delegate(_name)
-    del _name
+    def rms_norm(self, x, gamma, eps: float = 1e-6):
+        return self._impl["rms_norm"](x, gamma, eps)
+
+    def swiglu(self, x, dim: int = -1):
+        return self._impl["swiglu"](x, dim)
+
+    def rope(self, x, cos, sin, mode: int = 0):
+        return self._impl["rope"](x, cos, sin, mode)
+
+    def attention(self, q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale: float | None = None,
+                  dropout_p: float = 0.0, pre_tokens: int = 2**31 - 1, next_tokens: int = 2**31 - 1,
+                  causal: bool = False, actual_seq_qlen=None, actual_seq_kvlen=None, alibi=None):
+        return self._impl["attention"](q, k, v, layout=layout, head_num=head_num, mask=mask, scale=scale,
+                                       dropout_p=dropout_p, pre_tokens=pre_tokens, next_tokens=next_tokens,
+                                       causal=causal, actual_seq_qlen=actual_seq_qlen,
+                                       actual_seq_kvlen=actual_seq_kvlen, alibi=alibi)
+
+    def ring_attention_update(self, prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum, *,
+                              layout: str = "SBH"):
+        return self._impl["ring_attention_update"](prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum,
+                                                   layout=layout)
+
+    def gmm(self, x, weight, group_list, group_list_type: int = 0):
+        return self._impl["gmm"](x, weight, group_list, group_list_type)
+
+    def matmul_add_fp32(self, x, dy, main_grad):
+        return self._impl["matmul_add_fp32"](x, dy, main_grad)
+
+    def grouped_matmul_add_fp32(self, x, dy, group_list, main_grad, group_list_type: int = 0):
+        return self._impl["grouped_matmul_add_fp32"](x, dy, group_list, main_grad, group_list_type)
+
+    def moe_permute(self, tokens, routing_map):
+        return self._impl["moe_permute"](tokens, routing_map)
+
+    def moe_unpermute(self, permuted_tokens, sorted_indices, probs, restore_shape, *, routing_map=None):
+        return self._impl["moe_unpermute"](permuted_tokens, sorted_indices, probs, restore_shape,
+                                           routing_map=routing_map)
+
+    def dropout_add_layer_norm(self, x0, residual, weight, bias, dropout_p: float, epsilon: float, *,
+                               rowscale=None, layerscale=None, prenorm: bool = False,
+                               residual_in_fp32: bool = False, return_dropout_mask: bool = False):
+        return self._impl["dropout_add_layer_norm"](x0, residual, weight, bias, dropout_p, epsilon,
+                                                    rowscale=rowscale, layerscale=layerscale, prenorm=prenorm,
+                                                    residual_in_fp32=residual_in_fp32,
+                                                    return_dropout_mask=return_dropout_mask)
 
 
 class TensorAPI(ABC):

@@ -255,14 +255,14 @@ def test_fused_flags_route_the_trainer_model_through_the_fast_kernels(backend, m
     its features name and the plain model none, and both must give the same logits, i.e. the
     MindSpore reference kernels agree with the independent ones inside the real model."""
     from mindspeed.backends.base import DispatchKernels
+    from mindspeed.backends.mindspore.kernels import reference
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore.model import GPTConfig, GPTModel, init_full_weights
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from tests_extend.unit import ms_numpy_kernels as fast
 
-    monkeypatch.setattr(backend, "kernels", DispatchKernels(
-        "mindspeed.backends.mindspore.kernels.reference", "tests_extend.unit.ms_numpy_kernels",
-        {"rms_norm", "swiglu", "rope", "attention"}))
+    monkeypatch.setattr(backend, "kernels",
+                        DispatchKernels(reference, fast, {"rms_norm", "swiglu", "rope", "attention"}))
     assert backend.kernels.rms_norm != backend.kernels.reference.rms_norm
     args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                        "--group-query-attention", "--num-query-groups", "2", "--seq-length", "8",
