@@ -98,7 +98,7 @@ def plan(args=None, unknown_flags: str = "error") -> Plan:
 
 
 def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLOBAL_PATCHES,
-                     megatron_lm: bool = False) -> ApplyContext:
+                     megatron_lm: bool = False, specs_from_session: bool = False) -> ApplyContext:
     """Create the backend and apply its device shim (plus the Megatron-LM training shim when the
     user's script is Megatron-LM's own)."""
     try:
@@ -116,7 +116,7 @@ def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLO
     except Exception:
         patcher.remove_all()   # never leave a half-patched process behind
         raise
-    return ApplyContext(backend_name, device, patcher, backend)
+    return ApplyContext(backend_name, device, patcher, backend, specs_from_session=specs_from_session)
 
 
 def apply_features(ctx: ApplyContext, p: Plan) -> None:
@@ -130,12 +130,14 @@ def apply_features(ctx: ApplyContext, p: Plan) -> None:
         raise
 
 
-def apply_plan(p: Plan, patcher: PatchManager = GLOBAL_PATCHES) -> Session:
+def apply_plan(p: Plan, patcher: PatchManager = GLOBAL_PATCHES, specs_from_session: bool = False) -> Session:
     """Create the backend, apply its device shim, then each feature's hook, in order. An adaptation
-    already in the process (a backend is active) is undone first: patches are process-wide."""
+    already in the process (a backend is active) is undone first: patches are process-wide.
+    specs_from_session: the caller builds Megatron-Core's layer spec from the session's parts
+    (training/layer_spec.py) instead of features patching Megatron's spec providers."""
     if active_backend() is not None:
         unadapt(patcher)
-    ctx = activate_backend(p.backend, p.device, patcher)
+    ctx = activate_backend(p.backend, p.device, patcher, specs_from_session=specs_from_session)
     apply_features(ctx, p)
     return Session(p, ctx, patcher)
 

@@ -144,7 +144,7 @@ def write_megatron(root: str, arch: Arch, reader: HFReader, vocab: int, padded_v
         config.perform_initialization = False
         config.use_cpu_initialization = True      # Megatron then names no device, so the meta one holds
         with torch.device("meta"):        # the model's structure only: its data is streamed
-            model = build_model_chunks(args, config)[0]
+            model = build_model_chunks(args, config)[0]      # the structure only: no fused module matters
         producer = _Producer(arch, reader, vocab, padded_vocab)
         torch_dist.save_checkpoint(root, 0, [model], None, _NoScheduler(), 0,
                                       sharded_strategy=StreamingTorchDistSave(producer.chunk))

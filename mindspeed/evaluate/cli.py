@@ -20,6 +20,7 @@ from mindspeed.evaluate import losses
 from mindspeed.generate import lora_adapters
 from mindspeed.generate.loading import load_model, quiet_frameworks, rank, start_processes, stop_processes, world_size
 from mindspeed.generate.model_source import read_source
+from mindspeed.training.layer_spec import SpecModules
 
 USER_ERRORS = (ArgumentError, InferenceError, CheckpointError, DataError, TokenizerError, MindSpeedConfigError,
                BackendUnavailableError)
@@ -72,13 +73,13 @@ def _evaluate(args, origin: str, opts, lora: dict) -> float:
         session = mindspeed.adapt(["--optimization-level", "0", *lora_adapters.as_flags(lora)])
     else:
         vars(args).update(lora)
-        session = mindspeed.adapt(args)      # the run's features, so the kernels are the trainer's
+        session = mindspeed.adapt(args, specs_from_session=True)   # the run's features: the trainer's kernels
     args.device_name = session.device
     split = (losses.mindspore_trainer_data(args, say) if origin == "mindspore"
              else losses.torch_trainer_data(args, session, say))
     start_processes(args)
     try:
-        chunks = load_model(args, opts.ckpt_step, session.part("lora"))
+        chunks = load_model(args, opts.ckpt_step, session.part("lora"), SpecModules.of(session))
         if origin == "mindspore":
             loss = losses.mindspore_trainer_loss(args, chunks[0], *split)
         else:

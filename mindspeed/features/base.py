@@ -140,6 +140,10 @@ class ApplyContext:
     backend: Any = None           # the live backend object, when one is created
     parts: dict = field(default_factory=dict)        # name -> what features provide to the host trainer
     features: tuple = ()          # ids of the features the plan applies (set before their hooks run)
+    # True: the host builds Megatron-Core's layer spec itself from the parts features provide (the
+    # built-in trainers: training/layer_spec.py); False: features patch Megatron's spec providers
+    # process-wide (Megatron-LM's scripts, a user's own spec)
+    specs_from_session: bool = False
     subscribers: dict = field(default_factory=dict)  # training-loop event -> callbacks
 
     def applies(self, feature_id: str) -> bool:

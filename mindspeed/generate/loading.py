@@ -29,11 +29,12 @@ def stop_processes() -> None:
         torch.distributed.destroy_process_group()
 
 
-def load_model(args, step: int | None = None, lora=None):
+def load_model(args, step: int | None = None, lora=None, spec_modules=None):
     """The model chunk of this rank with the checkpoint's weights (--load, iteration `step` or the
     latest). `lora`: the LoRA feature's part (its --lora-load adapters are loaded, then folded into
-    the weights, so generation runs the plain linears)."""
-    chunks = build_model_chunks(args, transformer_config(args))
+    the weights, so generation runs the plain linears); `spec_modules`: the session's layer-spec modules
+    (training/layer_spec.SpecModules)."""
+    chunks = build_model_chunks(args, transformer_config(args), spec_modules)
     if lora is not None:
         lora.attach(chunks)
     for chunk in chunks:

@@ -16,9 +16,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
                                                       get_gpt_mtp_block_spec)
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from mindspeed.flags.family_flags import moe_layer_pattern
+from mindspeed.training.layer_spec import SpecModules, block_with_final_norm, with_modules
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -175,17 +177,32 @@ def mtp_spec(args, config, decoder_spec, vp_stage=None):
     return get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
 
 
-def build_model_chunks(args, config: TransformerConfig) -> list[GPTModel]:
-    """One GPTModel per virtual pipeline stage held by this rank (one without VPP)."""
+def specs_with_modules(args, config, vp_stage, modules: SpecModules | None) -> tuple:
+    """(decoder spec, MTP block spec or None) of this stage: Megatron-Core's local ones with the
+    modules the run's features provide (training/layer_spec.py) in their slots."""
+    spec = layer_spec(args, config, vp_stage)
+    mtp = mtp_spec(args, config, spec, vp_stage)
+    if modules is None or not modules.any:
+        return spec, mtp
+    if modules.norm is not None and isinstance(spec, ModuleSpec):   # the final norm too, as a block
+        spec = block_with_final_norm(spec, config, vp_stage, modules.norm)
+    experts = args.num_experts
+    return with_modules(spec, modules, experts), (None if mtp is None else with_modules(mtp, modules, experts))
+
+
+def build_model_chunks(args, config: TransformerConfig, modules: SpecModules | None = None) -> list[GPTModel]:
+    """One GPTModel per virtual pipeline stage held by this rank (one without VPP); `modules`: what
+    the session's features put into the layer spec (SpecModules.of(session); None: the spec as
+    Megatron-Core's providers give it, patched or not)."""
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        spec = layer_spec(args, config, stage)
+        spec, mtp = specs_with_modules(args, config, stage, modules)
         chunks.append(GPTModel(
             config=config,
             transformer_layer_spec=spec,
-            mtp_block_spec=mtp_spec(args, config, spec, stage),
+            mtp_block_spec=mtp,
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

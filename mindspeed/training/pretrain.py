@@ -33,6 +33,7 @@ from mindspeed.errors import CheckpointError
 from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
 from mindspeed.net import free_port
 from mindspeed.training import collective_timeout, data, loop
+from mindspeed.training.layer_spec import SpecModules
 from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, transformer_config
 
@@ -148,9 +149,11 @@ def _reduce_loss(losses_reduced: list, device: str) -> float:
 
 
 class Trainer:
-    def __init__(self, args, logger: TrainingLogger, reader: data.BatchReader | None = None, lora=None):
+    def __init__(self, args, logger: TrainingLogger, reader: data.BatchReader | None = None, lora=None,
+                 spec_modules: SpecModules | None = None):
         self.args, self.log = args, logger
         self.lora = lora            # the LoRA feature's part: adapters on a frozen model
+        self.spec_modules = spec_modules     # what the features put into the layer spec (layer_spec.py)
         self.device = args.device_name
         self.reader = reader or data.BatchReader(self.device)
         self._mode_free = ModeFreeSteps(self.device)
@@ -163,7 +166,7 @@ class Trainer:
 
     def _build_model(self):
         a = self.args
-        chunks = build_model_chunks(a, self.config)
+        chunks = build_model_chunks(a, self.config, self.spec_modules)
         if self.lora is not None:   # frozen before DDP and the optimizer: they hold only the adapters
             adapters = self.lora.attach(chunks)
             trainable = sum(p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad)
@@ -415,7 +418,7 @@ def _train(args, tokenizer, logger: TrainingLogger, session: Session, started_at
     baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
     reader = data.BatchReader.for_session(session, a, tokenizer.eod)
     train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer, packed=reader.eod is not None)
-    trainer = Trainer(a, logger, reader, lora=session.part("lora"))
+    trainer = Trainer(a, logger, reader, lora=session.part("lora"), spec_modules=SpecModules.of(session))
     n_params = count_parameters(trainer.model)
     logger.print(f"> MindSpeed {session.plan.describe()}".replace("\n", "; "))
     for note in session.notes():

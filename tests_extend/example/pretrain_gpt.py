@@ -38,7 +38,9 @@ def main(argv=None) -> int:
             user_errors += (TrainerConfigError,)
             ms_trainer.run(args)
         else:
-            session = mindspeed.adapt(args)      # device shim + enabled features, before the model exists
+            # device shim + enabled features, before the model exists; the trainer puts the features'
+            # modules into its layer spec itself (nothing patches Megatron-Core's spec providers)
+            session = mindspeed.adapt(args, specs_from_session=True)
             from mindspeed.training.pretrain import run
             run(args, session)
     except user_errors as err:

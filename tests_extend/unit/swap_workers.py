@@ -47,16 +47,21 @@ class SavedBytes:
 
 def trainer_for(flags, base=TINY, vocab_size=60, world_size=1):
     """The built-in trainer in this process (world of one unless told), adapted for `base + flags`."""
+    args, trainer, _session = trainer_and_session(flags, base, vocab_size, world_size)
+    return args, trainer
+
+
+def trainer_and_session(flags, base=TINY, vocab_size=60, world_size=1):
     import mindspeed
     from mindspeed.training import pretrain
     from mindspeed.flags.trainer_flags import parse_args
     args = parse_args(base + list(flags), world_size=world_size)
     mindspeed.unadapt()
-    mindspeed.adapt(args)
+    session = mindspeed.adapt(args)
     args.device_name = "cpu"
     args.vocab_size, args.padded_vocab_size = vocab_size, 128
     pretrain._set_seeds(args)
-    return args, pretrain.Trainer(args, _Log())
+    return args, pretrain.Trainer(args, _Log()), session
 
 
 class _Tok:
@@ -101,7 +106,7 @@ def memory():
 def swap_attention_bytes(flags):
     """One forward+backward: activation bytes saved on the device side, host bytes held by the swap
     at the end of forward and after backward, and the most reloaded bytes alive during backward."""
-    args, tr = trainer_for(flags)
+    args, tr, session = trainer_and_session(flags)
     it = batches(args, tr)
     from mindspeed.training.data import get_batch
     batch = get_batch(it, "cpu")
@@ -114,12 +119,12 @@ def swap_attention_bytes(flags):
     after_forward = led.held["host"] - base_host
     led.reset_peaks()
     out.float().mean().backward()
-    from mindspeed.features.memory import swap_attention_megatron as sam
+    swapper = session.part("activation_swapper")
     return {"device_saved": counter.bytes, "host_after_forward": after_forward,
             "host_after_backward": led.held["host"] - base_host,
             "device_reload_peak": led.peak["device"] - base_dev,
-            "groups": sam.swapper().groups if "--swap-attention" in flags else 0,
-            "loads": sam.swapper().loads[-4:] if "--swap-attention" in flags else []}
+            "groups": swapper.groups if swapper is not None else 0,
+            "loads": swapper.loads[-4:] if swapper is not None else []}
 
 
 def optimizer_state(tr) -> dict:

@@ -10,22 +10,23 @@ from __future__ import annotations
 from typing import Any, Callable
 
 TARGET = "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__"
-_OVERRIDES: dict[str, Callable[[Any], Any]] = {}   # field -> fn(config) -> value (None: leave as is)
 
 
 def override(patcher, field: str, value_for: Callable[[Any], Any], reason: str) -> None:
-    """After every TransformerConfig.__post_init__, set `field` to value_for(config) unless None."""
-    if patcher.find(TARGET) is None:
-        _OVERRIDES.clear()
-        patcher.wrap(TARGET, _wrap_post_init, reason="MindSpeed fused features set config fields: " + reason)
-    _OVERRIDES[field] = value_for
+    """After every TransformerConfig.__post_init__, set `field` to value_for(config) unless None. The
+    table of fields lives on the one patch (undone with it), shared by the features that add to it."""
+    applied = patcher.find(TARGET)
+    if applied is None:
+        applied = patcher.wrap(TARGET, _wrap_post_init, reason="MindSpeed fused features set config fields: " + reason)
+    applied.new.overrides[field] = value_for
 
 
 def _wrap_post_init(original):
     def __post_init__(self):
         original(self)
-        for field, value_for in _OVERRIDES.items():
+        for field, value_for in __post_init__.overrides.items():
             value = value_for(self)
             if value is not None:
                 object.__setattr__(self, field, value)
+    __post_init__.overrides = {}      # field -> fn(config) -> value (None: leave as is)
     return __post_init__

@@ -21,11 +21,11 @@ class _FusedFeature(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            self.megatron_hook().install(ctx.patcher, args)
+            self.megatron_hook().install(ctx, args)
 
     @staticmethod
     def megatron_hook():
-        """The module whose install(patcher, args) routes Megatron-Core to the kernel; imported only
+        """The module whose install(ctx, args) routes Megatron-Core to the kernel; imported only
         here, on the torch backend (it imports Megatron-Core and torch)."""
         raise NotImplementedError
 

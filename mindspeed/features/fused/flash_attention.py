@@ -17,7 +17,8 @@ import functools
 
 from mindspeed.backends import get_backend
 from mindspeed.features import documents
-from mindspeed.features.fused.megatron_specs import GPT_LAYER_SPECS, LOCAL_SPEC_PROVIDER, has_local_spec_provider
+from mindspeed.features.fused.megatron_specs import (GPT_LAYER_SPECS, LOCAL_SPEC_PROVIDER, SPEC_CORE_ATTENTION,
+                                                     has_local_spec_provider)
 
 SPARSE_MODES = (0, 1, 2, 3, 4)   # features.py lists the same modes
 NO_LIMIT = 2**31 - 1
@@ -112,22 +113,17 @@ def _attend_documents(query, key, value, docs, **kwargs):
     return documents.attention(sbh(query), sbh(key), sbh(value), docs, head_num=heads, **kwargs)[0]
 
 
-_cls = None
-
-
+@functools.cache
 def flash_attention_class():
-    global _cls
-    if _cls is None:
-        _cls = _flash_class()
-    return _cls
+    """FlashDotProductAttention, built on first use (it subclasses Megatron-Core's DotProductAttention,
+    imported only then); one class per process, so every spec names the same module."""
+    return _flash_class()
 
 
-def _core_attention_spec(settings: dict):
+def core_attention_spec(settings: dict):
+    """The ModuleSpec of the flash attention with these sparse settings (its params)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
-
-    def core_attention(self):
-        return ModuleSpec(module=flash_attention_class(), params=dict(settings))
-    return core_attention
+    return ModuleSpec(module=flash_attention_class(), params=dict(settings))
 
 
 def _class_with_settings(settings: dict):
@@ -136,11 +132,16 @@ def _class_with_settings(settings: dict):
     return type(cls.__name__, (cls,), {"__init__": functools.partialmethod(cls.__init__, **settings)})
 
 
-def install(patcher, args) -> None:
-    settings = dict(sparse_mode=getattr(args, "sparse_mode", 0), pre_tokens=getattr(args, "pre_tockens", 65536),
-                    next_tokens=getattr(args, "next_tockens", 0))
+def install(ctx, args) -> None:
+    settings = dict(sparse_mode=args.sparse_mode, pre_tokens=args.pre_tockens, next_tokens=args.next_tockens)
+    ctx.provide(SPEC_CORE_ATTENTION, core_attention_spec(settings))
+    if not ctx.specs_from_session:
+        _patch_specs(ctx.patcher, settings)
+
+
+def _patch_specs(patcher, settings: dict) -> None:
     if has_local_spec_provider():
-        patcher.replace(f"{LOCAL_SPEC_PROVIDER}.core_attention", _core_attention_spec(settings),
+        patcher.replace(f"{LOCAL_SPEC_PROVIDER}.core_attention", lambda self: core_attention_spec(settings),
                         reason="--use-flash-attn")
     else:
         patcher.replace(f"{GPT_LAYER_SPECS}.DotProductAttention", _class_with_settings(settings),

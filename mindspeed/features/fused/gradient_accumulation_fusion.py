@@ -27,7 +27,8 @@ class WgradAccumulation:
         main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
 
 
-def install(patcher, args) -> None:
+def install(ctx, args) -> None:
+    patcher = ctx.patcher
     import importlib
     layers = importlib.import_module(LAYERS)
     why = "--gradient-accumulation-fusion via kernels.matmul_add_fp32"

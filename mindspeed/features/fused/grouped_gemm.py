@@ -12,7 +12,7 @@ import torch
 
 from mindspeed.backends import get_backend
 from mindspeed.features.fused import config_fields
-from mindspeed.features.fused.megatron_specs import LOCAL_SPEC_PROVIDER, has_local_spec_provider
+from mindspeed.features.fused.megatron_specs import LOCAL_SPEC_PROVIDER, SPEC_GROUPED_EXPERTS, has_local_spec_provider
 
 GG = "megatron.core.transformer.moe.grouped_gemm_util"
 
@@ -70,11 +70,13 @@ def _grouped_mlp_modules(original):
     return grouped_mlp_modules
 
 
-def install(patcher, args) -> None:
+def install(ctx, args) -> None:
     why = "--moe-grouped-gemm via kernels.gmm"
+    patcher = ctx.patcher
     ops = GroupedGemmOps(bool(getattr(args, "gemm_gradient_accumulation_fusion", False)))
     patcher.replace(f"{GG}.grouped_gemm", ops, reason=why)
     patcher.replace(f"{GG}.ops", ops, reason=why)
-    if has_local_spec_provider():   # core 0.12's local spec picks GroupedMLP from the flag itself
+    ctx.provide(SPEC_GROUPED_EXPERTS, True)
+    if has_local_spec_provider() and not ctx.specs_from_session:   # core 0.12's local spec picks GroupedMLP from the flag itself
         patcher.wrap(f"{LOCAL_SPEC_PROVIDER}.grouped_mlp_modules", _grouped_mlp_modules, reason=why)
     config_fields.override(patcher, "moe_grouped_gemm", lambda config: True, why)

@@ -11,6 +11,13 @@ import importlib
 LOCAL_SPEC_PROVIDER = "megatron.core.models.backends.LocalSpecProvider"
 GPT_LAYER_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 
+# The session parts the fused features provide for a host that builds its spec itself
+# (ApplyContext.specs_from_session: the built-in trainers, training/layer_spec.py); other hosts
+# (Megatron-LM's scripts, a user's own spec) get the same modules by the patches of this module's targets.
+SPEC_NORM = "spec.norm"                      # the norm class for every norm slot
+SPEC_CORE_ATTENTION = "spec.core_attention"  # the ModuleSpec for every DotProductAttention slot
+SPEC_GROUPED_EXPERTS = "spec.grouped_experts"  # True: MoE experts as one grouped GEMM
+
 
 def has_local_spec_provider() -> bool:
     try:

@@ -36,7 +36,8 @@ def _make_unpermute(original):
     return unpermute
 
 
-def install(patcher, args) -> None:
+def install(ctx, args) -> None:
+    patcher = ctx.patcher
     why = "--use-fused-moe-token-permute-and-unpermute"
     patcher.wrap(f"{DISPATCHER}.permute", _make_permute, reason=why)
     patcher.wrap(f"{DISPATCHER}.unpermute", _make_unpermute, reason=why)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from mindspeed.backends import get_backend
-from mindspeed.features.fused.megatron_specs import GPT_LAYER_SPECS, LOCAL_SPEC_PROVIDER, has_local_spec_provider
+from mindspeed.features.fused.megatron_specs import (GPT_LAYER_SPECS, LOCAL_SPEC_PROVIDER, SPEC_NORM,
+                                                     has_local_spec_provider)
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -41,12 +42,19 @@ def _layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
     return FusedNorm
 
 
-def install(patcher, args) -> None:
+def install(ctx, args) -> None:
+    ctx.provide(SPEC_NORM, FusedNorm)
+    if not ctx.specs_from_session:
+        _patch_specs(ctx.patcher)
+
+
+def _patch_specs(patcher) -> None:
     why = "--use-fused-rmsnorm"
     if has_local_spec_provider():
         patcher.replace(f"{LOCAL_SPEC_PROVIDER}.layer_norm", _layer_norm, reason=why)
     else:   # core 0.12: RMSNorm configs rebind LNImpl to WrappedTorchNorm inside the spec builder
         patcher.replace(f"{GPT_LAYER_SPECS}.WrappedTorchNorm", FusedNorm, reason=why)
-        patcher.replace(f"{GPT_LAYER_SPECS}.LNImpl", FusedNorm, reason=why)
+    # the final norm: of a block spec (mixed dense/MoE layers) and of a block built from a layer spec
+    patcher.replace(f"{GPT_LAYER_SPECS}.LNImpl", FusedNorm, reason=why + " (final norm of a block spec)")
     patcher.replace("megatron.core.transformer.transformer_block.LayerNormImpl", FusedNorm,
                     reason=why + " (final norm)")

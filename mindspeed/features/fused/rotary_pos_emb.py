@@ -23,5 +23,6 @@ def _make_fused(original):
     return apply_rotary_pos_emb
 
 
-def install(patcher, args) -> None:
+def install(ctx, args) -> None:
+    patcher = ctx.patcher
     patcher.wrap(TARGET, _make_fused, reason="--use-fused-rotary-pos-emb")

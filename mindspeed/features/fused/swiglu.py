@@ -23,7 +23,8 @@ def _silu_glu(config):
                     and not getattr(config, "use_te_activation_func", False)) else None   # field new in core 0.13
 
 
-def install(patcher, args) -> None:
+def install(ctx, args) -> None:
+    patcher = ctx.patcher
     why = "--use-fused-swiglu"
     config_fields.override(patcher, "bias_activation_fusion", _silu_glu, why)
     patcher.replace("megatron.core.transformer.mlp.bias_swiglu_impl", fused_bias_swiglu, reason=why)

@@ -7,32 +7,25 @@ import functools
 from mindspeed.features.memory import layer_init, parameter_identity
 from mindspeed.features.memory.activation_swap import ActivationSwapper
 
-_SWAPPER = None
-
-
-def swapper():
-    """The swapper of the current adapt() (on the live backend's memory)."""
-    return _SWAPPER
-
-
-def _swapped_forward(forward, layer: int):
+def _swapped_forward(forward, layer: int, swapper: ActivationSwapper):
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with swapper().scope(layer):
+        with swapper.scope(layer):
             return forward(*args, **kwargs)
     return run
 
 
-def install(patcher, names: list[str], memory) -> None:
-    """names: the TransformerLayer modules to swap (swap_features.swap_module_names)."""
-    global _SWAPPER
-    _SWAPPER = ActivationSwapper(memory)
+def install(patcher, names: list[str], memory) -> ActivationSwapper:
+    """names: the TransformerLayer modules to swap (swap_features.swap_module_names). Returns the
+    swapper (on the live backend's memory) the layers built from now on run their modules in."""
+    swapper = ActivationSwapper(memory)
 
     def swap_modules(layer, _arguments):
         for name in names:
             module = getattr(layer, name, None)
             if module is not None and any(True for _ in module.parameters()):   # not an IdentityOp
-                module.forward = _swapped_forward(module.forward, layer.layer_number)
+                module.forward = _swapped_forward(module.forward, layer.layer_number, swapper)
 
     parameter_identity.install(patcher, memory)
     layer_init.add_hook(patcher, swap_modules, "--swap-attention: swapped modules save their activations on the host")
+    return swapper

@@ -17,7 +17,7 @@ SWAPPABLE = ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp")
 
 
 def swap_module_names(args) -> list[str]:
-    words = [w.strip() for w in (getattr(args, "swap_modules", None) or "self_attention").split(",") if w.strip()]
+    words = [w.strip() for w in (args.swap_modules or "self_attention").split(",") if w.strip()]
     return [MODULE_ALIASES.get(w, w) for w in words]
 
 
@@ -39,13 +39,14 @@ class SwapAttention(Feature):
         names = swap_module_names(args)
         bad = [n for n in names if n not in SWAPPABLE]
         if bad or not names:
-            raise FeatureConfigError(f"--swap-modules {getattr(args, 'swap_modules', '')!r}: unknown module "
+            raise FeatureConfigError(f"--swap-modules {args.swap_modules!r}: unknown module "
                                      f"{', '.join(bad) or '(none given)'}; choose from {', '.join(SWAPPABLE)}, "
                                      f"{', '.join(MODULE_ALIASES)}")
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            swap_attention_megatron.install(ctx.patcher, swap_module_names(args), ctx.backend.memory)
+            swapper = swap_attention_megatron.install(ctx.patcher, swap_module_names(args), ctx.backend.memory)
+            ctx.provide("activation_swapper", swapper)        # what it moved (tests, benchmarks)
         else:   # the MindSpore GPT asks for (scope, module names) when it is built
             swapper, names = ActivationSwapper(ctx.backend.memory), swap_module_names(args)
             ctx.provide("activation_swap", lambda: (swapper.scope, names))
@@ -72,7 +73,7 @@ class SwapOptimizer(Feature):
     example = ("--swap-optimizer",)
 
     def validate(self, args) -> None:
-        times = getattr(args, "swap_optimizer_times", 16)
+        times = args.swap_optimizer_times
         if times is None or times < 1:
             raise FeatureConfigError(f"--swap-optimizer-times must be >= 1, got {times}")
 

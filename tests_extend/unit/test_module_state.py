@@ -1,0 +1,51 @@
+"""What a run applied reaches its users as the Session, by parameter (docs/architecture.md, "The
+session"): MindSpeed's modules hold no other process-wide state that a `global` statement rebinds,
+and no feature plants state in a module through the patch manager (the hidden routes the session
+replaced: a module's own `_state` swapped by a feature's hook)."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = os.path.join(ROOT, "mindspeed")
+
+# the only module-level state a `global` statement rebinds, each with why it is process-wide
+ALLOWED_GLOBALS = {
+    "backends/__init__.py": "the active backend: what get_backend() answers, chosen by adapt (the registry "
+                            "the features' kernels and collectives are dispatched through)",
+    "features/registry.py": "the feature modules are imported once, on the registry's first query",
+    "data/workers.py": "one preprocessing worker process's function (multiprocessing's initializer)",
+}
+
+
+def _modules():
+    for folder, _dirs, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    yield os.path.relpath(path, PACKAGE), ast.parse(f.read(), path)
+
+
+def _patcher_targets_of_own_module(tree) -> list[int]:
+    """Lines where a patcher call names `f"{__name__}..."` or `f"{module.__name__}..."`: a MindSpeed
+    module's own attribute swapped in."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args \
+                and isinstance(node.args[0], ast.JoinedStr):
+            parts = node.args[0].values
+            named = parts[0].value if parts and isinstance(parts[0], ast.FormattedValue) else None
+            if isinstance(named, ast.Name) and named.id == "__name__" or \
+                    isinstance(named, ast.Attribute) and named.attr == "__name__":    # f"{module.__name__}._state"
+                lines.append(node.lineno)
+    return lines
+
+
+def test_module_level_state_is_only_the_listed_registries():
+    rebinding = {path for path, tree in _modules() if any(isinstance(n, ast.Global) for n in ast.walk(tree))}
+    assert rebinding == set(ALLOWED_GLOBALS), rebinding ^ set(ALLOWED_GLOBALS)
+
+
+def test_no_feature_swaps_its_own_modules_state_through_the_patcher():
+    found = {path: lines for path, tree in _modules() for lines in [_patcher_targets_of_own_module(tree)] if lines}
+    assert found == {}
