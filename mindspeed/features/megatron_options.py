@@ -12,22 +12,15 @@ from types import SimpleNamespace
 from typing import Callable
 
 from mindspeed.backends.base import Cap
-from mindspeed.features.base import Feature, FeatureConfigError, Flag
+from mindspeed.features.base import Feature, FeatureConfigError
 from mindspeed.features.context_parallel.feature import MASK_TYPE
 from mindspeed.features.fused.features import FlashAttention
+from mindspeed.features.host_flags import BF16, NUM_EXPERTS, host, until_given
 from mindspeed.features.registry import all_features, register
 from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
 
 MS = "the MindSpore trainer"
 TORCH = "use --backend torch"
-
-
-def host(name: str, default=None, dest: str | None = None) -> Flag:
-    """A host-parser flag; `default` is the host's, kept here only to name what the user changed."""
-    kwargs = {"default": default}
-    if dest:
-        kwargs["dest"] = dest
-    return Flag(name, kwargs, megatron=True, host=True)
 
 
 class MegatronOption(Feature):
@@ -38,10 +31,9 @@ class MegatronOption(Feature):
 
     def enabled(self, args) -> bool:
         try:
-            # a flag not given is absent from `check`'s namespace: read as its default, so that one flag
-            # of several (--fp16 without --bf16) still turns the option on
-            given = getattr(args, "__dict__", {})      # a bare object() has none: every flag at its default
-            return bool(self.is_on(SimpleNamespace(**{**{fl.dest: fl.default for fl in self.flags}, **given})))
+            # a flag absent from the namespace (--num-experts, --bf16 until the host's args are given:
+            # flags/mindspeed_flags) reads as its default, so that one flag of several still turns it on
+            return bool(self.is_on(SimpleNamespace(**{**{fl.dest: fl.default for fl in self.flags}, **vars(args)})))
         except AttributeError:     # the host's parser has no such flag (e.g. a user's own script)
             return False
 
@@ -60,7 +52,7 @@ option("fp16", (host("--fp16", False), host("--loss-scale"), host("--initial-los
                 host("--loss-scale-window"), host("--hysteresis")),
        lambda a: a.fp16, "fp16 training with fp32 master weights and (dynamic) loss scaling", {}, "",
        ("--fp16", "--initial-loss-scale", "65536"))
-Bf16 = option("bf16", (host("--bf16", False),), lambda a: a.bf16, "bf16 training with fp32 master weights",
+Bf16 = option("bf16", (BF16,), lambda a: a.bf16, "bf16 training with fp32 master weights",
               {}, "", ("--bf16",))
 Bf16.requires = (Cap.BF16_COMPUTE,)     # MindSpore/CPU: bf16 storage, ops without a bf16 kernel in fp32
 option("sgd-optimizer", (host("--optimizer", "adam"), host("--sgd-momentum", 0.9)), lambda a: a.optimizer != "adam",
@@ -75,7 +67,7 @@ option("recompute-layer-groups", (host("--recompute-method"), host("--recompute-
        and (a.recompute_method == "block" or (a.recompute_num_layers or 1) != 1),
        "full recompute of groups of layers (uniform N > 1) or of the first N layers (block)", {}, "",
        ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"))
-Moe = option("moe", (host("--num-experts"),), lambda a: bool(a.num_experts), "Megatron-Core mixture of experts",
+Moe = option("moe", (NUM_EXPERTS,), lambda a: bool(a.num_experts), "Megatron-Core mixture of experts",
              {}, "", ("--num-experts", "4", "--moe-aux-loss-coeff", "0.01"))
 option("qkv-bias", (host("--add-qkv-bias", False),), lambda a: a.add_qkv_bias,
        "biases on the fused q/k/v projection (Qwen2)", {}, "", ("--add-qkv-bias",))
@@ -115,25 +107,24 @@ option("eod-mask-loss", (host("--eod-mask-loss", False),), lambda a: a.eod_mask_
 def _documents_as_general_mask(feature, args) -> bool:
     """--reset-attention-mask under CP with --attention-mask-type general: the documents' dense mask is
     the batch's own mask, which the context-parallel attention takes over the whole sequence."""
-    return (feature.id == "eod-reset" and getattr(args, "attention_mask_type", "causal") == "general"
-            and not getattr(args, "reset_position_ids", False)
-            and (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1)
+    return (feature.id == "eod-reset" and args.attention_mask_type == "general" and not args.reset_position_ids
+            and (args.pipeline_model_parallel_size or 1) == 1)
 
 
 def _mindspore_whole_sequence_only(what: str):
     """validate: on the MindSpore trainer, `what` runs without context or pipeline parallelism only."""
     def validate(self, args) -> None:
-        if getattr(args, "backend", None) != "mindspore" or not self.enabled(args):
+        if args.backend != "mindspore" or not self.enabled(args):
             return
-        if self.id == "eod-reset" and getattr(args, "neat_pack", False):
+        if self.id == "eod-reset" and args.neat_pack:
             raise FeatureConfigError(f"--neat-pack: {MS} separates documents by end-of-document tokens only "
                                      f"(not by neat-packed sample numbers); preprocess without --neat-pack, or {TORCH}")
-        if (getattr(args, "context_parallel_size", 1) or 1) > 1 and not _documents_as_general_mask(self, args):
+        if (args.context_parallel_size or 1) > 1 and not _documents_as_general_mask(self, args):
             general = (" (--reset-attention-mask alone goes through it with --attention-mask-type general)"
                        if self.id == "eod-reset" else "")
             raise FeatureConfigError(f"{self.trigger(args)} with --context-parallel-size > 1: {MS}'s "
                                      f"context-parallel attention takes no {what}{general}; drop one, or {TORCH}")
-        if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        if (args.pipeline_model_parallel_size or 1) > 1:
             raise FeatureConfigError(f"{self.trigger(args)} with --pipeline-model-parallel-size > 1: {MS}'s "
                                      f"pipeline stages exchange no {what}; drop one, or {TORCH}")
     return validate
@@ -186,7 +177,7 @@ GeneralMask = option(
 
 
 def _general_mask_without_cp(self, args) -> str:
-    if (getattr(args, "context_parallel_size", 1) or 1) == 1:
+    if (args.context_parallel_size or 1) == 1:
         return "at --context-parallel-size 1 there is no context-parallel attention (Megatron's own mask is used)"
     return ""
 
@@ -207,7 +198,7 @@ FlashAttnBand.requires = FlashAttention.requires     # the band is the flash ker
 def _band_without_cp(self, args) -> None:
     # the context-parallel attention of either trainer takes the causal mask or the batch's own one;
     # flash attention defers to it under CP, so a band would be dropped without a word
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+    if (args.context_parallel_size or 1) > 1:
         raise FeatureConfigError("--sparse-mode/--pre-tockens/--next-tockens with context parallelism: the "
                                  "context-parallel attention is causal only (or --attention-mask-type general's "
                                  "batch mask), never a band; drop the band flags, or --context-parallel-size 1")
@@ -239,27 +230,26 @@ def _another_refused_on_mindspore(moe, args) -> bool:
 
 def _moe_on_mindspore(self, args) -> None:
     """What the MindSpore trainer's MoE layer (training/mindspore/moe.py) does not do, refused in one line."""
-    if getattr(args, "backend", None) != "mindspore" or not getattr(args, "num_experts", None):
+    if args.backend != "mindspore" or not until_given(args, NUM_EXPERTS):
         return
     if _another_refused_on_mindspore(self, args):     # the matrix refuses the run, naming that feature
         return
-    size = lambda name: getattr(args, name, 1) or 1
-    extend = bool(getattr(args, "moe_tp_extend_ep", False))      # whole experts over TP x EP (moe-tp-extend-ep)
-    limits = [((size("tensor_model_parallel_size") > 1 and not extend) or size("context_parallel_size") > 1
-               or size("pipeline_model_parallel_size") > 1,
+    tp, cp, pp = (args.tensor_model_parallel_size or 1, args.context_parallel_size or 1,
+                  args.pipeline_model_parallel_size or 1)
+    extend = bool(args.moe_tp_extend_ep)      # whole experts over TP x EP (moe-tp-extend-ep)
+    limits = [((tp > 1 and not extend) or cp > 1 or pp > 1,
                "runs at context and pipeline parallel size 1, and at tensor parallel size 1 unless "
                "--moe-tp-extend-ep spreads whole experts over the TP ranks (experts split over the "
                "data-parallel ranks with --expert-model-parallel-size)"),
-              (extend and bool(getattr(args, "moe_shared_expert_intermediate_size", None)),
+              (extend and bool(args.moe_shared_expert_intermediate_size),
                "splits no shared experts over the tensor-parallel ranks: drop "
                "--moe-shared-expert-intermediate-size with --moe-tp-extend-ep"),
-              (getattr(args, "moe_token_dispatcher_type", "alltoall") == "allgather",
+              (args.moe_token_dispatcher_type == "allgather",
                "dispatches tokens by all-to-all only: use --moe-token-dispatcher-type alltoall"),
-              (bool(getattr(args, "add_bias_linear", False)), "has no linear biases: drop --add-bias-linear"),
-              (bool(getattr(args, "recompute_activation_function", False)),
+              (bool(args.add_bias_linear), "has no linear biases: drop --add-bias-linear"),
+              (bool(args.recompute_activation_function),
                "does not recompute the experts' activation: drop --recompute-activation-function"),
-              ((size("expert_model_parallel_size") > 1 or extend)
-               and bool(getattr(args, "use_distributed_optimizer", False)),
+              (((args.expert_model_parallel_size or 1) > 1 or extend) and bool(args.use_distributed_optimizer),
                "shards no optimizer state of expert-parallel weights: drop --use-distributed-optimizer "
                "or --expert-model-parallel-size (and --moe-tp-extend-ep)")]
     problems = [why for hit, why in limits if hit]

@@ -5,7 +5,8 @@ spelling a user typed (the trainers derive Megatron-Core's values from them afte
 """
 from __future__ import annotations
 
-from mindspeed.features.megatron_options import MS, TORCH, host, option
+from mindspeed.features.host_flags import NUM_EXPERTS, host
+from mindspeed.features.megatron_options import MS, TORCH, option
 
 MOE_EXAMPLE = ("--num-experts", "4", "--moe-ffn-hidden-size", "64")
 
@@ -80,7 +81,7 @@ MtpMemEfficientLogits.examples = {"mindspore": ("--mtp-mem-efficient-logits",)} 
 MtpMemEfficientLogits.inert = lambda self, args: (
     "Megatron-Core's MTP computes each MTP layer's logits and loss in turn, freeing the last before the next")
 
-option("expert-tensor-parallel", (host("--expert-tensor-parallel-size"), host("--num-experts"),
+option("expert-tensor-parallel", (host("--expert-tensor-parallel-size"), NUM_EXPERTS,
                                   host("--tensor-model-parallel-size", 1)),
        # Megatron's default (None, or Megatron-LM's 1 at TP 1) is the attention's TP: only another size is the option
        lambda a: bool(a.num_experts) and a.expert_tensor_parallel_size not in (None, a.tensor_model_parallel_size or 1),

@@ -14,7 +14,7 @@ class PlannedFeature(Feature):
     optimization_level = 0          # never dropped by --optimization-level: always refused
 
     def enabled(self, args) -> bool:
-        return any(getattr(args, fl.dest, fl.default) != fl.default for fl in self.flags)
+        return any(getattr(args, fl.dest) != fl.default for fl in self.flags)
 
 
 def planned(feature_id: str, category: str, tracked: str, description: str, *flags: Flag) -> None:

@@ -11,9 +11,11 @@ import argparse
 import difflib
 import os
 
+from mindspeed.features.host_flags import ABSENT_UNTIL_GIVEN
 from mindspeed.features.registry import all_features
 from mindspeed.errors import ArgumentError, OneLineParser
 from mindspeed.flags.checks import is_number
+from mindspeed.megatron_defaults import HOST_FLAG_DEFAULTS
 
 FRAMEWORK_ALIASES = {"pytorch": "torch", "torch": "torch", "mindspore": "mindspore"}
 
@@ -145,9 +147,26 @@ def parse_mindspeed_args(argv=None, namespace=None, unknown: str = "ignore") -> 
             if typos:
                 raise ArgumentError(unknown_flag_message(typos, known))
     args.backend = resolve_backend_name(args)
+    fill_host_defaults(args)
     return args
 
 
 def defaults() -> argparse.Namespace:
-    """All MindSpeed flags at their defaults (programmatic use without a command line)."""
+    """All MindSpeed flags at their defaults, and the host flags features read at the host's
+    (programmatic use without a command line)."""
     return parse_mindspeed_args([])
+
+
+def host_flag_defaults() -> dict:
+    """Every host (Megatron) flag MindSpeed's features read -> the value its absence stands for:
+    the feature's host-flag definition, else megatron_defaults.HOST_FLAG_DEFAULTS."""
+    declared = {fl.dest: fl.default for f in all_features() for fl in f.flags if fl.host}
+    return {**HOST_FLAG_DEFAULTS, **declared}
+
+
+def fill_host_defaults(args) -> None:
+    """Give `args` each host flag it lacks, at its default, so that features read attributes:
+    `check`'s or a partial command line's namespace, a user's own Namespace, an older Megatron's."""
+    for dest, value in host_flag_defaults().items():
+        if dest not in ABSENT_UNTIL_GIVEN and not hasattr(args, dest):
+            setattr(args, dest, value)

@@ -62,6 +62,7 @@ def test_every_refused_cell_names_what_is_missing():
 def test_conflicts_and_dependencies_are_errors():
     from mindspeed.features.base import Feature, FeatureConfigError
     from mindspeed.features import registry
+    from mindspeed.flags.mindspeed_flags import defaults
 
     class A(Feature):
         id, flags, conflicts = "test-a", (), ("test-b",)
@@ -77,7 +78,7 @@ def test_conflicts_and_dependencies_are_errors():
         registry.register(A)
         registry.register(B)
         with pytest.raises(FeatureConfigError) as err:
-            registry.enabled_features(object())
+            registry.enabled_features(defaults())
         assert "conflicts with 'test-b'" in str(err.value) and "needs 'test-missing'" in str(err.value)
     finally:
         registry._REGISTRY.clear()

@@ -30,7 +30,7 @@ ULYSSES_DEGREE = Flag("--ulysses-degree-in-cp", dict(type=int, default=None,
 
 
 def _cp_size(args) -> int:
-    return getattr(args, "context_parallel_size", 1) or 1
+    return args.context_parallel_size or 1
 
 
 FLAGS = {"ulysses_cp_algo": (CP_ALGO, CP_SIZE, MASK_TYPE),
@@ -41,7 +41,7 @@ _ALGO_FLAGS = (CP_ALGO, OVERLAP, WINDOW, ULYSSES_DEGREE)
 
 
 def _given(fl: Flag, args) -> bool:
-    return getattr(args, fl.dest, fl.default) not in (fl.default, None)
+    return getattr(args, fl.dest) not in (fl.default, None)
 
 
 def algo_at_cp1(args) -> str | None:
@@ -51,14 +51,14 @@ def algo_at_cp1(args) -> str | None:
     given = [fl for fl in _ALGO_FLAGS if _given(fl, args)]
     if not given:
         return None
-    named = getattr(args, CP_ALGO.dest, CP_ALGO.default)
+    named = args.context_parallel_algo
     return next(algo for algo in (named, "megatron_cp_algo", "hybrid_cp_algo")
                 if all(fl in FLAGS.get(algo, ()) for fl in given))
 
 
 def _bad_value(args) -> str:
     """What is wrong with the CP flags' own values in any layout ('' if nothing)."""
-    window, u = getattr(args, WINDOW.dest, 1), getattr(args, ULYSSES_DEGREE.dest, None)
+    window, u = args.cp_window_size, args.ulysses_degree_in_cp
     if (window or 1) < 1:                # 0 reads as 1, as at CP > 1
         return f"{WINDOW.name} must be >= 1, got {window}"
     if u is not None and u < 1:
@@ -75,7 +75,7 @@ class _ContextParallel(Feature):
         size = _cp_size(args)
         if size == 1:      # on only to say that the CP flags given do nothing (inert)
             return algo_at_cp1(args) == self.algo
-        return size > 1 and getattr(args, "context_parallel_algo", "ulysses_cp_algo") == self.algo
+        return size > 1 and args.context_parallel_algo == self.algo
 
     def inert(self, args) -> str:
         if _cp_size(args) == 1 and not _bad_value(args):
@@ -105,31 +105,31 @@ class _ContextParallel(Feature):
             raise FeatureConfigError(_bad_value(args))
         size = args.context_parallel_size
         try:
-            u = check_options(self.algo, size, getattr(args, "ulysses_degree_in_cp", None),
-                              getattr(args, "cp_window_size", 1) or 1)
-            world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "0") or 0)
-            tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-            pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+            u = check_options(self.algo, size, args.ulysses_degree_in_cp, args.cp_window_size or 1)
+            world = args.world_size or int(os.environ.get("WORLD_SIZE", "0") or 0)
+            tp = args.tensor_model_parallel_size or 1
+            pp = args.pipeline_model_parallel_size or 1
             if world and world % (size * tp * pp):
                 raise ValueError(f"--context-parallel-size {size} x TP {tp} x PP {pp} does not divide the "
                                  f"world size {world}")
-            seq = getattr(args, "seq_length", None)
+            seq = args.seq_length
             if seq:
                 sharding.check_seq_len(seq, self.algo, size, u)
-            heads = getattr(args, "num_attention_heads", None)
+            heads = args.num_attention_heads
             if heads and u > 1:
                 if heads % tp:
                     raise ValueError(f"{heads} attention heads do not divide by TP {tp}")
-                groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+                gqa = args.group_query_attention      # None (not said): a --num-query-groups given counts
+                groups = args.num_query_groups if gqa or gqa is None else None
                 kv_repeats(heads // tp, max((groups or heads) // tp, 1), u)
         except ValueError as exc:
             raise FeatureConfigError(f"{self.flags[0].name} {self.algo}: {exc}") from exc
-        if getattr(args, "use_cp_send_recv_overlap", False) and self.algo == "ulysses_cp_algo":
+        if args.use_cp_send_recv_overlap and self.algo == "ulysses_cp_algo":
             raise FeatureConfigError("--use-cp-send-recv-overlap applies to ring attention "
                                      "(megatron_cp_algo / hybrid_cp_algo), not ulysses_cp_algo")
 
     def apply(self, ctx, args) -> None:
-        u = getattr(args, "ulysses_degree_in_cp", None)
+        u = args.ulysses_degree_in_cp
         provider = None
         if ctx.backend_name == "torch":
             from mindspeed.features.context_parallel import megatron_hook  # hook may import Megatron (.importlinter)

@@ -23,10 +23,10 @@ class CPOptions:
     def __init__(self, args, fused_merge: bool = False):
         self.fused_merge = fused_merge      # --use-fused-ring-attention-update, as applied
         self.algo = args.context_parallel_algo
-        self.ulysses_degree = getattr(args, "ulysses_degree_in_cp", None)
-        self.window_size = getattr(args, "cp_window_size", 1) or 1
-        self.overlap = bool(getattr(args, "use_cp_send_recv_overlap", False))
-        self.mask_type = getattr(args, "attention_mask_type", "causal") or "causal"
+        self.ulysses_degree = args.ulysses_degree_in_cp
+        self.window_size = args.cp_window_size or 1
+        self.overlap = bool(args.use_cp_send_recv_overlap)
+        self.mask_type = args.attention_mask_type or "causal"
 
 
 def _all_cp_ranks(parallel_state):
@@ -52,47 +52,63 @@ def cp_groups(options: CPOptions):
     return _groups[id(group)]
 
 
-def install(patcher, options: CPOptions) -> None:
-    from megatron.core import parallel_state
+def _wrap_init(original):
+    """DotProductAttention.__init__ with a CP-free copy of the config (Megatron-Core refuses CP there)."""
+    def __init__(self, config, *args, **kwargs):
+        if config.context_parallel_size == 1:
+            return original(self, config, *args, **kwargs)
+        cp_free = copy.copy(config)
+        cp_free.context_parallel_size = 1
+        original(self, cp_free, *args, **kwargs)
+        self.config = config
+    return __init__
 
-    def wrap_init(original):
-        def __init__(self, config, *args, **kwargs):
-            if config.context_parallel_size == 1:
-                return original(self, config, *args, **kwargs)
-            cp_free = copy.copy(config)
-            cp_free.context_parallel_size = 1
-            original(self, cp_free, *args, **kwargs)
-            self.config = config
-        return __init__
 
-    def wrap_forward(original):
+def _cp1_forward(original, self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                 packed_seq_params):
+    """At CP 1: Megatron's own attention, unless the mask is a batch's document ends."""
+    if documents.carries_ends(attention_mask):   # Megatron's attention would take it for a mask
+        raise NotImplementedError("--reset-attention-mask at context-parallel size 1 takes the "
+                                  "documents through --use-flash-attn; add it")
+    return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+
+
+def _cp_attention(self, options: CPOptions, query, key, value, attention_mask, attn_mask_type):
+    """MindSpeed's CP attention over Megatron's [s, b, heads, dim] query/key/value."""
+    from megatron.core.transformer.enums import AttnMaskType
+    general = options.mask_type == "general"
+    causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+    if general and attention_mask is None:
+        raise ValueError("--attention-mask-type general needs an attention mask in the batch")
+    s, b, heads, head_dim = query.shape
+    sk, _, kv_heads, _ = key.shape
+    scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+    docs = None if general else documents.ends_in(attention_mask)    # EOD reset: the micro-batch's documents
+    return context_parallel_attention(
+        query.reshape(s, b, heads * head_dim), key.reshape(sk, b, kv_heads * head_dim),
+        value.reshape(sk, b, kv_heads * head_dim), cp_groups(options), head_num=heads,
+        causal=causal and not general, mask=attention_mask if general else None, scale=scale,
+        dropout_p=self.attention_dropout.p if self.training else 0.0, documents=docs)
+
+
+def _wrap_forward(options: CPOptions):
+    def wrap(original):
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             if self.config.context_parallel_size == 1:
-                if documents.carries_ends(attention_mask):   # Megatron's attention would take it for a mask
-                    raise NotImplementedError("--reset-attention-mask at context-parallel size 1 takes the "
-                                              "documents through --use-flash-attn; add it")
-                return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
-                                packed_seq_params)
+                return _cp1_forward(original, self, query, key, value, attention_mask, attn_mask_type,
+                                    attention_bias, packed_seq_params)
             if packed_seq_params is not None or attention_bias is not None:
                 raise NotImplementedError("context parallelism: packed sequences and attention bias are "
                                           "not supported by MindSpeed's CP attention")
-            from megatron.core.transformer.enums import AttnMaskType
-            general = options.mask_type == "general"
-            causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
-            if general and attention_mask is None:
-                raise ValueError("--attention-mask-type general needs an attention mask in the batch")
-            s, b, heads, head_dim = query.shape
-            sk, _, kv_heads, _ = key.shape
-            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-            docs = None if general else documents.ends_in(attention_mask)    # EOD reset: the micro-batch's documents
-            out = context_parallel_attention(
-                query.reshape(s, b, heads * head_dim), key.reshape(sk, b, kv_heads * head_dim),
-                value.reshape(sk, b, kv_heads * head_dim), cp_groups(options), head_num=heads,
-                causal=causal and not general, mask=attention_mask if general else None, scale=scale,
-                dropout_p=self.attention_dropout.p if self.training else 0.0, documents=docs)
-            return out
+            return _cp_attention(self, options, query, key, value, attention_mask, attn_mask_type)
         return forward
+    return wrap
+
+
+def _pos_emb_on_this_cp_rank(options: CPOptions):
+    """RoPE's slice for this CP rank, as sharding.local_positions lays the sequence out."""
+    from megatron.core import parallel_state
 
     def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group=None):
         if cp_group is None:   # core 0.12 passes no group: Megatron's CP group
@@ -103,8 +119,13 @@ def install(patcher, options: CPOptions) -> None:
                                              options.ulysses_degree)
         import torch
         return pos_emb.index_select(seq_dim, torch.tensor(positions, device=pos_emb.device))
+    return pos_emb_on_this_cp_rank
 
-    def wrap_initialize(original):
+
+def _wrap_initialize(options: CPOptions):
+    from megatron.core import parallel_state
+
+    def wrap(original):
         def initialize_model_parallel(*args, **kwargs):
             result = original(*args, **kwargs)
             _groups.clear()              # groups of an earlier initialize are gone
@@ -112,11 +133,14 @@ def install(patcher, options: CPOptions) -> None:
                 cp_groups(options)       # subgroups now, while every rank is here
             return result
         return initialize_model_parallel
+    return wrap
 
+
+def install(patcher, options: CPOptions) -> None:
     why = "context parallelism (MindSpeed CP attention)"
-    patcher.wrap(DPA + ".__init__", wrap_init, reason=why)
-    patcher.wrap(DPA + ".forward", wrap_forward, reason=why)
+    patcher.wrap(DPA + ".__init__", _wrap_init, reason=why)
+    patcher.wrap(DPA + ".forward", _wrap_forward(options), reason=why)
     patcher.replace("megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank",
-                    pos_emb_on_this_cp_rank, reason=why + ": RoPE slice per CP sharding", aliases="megatron")
-    patcher.wrap("megatron.core.parallel_state.initialize_model_parallel", wrap_initialize,
+                    _pos_emb_on_this_cp_rank(options), reason=why + ": RoPE slice per CP sharding", aliases="megatron")
+    patcher.wrap("megatron.core.parallel_state.initialize_model_parallel", _wrap_initialize(options),
                  reason=why + ": hybrid subgroups")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.host_flags import NUM_EXPERTS, until_given
 from mindspeed.features.registry import register
 
 TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -50,7 +51,7 @@ class Lora(Feature):
     example = ("--lora-target-modules", "linear_qkv", "linear_fc2", "--lora-r", "4")
 
     def enabled(self, args) -> bool:
-        return bool(getattr(args, "lora_target_modules", None))
+        return bool(args.lora_target_modules)
 
     def validate(self, args) -> None:
         if args.lora_r < 1:
@@ -62,7 +63,7 @@ class Lora(Feature):
                                      "base layer's) is not implemented here: drop it; the adapters give the "
                                      "same results unfused")
         mlp = [m for m in args.lora_target_modules if m in MLP_TARGETS]
-        if getattr(args, "num_experts", None) and mlp:
+        if until_given(args, NUM_EXPERTS) and mlp:
             raise FeatureConfigError(f"--lora-target-modules {' '.join(mlp)} with --num-experts: adapters on MoE "
                                      "experts are not implemented; target linear_qkv and linear_proj only")
 

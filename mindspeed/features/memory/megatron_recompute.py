@@ -37,9 +37,8 @@ def _choose_layers(act, norm, layer, arguments) -> None:
 def install(patcher, args) -> None:
     if layer_init.has_hook(patcher, _choose_layers):     # both recompute features share the hook
         return
-    act = (bool(getattr(args, "recompute_activation_function", False)),
-           getattr(args, "recompute_activation_function_num_layers", None))
-    norm = (bool(getattr(args, "recompute_norm", False)), getattr(args, "recompute_norm_num_layers", None))
+    act = (bool(args.recompute_activation_function), args.recompute_activation_function_num_layers)
+    norm = (bool(args.recompute_norm), args.recompute_norm_num_layers)
     layer_init.add_hook(patcher, functools.partial(_choose_layers, act, norm),
                         "--recompute-activation-function / --recompute-norm: choose the layers")
     if act[0]:

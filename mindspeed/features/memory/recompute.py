@@ -37,19 +37,18 @@ class _OutputRecompute(Feature):
 
     def layers(self, args):
         """How many layers of each model chunk recompute (None: all)."""
-        return getattr(args, self.num_layers_flag.dest, None)
+        return getattr(args, self.num_layers_flag.dest)      # the subclass's own flag
 
     def validate(self, args) -> None:
-        n, total, name = self.layers(args), getattr(args, "num_layers", None), self.num_layers_flag.name
+        n, total, name = self.layers(args), args.num_layers, self.num_layers_flag.name
         if n is not None and n < 1:
             raise FeatureConfigError(f"{name} must be >= 1, got {n}")
         if n is not None and total is not None and n > total:
             raise FeatureConfigError(f"{name} {n} is more than --num-layers {total}")
-        if getattr(args, "recompute_granularity", None) == "full":
+        if args.recompute_granularity == "full":
             raise FeatureConfigError(f"{self.flags[0].name} with --recompute-granularity full: full recompute "
                                      "already keeps no activation inside a layer; use one of them")
-        if (getattr(args, "recompute_granularity", None) == "selective"
-                and self.megatron_module in (getattr(args, "recompute_modules", None) or ())):
+        if args.recompute_granularity == "selective" and self.megatron_module in (args.recompute_modules or ()):
             raise FeatureConfigError(f"{self.flags[0].name} with --recompute-modules {self.megatron_module}: "
                                      "both recompute the same op; use one of them")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, switch
+from mindspeed.features.host_flags import BF16, NUM_EXPERTS, until_given
 from mindspeed.features.registry import register
 
 
@@ -30,16 +31,16 @@ class ReuseFp32Param(Feature):
     example = ("--reuse-fp32-param", "--bf16")
 
     def validate(self, args) -> None:
-        if getattr(args, "fp16", False) or not getattr(args, "bf16", False):
+        if args.fp16 or not until_given(args, BF16):
             raise FeatureConfigError("--reuse-fp32-param needs --bf16 (a bf16 value is the high half of an "
                                      "fp32 one; fp16 is not)")
-        if getattr(args, "use_distributed_optimizer", False):
+        if args.use_distributed_optimizer:
             # --overlap-param-gather is fine (reuse_fp32_param_distrib.py: the borrowed halves hold fp32 bits
             # until the deferred all-gather, which the next forward's pre-hooks, a save and a params norm
             # wait for); Megatron-LM's --overlap-param-gather-with-optimizer-step is not with MoE: it starts
             # the all-gather after the first of the chained optimizers' updates, while the expert one's
             # update still turns its buckets into fp32 pairs
-            if getattr(args, "overlap_param_gather_with_optimizer_step", False) and getattr(args, "num_experts", None):
+            if args.overlap_param_gather_with_optimizer_step and until_given(args, NUM_EXPERTS):
                 raise FeatureConfigError("--reuse-fp32-param with --use-distributed-optimizer and MoE: drop "
                                          "--overlap-param-gather-with-optimizer-step (its all-gather would start "
                                          "before the expert optimizer's update)")

@@ -35,8 +35,7 @@ def is_shared(mask) -> bool:
 
 def plain_causal(args) -> bool:
     """Whether the run's masks are all the plain causal one (see the module's note)."""
-    return not (getattr(args, "reset_attention_mask", False) or getattr(args, "neat_pack", False)
-                or (getattr(args, "context_parallel_size", 1) or 1) > 1)
+    return not (args.reset_attention_mask or args.neat_pack or (args.context_parallel_size or 1) > 1)
 
 
 def share_batch_mask(batch: dict) -> dict:
@@ -82,7 +81,7 @@ def _sharing_tp_batches(original):
         batch = original(*a, **kw)
         from megatron.training import get_args
         args = get_args()
-        if isinstance(batch, dict) and plain_causal(args) and not getattr(args, "is_instruction_dataset", False):
+        if isinstance(batch, dict) and plain_causal(args) and not args.is_instruction_dataset:
             share_batch_mask(batch)
         return batch
     return get_batch_on_this_tp_rank

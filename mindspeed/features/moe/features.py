@@ -18,18 +18,22 @@ import importlib
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, switch
+from mindspeed.features.host_flags import NUM_EXPERTS, until_given
 from mindspeed.features.registry import register
 from mindspeed.versions import megatron_version
 
 
-def _size(args, name: str) -> int:
-    return getattr(args, name, None) or 1
+def _tp(args) -> int:
+    return args.tensor_model_parallel_size or 1
+
+
+def _ep(args) -> int:
+    return args.expert_model_parallel_size or 1
 
 
 def expert_parallel(args) -> int:
     """Ranks the experts are spread over: EP, times TP with --moe-tp-extend-ep."""
-    ep = _size(args, "expert_model_parallel_size")
-    return ep * _size(args, "tensor_model_parallel_size") if getattr(args, "moe_tp_extend_ep", False) else ep
+    return _ep(args) * _tp(args) if args.moe_tp_extend_ep else _ep(args)
 
 
 def missing_megatron_hook(hooks) -> str | None:
@@ -48,7 +52,7 @@ def missing_megatron_hook(hooks) -> str | None:
 
 
 def _dispatcher(args):
-    kind = getattr(args, "moe_token_dispatcher_type", "alltoall")
+    kind = args.moe_token_dispatcher_type
     return "alltoall" if kind == "alltoall_seq" else kind     # Megatron 0.12's name: alltoall runs it here
 
 
@@ -62,7 +66,7 @@ class _MoeComm(Feature):
     megatron_hooks = ()        # ((module, class, methods), ...) that install wraps
 
     def _megatron_has_hooks(self, args) -> None:
-        if getattr(args, "backend", None) == "mindspore":      # the trainer's own MoE layer, not Megatron's
+        if args.backend == "mindspore":      # the trainer's own MoE layer, not Megatron's
             return
         missing = missing_megatron_hook(self.megatron_hooks)
         if missing:
@@ -83,10 +87,10 @@ class _MoeComm(Feature):
     def _common(self, args) -> None:
         self._megatron_has_hooks(args)
         name = self.flags[0].name
-        if getattr(args, "moe_expert_capacity_factor", None) is not None:
+        if args.moe_expert_capacity_factor is not None:
             raise FeatureConfigError(f"{name} supports dropless MoE only: drop --moe-expert-capacity-factor")
-        tp = _size(args, "tensor_model_parallel_size")
-        if tp > 1 and hasattr(args, "sequence_parallel") and not args.sequence_parallel:
+        tp = _tp(args)
+        if tp > 1 and not args.sequence_parallel:
             raise FeatureConfigError(f"{name} at --tensor-model-parallel-size {tp} needs --sequence-parallel "
                                      "(Megatron-Core's MoE layer trains with TP only under sequence parallelism)")
 
@@ -105,21 +109,21 @@ class MoeTpExtendEp(_MoeComm):
     inert_host_flags = {"moe_tp_extend_ep": False}
 
     def inert(self, args) -> str:
-        if _size(args, "tensor_model_parallel_size") < 2:
+        if _tp(args) < 2:
             return "at --tensor-model-parallel-size 1 the experts are whole on each rank already"
         return ""
 
     def validate(self, args) -> None:
         self._common(args)
-        tp, ep = _size(args, "tensor_model_parallel_size"), _size(args, "expert_model_parallel_size")
-        experts = getattr(args, "num_experts", None)
+        tp, ep = _tp(args), _ep(args)
+        experts = until_given(args, NUM_EXPERTS)
         if experts and experts % (tp * ep):
             raise FeatureConfigError(f"--moe-tp-extend-ep needs --num-experts ({experts}) divisible by "
                                      f"tensor x expert parallel size ({tp} x {ep})")
-        if getattr(args, "expert_tensor_parallel_size", None) not in (None, tp):
+        if args.expert_tensor_parallel_size not in (None, tp):
             raise FeatureConfigError("--moe-tp-extend-ep sets the expert tensor-parallel size itself: "
                                      "drop --expert-tensor-parallel-size")
-        if getattr(args, "moe_shared_expert_overlap", False):
+        if args.moe_shared_expert_overlap:
             raise FeatureConfigError("--moe-tp-extend-ep does not combine with --moe-shared-expert-overlap "
                                      "(as upstream); drop one")
         if _dispatcher(args) not in ("alltoall", "allgather"):
@@ -153,7 +157,7 @@ class MoePermutationAsyncComm(_MoeComm):
         kind = _dispatcher(args)
         if kind == "alltoall" and expert_parallel(args) < 2:
             return "at expert parallel size 1 the alltoall dispatcher sends no tokens to another rank"
-        tp, ep = _size(args, "tensor_model_parallel_size"), _size(args, "expert_model_parallel_size")
+        tp, ep = _tp(args), _ep(args)
         if tp * ep < 2:
             return f"at tensor x expert parallel size 1 the {kind} dispatcher does not communicate"
         return ""
@@ -164,8 +168,7 @@ class MoePermutationAsyncComm(_MoeComm):
         if kind not in ("alltoall", "allgather"):
             raise FeatureConfigError("--moe-permutation-async-comm needs --moe-token-dispatcher-type allgather "
                                      "or alltoall")
-        tp = _size(args, "tensor_model_parallel_size")
-        if kind == "alltoall" and tp > 1 and not getattr(args, "moe_tp_extend_ep", False):
+        if kind == "alltoall" and _tp(args) > 1 and not args.moe_tp_extend_ep:
             raise FeatureConfigError("--moe-permutation-async-comm with the alltoall dispatcher at TP > 1 needs "
                                      "--moe-tp-extend-ep (the expert-TP gather stays synchronous)")
 
@@ -203,7 +206,7 @@ class MoeAlltoallOverlapComm(_MoeComm):
         self._common(args)
         if _dispatcher(args) != "alltoall":
             raise FeatureConfigError("--moe-alltoall-overlap-comm needs --moe-token-dispatcher-type alltoall")
-        if _size(args, "tensor_model_parallel_size") > 1 and not getattr(args, "moe_tp_extend_ep", False):
+        if _tp(args) > 1 and not args.moe_tp_extend_ep:
             raise FeatureConfigError("--moe-alltoall-overlap-comm at TP > 1 needs --moe-tp-extend-ep (as upstream)")
 
 

@@ -20,9 +20,9 @@ MODES = (-1, 0, 1, 2)
 
 
 def resolved_mode(args) -> int:
-    mode = getattr(args, "coc_mode", -1)
+    mode = args.coc_mode
     if mode == -1:
-        return 2 if getattr(args, "coc_parallel_num", 1) > 1 else 0
+        return 2 if args.coc_parallel_num > 1 else 0
     return mode
 
 
@@ -74,7 +74,7 @@ class AscendCoc(Feature):
             return ""                   # refused by validate, in every layout
         if resolved_mode(args) == 0:
             return "at --coc-mode 0, or the default -1 with --coc-parallel-num 1, the layers run their original path"
-        tp = getattr(args, "tensor_model_parallel_size", None)
+        tp = args.tensor_model_parallel_size
         if tp is not None and tp < 2:
             return "at --tensor-model-parallel-size 1 there is no tensor-parallel communication to overlap"
         return ""
@@ -83,7 +83,7 @@ class AscendCoc(Feature):
         bad = self._bad_value(args)
         if bad:
             raise FeatureConfigError(bad)
-        if getattr(args, "defer_embedding_wgrad_compute", False):
+        if args.defer_embedding_wgrad_compute:
             raise FeatureConfigError("--use-ascend-coc does not combine with --defer-embedding-wgrad-compute")
 
     def apply(self, ctx, args) -> None:

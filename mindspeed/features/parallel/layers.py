@@ -27,12 +27,12 @@ def _int_list(flag: str, text: str) -> list[int]:
 
 def noop_layer_set(args) -> frozenset:
     """The 0-based indices --noop-layers names (empty when the flag is not given)."""
-    text = getattr(args, "noop_layers", None)
+    text = args.noop_layers
     return frozenset(_int_list("--noop-layers", text)) if text else frozenset()
 
 
 def layer_list(args) -> list[int] | None:
-    text = getattr(args, "num_layer_list", None)
+    text = args.num_layer_list
     return _int_list("--num-layer-list", text) if text else None
 
 
@@ -72,11 +72,11 @@ class NoopLayers(Feature):
     example = ("--num-layers", "2", "--noop-layers", "1")
 
     def enabled(self, args) -> bool:
-        return getattr(args, "noop_layers", None) is not None
+        return args.noop_layers is not None
 
     def validate(self, args) -> None:
         indices = _int_list("--noop-layers", args.noop_layers)
-        layers = getattr(args, "num_layers", None)
+        layers = args.num_layers
         if len(set(indices)) != len(indices):
             raise FeatureConfigError(f"--noop-layers {args.noop_layers} names a layer twice")
         if layers is not None and max(indices) >= layers:
@@ -103,12 +103,12 @@ class UnevenPipelineLayers(Feature):
     example_world = 2
 
     def enabled(self, args) -> bool:
-        return getattr(args, "num_layer_list", None) is not None
+        return args.num_layer_list is not None
 
     def validate(self, args) -> None:
         counts = _int_list("--num-layer-list", args.num_layer_list)
-        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-        layers = getattr(args, "num_layers", None)
+        pp = args.pipeline_model_parallel_size or 1
+        layers = args.num_layers
         if len(counts) != pp:
             raise FeatureConfigError(f"--num-layer-list {args.num_layer_list} has {len(counts)} entries but "
                                      f"--pipeline-model-parallel-size is {pp}: give one per stage")
@@ -118,6 +118,7 @@ class UnevenPipelineLayers(Feature):
             raise FeatureConfigError(f"--num-layer-list {args.num_layer_list} sums to {sum(counts)}, "
                                      f"not --num-layers {layers}")
         ours = self.host_values(args)
+        # Megatron-LM's own args before its checks (megatron_lm.py): the layout flag only from core_v0.13 on
         others = [name for name, dest in CONFLICTING if getattr(args, dest, None) not in (None, ours.get(dest))]
         if others:     # (equal to ours: set by the Megatron-LM hook before Megatron's checks)
             raise FeatureConfigError(f"--num-layer-list sets each stage's layers: leave out {', '.join(others)}")

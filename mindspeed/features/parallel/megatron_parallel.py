@@ -18,10 +18,13 @@ class _SizeFeature(Feature):
     optimization_level = 0
 
     def enabled(self, args) -> bool:
-        return (getattr(args, self.flags[0].dest, 1) or 1) > 1
+        return (self.size(args) or 1) > 1
+
+    def size(self, args):
+        return getattr(args, self.flags[0].dest)     # the subclass's own size flag
 
     def validate(self, args) -> None:
-        size = getattr(args, self.flags[0].dest, 1)
+        size = self.size(args)
         if size is not None and size < 1:
             raise FeatureConfigError(f"{self.flags[0].name} must be >= 1, got {size}")
 
@@ -47,7 +50,7 @@ class PipelineParallel(_SizeFeature):
 
     def validate(self, args) -> None:
         super().validate(args)
-        if getattr(args, "backend", None) == "mindspore":
+        if args.backend == "mindspore":
             problem = mindspore_pipeline_problem(args)
             if problem:
                 raise FeatureConfigError(problem)
@@ -59,17 +62,17 @@ def mindspore_pipeline_problem(args) -> str | None:
     if pp != 2:
         return (f"--pipeline-model-parallel-size {pp}: the MindSpore trainer's 1F1B runs 2 stages (on CPU its "
                 "transfers are exchanges both stages make together); use 2")
-    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
+    if args.num_layers_per_virtual_pipeline_stage is not None:
         # the micro-batches of every step: each global batch size --rampup-batch-size goes through
-        gbs, mbs = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)
-        dp = getattr(args, "data_parallel_size", 1) or 1
-        rampup = getattr(args, "rampup_batch_size", None)
+        gbs, mbs = args.global_batch_size, args.micro_batch_size
+        dp = args.data_parallel_size or 1
+        rampup = args.rampup_batch_size
         sizes = [gbs] if rampup is None else list(range(int(rampup[0]), gbs, int(rampup[1]) or gbs)) + [gbs]
         for size in (sizes if gbs and mbs else []):
             problem = interleaved_micro_batch_problem(size // (mbs * dp), pp)
             if problem:
                 return problem
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+    if (args.context_parallel_size or 1) > 1:
         return ("--context-parallel-size with --pipeline-model-parallel-size: the MindSpore trainer runs one "
                 "or the other; use --backend torch for both")
     return None
@@ -111,7 +114,7 @@ class SequenceParallel(Feature):
     inert_example = ("--sequence-parallel",)
 
     def inert(self, args) -> str:
-        if (getattr(args, "tensor_model_parallel_size", 1) or 1) < 2:
+        if (args.tensor_model_parallel_size or 1) < 2:
             return ("at --tensor-model-parallel-size 1 there is no tensor-parallel group to shard the sequence "
                     "over (Megatron turns it off too)")
         return ""
@@ -148,8 +151,8 @@ class Recompute(Feature):
     example = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
 
     def enabled(self, args) -> bool:
-        return getattr(args, "recompute_granularity", None) is not None
+        return args.recompute_granularity is not None
 
     def validate(self, args) -> None:
-        if getattr(args, "recompute_granularity", None) == "full" and not getattr(args, "recompute_method", None):
+        if args.recompute_granularity == "full" and not args.recompute_method:
             raise FeatureConfigError("--recompute-granularity full needs --recompute-method uniform|block")
