@@ -5,6 +5,7 @@ spelling a user typed (the trainers derive Megatron-Core's values from them afte
 """
 from __future__ import annotations
 
+from mindspeed.features.base import FeatureConfigError
 from mindspeed.features.host_flags import NUM_EXPERTS, host
 from mindspeed.features.megatron_options import MS, TORCH, option
 
@@ -90,3 +91,19 @@ option("expert-tensor-parallel", (host("--expert-tensor-parallel-size"), NUM_EXP
        # Megatron-Core: MoE at TP > 1 needs sequence parallelism
        MOE_EXAMPLE + ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"),
        example_world=2)
+MultiLatentAttention = option(
+    "multi-latent-attention", (host("--multi-latent-attention", False),), lambda a: a.multi_latent_attention,
+    "DeepSeek's multi-latent attention (Megatron-Core's MLA; without Transformer Engine through "
+    "backends/torch/mla_standin.py)", _lacks("multi-latent attention"), TORCH,
+    ("--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+     "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"))
+
+
+def _mla_layout_problem(self, args) -> None:
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:   # a host flag a user's Namespace may lack
+        raise FeatureConfigError("--multi-latent-attention with --context-parallel-size > 1: MindSpeed's "
+                                 "context-parallel attention takes one head size for q, k and v, and MLA's v "
+                                 "has its own; drop --context-parallel-size (or MLA)")
+
+
+MultiLatentAttention.validate = _mla_layout_problem

@@ -182,3 +182,23 @@ def test_llama2_tokenizer_reads_a_sentencepiece_model_and_refuses_anything_else(
         from_flags(_args(*argv, "--tokenizer-model", str(tmp_path / "not.model")))
     with pytest.raises(ArgumentError, match="Llama2Tokenizer needs --tokenizer-model FILE"):
         _args(*argv, "--tokenizer-model", str(tmp_path / "missing.model"))
+
+
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
+
+
+@pytest.mark.parametrize("extra, refusal", [
+    (["--backend", "mindspore"], "feature 'multi-latent-attention' (--multi-latent-attention) is not supported on "
+                                 "backend 'mindspore'"),
+    (["--context-parallel-size", "2", "--context-parallel-algo", "megatron_cp_algo"],
+     "--multi-latent-attention with --context-parallel-size > 1"),
+])
+def test_multi_latent_attention_is_refused_where_it_cannot_run_before_any_work(extra, refusal):
+    """The MindSpore trainer's GPT has no MLA (it trained a plain attention before the row existed), and
+    MindSpeed's CP attention takes one head size: the gate says so in one line (python -m mindspeed check)."""
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    assert "multi-latent-attention" in {f.id for f in plan(MLA, unknown_flags="trainer").features}
+    with pytest.raises(MindSpeedConfigError) as refused:
+        plan(MLA + extra, unknown_flags="trainer")
+    assert refusal in str(refused.value) and "\n" not in str(refused.value)
