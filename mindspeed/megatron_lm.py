@@ -141,22 +141,22 @@ class MegatronLMHooks:
         if self.session.plan.backend != "torch":
             return
         from mindspeed.backends.torch.device import dist_backend_for  # imports torch: torch backend only
-        wanted, given = dist_backend_for(device), getattr(args, "distributed_backend", None)
+        wanted, given = dist_backend_for(device), args.distributed_backend
         gloo_on_accelerator = given == "gloo" and device != "cpu"   # the user's explicit choice
         if given in ("nccl", "hccl", "gloo") and given != wanted and not gloo_on_accelerator:
             if int(os.environ.get("RANK", "0")) == 0:
                 log.warning("MindSpeed: --distributed-backend %s -> %s (device %s)", given, wanted, device)
             args.distributed_backend = wanted
-        if getattr(args, "transformer_impl", None) == "transformer_engine" and not _transformer_engine_present():
+        if args.transformer_impl == "transformer_engine" and not _transformer_engine_present():
             self._refuse("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is "
                          "not installed; use --transformer-impl local (MindSpeed's fused kernels plug into it)")
-        if getattr(args, "apply_rope_fusion", False) and not _transformer_engine_present():
+        if args.apply_rope_fusion and not _transformer_engine_present():
             # Megatron's default (--no-rope-fusion turns it off) needs TE's kernel; MindSpeed's
             # fused rope kernel serves it instead (Megatron's own unfused RoPE at level 0)
             args.apply_rope_fusion = False
             if args.position_embedding_type == "rope":
                 args.use_fused_rotary_pos_emb = True
-        if getattr(args, "batch_invariant_mode", False) and device == "cpu":
+        if getattr(args, "batch_invariant_mode", False) and device == "cpu":     # core_v0.16's, not core_v0.12's
             self._refuse("--batch-invariant-mode needs triton GPU kernels, which device cpu lacks; "
                          "drop the flag")
         self._early_host_flags(args)
@@ -193,7 +193,7 @@ class MegatronLMHooks:
             self._refuse(f"--backend/--device give {p.backend}/{p.device} but the adaptor activated "
                          f"{active.backend}/{active.device} at import; pass them on the command line")
         apply_features(self.session.context, p)
-        if getattr(args, "is_instruction_dataset", False):
+        if args.is_instruction_dataset:
             megatron_lm_data.install(self.session.patcher)
         set_host_flags(p, args)      # after Megatron's checks (its --deterministic-mode asserts NCCL_ALGO)
         self.session.plan = p
@@ -234,7 +234,7 @@ def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> Session:
             "MindSpeed: Megatron-LM's own scripts run on MindSpore only through MSAdapter (put an "
             "MSAdapter checkout first on PYTHONPATH); without it use " + BUILTIN_MINDSPORE_TRAINER)
     try:
-        device = resolve_device(ns.backend, getattr(ns, "mindspeed_device", "auto") or "auto")
+        device = resolve_device(ns.backend, ns.mindspeed_device or "auto")
     except (ValueError, RuntimeError, ImportError) as exc:
         raise MindSpeedConfigError(f"MindSpeed: {exc}") from exc
     ctx = activate_backend(ns.backend, device, patcher, megatron_lm=(ns.backend == "torch"))

@@ -67,10 +67,10 @@ def tokenizer_problems(args) -> list[str]:
     trainers check them; a --padded-vocab-size below a tokenizer.json's vocabulary (or NullTokenizer's)
     is refused too (Megatron would build the smaller embedding)."""
     resolve_hf_alias(args)
-    if getattr(args, "tokenizer_not_use_fast", False) and int(os.environ.get("RANK", "0")) == 0:
+    if args.tokenizer_not_use_fast and int(os.environ.get("RANK", "0")) == 0:
         sys.stdout.write("> --tokenizer-not-use-fast has no effect here: training reads token ids, it encodes no text\n")
     found = hf_tokenizer_problems(args, local_only=False) + padded_vocab_problems(args)
-    padded = getattr(args, "padded_vocab_size", None)
+    padded = args.padded_vocab_size
     if not found and padded is not None:
         vocab = _flag_vocab_size(args)
         if vocab is not None and padded < vocab:
@@ -82,7 +82,7 @@ def tokenizer_problems(args) -> list[str]:
 def _flag_vocab_size(args) -> int | None:
     """The vocabulary the flags give without building the tokenizer: NullTokenizer's, or a Hugging
     Face folder's tokenizer.json (as len(tokenizer) counts it); None otherwise."""
-    if args.tokenizer_type == "NullTokenizer" and getattr(args, "vocab_size", None):
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size:
         return args.vocab_size + 1          # Megatron's NullTokenizer adds its end-of-document id
     if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model and os.path.isfile(
             os.path.join(args.tokenizer_model, "tokenizer.json")):
@@ -97,27 +97,27 @@ def _flag_vocab_size(args) -> int | None:
 
 def problems(args) -> list[str]:
     found = instruction_problems(args)
-    if not found and getattr(args, "neat_pack", False) and not getattr(args, "create_attention_mask_in_dataloader",
-                                                                       True):
+    if not found and args.neat_pack and not args.create_attention_mask_in_dataloader:
         found.append("--neat-pack carries its per-sample attention in the batch's attention mask: "
                      "drop --no-create-attention-mask-in-dataloader")
-    cp = (getattr(args, "context_parallel_size", 1) or 1) > 1
-    if not found and getattr(args, "reset_attention_mask", False) and cp \
-            and not (documents_possible(args) and getattr(args, "attention_mask_type", "causal") != "general"):
+    cp = (args.context_parallel_size or 1) > 1
+    if not found and args.reset_attention_mask and cp \
+            and not (documents_possible(args) and args.attention_mask_type != "general"):
         # MindSpeed's CP attention takes the documents' ends, which get_batch gives it only where
         # documents_possible; elsewhere the batches would reach it without them
         found.append("--reset-attention-mask with --context-parallel-size > 1 under Megatron-LM's pretrain_gpt.py "
                      "needs the document ends from the tokens: not with --pipeline-model-parallel-size > 1, "
                      "--neat-pack or --attention-mask-type general; use tests_extend/example/pretrain_gpt.py, "
                      "which keeps attention inside each document there, or --context-parallel-size 1")
-    if not found and getattr(args, "is_instruction_dataset", False) and getattr(args, "sft", False):
+    # --sft: Megatron-LM's from core_v0.13 on
+    if not found and args.is_instruction_dataset and getattr(args, "sft", False):
         found.append("--is-instruction-dataset and Megatron-LM's --sft read different datasets: give one")
     return found
 
 
 def documents_possible(args) -> bool:
     """Every stage's get_batch sees the tokens (PP 1) and the documents are EOD-separated."""
-    return (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1 and not getattr(args, "neat_pack", False)
+    return (args.pipeline_model_parallel_size or 1) == 1 and not args.neat_pack
 
 
 def install_documents(ctx) -> None:
@@ -146,7 +146,7 @@ def _instruction_build(original):
     def build(self):
         from megatron.training import get_args
         args = get_args()
-        if not getattr(args, "is_instruction_dataset", False):
+        if not args.is_instruction_dataset:
             return original(self)
         if not self.is_built_on_rank():
             return [None, None, None]

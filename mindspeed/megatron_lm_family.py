@@ -182,7 +182,7 @@ def _rope(args, parsed, problems) -> None:
     yarn = args.rope_scaling_type == "yarn"
     own = [f for f, dest in ff.YARN_FLAGS if dest in ("beta_fast", "beta_slow",
                                                        "rope_scaling_original_max_position_embeddings")
-           and getattr(args, dest, None) is not None]
+           and getattr(args, dest) is not None]
     if own and not (yarn or rope_type == "yarn" or mla):
         problems.append(ff.yarn_flags_problem(own))
     if yarn and args.use_rope_scaling and args.rope_scaling_type != "llama3":
@@ -211,7 +211,7 @@ def _mla_yarn_fields(args, problems) -> None:
     from megatron.core.transformer.transformer_config import MLATransformerConfig
     fields = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)}
     for dest in ("beta_fast", "beta_slow"):
-        if dest in fields and getattr(args, dest, None) is None:
+        if dest in fields and getattr(args, dest) is None:
             setattr(args, dest, fields[dest])
     original = args.rope_scaling_original_max_position_embeddings
     if "original_max_position_embeddings" in fields:      # core_v0.13 on
@@ -233,6 +233,6 @@ def _core_version() -> str:
 def after_checks(args) -> None:
     """--n-shared-experts N as Megatron's shared experts' size, once an FFN size is known (given, or derived
     by Megatron's checks: Megatron's arguments dump then shows None, its model gets the size)."""
-    if getattr(args, "n_shared_experts", None) and args.num_experts \
+    if args.n_shared_experts and args.num_experts \
             and args.moe_shared_expert_intermediate_size is None:
         args.moe_shared_expert_intermediate_size = ff.shared_expert_size(args)
