@@ -62,6 +62,14 @@ class FusedRotaryPosEmb(_FusedFeature):
     description = "rotary position embedding through the fused rope kernel (npu_rotary_position_embedding)"
     flags = (switch("--use-fused-rotary-pos-emb", "use the fused rotary position embedding kernel"),)
     requires = (Cap.ROPE,)
+    inert_example = ("--use-fused-rotary-pos-emb", "--multi-latent-attention", "--q-lora-rank", "32",
+                     "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")
+
+    def inert(self, args) -> str:
+        if getattr(args, "multi_latent_attention", False):     # a host flag a user's Namespace may lack
+            return ("every attention layer is multi-latent attention, whose decoupled RoPE (one rotated key "
+                    "part shared by all heads) runs Megatron-Core's own rotation")
+        return ""
 
     @staticmethod
     def megatron_hook():
