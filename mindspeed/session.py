@@ -89,9 +89,14 @@ class Session:
         return "flash-attn" if self.applied("flash-attn") else CORE_ATTENTION
 
     @property
-    def fused_kernels(self) -> tuple[str, ...]:
-        """The fused kernels in effect (feature ids), in registry order."""
+    def fused_features(self) -> tuple[str, ...]:
+        """The applied fused-kernel features (ids), in registry order."""
         return tuple(f.id for f in self.plan.features if f.category == "fused")
+
+    @property
+    def fast_kernels(self) -> frozenset:
+        """The kernels (KernelsAPI names) the applied features run on the device's fast path."""
+        return frozenset(k for f in self.plan.features for k in f.kernels)
 
     def packed_documents(self, args) -> bool:
         """Whether the kernel path takes packed documents (features/documents.py; no dense mask is

@@ -52,6 +52,7 @@ class Feature:
     description: str = ""
     flags: tuple[Flag, ...] = ()
     requires: tuple[str, ...] = ()     # capability names (mindspeed.backends.base.Cap)
+    kernels: tuple[str, ...] = ()      # the kernels (KernelsAPI names) it switches to the device's fast path
     conflicts: tuple[str, ...] = ()    # feature ids that cannot be on together with this one
     depends: tuple[str, ...] = ()      # feature ids that must be on too
     optimization_level: int = 2        # 0 basic compatibility, 1 affinity (fused), 2 acceleration

@@ -56,6 +56,11 @@ def get_feature(feature_id: str) -> Feature:
     raise KeyError(f"unknown feature {feature_id!r}")
 
 
+def fast_kernels(feature_ids) -> frozenset:
+    """The kernels (KernelsAPI names) these features switch to the device's fast path (Feature.kernels)."""
+    return frozenset(k for feature_id in feature_ids for k in get_feature(feature_id).kernels)
+
+
 def enabled_features(args) -> list[Feature]:
     """The enabled features, checked for conflicts and dependencies; deterministic order."""
     on = [f for f in all_features() if f.enabled(args)]

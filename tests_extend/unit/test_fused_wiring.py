@@ -58,7 +58,8 @@ def test_unadapt_removes_the_fused_hooks():
     before = LocalSpecProvider.core_attention
     session = mindspeed.adapt(["--use-flash-attn", "--use-fused-ring-attention-update"])
     assert LocalSpecProvider.core_attention is not before and session.applied("fused-ring-attention-update")
-    assert session.fused_kernels == ("flash-attn", "fused-ring-attention-update")
+    assert session.fused_features == ("flash-attn", "fused-ring-attention-update")
+    assert session.fast_kernels == {"attention", "ring_attention_update"}
     session.close()
     assert LocalSpecProvider.core_attention is before
 
@@ -178,3 +179,17 @@ def test_documents_follow_the_applied_plan_not_the_flags_alone():
         assert session.packed_documents(args)
     finally:
         session.close()
+
+
+def test_each_fused_feature_declares_the_kernels_it_switches_and_the_mindspore_gpt_reads_them():
+    """One source for "is fused kernel X on": Feature.kernels (the MindSpore GPT's table of feature ids
+    is gone); every declared kernel is one the backends serve."""
+    from mindspeed.backends.base import KERNEL_NAMES
+    from mindspeed.features.registry import all_features, fast_kernels
+    from mindspeed.training.mindspore.gpt_config import GPTConfig
+    from mindspeed.flags.trainer_flags import parse_args
+    fused = {f.id: f.kernels for f in all_features() if type(f).__module__ == "mindspeed.features.fused.features"}
+    assert all(fused.values()) and set().union(*fused.values()) <= set(KERNEL_NAMES)
+    assert fast_kernels(["fused-rmsnorm", "flash-attn", "sequence-parallel"]) == {"rms_norm", "attention"}
+    cfg = GPTConfig.from_args(parse_args(["--mock-data"]), 128, ("fused-swiglu", "moe-grouped-gemm"))
+    assert cfg.fused_kernels == {"swiglu", "gmm"}

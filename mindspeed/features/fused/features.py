@@ -36,6 +36,7 @@ class FusedRmsNorm(_FusedFeature):
     description = "RMSNorm through the fused rms_norm kernel (npu_rms_norm; fused C++ on cpu)"
     flags = (switch("--use-fused-rmsnorm", "use the fused RMSNorm kernel"),)
     requires = (Cap.RMS_NORM,)
+    kernels = ("rms_norm",)
 
     @staticmethod
     def megatron_hook():
@@ -49,6 +50,7 @@ class FusedSwiglu(_FusedFeature):
     description = "SwiGLU activation through the fused swiglu kernel (npu_swiglu; fused C++ on cpu)"
     flags = (switch("--use-fused-swiglu", "use the fused SwiGLU kernel"),)
     requires = (Cap.SWIGLU,)
+    kernels = ("swiglu",)
 
     @staticmethod
     def megatron_hook():
@@ -62,6 +64,7 @@ class FusedRotaryPosEmb(_FusedFeature):
     description = "rotary position embedding through the fused rope kernel (npu_rotary_position_embedding)"
     flags = (switch("--use-fused-rotary-pos-emb", "use the fused rotary position embedding kernel"),)
     requires = (Cap.ROPE,)
+    kernels = ("rope",)
     inert_example = ("--use-fused-rotary-pos-emb", "--multi-latent-attention", "--q-lora-rank", "32",
                      "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")
 
@@ -91,6 +94,7 @@ class FlashAttention(_FusedFeature):
         Flag("--next-tockens", dict(type=int, default=0, help="band (sparse mode 4): keys after the query")),
     )
     requires = (Cap.FLASH_ATTENTION,)
+    kernels = ("attention",)
 
     @staticmethod
     def megatron_hook():
@@ -114,6 +118,7 @@ class FusedRingAttentionUpdate(_FusedFeature):
     description = "ring attention's online-softmax merge through the fused ring_attention_update kernel"
     flags = (switch("--use-fused-ring-attention-update", "use the fused ring-attention update kernel"),)
     requires = (Cap.RING_ATTENTION_UPDATE,)
+    kernels = ("ring_attention_update",)
 
     def apply(self, ctx, args) -> None:
         """Nothing to patch: the context-parallel feature builds its ring with the fused merge when
@@ -128,6 +133,7 @@ class GradientAccumulationFusion(_FusedFeature):
                                                          help="fuse the wgrad GEMM with main_grad accumulation"),
                   megatron=True),)
     requires = (Cap.MATMUL_ADD_FP32,)
+    kernels = ("matmul_add_fp32",)
     # torch: Megatron-Core's linears' main_grad; mindspore: the trainer's decoder linears (main_grad.py)
     alternatives = "leave it off: weight gradients are then accumulated by Megatron's DDP (or the MindSpore trainer)"
 
@@ -151,6 +157,7 @@ class MoeGroupedGemm(_FusedFeature):
              switch("--gemm-gradient-accumulation-fusion",
                     "with --moe-grouped-gemm: add expert weight gradients straight into main_grad"))
     requires = (Cap.GMM, Cap.MOE)
+    kernels = ("gmm",)
     alternatives = "leave it off: experts then run as separate MLPs"
     companions = ("--num-experts", "4", "--bf16")
     # the MindSpore trainer's grouped experts (training/mindspore/moe.py) run in its own precision
@@ -180,6 +187,7 @@ class FusedMoeTokenPermute(_FusedFeature):
     description = "MoE token permute/unpermute through the fused moe_permute/moe_unpermute kernels"
     flags = (switch("--use-fused-moe-token-permute-and-unpermute", "use the fused MoE token permutation kernels"),)
     requires = (Cap.MOE_PERMUTE, Cap.MOE)
+    kernels = ("moe_permute", "moe_unpermute")
     alternatives = "leave it off: Megatron's own permutation runs"
     companions = ("--num-experts", "4")
 

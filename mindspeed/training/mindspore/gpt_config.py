@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mindspeed.features.parallel.layers import layer_list, noop_layer_set
+from mindspeed.features.registry import fast_kernels
 from mindspeed.training.mindspore import param_layout
 from mindspeed.training.mindspore.attention_band import CAUSAL, band_keywords
 from mindspeed.training.mindspore.parallel import stage_layer_counts
@@ -54,12 +55,6 @@ class GPTConfig:
     moe_dispatch: frozenset = frozenset()    # the MOE_DISPATCH features on: how moe.py schedules its exchanges
     attention_band: tuple = CAUSAL           # the attention kernel's mask keywords (attention_band.py)
 
-    # feature id -> the kernels it switches to the device's fast path (the MoE layer's from its own
-    # host permutation and per-expert loop to the kernels: moe.py)
-    FEATURE_KERNELS = {"fused-rmsnorm": ("rms_norm",), "fused-swiglu": ("swiglu",), "fused-rotary-pos-emb": ("rope",),
-                       "flash-attn": ("attention",),
-                       "fused-moe-token-permute-and-unpermute": ("moe_permute", "moe_unpermute"),
-                       "moe-grouped-gemm": ("gmm",), "gradient-accumulation-fusion": ("matmul_add_fp32",)}
     # feature ids that change the MoE layer's dispatch and combine (moe.py)
     MOE_DISPATCH = ("moe-alltoall-overlap-comm", "moe-permutation-async-comm", "moe-shared-expert-overlap")
 
@@ -68,7 +63,7 @@ class GPTConfig:
         """features: ids of the enabled (adapted) features; fused ones pick the fast kernels."""
         return cls(**_architecture(args, padded_vocab), **_positions(args), **_recompute(args, features),
                    **_training(args), **_pipeline(args), **_moe(args, features, cls.MOE_DISPATCH),
-                   fused_kernels=frozenset(k for f in features for k in cls.FEATURE_KERNELS.get(f, ())),
+                   fused_kernels=fast_kernels(features),     # each feature declares its own (Feature.kernels)
                    attention_band=band_keywords(args, features))
 
     # pipeline stages -------------------------------------------------------------------------------
