@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import re
 
-from mindspeed.megatron_defaults import DISTRIBUTED_TIMEOUT_MINUTES
-
 # MindSpeed-LLM's name for Megatron's HuggingFaceTokenizer (--tokenizer-name-or-path for --tokenizer-model)
 PRETRAINED_FROM_HF = "PretrainedFromHF"
 # Megatron's --tokenizer-type values (and MindSpeed-LLM's); the trainers implement the first six
@@ -33,7 +31,7 @@ def cross_flag_problems(args) -> list[str]:
 
 
 def _timeout_problems(args) -> list[str]:
-    minutes = getattr(args, "distributed_timeout_minutes", DISTRIBUTED_TIMEOUT_MINUTES)
+    minutes = args.distributed_timeout_minutes
     if not 0 < minutes < float("inf"):     # nan fails both comparisons
         return [f"--distributed-timeout-minutes {minutes:g}: give a positive number of minutes (0.5 is 30 s)"]
     return []
@@ -41,9 +39,9 @@ def _timeout_problems(args) -> list[str]:
 
 def _wsd_problems(args) -> list[str]:
     """The WSD flags shape only a WSD schedule: with another --lr-decay-style they would be ignored."""
-    given = ([_flag("lr_wsd_decay_iters")] if getattr(args, "lr_wsd_decay_iters", None) is not None else []) + \
-        ([_flag("lr_wsd_decay_style")] if getattr(args, "lr_wsd_decay_style", "exponential") != "exponential" else [])
-    if given and getattr(args, "lr_decay_style", None) != "WSD":
+    given = ([_flag("lr_wsd_decay_iters")] if args.lr_wsd_decay_iters is not None else []) + \
+        ([_flag("lr_wsd_decay_style")] if args.lr_wsd_decay_style != "exponential" else [])
+    if given and args.lr_decay_style != "WSD":
         return [f"{', '.join(given)}: only a WSD schedule reads it (add --lr-decay-style WSD, or drop the flag)"]
     return []
 
@@ -51,10 +49,9 @@ def _wsd_problems(args) -> list[str]:
 def instruction_problems(args) -> list[str]:
     """An instruction dataset is one prefix of files an instruction handler wrote; the GPTDataset
     options that have no meaning for it are refused rather than ignored."""
-    if not getattr(args, "is_instruction_dataset", False):
-        return ["--neat-pack reads an instruction dataset: add --is-instruction-dataset"] \
-            if getattr(args, "neat_pack", False) else []
-    if getattr(args, "neat_pack", False) and not args.reset_attention_mask:
+    if not args.is_instruction_dataset:
+        return ["--neat-pack reads an instruction dataset: add --is-instruction-dataset"] if args.neat_pack else []
+    if args.neat_pack and not args.reset_attention_mask:
         # MindSpeed-LLM's rule: the packed samples' separation is an attention-mask reset
         return ["--neat-pack needs --reset-attention-mask (attention restarts at each packed sample)"]
     paths = [p for p in args.data_path or [] if not is_number(p)]
@@ -84,7 +81,7 @@ def _moe_problems(args) -> list[str]:
     if args.num_experts:
         return []
     changed = [f"--{name.replace('_', '-')}" for name, default in MOE_DEFAULTS.items()
-               if getattr(args, name, default) != default]
+               if getattr(args, name) != default]
     return [f"{', '.join(changed)} configure MoE layers: add --num-experts or drop them"] if changed else []
 
 
@@ -114,13 +111,13 @@ def _implementation_problems(args) -> list[str]:
         problems.append("--attention-backend fused needs Transformer Engine's cuDNN fused attention, which "
                         "MindSpeed does not use: use --attention-backend flash (MindSpeed's flash-attention "
                         "kernel) or auto")
-    if backend in ("local", "unfused") and getattr(args, "use_flash_attn", False):
+    if backend in ("local", "unfused") and args.use_flash_attn:
         problems.append(f"--attention-backend {backend} (Megatron-Core's unfused attention) contradicts "
                         "--use-flash-attn: drop one, or use --attention-backend flash")
-    if not args.bias_swiglu_fusion and getattr(args, "use_fused_swiglu", False):
+    if not args.bias_swiglu_fusion and args.use_fused_swiglu:
         problems.append("--no-bias-swiglu-fusion contradicts --use-fused-swiglu (MindSpeed's bias-SwiGLU "
                         "fusion): drop one")
-    if not args.apply_rope_fusion and getattr(args, "use_fused_rotary_pos_emb", False):
+    if not args.apply_rope_fusion and args.use_fused_rotary_pos_emb:
         problems.append("--no-rope-fusion contradicts --use-fused-rotary-pos-emb (MindSpeed's RoPE fusion): "
                         "drop one")
     return problems
@@ -130,17 +127,23 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _loss_scaling(args) -> dict:
+    """--loss-scale and the dynamic scaling flags given (None: not given)."""
+    return {n: getattr(args, n) for n in ("loss_scale", *LOSS_SCALE_DEFAULTS)}
+
+
 def _loss_scale_problems(args) -> list[str]:
-    dynamic = [_flag(n) for n in LOSS_SCALE_DEFAULTS if getattr(args, n) is not None]
+    scaling = _loss_scaling(args)
+    dynamic = [_flag(n) for n in LOSS_SCALE_DEFAULTS if scaling[n] is not None]
     given = dynamic + (["--loss-scale"] if args.loss_scale is not None else [])
     if given and not args.fp16:     # no effect, as in Megatron: said in one line (loss_scale_note)
         return []
     if dynamic and args.loss_scale is not None:
         return [f"--loss-scale sets a static scale, so {', '.join(dynamic)} (dynamic scaling) would be "
                 "unused: give one or the other"]
-    return [f"{_flag(n)} must be positive (got {getattr(args, n)})"
+    return [f"{_flag(n)} must be positive (got {scaling[n]})"
             for n in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")
-            if getattr(args, n) is not None and getattr(args, n) <= 0]
+            if scaling[n] is not None and scaling[n] <= 0]
 
 
 def no_effect_notes(args) -> list[str]:
@@ -148,7 +151,8 @@ def no_effect_notes(args) -> list[str]:
     them): loss scaling without --fp16, --vocab-size with a tokenizer that knows its vocabulary, the slow
     tokenizer switch (training reads token ids; `python -m mindspeed.data`, which encodes, refuses it)."""
     notes = []
-    scaling = [_flag(n) for n in LOSS_SCALE_DEFAULTS if getattr(args, n) is not None] + \
+    given = _loss_scaling(args)
+    scaling = [_flag(n) for n in LOSS_SCALE_DEFAULTS if given[n] is not None] + \
         (["--loss-scale"] if args.loss_scale is not None else [])
     if scaling and not args.fp16:
         notes.append(f"> {', '.join(scaling)} has no effect here: loss scaling is for --fp16 (bf16 and fp32 train "
@@ -156,7 +160,7 @@ def no_effect_notes(args) -> list[str]:
     if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
         notes.append("> --vocab-size has no effect here: only --tokenizer-type NullTokenizer reads it (this "
                      "tokenizer knows its vocabulary; --padded-vocab-size sets the embedding's rows)")
-    if getattr(args, "tokenizer_not_use_fast", False):
+    if args.tokenizer_not_use_fast:
         notes.append("> --tokenizer-not-use-fast has no effect here: training reads token ids, it encodes no text")
     return notes
 
@@ -186,7 +190,7 @@ def _tokenizer_problems(args) -> list[str]:
                 "(--tokenizer-model DIR, offline; MindSpeed-LLM's PretrainedFromHF --tokenizer-name-or-path DIR), "
                 "Llama2Tokenizer (--tokenizer-model FILE, a SentencePiece model) or CharLevel"]
     if kind == "Llama2Tokenizer":
-        model = getattr(args, "tokenizer_model", None)
+        model = args.tokenizer_model
         if not model or not os.path.isfile(model):
             return [f"--tokenizer-type Llama2Tokenizer needs --tokenizer-model FILE (a SentencePiece tokenizer.model)"
                     + (f": {model!r} is not a file" if model else "")]
@@ -222,11 +226,11 @@ def resolve_hf_alias(args) -> None:
     tokenizer (data/tokenizer.py's HuggingFaceTokenizer) and one code path serve both spellings.
     args.tokenizer_type_given keeps what was typed, for the messages; a --tokenizer-model that
     differs from --tokenizer-name-or-path is kept for hf_tokenizer_problems to refuse."""
-    args.tokenizer_type_given = getattr(args, "tokenizer_type", None)
+    args.tokenizer_type_given = args.tokenizer_type
     if args.tokenizer_type == PRETRAINED_FROM_HF:
         args.tokenizer_type = "HuggingFaceTokenizer"
-    if args.tokenizer_type == "HuggingFaceTokenizer" and getattr(args, "tokenizer_model", None) is None:
-        args.tokenizer_model = getattr(args, "tokenizer_name_or_path", None)
+    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model is None:
+        args.tokenizer_model = args.tokenizer_name_or_path
 
 
 def hf_tokenizer_problems(args, local_only: bool = True) -> list[str]:
@@ -235,7 +239,7 @@ def hf_tokenizer_problems(args, local_only: bool = True) -> list[str]:
     Megatron-LM's own HuggingFaceTokenizer may download, so there only MindSpeed-LLM's
     --tokenizer-name-or-path, which MindSpeed-LLM loads offline, is checked)."""
     problems = []
-    named, model = getattr(args, "tokenizer_name_or_path", None), getattr(args, "tokenizer_model", None)
+    named, model = args.tokenizer_name_or_path, args.tokenizer_model
     if named and model and named != model:
         return problems + [f"--tokenizer-name-or-path {named} and --tokenizer-model {model} name different "
                            "tokenizers: give one (--tokenizer-name-or-path is MindSpeed-LLM's name for "
@@ -245,7 +249,7 @@ def hf_tokenizer_problems(args, local_only: bool = True) -> list[str]:
             problems.append(f"--tokenizer-name-or-path is read only by --tokenizer-type {PRETRAINED_FROM_HF} "
                             f"(Megatron's HuggingFaceTokenizer): add --tokenizer-type {PRETRAINED_FROM_HF}, or drop it")
         return problems
-    typed = getattr(args, "tokenizer_type_given", None) or args.tokenizer_type
+    typed = args.tokenizer_type_given or args.tokenizer_type      # (resolve_hf_alias ran first)
     flag = "--tokenizer-name-or-path" if named or (not model and typed == PRETRAINED_FROM_HF) else "--tokenizer-model"
     if not model:
         problems.append(f"--tokenizer-type {typed} needs {flag} DIR (a Hugging Face tokenizer folder on this machine)")
@@ -289,10 +293,10 @@ def padded_vocab_problems(args) -> list[str]:
     """--padded-vocab-size N (MindSpeed-LLM's; Megatron-LM 0.16's): the embedding and output rows
     instead of the padded vocabulary. N below the tokenizer's vocabulary is refused once the
     tokenizer is read (flag_tokenizers.model_vocab_size)."""
-    padded = getattr(args, "padded_vocab_size", None)
+    padded = args.padded_vocab_size
     if padded is None:
         return []
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    tp = args.tensor_model_parallel_size or 1
     if padded < 1:
         return [f"--padded-vocab-size must be a positive integer (got {padded})"]
     if padded % tp:

@@ -194,7 +194,7 @@ def _recipe_launch(parser) -> None:
 
 def moe_layer_pattern(args) -> list[int] | None:
     """0/1 per layer (1: MoE) from --moe-layer-freq and --first-k-dense-replace; None for a dense model."""
-    if not getattr(args, "num_experts", None):
+    if not args.num_experts:
         return None
     freq, first = args.moe_layer_freq, args.first_k_dense_replace
     if isinstance(freq, list):
@@ -265,7 +265,7 @@ def derive_family_args(args, say) -> None:
     args.yarn = yarn
     if yarn and args.rotary_scaling_factor is None:
         args.rotary_scaling_factor = args.rope_scaling_factor     # MindSpeed-LLM's spelling of the factor
-    if getattr(args, "moe_token_dispatcher_type", None) == "alltoall_seq":
+    if args.moe_token_dispatcher_type == "alltoall_seq":
         args.moe_token_dispatcher_type = "alltoall"
         say(ALLTOALL_SEQ_NOTE)
 
@@ -307,18 +307,18 @@ def balancing_problem(kind) -> str | None:
 
 def llama3_problems(args) -> list[str]:
     """Llama-3.1's factors other than Megatron-Core's, or given without --rope-scaling-type llama3."""
+    given = {k: getattr(args, k) for k in LLAMA3_SCALING}
     if args.rope_scaling_type == "llama3":
-        other = {k: getattr(args, k) for k, v in LLAMA3_SCALING.items()
-                 if getattr(args, k) is not None and getattr(args, k) != v}
+        other = {k: value for k, value in given.items() if value is not None and value != LLAMA3_SCALING[k]}
         if other:
             return ["--rope-scaling-type llama3 with " + ", ".join(f"--{k.replace('_', '-')} {v:g}"
                                                                    for k, v in other.items())
                     + ": Megatron-Core's Llama-3.1 scaling has low/high frequency factors 1/4 and an "
                       "original context of 8192; drop those flags (or give those values)"]
         return []
-    given = [f"--{k.replace('_', '-')}" for k in LLAMA3_SCALING if getattr(args, k) is not None]
-    if given:
-        return [f"{', '.join(given)}: only --rope-scaling-type llama3 reads them: add it or drop them"]
+    flags = [f"--{k.replace('_', '-')}" for k, value in given.items() if value is not None]
+    if flags:
+        return [f"{', '.join(flags)}: only --rope-scaling-type llama3 reads them: add it or drop them"]
     return []
 
 

@@ -120,8 +120,8 @@ def refuse_unknown(parser: argparse.ArgumentParser, extras) -> None:
 
 def resolve_backend_name(args) -> str:
     """--backend wins; --ai-framework is its alias; they must agree when both are given."""
-    backend = getattr(args, "backend", None)
-    framework = FRAMEWORK_ALIASES.get(getattr(args, "ai_framework", None) or "", None)
+    backend = args.backend
+    framework = FRAMEWORK_ALIASES.get(args.ai_framework or "", None)
     if backend and framework and backend != framework:
         raise ValueError(f"--backend {backend} and --ai-framework {args.ai_framework} disagree")
     return backend or framework or os.environ.get("MINDSPEED_BACKEND") or "torch"

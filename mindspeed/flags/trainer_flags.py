@@ -265,10 +265,9 @@ def _full_parser() -> argparse.ArgumentParser:
     return shared_parser("pretrain_gpt.py", lambda: add_mindspeed_args(build_parser()))
 
 
-def parse_args(argv: Sequence[str] | None = None, *, with_mindspeed: bool = True,
-               world_size: int | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = None) -> argparse.Namespace:
     """Parse argv (sys.argv[1:] when None), derive defaults and validate."""
-    parser = _full_parser() if with_mindspeed else build_parser()
+    parser = _full_parser()
     args, extras = parser.parse_known_args(argv)
     refuse_unknown(parser, extras)
     derive_args(args, world_size)
@@ -346,7 +345,7 @@ def _positive(args, names) -> list[str]:
 def _pipeline_split_problems(args, pp: int) -> list[str]:
     """Even stages, or Megatron's uneven first/last stage with the other stages even."""
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if getattr(args, "num_layer_list", None):
+    if args.num_layer_list:
         return []           # each stage's layers given: the uneven-pipeline-layers feature checks the list
     if first is None and last is None:
         return [] if args.num_layers % pp == 0 else [
@@ -362,14 +361,26 @@ def _pipeline_split_problems(args, pp: int) -> list[str]:
     return []
 
 
+POSITIVE = ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+            "expert_model_parallel_size", "log_interval", "eval_interval"]
+
+
 def validate_args(args) -> None:
     """Every check that needs no process group; raise ArgumentError listing all problems."""
-    problems = _positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                                "micro_batch_size", "train_iters", "tensor_model_parallel_size",
-                                "pipeline_model_parallel_size", "context_parallel_size",
-                                "expert_model_parallel_size", "log_interval", "eval_interval"])
+    problems = _positive(args, POSITIVE)
     if problems:
         raise ArgumentError("; ".join(problems))
+    for check in (_model_parallel_problems, _pipeline_problems, _sequence_problems, _training_problems,
+                  _expert_problems, _run_problems, cross_flag_problems, family_problems):
+        problems.extend(check(args))
+    if problems:
+        raise ArgumentError("; ".join(problems))    # one line, every problem
+
+
+def _model_parallel_problems(args) -> list[str]:
+    """The world and the model's sizes split over the tensor/pipeline/context-parallel ranks."""
+    problems = []
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ws = args.world_size
     if ws % (tp * pp * cp):
@@ -378,25 +389,37 @@ def validate_args(args) -> None:
     if args.hidden_size % args.num_attention_heads:
         problems.append(f"--hidden-size {args.hidden_size} is not divisible by "
                         f"--num-attention-heads {args.num_attention_heads}")
-    if args.num_attention_heads % tp:
-        problems.append(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-                        f"--tensor-model-parallel-size {tp}")
-    if args.num_query_groups % tp:
-        problems.append(f"--num-query-groups {args.num_query_groups} is not divisible by "
-                        f"--tensor-model-parallel-size {tp}")
-    if args.ffn_hidden_size % tp:
-        problems.append(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
-                        f"--tensor-model-parallel-size {tp}")
-    problems.extend(_pipeline_split_problems(args, pp))
+    for flag, count in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups), ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if count % tp:
+            problems.append(f"{flag} {count} is not divisible by --tensor-model-parallel-size {tp}")
+    return problems
+
+
+def _pipeline_problems(args) -> list[str]:
+    pp = args.pipeline_model_parallel_size
+    problems = _pipeline_split_problems(args, pp)
     if args.num_layers_per_virtual_pipeline_stage is not None:
         if pp < 2 or (args.num_layers // pp) % args.num_layers_per_virtual_pipeline_stage:
             problems.append("--num-layers-per-virtual-pipeline-stage needs pipeline size >= 2 and "
                             "must divide the layers of each pipeline stage")
+    return problems
+
+
+def _sequence_problems(args) -> list[str]:
+    problems = []
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     if args.sequence_parallel and args.seq_length % tp:
         problems.append(f"--seq-length {args.seq_length} is not divisible by "
                         f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel)")
     if args.seq_length % (2 * cp) and cp > 1:
         problems.append(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp}")
+    return problems
+
+
+def _training_problems(args) -> list[str]:
+    """Batch sizes, warmup and precision."""
+    problems = []
     if args.data_parallel_size >= 1 and \
             args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
         problems.append(f"--global-batch-size {args.global_batch_size} is not divisible by "
@@ -407,11 +430,21 @@ def validate_args(args) -> None:
                         f"({args.lr_decay_iters}, from --lr-decay-iters or --train-iters)")
     if args.bf16 and args.fp16:
         problems.append("--bf16 and --fp16 cannot both be set")
+    return problems
+
+
+def _expert_problems(args) -> list[str]:
     if args.num_experts is not None and args.num_experts % args.expert_model_parallel_size:
-        problems.append(f"--num-experts {args.num_experts} is not divisible by "
-                        f"--expert-model-parallel-size {args.expert_model_parallel_size}")
+        return [f"--num-experts {args.num_experts} is not divisible by "
+                f"--expert-model-parallel-size {args.expert_model_parallel_size}"]
     if args.num_experts is None and args.expert_model_parallel_size > 1:
-        problems.append("--expert-model-parallel-size > 1 needs --num-experts")
+        return ["--expert-model-parallel-size > 1 needs --num-experts"]
+    return []
+
+
+def _run_problems(args) -> list[str]:
+    """Recompute, checkpoint, optimizer-overlap and warmup options."""
+    problems = []
     if args.recompute_method is not None and args.recompute_granularity != "full":
         problems.append("--recompute-method needs --recompute-granularity full")
     if args.load is not None and not os.path.exists(args.load):
@@ -420,16 +453,18 @@ def validate_args(args) -> None:
         problems.append("--overlap-param-gather needs --use-distributed-optimizer")
     if args.save_interval is not None and args.save_interval < 1:
         problems.append("--save-interval must be positive")
-    if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction < 1:   # nan fails both
-        problems.append(f"--lr-warmup-fraction must be in [0, 1) (got {args.lr_warmup_fraction})")
-    elif args.lr_warmup_fraction is not None and \
-            args.lr_warmup_iters != int(args.lr_warmup_fraction * args.lr_decay_iters):
-        problems.append("--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give only one")
+    problems.extend(_warmup_fraction_problems(args))
     if args.ckpt_format == "torch":
         problems.append("--ckpt-format torch (per-rank files) is not written by the built-in trainer: "
                         "use --ckpt-format torch_dist (the default)")
-    problems.extend(cross_flag_problems(args))
-    problems.extend(family_problems(args))
-    if problems:
-        raise ArgumentError("; ".join(problems))    # one line, every problem
+    return problems
 
+
+def _warmup_fraction_problems(args) -> list[str]:
+    if args.lr_warmup_fraction is None:
+        return []
+    if not 0 <= args.lr_warmup_fraction < 1:   # nan fails both
+        return [f"--lr-warmup-fraction must be in [0, 1) (got {args.lr_warmup_fraction})"]
+    if args.lr_warmup_iters != int(args.lr_warmup_fraction * args.lr_decay_iters):
+        return ["--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give only one"]
+    return []
