@@ -132,6 +132,12 @@ def _loss_scaling(args) -> dict:
     return {n: getattr(args, n) for n in ("loss_scale", *LOSS_SCALE_DEFAULTS)}
 
 
+def dynamic_loss_scaling(args) -> dict:
+    """The dynamic loss-scaling settings: each flag given, else Megatron's default."""
+    given = _loss_scaling(args)
+    return {n: default if given[n] is None else given[n] for n, default in LOSS_SCALE_DEFAULTS.items()}
+
+
 def _loss_scale_problems(args) -> list[str]:
     scaling = _loss_scaling(args)
     dynamic = [_flag(n) for n in LOSS_SCALE_DEFAULTS if scaling[n] is not None]

@@ -42,7 +42,7 @@ def indexed_prefixes(args, components=instruction_samples.COMPONENTS) -> list[st
     """The indexed datasets behind --data-path: its prefixes, or with --is-instruction-dataset
     each prefix's `components` (input_ids and labels)."""
     prefixes = dataset_prefixes(args.data_path)
-    if not getattr(args, "is_instruction_dataset", False):
+    if not args.is_instruction_dataset:
         return prefixes
     return [instruction_samples.component_prefix(p, key) for p in prefixes for key in components]
 
@@ -168,7 +168,7 @@ def neat_pack_positions(segments: torch.Tensor, reset_position_ids: bool) -> tor
 
 def build_instruction_datasets(args, tokenizer, sizes, packed: bool):
     train, valid = instruction_samples.build_splits(dataset_prefixes(args.data_path)[0], args.split, args.seq_length,
-                                                 args.seed, tokenizer.eod, getattr(args, "neat_pack", False))
+                                                 args.seed, tokenizer.eod, args.neat_pack)
     wrap = lambda samples, size: InstructionGPTDataset(samples, max(size, 1), args, tokenizer.eod, packed)
     return wrap(train, sizes[0]), (wrap(valid, sizes[1]) if valid else None), None
 
@@ -178,7 +178,7 @@ def build_datasets(args, tokenizer, packed: bool = False):
     documents (Session.packed_documents), so no dense attention mask is built."""
     gbs = args.global_batch_size
     sizes = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]
-    if getattr(args, "is_instruction_dataset", False):
+    if args.is_instruction_dataset:
         return build_instruction_datasets(args, tokenizer, sizes, packed)
     if not args.mock_data:
         check_splits_have_documents(args)
@@ -210,7 +210,7 @@ def microbatches(dataset, consumed_samples: int, args) -> Iterator[dict]:
         batch = {key: shared_mask.causal_mask(len(samples[0]["tokens"]), "cpu")
                  if shared and key == "attention_mask" else torch.stack([torch.as_tensor(s[key]) for s in samples])
                  for key in samples[0] if key in BATCH_KEYS}
-        if getattr(args, "variable_seq_lengths", False) and "length" in samples[0]:
+        if args.variable_seq_lengths and "length" in samples[0]:
             batch = cut_to_longest(batch, max(s["length"] for s in samples), args)
         yield batch
         position += mbs * dp_size

@@ -44,7 +44,7 @@ def flops_per_iteration(args, global_batch_size: int) -> float:
 
 def throughput_requested(args) -> bool:
     """Megatron's --log-throughput or MindSpeed's --op-cal-tflops: TFLOP/s per device and MFU."""
-    return bool(getattr(args, "log_throughput", False) or getattr(args, "op_cal_tflops", False))
+    return bool(args.log_throughput or args.op_cal_tflops)
 
 
 def tflops_per_device(args, tokens: float, seconds: float) -> float:

@@ -107,7 +107,7 @@ class StepRecorder:
         self._interval_losses: list[float] = []
         self._interval_time, self._interval_tokens = 0.0, 0
         self.total_time, self.total_steps, self.total_tokens = 0.0, 0, 0
-        path = getattr(args, "log_loss_file", None)
+        path = args.log_loss_file
         self._loss_file = open(path, "a") if path and write_loss_file else None
 
     def record(self, iteration: int, loss: float, elapsed: float, *, consumed: int, lr, grad_norm,

@@ -11,8 +11,8 @@ class ManualGC:
     and checkpoints, as Megatron-LM does; the collector's own state is restored on exit."""
 
     def __init__(self, args):
-        self.on = bool(getattr(args, "manual_gc", False))
-        self.interval = int(getattr(args, "manual_gc_interval", 0) or 0)
+        self.on = bool(args.manual_gc)
+        self.interval = int(args.manual_gc_interval or 0)
         self._was_enabled = gc.isenabled()
 
     def __enter__(self) -> "ManualGC":

@@ -30,7 +30,7 @@ from mindspeed.checkpoint import torch_dist
 from mindspeed.data import flag_tokenizers
 from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.errors import CheckpointError
-from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
+from mindspeed.flags.checks import dynamic_loss_scaling
 from mindspeed.net import free_port
 from mindspeed.training import collective_timeout, data, loop
 from mindspeed.training.layer_spec import SpecModules
@@ -114,8 +114,7 @@ def forward_step(reader: data.BatchReader, data_iterator, model, mtp: bool = Fal
 
 def optimizer_config(args, params_dtype: torch.dtype) -> OptimizerConfig:
     """Megatron-Core's optimizer settings; fp16 loss-scaling flags not given take Megatron's defaults."""
-    scaling = {name: default if getattr(args, name) is None else getattr(args, name)
-               for name, default in LOSS_SCALE_DEFAULTS.items()}
+    scaling = dynamic_loss_scaling(args)
     return OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -177,7 +176,7 @@ class Trainer:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=a.overlap_grad_reduce,
             overlap_param_gather=a.overlap_param_gather, use_distributed_optimizer=a.use_distributed_optimizer,
-            check_for_nan_in_grad=getattr(a, "check_for_nan_in_loss_and_grad", True), bucket_size=None if not a.overlap_grad_reduce else 40_000_000)
+            check_for_nan_in_grad=a.check_for_nan_in_loss_and_grad, bucket_size=None if not a.overlap_grad_reduce else 40_000_000)
         wrapped = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk,
                                            disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
         for model_chunk in wrapped:
@@ -252,7 +251,7 @@ def run_schedule(args, model_chunks: list, iterator, reader: data.BatchReader, f
     """One global batch through Megatron-Core's pipeline schedule; the losses of its micro-batches."""
     forward_backward = forward_backward or get_forward_backward_func()
     return forward_backward(
-        forward_step_func=partial(forward_step, reader, mtp=bool(getattr(args, "mtp_num_layers", None))),
+        forward_step_func=partial(forward_step, reader, mtp=bool(args.mtp_num_layers)),
         data_iterator=iterator,
         model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
         num_microbatches=num_microbatches, seq_length=args.seq_length // args.context_parallel_size,
@@ -290,7 +289,7 @@ def run(args, session: Session) -> dict:
     args.device_name = session.device
     collectives = process_group_backend(args.distributed_backend, args.device_name)
     if args.distributed_backend not in (None, collectives):
-        args.flag_notes = [*getattr(args, "flag_notes", []), f"> --distributed-backend {args.distributed_backend} "
+        args.flag_notes = [*args.flag_notes, f"> --distributed-backend {args.distributed_backend} "
                            f"runs as {collectives}: the collective library of device {args.device_name}"]
     if args.device_name == "cpu":
         glibc_heap.keep_freed_memory()     # each step reuses the pages the last one freed
@@ -351,9 +350,9 @@ def resume(args, trainer, logger) -> tuple[int, int]:
     given) into the trainer's model, and its optimizer unless --no-load-optim or --finetune; the
     learning-rate schedule continues from the loaded iteration. Checkpoints hold no RNG state, so
     none is loaded (--no-load-rng holds): every run seeds from --seed."""
-    if getattr(args, "load_note", None):
+    if args.load_note:
         logger.print(args.load_note)
-    for note in getattr(args, "flag_notes", ()):
+    for note in args.flag_notes:
         logger.print(note)
     if trainer.lora is not None:
         return resume_lora(args, trainer, logger)
@@ -450,7 +449,7 @@ def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:
 
     def save(iteration: int, consumed: int) -> str:
         extra = {"lora": lora.settings} if lora else {}
-        if getattr(args, "no_save_optim", False):
+        if args.no_save_optim:
             extra["no_optimizer"] = True      # a resume that asks for optimizer state is refused in one line
         return torch_dist.save_checkpoint(args.save, iteration, trainer.model,
                                           None if extra.get("no_optimizer") else trainer.optimizer,

@@ -29,7 +29,8 @@ def ms_batch(step: int, flags=FLAGS) -> dict:
     from types import SimpleNamespace
     from mindspeed.training.mindspore.eod import EodRules
     tokens, labels, mask = raw_batch(step)
-    args = SimpleNamespace(**{f[2:].replace("-", "_"): True for f in flags})
+    args = SimpleNamespace(**{dest: f"--{dest.replace('_', '-')}" in flags
+                              for dest in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")})
     return EodRules.from_args(args, EOD).apply({"tokens": tokens, "labels": labels, "loss_mask": mask})
 
 

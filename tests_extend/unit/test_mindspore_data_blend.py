@@ -51,7 +51,7 @@ def _corpus(tmp_path, name: str, text: str) -> str:
 
 def _args(data_path):
     return types.SimpleNamespace(data_path=data_path, mock_data=False, vocab_size=None, split="90,10,0",
-                                 seq_length=16, seed=1234, is_instruction_dataset=False)
+                                 seq_length=16, seed=1234, is_instruction_dataset=False, data_cache_path=None)
 
 
 def test_a_weighted_blend_of_two_datasets_feeds_the_trainer_in_its_weights(tmp_path):

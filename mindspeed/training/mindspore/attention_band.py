@@ -17,9 +17,9 @@ def band_keywords(args, features=()) -> tuple:
     """(keyword, value) pairs for the attention kernel; features: ids of the applied features."""
     if "flash-attn" not in features:
         return CAUSAL
-    mode = getattr(args, "sparse_mode", 0)
+    mode = args.sparse_mode
     if mode == 1:
         return CAUSAL
     seq = args.seq_length
-    band = band_arguments(mode, True, seq, seq, getattr(args, "pre_tockens", 65536), getattr(args, "next_tockens", 0))
+    band = band_arguments(mode, True, seq, seq, args.pre_tockens, args.next_tockens)
     return tuple(sorted(band.items()))

@@ -22,7 +22,7 @@ from mindspeed.training.mindspore.order_cache import OrderCache, order_cache
 
 def vocab_size_of(prefix: str, args) -> int:
     """Vocabulary size from the tokenizer file beside the dataset (or --vocab-size)."""
-    if getattr(args, "vocab_size", None):
+    if args.vocab_size:
         return int(args.vocab_size)
     path = prefix + ".tokenizer.json"
     if not os.path.isfile(path):
@@ -85,7 +85,7 @@ def micro_batches_for_step(stream, consumed: int, args, dp_rank: int, dp_size: i
     starting at sample `consumed`."""
     mbs, per_step = args.micro_batch_size, args.micro_batch_size * dp_size
     n_micro = (batch_size or args.global_batch_size) // per_step
-    cut = args if getattr(args, "variable_seq_lengths", False) else None
+    cut = args if args.variable_seq_lengths else None
     return [micro_batch(stream, consumed + m * per_step + dp_rank * mbs, mbs, eod_rules, cut) for m in range(n_micro)]
 
 
@@ -172,13 +172,13 @@ class MockStream(SampleStream):
 def build_streams(args, log=print):
     """(vocab_size, train, valid) streams for the trainer's flags."""
     if args.mock_data:
-        vocab = int(getattr(args, "vocab_size", None) or 256)   # the torch side's mock vocab
+        vocab = int(args.vocab_size or 256)   # the torch side's mock vocab
         return vocab, MockStream(vocab, args.seq_length, args.seed, cache_args=args), \
             MockStream(vocab, args.seq_length, args.seed + 1, cache_args=args)
     prefixes, weights = dataset_prefixes(args, log)
     _check_one_tokenizer(prefixes)
     vocab = vocab_size_of(prefixes[0], args)
-    if getattr(args, "is_instruction_dataset", False):
+    if args.is_instruction_dataset:
         if len(prefixes) > 1:
             raise DataError("--is-instruction-dataset reads one --data-path prefix on the mindspore trainer")
         train, valid = build_splits(prefixes[0], args.split, args.seq_length, args.seed,
@@ -198,7 +198,7 @@ def build_streams(args, log=print):
 
 def cache_note(args, streams) -> str | None:
     """What --data-cache-path did for these streams (a log line), or None without the flag."""
-    if not getattr(args, "data_cache_path", None):
+    if not args.data_cache_path:
         return None
     caches = [c for s in streams for c in ([s.cache] if hasattr(s, "cache") else
                                            [t.cache for t in getattr(s, "streams", ())]) if c is not None]

@@ -24,8 +24,7 @@ class EodRules:
     @classmethod
     def from_args(cls, args, eod: int | None) -> "EodRules | None":
         """The rules the flags ask for, or None when none is on."""
-        flags = (bool(getattr(args, "eod_mask_loss", False)), bool(getattr(args, "reset_position_ids", False)),
-                 bool(getattr(args, "reset_attention_mask", False)))
+        flags = (bool(args.eod_mask_loss), bool(args.reset_position_ids), bool(args.reset_attention_mask))
         if not any(flags):
             return None
         if eod is None:

@@ -100,13 +100,13 @@ def _architecture(args, padded_vocab: int) -> dict:
                 kv_channels=args.kv_channels, vocab_size=padded_vocab, seq_length=args.seq_length,
                 norm_epsilon=args.norm_epsilon, tied_embeddings=not args.untie_embeddings_and_output_weights,
                 init_method_std=args.init_method_std, add_bias_linear=bool(args.add_bias_linear),
-                add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)), swiglu=bool(args.swiglu),
+                add_qkv_bias=bool(args.add_qkv_bias), swiglu=bool(args.swiglu),
                 normalization=args.normalization, noop_layers=noop_layer_set(args))
 
 
 def _positions(args) -> dict:
     """RoPE (base, share of the head, Llama 3.1's scaling) or a learned table, or none."""
-    scaled = getattr(args, "use_rope_scaling", False)
+    scaled = args.use_rope_scaling
     return dict(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
                 rope_scaling_factor=float(args.rope_scaling_factor or 8.0) if scaled else None,
                 position_embedding_type=args.position_embedding_type,
@@ -128,12 +128,12 @@ def _recompute(args, features) -> dict:
 def _recomputed_layers(args, features, feature_id: str, num_layers_dest: str) -> int:
     if feature_id not in features:
         return 0
-    return getattr(args, num_layers_dest, None) or args.num_layers
+    return getattr(args, num_layers_dest) or args.num_layers
 
 
 def _training(args) -> dict:
     """Dropout and the weights' dtype."""
-    dtype = "fp16" if getattr(args, "fp16", False) else "bf16" if getattr(args, "bf16", False) else "fp32"
+    dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     return dict(hidden_dropout=float(args.hidden_dropout or 0.0), attention_dropout=float(args.attention_dropout or 0.0),
                 params_dtype=dtype)
 
@@ -145,16 +145,15 @@ def _pipeline(args) -> dict:
 
 
 def _pipeline_layers(args) -> tuple:
-    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    pp = args.pipeline_model_parallel_size or 1
     if pp == 1:
         return ()
     return tuple(stage_layer_counts(args.num_layers, pp, layer_list(args),
-                                    getattr(args, "decoder_first_pipeline_num_layers", None),
-                                    getattr(args, "decoder_last_pipeline_num_layers", None)))
+                                    args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers))
 
 
 def _virtual_chunks(args) -> int:
-    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
     if per_chunk is None:
         return 1
     return args.num_layers // args.pipeline_model_parallel_size // per_chunk
@@ -162,9 +161,8 @@ def _virtual_chunks(args) -> int:
 
 def _moe(args, features, dispatch_features: tuple) -> dict:
     """--num-experts and the MoE layer's settings; the dispatch features on (moe.py)."""
-    return dict(num_experts=getattr(args, "num_experts", None) or 0,
-                moe_router_topk=getattr(args, "moe_router_topk", 2),
-                moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
-                moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
-                moe_shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
+    return dict(num_experts=args.num_experts or 0, moe_router_topk=args.moe_router_topk,
+                moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+                moe_aux_loss_coeff=float(args.moe_aux_loss_coeff or 0.0),
+                moe_shared_expert_size=args.moe_shared_expert_intermediate_size or 0,
                 moe_dispatch=frozenset(f for f in features if f in dispatch_features))

@@ -13,7 +13,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from mindspeed.flags.checks import LOSS_SCALE_DEFAULTS
+from mindspeed.flags.checks import dynamic_loss_scaling
 
 
 class LossScaler:
@@ -60,13 +60,13 @@ class LossScaler:
 
 def scaler_from_args(args) -> LossScaler | None:
     """None unless --fp16; --loss-scale is a constant scale, else dynamic with Megatron's defaults."""
-    if not getattr(args, "fp16", False):
+    if not args.fp16:
         return None
     if args.loss_scale is not None:
         return LossScaler(args.loss_scale, dynamic=False)
-    value = lambda name: LOSS_SCALE_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
-    return LossScaler(value("initial_loss_scale"), min_scale=value("min_loss_scale"),
-                      window=int(value("loss_scale_window")), hysteresis=int(value("hysteresis")))
+    value = dynamic_loss_scaling(args)
+    return LossScaler(value["initial_loss_scale"], min_scale=value["min_loss_scale"],
+                      window=int(value["loss_scale_window"]), hysteresis=int(value["hysteresis"]))
 
 
 class MasterWeights:

@@ -83,5 +83,5 @@ def _save(path: str, order: np.ndarray) -> None:
 
 def order_cache(args, description: dict) -> OrderCache | None:
     """The cache --data-cache-path names for a stream so described, or None without the flag."""
-    directory = getattr(args, "data_cache_path", None)
+    directory = args.data_cache_path
     return OrderCache(directory, description) if directory else None

@@ -56,9 +56,8 @@ def _cp_part(session: Session | None, name: str):
 def enable_context_parallel(args, model, ps, session: Session | None) -> None:
     """Shard the sequence over the CP group: the CP feature's groups, batch sharding and attention."""
     cp = build_cp_groups(args.context_parallel_algo, group=ps.cp_group, all_cp_ranks=ps.all_cp_ranks,
-                         ulysses_degree=getattr(args, "ulysses_degree_in_cp", None),
-                         window_size=getattr(args, "cp_window_size", 1) or 1,
-                         overlap=bool(getattr(args, "use_cp_send_recv_overlap", False)),
+                         ulysses_degree=args.ulysses_degree_in_cp, window_size=args.cp_window_size or 1,
+                         overlap=bool(args.use_cp_send_recv_overlap),
                          fused_merge=session is not None and session.applied(FUSED_MERGE))
     model.enable_context_parallel(cp, _cp_part(session, "context_parallel_attention"))
 
@@ -88,8 +87,8 @@ def extras_names(args, cfg: GPTConfig, training: bool) -> tuple:
     """The Extras a forward takes, in a fixed order (a traced graph has a fixed signature): the
     document mask, per-sample positions where a learned table reads them (RoPE ignores them, as
     Megatron-Core's), and in training dropout's masks."""
-    on = {"attention_mask": bool(getattr(args, "reset_attention_mask", False)),
-          "embed_positions": bool(getattr(args, "reset_position_ids", False))
+    on = {"attention_mask": bool(args.reset_attention_mask),
+          "embed_positions": bool(args.reset_position_ids)
           and cfg.position_embedding_type == "learned_absolute",
           "hidden_keep": training and cfg.hidden_dropout > 0, "probs_keep": training and cfg.attention_dropout > 0}
     return tuple(name for name in Extras.NAMES if on[name])
@@ -119,7 +118,7 @@ class Trainer:
         self.args, self.backend, self.ps, self.cfg = args, backend, ps, cfg
         self.model = GPTModel(cfg, backend, ps)
         self.model.load_full(init_full_weights(cfg, args.seed))
-        self.distributed_optimizer = bool(getattr(args, "use_distributed_optimizer", False))
+        self.distributed_optimizer = bool(args.use_distributed_optimizer)
         # --fp16: the optimizer updates the fp32 masters; the fp16 weights are copied from them
         self.scaler = scaler_from_args(args)
         weights = MasterWeights(self.model) if self.model.masters else self.model
@@ -156,7 +155,7 @@ class Trainer:
             loss, self._eval_loss = traced(loss), traced(self._eval_loss)
         self._grad_fn = ms.value_and_grad(loss, None, weights=self.model.parameters())
         pipeline = InterleavedPipeline if cfg.virtual_chunks > 1 else TwoStagePipeline
-        self.pipeline = pipeline(backend, ps, self.model, bool(getattr(args, "variable_seq_lengths", False))
+        self.pipeline = pipeline(backend, ps, self.model, bool(args.variable_seq_lengths)
                                  ) if ps.pp_size > 1 else None
 
     def _inputs(self, mb: dict, names: tuple = (), masks: dict | None = None) -> tuple:
@@ -285,8 +284,7 @@ def setup(args):
     world = backend.comm.world_size()
     ps = build_parallel_state(backend.comm, args.tensor_model_parallel_size, args.sequence_parallel,
                               args.context_parallel_size, args.pipeline_model_parallel_size,
-                              getattr(args, "expert_model_parallel_size", 1) or 1,
-                              bool(getattr(args, "moe_tp_extend_ep", False)))
+                              args.expert_model_parallel_size or 1, bool(args.moe_tp_extend_ep))
     set_collective_timeout(backend, args.distributed_timeout_minutes)
     if args.world_size != world:      # msrun sets no WORLD_SIZE: sizes derived at parse time were for 1
         args.world_size, args.data_parallel_size = world, ps.dp_size
@@ -331,9 +329,9 @@ def resume(args, trainer, logger) -> tuple[int, int]:
     """(iteration, consumed samples) to start from: --load's checkpoint (iteration --ckpt-step when
     given) into the trainer's model, and its optimizer moments unless --no-load-optim or --finetune.
     Neutral checkpoints hold no RNG state, so none is loaded (--no-load-rng holds)."""
-    if getattr(args, "load_note", None):
+    if args.load_note:
         logger.print(args.load_note)
-    for note in getattr(args, "flag_notes", ()):
+    for note in args.flag_notes:
         logger.print(note)
     if not args.load:
         return 0, 0
