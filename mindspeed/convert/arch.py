@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 from mindspeed.errors import ConvertError
@@ -178,16 +179,15 @@ def _rope_params(config: dict) -> tuple[str, dict]:
 
 
 def _yarn(config: dict) -> tuple | None:
-    """DeepSeek-V3's YaRN settings (multi-latent attention's, in Megatron-Core) as Arch.yarn, None unscaled."""
+    """The YaRN settings (Megatron-Core's YarnRotaryEmbedding for a dense model, multi-latent attention's for
+    DeepSeek-V3) as Arch.yarn, None for another scaling or none."""
     kind, params = _rope_params(config)
-    if kind == "default":
-        return None
     if kind != "yarn":
-        raise ConvertError(f"config.json asks for RoPE scaling {kind!r}: a DeepSeek-V3 model converts with YaRN or "
-                           "unscaled RoPE")
+        return None
     if params.get("truncate") is False:
         raise ConvertError("config.json's YaRN has truncate false: Megatron-Core rounds the correction range "
                            "(transformers' truncate true)")
+    _check_attention_factor(params)
     values = {name: params.get(name) for name in YARN_FLAGS}
     if values["original_max_position_embeddings"] is None:
         values["original_max_position_embeddings"] = config.get("original_max_position_embeddings")
@@ -195,18 +195,39 @@ def _yarn(config: dict) -> tuple | None:
                  for name, v in values.items() if v is not None)
 
 
+def _check_attention_factor(params: dict) -> None:
+    """transformers scales cos/sin by attention_factor, else get_mscale(factor, mscale) / get_mscale(factor,
+    mscale_all_dim) when both are given, else get_mscale(factor); Megatron-Core by the ratio, its mscale 1 and
+    mscale_all_dim 0 by default (the same get_mscale(factor)). What the two would compute apart is refused."""
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not all_dim and mscale not in (None, 1, 1.0):
+        raise ConvertError(f"config.json's YaRN has mscale {mscale} without mscale_all_dim: transformers ignores it, "
+                           "Megatron-Core would not; give mscale_all_dim or drop mscale")
+    if params.get("attention_factor") is not None:
+        factor = float(params["factor"])
+        ratio = (_get_mscale(factor, mscale) / _get_mscale(factor, all_dim)) if mscale and all_dim \
+            else _get_mscale(factor)
+        if abs(float(params["attention_factor"]) - ratio) > 1e-12:
+            raise ConvertError(f"config.json's YaRN sets attention_factor {params['attention_factor']}: Megatron-Core "
+                               f"computes it from factor, mscale and mscale_all_dim ({ratio}); drop it or match it")
+
+
+def _get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _rope(config: dict) -> tuple[float, float | None]:
-    """(rope_theta, Llama 3.1 scaling factor or None)."""
+    """(rope_theta, Llama 3.1 scaling factor or None; YaRN is Arch.yarn)."""
     kind, params = _rope_params(config)
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     if float(theta) != int(theta):
         raise ConvertError(f"config.json rope_theta {theta} is not an integer (the trainer's --rotary-base is)")
-    if kind == "default" or (kind == "yarn" and config.get("model_type") == "deepseek_v3"):
+    if kind in ("default", "yarn"):
         return float(theta), None
     fixed = {k: params.get(k) for k in LLAMA3_SCALING_FIXED}
     if kind != "llama3" or any(fixed[k] is None or float(fixed[k]) != v for k, v in LLAMA3_SCALING_FIXED.items()):
-        raise ConvertError(f"config.json asks for RoPE scaling {kind!r} {fixed}: only unscaled RoPE and Llama 3.1's "
-                           f"'llama3' scaling with {LLAMA3_SCALING_FIXED} convert (the trainer has only those)")
+        raise ConvertError(f"config.json asks for RoPE scaling {kind!r} {fixed}: only unscaled RoPE, YaRN and Llama "
+                           f"3.1's 'llama3' scaling with {LLAMA3_SCALING_FIXED} convert (the trainer has only those)")
     return float(theta), float(params["factor"])
 
 
@@ -258,6 +279,9 @@ def _arch(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
     theta, scaling = _rope(config)
     layers = int(config["num_hidden_layers"])
     if family == "deepseek_v3":
+        if scaling is not None:
+            raise ConvertError("config.json asks for Llama 3.1's RoPE scaling: a DeepSeek-V3 model converts with "
+                               "YaRN or unscaled RoPE")
         return _deepseek(config, hidden, heads, theta, layers)
     return Arch(num_layers=layers, hidden_size=hidden,
                 ffn_hidden_size=int(config["intermediate_size"]), num_heads=heads, num_kv_heads=kv_heads,
@@ -265,7 +289,8 @@ def _arch(config: dict, model_type_hf: str, add_qkv_bias: bool) -> Arch:
                 norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling_factor=scaling,
                 tied_embeddings=bool(config.get("tie_word_embeddings", False)), qkv_bias=add_qkv_bias,
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-                family=family, qk_layernorm=family in ("qwen3", "qwen3_moe"), **_moe(config, family, layers))
+                family=family, qk_layernorm=family in ("qwen3", "qwen3_moe"), yarn=_yarn(config),
+                **_moe(config, family, layers))
 
 
 def _moe(config: dict, family: str, layers: int) -> dict:

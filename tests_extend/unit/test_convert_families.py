@@ -146,6 +146,24 @@ def test_qwen3_moe_renormalized_router_and_sparse_step(tmp_path):
     assert _close(kit.tp1_logits(mg, TOKENS), kit.hf_logits(hf, TOKENS)) <= TOL
 
 
+def test_qwen3_with_yarn_gives_transformers_logits(tmp_path):
+    """A dense model's YaRN (Qwen3's long-context recipe): Megatron-Core's YarnRotaryEmbedding with its
+    attention factor (0.1 ln(factor) + 1 on cos and sin, i.e. on both q and k) gives transformers' logits."""
+    hf, mg = str(tmp_path / "hf"), str(tmp_path / "mg")
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=1000000.0)
+    kit.make_hf_model(hf, "qwen3", head_dim=24, rope_parameters=yarn, max_position_embeddings=64, seed=5)
+    _convert_hf_to_mg(hf, mg, "qwen3")
+    from mindspeed.convert.sidecar import read_info
+    flags = read_info(mg)["trainer_flags"]
+    assert flags[flags.index("--rope-scaling-type") + 1] == "yarn"
+    assert flags[flags.index("--rope-scaling-factor") + 1] == "4.0"
+    ref = kit.hf_logits(hf, TOKENS)
+    assert _close(kit.tp1_logits(mg, TOKENS), ref) <= TOL
+    unscaled = str(tmp_path / "unscaled")      # the scaling matters at these sizes: without it, other logits
+    kit.make_hf_model(unscaled, "qwen3", head_dim=24, max_position_embeddings=64, seed=5)
+    assert _close(kit.hf_logits(unscaled, TOKENS), ref) > 100 * TOL
+
+
 def test_experts_stacked_over_the_layers_round_trip(models, tmp_path, monkeypatch):
     """Megatron-LM's own runs give Megatron-Core an int --moe-layer-freq: every layer's experts then sit in
     one torch_dist tensor [layer, expert, ...]. The converter writes (its model built so) and reads that
