@@ -54,7 +54,7 @@ planned("unaligned-pipeline", PARALLEL, "not scheduled", "layers per pipeline an
         value("--pipeline-num-transformer-layers"))
 planned("dualpipev", PARALLEL, "not scheduled", "DualPipeV pipeline schedule",
         value("--schedules-method", choices=["dualpipev"]), on("--dualpipev-dw-detach"))
-planned("moe-fb-overlap", MOE, "issue 56", "one micro-batch's MoE all-to-all overlapped with another's compute",
+planned("moe-fb-overlap", MOE, "scheduled", "one micro-batch's MoE all-to-all overlapped with another's compute",
         on("--moe-fb-overlap"))
 planned("nanopipe", PARALLEL, "not scheduled", "nano-pipe pipeline schedule",
         on("--use-nanopipe"), on("--use-nanopipe-swap"))

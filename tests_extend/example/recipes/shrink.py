@@ -36,8 +36,8 @@ PARALLEL = {"llama3": {"--tensor-model-parallel-size": 2}, "llama31": {"--tensor
 # named here lands; `shrink(..., runnable=True)` leaves them out so the rest of the recipe trains
 NOT_YET = {"--ckpt-format": "Megatron's legacy per-rank checkpoint files are not written (torch_dist is)",
            "--enable-hf2mg-convert": "convert with convert_ckpt.py before training",
-           "--schedules-method": "DualPipeV (issue 56)", "--moe-fb-overlap": "MoE forward/backward overlap (issue 56)",
-           "--coc-fused-kernel": "CoC's fused kernel (issue 57)"}
+           "--schedules-method": "DualPipeV (scheduled)", "--moe-fb-overlap": "MoE forward/backward overlap (scheduled)",
+           "--coc-fused-kernel": "CoC's fused kernel (scheduled)"}
 PARALLEL_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
                   "--expert-model-parallel-size")
 
