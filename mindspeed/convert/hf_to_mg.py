@@ -101,7 +101,7 @@ def check_tied_embeddings(reader: HFReader, arch: Arch, rows_at_once: int = 4096
 def _padded_rows(opts, vocab: int, tp: int) -> int:
     """The embedding/output rows to write: --padded-vocab-size (as the trainer takes it: at least the
     vocabulary, divisible by TP), else the vocabulary padded as the trainer pads it at TP `tp`."""
-    given = getattr(opts, "padded_vocab_size", None)
+    given = opts.padded_vocab_size
     if given is None:
         return padded_vocab_size(vocab, opts.make_vocab_size_divisible_by, tp)
     if given < vocab:
@@ -121,7 +121,7 @@ def convert(opts, log=print) -> dict:
     vocab_from_tokenizer = tokenizer_vocab_size(opts.tokenizer_model) if opts.tokenizer_model else None
     arch = arch_from_config(read_config(opts.load_dir), opts.model_type_hf, opts.add_qkv_bias)
     tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
-    ep = getattr(opts, "target_expert_parallel_size", 1)
+    ep = opts.target_expert_parallel_size
     check_parallel(arch, tp, pp, opts.num_layer_list, ep)
     if opts.neutral_copy and (arch.qk_layernorm or arch.num_experts):
         what = "MoE layers" if arch.num_experts else "q/k norms"
@@ -147,7 +147,7 @@ def convert(opts, log=print) -> dict:
             flags += pipeline_split_flags(opts.num_layer_list)
             if ep > 1:
                 flags += ["--expert-model-parallel-size", str(ep)]
-            if getattr(opts, "padded_vocab_size", None) is not None:   # the trainer must build these rows
+            if opts.padded_vocab_size is not None:   # the trainer must build these rows
                 flags += ["--padded-vocab-size", str(padded)]
             flags += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[opts.params_dtype]
             sidecar.write_info(tmp, {"model_type_hf": opts.model_type_hf, "params_dtype": opts.params_dtype,

@@ -57,4 +57,4 @@ class AdapterMerge:
 
 
 def adapters_for(opts) -> AdapterMerge | None:
-    return AdapterMerge(opts) if getattr(opts, "lora_load", None) else None
+    return AdapterMerge(opts) if opts.lora_load else None

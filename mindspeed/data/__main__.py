@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a YAML file of flags (keys: the flag names with underscores, as MindSpeed-RL's "
                         "configs/datasets/NAME.yaml), or NAME for configs/datasets/NAME.yaml; flags typed "
                         "on the command line win")
+    for add in (_input_flags, _tokenizer_flags, _output_flags):
+        add(p)
+    return p
+
+
+def _input_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("input data")
     g.add_argument("--input", nargs="+", default=None,
                    help="files, directories or globs: .json/.jsonl/.parquet/.arrow/.csv/.txt (character-level mode: "
@@ -65,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk-chars", type=int, default=0,
                    help="character-level mode: cut documents into pieces of about this many characters")
 
+
+def _tokenizer_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default=None, choices=["CharLevel", "HuggingFaceTokenizer", "PretrainedFromHF"],
                    help="PretrainedFromHF: a local Hugging Face tokenizer folder (--tokenizer-name-or-path); "
@@ -86,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pad-to-multiple-of", type=int, default=1,
                    help="instruction handlers: pad each sample to a multiple of this (label -100)")
 
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output and runtime")
     g.add_argument("--output-prefix", default=None,
                    help="PREFIX of the output datasets (required with --input)")
@@ -93,7 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-subs", type=int, default=1,
                    help="cut the records into this many parts written in parallel, then joined")
     g.add_argument("--log-interval", type=int, default=100, help="a progress line every this many records")
-    return p
 
 
 def handler_mode(args) -> bool:

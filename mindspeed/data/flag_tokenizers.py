@@ -129,7 +129,7 @@ def model_vocab_size(args, vocab_size: int, tp: int) -> int:
     --padded-vocab-size N as given (MindSpeed-LLM's override of Megatron's padding; TP divides it,
     checked with the flags), else the tokenizer's vocabulary padded to a multiple of
     --make-vocab-size-divisible-by x TP, as Megatron pads it."""
-    given = getattr(args, "padded_vocab_size", None)
+    given = args.padded_vocab_size
     if given is None:
         return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
     if given < vocab_size:

@@ -113,8 +113,8 @@ def build_splits(prefix: str, split: str, seq_length: int, seed: int, pad_id: in
 def length_multiple(args) -> int:
     """What a micro-batch's length must divide by: TP with sequence parallelism, 2 x CP (the
     load-balanced chunks)."""
-    m = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
-    cp = getattr(args, "context_parallel_size", 1) or 1
+    m = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    cp = args.context_parallel_size or 1
     return math.lcm(m, 2 * cp) if cp > 1 else m
 
 

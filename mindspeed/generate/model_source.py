@@ -45,7 +45,7 @@ def read_source(load_dir: str, world_size: int) -> ModelSource:
         raise InferenceError(f"--load {load_dir} has neither {run_flags.RUN_FLAGS_FILE} (written beside the "
                              f"checkpoints by both trainers' --save) nor {sidecar.INFO_FILE} (written by "
                              "`python -m mindspeed.convert`): nothing says how to rebuild its model")
-    vocab = getattr(args, "vocab_size", None)
+    vocab = args.vocab_size
     if not vocab:
         raise InferenceError(f"the model flags of {load_dir} hold no vocabulary size")
     _set_layout(args, world_size, load_dir)

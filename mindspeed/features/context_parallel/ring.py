@@ -99,6 +99,22 @@ def _halves(out, mx, sm, c):
     return (out[:c], mx[:, :, :c], sm[:, :, :c]), (out[c:], mx[:, :, c:], sm[:, :, c:])
 
 
+def _owner_halves(kernels, q, k, v, kw, *, rank, owner, size, causal, mask, rows):
+    """This rank's queries against `owner`'s keys/values: the partial (out, max, sum) of its first and
+    of its second chunk; None for the first where the causal mask hides the whole block."""
+    c = q.shape[0] // 2
+    if mask is not None:
+        block = mask[..., rows, :][..., chunk_positions(owner, size, c)]
+        return _halves(*kernels.attention(q, k, v, mask=block, **kw), c)
+    if not causal:
+        return _halves(*kernels.attention(q, k, v, **kw), c)
+    if owner == rank:
+        return _halves(*kernels.attention(q, k, v, causal=True, **kw), c)
+    if owner < rank:
+        return _halves(*kernels.attention(q, k[:c], v[:c], **kw), c)
+    return None, kernels.attention(q[c:], k, v, **kw)
+
+
 def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, mask=None,
                    scale: float | None = None, window_size: int = 1, overlap: bool = False,
                    dropout_p: float = 0.0, documents=None, fused_merge: bool = False):
@@ -139,18 +155,9 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
                 first = _merge(merge, first, *part)
             for part in seconds:
                 second = _merge(merge, second, *part)
-        elif mask is not None:
-            block = mask[..., rows, :][..., chunk_positions(owner, size, c)]
-            a, b = _halves(*kernels.attention(q, k, v, mask=block, **kw), c)
-        elif not causal:
-            a, b = _halves(*kernels.attention(q, k, v, **kw), c)
-        elif owner == rank:
-            a, b = _halves(*kernels.attention(q, k, v, causal=True, **kw), c)
-        elif owner < rank:
-            a, b = _halves(*kernels.attention(q, k[:c], v[:c], **kw), c)
         else:
-            a, b = None, kernels.attention(q[c:], k, v, **kw)
-        if documents is None:
+            a, b = _owner_halves(kernels, q, k, v, kw, rank=rank, owner=owner, size=size, causal=causal,
+                                 mask=mask, rows=rows)
             if a is not None:
                 first = _merge(merge, first, *a)
             second = _merge(merge, second, *b)

@@ -244,6 +244,20 @@ class SharedShards:
 
 
 def attach(opt) -> SharedShards:
+    _refuse_other_master_holders(opt)
+    shared = SharedShards(opt)
+    expand_before_step(opt, shared)
+    opt._copy_main_params_to_model_params = _copy_main_to_model(opt, shared)
+    opt._copy_model_params_to_main_params = _copy_model_to_main(opt, shared)
+    opt._get_main_param_and_optimizer_states = _get_states(opt, shared)
+    opt._set_main_param_and_optimizer_states = _set_states(opt, shared)
+    original_dummy = getattr(opt, "_init_optimizer_states_with_dummy_values", None)   # 0.16; not in 0.12
+    if original_dummy is not None:
+        opt._init_optimizer_states_with_dummy_values = _kept_across(shared, original_dummy)
+    return shared
+
+
+def _refuse_other_master_holders(opt) -> None:
     config = opt.config          # the names differ across Megatron-Core versions (0.12: no _no_fp8 suffix)
     precision_aware = getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
                               getattr(config, "use_precision_aware_optimizer", False))
@@ -251,22 +265,31 @@ def attach(opt) -> SharedShards:
     if precision_aware or fsdp:
         raise RuntimeError("--reuse-fp32-param: the masters are held by the precision-aware optimizer "
                            "or Megatron FSDP here, not by DistributedOptimizer")
-    shared = SharedShards(opt)
-    expand_before_step(opt, shared)
 
-    original_copy_out = opt._copy_main_params_to_model_params
+
+@contextmanager
+def _float16_groups_hidden(opt):
+    """Megatron's own copy runs for the fp32 parameters only (they have no master of their own here)."""
+    saved = opt.shard_fp32_from_float16_groups, opt.model_float16_groups
+    opt.shard_fp32_from_float16_groups, opt.model_float16_groups = [], []
+    try:
+        yield
+    finally:
+        opt.shard_fp32_from_float16_groups, opt.model_float16_groups = saved
+
+
+def _copy_main_to_model(opt, shared: SharedShards):
+    original = opt._copy_main_params_to_model_params
 
     def copy_main_to_model():
         shared.to_bf16()                 # own shard rewritten; the all-gather that follows does the rest
-        # fp32 parameters (no master of their own here) still go through Megatron's copy
-        saved = opt.shard_fp32_from_float16_groups, opt.model_float16_groups
-        opt.shard_fp32_from_float16_groups, opt.model_float16_groups = [], []
-        try:
-            original_copy_out()
-        finally:
-            opt.shard_fp32_from_float16_groups, opt.model_float16_groups = saved
+        with _float16_groups_hidden(opt):
+            original()
+    return copy_main_to_model
 
-    original_copy_in = opt._copy_model_params_to_main_params
+
+def _copy_model_to_main(opt, shared: SharedShards):
+    original = opt._copy_model_params_to_main_params
 
     def copy_model_to_main(state_dict=None):
         """Masters := the model's bf16 parameters (or a state dict's values), exactly."""
@@ -275,41 +298,37 @@ def attach(opt) -> SharedShards:
             for model, main in zip(models, mains):
                 r = opt._get_model_param_range_map(model)["param"]
                 shared.write(main, source.get(model, model).detach().view(-1)[r.start:r.end])
-        saved = opt.shard_fp32_from_float16_groups, opt.model_float16_groups
-        opt.shard_fp32_from_float16_groups, opt.model_float16_groups = [], []
-        try:
-            original_copy_in() if state_dict is None else original_copy_in(state_dict)
-        finally:
-            opt.shard_fp32_from_float16_groups, opt.model_float16_groups = saved
+        with _float16_groups_hidden(opt):
+            original() if state_dict is None else original(state_dict)
+    return copy_model_to_main
 
-    original_get = opt._get_main_param_and_optimizer_states
+
+def _get_states(opt, shared: SharedShards):
+    original = opt._get_main_param_and_optimizer_states
 
     def get_states(model_param):
-        tensors = dict(original_get(model_param))
+        tensors = dict(original(model_param))
         tensors["param"] = shared.read(tensors["param"])
         return tensors
+    return get_states
 
-    original_set = opt._set_main_param_and_optimizer_states
+
+def _set_states(opt, shared: SharedShards):
+    original = opt._set_main_param_and_optimizer_states
 
     def set_states(model_param, tensors):
         group, order = opt.model_param_group_index_map[model_param]
         main = opt.optimizer.param_groups[group]["params"][order]
-        original_set(model_param, {**tensors, "param": main.detach().clone()})  # the moments
+        original(model_param, {**tensors, "param": main.detach().clone()})  # the moments
         shared.write(main, tensors["param"])
+    return set_states
 
-    original_dummy = getattr(opt, "_init_optimizer_states_with_dummy_values", None)   # 0.16; not in 0.12
 
+def _kept_across(shared: SharedShards, original):
     def init_dummy_states():
         with shared.kept():
-            original_dummy()
-
-    opt._copy_main_params_to_model_params = copy_main_to_model
-    opt._copy_model_params_to_main_params = copy_model_to_main
-    opt._get_main_param_and_optimizer_states = get_states
-    opt._set_main_param_and_optimizer_states = set_states
-    if original_dummy is not None:
-        opt._init_optimizer_states_with_dummy_values = init_dummy_states
-    return shared
+            original()
+    return init_dummy_states
 
 
 def finish_param_gathers(model_chunks) -> None:
