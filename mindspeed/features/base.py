@@ -74,7 +74,7 @@ class Feature:
 
     def enabled(self, args: Any) -> bool:
         """Default: the first flag is a switch that turns the feature on."""
-        return bool(getattr(args, self.flags[0].dest, False)) if self.flags else False
+        return bool(getattr(args, self.flags[0].dest)) if self.flags else False
 
     shared_hint = ""     # how to turn on any feature of its family (for flags the family shares)
 
@@ -91,6 +91,7 @@ class Feature:
         """Each of the feature's flags changed from its default, as the user typed it (with its value)."""
         typed = []
         for fl in self.flags:
+            # a host flag the host's own args may lack (an older Megatron-LM; --num-experts until given)
             value = getattr(args, fl.dest, fl.default)
             if value == fl.default or value is None:
                 continue

@@ -100,7 +100,7 @@ MultiLatentAttention = option(
 
 
 def _mla_layout_problem(self, args) -> None:
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1:   # a host flag a user's Namespace may lack
+    if (args.context_parallel_size or 1) > 1:
         raise FeatureConfigError("--multi-latent-attention with --context-parallel-size > 1: MindSpeed's "
                                  "context-parallel attention takes one head size for q, k and v, and MLA's v "
                                  "has its own; drop --context-parallel-size (or MLA)")

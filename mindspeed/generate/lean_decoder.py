@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 def unsupported(model) -> str | None:
     """Why `model` needs Megatron-Core's own inference path, or None."""
     config = model.config
+    # getattr: fields a Megatron-Core version lacks (attention_output_gate: 0.16's) or a GPTModel's (mtp)
     checks = [
         (model.pre_process and model.post_process, "a pipeline stage"),
         (config.params_dtype == torch.float32, f"{config.params_dtype} parameters"),
