@@ -194,7 +194,7 @@ class MegatronLMHooks:
                          f"{active.backend}/{active.device} at import; pass them on the command line")
         apply_features(self.session.context, p)
         if args.is_instruction_dataset:
-            megatron_lm_data.install(self.session.patcher)
+            megatron_lm_data.install(self.session)
         set_host_flags(p, args)      # after Megatron's checks (its --deterministic-mode asserts NCCL_ALGO)
         self.session.plan = p
         megatron_lm_data.after_plan(args, self.session)

@@ -142,7 +142,13 @@ def publish_documents(batch: dict, session) -> None:
         batch["attention_mask"] = documents_mask([documents.ends_from_eod(row, eod) for row in tokens])
 
 
-def _instruction_build(original):
+def _instruction_build(session):
+    """Megatron-Core's dataset builder returning MindSpeed's instruction datasets (their masks as the
+    session's packed-documents rule says)."""
+    return lambda original: _build_instructions(original, session)
+
+
+def _build_instructions(original, session):
     def build(self):
         from megatron.training import get_args
         args = get_args()
@@ -151,10 +157,11 @@ def _instruction_build(original):
         if not self.is_built_on_rank():
             return [None, None, None]
         from mindspeed.training.data import build_instruction_datasets  # Megatron-Core: megatron_lm loads us first
-        return list(build_instruction_datasets(args, self.config.tokenizer, [s or 0 for s in self.sizes]))
+        return list(build_instruction_datasets(args, self.config.tokenizer, [s or 0 for s in self.sizes],
+                                               session.packed_documents(args)))
     return build
 
 
-def install(patcher) -> None:
-    patcher.wrap(BUILD, _instruction_build,
+def install(session) -> None:
+    session.patcher.wrap(BUILD, _instruction_build(session),
                  reason="--is-instruction-dataset: MindSpeed's instruction samples and prompt loss mask")

@@ -397,8 +397,8 @@ def _distributed_run(name, flags, world_size, root, steps, first) -> dict:
         tr.train_step(it)                       # one more update; then the evaluation's forward gathers
         run["buffers_agree_before_forward"] = _buffers_agree(buffers, world_size)
         args.eval_iters = 1
-        run["forward_only_loss"] = pretrain.validation_loss(args, tr.model, _DATA[0], data.BatchReader("cpu"),
-                                                            tr.num_microbatches)
+        reader = pretrain.data.BatchReader("cpu")
+        run["forward_only_loss"] = pretrain.validation_loss(args, tr.model, _DATA[0], reader, tr.num_microbatches)
     run["buffers_agree_across_ranks"] = _buffers_agree(buffers, world_size)
     tr.optimizer.reload_model_params()           # what a model-only load calls
     run["reloaded_masters_equal_params"] = all(
