@@ -257,7 +257,7 @@ def derive_family_args(args, say) -> None:
     if note:
         say(note)
     derive_router(args)
-    if args.n_shared_experts and args.moe_shared_expert_intermediate_size is None:
+    if args.num_experts and args.n_shared_experts and args.moe_shared_expert_intermediate_size is None:
         args.moe_shared_expert_intermediate_size = shared_expert_size(args)
     if args.rope_scaling_type == "llama3":
         args.use_rope_scaling = True

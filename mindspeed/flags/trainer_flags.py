@@ -287,7 +287,6 @@ def derive_args(args, world_size: int | None = None) -> None:
     """Fill values Megatron derives from others (world size from WORLD_SIZE when not given)."""
     args.backend = backend_name(args)
     args.flag_notes = []      # one line each for the trainers' logs: a flag that runs as another here
-    derive_family_args(args, args.flag_notes.append)
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
@@ -296,6 +295,7 @@ def derive_args(args, world_size: int | None = None) -> None:
             args.ffn_hidden_size = max(64, int(8 * args.hidden_size / 3 / 64) * 64)
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
+    derive_family_args(args, args.flag_notes.append)     # after the sizes it derives from (--n-shared-experts)
     if args.kv_channels is None and args.num_attention_heads:
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if not args.group_query_attention or args.num_query_groups is None:

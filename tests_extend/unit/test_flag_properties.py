@@ -429,6 +429,9 @@ FOUND = {
     "lr-warmup-fraction-nan": _case("torch", ["--lr-warmup-fraction", "nan"]),
     "lr-warmup-fraction-inf": _case("mindspore", ["--lr-warmup-fraction=inf"]),
     "misspelled-flag": _case("torch", ["--hiden-size", "64"], world=2, backend_first=True),
+    # fixed: a traceback in parse_args (the shared experts' size from an --ffn-hidden-size not derived yet,
+    # for a model without experts, before the refusal of MoE options without --num-experts)
+    "shared-experts-without-moe": _case("torch", ["--lora-target-modules", "linear_qkv"], ["--n-shared-experts=1"]),
 }
 
 
