@@ -105,7 +105,7 @@ class Session:
         general mask. Documents are EOD-separated, or --neat-pack's numbered samples. A host whose
         batches cannot carry them everywhere (Megatron-LM's pretrain_gpt.py with PP > 1) says so
         through the `documents_possible` part; the dense mask stays there."""
-        if not getattr(args, "reset_attention_mask", False) or getattr(args, "attention_mask_type", "causal") == "general":
+        if not args.reset_attention_mask or args.attention_mask_type == "general":
             return False
         if not all(rule(args) for rule in self.context.parts.get("documents_possible", [])):
             return False

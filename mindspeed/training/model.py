@@ -27,7 +27,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def transformer_config(args) -> TransformerConfig:
     dtype = DTYPES[args.params_dtype]
-    config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
+    config_class = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
     config = config_class(
         **_family_fields(args),
         num_layers=args.num_layers,
@@ -41,17 +41,16 @@ def transformer_config(args) -> TransformerConfig:
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=getattr(args, "add_qkv_bias", False),
+        add_qkv_bias=args.add_qkv_bias,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_virtual_pp(args),
-        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
-        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         # --num-layer-list (the uneven-pipeline-layers feature sets it through adapt(args))
-        pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout", None),
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
@@ -85,7 +84,7 @@ def transformer_config(args) -> TransformerConfig:
         persist_layer_norm=False,
         calculate_per_token_loss=False,
     )
-    if getattr(args, "yarn", False) and not config.multi_latent_attention:
+    if args.yarn and not config.multi_latent_attention:
         _set_dense_yarn(config, args)
     return config
 
@@ -145,7 +144,7 @@ SOFTMAX_EXTENSIONS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_
 def fused_softmax_installed(args) -> bool:
     """Megatron-Core's fused softmax imports these CUDA extensions (Apex / Megatron's fused kernels)
     at call time: only a cuda device with all of them installed can take that path."""
-    if getattr(args, "device_name", None) != "cuda":
+    if getattr(args, "device_name", None) != "cuda":     # set by the run (absent for a config built before it)
         return False
     return all(importlib.util.find_spec(name) is not None for name in SOFTMAX_EXTENSIONS)
 
@@ -164,13 +163,13 @@ def layer_spec(args, config=None, vp_stage=None):
         return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                           vp_stage=vp_stage)
     return get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization,
-                                    qk_layernorm=getattr(args, "qk_layernorm", False),
-                                    multi_latent_attention=getattr(args, "multi_latent_attention", False))
+                                    qk_layernorm=args.qk_layernorm,
+                                    multi_latent_attention=args.multi_latent_attention)
 
 
 def mtp_spec(args, config, decoder_spec, vp_stage=None):
     """Megatron-Core's MTP block for --mtp-num-layers (None elsewhere, and on stages that hold none of it)."""
-    if not getattr(args, "mtp_num_layers", None):
+    if not args.mtp_num_layers:
         return None
     last = decoder_spec.layer_specs[-1] if hasattr(decoder_spec, "layer_specs") and decoder_spec.layer_specs \
         else decoder_spec
@@ -208,12 +207,12 @@ def build_model_chunks(args, config: TransformerConfig, modules: SpecModules | N
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type="yarn" if getattr(args, "yarn", False) and not config.multi_latent_attention
+            position_embedding_type="yarn" if args.yarn and not config.multi_latent_attention
             else args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
-            rope_scaling=getattr(args, "use_rope_scaling", False),
-            rope_scaling_factor=getattr(args, "rope_scaling_factor", None) or 8.0,
+            rope_scaling=args.use_rope_scaling,
+            rope_scaling_factor=args.rope_scaling_factor or 8.0,
             vp_stage=stage,
         ))
     for chunk in chunks:

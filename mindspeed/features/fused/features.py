@@ -69,7 +69,7 @@ class FusedRotaryPosEmb(_FusedFeature):
                      "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")
 
     def inert(self, args) -> str:
-        if getattr(args, "multi_latent_attention", False):     # a host flag a user's Namespace may lack
+        if args.multi_latent_attention:
             return ("every attention layer is multi-latent attention, whose decoupled RoPE (one rotated key "
                     "part shared by all heads) runs Megatron-Core's own rotation")
         return ""
@@ -102,11 +102,11 @@ class FlashAttention(_FusedFeature):
         return flash_attention
 
     def validate(self, args) -> None:
-        mode = getattr(args, "sparse_mode", 0)
+        mode = args.sparse_mode
         if mode not in SPARSE_MODES:
             raise FeatureConfigError(f"--sparse-mode {mode} is not supported; choose one of "
                                      f"{', '.join(map(str, SPARSE_MODES))}")
-        pre, nxt = getattr(args, "pre_tockens", 65536), getattr(args, "next_tockens", 0)
+        pre, nxt = args.pre_tockens, args.next_tockens
         if mode == 4 and pre + nxt < 0:
             raise FeatureConfigError(f"--pre-tockens {pre} and --next-tockens {nxt} leave an empty band "
                                      "(need pre + next >= 0)")
@@ -143,7 +143,7 @@ class GradientAccumulationFusion(_FusedFeature):
         return gradient_accumulation_fusion
 
     def validate(self, args) -> None:
-        if getattr(args, "backend", None) == "mindspore" and getattr(args, "use_ascend_coc", False):
+        if args.backend == "mindspore" and args.use_ascend_coc:
             raise FeatureConfigError("--gradient-accumulation-fusion on the MindSpore trainer fuses its own linears' "
                                      "weight gradients, not --use-ascend-coc's: drop one of them")
 
@@ -172,8 +172,8 @@ class MoeGroupedGemm(_FusedFeature):
         # num_experts is the host's (Megatron's) flag: checked when the host's args are given
         if hasattr(args, "num_experts") and not args.num_experts:
             raise FeatureConfigError("--moe-grouped-gemm needs an MoE model (--num-experts)")
-        on_mindspore = getattr(args, "backend", "torch") == "mindspore"
-        if on_mindspore and getattr(args, "gemm_gradient_accumulation_fusion", False):
+        on_mindspore = args.backend == "mindspore"
+        if on_mindspore and args.gemm_gradient_accumulation_fusion:
             raise FeatureConfigError("--gemm-gradient-accumulation-fusion is Megatron-Core GroupedMLP's main_grad "
                                      "path; the MindSpore trainer's grouped experts take MindSpore's gradients: drop it")
         # Megatron-Core's GroupedMLP asserts it

@@ -73,7 +73,7 @@ def _grouped_mlp_modules(original):
 def install(ctx, args) -> None:
     why = "--moe-grouped-gemm via kernels.gmm"
     patcher = ctx.patcher
-    ops = GroupedGemmOps(bool(getattr(args, "gemm_gradient_accumulation_fusion", False)))
+    ops = GroupedGemmOps(args.gemm_gradient_accumulation_fusion)
     patcher.replace(f"{GG}.grouped_gemm", ops, reason=why)
     patcher.replace(f"{GG}.ops", ops, reason=why)
     ctx.provide(SPEC_GROUPED_EXPERTS, True)
