@@ -53,14 +53,7 @@ def transformer_config(args) -> TransformerConfig:
         # --num-layer-list (the uneven-pipeline-layers feature sets it through adapt(args))
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        num_moe_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size or (args.ffn_hidden_size if args.num_experts else None),
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        **_moe_fields(args),
         variable_seq_lengths=args.variable_seq_lengths,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -87,6 +80,16 @@ def transformer_config(args) -> TransformerConfig:
     if args.yarn and not config.multi_latent_attention:
         _set_dense_yarn(config, args)
     return config
+
+
+def _moe_fields(args) -> dict:
+    """Megatron-Core's MoE fields (its defaults without --num-experts)."""
+    return dict(expert_model_parallel_size=args.expert_model_parallel_size, num_moe_experts=args.num_experts,
+                moe_router_topk=args.moe_router_topk,
+                moe_ffn_hidden_size=args.moe_ffn_hidden_size or (args.ffn_hidden_size if args.num_experts else None),
+                moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                moe_shared_expert_overlap=args.moe_shared_expert_overlap)
 
 
 def _family_fields(args) -> dict:
