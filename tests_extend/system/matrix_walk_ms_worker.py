@@ -18,7 +18,7 @@ def main(cells_file: str, out_dir: str) -> None:
     results = {}
     try:
         for name, argv in cells:
-            results[name] = walk.start(argv, os.path.join(out_dir, f"{name}.{rank}.jsonl"))
+            results[name] = walk.start(argv, os.path.join(out_dir, f"{name.replace('/', '-')}.{rank}.jsonl"))
         write_result(out_dir, rank, results)
     except Exception:
         write_result(out_dir, rank, {"worker": {"trained": False, "error": traceback.format_exc()}})

@@ -6,8 +6,9 @@ Inert (a feature on where the layout leaves it nothing to do, Feature.inert): `c
 with one line saying so, and the trainer prints that line once (rank 0) and trains the very losses
 of the same command line without the feature's flags.
 
-Refusals start in this process (they stop before any backend); accepted cells start in one
-2-process spawn per backend that runs them in turn, to keep CI time down."""
+Refusals start in this process (they stop before any backend); the accepted and the inert cells
+start in one 2-process launch per backend that runs them in turn, the inert cells of one layout
+sharing their run without the flags, to keep CI time down."""
 import json
 import os
 
@@ -70,7 +71,7 @@ def test_refused_cell_check_and_trainer_agree(cell, workdir, monkeypatch, tmp_pa
 
 
 def _start_all(rank, world_size, cells):
-    """Each accepted cell in turn on this process group's ranks (a fresh rendezvous per cell)."""
+    """Each cell in turn on this process group's ranks (a fresh rendezvous per cell)."""
     from tests_extend.distributed.harness import next_rendezvous
     results = {}
     for name, argv, loss_file in cells:
@@ -79,43 +80,8 @@ def _start_all(rank, world_size, cells):
     return results
 
 
-def test_accepted_torch_cells_train(workdir, tmp_path):
-    from tests_extend.distributed.harness import run_distributed
-    accepted = [f for f in all_features() if _expected(f, "torch", "cpu") and f.id not in walk.NOT_STARTED]
-    cells = [(f.id, _argv(f, "torch", workdir), str(tmp_path / f"{f.id}.jsonl")) for f in accepted]
-    for name, argv, _ in cells:
-        rc, line = walk.check_answer(argv)
-        assert rc == 0, f"{name}: check refused a cell the matrix accepts: {line}"
-    results = run_distributed(_start_all, world_size=walk.WORLD, args=(cells,), timeout=900)
-    failed = {name: r for name, r in results[0].items() if not r["trained"]}
-    assert not failed, failed
-    # --profile-ranks 1: the rank is known only once the trainer has its process group
-    assert os.listdir(os.path.join(workdir[0], "profile")) == ["rank1"]
-    print(f"\ntorch/cpu: {len(cells)} accepted cells trained 2 iterations on 2 processes")
-
-
-@pytest.mark.timeout(960)      # the launch's own limit (900 s) reports the workers' logs first
-def test_accepted_mindspore_cells_train(workdir, tmp_path, monkeypatch):
-    pytest.importorskip("mindspore")
-    monkeypatch.setenv("WORLD_SIZE", str(walk.WORLD))     # as train_distributed_ms.sh exports it for msrun
-
-    from tests_extend.distributed.msrun_helper import run_msrun
-    accepted = [f for f in all_features() if _expected(f, "mindspore", "cpu") and f.id not in walk.NOT_STARTED]
-    cells = [(f.id, _argv(f, "mindspore", workdir)) for f in accepted]
-    for name, argv in cells:
-        rc, line = walk.check_answer(argv)
-        assert rc == 0, f"{name}: check refused a cell the matrix accepts: {line}"
-    worker = os.path.join(walk.ROOT, "tests_extend", "system", "matrix_walk_ms_worker.py")
-    # one launch: each process trains every cell in turn (a native crash there fails the test)
-    (tmp_path / "cells.json").write_text(json.dumps(cells))
-    trained = run_msrun(worker, [str(tmp_path / "cells.json"), str(tmp_path)], str(tmp_path), timeout=900)[0]
-    assert sorted(trained) == sorted(name for name, _ in cells)
-    failed = {name: r for name, r in trained.items() if not r["trained"]}
-    assert not failed, "\n".join(f"{name}: {r}" for name, r in failed.items())
-    slowest = sorted(trained.items(), key=lambda kv: -kv[1]["seconds"])[:8]
-    print(f"\nmindspore/cpu: {len(cells)} accepted cells trained 2 iterations on 2 processes in "
-          f"{sum(r['seconds'] for r in trained.values()):.0f} s; slowest: "
-          + ", ".join(f"{name} {r['seconds']:.1f} s" for name, r in slowest))
+def _accepted(backend):
+    return [f for f in all_features() if _expected(f, backend, "cpu") and f.id not in walk.NOT_STARTED]
 
 
 def _inert_cells(backend, workdir):
@@ -137,6 +103,82 @@ def _inert_cells(backend, workdir):
     return cells
 
 
+def _walk_runs(backend, workdir) -> tuple[list, list, dict]:
+    """One launch's runs for `backend`: every accepted cell (named by its feature), every inert cell
+    ("inert/<id>") and each distinct command line those give without their flags ("without/<n>": the
+    inert cells of one layout share it). Returns (runs [(name, argv)], inert cells, inert id -> the name
+    of its run without the flags)."""
+    runs = [(f.id, _argv(f, backend, workdir)) for f in _accepted(backend)]
+    inert = _inert_cells(backend, workdir)
+    without_names = {}
+    for f, argv, without in inert:
+        runs.append((f"inert/{f.id}", argv))
+        key = tuple(without)
+        if key not in without_names:
+            without_names[key] = f"without/{len(without_names)}"
+            runs.append((without_names[key], without))
+    return runs, inert, {f.id: without_names[tuple(without)] for f, _, without in inert}
+
+
+@pytest.fixture(scope="module")
+def torch_walk(workdir, tmp_path_factory):
+    """Every torch/cpu run of the walk in one 2-process spawn (per rank: name -> walk.start's result)."""
+    from tests_extend.distributed.harness import run_distributed
+    tmp = tmp_path_factory.mktemp("torch_walk")
+    runs, inert, without = _walk_runs("torch", workdir)
+    launch = [(name, argv, str(tmp / f"{name.replace('/', '-')}.jsonl")) for name, argv in runs]
+    return run_distributed(_start_all, world_size=walk.WORLD, args=(launch,), timeout=900), inert, without
+
+
+@pytest.fixture(scope="module")
+def mindspore_walk(workdir, tmp_path_factory):
+    """Every mindspore/cpu run of the walk in one msrun launch: each process trains every run in turn (a
+    native crash there fails the tests)."""
+    pytest.importorskip("mindspore")
+    from tests_extend.distributed.msrun_helper import run_msrun
+    tmp = tmp_path_factory.mktemp("mindspore_walk")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WORLD_SIZE", str(walk.WORLD))     # as train_distributed_ms.sh exports it for msrun
+        runs, inert, without = _walk_runs("mindspore", workdir)
+        worker = os.path.join(walk.ROOT, "tests_extend", "system", "matrix_walk_ms_worker.py")
+        (tmp / "cells.json").write_text(json.dumps(runs))
+        per_rank = run_msrun(worker, [str(tmp / "cells.json"), str(tmp)], str(tmp), timeout=900)
+    return per_rank, inert, without
+
+
+def _checked_accepted(backend, workdir):
+    cells = [(f.id, _argv(f, backend, workdir)) for f in _accepted(backend)]
+    for name, argv in cells:
+        rc, line = walk.check_answer(argv)
+        assert rc == 0, f"{name}: check refused a cell the matrix accepts: {line}"
+    return [name for name, _ in cells]
+
+
+def test_accepted_torch_cells_train(workdir, torch_walk, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(walk.WORLD))
+    names = _checked_accepted("torch", workdir)
+    results = torch_walk[0]
+    failed = {name: results[0][name] for name in names if not results[0][name]["trained"]}
+    assert not failed, failed
+    # --profile-ranks 1: the rank is known only once the trainer has its process group
+    assert os.listdir(os.path.join(workdir[0], "profile")) == ["rank1"]
+    print(f"\ntorch/cpu: {len(names)} accepted cells trained 2 iterations on 2 processes")
+
+
+@pytest.mark.timeout(960)      # the launch's own limit (900 s) reports the workers' logs first
+def test_accepted_mindspore_cells_train(workdir, mindspore_walk, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(walk.WORLD))
+    names = _checked_accepted("mindspore", workdir)
+    trained = mindspore_walk[0][0]
+    assert set(names) <= set(trained)
+    failed = {name: trained[name] for name in names if not trained[name]["trained"]}
+    assert not failed, "\n".join(f"{name}: {r}" for name, r in failed.items())
+    slowest = sorted(((n, trained[n]) for n in names), key=lambda kv: -kv[1]["seconds"])[:8]
+    print(f"\nmindspore/cpu: {len(names)} accepted cells trained 2 iterations on 2 processes in "
+          f"{sum(trained[n]['seconds'] for n in names):.0f} s; slowest: "
+          + ", ".join(f"{name} {r['seconds']:.1f} s" for name, r in slowest))
+
+
 @pytest.mark.parametrize("backend", [b for b, _ in walk.COLUMNS])
 def test_inert_cells_check_says_one_line(backend, workdir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(walk.WORLD))
@@ -148,51 +190,30 @@ def test_inert_cells_check_says_one_line(backend, workdir, monkeypatch):
         assert rc == 0 and len(notes) == 1, (f.id, rc, notes, walk.check_answer(argv))
 
 
-def _train_pairs(rank, world_size, cells):
-    from tests_extend.distributed.harness import next_rendezvous
-    results = {}
-    for name, argv, loss_file in cells:
-        next_rendezvous(rank, loss_file + ".port")
-        results[name] = walk.start(argv, loss_file + f".{rank}")
-    return results
-
-
-def _assert_inert_runs(cells, per_rank: list) -> None:
+def _assert_inert_runs(cells, without: dict, per_rank: list) -> None:
     """Each inert cell trained, its note on one rank only, once, and its losses are those of the
     same command line without the flags (which prints no note)."""
     for f, *_ in cells:
-        name = f.id
+        name, plain = f"inert/{f.id}", without[f.id]
         runs = [r[name] for r in per_rank]
         # rank 0 writes the loss file; every rank ends well
-        assert per_rank[0][name]["trained"] and per_rank[0][f"{name}+without"]["trained"], (name, runs)
-        assert all(r[key]["rc"] == 0 for r in per_rank for key in (name, f"{name}+without")), (name, runs)
+        assert per_rank[0][name]["trained"] and per_rank[0][plain]["trained"], (name, runs)
+        assert all(r[key]["rc"] == 0 for r in per_rank for key in (name, plain)), (name, runs)
         noted = [r["notes"] for r in runs if r["notes"]]
         assert len(noted) == 1 and len(noted[0]) == 1, (name, [r["notes"] for r in runs])
         assert noted[0][0].startswith("> MindSpeed: ") and "has no effect here" in noted[0][0]
-        assert not any(r[f"{name}+without"]["notes"] for r in per_rank)
-        assert per_rank[0][name]["losses"] == per_rank[0][f"{name}+without"]["losses"], name
+        assert not any(r[plain]["notes"] for r in per_rank)
+        assert per_rank[0][name]["losses"] == per_rank[0][plain]["losses"], name
 
 
-def test_inert_torch_cells_train_as_without_them(workdir, tmp_path):
-    from tests_extend.distributed.harness import run_distributed
-    cells = _inert_cells("torch", workdir)
-    runs = [(name, a, str(tmp_path / f"{name}.jsonl")) for f, argv, without in cells
-            for name, a in ((f.id, argv), (f"{f.id}+without", without))]
-    results = run_distributed(_train_pairs, world_size=walk.WORLD, args=(runs,), timeout=900)
-    _assert_inert_runs(cells, results)
+def test_inert_torch_cells_train_as_without_them(torch_walk):
+    per_rank, cells, without = torch_walk
+    _assert_inert_runs(cells, without, per_rank)
     print(f"\ntorch/cpu: {len(cells)} inert cells trained as without their flags: {[f.id for f, *_ in cells]}")
 
 
 @pytest.mark.timeout(960)
-def test_inert_mindspore_cells_train_as_without_them(workdir, tmp_path, monkeypatch):
-    pytest.importorskip("mindspore")
-    monkeypatch.setenv("WORLD_SIZE", str(walk.WORLD))
-    from tests_extend.distributed.msrun_helper import run_msrun
-    cells = _inert_cells("mindspore", workdir)
-    runs = [(name, a) for f, argv, without in cells
-            for name, a in ((f.id, argv), (f"{f.id}+without", without))]
-    worker = os.path.join(walk.ROOT, "tests_extend", "system", "matrix_walk_ms_worker.py")
-    (tmp_path / "cells.json").write_text(json.dumps(runs))
-    per_rank = run_msrun(worker, [str(tmp_path / "cells.json"), str(tmp_path)], str(tmp_path), timeout=900)
-    _assert_inert_runs(cells, per_rank)
+def test_inert_mindspore_cells_train_as_without_them(mindspore_walk):
+    per_rank, cells, without = mindspore_walk
+    _assert_inert_runs(cells, without, per_rank)
     print(f"\nmindspore/cpu: {len(cells)} inert cells trained as without their flags: {[f.id for f, *_ in cells]}")
