@@ -3,10 +3,8 @@ session"): MindSpeed's modules hold no other process-wide state that a `global` 
 and no feature plants state in a module through the patch manager (the hidden routes the session
 replaced: a module's own `_state` swapped by a feature's hook)."""
 import ast
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGE = os.path.join(ROOT, "mindspeed")
+from tests_extend.unit.source_trees import package_trees
 
 # the only module-level state a `global` statement rebinds, each with why it is process-wide
 ALLOWED_GLOBALS = {
@@ -15,15 +13,6 @@ ALLOWED_GLOBALS = {
     "features/registry.py": "the feature modules are imported once, on the registry's first query",
     "data/workers.py": "one preprocessing worker process's function (multiprocessing's initializer)",
 }
-
-
-def _modules():
-    for folder, _dirs, files in os.walk(PACKAGE):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                with open(path, encoding="utf-8") as f:
-                    yield os.path.relpath(path, PACKAGE), ast.parse(f.read(), path)
 
 
 def _patcher_targets_of_own_module(tree) -> list[int]:
@@ -42,10 +31,10 @@ def _patcher_targets_of_own_module(tree) -> list[int]:
 
 
 def test_module_level_state_is_only_the_listed_registries():
-    rebinding = {path for path, tree in _modules() if any(isinstance(n, ast.Global) for n in ast.walk(tree))}
+    rebinding = {path for path, tree in package_trees() if any(isinstance(n, ast.Global) for n in ast.walk(tree))}
     assert rebinding == set(ALLOWED_GLOBALS), rebinding ^ set(ALLOWED_GLOBALS)
 
 
 def test_no_feature_swaps_its_own_modules_state_through_the_patcher():
-    found = {path: lines for path, tree in _modules() for lines in [_patcher_targets_of_own_module(tree)] if lines}
+    found = {path: lines for path, tree in package_trees() for lines in [_patcher_targets_of_own_module(tree)] if lines}
     assert found == {}
