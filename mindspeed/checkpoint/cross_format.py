@@ -212,5 +212,5 @@ def neutral_from_torch_dist(directory: str, load_optimizer: bool) -> tuple[dict,
                 "to load the weights only")
     step = common.get("optimizer", {}).get("state", {}).get("common_step", common["iteration"])
     meta = dict(iteration=int(common["iteration"]), consumed_samples=int(common.get("consumed_train_samples", 0)),
-                optimizer_steps=int(step), backend="torch")
+                optimizer_steps=int(step), backend="torch", no_optimizer=bool(common.get("no_optimizer")))
     return model, moments, meta

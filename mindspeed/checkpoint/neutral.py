@@ -310,6 +310,12 @@ def resolve(path: str, step: int | None = None) -> str:
     return directory
 
 
+def read_meta(directory: str) -> dict:
+    """An iteration directory's meta.json (already checked readable: check_iteration)."""
+    with open(os.path.join(directory, META_FILE), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def load(path: str, step: int | None = None) -> tuple[dict, dict | None, dict]:
     """(model arrays, optimizer arrays or None, meta) from a root or iteration directory (see
     resolve). A file that fails to decode is reported as a one-line CheckpointError."""

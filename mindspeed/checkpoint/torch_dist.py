@@ -347,7 +347,7 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
     iteration = read_tracker(root, step)
     path = iteration_dir(root, iteration)
     use_optim = load_optim and not finetune
-    if use_optim and optimizer is not None and not is_neutral(path) and read_common(root, iteration).get("no_optimizer"):
+    if use_optim and optimizer is not None and saved_without_optimizer(root, iteration):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with --no-save-optim): "
                               "resume it with --no-load-optim (or --finetune)")
     state = _sharded_state(chunks, optimizer if use_optim else None, is_loading=True, only=only)
@@ -410,6 +410,14 @@ def _load_model(model, loaded: dict, only) -> None:
     missing = [name for name in result.missing_keys if only(name)]
     if missing or result.unexpected_keys:
         raise KeyError(f"missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+
+def saved_without_optimizer(root: str, iteration: int) -> bool:
+    """--no-save-optim's checkpoint, of either trainer (torch_dist's common state, the neutral meta.json)."""
+    path = iteration_dir(root, iteration)
+    if is_neutral(path):
+        return bool(neutral.read_meta(path).get("no_optimizer"))
+    return bool(read_common(root, iteration).get("no_optimizer"))
 
 
 def read_common(root: str, step: int | None = None) -> dict:

@@ -55,9 +55,8 @@ option("mtp", (host("--mtp-num-layers"), host("--mtp-loss-scaling-factor", 0.1))
        ("--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"))
 NoSaveOptim = option(
     "no-save-optim", (host("--no-save-optim", False),), lambda a: a.no_save_optim,
-    "checkpoints without optimizer state (resumed with --no-load-optim)",
-    {"mindspore": f"{MS} writes the optimizer state into every checkpoint"}, "drop --no-save-optim",
-    ("--no-save-optim",))
+    "checkpoints without optimizer state (resumed with --no-load-optim; a resume that asks for the state is "
+    "refused in one line, by either trainer)", {}, "", ("--no-save-optim",))
 option("manual-gc", (host("--manual-gc", False), host("--manual-gc-interval", 0)), lambda a: a.manual_gc,
        "Python's garbage collector at fixed steps only (training/manual_gc.py)", {}, "",
        ("--manual-gc", "--manual-gc-interval", "1"))

@@ -87,7 +87,7 @@ def _threads_and_version(framework: str) -> tuple[int, str]:
 def _measure(framework: str, device: str, dtype: str) -> float:
     """Best TFLOP/s of n x n matmuls over BENCH_SECONDS (the first product is a warm-up)."""
     n = 1024 if device == "cpu" else 8192
-    matmul = _torch_matmul(device, dtype, n) if framework == "torch" else _mindspore_matmul(dtype, n)
+    matmul = _torch_matmul(device, dtype, n) if framework == "torch" else _mindspore_matmul(device, dtype, n)
     matmul()
     best, deadline = 0.0, time.perf_counter() + BENCH_SECONDS
     while time.perf_counter() < deadline:
@@ -109,10 +109,12 @@ def _torch_matmul(device: str, dtype: str, n: int):
     return run
 
 
-def _mindspore_matmul(dtype: str, n: int):
+def _mindspore_matmul(device: str, dtype: str, n: int):
     import mindspore as ms
     import numpy as np
-    dt = {"fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}[dtype]
+    # MindSpore's CPU MatMul has no bf16 kernel: the trainer's bf16 matmuls run in fp32 there
+    # (backends/mindspore/precision.py), so that is the peak its steps can reach
+    dt = {"fp32": ms.float32, "bf16": ms.float32 if device == "cpu" else ms.bfloat16, "fp16": ms.float16}[dtype]
     a, b = (ms.Tensor(np.random.default_rng(k).standard_normal((n, n), dtype=np.float32)).astype(dt)
             for k in range(2))
     return lambda: ms.ops.matmul(a, b).asnumpy()   # asnumpy waits for the result

@@ -123,3 +123,40 @@ def test_mindspore_no_load_optim_keeps_the_fresh_optimizer(neutral_checkpoint, f
 def test_mindspore_resume_leaves_the_rng_as_seeded(neutral_checkpoint):
     root, _ = neutral_checkpoint
     assert _ms_resume(root, "--no-load-rng")[3] and _ms_resume(root)[3]
+
+
+# --- --no-save-optim on the MindSpore trainer: its real checkpoint code on a world of one -----------------
+
+def test_mindspore_no_save_optim_writes_no_state_and_a_resume_that_wants_it_is_refused(tmp_path):
+    """The checkpoint holds the weights only and says so; a resume that asks for the optimizer state (either
+    trainer: the torch one reads the neutral meta too) is refused in one line; --no-load-optim loads it."""
+    pytest.importorskip("mindspore")
+    import mindspeed
+    from mindspeed.checkpoint import neutral as neutral_format
+    from mindspeed.checkpoint.torch_dist import saved_without_optimizer
+    from mindspeed.errors import CheckpointError
+    from mindspeed.training.mindspore import checkpoint
+    from mindspeed.training.mindspore.model import GPTConfig
+    from mindspeed.training.mindspore.parallel import build_parallel_state
+    from mindspeed.training.mindspore.trainer import Trainer
+    from tests_extend.distributed import mindspore_parity as kit
+    args = parse_args(kit.trainer_argv(1) + ["--backend", "mindspore", "--no-save-optim"], world_size=1)
+    session = mindspeed.adapt(args)
+    try:
+        backend = session.backend
+        ps = build_parallel_state(backend.comm, 1)
+        trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, kit.VOCAB), session)
+        root = str(tmp_path / "ckpt")
+        for with_optimizer, where in ((False, root), (True, str(tmp_path / "full"))):
+            checkpoint.save(backend, ps, where, 2, trainer.model, trainer.optimizer, {"consumed_samples": 4},
+                            with_optimizer=with_optimizer)
+        weights, state, meta = neutral_format.load(root)
+        assert state is None and meta["no_optimizer"] and sorted(weights) == sorted(trainer.model.master_params())
+        assert saved_without_optimizer(root, 2) and not saved_without_optimizer(str(tmp_path / "full"), 2)
+        with pytest.raises(CheckpointError) as refused:
+            checkpoint.load(root, trainer.model, trainer.optimizer)
+        assert "holds no optimizer state (saved with --no-save-optim): resume it with --no-load-optim" \
+            in str(refused.value) and "\n" not in str(refused.value)
+        assert checkpoint.load(root, trainer.model, trainer.optimizer, load_optimizer=False)["iteration"] == 2
+    finally:
+        session.close()

@@ -22,6 +22,17 @@ def test_cpu_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatc
     assert peak.device_peak("torch", "cpu", "bf16").tflops == 0.5
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_mindspore_cpu_peak_is_measured_for_each_dtype_the_trainer_takes(tmp_path, monkeypatch, dtype):
+    """MindSpore's CPU MatMul has no bf16 kernel (the trainer's bf16 matmuls run in fp32 there): the peak of a
+    --bf16 run is measured, not a crash of the run's first log line."""
+    pytest.importorskip("mindspore")
+    monkeypatch.setenv("MINDSPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(peak, "BENCH_SECONDS", 0.05)
+    got = peak.device_peak("mindspore", "cpu", dtype)
+    assert 1e-4 < got.tflops < 100 and got.source.startswith(f"measured: {dtype} matmul with mindspore")
+
+
 @pytest.mark.parametrize("model, dtype, expected", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H100 PCIe", "bf16", 756.0),
     ("NVIDIA A100-SXM4-80GB", "fp32", 19.5), ("NVIDIA H200", "fp16", 989.0)])

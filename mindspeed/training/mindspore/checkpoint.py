@@ -81,20 +81,25 @@ def _gather_ep(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
             **_from_each_owner(backend, ps.ep_group, ps.ep_rank, arrays, keys_by_rank)}
 
 
-def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict) -> None:
+def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict, with_optimizer: bool = True) -> None:
+    """The whole model (and, unless with_optimizer is False, --no-save-optim, the optimizer's state) as
+    one neutral checkpoint written by rank 0."""
     gated = model.cfg.swiglu
     # the fp32 weights: with --fp16 the masters (model.master_params), never the fp16 copies
     params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.master_params().items()}, gated)
-    moments = _gather_tp(backend, ps, optimizer.state_arrays(), gated)
-    params = _gather_ep(backend, ps, model, params)
-    kinds = tuple(sorted({key.split("/", 1)[0] + "/" for key in moments}))
-    moments = _gather_ep(backend, ps, model, moments, kinds)
-    params = _gather_pp(backend, ps, model, params)
-    # the state's kinds (Adam's two moments, SGD's momentum) are the same on every stage
-    moments = _gather_pp(backend, ps, model, moments, kinds)
+    params = _gather_pp(backend, ps, model, _gather_ep(backend, ps, model, params))
+    moments = _gathered_state(backend, ps, model, optimizer) if with_optimizer else None
+    meta = dict(meta, optimizer_steps=optimizer.step_count) if with_optimizer else dict(meta, no_optimizer=True)
     if backend.comm.rank() == 0:
-        nf.save(root, iteration, params, moments, dict(meta, optimizer_steps=optimizer.step_count))
+        nf.save(root, iteration, params, moments, meta)
     backend.comm.barrier()
+
+
+def _gathered_state(backend, ps, model, optimizer) -> dict:
+    moments = _gather_tp(backend, ps, optimizer.state_arrays(), model.cfg.swiglu)
+    # the state's kinds (Adam's two moments, SGD's momentum) are the same on every stage
+    kinds = tuple(sorted({key.split("/", 1)[0] + "/" for key in moments}))
+    return _gather_pp(backend, ps, model, _gather_ep(backend, ps, model, moments, kinds), kinds)
 
 
 def _fit_vocab(model, arrays: dict | None) -> dict | None:
@@ -122,6 +127,9 @@ def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step:
         full, moments, meta = cross_format.neutral_from_torch_dist(directory, optimizer is not None and load_optimizer)
     else:
         full, moments, meta = nf.load(directory)
+    if optimizer is not None and load_optimizer and meta.get("no_optimizer"):
+        raise CheckpointError(f"checkpoint {directory} holds no optimizer state (saved with --no-save-optim): "
+                              "resume it with --no-load-optim (or --finetune)")
     # the vocabulary is padded for the saving TP size (either trainer, or the converter's target)
     full, moments = _fit_vocab(model, full), _fit_vocab(model, moments)
     try:

@@ -434,7 +434,8 @@ def loop_parts(args, backend, ps, trainer: Trainer, streams: tuple, gc_point=lam
                 "num_layers": trainer.cfg.num_layers, "hidden_size": trainer.cfg.hidden_size,
                 "skipped_iterations": trainer.skipped_iterations, "skipped_samples": trainer.skipped_samples,
                 **({"grad_scaler": trainer.scaler.state_dict()} if trainer.scaler else {})}
-        checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, meta)
+        checkpoint.save(backend, ps, a.save, iteration, trainer.model, trainer.optimizer, meta,
+                        with_optimizer=not a.no_save_optim)
 
     return loop.TrainParts(
         step=step, evaluate=evaluate, save=save,
