@@ -183,7 +183,7 @@ def _general_mask_without_cp(self, args) -> str:
 
 
 GeneralMask.inert = _general_mask_without_cp
-# packed documents take the dense mask under "general" (adaptor_core.packed_documents): a run at CP 1
+# packed documents take the dense mask under "general" (Session.packed_documents): a run at CP 1
 # must not, as without the flag
 GeneralMask.inert_host_flags = {MASK_TYPE.dest: MASK_TYPE.default}
 GeneralMask.inert_example = ("--attention-mask-type", "general")
