@@ -60,7 +60,10 @@ LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "inter
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "RoPE scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "RoPE scaling 'dynamic'"),
+    # YaRN converts (--rope-scaling-type yarn), but not an attention factor Megatron-Core computes otherwise
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "attention_factor": 1.5}}, "attention_factor 1.5"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.7}}, "mscale 0.7 without mscale_all_dim"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192}}, "RoPE scaling 'llama3'"),
     ({"hidden_act": "gelu"}, "only SwiGLU"),
