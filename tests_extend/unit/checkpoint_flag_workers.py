@@ -82,7 +82,26 @@ def torch_resume_report(root: str) -> dict:
         iteration, consumed = pretrain.resume(args, fresh, _Log())
         report[name] = {"iteration": iteration, "consumed": consumed, "moments": _moments(fresh.optimizer),
                         "weights": _weights(fresh), "rng_untouched": _same_rng(before, _rng_states())}
+    report["no_save_optim"] = _no_save_optim(root + "-weights-only", trainer, trainer_for)
     return report
+
+
+def _no_save_optim(root: str, trainer, trainer_for) -> dict:
+    """--no-save-optim's checkpoint (as pretrain's save writes it): a resume that wants the optimizer
+    state is refused in one line, --no-load-optim resumes."""
+    from mindspeed.checkpoint import torch_dist as checkpointing
+    from mindspeed.errors import CheckpointError
+    from mindspeed.training import pretrain
+    checkpointing.save_checkpoint(root, 1, trainer.model, None, trainer.scheduler, 2, extra={"no_optimizer": True})
+    out = {"refused": None}
+    args, fresh = trainer_for("--load", root)
+    try:
+        pretrain.resume(args, fresh, _Log())
+    except CheckpointError as err:
+        out["refused"] = str(err)
+    args, fresh = trainer_for("--load", root, "--no-load-optim")
+    out["no_load_optim"] = list(pretrain.resume(args, fresh, _Log()))
+    return out
 
 
 if __name__ == "__main__":

@@ -53,6 +53,13 @@ def test_torch_no_load_optim_keeps_the_fresh_optimizer(torch_report):
     assert torch_report["finetune"]["moments"] == 0.0 and torch_report["finetune"]["iteration"] == 0
 
 
+def test_torch_no_save_optim_checkpoint_refuses_a_resume_that_wants_the_state(torch_report):
+    run = torch_report["no_save_optim"]
+    assert run["refused"] and "holds no optimizer state (saved with --no-save-optim): resume it with " \
+        "--no-load-optim" in run["refused"] and "\n" not in run["refused"]
+    assert run["no_load_optim"] == [1, 2]
+
+
 def test_torch_resume_leaves_the_rng_as_seeded(torch_report):
     assert torch_report["no_load_rng"]["rng_untouched"]
     assert torch_report["default"]["rng_untouched"]      # checkpoints hold no RNG state at all
