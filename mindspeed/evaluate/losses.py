@@ -22,7 +22,7 @@ def torch_trainer_data(args, session, log):
     the features `session` applied."""
     tokenizer = pretrain.resolve_tokenizer(args, log=log)
     reader = data.BatchReader.for_session(session, args, tokenizer.eod)
-    _train, valid, _test = data.build_datasets(args, tokenizer, packed=reader.eod is not None)
+    _train, valid, _test = data.build_datasets(args, tokenizer, packed=reader.packed)
     return reader, valid
 
 

@@ -195,16 +195,20 @@ FlashAttnBand = option(
 FlashAttnBand.requires = FlashAttention.requires     # the band is the flash kernel's: its level
 
 
-def _band_without_cp(self, args) -> None:
-    # the context-parallel attention of either trainer takes the causal mask or the batch's own one;
-    # flash attention defers to it under CP, so a band would be dropped without a word
-    if (args.context_parallel_size or 1) > 1:
-        raise FeatureConfigError("--sparse-mode/--pre-tockens/--next-tockens with context parallelism: the "
-                                 "context-parallel attention is causal only (or --attention-mask-type general's "
-                                 "batch mask), never a band; drop the band flags, or --context-parallel-size 1")
+def refused_with_context_parallelism(why: str):
+    """A row's validate(): refuse the option at --context-parallel-size > 1, saying `why`."""
+    def validate(self, args) -> None:
+        if (args.context_parallel_size or 1) > 1:
+            raise FeatureConfigError(why)
+    return validate
 
 
-FlashAttnBand.validate = _band_without_cp
+# the context-parallel attention of either trainer takes the causal mask or the batch's own one;
+# flash attention defers to it under CP, so a band would be dropped without a word
+FlashAttnBand.validate = refused_with_context_parallelism(
+    "--sparse-mode/--pre-tockens/--next-tockens with context parallelism: the context-parallel attention is "
+    "causal only (or --attention-mask-type general's batch mask), never a band; drop the band flags, or "
+    "--context-parallel-size 1")
 VariableSeqLengths = option("variable-seq-lengths", (host("--variable-seq-lengths", False),), lambda a: a.variable_seq_lengths,
        "pipeline stages exchange tensor shapes first; instruction micro-batches as long as their longest sample",
        {}, "",

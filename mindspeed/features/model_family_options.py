@@ -5,9 +5,8 @@ spelling a user typed (the trainers derive Megatron-Core's values from them afte
 """
 from __future__ import annotations
 
-from mindspeed.features.base import FeatureConfigError
 from mindspeed.features.host_flags import NUM_EXPERTS, host
-from mindspeed.features.megatron_options import MS, TORCH, option
+from mindspeed.features.megatron_options import MS, TORCH, option, refused_with_context_parallelism
 
 MOE_EXAMPLE = ("--num-experts", "4", "--moe-ffn-hidden-size", "64")
 
@@ -98,11 +97,6 @@ MultiLatentAttention = option(
      "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"))
 
 
-def _mla_layout_problem(self, args) -> None:
-    if (args.context_parallel_size or 1) > 1:
-        raise FeatureConfigError("--multi-latent-attention with --context-parallel-size > 1: MindSpeed's "
-                                 "context-parallel attention takes one head size for q, k and v, and MLA's v "
-                                 "has its own; drop --context-parallel-size (or MLA)")
-
-
-MultiLatentAttention.validate = _mla_layout_problem
+MultiLatentAttention.validate = refused_with_context_parallelism(
+    "--multi-latent-attention with --context-parallel-size > 1: MindSpeed's context-parallel attention takes one "
+    "head size for q, k and v, and MLA's v has its own; drop --context-parallel-size (or MLA)")

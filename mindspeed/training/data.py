@@ -276,6 +276,11 @@ class BatchReader:
         """The reader a run's applied features call for (mindspeed.session.Session)."""
         return cls(args.device_name, eod if session.packed_documents(args) else None, session.shard_batch)
 
+    @property
+    def packed(self) -> bool:
+        """The batches carry packed documents: the datasets build no dense attention mask."""
+        return self.eod is not None
+
     def __call__(self, data_iterator) -> dict:
         return get_batch(data_iterator, self.device, self.eod, self.shard)
 

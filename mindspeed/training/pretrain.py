@@ -416,7 +416,7 @@ def _train(args, tokenizer, logger: TrainingLogger, session: Session, started_at
     a = args
     baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
     reader = data.BatchReader.for_session(session, a, tokenizer.eod)
-    train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer, packed=reader.eod is not None)
+    train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer, packed=reader.packed)
     trainer = Trainer(a, logger, reader, lora=session.part("lora"), spec_modules=SpecModules.of(session))
     n_params = count_parameters(trainer.model)
     logger.print(f"> MindSpeed {session.plan.describe()}".replace("\n", "; "))
