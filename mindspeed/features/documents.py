@@ -10,11 +10,10 @@ ends, zero-padded (`padded_rows`; Megatron's masks are bool or float, so the dty
 apart). Megatron hands attention_mask unchanged from the model's forward to every core attention,
 through the pipeline schedule (each micro-batch's forward gets its own) and activation recompute
 (which re-runs a layer on detached copies of its inputs: the values survive where an attribute
-would not). Framework-free: rows and masks are anything with .tolist().
+would not). Framework-free: rows and masks are anything with .tolist(); attention runs on the
+kernels its caller passes (the run's backend's).
 """
 from __future__ import annotations
-
-from mindspeed.backends import get_backend
 
 
 def ends_from_eod(tokens_row, eod: int) -> list[int]:
@@ -58,19 +57,19 @@ def check(ends: list[list[int]], b: int, s: int) -> None:
         raise ValueError(f"document ends {ends} do not describe {b} sample(s) of {s} tokens")
 
 
-def attention(q, k, v, ends: list[list[int]], *, head_num: int, **kwargs):
+def attention(q, k, v, ends: list[list[int]], *, kernels, head_num: int, **kwargs):
     """Attention inside each document: q [s, b, n*d], k/v [s, b, nkv*d] (SBH; v's head size may be its
     own) whose samples hold documents ending at `ends` (per sample, cumulative over s) -> (out
-    [s, b, n*dv], softmax max and sum [b, n, s]). One TND kernel call packs the samples one after another."""
+    [s, b, n*dv], softmax max and sum [b, n, s]). One TND call of kernels.attention packs the samples
+    one after another."""
     s, b, h = q.shape
     d = h // head_num
     check(ends, b, s)
     kv_heads = k.shape[2] // d
     tnd = lambda t, heads: t.swapaxes(0, 1).reshape(b * s, heads, t.shape[2] // heads)
     packed = packed_ends(ends, s)
-    out, mx, sm = get_backend().kernels.attention(tnd(q, head_num), tnd(k, kv_heads), tnd(v, kv_heads), layout="TND",
-                                                  head_num=head_num, actual_seq_qlen=packed, actual_seq_kvlen=packed,
-                                                  **kwargs)
+    out, mx, sm = kernels.attention(tnd(q, head_num), tnd(k, kv_heads), tnd(v, kv_heads), layout="TND",
+                                    head_num=head_num, actual_seq_qlen=packed, actual_seq_kvlen=packed, **kwargs)
     stats = lambda t: t.reshape(b, s, head_num).permute(0, 2, 1)
     return out.reshape(b, s, -1).swapaxes(0, 1), stats(mx), stats(sm)
 

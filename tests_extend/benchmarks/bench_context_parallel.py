@@ -92,7 +92,7 @@ def _body(rank, world_size, algo, options, seq, batch, heads, kv_heads, head_dim
         kernels.attention = kernels.reference.attention
     from mindspeed.features.context_parallel import build_cp_groups, context_parallel_attention, local_positions
     torch.manual_seed(0)
-    cp = build_cp_groups(algo, **options)
+    cp = build_cp_groups(algo, backend=get_backend(), **options)
     comm = get_backend().comm
 
     def inputs(seq_len):

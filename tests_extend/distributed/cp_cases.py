@@ -114,7 +114,7 @@ def run_all(kit, world_size, dtypes=("float32", "bfloat16"), cp_size=None, label
     for label, algo, options in cases_for(cp_size):
         if labels is not None and label not in labels:
             continue
-        cp = build_cp_groups(algo, group=group, all_cp_ranks=blocks, **options)
+        cp = build_cp_groups(algo, backend=get_backend(), group=group, all_cp_ranks=blocks, **options)
         results[f"cp{cp_size}/{label}/arrangement"] = arrangement(cp)
         with counted_fused_merges() as calls:
             _run_cases(kit, cp, cp_size, label, dtypes, results)
@@ -199,7 +199,7 @@ def run_documents(world_size, cp_size=None):
     results = {}
     from tests_extend.distributed import torch_kit
     for label, algo, options in cases_for(cp_size):
-        cp = build_cp_groups(algo, group=group, all_cp_ranks=blocks, **options)
+        cp = build_cp_groups(algo, backend=get_backend(), group=group, all_cp_ranks=blocks, **options)
         for nkv in (4, 2 if cp_size == 2 else 1):
             seed = zlib.crc32(f"{label}/documents/{nkv}".encode())
             results[f"cp{cp_size}/{label}/documents/nkv{nkv}"] = check_documents(torch_kit, cp, seed, nkv)

@@ -64,7 +64,6 @@ def _documents(tmp) -> str:
 
 def _train_all(rank, world_size, runs, tmp):
     import mindspeed
-    from mindspeed.features.context_parallel import megatron_hook
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.pretrain import run
     losses = {}
@@ -85,7 +84,7 @@ def _train_all(rank, world_size, runs, tmp):
         if rank == 0:
             with open(loss_file) as f:
                 losses[name] = [json.loads(line)["lm_loss"] for line in f]
-            for cp in megatron_hook._groups.values():     # the CP groups the training ran on
+            for cp in (session.part("megatron_cp_groups") or {}).values():     # the CP groups it ran on
                 parts = (cp.ulysses_group, cp.ring_group) if cp.algo == "hybrid_cp_algo" else ()
                 losses[name + "/built"] = ((cp.algo, cp.ulysses_degree, cp.ring_size, cp.window_size)
                                            if all(p is not None for p in parts) else "missing sub-groups")

@@ -49,7 +49,7 @@ def _core_attention_body(rank, world_size):
     from mindspeed.backends.torch.mla_standin import mla_variant
     from mindspeed.features.fused.flash_attention import flash_attention_class
     from tests_extend import megatron_tiny
-    mindspeed.adapt([])
+    session = mindspeed.adapt([])
     megatron_tiny.init_parallel(tp=world_size)
     heads = slice(rank * HEADS // world_size, (rank + 1) * HEADS // world_size)     # this rank's heads
     q, k, v, cot = _inputs()
@@ -57,9 +57,11 @@ def _core_attention_body(rank, world_size):
     cot = cot.view(S, B, HEADS, V)[:, :, heads].reshape(S, B, -1)
     out = {}
     for name, cls in (("plain", DotProductAttention), ("flash", flash_attention_class())):
+        own = dict(kernels=session.backend.kernels) if name == "flash" else {}    # the run's, as its spec passes
         for scale in (0.37, None):         # MLA's scale (YaRN's mscale in it), or 1/sqrt(q/k head size)
             attention = mla_variant(cls)(config=_config(world_size), layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                         attention_type="self", softmax_scale=scale, k_channels=QK, v_channels=V)
+                                         attention_type="self", softmax_scale=scale, k_channels=QK, v_channels=V,
+                                         **own)
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             got = attention(*leaves, None)
             got.backward(cot)
@@ -80,7 +82,7 @@ def _core_attention_body(rank, world_size):
         # attention dropout (Megatron's RNG tracker in both): drops, and the same seed drops the same
         attention = mla_variant(cls)(config=_config(world_size, dropout=0.5), layer_number=1,
                                      attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=0.37,
-                                     k_channels=QK, v_channels=V)
+                                     k_channels=QK, v_channels=V, **own)
         dropped = []
         for _ in range(2):
             megatron_tiny.init_parallel(tp=world_size)      # reseeds the tracker

@@ -13,9 +13,10 @@ def context_parallel_attention(q, k, v, cp: CPGroups, *, head_num: int, causal: 
     says for cp.algo -> attention output [s_local, b, n*d]. mask: None or a bool mask over the
     whole sequence (True = masked out), broadcastable to [b, n, S, S]; it replaces `causal`.
     documents: None, or per sample the cumulative ends of its packed documents over the whole
-    sequence (EOD reset): causal attention inside each document, no mask built."""
+    sequence (EOD reset): causal attention inside each document, no mask built. The collectives and
+    kernels are cp.backend's."""
     common = dict(head_num=head_num, causal=causal, mask=mask, scale=scale, dropout_p=dropout_p,
-                  documents=documents)
+                  documents=documents, backend=cp.backend)
     if cp.algo == "ulysses_cp_algo":
         return ulysses_attention(q, k, v, group=cp.ulysses_group, **common)
     ring = dict(window_size=cp.window_size, overlap=cp.overlap, fused_merge=cp.fused_merge)

@@ -133,10 +133,12 @@ class _ContextParallel(Feature):
         provider = None
         if ctx.backend_name == "torch":
             from mindspeed.features.context_parallel import megatron_hook  # hook may import Megatron (.importlinter)
-            megatron_hook.install(ctx.patcher, megatron_hook.CPOptions(args, ctx.applies(FUSED_MERGE)))
+            options = megatron_hook.CPOptions(args, ctx.backend, ctx.applies(FUSED_MERGE))
+            megatron_hook.install(ctx.patcher, options)
+            ctx.provide("megatron_cp_groups", options.groups)    # what the hooks built (id(group) -> CPGroups)
             from megatron.core import parallel_state
             provider = parallel_state.get_context_parallel_group
-        ctx.provide("shard_batch", sharding.BatchSharding(self.algo, u, provider))
+        ctx.provide("shard_batch", sharding.BatchSharding(ctx.backend, self.algo, u, provider))
         ctx.provide("context_parallel_attention", attention.context_parallel_attention)   # read at apply
 
 

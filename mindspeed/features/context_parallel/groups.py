@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from mindspeed.backends import get_backend
-
 ALGOS = ("ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo")
 MASK_TYPES = ("causal", "general")
 
@@ -27,6 +25,7 @@ class CPGroups:
     window_size: int = 1           # > 1: double ring, inner rings of this size
     overlap: bool = False          # --use-cp-send-recv-overlap
     fused_merge: bool = False      # ring steps merged by the fused ring_attention_update (the feature applied)
+    backend: Any = None            # the run's backend: the collectives and kernels the attention uses
 
     @property
     def ring_size(self) -> int:
@@ -59,17 +58,17 @@ def hybrid_subgroup_ranks(cp_ranks: Sequence[int], u: int) -> tuple[list[list[in
     return ulysses, ring
 
 
-def build_cp_groups(algo: str, *, group=None, all_cp_ranks: Sequence[Sequence[int]] | None = None,
+def build_cp_groups(algo: str, *, backend, group=None, all_cp_ranks: Sequence[Sequence[int]] | None = None,
                     ulysses_degree: int | None = None, window_size: int = 1, overlap: bool = False,
                     fused_merge: bool = False) -> CPGroups:
-    """CPGroups for this process. `group` is its CP group (None = the world). Hybrid creates
-    subgroups, which every process must do for every CP group in the same order: `all_cp_ranks`
-    lists every CP group's global ranks (default: one CP group = the world)."""
-    comm = get_backend().comm
+    """CPGroups for this process, over `backend` (the run's). `group` is its CP group (None = the
+    world). Hybrid creates subgroups, which every process must do for every CP group in the same
+    order: `all_cp_ranks` lists every CP group's global ranks (default: one CP group = the world)."""
+    comm = backend.comm
     size, rank = comm.world_size(group), comm.rank(group)
     u = check_options(algo, size, ulysses_degree, window_size)
     cp = CPGroups(algo, size, rank, group, ulysses_degree=u, window_size=window_size, overlap=overlap,
-                  fused_merge=fused_merge)
+                  fused_merge=fused_merge, backend=backend)
     if algo == "ulysses_cp_algo":
         cp.ulysses_group = group
     elif algo == "megatron_cp_algo":

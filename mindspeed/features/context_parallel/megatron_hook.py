@@ -16,11 +16,15 @@ from mindspeed.features.context_parallel.attention import context_parallel_atten
 from mindspeed.features.context_parallel.groups import build_cp_groups
 
 DPA = "megatron.core.transformer.dot_product_attention.DotProductAttention"
-_groups = {}      # id(Megatron CP group) -> CPGroups
 
 
 class CPOptions:
-    def __init__(self, args, fused_merge: bool = False):
+    """What the hooks of one run share: its flags, its backend, and the CPGroups built over Megatron's
+    CP group (`groups`: id(Megatron CP group) -> CPGroups)."""
+
+    def __init__(self, args, backend, fused_merge: bool = False):
+        self.backend = backend
+        self.groups = {}
         self.fused_merge = fused_merge      # --use-fused-ring-attention-update, as applied
         self.algo = args.context_parallel_algo
         self.ulysses_degree = args.ulysses_degree_in_cp
@@ -41,15 +45,15 @@ def _all_cp_ranks(parallel_state):
 
 def cp_groups(options: CPOptions):
     from megatron.core import parallel_state
-    group = parallel_state.get_context_parallel_group()
-    if id(group) not in _groups:
+    group, groups = parallel_state.get_context_parallel_group(), options.groups
+    if id(group) not in groups:
         all_ranks = _all_cp_ranks(parallel_state) if options.algo == "hybrid_cp_algo" else None
-        _groups.clear()
-        _groups[id(group)] = build_cp_groups(options.algo, group=group, all_cp_ranks=all_ranks,
-                                             ulysses_degree=options.ulysses_degree,
-                                             window_size=options.window_size, overlap=options.overlap,
-                                             fused_merge=options.fused_merge)
-    return _groups[id(group)]
+        groups.clear()
+        groups[id(group)] = build_cp_groups(options.algo, backend=options.backend, group=group,
+                                            all_cp_ranks=all_ranks, ulysses_degree=options.ulysses_degree,
+                                            window_size=options.window_size, overlap=options.overlap,
+                                            fused_merge=options.fused_merge)
+    return groups[id(group)]
 
 
 def _wrap_init(original):
@@ -128,7 +132,7 @@ def _wrap_initialize(options: CPOptions):
     def wrap(original):
         def initialize_model_parallel(*args, **kwargs):
             result = original(*args, **kwargs)
-            _groups.clear()              # groups of an earlier initialize are gone
+            options.groups.clear()       # groups of an earlier initialize are gone
             if parallel_state.get_context_parallel_world_size() > 1:
                 cp_groups(options)       # subgroups now, while every rank is here
             return result

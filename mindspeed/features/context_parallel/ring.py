@@ -18,7 +18,6 @@ Double ring (window w > 1): blocks circle inside windows of w ranks, then hop to
 """
 from __future__ import annotations
 
-from mindspeed.backends import get_backend
 from mindspeed.features.context_parallel import ring_documents
 
 
@@ -60,9 +59,8 @@ class _Rotation:
     """One K/V hop as a differentiable op: forward sends to dst and receives from src; backward
     returns the received blocks' gradients to src and takes the sent blocks' from dst."""
 
-    def __init__(self, dst: int, src: int, group):
+    def __init__(self, dst: int, src: int, group, backend):
         self.dst, self.src, self.group, self.handles = dst, src, group, []
-        backend = get_backend()
         self.comm = backend.comm
         self.op = backend.autograd.custom_op(self._forward, self._backward)
 
@@ -115,7 +113,7 @@ def _owner_halves(kernels, q, k, v, kw, *, rank, owner, size, causal, mask, rows
     return None, kernels.attention(q[c:], k, v, **kw)
 
 
-def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, mask=None,
+def ring_attention(q, k, v, *, backend, head_num: int, group=None, causal: bool = True, mask=None,
                    scale: float | None = None, window_size: int = 1, overlap: bool = False,
                    dropout_p: float = 0.0, documents=None, fused_merge: bool = False):
     """q [2c, b, n*d], k/v [2c, b, nkv*d] (SBH; this ring rank's chunks r and 2N-1-r) ->
@@ -123,8 +121,8 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
     broadcastable to [b, n, S, S] over the group's sequence of S = 2Nc tokens (used instead of
     `causal`). documents: per sample, the cumulative ends of its packed documents over the S
     tokens: causal attention inside each document (ring_documents), instead of `causal`/`mask`.
-    fused_merge: the steps merged by the backend's fused ring_attention_update, else its reference."""
-    backend = get_backend()
+    fused_merge: the steps merged by the backend's fused ring_attention_update, else its reference.
+    backend: the run's (its collectives, kernels and autograd)."""
     comm, kernels = backend.comm, backend.kernels
     size, rank = comm.world_size(group), comm.rank(group)
     kw = dict(layout="SBH", head_num=head_num, scale=scale, dropout_p=dropout_p)
@@ -132,8 +130,8 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
         raise ValueError("ring attention: give documents or a mask, not both")
     if size == 1:
         if documents is not None:
-            return ring_documents.diagonal(q, k, v, documents, 0, q.shape[0], head_num=head_num, scale=scale,
-                                           dropout_p=dropout_p)[0]
+            return ring_documents.diagonal(backend, q, k, v, documents, 0, q.shape[0], head_num=head_num,
+                                           scale=scale, dropout_p=dropout_p)[0]
         return kernels.attention(q, k, v, causal=causal and mask is None, mask=mask, **kw)[0]
     if q.shape[0] % 2 or k.shape[0] != q.shape[0]:
         raise ValueError(f"ring attention: local q ({q.shape[0]} tokens) and k/v ({k.shape[0]}) must be "
@@ -146,11 +144,11 @@ def ring_attention(q, k, v, *, head_num: int, group=None, causal: bool = True, m
     merge = kernels.ring_attention_update if fused_merge else kernels.reference.ring_attention_update
     first = second = None
     for owner, rotation in ring_schedule(rank, size, window_size):
-        hop = _Rotation(rotation[0], rotation[1], group) if rotation else None
+        hop = _Rotation(rotation[0], rotation[1], group, backend) if rotation else None
         incoming = hop.start(k, v) if hop and overlap else None   # transfer while computing
         if documents is not None:
-            firsts, seconds = ring_documents.blocks(q, k, v, documents, rank, owner, size, c, head_num=head_num,
-                                                    scale=scale, dropout_p=dropout_p)
+            firsts, seconds = ring_documents.blocks(backend, q, k, v, documents, rank, owner, size, c,
+                                                    head_num=head_num, scale=scale, dropout_p=dropout_p)
             for part in firsts:
                 first = _merge(merge, first, *part)
             for part in seconds:

@@ -10,28 +10,27 @@ attends only inside documents:
 """
 from __future__ import annotations
 
-from mindspeed.backends import get_backend
 from mindspeed.features import documents
 
 
-def diagonal(q, k, v, ends, chunk: int, c: int, **kw):
+def diagonal(backend, q, k, v, ends, chunk: int, c: int, **kw):
     """Chunk `chunk`'s queries against its own keys: (out [c, b, n*d], max, sum [b, n, c])."""
-    return documents.attention(q, k, v, documents.within(ends, chunk * c, (chunk + 1) * c), causal=True, **kw)
+    return documents.attention(q, k, v, documents.within(ends, chunk * c, (chunk + 1) * c), kernels=backend.kernels,
+                               causal=True, **kw)
 
 
-def _blank_rows(out, mx, sm, rows: int):
+def _blank_rows(cat, out, mx, sm, rows: int):
     """Keep the first `rows` query rows; the rest attend to nothing here (out 0, max -inf, sum 0)."""
-    cat = get_backend().tensors.cat
     return (cat([out[:rows], out[rows:] * 0], 0), cat([mx[..., :rows], mx[..., rows:] - float("inf")], -1),
             cat([sm[..., :rows], sm[..., rows:] * 0], -1))
 
 
-def earlier(q, k, v, ends, q_chunk: int, k_chunk: int, c: int, **kw):
+def earlier(backend, q, k, v, ends, q_chunk: int, k_chunk: int, c: int, **kw):
     """Chunk q_chunk's queries against the keys of an earlier chunk k_chunk, or None if no query
     of any sample shares a document with them."""
     if k_chunk >= q_chunk:
         raise ValueError(f"ring attention: key chunk {k_chunk} is not before query chunk {q_chunk}")
-    backend = get_backend()
+    cat = backend.tensors.cat
     first, key_end = q_chunk * c, (k_chunk + 1) * c
     parts, reached = [], False
     for i, row in enumerate(ends):
@@ -44,14 +43,13 @@ def earlier(q, k, v, ends, q_chunk: int, k_chunk: int, c: int, **kw):
         sample = slice(i, i + 1)
         part = backend.kernels.attention(q[:, sample], k[keys_from:, sample], v[keys_from:, sample], layout="SBH",
                                           **kw)
-        parts.append(_blank_rows(*part, rows) if rows < c else part)
+        parts.append(_blank_rows(cat, *part, rows) if rows < c else part)
     if not reached:
         return None
-    cat = backend.tensors.cat
     return cat([p[0] for p in parts], 1), cat([p[1] for p in parts], 0), cat([p[2] for p in parts], 0)
 
 
-def blocks(q, k, v, ends, rank: int, owner: int, size: int, c: int, **kw):
+def blocks(backend, q, k, v, ends, rank: int, owner: int, size: int, c: int, **kw):
     """(partials for the first local chunk, partials for the second) of the block from ring rank
     `owner`; q holds chunks rank and 2N-1-rank, k/v chunks owner and 2N-1-owner."""
     mine, theirs = (rank, 2 * size - 1 - rank), (owner, 2 * size - 1 - owner)
@@ -61,9 +59,9 @@ def blocks(q, k, v, ends, rank: int, owner: int, size: int, c: int, **kw):
     for h, (qh, cq) in enumerate(halves):
         for kh, vh, ck in keys:
             if ck == cq:
-                out[h].append(diagonal(qh, kh, vh, ends, cq, c, **kw))
+                out[h].append(diagonal(backend, qh, kh, vh, ends, cq, c, **kw))
             elif ck < cq:
-                part = earlier(qh, kh, vh, ends, cq, ck, c, **kw)
+                part = earlier(backend, qh, kh, vh, ends, cq, ck, c, **kw)
                 if part is not None:
                     out[h].append(part)
     return out

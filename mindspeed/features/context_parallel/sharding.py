@@ -7,9 +7,8 @@ chunks j and 2R-1-j of 2R; Ulysses rank i = r % u takes the i-th contiguous part
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from mindspeed.backends import get_backend
 from mindspeed.features.context_parallel.groups import check_options
 from mindspeed.features.context_parallel.ring import chunk_positions
 
@@ -64,15 +63,16 @@ def shard_batch(batch: dict, *, algo: str, size: int, rank: int, ulysses_degree:
 
 @dataclass(frozen=True)
 class BatchSharding:
-    """The batch sharding a CP feature provides the trainers (Session.shard_batch): its algorithm,
-    and how to find the CP group (None: the backend's whole world, as the MindSpore trainer's is
-    passed in)."""
+    """The batch sharding a CP feature provides the trainers (Session.shard_batch): the run's backend,
+    its algorithm, and how to find the CP group (None: the backend's whole world, as the MindSpore
+    trainer's is passed in)."""
+    backend: Any
     algo: str
     ulysses_degree: int | None = None
     group_provider: Callable | None = None
 
     def __call__(self, batch: dict, group=None) -> dict:
-        comm = get_backend().comm
+        comm = self.backend.comm
         if group is None and self.group_provider is not None:
             group = self.group_provider()
         return shard_batch(batch, algo=self.algo, size=comm.world_size(group), rank=comm.rank(group),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-from mindspeed.backends import get_backend
 from mindspeed.features import documents as packed_documents
 from mindspeed.features.context_parallel.tensor_ops import repeat_heads
 
@@ -28,13 +27,13 @@ def kv_repeats(head_num: int, kv_heads: int, size: int) -> int:
     return repeats
 
 
-def ulysses_attention(q, k, v, *, head_num: int, group=None, attend=None, causal: bool = True, mask=None,
-                      scale: float | None = None, dropout_p: float = 0.0, documents=None):
+def ulysses_attention(q, k, v, *, backend, head_num: int, group=None, attend=None, causal: bool = True,
+                      mask=None, scale: float | None = None, dropout_p: float = 0.0, documents=None):
     """q [s/P, b, n*d], k/v [s/P, b, nkv*d] (SBH, this rank's contiguous part of the sequence) ->
     [s/P, b, n*d]. attend(q, k, v, head_num) runs on the gathered sequence (default: the attention
     kernel with `causal`/`mask`, or causal inside each document when `documents` gives the
-    samples' cumulative document ends over the whole sequence; hybrid passes ring attention)."""
-    backend = get_backend()
+    samples' cumulative document ends over the whole sequence; hybrid passes ring attention). The
+    collectives and kernels are `backend`'s (the run's)."""
     comm = backend.comm
     size = comm.world_size(group)
     head_dim = q.shape[-1] // head_num
@@ -42,8 +41,8 @@ def ulysses_attention(q, k, v, *, head_num: int, group=None, attend=None, causal
     k, v = repeat_heads(k, head_dim, repeats), repeat_heads(v, head_dim, repeats)
     if attend is None and documents is not None:
         def attend(q_, k_, v_, heads):
-            return packed_documents.attention(q_, k_, v_, documents, head_num=heads, scale=scale, causal=True,
-                                              dropout_p=dropout_p)[0]
+            return packed_documents.attention(q_, k_, v_, documents, kernels=backend.kernels, head_num=heads,
+                                              scale=scale, causal=True, dropout_p=dropout_p)[0]
     elif attend is None:
         def attend(q_, k_, v_, heads):
             return backend.kernels.attention(q_, k_, v_, layout="SBH", head_num=heads, scale=scale,

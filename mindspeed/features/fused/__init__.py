@@ -2,5 +2,6 @@
 
 Each module holds a feature's Megatron-Core hook (module specs or config fields where Megatron
 offers them, the patch manager where it does not); the computation is always
-`get_backend().kernels.<name>`, so the same hook serves npu, cuda and cpu.
+`kernels.<name>` of the run's backend (ctx.backend at apply, handed to what the hook installs), so
+the same hook serves npu, cuda and cpu.
 """

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 
-from mindspeed.backends import get_backend
 from mindspeed.features import documents
 from mindspeed.features.fused.megatron_specs import (GPT_LAYER_SPECS, LOCAL_SPEC_PROVIDER, SPEC_CORE_ATTENTION,
                                                      has_local_spec_provider)
@@ -57,9 +56,10 @@ def _flash_class():
     from megatron.core.transformer.enums import AttnMaskType
 
     class FlashDotProductAttention(DotProductAttention):
-        def __init__(self, *args, sparse_mode: int = 0, pre_tokens: int = NO_LIMIT, next_tokens: int = NO_LIMIT,
-                     **kwargs):
+        def __init__(self, *args, kernels, sparse_mode: int = 0, pre_tokens: int = NO_LIMIT,
+                     next_tokens: int = NO_LIMIT, **kwargs):
             super().__init__(*args, **kwargs)
+            self.kernels = kernels              # the run's backend's (a spec param: flash_settings)
             self.sparse_mode, self.pre_tokens, self.next_tokens = sparse_mode, pre_tokens, next_tokens
 
         def _defer(self, attention_bias, packed_seq_params) -> bool:
@@ -92,8 +92,9 @@ def _flash_class():
 
             def run():
                 if docs is not None:
-                    return _attend_documents(query, key, value, docs, scale=scale, dropout_p=dropout_p, **band)
-                return get_backend().kernels.attention(   # v's head size may be its own (multi-latent attention)
+                    return _attend_documents(query, key, value, docs, kernels=self.kernels, scale=scale,
+                                             dropout_p=dropout_p, **band)
+                return self.kernels.attention(   # v's head size may be its own (multi-latent attention)
                     query.reshape(sq, b, heads * head_dim), key.reshape(skv, b, kv_heads * head_dim),
                     value.reshape(skv, b, kv_heads * value.shape[-1]), layout="SBH", head_num=heads,
                     mask=attention_mask, scale=scale, dropout_p=dropout_p, **band)[0]
@@ -121,19 +122,25 @@ def flash_attention_class():
 
 
 def core_attention_spec(settings: dict):
-    """The ModuleSpec of the flash attention with these sparse settings (its params)."""
+    """The ModuleSpec of the flash attention with these settings (its params: flash_settings)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     return ModuleSpec(module=flash_attention_class(), params=dict(settings))
 
 
 def _class_with_settings(settings: dict):
-    """core 0.12's spec names a class, not a ModuleSpec: bind the settings into a subclass."""
+    """core 0.12's spec names a class, not a ModuleSpec: bind the settings (kernels too) into a subclass."""
     cls = flash_attention_class()
     return type(cls.__name__, (cls,), {"__init__": functools.partialmethod(cls.__init__, **settings)})
 
 
+def flash_settings(args, kernels) -> dict:
+    """The attention's parameters: the sparse settings of the flags, and the kernels it calls."""
+    return dict(sparse_mode=args.sparse_mode, pre_tokens=args.pre_tockens, next_tokens=args.next_tockens,
+                kernels=kernels)
+
+
 def install(ctx, args) -> None:
-    settings = dict(sparse_mode=args.sparse_mode, pre_tokens=args.pre_tockens, next_tokens=args.next_tockens)
+    settings = flash_settings(args, ctx.backend.kernels)
     ctx.provide(SPEC_CORE_ATTENTION, core_attention_spec(settings))
     if not ctx.specs_from_session:
         _patch_specs(ctx.patcher, settings)

@@ -7,18 +7,20 @@ gradient_accumulation_fusion on. Needs Megatron's DDP (it owns main_grad).
 """
 from __future__ import annotations
 
-from mindspeed.backends import get_backend
 from mindspeed.features.fused import config_fields
 
 LAYERS = "megatron.core.tensor_parallel.layers"
 
 
 class WgradAccumulation:
-    """The two entry points Megatron calls: main_grad += grad_output^T @ total_input."""
+    """The two entry points Megatron calls: main_grad += grad_output^T @ total_input (the fp32 one with
+    the run's kernels)."""
 
-    @staticmethod
-    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
-        get_backend().kernels.matmul_add_fp32(total_input, grad_output, main_grad)
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def wgrad_gemm_accum_fp32(self, total_input, grad_output, main_grad):
+        self.kernels.matmul_add_fp32(total_input, grad_output, main_grad)
 
     @staticmethod
     def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):
@@ -32,9 +34,10 @@ def install(ctx, args) -> None:
     import importlib
     layers = importlib.import_module(LAYERS)
     why = "--gradient-accumulation-fusion via kernels.matmul_add_fp32"
+    wgrad = WgradAccumulation(ctx.backend.kernels)
     if hasattr(layers, "fused_weight_gradient_mlp_cuda"):
-        patcher.replace(f"{LAYERS}.fused_weight_gradient_mlp_cuda", WgradAccumulation, reason=why)
+        patcher.replace(f"{LAYERS}.fused_weight_gradient_mlp_cuda", wgrad, reason=why)
     else:   # Megatron leaves the name unbound when the CUDA extension is missing
-        patcher.define(f"{LAYERS}.fused_weight_gradient_mlp_cuda", WgradAccumulation, reason=why)
+        patcher.define(f"{LAYERS}.fused_weight_gradient_mlp_cuda", wgrad, reason=why)
     patcher.replace(f"{LAYERS}._grad_accum_fusion_available", True, reason=why)
     config_fields.override(patcher, "gradient_accumulation_fusion", lambda config: True, why)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed.backends import get_backend
 from mindspeed.features.fused import config_fields
 from mindspeed.features.fused.megatron_specs import LOCAL_SPEC_PROVIDER, SPEC_GROUPED_EXPERTS, has_local_spec_provider
 
@@ -21,16 +20,16 @@ class _GmmIntoMainGrad(torch.autograd.Function):
     """gmm whose weight gradient is added to `param.main_grad` (param: the weight's base Parameter)."""
 
     @staticmethod
-    def forward(ctx, x, weight, sizes, param):
+    def forward(ctx, x, weight, sizes, param, kernels):
         ctx.save_for_backward(x, weight)
-        ctx.sizes, ctx.param = sizes, param
+        ctx.sizes, ctx.param, ctx.kernels = sizes, param, kernels
         with torch.no_grad():
-            return get_backend().kernels.gmm(x, weight, sizes, 1)
+            return kernels.gmm(x, weight, sizes, 1)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        kernels = get_backend().kernels
+        kernels = ctx.kernels
         dx = kernels.gmm(dy, weight.transpose(1, 2), ctx.sizes, 1)
         main_grad = ctx.param.main_grad.view(weight.shape)
         start = 0
@@ -45,14 +44,14 @@ class _GmmIntoMainGrad(torch.autograd.Function):
             start += rows
         if hasattr(ctx.param, "grad_added_to_main_grad"):
             ctx.param.grad_added_to_main_grad = True
-        return dx, torch.zeros_like(weight), None, None   # dummy grad keeps DDP's hooks firing
+        return dx, torch.zeros_like(weight), None, None, None   # dummy grad keeps DDP's hooks firing
 
 
 class GroupedGemmOps:
-    """Stands in for the `grouped_gemm` package: .ops.gmm(a, b, batch_sizes, trans_b)."""
+    """Stands in for the `grouped_gemm` package: .ops.gmm(a, b, batch_sizes, trans_b), with the run's kernels."""
 
-    def __init__(self, into_main_grad: bool):
-        self.into_main_grad = into_main_grad
+    def __init__(self, into_main_grad: bool, kernels):
+        self.into_main_grad, self.kernels = into_main_grad, kernels
         self.ops = self
 
     def gmm(self, a, b, batch_sizes, trans_b: bool = False):
@@ -60,8 +59,8 @@ class GroupedGemmOps:
         sizes = [int(s) for s in batch_sizes.tolist()] if torch.is_tensor(batch_sizes) else list(batch_sizes)
         param = b._base if b._base is not None else b
         if self.into_main_grad and getattr(param, "main_grad", None) is not None and torch.is_grad_enabled():
-            return _GmmIntoMainGrad.apply(a, weight, sizes, param)
-        return get_backend().kernels.gmm(a, weight, sizes, 1)
+            return _GmmIntoMainGrad.apply(a, weight, sizes, param, self.kernels)
+        return self.kernels.gmm(a, weight, sizes, 1)
 
 
 def _grouped_mlp_modules(original):
@@ -73,7 +72,7 @@ def _grouped_mlp_modules(original):
 def install(ctx, args) -> None:
     why = "--moe-grouped-gemm via kernels.gmm"
     patcher = ctx.patcher
-    ops = GroupedGemmOps(args.gemm_gradient_accumulation_fusion)
+    ops = GroupedGemmOps(args.gemm_gradient_accumulation_fusion, ctx.backend.kernels)
     patcher.replace(f"{GG}.grouped_gemm", ops, reason=why)
     patcher.replace(f"{GG}.ops", ops, reason=why)
     ctx.provide(SPEC_GROUPED_EXPERTS, True)

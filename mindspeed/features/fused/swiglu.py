@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from mindspeed.backends import get_backend
 from mindspeed.features.fused import config_fields
 
 
-def fused_bias_swiglu(input, bias, fp8_input_store=False, cpu_offload_input=False):
-    """Megatron's bias_swiglu_impl signature: swiglu(input + bias) along the last dim."""
-    x = input if bias is None else input + bias
-    return get_backend().kernels.swiglu(x, -1)
+def fused_bias_swiglu(kernels):
+    """Megatron's bias_swiglu_impl with the run's kernels: swiglu(input + bias) along the last dim."""
+    def bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
+        x = input if bias is None else input + bias
+        return kernels.swiglu(x, -1)
+    return bias_swiglu_impl
 
 
 def _silu_glu(config):
@@ -27,4 +28,5 @@ def install(ctx, args) -> None:
     patcher = ctx.patcher
     why = "--use-fused-swiglu"
     config_fields.override(patcher, "bias_activation_fusion", _silu_glu, why)
-    patcher.replace("megatron.core.transformer.mlp.bias_swiglu_impl", fused_bias_swiglu, reason=why)
+    patcher.replace("megatron.core.transformer.mlp.bias_swiglu_impl", fused_bias_swiglu(ctx.backend.kernels),
+                    reason=why)

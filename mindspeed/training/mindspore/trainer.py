@@ -54,12 +54,14 @@ def _cp_part(session: Session | None, name: str):
 
 
 def enable_context_parallel(args, model, ps, session: Session | None) -> None:
-    """Shard the sequence over the CP group: the CP feature's groups, batch sharding and attention."""
-    cp = build_cp_groups(args.context_parallel_algo, group=ps.cp_group, all_cp_ranks=ps.all_cp_ranks,
-                         ulysses_degree=args.ulysses_degree_in_cp, window_size=args.cp_window_size or 1,
-                         overlap=bool(args.use_cp_send_recv_overlap),
-                         fused_merge=session is not None and session.applied(FUSED_MERGE))
-    model.enable_context_parallel(cp, _cp_part(session, "context_parallel_attention"))
+    """Shard the sequence over the CP group: the CP feature's groups (over the session's backend),
+    batch sharding and attention."""
+    attention = _cp_part(session, "context_parallel_attention")
+    cp = build_cp_groups(args.context_parallel_algo, backend=session.backend, group=ps.cp_group,
+                         all_cp_ranks=ps.all_cp_ranks, ulysses_degree=args.ulysses_degree_in_cp,
+                         window_size=args.cp_window_size or 1, overlap=bool(args.use_cp_send_recv_overlap),
+                         fused_merge=session.applied(FUSED_MERGE))
+    model.enable_context_parallel(cp, attention)
 
 
 def graph_mode_ok(cfg, ps, swap: bool) -> bool:
