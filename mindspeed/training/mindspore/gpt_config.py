@@ -42,6 +42,7 @@ class GPTConfig:
     recompute_core_attention: bool = False   # --recompute-granularity selective
     swiglu: bool = True                      # --no-swiglu: fc1 -> GELU (exact, Megatron's F.gelu) -> fc2
     normalization: str = "RMSNorm"           # or "LayerNorm" (with bias)
+    qk_layernorm: bool = False               # --qk-layernorm: per-head q/k norms (Qwen3), weights [kv_channels]
     position_embedding_type: str = "rope"    # or "learned_absolute" (a table added to the embedding), "none"
     max_position_embeddings: int = 0         # rows of the learned table (default: seq_length)
     hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
@@ -101,7 +102,8 @@ def _architecture(args, padded_vocab: int) -> dict:
                 norm_epsilon=args.norm_epsilon, tied_embeddings=not args.untie_embeddings_and_output_weights,
                 init_method_std=args.init_method_std, add_bias_linear=bool(args.add_bias_linear),
                 add_qkv_bias=bool(args.add_qkv_bias), swiglu=bool(args.swiglu),
-                normalization=args.normalization, noop_layers=noop_layer_set(args))
+                normalization=args.normalization, qk_layernorm=bool(args.qk_layernorm),
+                noop_layers=noop_layer_set(args))
 
 
 def _positions(args) -> dict:

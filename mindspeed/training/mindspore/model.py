@@ -1,8 +1,9 @@
 """The GPT of the torch main job (Megatron-Core GPTModel, local spec) in MindSpore: its forward.
 
-embedding (+ learned positions) -> L x [norm -> QKV (column) -> RoPE -> causal attention -> proj (row)
--> residual -> norm -> fc1 (column) -> SwiGLU or GELU -> fc2 (row) -> residual] -> norm -> output
-layer (tied or untied); norm is RMSNorm or LayerNorm (with bias); positions are RoPE (rope.py), a
+embedding (+ learned positions) -> L x [norm -> QKV (column) -> (q/k norms) -> RoPE -> causal attention
+-> proj (row) -> residual -> norm -> fc1 (column) -> SwiGLU or GELU -> fc2 (row) -> residual] -> norm ->
+output layer (tied or untied); norm is RMSNorm or LayerNorm (with bias), and with --qk-layernorm the
+queries and keys are normalized per head by it too (Qwen3); positions are RoPE (rope.py), a
 learned table (--position-embedding-type learned_absolute) or none; linear biases optional
 (--add-bias-linear, or q/k/v only: --add-qkv-bias, Qwen2) -> vocab-parallel cross-entropy; with
 --num-experts every MLP is Megatron-Core's MoE layer instead (moe.py: router, experts over the
@@ -292,9 +293,10 @@ class GPTModel:
         # one query head per group: equal thirds, MindSpore's Split kernel (ops.split lowers to three
         # StridedSlice on CPU, which is slower)
         q, k, v = _THIRDS(qkv) if per_group == 1 else ops.split(qkv, [per_group * d, d, d], axis=-1)
+        q, k = self._qk_normed(i, q.reshape(s, b, self.heads_local, d), k)
         if cfg.position_embedding_type == "rope":
             cos, sin = rope.rows_at(self.cos, self.sin, s, positions)
-            q = rotate(q.reshape(s, b, self.heads_local, d), cos, sin, 0)
+            q = rotate(q, cos, sin, 0)
             k = rotate(k, cos, sin, 0)
         q, k, v = q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1)
         core = lambda q, k, v: self._core_attention(q, k, v, i, extras)
@@ -304,6 +306,15 @@ class GPTModel:
             out = core(q, k, v)
         return row_parallel(self.backend, self.ps, out, p("self_attention.linear_proj.weight"),
                             self._bias(i, "self_attention.linear_proj.bias"))
+
+    def _qk_normed(self, i, q, k):
+        """--qk-layernorm: the queries [s, b, heads, d] and keys [s, b, groups, d] normalized per head
+        over d, before RoPE, by one weight (and bias) the heads share (Megatron-Core's q_layernorm /
+        k_layernorm); their gradients are summed over TP (optimizer.reduce_gradients)."""
+        if not self.cfg.qk_layernorm:
+            return q, k
+        norm = lambda x, which: self._norm(x, nf.layer_name(i, f"self_attention.{which}.weight"))
+        return norm(q, "q_layernorm"), norm(k, "k_layernorm")
 
     def _core_attention(self, q, k, v, i=0, extras=NO_EXTRAS):
         if self.cp is not None:      # this rank holds a shard of the sequence

@@ -222,18 +222,30 @@ def _flat_all_reduce(comm, arrays: list, op: str, group) -> list:
     return [part.reshape(a.shape) for part, a in zip(ops.split(flat, sizes), arrays)]
 
 
+QK_NORMS = (".self_attention.q_layernorm.", ".self_attention.k_layernorm.")
+
+
+def _partial_over_tp(model, ps, name: str) -> bool:
+    """Whether this TP rank's gradient of the replicated weight `name` is only its part of it: with
+    SP every replicated weight's (norms, row biases, the MoE router: each rank saw its sequence
+    shard; not the experts, whole on one rank of the TP x EP block under --moe-tp-extend-ep); the
+    q/k norms' always (each rank normalized its own heads), as Megatron-Core's finalize_model_grads
+    sums them."""
+    if ps.tp_size == 1 or model.is_tp_sharded(name) or is_expert(name):
+        return False
+    return ps.sequence_parallel or any(part in name for part in QK_NORMS)
+
+
 def reduce_gradients(backend, ps, model, grads: dict, over_dp: bool = True) -> dict:
     """Sum over context-parallel ranks, average over data-parallel replicas (unless over_dp is
-    False: the distributed optimizer reduce-scatters them itself); with SP, sum the replicated (norm, row-bias) weights'
-    partial gradients over the TP group (each rank saw only its sequence shard; the MoE router's too,
-    while the experts, spread over TP x EP by --moe-tp-extend-ep, are not); sum a weight two
-    pipeline stages share (tied embeddings) over them."""
+    False: the distributed optimizer reduce-scatters them itself); sum the TP-replicated weights'
+    partial gradients over the TP group (_partial_over_tp); sum a weight two pipeline stages share
+    (tied embeddings) over them."""
     comm = backend.comm
     names = list(grads)
-    if ps.sequence_parallel:      # (experts are whole, on one rank of the TP x EP block: not summed)
-        replicated = [n for n in names if not model.is_tp_sharded(n) and not is_expert(n)]
-        for n, g in zip(replicated, _flat_all_reduce(comm, [grads[n] for n in replicated], "sum", ps.tp_group)):
-            grads[n] = g
+    partial = [n for n in names if _partial_over_tp(model, ps, n)]
+    for n, g in zip(partial, _flat_all_reduce(comm, [grads[n] for n in partial], "sum", ps.tp_group)):
+        grads[n] = g
     if getattr(ps, "cp_size", 1) > 1:   # each CP rank's gradient covers its share of the sequence
         for n, g in zip(names, _flat_all_reduce(comm, [grads[n] for n in names], "sum", ps.cp_group)):
             grads[n] = g

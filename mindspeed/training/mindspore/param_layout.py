@@ -65,6 +65,7 @@ def _layer_shapes(cfg: GPTConfig, i: int) -> dict:
     if cfg.normalization == "LayerNorm":
         shapes.update({nf.layer_name(i, "input_layernorm.bias"): (h,),
                        nf.layer_name(i, "pre_mlp_layernorm.bias"): (h,)})
+    shapes.update(_qk_norm_shapes(cfg, i))
     if cfg.add_bias_linear or cfg.add_qkv_bias:
         shapes[nf.layer_name(i, "self_attention.linear_qkv.bias")] = (qkv,)
     if cfg.add_bias_linear:
@@ -72,6 +73,17 @@ def _layer_shapes(cfg: GPTConfig, i: int) -> dict:
                        nf.layer_name(i, "mlp.linear_fc1.bias"): (fc1,),
                        nf.layer_name(i, "mlp.linear_fc2.bias"): (h,)})
     return shapes
+
+
+def _qk_norm_shapes(cfg: GPTConfig, i: int) -> dict:
+    """--qk-layernorm: layer i's norms of the queries and the keys, per head over head_dim (one
+    weight the heads share, replicated over TP: Megatron-Core's q_layernorm / k_layernorm);
+    LayerNorm's with biases."""
+    if not cfg.qk_layernorm:
+        return {}
+    parts = ("weight", "bias") if cfg.normalization == "LayerNorm" else ("weight",)
+    return {nf.layer_name(i, f"self_attention.{norm}.{part}"): (cfg.kv_channels,)
+            for norm in ("q_layernorm", "k_layernorm") for part in parts}
 
 
 def _moe_shapes(cfg: GPTConfig, i: int) -> dict:
