@@ -51,16 +51,17 @@ def _body(rank, world_size, seq, hidden, ffn, steps):
     import torch.distributed as dist
 
     import mindspeed
-    from mindspeed.features.parallel import coc
+    from mindspeed.features.parallel.coc import Coc
     from mindspeed.flags.trainer_flags import parse_args
     torch.set_num_threads(1)
     rows, part = seq // 2, ffn // 2
     results = {}
     for sp in (True, False):
         # Megatron's layers, unpatched (no --use-ascend-coc); the CoC runs call the same algorithm
-        # the hook installs (coc.column_linear / row_linear) on the same weights and group
-        mindspeed.adapt(parse_args(["--tensor-model-parallel-size", "2", "--mock-data"]
-                                   + (["--sequence-parallel"] if sp else [])))
+        # the hook installs (Coc.column_linear / row_linear) on the same weights and group
+        session = mindspeed.adapt(parse_args(["--tensor-model-parallel-size", "2", "--mock-data"]
+                                             + (["--sequence-parallel"] if sp else [])))
+        coc = Coc(session.backend)
         try:
             from megatron.core import parallel_state
             from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

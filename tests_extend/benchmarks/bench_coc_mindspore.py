@@ -30,7 +30,7 @@ def main(out_dir, seq, hidden, ffn, steps):
     from mindspeed.training.mindspore.layers import column_parallel, linear, row_parallel
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.tracing import traced
-    backend = set_backend("mindspore", "cpu")        # coc.py reaches the comm via get_backend()
+    backend = set_backend("mindspore", "cpu")        # what the CoC linears run over
     comm = backend.comm
     rng = np.random.RandomState(comm.rank())
     rows, part = seq // 2, ffn // 2
@@ -46,7 +46,7 @@ def main(out_dir, seq, hidden, ffn, steps):
 
         def run(grad_fn, coc_chunks=None):
             def step():
-                ps.tp_linear = CocLinears(coc_chunks) if coc_chunks else None
+                ps.tp_linear = CocLinears(backend, coc_chunks) if coc_chunks else None
                 _, grads = grad_fn(x)
                 grads[0].asnumpy()
                 ps.tp_linear = None

@@ -9,6 +9,8 @@ kernels, which no device here has: refused. In mode 0, or at TP 1, the flag has 
 with one line saying so (Feature.inert)."""
 from __future__ import annotations
 
+import functools
+
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
 from mindspeed.features.parallel import coc_megatron
@@ -88,6 +90,6 @@ class AscendCoc(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            coc_megatron.install(ctx.patcher, chunks(args))
+            coc_megatron.install(ctx.patcher, ctx.backend, chunks(args))
         else:
-            ctx.provide("tensor_parallel_linear", lambda: CocLinears(chunks(args)))
+            ctx.provide("tensor_parallel_linear", functools.partial(CocLinears, ctx.backend, chunks(args)))

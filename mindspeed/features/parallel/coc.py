@@ -16,12 +16,13 @@ rank r's shard) and chunk i is rows [a_i, b_i) of every block, so a chunk's all-
 reduce-scatter is a plain collective over those n pieces. The weight gradient is one GEMM over
 the whole (re-assembled) input, as the non-overlapped path computes it.
 
-Written against get_backend() (comm, autograd.custom_op, kernels.matmul_add_fp32) and tensor
-methods torch and MindSpore tensors share (slicing, reshape, matmul, new_zeros).
+Written against the backend interface (comm, autograd.custom_op, kernels.matmul_add_fp32) of the
+backend a Coc is made with (the run's: the hooks make one at apply) and tensor methods torch and
+MindSpore tensors share (slicing, reshape, matmul, new_zeros).
 """
 from __future__ import annotations
 
-from mindspeed.backends import get_backend
+import functools
 
 
 def bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -56,11 +57,11 @@ def _gemm(x, weight):       # x [..., k] @ weight[o, k]^T
     return x.matmul(weight.transpose(1, 0))
 
 
-def _wgrad(weight, x, dy, accumulate: bool):
+def _wgrad(kernels, weight, x, dy, accumulate: bool):
     """dW = dy^T x over all rows, or (gradient accumulation fusion) added into weight.main_grad."""
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     if accumulate and getattr(weight, "main_grad", None) is not None:
-        get_backend().kernels.matmul_add_fp32(x2, dy2, weight.main_grad)
+        kernels.matmul_add_fp32(x2, dy2, weight.main_grad)
         if hasattr(weight, "grad_added_to_main_grad"):
             # as Megatron: a placeholder gradient keeps DDP's hooks on the main thread
             weight.grad_added_to_main_grad = True
@@ -71,12 +72,12 @@ def _wgrad(weight, x, dy, accumulate: bool):
 
 # -- column-parallel ------------------------------------------------------------------------------
 
-def _column_forward(ctx, x, weight, group, sequence_parallel, chunks, accumulate):
+def _column_forward(coc, ctx, x, weight, group, sequence_parallel, chunks, accumulate):
     ctx.save(x, weight)
     ctx.opts = (group, sequence_parallel, chunks, accumulate)
     if not sequence_parallel:
         return _gemm(x, weight)
-    comm = get_backend().comm
+    comm = coc.comm
     n, rows = comm.world_size(group), x.shape[0]
     pieces = bounds(rows, chunks)
     pending = [comm.all_gather_async(x[a:b], 0, group) for a, b in pieces]   # all in flight at once
@@ -86,10 +87,10 @@ def _column_forward(ctx, x, weight, group, sequence_parallel, chunks, accumulate
     return out
 
 
-def _column_backward(ctx, dy):
+def _column_backward(coc, ctx, dy):
     x, weight = ctx.saved
     group, sequence_parallel, chunks, accumulate = ctx.opts
-    comm = get_backend().comm
+    comm = coc.comm
     n, rows = comm.world_size(group), x.shape[0]
     pieces = bounds(rows, chunks)
     dx = x.new_zeros(tuple(x.shape))
@@ -103,7 +104,7 @@ def _column_backward(ctx, dy):
     else:
         reduces = [comm.all_reduce_async(dy[a:b].matmul(weight), "sum", group) for a, b in pieces]
         total = x
-    dw = _wgrad(weight, total, dy, accumulate)      # runs while the last reductions are in flight
+    dw = _wgrad(coc.kernels, weight, total, dy, accumulate)      # runs while the last reductions are in flight
     for (a, b), handle in zip(pieces, reduces):
         dx[a:b] = handle.wait()
     return dx, dw, None, None, None, None
@@ -111,10 +112,10 @@ def _column_backward(ctx, dy):
 
 # -- row-parallel ---------------------------------------------------------------------------------
 
-def _row_forward(ctx, x, weight, group, sequence_parallel, chunks, accumulate):
+def _row_forward(coc, ctx, x, weight, group, sequence_parallel, chunks, accumulate):
     ctx.save(x, weight)
     ctx.opts = (group, sequence_parallel, chunks, accumulate)
-    comm = get_backend().comm
+    comm = coc.comm
     n = comm.world_size(group)
     shape = tuple(x.shape[1:-1]) + (weight.shape[0],)
     if sequence_parallel:
@@ -132,12 +133,12 @@ def _row_forward(ctx, x, weight, group, sequence_parallel, chunks, accumulate):
     return out
 
 
-def _row_backward(ctx, dy):
+def _row_backward(coc, ctx, dy):
     x, weight = ctx.saved
     group, sequence_parallel, chunks, accumulate = ctx.opts
     if not sequence_parallel:       # dY is the same on every rank: nothing to communicate
-        return dy.matmul(weight), _wgrad(weight, x, dy, accumulate), None, None, None, None
-    comm = get_backend().comm
+        return dy.matmul(weight), _wgrad(coc.kernels, weight, x, dy, accumulate), None, None, None, None
+    comm = coc.comm
     n, rows = comm.world_size(group), dy.shape[0]
     pieces = bounds(rows, chunks)
     pending = [comm.all_gather_async(dy[a:b], 0, group) for a, b in pieces]
@@ -147,28 +148,24 @@ def _row_backward(ctx, dy):
         part = handle.wait()
         put_interleaved(dy_full, part, n, rows, a, b)
         put_interleaved(dx, part.matmul(weight), n, rows, a, b)
-    return dx, _wgrad(weight, x, dy_full, accumulate), None, None, None, None
+    return dx, _wgrad(coc.kernels, weight, x, dy_full, accumulate), None, None, None, None
 
 
-_OPS: dict = {}
+class Coc:
+    """The CoC linears over one backend: its collectives and kernels, and the two custom ops (made once)."""
 
+    def __init__(self, backend):
+        self.comm, self.kernels = backend.comm, backend.kernels
+        op, bound = backend.autograd.custom_op, lambda fn: functools.update_wrapper(functools.partial(fn, self), fn)
+        self._column = op(bound(_column_forward), bound(_column_backward))
+        self._row = op(bound(_row_forward), bound(_row_backward))
 
-def _op(name, forward, backward):
-    backend = get_backend()
-    key = (id(backend), name)
-    if key not in _OPS:
-        _OPS[key] = backend.autograd.custom_op(forward, backward)
-    return _OPS[key]
+    def column_linear(self, x, weight, group, *, sequence_parallel: bool, chunks: int, accumulate: bool = False):
+        """Y = X W^T of a column-parallel layer (X gathered first under sequence parallelism); backward
+        reduces dX over `group` (all-reduce, or reduce-scatter under sequence parallelism)."""
+        return self._column(x, weight, group, sequence_parallel, chunks, accumulate)
 
-
-def column_linear(x, weight, group, *, sequence_parallel: bool, chunks: int, accumulate: bool = False):
-    """Y = X W^T of a column-parallel layer (X gathered first under sequence parallelism); backward
-    reduces dX over `group` (all-reduce, or reduce-scatter under sequence parallelism)."""
-    return _op("column", _column_forward, _column_backward)(x, weight, group, sequence_parallel, chunks,
-                                                             accumulate)
-
-
-def row_linear(x, weight, group, *, sequence_parallel: bool, chunks: int, accumulate: bool = False):
-    """sum over `group` of X W^T of a row-parallel layer (all-reduce, or reduce-scatter along the
-    first dim under sequence parallelism); backward gathers dY under sequence parallelism."""
-    return _op("row", _row_forward, _row_backward)(x, weight, group, sequence_parallel, chunks, accumulate)
+    def row_linear(self, x, weight, group, *, sequence_parallel: bool, chunks: int, accumulate: bool = False):
+        """sum over `group` of X W^T of a row-parallel layer (all-reduce, or reduce-scatter along the
+        first dim under sequence parallelism); backward gathers dY under sequence parallelism."""
+        return self._row(x, weight, group, sequence_parallel, chunks, accumulate)

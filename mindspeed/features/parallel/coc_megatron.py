@@ -5,8 +5,7 @@ its tensor-parallel group. Layers with nothing to overlap keep Megatron's path: 
 layer), a group of one."""
 from __future__ import annotations
 
-from mindspeed.backends import get_backend
-from mindspeed.features.parallel import coc
+from mindspeed.features.parallel.coc import Coc
 
 LAYERS = "megatron.core.tensor_parallel.layers"
 
@@ -14,17 +13,13 @@ LAYERS = "megatron.core.tensor_parallel.layers"
 CALLS = {"column": 0, "row": 0}
 
 
-def _group_size(group) -> int:
-    return get_backend().comm.world_size(group)
-
-
-def column_impl(chunks: int):
+def column_impl(coc: Coc, chunks: int):
     def wrap(original):
         def _forward_impl(self, input, weight, *args, **kw):
             group = kw.get("tp_group")
             overlap = (not args and weight.requires_grad and kw.get("grad_output_buffer") is None
                        and (kw.get("allreduce_dgrad") or kw.get("sequence_parallel"))
-                       and group is not None and _group_size(group) > 1)
+                       and group is not None and coc.comm.world_size(group) > 1)
             if not overlap:
                 return original(self, input, weight, *args, **kw)
             CALLS["column"] += 1
@@ -36,12 +31,12 @@ def column_impl(chunks: int):
     return wrap
 
 
-def row_forward(chunks: int):
+def row_forward(coc: Coc, chunks: int):
     def wrap(original):
         def forward(self, input_):
             offload = getattr(self.config, "_cpu_offloading_context", None)
             overlap = (self.input_is_parallel and not self.explicit_expert_comm and self.weight.requires_grad
-                       and (offload is None or not offload.inside_context) and _group_size(self.tp_group) > 1)
+                       and (offload is None or not offload.inside_context) and coc.comm.world_size(self.tp_group) > 1)
             if not overlap:
                 return original(self, input_)
             CALLS["row"] += 1
@@ -54,7 +49,9 @@ def row_forward(chunks: int):
     return wrap
 
 
-def install(patcher, chunks: int) -> None:
+def install(patcher, backend, chunks: int) -> None:
+    """The layers' hooks, running CoC over `backend` (the run's)."""
     why = f"--use-ascend-coc: GEMM in {chunks} chunk(s), each chunk's collective overlapped"
-    patcher.wrap(f"{LAYERS}.ColumnParallelLinear._forward_impl", column_impl(chunks), reason=why)
-    patcher.wrap(f"{LAYERS}.RowParallelLinear.forward", row_forward(chunks), reason=why)
+    coc = Coc(backend)
+    patcher.wrap(f"{LAYERS}.ColumnParallelLinear._forward_impl", column_impl(coc, chunks), reason=why)
+    patcher.wrap(f"{LAYERS}.RowParallelLinear.forward", row_forward(coc, chunks), reason=why)
