@@ -18,9 +18,10 @@ rank starts them in is fixed by the graph (chunked_alltoall.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from mindspeed.backends import get_backend
 from mindspeed.features.moe.async_comm import computing
 from mindspeed.features.moe.chunked_alltoall import ChunkedAllToAll
 from mindspeed.features.moe.chunks import CHUNKS, piece
@@ -75,8 +76,8 @@ def _dispatch(original):
     return dispatch
 
 
-def _pipeline(layer, tokens, probs):
-    d, comm = layer.token_dispatcher, get_backend().comm
+def _pipeline(layer, tokens, probs, comm):
+    d = layer.token_dispatcher
     d.tokens_per_expert = d._maybe_dtoh_and_synchronize("before_ep_alltoall", d.tokens_per_expert)
     local, ep = d.num_local_experts, d.ep_size
     sent = [int(n) for n in d.routing_map.sum(dim=0).tolist()]
@@ -105,11 +106,11 @@ def _pipeline(layer, tokens, probs):
     return torch.cat(a2a.combined(combines)).index_select(0, torch.argsort(torch.cat(picks)))
 
 
-def _routed_experts_compute(original):
+def _routed_experts_compute(original, comm):
     def routed_experts_compute(self, hidden_states, probs):
         if not self.__dict__.get("_overlap_pending", False):
             return original(self, hidden_states, probs)
-        return _pipeline(self, hidden_states, probs), None
+        return _pipeline(self, hidden_states, probs, comm), None
     return routed_experts_compute
 
 
@@ -121,8 +122,10 @@ def _combine(original):
     return combine
 
 
-def install(patcher) -> None:
+def install(patcher, backend) -> None:
+    """The MoE layer's hooks; the chunks' all-to-alls run on `backend`'s comm (the run's)."""
     # the support matrix has checked these methods exist (features.MoeComm.megatron_hooks)
     patcher.wrap(f"{LAYER}.dispatch", _dispatch, reason=WHY)
-    patcher.wrap(f"{LAYER}.routed_experts_compute", _routed_experts_compute, reason=WHY)
+    patcher.wrap(f"{LAYER}.routed_experts_compute", functools.partial(_routed_experts_compute, comm=backend.comm),
+                 reason=WHY)
     patcher.wrap(f"{LAYER}.combine", _combine, reason=WHY)

@@ -76,11 +76,12 @@ class _MoeComm(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            self.megatron_hook().install(ctx.patcher)
+            self.megatron_hook().install(ctx.patcher, ctx.backend)
 
     @staticmethod
     def megatron_hook():
-        """The module whose install(patcher) patches Megatron-Core's MoE layer; imported only here,
+        """The module whose install(patcher, backend) patches Megatron-Core's MoE layer (its collectives
+        the run's backend's); imported only here,
         on the torch backend (it imports Megatron-Core)."""
         raise NotImplementedError
 

@@ -12,7 +12,8 @@ as in Megatron's own collectives.
 """
 from __future__ import annotations
 
-from mindspeed.backends import get_backend
+import functools
+
 from mindspeed.features.moe.async_comm import computing, finish, started
 
 DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
@@ -23,11 +24,11 @@ def as_list(splits) -> list[int]:
     return [int(s) for s in (splits.tolist() if hasattr(splits, "tolist") else splits)]
 
 
-def _allgather_dispatch(original):
+def _allgather_dispatch(original, comm):
     def token_dispatch(self, hidden_states, probs):
         if self.tp_size == 1 and self.ep_size == 1:
             return original(self, hidden_states, probs)
-        comm, group = get_backend().comm, self.tp_ep_group
+        group = self.tp_ep_group
         self._async_gathers = (started(comm.all_gather_async(self.routing_map, 0, group)),
                                started(comm.all_gather_async(probs.detach(), 0, group)),
                                started(comm.all_gather_async(hidden_states.detach(), 0, group)))
@@ -35,12 +36,12 @@ def _allgather_dispatch(original):
     return token_dispatch
 
 
-def _allgather_postprocess(original):
+def _allgather_postprocess(original, comm):
     def dispatch_postprocess(self, hidden_states, probs):
         pending = self.__dict__.pop("_async_gathers", None)
         if pending is None:
             return original(self, hidden_states, probs)
-        comm, group = get_backend().comm, self.tp_ep_group
+        group = self.tp_ep_group
         routing, probs_h, hidden_h = pending
         self.routing_map = finish(routing, self.routing_map, None)
         computing()                          # the bookkeeping below runs while hidden states travel
@@ -64,12 +65,12 @@ def _allgather_postprocess(original):
     return dispatch_postprocess
 
 
-def _alltoall_dispatch(original):
+def _alltoall_dispatch(original, comm):
     def token_dispatch(self, tokens, probs):
         if self.ep_size == 1 or self.tp_size > 1:
             return original(self, tokens, probs)
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
-        comm, group = get_backend().comm, self.ep_group
+        group = self.ep_group
         out_s, in_s = as_list(self.output_splits), as_list(self.input_splits)
         h_tokens = started(comm.all_to_all_v_async(tokens.detach(), out_s, in_s, group))
         h_probs = started(comm.all_to_all_v_async(probs.detach(), out_s, in_s, group))
@@ -80,9 +81,10 @@ def _alltoall_dispatch(original):
     return token_dispatch
 
 
-def install(patcher) -> None:
+def install(patcher, backend) -> None:
+    """The dispatchers' hooks, starting their collectives on `backend`'s comm (the run's)."""
     # the support matrix has checked these methods exist (features.MoeComm.megatron_hooks)
-    patcher.wrap(f"{DISPATCHER}.MoEAllGatherTokenDispatcher.token_dispatch", _allgather_dispatch, reason=WHY)
-    patcher.wrap(f"{DISPATCHER}.MoEAllGatherTokenDispatcher.dispatch_postprocess", _allgather_postprocess,
-                 reason=WHY)
-    patcher.wrap(f"{DISPATCHER}.MoEAlltoAllTokenDispatcher.token_dispatch", _alltoall_dispatch, reason=WHY)
+    for method, wrap in (("MoEAllGatherTokenDispatcher.token_dispatch", _allgather_dispatch),
+                         ("MoEAllGatherTokenDispatcher.dispatch_postprocess", _allgather_postprocess),
+                         ("MoEAlltoAllTokenDispatcher.token_dispatch", _alltoall_dispatch)):
+        patcher.wrap(f"{DISPATCHER}.{method}", functools.partial(wrap, comm=backend.comm), reason=WHY)

@@ -31,7 +31,8 @@ def _wrap_initialize(original):
     return initialize_model_parallel
 
 
-def install(patcher) -> None:
+def install(patcher, backend) -> None:
+    """The groups and the config (`backend` unused: the layout is Megatron's, no collective of its own)."""
     patcher.wrap(PS, _wrap_initialize, reason=WHY)
     # the config's own values must agree with the groups (Megatron's MoE code reads both); applied
     # in this order, and skipped for a config that already has expert TP 1 (a copy of an extended one)
