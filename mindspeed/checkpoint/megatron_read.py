@@ -34,6 +34,9 @@ LAYER_KEYS = {
     "self_attention.linear_proj.weight": STACKED + "self_attention.linear_proj.weight",
     "mlp.linear_fc1.weight": STACKED + "mlp.linear_fc1.weight",
     "mlp.linear_fc2.weight": STACKED + "mlp.linear_fc2.weight",
+    # --qk-layernorm: the per-head q/k norms (one [head_dim] weight per layer; LayerNorm's bias too)
+    **{f"self_attention.{norm}.{part}": f"{STACKED}self_attention.{norm}.{part}"
+       for norm in ("q_layernorm", "k_layernorm") for part in ("weight", "bias")},
 }
 LAYER_SUFFIXES = tuple(LAYER_KEYS)
 
