@@ -26,12 +26,13 @@ class UnsafeCommonState(ValueError):
     """common.pt names a global outside COMMON_GLOBALS; the message is one phrase."""
 
 
-def load_common(path: str) -> dict:
-    """The common state in `path`. UnsafeCommonState when it names a type that is not allowed;
-    other damage raises what torch.load raises."""
+def load_common(path: str, extra_globals: tuple = (), mmap: bool = False) -> dict:
+    """The common state in `path`. UnsafeCommonState when it names a type that is not allowed
+    (COMMON_GLOBALS and `extra_globals`); other damage raises what torch.load raises. mmap: the
+    tensors stay in the file until read (a legacy checkpoint's whole model)."""
     try:
-        with torch.serialization.safe_globals(COMMON_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals([*COMMON_GLOBALS, *extra_globals]):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:
         # torch's text runs to paragraphs and suggests turning the weights-only load off: only the global is kept
         found = _GLOBAL.search(str(err)) if "GLOBAL" in str(err) else None

@@ -20,7 +20,7 @@ import torch
 
 from mindspeed.errors import ConvertError
 from mindspeed.checkpoint.neutral import MODEL_FILE
-from mindspeed.checkpoint.scan import iteration_dir
+from mindspeed.checkpoint.scan import is_legacy, iteration_dir
 from mindspeed.errors import CheckpointError
 
 STACKED = "decoder.layers."   # torch_dist keys of decoder layers: one tensor stacked over the layers
@@ -117,6 +117,11 @@ def open_checkpoint(root: str):
         directory = iteration_dir(root, torch_dist.read_tracker(root))   # checks either format
     except CheckpointError as err:
         raise ConvertError(str(err)) from None
+    if is_legacy(directory):
+        raise ConvertError(f"{directory} holds Megatron-LM's legacy per-rank checkpoint (--ckpt-format torch), which "
+                           "the converter does not read: resume it once with the run's flags and --ckpt-format "
+                           "torch_dist --save DIR (it saves without training when --train-iters is its iteration), "
+                           "then convert DIR")
     return NeutralReader(directory) if torch_dist.is_neutral(directory) else TorchDistReader(directory)
 
 

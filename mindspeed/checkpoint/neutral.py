@@ -235,6 +235,10 @@ def check_iteration(directory: str) -> str | None:
             return (f"{directory} holds a torch_dist checkpoint (written by --backend torch); reading it needs "
                     "torch and megatron-core installed")
         return torch_dist.check_iteration(directory)
+    if scan.is_legacy(directory):     # Megatron-LM's per-rank files: torch_dist's load reads them, this one not
+        return (f"{directory} holds Megatron-LM's legacy per-rank checkpoint (--ckpt-format torch), which the "
+                "MindSpore trainer does not read: resume it once with --backend torch --ckpt-format torch_dist "
+                "--save DIR (at the sizes it was saved at) and load DIR")
     problem = check_safetensors(os.path.join(directory, MODEL_FILE))
     if problem:
         return problem

@@ -13,10 +13,27 @@ import shutil
 from typing import Callable
 
 ITERATION_DIR = re.compile(r"iter_(\d{7})$")
+# Megatron-LM's legacy format (--ckpt-format torch): one directory per model-parallel rank,
+# mp_rank_TT, mp_rank_TT_PPP, mp_rank_TT_EEE or mp_rank_TT_PPP_EEE (tensor, pipeline, expert rank)
+LEGACY_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def legacy_rank_dirs(directory: str) -> list[str]:
+    """The mp_rank_* directories of an iteration directory in Megatron-LM's legacy layout, sorted."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(n for n in names if LEGACY_RANK_DIR.match(n) and os.path.isdir(os.path.join(directory, n)))
+
+
+def is_legacy(directory: str) -> bool:
+    """An iteration directory written in Megatron-LM's legacy per-rank layout (--ckpt-format torch)."""
+    return bool(legacy_rank_dirs(directory))
 
 
 def staging_dir(root: str, iteration: int) -> str:

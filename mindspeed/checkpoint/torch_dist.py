@@ -139,6 +139,9 @@ def check_iteration(directory: str) -> str | None:
         return f"{directory} is missing"
     if is_neutral(directory):      # written by the MindSpore trainer: loads through cross_format
         return neutral.check_iteration(directory)
+    if scan.is_legacy(directory):  # Megatron-LM's per-rank files (--ckpt-format torch)
+        from mindspeed.checkpoint import legacy   # it builds on this module
+        return legacy.check_iteration(directory)
     for name in (FORMAT_FILE, COMMON_FILE, INDEX_FILE):
         if not os.path.isfile(os.path.join(directory, name)):
             return f"{os.path.join(directory, name)} is missing"
@@ -340,12 +343,18 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool = True,
-                    finetune: bool = False, step: int | None = None, only=None) -> tuple[int, int]:
+                    finetune: bool = False, step: int | None = None, only=None,
+                    load_rng: bool = False) -> tuple[int, int]:
     """Load into chunks/optimizer/scheduler in place; return (iteration, consumed samples).
-    A neutral checkpoint (the MindSpore trainer's) loads too (cross_format). only(name): which of
-    the model's tensors to load (default all); the others keep their values."""
+    A neutral checkpoint (the MindSpore trainer's) loads too (cross_format), and one in Megatron-LM's
+    legacy per-rank layout (legacy: whatever --ckpt-format says; with its RNG state when load_rng).
+    only(name): which of the model's tensors to load (default all); the others keep their values."""
     iteration = read_tracker(root, step)
     path = iteration_dir(root, iteration)
+    if scan.is_legacy(path):
+        from mindspeed.checkpoint import legacy
+        return legacy.load_checkpoint(root, iteration, chunks, optimizer, scheduler, load_optim=load_optim,
+                                      finetune=finetune, only=only, load_rng=load_rng)
     use_optim = load_optim and not finetune
     if use_optim and optimizer is not None and saved_without_optimizer(root, iteration):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with --no-save-optim): "
@@ -426,6 +435,9 @@ def read_common(root: str, step: int | None = None) -> dict:
     directory = iteration_dir(root, read_tracker(root, step))
     if is_neutral(directory):
         return {}
+    if scan.is_legacy(directory):
+        from mindspeed.checkpoint import legacy
+        return legacy.read_common(directory)
     return torch.load(os.path.join(directory, COMMON_FILE), map_location="cpu", weights_only=True)
 
 
@@ -438,6 +450,13 @@ def check_vocab_rows(root: str, step: int | None, rows: int) -> None:
     (LoRA adapters) or with an unreadable index is left to the load to judge."""
     directory = iteration_dir(root, read_tracker(root, step))
     if is_neutral(directory):
+        return
+    if scan.is_legacy(directory):     # per-rank files: the rows load only as they are
+        from mindspeed.checkpoint import legacy
+        saved = legacy.vocab_rows(directory)
+        if saved is not None and saved != rows:
+            raise CheckpointError(f"checkpoint {directory} has {saved} vocabulary rows, this run {rows} "
+                                  f"(--padded-vocab-size): give --padded-vocab-size {saved}")
         return
     try:
         meta = read_index(directory).state_dict_metadata

@@ -162,7 +162,8 @@ def _run_switches(parser) -> None:
     g.add_argument("--no-save-optim", action="store_true",
                    help="checkpoints without optimizer state (resume them with --no-load-optim)")
     g.add_argument("--no-save-rng", action="store_true",
-                   help="checkpoints without RNG state (the built-in trainers never save it)")
+                   help="checkpoints without RNG state (--ckpt-format torch saves it; torch_dist and the MindSpore "
+                        "trainer's never do)")
     g.add_argument("--manual-gc", action="store_true",
                    help="Python's garbage collector runs every --manual-gc-interval steps, not when it likes")
     g.add_argument("--manual-gc-interval", type=int, default=0,

@@ -235,9 +235,13 @@ def _checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true",
                    help="load the weights only: the optimizer starts fresh (the iteration and lr schedule go on)")
     g.add_argument("--no-load-rng", action="store_true",
-                   help="checkpoints here hold no RNG state, so none is ever loaded: every run seeds from --seed")
+                   help="keep the RNG as --seed sets it (torch_dist checkpoints hold no RNG state; a --ckpt-format "
+                        "torch one's is loaded without this flag)")
     g.add_argument("--finetune", action="store_true", help="load weights only, start at iteration 0")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"])
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
+                   help="torch_dist: Megatron's sharded checkpoint (loads at any parallel sizes); torch: "
+                        "Megatron-LM's legacy per-rank files (loads at the sizes it was saved at); --load "
+                        "reads either, whatever this says")
 
 
 def _logging(parser: argparse.ArgumentParser) -> None:
@@ -454,9 +458,9 @@ def _run_problems(args) -> list[str]:
     if args.save_interval is not None and args.save_interval < 1:
         problems.append("--save-interval must be positive")
     problems.extend(_warmup_fraction_problems(args))
-    if args.ckpt_format == "torch":
-        problems.append("--ckpt-format torch (per-rank files) is not written by the built-in trainer: "
-                        "use --ckpt-format torch_dist (the default)")
+    if args.ckpt_format == "torch" and args.backend == "mindspore":
+        problems.append("--ckpt-format torch (Megatron-LM's per-rank files) is written by --backend torch: the "
+                        "MindSpore trainer writes its neutral checkpoint; drop the flag")
     return problems
 
 

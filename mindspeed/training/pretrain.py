@@ -26,7 +26,7 @@ from mindspeed.backends import get_backend
 from mindspeed.backends.torch import glibc_heap
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.mode_free_steps import ModeFreeSteps
-from mindspeed.checkpoint import torch_dist
+from mindspeed.checkpoint import legacy, torch_dist
 from mindspeed.data import flag_tokenizers
 from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.errors import CheckpointError
@@ -348,8 +348,9 @@ def resolve_tokenizer(args, log=print):
 def resume(args, trainer, logger) -> tuple[int, int]:
     """(iteration, consumed samples) to start from: --load's checkpoint (iteration --ckpt-step when
     given) into the trainer's model, and its optimizer unless --no-load-optim or --finetune; the
-    learning-rate schedule continues from the loaded iteration. Checkpoints hold no RNG state, so
-    none is loaded (--no-load-rng holds): every run seeds from --seed."""
+    learning-rate schedule continues from the loaded iteration. A torch_dist checkpoint holds no RNG
+    state (every run seeds from --seed); a legacy one's (--ckpt-format torch) is loaded unless
+    --no-load-rng."""
     if args.load_note:
         logger.print(args.load_note)
     for note in args.flag_notes:
@@ -368,7 +369,7 @@ def _load_training_state(root: str, trainer, args, step: int | None = None, only
     the schedule and the counters from `root`."""
     return torch_dist.load_checkpoint(root, trainer.model, trainer.optimizer, trainer.scheduler,
                                       load_optim=not args.no_load_optim, finetune=args.finetune, step=step,
-                                      only=only)
+                                      only=only, load_rng=not args.no_load_rng)
 
 
 def check_lora_checkpoints(args, lora) -> None:
@@ -451,10 +452,12 @@ def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:
         extra = {"lora": lora.settings} if lora else {}
         if args.no_save_optim:
             extra["no_optimizer"] = True      # a resume that asks for optimizer state is refused in one line
-        return torch_dist.save_checkpoint(args.save, iteration, trainer.model,
-                                          None if extra.get("no_optimizer") else trainer.optimizer,
-                                          trainer.scheduler, consumed,
-                                          only=lora.is_adapter_key if lora else None, extra=extra or None)
+        optimizer, only = None if args.no_save_optim else trainer.optimizer, lora.is_adapter_key if lora else None
+        if args.ckpt_format == "torch":       # Megatron-LM's legacy per-rank files
+            return legacy.save_checkpoint(args.save, iteration, trainer.model, optimizer, trainer.scheduler, consumed,
+                                          args=args, only=only, extra=extra or None, save_rng=not args.no_save_rng)
+        return torch_dist.save_checkpoint(args.save, iteration, trainer.model, optimizer, trainer.scheduler,
+                                          consumed, only=only, extra=extra or None)
 
     return loop.TrainParts(
         step=step, evaluate=lambda: trainer.evaluate(valid_ds), save=save,
