@@ -4,13 +4,12 @@ A TransformerLayer construction hook (layer_init.py) marks the layers chosen by 
 constructor's `layer_number` is the index inside the model chunk, 1-based) and, for the norm
 feature, reroutes each chosen layer's input/pre-MLP norm; one wrap of MLP.forward recomputes the
 activation of the MLPs (dense, MoE experts, shared experts) inside marked layers. Everything goes
-through backend.memory.recompute_output.
+through recompute_output of the run's backend.memory, handed to the hooks at install.
 """
 from __future__ import annotations
 
 import functools
 
-from mindspeed.backends import get_backend
 from mindspeed.features.memory import layer_init
 
 MLP_FORWARD = "megatron.core.transformer.mlp.MLP.forward"
@@ -23,7 +22,7 @@ def _chosen(on: bool, limit, local_number: int) -> bool:
     return on and (limit is None or local_number <= limit)
 
 
-def _choose_layers(act, norm, layer, arguments) -> None:
+def _choose_layers(memory, act, norm, layer, arguments) -> None:
     local = arguments["layer_number"]
     if _chosen(*act, local):
         from megatron.core.transformer.mlp import MLP
@@ -31,18 +30,20 @@ def _choose_layers(act, norm, layer, arguments) -> None:
             if isinstance(module, MLP):
                 setattr(module, ACT_MARK, True)
     if _chosen(*norm, local):
-        _recompute_norms(layer)
+        _recompute_norms(layer, memory)
 
 
-def install(patcher, args) -> None:
+def install(patcher, args, memory) -> None:
+    """The layers' hooks, recomputing through `memory` (the run's backend.memory)."""
     if layer_init.has_hook(patcher, _choose_layers):     # both recompute features share the hook
         return
     act = (bool(args.recompute_activation_function), args.recompute_activation_function_num_layers)
     norm = (bool(args.recompute_norm), args.recompute_norm_num_layers)
-    layer_init.add_hook(patcher, functools.partial(_choose_layers, act, norm),
+    layer_init.add_hook(patcher, functools.partial(_choose_layers, memory, act, norm),
                         "--recompute-activation-function / --recompute-norm: choose the layers")
     if act[0]:
-        patcher.wrap(MLP_FORWARD, _wrap_mlp_forward, reason="--recompute-activation-function")
+        patcher.wrap(MLP_FORWARD, functools.partial(_wrap_mlp_forward, memory=memory),
+                     reason="--recompute-activation-function")
 
 
 # activation -------------------------------------------------------------------------------------
@@ -60,13 +61,13 @@ def _activation(mlp, original_forward, x, bias, scale):
     return captured[0]
 
 
-def _wrap_mlp_forward(original):
+def _wrap_mlp_forward(original, memory):
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if not getattr(self, ACT_MARK, False) or per_token_scale is not None:
             # per_token_scale: no caller in core 0.16.1 passes it; its bias tail is left to Megatron
             return original(self, hidden_states, per_token_scale, **kwargs)
         x, bias = self.linear_fc1(hidden_states)
-        act = get_backend().memory.recompute_output(
+        act = memory.recompute_output(
             lambda x, bias: _activation(self, original, x, bias, None), x, bias)
         output, output_bias = self.linear_fc2(act.output)
         act.discard(output)                 # fc2 saved the activation: free it until backward
@@ -75,7 +76,7 @@ def _wrap_mlp_forward(original):
 
 
 # norms ------------------------------------------------------------------------------------------
-def _recompute_norms(layer) -> None:
+def _recompute_norms(layer, memory) -> None:
     from megatron.core.transformer.identity_op import IdentityOp
     for norm_name, consumer_name in NORM_CONSUMERS:
         norm, consumer = getattr(layer, norm_name), getattr(layer, consumer_name)
@@ -85,7 +86,7 @@ def _recompute_norms(layer) -> None:
         norm_forward = norm.forward
 
         def forward(x, *a, _norm_forward=norm_forward, _pending=pending, **kw):
-            handle = get_backend().memory.recompute_output(lambda t: _norm_forward(t, *a, **kw), x)
+            handle = memory.recompute_output(lambda t: _norm_forward(t, *a, **kw), x)
             _pending.append(handle)
             return handle.output
 

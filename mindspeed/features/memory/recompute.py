@@ -25,7 +25,7 @@ class _OutputRecompute(Feature):
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":       # mindspore: the trainer reads the flags (GPTConfig)
             from mindspeed.features.memory import megatron_recompute  # hook may import Megatron (.importlinter)
-            megatron_recompute.install(ctx.patcher, args)
+            megatron_recompute.install(ctx.patcher, args, ctx.backend.memory)
 
     @property
     def example(self) -> tuple:

@@ -79,4 +79,4 @@ class SwapOptimizer(Feature):
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
-            swap_optimizer_megatron.install(ctx.patcher, args)
+            swap_optimizer_megatron.install(ctx.patcher, args, ctx.backend.memory)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 
-from mindspeed.backends import get_backend
 
 OPTIMIZERS = ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
               "megatron.core.optimizer.optimizer.FP32Optimizer",
@@ -145,9 +144,9 @@ def _copy_groups_only(opt, kind, chunk):
             setattr(opt, attr, value)
 
 
-def attach(opt, times: int) -> OptimizerSwap:
-    """Give one Megatron optimizer instance host-resident states."""
-    swap = OptimizerSwap(opt, times, get_backend().memory)
+def attach(opt, times: int, memory) -> OptimizerSwap:
+    """Give one Megatron optimizer instance host-resident states, moved by `memory` (the run's backend.memory)."""
+    swap = OptimizerSwap(opt, times, memory)
     opt.mindspeed_swap = swap
     original_step = opt.optimizer.step
     original_copy = getattr(opt, "_copy_main_params_to_model_params", lambda: None)   # FP32Optimizer: none
@@ -193,7 +192,8 @@ def attach(opt, times: int) -> OptimizerSwap:
     return swap
 
 
-def install(patcher, args) -> None:
+def install(patcher, args, memory) -> None:
+    """Every Megatron optimizer made from now on swaps its states through `memory` (the run's backend.memory)."""
     times = args.swap_optimizer_times
 
     def wrap_init(original):
@@ -201,7 +201,7 @@ def install(patcher, args) -> None:
         def init(self, *a, **kw):
             original(self, *a, **kw)
             if not hasattr(self, "mindspeed_swap"):
-                attach(self, times)
+                attach(self, times, memory)
         return init
 
     for cls in OPTIMIZERS:
