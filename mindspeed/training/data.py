@@ -7,7 +7,7 @@ iteration N sees exactly the batches the uninterrupted run saw.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
@@ -26,6 +26,7 @@ from mindspeed.data.shakespeare import ensure_dataset
 from mindspeed.data.tokenizer import CharLevelTokenizer, load_tokenizer
 from mindspeed.features import documents
 from mindspeed.features.memory import shared_mask
+from mindspeed.features.memory.shared_mask import SharedMasks
 from mindspeed.data import instruction_samples
 
 # segments: --neat-pack's sample numbers when documents.on (get_batch turns them into document ends)
@@ -194,11 +195,13 @@ def build_datasets(args, tokenizer, packed: bool = False):
     return train, valid, test
 
 
-def microbatches(dataset, consumed_samples: int, args) -> Iterator[dict]:
+def microbatches(dataset, consumed_samples: int, args, masks: SharedMasks | None = None) -> Iterator[dict]:
     """Megatron's pretraining-sampler order: each global batch is consecutive samples, and data
-    parallel rank r takes micro-batch slice r of it."""
+    parallel rank r takes micro-batch slice r of it. Plain causal masks are `masks`' one object (the
+    reader's: BatchReader.masks; without, this iterator's own)."""
     if dataset is None:
         return
+    masks = SharedMasks() if masks is None else masks
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     mbs = args.micro_batch_size
@@ -207,16 +210,16 @@ def microbatches(dataset, consumed_samples: int, args) -> Iterator[dict]:
     while True:
         start = position + dp_rank * mbs
         samples = [dataset[(start + i) % len(dataset)] for i in range(mbs)]
-        batch = {key: shared_mask.causal_mask(len(samples[0]["tokens"]), "cpu")
+        batch = {key: masks.causal_mask(len(samples[0]["tokens"]), "cpu")
                  if shared and key == "attention_mask" else torch.stack([torch.as_tensor(s[key]) for s in samples])
                  for key in samples[0] if key in BATCH_KEYS}
         if args.variable_seq_lengths and "length" in samples[0]:
-            batch = cut_to_longest(batch, max(s["length"] for s in samples), args)
+            batch = cut_to_longest(batch, max(s["length"] for s in samples), args, masks)
         yield batch
         position += mbs * dp_size
 
 
-def cut_to_longest(batch: dict, longest: int, args) -> dict:
+def cut_to_longest(batch: dict, longest: int, args, masks: SharedMasks) -> dict:
     """--variable-seq-lengths: the micro-batch as long as its longest sample (rounded up to
     length_multiple, at most --seq-length) instead of --seq-length; the pipeline stages exchange
     each micro-batch's shape. What is cut is padding: no loss, and causal attention never reads it."""
@@ -224,7 +227,7 @@ def cut_to_longest(batch: dict, longest: int, args) -> dict:
     out = {k: v[:, :n] for k, v in batch.items() if k != "attention_mask"}
     if "attention_mask" in batch:
         mask = batch["attention_mask"]
-        out["attention_mask"] = shared_mask.causal_mask(n, mask.device) if shared_mask.is_shared(mask) \
+        out["attention_mask"] = masks.causal_mask(n, mask.device) if shared_mask.is_shared(mask) \
             else mask[..., :n, :n]
     return out
 
@@ -243,20 +246,22 @@ def shard_for_context_parallel(batch: dict, shard: Callable | None = None) -> di
     return get_batch_on_this_cp_rank(batch)
 
 
-def get_batch(data_iterator, device: str, eod: int | None = None, shard: Callable | None = None) -> dict:
+def get_batch(data_iterator, device: str, eod: int | None = None, shard: Callable | None = None,
+              masks: SharedMasks | None = None) -> dict:
     """The next micro-batch on `device`, this CP rank's part of it (cut by `shard`, see
     shard_for_context_parallel). With `eod` (packed documents), the documents' ends are taken from the
     whole sequences first and travel as the batch's attention_mask (features/documents.py), kept on the
     cpu: attention layers read them as lists; --neat-pack's batches bring sample numbers (`segments`)
-    instead, which take precedence."""
+    instead, which take precedence. A shared causal mask becomes `masks`' one on `device`."""
     batch = dict(next(data_iterator))
+    masks = SharedMasks() if masks is None else masks
     segments = batch.pop("segments", None)
     ends = None
     if segments is not None:
         ends = [documents.ends_from_segments(row) for row in segments]
     elif eod is not None:
         ends = [documents.ends_from_eod(row, eod) for row in batch["tokens"]]
-    batch = {k: shared_mask.causal_mask(v.shape[-1], device) if shared_mask.is_shared(v)
+    batch = {k: masks.causal_mask(v.shape[-1], device) if shared_mask.is_shared(v)
              else v.to(device, non_blocking=True) for k, v in batch.items()}
     if ends is not None:
         batch["attention_mask"] = documents_mask(ends)
@@ -266,10 +271,12 @@ def get_batch(data_iterator, device: str, eod: int | None = None, shard: Callabl
 @dataclass(frozen=True)
 class BatchReader:
     """How the trainer reads its micro-batches: onto `device`, documents' ends from `eod` when batches
-    carry packed documents (None: they do not), cut for context parallelism by `shard`."""
+    carry packed documents (None: they do not), cut for context parallelism by `shard`; `masks`: the
+    run's shared causal masks (its micro-batch iterators make theirs from the same)."""
     device: str
     eod: int | None = None
     shard: Callable | None = None
+    masks: SharedMasks = field(default_factory=SharedMasks, compare=False)
 
     @classmethod
     def for_session(cls, session, args, eod: int | None) -> "BatchReader":
@@ -282,7 +289,7 @@ class BatchReader:
         return self.eod is not None
 
     def __call__(self, data_iterator) -> dict:
-        return get_batch(data_iterator, self.device, self.eod, self.shard)
+        return get_batch(data_iterator, self.device, self.eod, self.shard, self.masks)
 
 
 def documents_mask(ends: list[list[int]]) -> torch.Tensor:

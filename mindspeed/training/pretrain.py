@@ -22,7 +22,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed.session import Session
-from mindspeed.backends import get_backend
 from mindspeed.backends.torch import glibc_heap
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.mode_free_steps import ModeFreeSteps
@@ -214,7 +213,7 @@ class Trainer:
 
     def iterators(self, dataset, consumed: int):
         """One micro-batch iterator per model chunk (virtual pipeline stages need one each)."""
-        return microbatch_iterators(self.args, self.model, dataset, consumed)
+        return microbatch_iterators(self.args, self.model, dataset, consumed, self.reader.masks)
 
     def _run_schedule(self, iterator, forward_only: bool, num_microbatches: int | None = None):
         return run_schedule(self.args, self.model, iterator, self.reader, forward_only,
@@ -240,10 +239,11 @@ class Trainer:
         return validation_loss(self.args, self.model, dataset, self.reader, self.num_microbatches)
 
 
-def microbatch_iterators(args, model_chunks: list, dataset, consumed: int):
-    """One micro-batch iterator per model chunk (virtual pipeline stages need one each)."""
-    return [data.microbatches(dataset, consumed, args) for _ in model_chunks] \
-        if len(model_chunks) > 1 else data.microbatches(dataset, consumed, args)
+def microbatch_iterators(args, model_chunks: list, dataset, consumed: int, masks):
+    """One micro-batch iterator per model chunk (virtual pipeline stages need one each); `masks`: the
+    reader's shared causal masks."""
+    return [data.microbatches(dataset, consumed, args, masks) for _ in model_chunks] \
+        if len(model_chunks) > 1 else data.microbatches(dataset, consumed, args, masks)
 
 
 def run_schedule(args, model_chunks: list, iterator, reader: data.BatchReader, forward_only: bool,
@@ -267,7 +267,7 @@ def validation_loss(args, model_chunks: list, dataset, reader: data.BatchReader,
         return None
     for chunk in model_chunks:
         chunk.eval()
-    iterator = microbatch_iterators(args, model_chunks, dataset, 0)
+    iterator = microbatch_iterators(args, model_chunks, dataset, 0, reader.masks)
     pair = []
     with torch.no_grad():
         for _ in range(args.eval_iters):
@@ -276,10 +276,6 @@ def validation_loss(args, model_chunks: list, dataset, reader: data.BatchReader,
     for chunk in model_chunks:
         chunk.train()
     return sum(pair) / len(pair)
-
-
-def _peak_memory_mb() -> float:
-    return get_backend().memory.peak_memory_bytes() / 2**20
 
 
 def run(args, session: Session) -> dict:
@@ -432,15 +428,15 @@ def _train(args, tokenizer, logger: TrainingLogger, session: Session, started_at
         logger.print(f"> unigram baseline (entropy of token frequencies): {baseline:.4f} nats/token")
 
     iteration, consumed = resume(a, trainer, logger)
-    parts = loop_parts(a, trainer, trainer.iterators(train_ds, consumed), valid_ds)
+    parts = loop_parts(a, trainer, trainer.iterators(train_ds, consumed), valid_ds, session.backend)
     report = loop.RunReport(parameters=n_params, summary_keys=SUMMARY_KEYS, device=a.device_name,
                             write_loss_file=torch.distributed.get_rank() == 0, unigram_baseline=baseline,
                             started_at=started_at)
     return loop.train(a, logger, parts, report, loop.Progress(iteration, consumed), publish=session.publish)
 
 
-def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:
-    """This trainer's side of the shared outer loop (training/loop.py)."""
+def loop_parts(args, trainer: Trainer, train_iter, valid_ds, backend) -> loop.TrainParts:
+    """This trainer's side of the shared outer loop (training/loop.py); `backend`: the session's."""
     def step(iteration: int, consumed: int, batch_size: int) -> loop.StepResult:
         # the micro-batch count step_batch set for this step (the loop asked batch_size first)
         loss, grad_norm, ok = trainer.train_step(train_iter, get_num_microbatches(), batch_size)
@@ -462,7 +458,8 @@ def loop_parts(args, trainer: Trainer, train_iter, valid_ds) -> loop.TrainParts:
     return loop.TrainParts(
         step=step, evaluate=lambda: trainer.evaluate(valid_ds), save=save,
         lr=lambda _iteration: trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
-        peak_memory_mb=_peak_memory_mb, batch_size=lambda consumed: step_batch(consumed)[1],
+        peak_memory_mb=lambda: backend.memory.peak_memory_bytes() / 2**20,
+        batch_size=lambda consumed: step_batch(consumed)[1],
         loss_scale=(lambda: float(trainer.optimizer.get_loss_scale())) if args.fp16 else None,
         any_rank=lambda flag: _any_rank(flag, args.device_name))
 

@@ -81,7 +81,7 @@ def lora_report(rank: int, world: int, mg_dir: str, lora_dir: str, logits_file: 
         "base_changed": [n for n, p in base_before.items() if not torch.equal(p, named[n])],
         "adapters_unchanged": [n for n, p in adapters_before.items() if torch.equal(p, named[n])],
     }
-    pretrain.loop_parts(args, trainer, None, None).save(STEPS, STEPS * 2)
+    pretrain.loop_parts(args, trainer, None, None, state.backend).save(STEPS, STEPS * 2)
     trained_logits = full_logits(trainer, tokens)
     report["lora_moved_logits"] = float((trained_logits - base_logits).abs().max())
     if rank == 0:
