@@ -123,9 +123,8 @@ def convert(opts, log=print) -> dict:
     tp, pp = opts.target_tensor_parallel_size, opts.target_pipeline_parallel_size
     ep = opts.target_expert_parallel_size
     check_parallel(arch, tp, pp, opts.num_layer_list, ep)
-    if opts.neutral_copy and (arch.qk_layernorm or arch.num_experts):
-        what = "MoE layers" if arch.num_experts else "q/k norms"
-        raise ConvertError(f"--neutral-copy: the MindSpore trainer does not build {what} "
+    if opts.neutral_copy and arch.num_experts:
+        raise ConvertError(f"--neutral-copy: the MindSpore trainer does not build MoE layers "
                            f"(--model-type-hf {opts.model_type_hf}); convert without it for the torch trainer")
     vocab = vocab_from_tokenizer or arch.vocab_size
     padded = _padded_rows(opts, vocab, tp)

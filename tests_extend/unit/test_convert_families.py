@@ -66,8 +66,9 @@ def models(tmp_path_factory):
         hf, mg = str(root / "hf"), str(root / "mg")
         kit.make_hf_model(hf, kind, tied=tied, **fields)
         ep = ["--target-expert-parallel-size", "2"] if model_type in MOE_TYPES else []
+        neutral = ["--neutral-copy"] if model_type == "qwen3" else []      # for the MindSpore trainer too
         _convert_hf_to_mg(hf, mg, model_type, "--target-tensor-parallel-size", "2",
-                          "--target-pipeline-parallel-size", "2", *ep)
+                          "--target-pipeline-parallel-size", "2", *ep, *neutral)
         out[model_type] = {"hf": hf, "mg": mg, "root": root, "ref": kit.hf_logits(hf, TOKENS)}
     return out
 
@@ -130,6 +131,28 @@ def test_tp1_logits_and_round_trip(models, model_type, tmp_path):
     back = str(tmp_path / "back")
     _mg_to_hf(case["mg"], back, model_type)
     _assert_same_hf(case["hf"], back)
+
+
+def test_mindspore_trainer_gives_transformers_qwen3_logits(models):
+    """The MindSpore trainer's GPT on the converted Qwen3 (per-head q/k norms, head_dim 24 != hidden /
+    heads), from the converter's neutral copy: transformers' logits; the MindSpore trainer's reader of
+    the torch_dist files beside it finds the same arrays."""
+    pytest.importorskip("mindspore")
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from mindspeed.checkpoint import neutral
+    from mindspeed.checkpoint.scan import iteration_dir
+    case = models["qwen3"]
+    weights, _, _ = neutral.load(iteration_dir(case["mg"], 0))
+    assert weights["decoder.layers.1.self_attention.k_layernorm.weight"].shape == (24,)
+    backend = MindSporeBackend("cpu")
+    model = kit.ms_load(case["mg"], backend, seq_length=TOKENS.shape[1])
+    assert _close(torch.from_numpy(kit.ms_logits(model, TOKENS.numpy())), case["ref"]) <= TOL
+    # the torch_dist files (decoder layers stacked, norms under their fused names) hold the same arrays
+    from mindspeed.checkpoint.cross_format import neutral_from_torch_dist
+    from_torch_dist, _, _ = neutral_from_torch_dist(iteration_dir(case["mg"], 0), False)
+    assert sorted(from_torch_dist) == sorted(weights)
+    for name, value in weights.items():
+        assert (from_torch_dist[name] == value).all(), name
 
 
 def test_qwen3_moe_renormalized_router_and_sparse_step(tmp_path):
