@@ -1,5 +1,5 @@
-"""Backend registry: the active backend is chosen once (by mindspeed.adapt or a trainer) and
-features ask for it with get_backend()."""
+"""Backend registry: the active backend is chosen once (by mindspeed.adapt or a trainer). Features
+receive it through the session (ApplyContext.backend, Session.backend), never from here."""
 from __future__ import annotations
 
 import importlib
@@ -48,7 +48,7 @@ NO_BACKEND = ("no MindSpeed backend is active: call mindspeed.adapt(args) (or "
               "mindspeed.backends.set_backend('torch' | 'mindspore')) first")
 
 
-def get_backend() -> Backend:
+def get_backend() -> Backend:   # for this package and code outside features with no session at hand
     """The active backend. None chosen yet is an error: nothing is built behind the caller's back."""
     if _active is None:
         raise BackendUnavailableError(NO_BACKEND)

@@ -1,7 +1,8 @@
 """The small interface every feature is written against.
 
 A backend bundles five parts: device, comm, kernels, autograd, memory. Features never import a
-framework or device API; they call `get_backend()` and use these parts. Tensors are the
+framework or device API; they receive the run's backend (ApplyContext.backend, handed on to what
+their hooks install) and use these parts. Tensors are the
 backend's own tensor type; groups are opaque handles the backend hands out.
 Capabilities are declared by name with a level, so the support matrix can be computed without
 importing the framework behind a backend.
@@ -460,7 +461,7 @@ class ProfilerAPI(ABC):
 
 
 class Backend(ABC):
-    """A framework on a device. Construct via mindspeed.backends.get_backend()."""
+    """A framework on a device. Made by mindspeed.backends.set_backend (mindspeed.adapt); a run's is Session.backend."""
 
     name: str  # "torch" | "mindspore"
     device: DeviceAPI
