@@ -16,8 +16,7 @@ def _lacks(what: str) -> dict:
 
 
 option("qk-layernorm", (host("--qk-layernorm", False),), lambda a: a.qk_layernorm,
-       "per-head RMSNorm/LayerNorm of queries and keys (Qwen3, DeepSeek-V3)", _lacks("q/k normalization"), TORCH,
-       ("--qk-layernorm",))
+       "per-head RMSNorm/LayerNorm of queries and keys (Qwen3, DeepSeek-V3)", {}, "", ("--qk-layernorm",))
 option("yarn-rope", (host("--rope-scaling-type"), host("--rope-type")),
        lambda a: a.rope_scaling_type == "yarn" or a.rope_type == "yarn",
        "YaRN RoPE scaling (Megatron-Core's YarnRotaryEmbedding): frequencies interpolated beyond the original "
