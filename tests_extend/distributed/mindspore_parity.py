@@ -103,11 +103,13 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=No
 # -- torch side (Megatron-Core GPTModel, run inside the gloo harness) ----------------------------
 def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNorm",
                       position_embedding_type: str = "rope", num_query_groups: int | None = None,
-                      tied: bool = False, layers: int | None = None):
+                      tied: bool = False, layers: int | None = None, qk_layernorm: bool = False,
+                      kv_channels: int | None = None):
     """swiglu=False: Megatron-Core's default GELU MLP (F.gelu, not gated), as --no-swiglu;
     num_query_groups: GROUPS unless given (HEADS: multi-head attention, one query head per group);
     tied: the output layer is the word embeddings (Megatron's default; the trainers' argv unties);
-    layers: transformer layers (LAYERS, read at the call: benchmarks resize the module, unless given)."""
+    layers: transformer layers (LAYERS, read at the call: benchmarks resize the module, unless given);
+    qk_layernorm, kv_channels: --qk-layernorm's per-head q/k norms, --kv-channels' head size (Qwen3)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -118,8 +120,10 @@ def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNor
                                normalization=normalization, layernorm_epsilon=1e-5, gated_linear_unit=swiglu,
                                activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
                                add_bias_linear=False,
-                               tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0)
-    return GPTModel(config, get_gpt_layer_local_spec(normalization=normalization), vocab_size=VOCAB,
+                               tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0,
+                               qk_layernorm=qk_layernorm, kv_channels=kv_channels)
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    return GPTModel(config, spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, position_embedding_type=position_embedding_type,
                     share_embeddings_and_output_weights=tied)
 
@@ -175,6 +179,16 @@ def load_into_torch(model, ckpt, tp_rank, tp, gated: bool = True):
     assert all(k.endswith("_extra_state") for k in missing), missing
 
 
+def _sum_replicated_partial_grads(model, tp_group) -> None:
+    """What Megatron-Core's finalize_model_grads does for TP-replicated weights whose gradient each TP
+    rank holds only a part of (the q/k norms: each rank normalized its own heads), by its own
+    function (the harness trains the bare GPTModel, without Megatron's DDP and its config)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+    model.ddp_config = DistributedDataParallelConfig()
+    _allreduce_non_tensor_model_parallel_grads([model], model.config, tp_group)
+
+
 def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, model_kw=None, steps=STEPS,
                 batch_fn=None, adapt_argv=()):
     """Harness body: train `steps` steps; with save_init, first write the initial weights.
@@ -204,6 +218,7 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, mod
         opt.zero_grad()
         loss = _torch_loss(model, step, batch_fn)
         loss.backward()
+        _sum_replicated_partial_grads(model, tp_group)
         sq = sum(float(p.grad.double().square().sum()) for _, p in params
                  if getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
         sq_t = torch.tensor([sq], dtype=torch.float64)

@@ -30,6 +30,9 @@ MODEL_CASES = {
     "multi_head": (dict(num_query_groups=mp.HEADS), ("--num-query-groups", str(mp.HEADS)), SHORT_STEPS),
     # flash attention's band: each query sees itself and the 3 keys before it (torch: the flash feature)
     "band": ({}, BAND_FLAGS, SHORT_STEPS),
+    # --qk-layernorm by LayerNorm (weights and biases; test_mindspore_parity.py has RMSNorm's at TP=2)
+    "qk_layernorm_layernorm": (dict(normalization="LayerNorm", qk_layernorm=True, kv_channels=16),
+                               ("--normalization", "LayerNorm", "--qk-layernorm", "--kv-channels", "16"), SHORT_STEPS),
 }
 # cases whose torch side runs MindSpeed's feature too: the same flags, adapted on torch
 TORCH_ADAPTED = {"band"}
@@ -83,3 +86,50 @@ def ms_cp2_selective_recompute(backend, init_ckpt: str) -> dict:
     finally:
         cp_attention.context_parallel_attention = real
     return dict(run, attention_calls=calls[0])
+
+
+# --qk-layernorm (Qwen3): per-head q/k RMSNorms, a head size of its own (--kv-channels 16 with 4 heads of a
+# 32-wide model), at TP=2 against Megatron-Core at TP=2 (its finalize_model_grads sums the norms' gradients)
+QK_FLAGS = ("--qk-layernorm", "--kv-channels", "16")
+QK_MODEL = dict(qk_layernorm=True, kv_channels=16)
+QK_STEPS = 4
+
+
+def write_qk_init(ckpt: str, seed: int = 7) -> None:
+    """The q/k-norm model's initial weights, which both trainers load: Megatron's init (the MindSpore
+    trainer's param_layout) with the q/k norms' weights drawn around 1, each head dim its own value,
+    so that a norm over the wrong axis, or the wrong heads' share on a TP rank, shows."""
+    import numpy as np
+    from mindspeed.checkpoint import neutral as nf
+    from mindspeed.training.mindspore.gpt_config import GPTConfig
+    from mindspeed.training.mindspore.param_layout import init_full_weights
+    cfg = GPTConfig(num_layers=mp.LAYERS, hidden_size=mp.HIDDEN, ffn_hidden_size=mp.FFN,
+                    num_attention_heads=mp.HEADS, num_query_groups=mp.GROUPS, kv_channels=QK_MODEL["kv_channels"],
+                    vocab_size=mp.VOCAB, seq_length=mp.SEQ, tied_embeddings=False, qk_layernorm=True)
+    weights = init_full_weights(cfg, seed)
+    rng = np.random.RandomState(seed)
+    for name in weights:
+        if "q_layernorm" in name or "k_layernorm" in name:
+            weights[name] = (1.0 + 0.3 * rng.standard_normal(weights[name].shape)).astype(np.float32)
+    nf.save(ckpt, 0, weights, meta={"backend": "numpy"})
+
+
+def ms_qk_tp2(backend, init: str, save_dir: str | None, sp: bool = False) -> dict:
+    """For the parity msrun worker: the q/k-norm model at TP=2 (the heads split, the norms replicated),
+    PyNative (compiling a graph costs more than these few steps; the traced forward is the same code)."""
+    before = os.environ.get("MINDSPEED_MS_PYNATIVE")
+    os.environ["MINDSPEED_MS_PYNATIVE"] = "1"
+    try:
+        return mp.ms_train(backend, 2, sp, init, save_dir=save_dir, steps=QK_STEPS, extra=QK_FLAGS)
+    finally:
+        if before is None:
+            os.environ.pop("MINDSPEED_MS_PYNATIVE")
+        else:
+            os.environ["MINDSPEED_MS_PYNATIVE"] = before
+
+
+def torch_tp2_with_qk(rank, world_size, init: str, other: str, qk_init: str, qk_other: str) -> dict:
+    """Harness body (2 processes, one launch): the default model's TP=2 run (MindSpore's checkpoint
+    `other` evaluated after it), then the q/k-norm model's from qk_init (`qk_other` evaluated)."""
+    return {"plain": mp.torch_train(rank, world_size, 2, init, False, other),
+            "qk": mp.torch_train(rank, world_size, 2, qk_init, False, qk_other, model_kw=QK_MODEL, steps=QK_STEPS)}

@@ -1,8 +1,10 @@
 """msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, CP=2 (Ulysses and
 ring attention, through the context-parallel feature), TP=2 with --use-ascend-coc with and
 without sequence parallelism, TP=2 with full recompute, CP=2 with selective recompute, from the same
-initial checkpoint; CP=2 with the documents' mask as the general mask; and GELU + LayerNorm + learned positions at TP=2 with SP from the trainer's init.
-Usage: msrun ... mindspore_parity_worker.py OUT_DIR INIT_CKPT"""
+initial checkpoint; CP=2 with the documents' mask as the general mask; GELU + LayerNorm + learned positions at TP=2
+with SP from the trainer's init; and --qk-layernorm at TP=2, with and without SP, from QK_INIT (its checkpoint
+saved to OUT_DIR/ms_qk).
+Usage: msrun ... mindspore_parity_worker.py OUT_DIR INIT_CKPT QK_INIT"""
 import os
 import sys
 import traceback
@@ -16,7 +18,7 @@ COC_STEPS = 3     # CoC runs PyNative (slower than the traced graph); 3 steps: 2
 COC = {"tp2_coc": (False, "2"), "tp2_sp_coc": (True, "4")}
 
 
-def main(out_dir, init_ckpt):
+def main(out_dir, init_ckpt, qk_init):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
     from tests_extend.distributed.mindspore_parity import ms_train
     backend = MindSporeBackend("cpu")
@@ -40,11 +42,14 @@ def main(out_dir, init_ckpt):
         result["cp2_selective_recompute"] = ms_cp2_selective_recompute(backend, init_ckpt)
         from tests_extend.distributed.mindspore_parity_eod import ms_documents
         result["cp2_general_documents"] = ms_documents(backend, init_ckpt, cp=2)
+        from tests_extend.distributed.mindspore_parity_model import ms_qk_tp2
+        result["tp2_qk"] = ms_qk_tp2(backend, qk_init, os.path.join(out_dir, "ms_qk"))
+        result["tp2_sp_qk"] = ms_qk_tp2(backend, qk_init, None, sp=True)
         write_result(out_dir, rank, {"ok": True, **result})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
     end_worker()

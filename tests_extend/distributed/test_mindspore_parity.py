@@ -6,7 +6,9 @@ the forward into a MindSpore graph, CP runs PyNative. TP=2 with --use-ascend-coc
 and without SP, gives the plain TP=2 losses within 1e-6. Issue 15: GELU + LayerNorm + learned
 positions at TP=2 with SP give their TP=1 losses; selective recompute at CP=2 gives CP=2's; CP=2
 with --attention-mask-type general takes packed documents' mask and gives CP=1's losses with it. Weights cross both ways: torch writes the initial checkpoint that
-MindSpore loads; MindSpore writes its trained checkpoint that torch loads (at TP=2) and evaluates."""
+MindSpore loads; MindSpore writes its trained checkpoint that torch loads (at TP=2) and evaluates.
+--qk-layernorm (Qwen3's per-head q/k norms, --kv-channels of its own) at TP=2, with and without SP,
+gives Megatron-Core's TP=2 losses, and its MindSpore checkpoint Megatron-Core's evaluation loss."""
 import os
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 pytest.importorskip("mindspore")
 
 from tests_extend.distributed import mindspore_parity as mp  # noqa: E402
+from tests_extend.distributed import mindspore_parity_model as pm  # noqa: E402
 from tests_extend.distributed.harness import run_distributed  # noqa: E402
 from tests_extend.distributed.msrun_helper import run_msrun  # noqa: E402
 
@@ -26,7 +29,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_par
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
-    return {"init": str(root / "init"), "ms_final": str(root / "ms_final"), "root": root}
+    return {"init": str(root / "init"), "ms_final": str(root / "ms_final"), "root": root,
+            "qk_init": str(root / "qk_init"), "ms_qk": str(root / "msrun" / "ms_qk")}
 
 
 @pytest.fixture(scope="module")
@@ -56,21 +60,29 @@ def ms_tp2(ckpts, torch_tp1):
     """One msrun launch for every 2-process MindSpore run (mindspore_parity_worker.py)."""
     out_dir = ckpts["root"] / "msrun"
     out_dir.mkdir()
-    return run_msrun(WORKER, [str(out_dir), ckpts["init"]], str(out_dir), workers=2, timeout=480)
+    pm.write_qk_init(ckpts["qk_init"])
+    return run_msrun(WORKER, [str(out_dir), ckpts["init"], ckpts["qk_init"]], str(out_dir), workers=2, timeout=480)
 
 
-def test_tp2_losses_match_and_checkpoint_crosses_backends(ckpts, torch_tp1, ms_tp1, ms_tp2):
-    torch_tp2 = run_distributed(mp.torch_train, world_size=2,
-                                args=(2, ckpts["init"], False, ckpts["ms_final"]), timeout=300)
+@pytest.fixture(scope="module")
+def torch_tp2(ckpts, ms_tp1, ms_tp2):
+    """One 2-process launch for Megatron-Core at TP=2: the default model (then MindSpore's TP=1
+    checkpoint evaluated), and the q/k-norm model (then MindSpore's TP=2 q/k-norm checkpoint)."""
+    return run_distributed(pm.torch_tp2_with_qk, world_size=2, timeout=300,
+                           args=(ckpts["init"], ckpts["ms_final"], ckpts["qk_init"], ckpts["ms_qk"]))
+
+
+def test_tp2_losses_match_and_checkpoint_crosses_backends(torch_tp1, ms_tp1, ms_tp2, torch_tp2):
     for rank in range(2):
         assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
-        t = np.array(torch_tp2[rank]["losses"])
+        plain = torch_tp2[rank]["plain"]
+        t = np.array(plain["losses"])
         np.testing.assert_allclose(ms_tp2[rank]["tp2"]["losses"], t, atol=TOL, rtol=0)
-        np.testing.assert_allclose(ms_tp2[rank]["tp2"]["grad_norms"], torch_tp2[rank]["grad_norms"], rtol=NORM_RTOL)
+        np.testing.assert_allclose(ms_tp2[rank]["tp2"]["grad_norms"], plain["grad_norms"], rtol=NORM_RTOL)
         for run in ("tp2_sp", "cp2_ulysses_cp_algo", "cp2_megatron_cp_algo"):
             short = ms_tp2[rank][run]["losses"]
             np.testing.assert_allclose(short, t[:len(short)], atol=TOL, rtol=0, err_msg=run)
-            np.testing.assert_allclose(ms_tp2[rank][run]["grad_norms"], torch_tp2[rank]["grad_norms"][:len(short)],
+            np.testing.assert_allclose(ms_tp2[rank][run]["grad_norms"], plain["grad_norms"][:len(short)],
                                        rtol=NORM_RTOL, err_msg=run)
         # what matched at TP=2 (with and without SP) is the traced graph, its collectives'
         # gradients included; context parallelism runs PyNative (its attention is made of Cells)
@@ -78,7 +90,27 @@ def test_tp2_losses_match_and_checkpoint_crosses_backends(ckpts, torch_tp1, ms_t
         assert not ms_tp2[rank]["cp2_ulysses_cp_algo"]["graph_mode"]
         np.testing.assert_allclose(t, torch_tp1["losses"], atol=TOL, rtol=0)
         # the MindSpore TP=1 checkpoint, loaded by Megatron-Core at TP=2, gives MindSpore's eval loss
-        assert torch_tp2[rank]["eval_loss_of_other"] == pytest.approx(ms_tp1["eval_loss"], abs=TOL)
+        assert plain["eval_loss_of_other"] == pytest.approx(ms_tp1["eval_loss"], abs=TOL)
+
+
+def test_qk_layernorm_at_tp2_matches_megatron_and_its_checkpoint_crosses(ckpts, ms_tp2, torch_tp2):
+    """--qk-layernorm with --kv-channels of its own (Qwen3's attention) at TP=2, with and without SP:
+    Megatron-Core's losses and gradient norms (its finalize_model_grads sums the per-head norms'
+    gradients over TP, as the MindSpore trainer does); MindSpore's TP=2 checkpoint holds the trained
+    norms under Megatron-Core's names and gives MindSpore's evaluation loss in Megatron-Core."""
+    from mindspeed.checkpoint import neutral as nf
+    for rank in range(2):
+        assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")
+        t = torch_tp2[rank]["qk"]
+        for run in ("tp2_qk", "tp2_sp_qk"):
+            m = ms_tp2[rank][run]
+            np.testing.assert_allclose(m["losses"], t["losses"], atol=TOL, rtol=0, err_msg=run)
+            np.testing.assert_allclose(m["grad_norms"], t["grad_norms"], rtol=NORM_RTOL, err_msg=run)
+            assert not m["graph_mode"], run      # PyNative (ms_qk_tp2)
+        assert t["eval_loss_of_other"] == pytest.approx(ms_tp2[rank]["tp2_qk"]["eval_loss"], abs=TOL)
+    (init, _, _), (trained, _, _) = nf.load(ckpts["qk_init"]), nf.load(ckpts["ms_qk"])
+    for name in ("decoder.layers.1.self_attention.q_layernorm.weight", "decoder.layers.0.self_attention.k_layernorm.weight"):
+        assert trained[name].shape == (16,) and np.abs(trained[name] - init[name]).max() > 1e-3, name
 
 
 def test_coc_losses_match_plain_tp2(ms_tp2):
@@ -111,7 +143,6 @@ def test_model_variants_at_tp2_sp_match_tp1(ms_tp2):
     """GELU MLP + LayerNorm + learned positions (test_mindspore_parity_model.py checks them against
     Megatron-Core at TP=1) at TP=2 with sequence parallelism give the TP=1 losses."""
     from mindspeed.backends.mindspore.backend import MindSporeBackend
-    from tests_extend.distributed import mindspore_parity_model as pm
     tp1 = mp.ms_train(MindSporeBackend("cpu"), 1, False, None, steps=pm.SHORT_STEPS, extra=pm.combined_flags())
     for rank in range(2):
         assert ms_tp2[rank]["ok"], ms_tp2[rank].get("error")

@@ -4,7 +4,7 @@
 - GELU MLP + LayerNorm + learned positions together over 20 steps (the traced graph), and each of
   GELU, LayerNorm, learned positions, no positions, multi-head attention (one query head per
   group) and flash attention's band (--sparse-mode 4, Megatron-Core with MindSpeed's flash feature)
-  alone over a few steps (PyNative); GELU and
+  alone over a few steps (PyNative), and --qk-layernorm's per-head q/k norms by LayerNorm; GELU and
   LayerNorm also directly against torch's functions;
 - the combined model's MindSpore checkpoint, loaded by Megatron-Core at TP=2 (the neutral format
   splits the non-gated fc1, the norm biases and the position table as Megatron does), gives
@@ -65,7 +65,8 @@ def test_gelu_layernorm_learned_positions_match_torch(torch_runs, ms_combined):
     assert ms_combined["graph_mode"]      # what matched is the traced graph
 
 
-@pytest.mark.parametrize("case", ["gelu", "layernorm", "learned_positions", "no_positions", "multi_head", "band"])
+@pytest.mark.parametrize("case", ["gelu", "layernorm", "learned_positions", "no_positions", "multi_head", "band",
+                                  "qk_layernorm_layernorm"])
 def test_each_model_variant_matches_torch(root, torch_runs, case, monkeypatch):
     # PyNative: quicker than compiling a graph for 3 steps, and the op-by-op path checked too
     monkeypatch.setenv("MINDSPEED_MS_PYNATIVE", "1")
