@@ -1,8 +1,9 @@
 """MoE checkpoints cross between the trainers: the torch trainer's torch_dist checkpoint
-of an MoE GPT (router, every expert stacked [layer, expert, ...], shared experts, Adam's moments)
-loads into the MindSpore trainer, which saves it again as a neutral checkpoint holding the same
-arrays under Megatron's per-expert names; that loads back into the torch trainer, whose torch_dist
-save then holds the original arrays bit for bit."""
+of an MoE GPT with Qwen3-MoE's attention (router, every expert stacked [layer, expert, ...], shared
+experts, per-head q/k norms with --kv-channels of their own, Adam's moments) loads into the MindSpore
+trainer, which saves it again as a neutral checkpoint holding the same arrays under Megatron's
+per-expert and per-layer names; that loads back into the torch trainer, whose torch_dist save then
+holds the original arrays bit for bit."""
 import os
 import subprocess
 import sys
@@ -18,7 +19,8 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--eval-iters", "0",
         "--num-experts", "4", "--moe-ffn-hidden-size", "24", "--moe-aux-loss-coeff", "0.01",
-        "--moe-shared-expert-intermediate-size", "16", "--train-iters", "2", "--save-interval", "2"]
+        "--moe-shared-expert-intermediate-size", "16", "--train-iters", "2", "--save-interval", "2",
+        "--qk-layernorm", "--kv-channels", "16"]
 
 
 def _run(backend, *extra):
@@ -33,7 +35,7 @@ def _torch_dist(path):
     from mindspeed.checkpoint.megatron_read import TorchDistReader
     reader = TorchDistReader(os.path.join(path, "iter_0000002"))
     return {k: reader.get(k).float().numpy() for k in reader.meta
-            if ("mlp." in k or "exp_avg" in k) and "_extra_state" not in k}
+            if ("mlp." in k or "exp_avg" in k or "_layernorm." in k) and "_extra_state" not in k}
 
 
 def test_moe_checkpoint_crosses_both_ways(tmp_path):
@@ -51,6 +53,13 @@ def test_moe_checkpoint_crosses_both_ways(tmp_path):
                                       original["decoder.layers.mlp.router.weight"][i])
         np.testing.assert_array_equal(model[f"decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight"],
                                       original["decoder.layers.mlp.shared_experts.linear_fc2.weight"][i])
+        for norm in ("q_layernorm", "k_layernorm"):      # trained: no longer ones
+            stacked = original[f"decoder.layers.self_attention.{norm}.weight"]
+            assert stacked.shape == (2, 16) and np.abs(stacked - 1).max() > 0
+            np.testing.assert_array_equal(model[f"decoder.layers.{i}.self_attention.{norm}.weight"], stacked[i])
+            np.testing.assert_array_equal(
+                moments[f"exp_avg/decoder.layers.{i}.self_attention.{norm}.weight"],
+                original[f"optimizer.state.exp_avg.decoder.layers.self_attention.{norm}.weight"][i])
         for e in range(4):
             np.testing.assert_array_equal(model[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"],
                                           experts[i, e])
