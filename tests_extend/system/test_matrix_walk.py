@@ -120,14 +120,32 @@ def _walk_runs(backend, workdir) -> tuple[list, list, dict]:
     return runs, inert, {f.id: without_names[tuple(without)] for f, _, without in inert}
 
 
+def _distinct(runs: list) -> tuple[list, dict]:
+    """(the runs with distinct command lines, name -> the name of the run that trains its command line):
+    a cell whose command line another cell has (a feature both accepted and inert with one example, a
+    layout's plain run) shares that run."""
+    first, kept, alias = {}, [], {}
+    for name, argv in runs:
+        alias[name] = first.setdefault(tuple(argv), name)
+        if alias[name] == name:
+            kept.append((name, argv))
+    return kept, alias
+
+
+def _with_aliases(per_rank: list, alias: dict) -> list:
+    return [{name: results[ran] for name, ran in alias.items()} for results in per_rank]
+
+
 @pytest.fixture(scope="module")
 def torch_walk(workdir, tmp_path_factory):
     """Every torch/cpu run of the walk in one 2-process spawn (per rank: name -> walk.start's result)."""
     from tests_extend.distributed.harness import run_distributed
     tmp = tmp_path_factory.mktemp("torch_walk")
     runs, inert, without = _walk_runs("torch", workdir)
+    runs, alias = _distinct(runs)
     launch = [(name, argv, str(tmp / f"{name.replace('/', '-')}.jsonl")) for name, argv in runs]
-    return run_distributed(_start_all, world_size=walk.WORLD, args=(launch,), timeout=900), inert, without
+    per_rank = run_distributed(_start_all, world_size=walk.WORLD, args=(launch,), timeout=900)
+    return _with_aliases(per_rank, alias), inert, without
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +158,13 @@ def mindspore_walk(workdir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("WORLD_SIZE", str(walk.WORLD))     # as train_distributed_ms.sh exports it for msrun
         runs, inert, without = _walk_runs("mindspore", workdir)
+        runs, alias = _distinct(runs)
         worker = os.path.join(walk.ROOT, "tests_extend", "system", "matrix_walk_ms_worker.py")
         (tmp / "cells.json").write_text(json.dumps(runs))
         per_rank = run_msrun(worker, [str(tmp / "cells.json"), str(tmp)], str(tmp), timeout=900)
-    return per_rank, inert, without
+    if any("worker" in results for results in per_rank):      # the worker's own failure, as it reported it
+        return per_rank, inert, without
+    return _with_aliases(per_rank, alias), inert, without
 
 
 def _checked_accepted(backend, workdir):
