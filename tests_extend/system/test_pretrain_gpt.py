@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from mindspeed.net import free_port
 from tests_extend.system.disk_full import run_filling_after_first_save, small_tmpfs
@@ -76,13 +77,20 @@ def assert_learns(losses, output):
 TP2_SP = "tensor-parallel-2 + sequence-parallel"
 
 
+# Megatron-LM's legacy checkpoint (per-rank files), saved by the TP=2 + SP run at iterations 6 and 12
+LEGACY = ["--sequence-parallel", "--ckpt-format", "torch", "--save-interval", "6"]
+
+
 @pytest.fixture(scope="module")
 def tp2_sp_single_node(tiny_dataset, tmp_path_factory):
-    """The TP=2 + SP run on one node (2 processes): also the multi-node test's reference."""
-    loss_file = str(tmp_path_factory.mktemp("tp2sp") / "losses.jsonl")
-    output = run_example(dict(TP="2", PP="1", DATA_PATH=tiny_dataset), ["--sequence-parallel", "--log-loss-file",
-                                                                         loss_file])
-    return output, read_losses(loss_file)
+    """The TP=2 + SP run on one node (2 processes): also the multi-node test's reference; it saves
+    --ckpt-format torch checkpoints (reading its weights changes nothing it computes). (output, losses,
+    checkpoint root)."""
+    tmp = tmp_path_factory.mktemp("tp2sp")
+    loss_file, ckpt = str(tmp / "losses.jsonl"), tmp / "ckpt"
+    output = run_example(dict(TP="2", PP="1", DATA_PATH=tiny_dataset), [*LEGACY, "--save", str(ckpt),
+                                                                         "--log-loss-file", loss_file])
+    return output, read_losses(loss_file), ckpt
 
 
 # the memory savers together on a pipeline (--reuse-fp32-param excludes --swap-optimizer: the DP run has it)
@@ -100,7 +108,7 @@ def test_example_trains_on_two_processes(tiny_dataset, tmp_path, name, env, extr
     loss_file = str(tmp_path / "losses.jsonl")
     extra = [arg.format(tmp=tmp_path) for arg in extra]
     if name == TP2_SP:
-        output, losses = request.getfixturevalue("tp2_sp_single_node")
+        output, losses, _ = request.getfixturevalue("tp2_sp_single_node")
     else:
         output = run_example(dict(env, DATA_PATH=tiny_dataset), [*extra, "--log-loss-file", loss_file])
         losses = read_losses(loss_file)
@@ -152,6 +160,66 @@ def test_two_nodes_train_as_one_node(tiny_dataset, tmp_path, tp2_sp_single_node)
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "TP 2 x PP 1 x CP 1 x DP 1" in outputs[0]            # one model over the two nodes
     assert read_losses(loss_file) == tp2_sp_single_node[1]      # ==: bit for bit
+
+
+# Megatron-Core's names of the launch script's GPT (2 layers, RMSNorm, SwiGLU, no biases, tied output layer)
+GPT_WEIGHTS = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
+               *(f"decoder.layers.{i}.{name}" for i in (0, 1) for name in (
+                   "input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+                   "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"))}
+RNG_STATE = {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states"}
+
+
+def test_ckpt_format_torch_writes_megatron_lms_legacy_layout(tp2_sp_single_node):
+    """iter_NNNNNNN/mp_rank_TT/model_optim_rng.pt per tensor-parallel rank, with Megatron-LM's keys: its
+    `args` (the data position in consumed_train_samples), the model's own state dict (each rank its shard),
+    the optimizer, the schedule and the RNG state."""
+    from mindspeed.checkpoint import legacy
+    ckpt = tp2_sp_single_node[2]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000006", "iter_0000012", "latest_checkpointed_iteration.txt",
+                                        "run_flags.json"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "12"
+    for it in ("iter_0000006", "iter_0000012"):
+        assert sorted(os.listdir(ckpt / it)) == ["mp_rank_00", "mp_rank_01"]
+        assert [os.listdir(ckpt / it / rank) for rank in ("mp_rank_00", "mp_rank_01")] == [["model_optim_rng.pt"]] * 2
+    states = [legacy.read_file(str(ckpt / "iter_0000006" / rank / "model_optim_rng.pt"))
+              for rank in ("mp_rank_00", "mp_rank_01")]
+    for state in states:
+        assert set(state) == {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
+                              "rng_state"}
+        assert (state["iteration"], state["checkpoint_version"]) == (6, 3.0)
+        assert (state["args"].consumed_train_samples, state["args"].tensor_model_parallel_size) == (48, 2)
+        assert {k for k in state["model"] if not k.endswith("._extra_state")} == GPT_WEIGHTS
+        assert state["model"]["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (96, 64)   # 3 x 64 / TP
+        assert len(state["optimizer"]["state"]) == len(GPT_WEIGHTS)     # Adam's moments of each weight
+        assert state["opt_param_scheduler"]["num_steps"] == 48 and set(state["rng_state"][0]) == RNG_STATE
+    qkv = [state["model"]["decoder.layers.0.self_attention.linear_qkv.weight"] for state in states]
+    assert not torch.equal(*qkv)
+
+
+def test_ckpt_format_torch_resumes_bit_for_bit_and_a_save_killed_midway_keeps_the_last(
+        tp2_sp_single_node, tiny_dataset, tmp_path):
+    """--load of the TP=2 legacy checkpoint at iteration 6: iterations 7-12 repeat the uninterrupted run's
+    losses bit for bit. Its save of iteration 12 into the same directory, killed (SIGKILL, every process)
+    while rank 1 writes its file, leaves the tracked iteration-12 checkpoint byte for byte as it was and
+    loadable; the half-written save is in iter_0000012.partial, which no reader takes."""
+    from mindspeed.checkpoint import torch_dist
+    ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
+    shutil.copytree(tp2_sp_single_node[2], ckpt)
+    before = snapshot(ckpt / "iter_0000012")
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=_free_port(), DATA_PATH=tiny_dataset, **TINY,
+               TP="2", PP="1")
+    output = kill_inside_save(["bash", SCRIPT, *LEGACY, "--load", str(ckpt), "--ckpt-step", "6", "--save", str(ckpt),
+                               "--log-loss-file", str(losses)], env, "open:iter_0000012.partial/mp_rank_01",
+                              tmp_path / "paused", tmp_path / "killed.log", LAUNCH_TIMEOUT,
+                              workers=lambda job: _workers(job).values(), cwd=ROOT)
+    assert f"loaded checkpoint {ckpt} at iteration 6" in output, output[-3000:]
+    resumed = read_losses(losses)
+    assert sorted(resumed) == list(range(7, 13))
+    assert all(resumed[it] == tp2_sp_single_node[1][it] for it in resumed), (resumed, tp2_sp_single_node[1])
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert snapshot(ckpt / "iter_0000012") == before and torch_dist.read_tracker(str(ckpt)) == 12
+    assert "mp_rank_01" in os.listdir(ckpt / "iter_0000012.partial")
 
 
 def _workers(launcher_pid: int) -> dict[int, int]:
