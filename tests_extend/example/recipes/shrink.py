@@ -34,8 +34,7 @@ PARALLEL = {"llama3": {"--tensor-model-parallel-size": 2}, "llama31": {"--tensor
             "deepseek3": {"--expert-model-parallel-size": 2}, "deepseek3_2_1_0": {"--expert-model-parallel-size": 2}}
 # options of a recipe the built-in trainer refuses (in one line, naming what to do instead) until the work
 # named here lands; `shrink(..., runnable=True)` leaves them out so the rest of the recipe trains
-NOT_YET = {"--ckpt-format": "Megatron's legacy per-rank checkpoint files are not written (torch_dist is)",
-           "--enable-hf2mg-convert": "convert with convert_ckpt.py before training",
+NOT_YET = {"--enable-hf2mg-convert": "convert with convert_ckpt.py before training",
            "--schedules-method": "DualPipeV (scheduled)", "--moe-fb-overlap": "MoE forward/backward overlap (scheduled)",
            "--coc-fused-kernel": "CoC's fused kernel (scheduled)"}
 PARALLEL_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
