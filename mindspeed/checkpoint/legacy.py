@@ -357,7 +357,7 @@ def fit_problem(root: str, directory: str, chunks, state: dict, only=None) -> st
                 "give the virtual pipeline flags it was trained with")
     for key, chunk in zip(keys, chunks):
         own, saved = _selected(_unwrap(chunk).state_dict_for_save_checkpoint(), only), _selected(state[key], only)
-        extra = sorted(k for k in saved if k not in own)
+        extra = sorted(k for k in saved if k not in own and not k.endswith("_extra_state"))
         if extra:
             return (f"checkpoint {directory} holds {len(extra)} weight tensor(s) this model does not have "
                     f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): it was trained with other model "
