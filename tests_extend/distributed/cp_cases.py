@@ -65,7 +65,8 @@ def cases_for(cp_size):
     """(label, algo, options) per CP configuration exercised at this world size."""
     configs = [("ulysses", "ulysses_cp_algo", {}),
                ("ring", "megatron_cp_algo", {}),
-               ("ring-overlap", "megatron_cp_algo", {"overlap": True})]
+               ("ring-overlap", "megatron_cp_algo", {"overlap": True}),
+               ("kvallgather", "kvallgather_cp_algo", {})]
     if cp_size == 2:      # --use-fused-ring-attention-update: the backend's fused merge of the ring steps
         configs += [("ring-fused", "megatron_cp_algo", {"fused_merge": True})]
     if cp_size == 4:
@@ -88,9 +89,11 @@ def cp_subgroups(world_size, cp_size):
 
 def arrangement(cp) -> str:
     """What build_cp_groups actually built: 'u<Ulysses group size>xr<ring group size>w<window>'
-    (sizes measured on the groups themselves), so a hybrid that quietly fell back to a plain ring
+    (sizes measured on the groups themselves; 'ag<CP group size>' for the KV all-gather), so a hybrid that quietly fell back to a plain ring
     (u1) or to plain Ulysses (r1) is seen."""
     comm = get_backend().comm
+    if cp.algo == "kvallgather_cp_algo":      # no Ulysses or ring part: K/V all-gathered over the CP group
+        return f"ag{comm.world_size(cp.group)}"
     uly = comm.world_size(cp.ulysses_group) if cp.ulysses_degree > 1 else 1
     ring = comm.world_size(cp.ring_group) if cp.ring_size > 1 else 1
     assert uly * ring == cp.size, (cp.algo, uly, ring, cp.size)
@@ -98,9 +101,10 @@ def arrangement(cp) -> str:
 
 
 # the arrangement each case must build (cases_for), by CP size
-ARRANGEMENTS = {2: {"ulysses": "u2xr1w1", "ring": "u1xr2w1", "ring-overlap": "u1xr2w1", "ring-fused": "u1xr2w1"},
+ARRANGEMENTS = {2: {"ulysses": "u2xr1w1", "ring": "u1xr2w1", "ring-overlap": "u1xr2w1", "ring-fused": "u1xr2w1",
+                    "kvallgather": "ag2"},
                 4: {"ulysses": "u4xr1w1", "ring": "u1xr4w1", "ring-overlap": "u1xr4w1", "double-ring": "u1xr4w2",
-                    "hybrid": "u2xr2w1", "hybrid-window": "u2xr2w2"}}
+                    "hybrid": "u2xr2w1", "hybrid-window": "u2xr2w2", "kvallgather": "ag4"}}
 
 
 def run_all(kit, world_size, dtypes=("float32", "bfloat16"), cp_size=None, labels=None):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from mindspeed.features.context_parallel.groups import CPGroups
 from mindspeed.features.context_parallel.hybrid import hybrid_attention
+from mindspeed.features.context_parallel.kvallgather import kvallgather_attention
 from mindspeed.features.context_parallel.ring import ring_attention
 from mindspeed.features.context_parallel.ulysses import ulysses_attention
 
@@ -19,6 +20,8 @@ def context_parallel_attention(q, k, v, cp: CPGroups, *, head_num: int, causal: 
                   documents=documents, backend=cp.backend)
     if cp.algo == "ulysses_cp_algo":
         return ulysses_attention(q, k, v, group=cp.ulysses_group, **common)
+    if cp.algo == "kvallgather_cp_algo":
+        return kvallgather_attention(q, k, v, group=cp.group, **common)
     ring = dict(window_size=cp.window_size, overlap=cp.overlap, fused_merge=cp.fused_merge)
     if cp.algo == "megatron_cp_algo" or cp.ulysses_degree == 1:
         return ring_attention(q, k, v, group=cp.ring_group, **ring, **common)

@@ -10,7 +10,7 @@ import os
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
 from mindspeed.features.context_parallel import attention, sharding
-from mindspeed.features.context_parallel.groups import ALGOS, MASK_TYPES, check_options
+from mindspeed.features.context_parallel.groups import ALGOS, MASK_TYPES, RINGS, check_options
 from mindspeed.features.context_parallel.ulysses import kv_repeats
 from mindspeed.features.registry import register
 
@@ -35,7 +35,8 @@ def _cp_size(args) -> int:
 
 FLAGS = {"ulysses_cp_algo": (CP_ALGO, CP_SIZE, MASK_TYPE),
          "megatron_cp_algo": (CP_ALGO, CP_SIZE, MASK_TYPE, OVERLAP, WINDOW),
-         "hybrid_cp_algo": (CP_ALGO, CP_SIZE, MASK_TYPE, OVERLAP, WINDOW, ULYSSES_DEGREE)}
+         "hybrid_cp_algo": (CP_ALGO, CP_SIZE, MASK_TYPE, OVERLAP, WINDOW, ULYSSES_DEGREE),
+         "kvallgather_cp_algo": (CP_ALGO, CP_SIZE, MASK_TYPE)}
 # the CP flags that only an algorithm reads (not --attention-mask-type: general-attention-mask's too)
 _ALGO_FLAGS = (CP_ALGO, OVERLAP, WINDOW, ULYSSES_DEGREE)
 
@@ -124,9 +125,9 @@ class _ContextParallel(Feature):
                 kv_repeats(heads // tp, max((groups or heads) // tp, 1), u)
         except ValueError as exc:
             raise FeatureConfigError(f"{self.flags[0].name} {self.algo}: {exc}") from exc
-        if args.use_cp_send_recv_overlap and self.algo == "ulysses_cp_algo":
+        if args.use_cp_send_recv_overlap and self.algo not in RINGS:
             raise FeatureConfigError("--use-cp-send-recv-overlap applies to ring attention "
-                                     "(megatron_cp_algo / hybrid_cp_algo), not ulysses_cp_algo")
+                                     f"(megatron_cp_algo / hybrid_cp_algo), not {self.algo}")
 
     def apply(self, ctx, args) -> None:
         u = args.ulysses_degree_in_cp
@@ -174,3 +175,14 @@ class HybridContextParallel(_ContextParallel):
                 Cap.RING_ATTENTION_UPDATE, Cap.CUSTOM_OP)
     alternatives = "use --context-parallel-algo ulysses_cp_algo or megatron_cp_algo"
     inert_example = ("--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2")
+
+
+@register
+class KVAllGatherContextParallel(_ContextParallel):
+    id = "kvallgather-cp-algo"
+    algo = "kvallgather_cp_algo"
+    description = ("KV all-gather context parallelism (Llama 3): local load-balanced query chunks against "
+                   "K/V all-gathered over the CP group")
+    flags = FLAGS[algo]
+    requires = (Cap.ALL_GATHER, Cap.REDUCE_SCATTER, Cap.FLASH_ATTENTION, Cap.RING_ATTENTION_UPDATE)
+    alternatives = "use --context-parallel-algo megatron_cp_algo or ulysses_cp_algo"

@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-ALGOS = ("ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo")
+ALGOS = ("ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo", "kvallgather_cp_algo")
+# the algorithms whose ranks hold Megatron's 2P load-balanced chunks (rank r: chunks r and 2P-1-r)
+CHUNKED = ("megatron_cp_algo", "kvallgather_cp_algo")
+# the algorithms whose K/V travel round a ring (--cp-window-size, --use-cp-send-recv-overlap)
+RINGS = ("megatron_cp_algo", "hybrid_cp_algo")
 MASK_TYPES = ("causal", "general")
 
 
@@ -18,7 +22,7 @@ class CPGroups:
     algo: str
     size: int                      # P
     rank: int                      # rank in the CP group
-    group: Any = None              # the CP group (None = world)
+    group: Any = None              # the CP group (None = world; kvallgather all-gathers K/V over it)
     ulysses_group: Any = None      # Ulysses part (the CP group for ulysses, a subgroup for hybrid)
     ring_group: Any = None         # ring part (the CP group for megatron, a subgroup for hybrid)
     ulysses_degree: int = 1
@@ -39,13 +43,13 @@ def check_options(algo: str, size: int, ulysses_degree: int | None, window_size:
         raise ValueError(f"--context-parallel-algo must be one of {', '.join(ALGOS)}, got {algo!r}")
     if size < 1:
         raise ValueError(f"--context-parallel-size must be >= 1, got {size}")
-    u = {"ulysses_cp_algo": size, "megatron_cp_algo": 1}.get(algo, ulysses_degree)
+    u = size if algo == "ulysses_cp_algo" else (1 if algo in CHUNKED else ulysses_degree)
     if algo == "hybrid_cp_algo":
         if not ulysses_degree or ulysses_degree < 1 or size % ulysses_degree:
             raise ValueError(f"--ulysses-degree-in-cp {ulysses_degree} must be >= 1 and divide "
                              f"--context-parallel-size {size} (hybrid_cp_algo)")
-    ring = size // u if algo != "ulysses_cp_algo" else 1
-    if window_size < 1 or (algo != "ulysses_cp_algo" and ring % window_size):
+    ring = size // u if algo in RINGS else 1
+    if window_size < 1 or (algo in RINGS and ring % window_size):
         raise ValueError(f"--cp-window-size {window_size} must be >= 1 and divide the ring size {ring}")
     return u
 

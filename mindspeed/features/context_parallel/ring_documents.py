@@ -7,6 +7,8 @@ attends only inside documents:
     block is one rectangle per sample: that document's rows of the query chunk against its keys in
     the key chunk (no mask); the other rows see nothing (max -inf, sum 0, which the merge skips);
   later key chunk: nothing.
+reach_back is the earlier block for keys of any length before the queries (KV all-gather CP's
+whole prefix in one call).
 """
 from __future__ import annotations
 
@@ -30,16 +32,25 @@ def earlier(backend, q, k, v, ends, q_chunk: int, k_chunk: int, c: int, **kw):
     of any sample shares a document with them."""
     if k_chunk >= q_chunk:
         raise ValueError(f"ring attention: key chunk {k_chunk} is not before query chunk {q_chunk}")
-    cat = backend.tensors.cat
-    first, key_end = q_chunk * c, (k_chunk + 1) * c
+    return reach_back(backend, q, k, v, ends, q_chunk * c, k_chunk * c, **kw)
+
+
+def reach_back(backend, q, k, v, ends, first: int, key_start: int, **kw):
+    """Queries at positions [first, first + len(q)) against keys at [key_start, key_start + len(k)),
+    all before `first`: per sample, the rows of the document holding `first` see that document's keys
+    (no mask), the other rows nothing. None if no sample's rows see any key."""
+    c, n_keys, cat = q.shape[0], k.shape[0], backend.tensors.cat
+    key_end = key_start + n_keys
+    if key_end > first:
+        raise ValueError(f"documents: keys up to {key_end} are not before the queries from {first}")
     parts, reached = [], False
     for i, row in enumerate(ends):
         start = documents.document_start(row, first)
         rows = min(documents.document_end(row, first), first + c) - first
-        if start >= key_end:          # that document begins after the key chunk: one key, all rows blank
-            keys_from, rows = c - 1, 0
+        if start >= key_end:          # that document begins after the keys: one key, all rows blank
+            keys_from, rows = n_keys - 1, 0
         else:
-            keys_from, reached = max(start - k_chunk * c, 0), True
+            keys_from, reached = max(start - key_start, 0), True
         sample = slice(i, i + 1)
         part = backend.kernels.attention(q[:, sample], k[keys_from:, sample], v[keys_from:, sample], layout="SBH",
                                           **kw)

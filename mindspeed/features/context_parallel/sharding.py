@@ -1,8 +1,9 @@
 """Which tokens each CP rank holds, and the batch sharding the training loop calls.
 
-ulysses_cp_algo: contiguous parts. megatron_cp_algo: 2P chunks, rank r holds r and 2P-1-r (load
-balanced causal). hybrid_cp_algo (Ulysses degree u, ring size R = P/u): ring rank j = r // u holds
-chunks j and 2R-1-j of 2R; Ulysses rank i = r % u takes the i-th contiguous part of those.
+ulysses_cp_algo: contiguous parts. megatron_cp_algo and kvallgather_cp_algo: 2P chunks, rank r
+holds r and 2P-1-r (load balanced causal). hybrid_cp_algo (Ulysses degree u, ring size R = P/u):
+ring rank j = r // u holds chunks j and 2R-1-j of 2R; Ulysses rank i = r % u takes the i-th
+contiguous part of those.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def local_positions(seq_len: int, algo: str, size: int, rank: int, ulysses_degre
     if algo == "ulysses_cp_algo":
         part = seq_len // size
         return list(range(rank * part, (rank + 1) * part))
-    u = 1 if algo == "megatron_cp_algo" else ulysses_degree
+    u = check_options(algo, size, ulysses_degree, 1)
     ring = size // u
     pair = chunk_positions(rank // u, ring, seq_len // (2 * ring))
     part = len(pair) // u
