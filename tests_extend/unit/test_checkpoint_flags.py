@@ -1,6 +1,7 @@
 """The checkpoint flags do what they say in both trainers, or are refused in one line:
 --ckpt-step needs --load; --no-load-optim leaves the optimizer as built (the weights still load);
---no-load-rng: checkpoints hold no RNG state, so a resume leaves the RNG as seeded."""
+--no-load-rng: torch_dist and neutral checkpoints hold no RNG state, so a resume leaves the RNG as seeded
+(--ckpt-format torch's legacy checkpoint holds it and restores it: tests_extend/distributed/test_legacy_checkpoint.py)."""
 import json
 import os
 import random
@@ -62,7 +63,7 @@ def test_torch_no_save_optim_checkpoint_refuses_a_resume_that_wants_the_state(to
 
 def test_torch_resume_leaves_the_rng_as_seeded(torch_report):
     assert torch_report["no_load_rng"]["rng_untouched"]
-    assert torch_report["default"]["rng_untouched"]      # checkpoints hold no RNG state at all
+    assert torch_report["default"]["rng_untouched"]      # torch_dist checkpoints hold no RNG state at all
 
 
 # --- MindSpore: trainer.resume on a neutral checkpoint -----------------------------------------------
