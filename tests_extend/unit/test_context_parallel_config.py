@@ -34,6 +34,10 @@ def _plan(*argv, **extra):
     (["--context-parallel-size", "4", "--context-parallel-algo", "megatron_cp_algo", "--cp-window-size", "3"],
      {}, "--cp-window-size 3 must be >= 1 and divide the ring size 4"),
     (["--context-parallel-size", "2", "--use-cp-send-recv-overlap"], {}, "applies to ring attention"),
+    (["--context-parallel-size", "2", "--context-parallel-algo", "kvallgather_cp_algo", "--use-cp-send-recv-overlap"],
+     {}, "not kvallgather_cp_algo"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "kvallgather_cp_algo"],
+     dict(seq_length=20), "use a multiple of 8"),
 ])
 def test_bad_cp_configuration_is_refused_with_a_clear_message(argv, extra, message):
     with pytest.raises(MindSpeedConfigError, match="MindSpeed: .*" + __import__("re").escape(message)):
@@ -42,7 +46,7 @@ def test_bad_cp_configuration_is_refused_with_a_clear_message(argv, extra, messa
 
 def test_good_cp_configurations_plan_one_feature_each():
     for algo, extra in [("ulysses_cp_algo", []), ("megatron_cp_algo", ["--use-cp-send-recv-overlap"]),
-                        ("hybrid_cp_algo", ["--ulysses-degree-in-cp", "2"])]:
+                        ("hybrid_cp_algo", ["--ulysses-degree-in-cp", "2"]), ("kvallgather_cp_algo", [])]:
         p = _plan("--context-parallel-size", "4", "--context-parallel-algo", algo, *extra,
                   num_attention_heads=8, seq_length=64, world_size=8)
         assert [f.id for f in p.features] == [algo.replace("_", "-")]
@@ -58,7 +62,8 @@ def test_kv_heads_are_repeated_until_they_divide_the_ulysses_degree():
 
 
 @pytest.mark.parametrize("algo, size, u", [("ulysses_cp_algo", 4, None), ("megatron_cp_algo", 4, None),
-                                          ("hybrid_cp_algo", 4, 2), ("hybrid_cp_algo", 8, 2)])
+                                          ("hybrid_cp_algo", 4, 2), ("hybrid_cp_algo", 8, 2),
+                                          ("kvallgather_cp_algo", 4, None)])
 def test_shards_partition_the_sequence(algo, size, u):
     shards = [local_positions(32, algo, size, r, u) for r in range(size)]
     assert sorted(p for s in shards for p in s) == list(range(32))
@@ -68,6 +73,8 @@ def test_shards_partition_the_sequence(algo, size, u):
 def test_ring_sharding_is_load_balanced():
     # 2N chunks of 2: rank r holds chunks r and 2N-1-r
     assert local_positions(16, "megatron_cp_algo", 4, 1, None) == [2, 3, 12, 13]
+    # the KV all-gather keeps Megatron's layout (its causal offsets assume it)
+    assert local_positions(16, "kvallgather_cp_algo", 4, 1, None) == [2, 3, 12, 13]
     # hybrid u=2 on 4 ranks: ring of 2 over 4 chunks of 4; each Ulysses pair splits its two chunks
     assert [local_positions(16, "hybrid_cp_algo", 4, r, 2) for r in range(4)] == [
         [0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]

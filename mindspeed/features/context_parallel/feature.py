@@ -186,3 +186,4 @@ class KVAllGatherContextParallel(_ContextParallel):
     flags = FLAGS[algo]
     requires = (Cap.ALL_GATHER, Cap.REDUCE_SCATTER, Cap.FLASH_ATTENTION, Cap.RING_ATTENTION_UPDATE)
     alternatives = "use --context-parallel-algo megatron_cp_algo or ulysses_cp_algo"
+    inert_example = ("--context-parallel-algo", "kvallgather_cp_algo")
