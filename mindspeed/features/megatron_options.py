@@ -252,10 +252,7 @@ def _moe_on_mindspore(self, args) -> None:
                "dispatches tokens by all-to-all only: use --moe-token-dispatcher-type alltoall"),
               (bool(args.add_bias_linear), "has no linear biases: drop --add-bias-linear"),
               (bool(args.recompute_activation_function),
-               "does not recompute the experts' activation: drop --recompute-activation-function"),
-              (((args.expert_model_parallel_size or 1) > 1 or extend) and bool(args.use_distributed_optimizer),
-               "shards no optimizer state of expert-parallel weights: drop --use-distributed-optimizer "
-               "or --expert-model-parallel-size (and --moe-tp-extend-ep)")]
+               "does not recompute the experts' activation: drop --recompute-activation-function")]
     problems = [why for hit, why in limits if hit]
     if problems:
         raise FeatureConfigError(f"--num-experts on {MS}: its MoE layer " + "; ".join(problems)

@@ -57,9 +57,10 @@ def write_init(path: str, shared: bool, seed: int = 7, bf16: bool = False) -> No
 
 # -- mindspore side -------------------------------------------------------------------------------
 def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | None = None,
-             steps: int = mp.STEPS, extra: tuple = (), tp: int = 1) -> dict:
+             steps: int = mp.STEPS, extra: tuple = (), tp: int = 1, resume: bool = False) -> dict:
     """Load init_ckpt, train `steps` steps (none: evaluate the checkpoint only), optionally save;
-    `extra`: more flags (another feature on top of MoE); tp > 1: sequence parallel, --moe-tp-extend-ep."""
+    `extra`: more flags (another feature on top of MoE); tp > 1: sequence parallel, --moe-tp-extend-ep;
+    resume: init_ckpt's optimizer state too, and on from its iteration."""
     import mindspeed
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
@@ -74,9 +75,10 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
     try:
         ps = build_parallel_state(backend.comm, tp, tp > 1, ep_size=ep, tp_extend_ep=tp > 1)
         trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, state.feature_ids), state)
-        checkpoint.load(init_ckpt, trainer.model)
+        meta = checkpoint.load(init_ckpt, trainer.model, trainer.optimizer, load_optimizer=resume)
+        start = int(meta["iteration"]) if resume else 0
         losses, norms = [], []
-        for step in range(steps):
+        for step in range(start, start + steps):
             tokens, labels, mask = batch(step, ps.dp_rank)
             loss, norm, _ = trainer.train_step([{"tokens": tokens, "labels": labels, "loss_mask": mask}], step + 1)
             losses.append(loss)      # the DP mean, as the torch side reports per rank below
@@ -84,12 +86,25 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
         tokens, labels, mask = batch(mp.EVAL_SEED, ps.dp_rank)
         eval_loss = trainer.evaluate([{"tokens": tokens, "labels": labels, "loss_mask": mask}])
         if save_dir:
-            checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, {"backend": "mindspore"})
+            checkpoint.save(backend, ps, save_dir, start + steps, trainer.model, trainer.optimizer,
+                            {"backend": "mindspore"})
         return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode,
                 "params": sorted(trainer.model.params), "schedule": moe_schedule(trainer.model),
-                "param_dtypes": sorted({str(p.dtype) for p in trainer.model.params.values()})}
+                "param_dtypes": sorted({str(p.dtype) for p in trainer.model.params.values()}),
+                **(held_state(trainer) if trainer.distributed_optimizer else {})}
     finally:
         mindspeed.unadapt()
+
+
+def held_state(trainer) -> dict:
+    """The distributed optimizer's state values on this rank, dense and experts apart, and the
+    parameter values of each (the plain Adam holds two state values per parameter value)."""
+    from mindspeed.checkpoint.neutral import is_expert
+    params = trainer.model.params
+    values = lambda expert: sum(int(p.size) for n, p in params.items() if is_expert(n) == expert)
+    opt = trainer.optimizer
+    return {"state_dense": opt.state_elements("dense"), "state_experts": opt.state_elements("experts"),
+            "dense_values": values(False), "expert_values": values(True)}
 
 
 def moe_schedule(model) -> list:

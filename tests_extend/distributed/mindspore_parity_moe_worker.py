@@ -3,7 +3,8 @@ from the initial checkpoint; the trained weights saved (experts gathered from bo
 3 steps with the MoE communication features from the same checkpoint; then TP=2 with sequence
 parallelism and --moe-tp-extend-ep (whole experts over the two TP ranks), saved to SAVE_DIR_TP,
 and 3 steps of it with the MoE communication features; then EP=2 with --bf16 for BF16_STEPS steps
-from a bf16-representable checkpoint.
+from a bf16-representable checkpoint; then EP=2 with --use-distributed-optimizer, saved after
+ZERO_STEPS steps and resumed from there for ZERO_STEPS more.
 Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR SAVE_DIR_TP BF16_INIT_CKPT"""
 import os
 import sys
@@ -16,6 +17,18 @@ from tests_extend.distributed.msrun_helper import end_worker, write_result  # no
 # short (the dense bf16 test carries the 20-step claim), but long enough for bf16's effect on torch to
 # stand above fp32 parity's 1e-4: measured 1.1e-4 over 6 steps, 5.7e-4 over 10
 BF16_STEPS = 10
+# the distributed optimizer at EP=2: ZERO_STEPS steps, saved, and ZERO_STEPS more resumed from that checkpoint
+ZERO_STEPS = 3
+
+
+def zero_runs(backend, out_dir, init_ckpt) -> dict:
+    """EP=2 with --use-distributed-optimizer: ZERO_STEPS steps from the initial weights, saved with
+    the sharded state, then resumed from that checkpoint for ZERO_STEPS more."""
+    from tests_extend.distributed.mindspore_parity_moe import ms_train
+    ckpt, zero = os.path.join(out_dir, "ckpt_zero"), ("--use-distributed-optimizer",)
+    first = ms_train(backend, 2, False, init_ckpt, save_dir=ckpt, steps=ZERO_STEPS, extra=zero)
+    return {"ep2_zero": first, "ep2_zero_resumed": ms_train(backend, 2, False, ckpt, steps=ZERO_STEPS, extra=zero,
+                                                            resume=True)}
 
 
 def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt):
@@ -31,7 +44,8 @@ def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt):
                                      "tp2_extend_comm": ms_train(backend, 1, False, init_ckpt, steps=3, tp=2,
                                                                  extra=COMM_FLAGS),
                                      "ep2_bf16": ms_train(backend, 2, False, bf16_init_ckpt, steps=BF16_STEPS,
-                                                          extra=("--bf16",))})
+                                                          extra=("--bf16",)),
+                                     **zero_runs(backend, out_dir, init_ckpt)})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 

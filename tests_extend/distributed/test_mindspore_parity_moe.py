@@ -14,7 +14,8 @@ one msrun, one gloo spawn running both torch layouts). --bf16 at EP=2 (the MoE l
 on its bf16 weights on CPU, backends/mindspore/precision.py) follows Megatron-Core's bf16 at EP=2 over
 a few steps within test_mindspore_parity_bf16.py's bound, twice torch's own bf16 effect measured in
 the same launch (EP=2 in bf16 and fp32 from the same bf16-representable weights), and bf16 moves its
-losses beyond fp32's bound TOL."""
+losses beyond fp32's bound TOL. --use-distributed-optimizer at EP=2 (the dense state sharded over DP,
+the experts' over expert-DP) gives Megatron-Core's losses and resumes from its checkpoint (same launch)."""
 import os
 
 import numpy as np
@@ -137,6 +138,29 @@ def test_ep2_matches_megatron_and_checkpoint_crosses(two_processes):
         _assert_matches_megatron(run, t)
         assert _held_experts(run) == {2 * rank, 2 * rank + 1}      # each EP rank its half (global indices)
         _assert_chunked_comm(ms[rank]["comm_features"], run)
+
+
+def test_ep2_distributed_optimizer_matches_megatron_shards_dense_state_and_resumes(two_processes):
+    """--use-distributed-optimizer at EP=2 on 2 processes: the dense parameters' state sharded over
+    DP=2, the experts' over expert-DP (one rank here: each rank keeps its own experts' whole state);
+    Megatron-Core's losses (the torch side's plain AdamW: ZeRO-1 changes where the state lives, not the
+    update) for ZERO_STEPS steps, and its checkpoint (the sharded state gathered) resumed gives the
+    losses of the plain EP=2 run's next steps (the same update; 1e-6 leaves room for another
+    reduction order) and Megatron-Core's."""
+    from tests_extend.distributed.mindspore_parity_moe_worker import ZERO_STEPS
+    ms, torch_runs = two_processes
+    dense_state = []
+    for rank in range(2):
+        zero, resumed, t = ms[rank]["ep2_zero"], ms[rank]["ep2_zero_resumed"], torch_runs[rank][0]["losses"]
+        np.testing.assert_allclose(zero["losses"] + resumed["losses"], t[:2 * ZERO_STEPS], atol=TOL, rtol=0)
+        np.testing.assert_allclose(zero["grad_norms"], torch_runs[rank][0]["grad_norms"][:ZERO_STEPS], rtol=NORM_RTOL)
+        plain = ms[rank]["ep2"]["losses"]
+        np.testing.assert_allclose(resumed["losses"], plain[ZERO_STEPS:2 * ZERO_STEPS], atol=1e-6, rtol=0)
+        # Adam's two moments: half the dense values here (up to the flat buffer's padding), all its experts'
+        assert zero["state_experts"] == 2 * zero["expert_values"] > 0
+        assert abs(zero["state_dense"] - zero["dense_values"]) <= 2
+        dense_state.append(zero["state_dense"])
+    assert sum(dense_state) == 2 * ms[0]["ep2_zero"]["dense_values"]     # the slices cover it once
 
 
 @pytest.mark.cpu_numerics

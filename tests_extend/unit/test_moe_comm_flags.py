@@ -25,12 +25,10 @@ EP2 = ["--expert-model-parallel-size", "2"]
     (["--moe-alltoall-overlap-comm", "--num-experts", "4"] + TP2 + EP2, "at TP > 1 needs --moe-tp-extend-ep"),
     (["--moe-permutation-async-comm"] + MOE + TP2 + EP2, "at TP > 1 needs --moe-tp-extend-ep"),
     # the MindSpore trainer's MoE layer: TP > 1 only with whole experts over TP (--moe-tp-extend-ep),
-    # and then without TP-split shared experts or a distributed optimizer over the experts
+    # and then without TP-split shared experts
     (["--backend", "mindspore"] + MOE + TP2, "and at tensor parallel size 1 unless --moe-tp-extend-ep"),
     (["--backend", "mindspore", "--moe-tp-extend-ep", "--moe-shared-expert-intermediate-size", "8"] + MOE + TP2,
      "splits no shared experts over the tensor-parallel ranks"),
-    (["--backend", "mindspore", "--moe-tp-extend-ep", "--use-distributed-optimizer"] + MOE + TP2,
-     "shards no optimizer state of expert-parallel weights"),
     (["--backend", "mindspore", "--moe-tp-extend-ep", "--context-parallel-size", "2"] + MOE + TP2,
      "runs at context and pipeline parallel size 1"),
 ])
@@ -50,6 +48,9 @@ def test_combinations_they_cannot_honour_are_refused(argv, message):
      {"moe-permutation-async-comm"}),
     # the MindSpore trainer's MoE layer: whole experts over TP x EP (training/mindspore/parallel.py)
     (["--backend", "mindspore", "--moe-tp-extend-ep"] + MOE + TP2, {"moe-tp-extend-ep"}),
+    # its distributed optimizer shards the experts' state over expert-DP (training/mindspore/distrib_optimizer.py)
+    (["--backend", "mindspore", "--moe-tp-extend-ep", "--use-distributed-optimizer"] + MOE + TP2, {"moe-tp-extend-ep"}),
+    (["--backend", "mindspore", "--use-distributed-optimizer"] + MOE + EP2, {"moe"}),
     (["--backend", "mindspore", "--moe-tp-extend-ep", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"]
      + MOE + TP2 + EP2, {"moe-tp-extend-ep", "moe-alltoall-overlap-comm", "moe-permutation-async-comm"}),
     # the MindSpore trainer's MoE layer runs them without overlap (training/mindspore/moe.py)
@@ -73,7 +74,7 @@ def test_good_combinations_plan(argv, expected):
     (["--moe-permutation-async-comm"] + MOE, "moe-permutation-async-comm", "sends no tokens to another rank"),
     (["--moe-permutation-async-comm", "--moe-token-dispatcher-type", "allgather"] + MOE,
      "moe-permutation-async-comm", "the allgather dispatcher does not communicate"),
-    # the MindSpore trainer refuses a distributed optimizer over expert-parallel weights: none here
+    # with the MindSpore trainer's distributed optimizer too
     (["--backend", "mindspore", "--moe-tp-extend-ep", "--use-distributed-optimizer"] + MOE,
      "moe-tp-extend-ep", "the experts are whole on each rank already"),
 ])

@@ -22,6 +22,12 @@ Parameters are the optimizer's view of this rank's part, copied from them before
 load into the model between steps (checkpoint.load, load_full) is seen. So with --fp16 each rank
 keeps the whole fp32 master copy (Megatron shards it with the optimizer state).
 
+Expert parallelism (EP > 1, or --moe-tp-extend-ep): the experts are a second flat buffer (a
+_ShardedPart, same layout rules) sharded over the expert-data-parallel group (Megatron-Core's
+expt_dp: the ranks holding the same experts), their gradients summed there and divided by the DP
+size (Megatron's DDP); the dense parameters are the first buffer, over DP as above. The norm adds
+the experts' squares over expert-DP, then over EP (each expert on one rank of the EP group).
+
 Checkpoints: state_arrays gathers the slices back into whole per-parameter state (the names the
 plain optimizer uses), so a checkpoint written with the flag loads without it and the other way round.
 """
@@ -31,8 +37,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from mindspeed.training.mindspore.optimizer import (_clipped, _flatten, _tensor, build_optimizer, decays,
-                                                    sum_of_squares_over_ranks)
+from mindspeed.checkpoint.neutral import is_expert
+from mindspeed.training.mindspore.optimizer import (_clipped, _flatten, _fp64_sum_over, _tensor, build_optimizer,
+                                                    decays, sum_of_squares_over_ranks)
 
 
 class FlatLayout:
@@ -76,6 +83,77 @@ class _SliceModel:
         self.params = params
 
 
+class _ShardedPart:
+    """One flat buffer sharded over one group: the dense parameters over the data-parallel group,
+    or (expert parallelism) the experts over the expert-data-parallel group. Its own optimizer over
+    its runs; `counted(name)`: whether the parameter's owned values enter the global norm."""
+
+    def __init__(self, model, names: list, size: int, rank: int, group, args, counted):
+        self.model, self.names, self.size, self.group = model, names, size, group
+        self.layout = lay = FlatLayout({n: model.params[n].shape for n in names}, size, rank)
+        self.shapes = {f"zero1.{'decayed' if d else 'kept'}": (1, e - s) if d else (e - s,) for s, e, d in lay.runs}
+        self.inner = build_optimizer(_SliceModel({n: ms.Parameter(ms.Tensor(np.zeros(shape, np.float32)), name=n)
+                                                  for n, shape in self.shapes.items()}), args)
+        self.slices = list(self.inner.model.params.values())      # the runs' order
+        for slice_name, (_, _, d) in zip(self.shapes, lay.runs):
+            assert self.inner.decays(slice_name) == d, slice_name
+        mask = np.zeros(lay.shard, np.float32)
+        for n, (s, e) in lay.offsets().items():
+            if counted(n):
+                mask[max(s, lay.lo) - lay.lo:max(min(e, lay.hi) - lay.lo, 0)] = 1.0
+        self.counted = ms.Tensor(mask)
+
+    def reduce_scattered(self, comm, grads: dict, dp_size: int):
+        """This rank's slice of the gradients summed over the part's group, divided by the DP size
+        (Megatron's DDP: the dense DP mean; an expert's sum over expert-DP over DP)."""
+        lay = self.layout
+        flat = _flatten(ms.mutable(tuple(_tensor(grads[n]) for n in lay.order)))
+        missing = lay.padded - lay.total
+        flat = flat if not missing else ops.cat([flat, ops.zeros(missing, flat.dtype)])
+        mine = comm.reduce_scatter(flat, 0, self.group)
+        return mine / dp_size if dp_size > 1 else mine
+
+    def update(self, mine, lr: float) -> None:
+        """Copy the model's values into the slice Parameters, update them with the gradient slice."""
+        lay = self.layout
+        weights = _flatten(ms.mutable(tuple(self.model.params[n] for n in lay.order)))
+        for p, (s, e, _) in zip(self.slices, lay.runs):
+            ops.assign(p, weights[s:e].reshape(p.shape))
+        self.inner.step({n: mine[s - lay.lo:e - lay.lo].reshape(shape)
+                         for (n, shape), (s, e, _) in zip(self.shapes.items(), lay.runs)}, lr)
+
+    def gathered(self, comm, runs_values):
+        """Every rank's slice (its runs, then padding), joined: the whole flat buffer, unpadded."""
+        parts = [v.reshape(-1) for v in runs_values]
+        used = sum(int(v.shape[0]) for v in parts)
+        if used < self.layout.shard:
+            parts.append(ops.zeros(self.layout.shard - used, ms.float32))
+        whole = comm.all_gather(ops.cat(parts), 0, self.group)
+        return whole[:self.layout.total]
+
+    def gather_into_model(self, comm) -> None:
+        whole = self.gathered(comm, self.slices)
+        for n, part in zip(self.layout.order, ops.split(whole, self.layout.sizes)):
+            ops.assign(self.model.params[n], part.reshape(self.layout.shapes[n]))
+
+    def state_arrays(self, comm) -> dict:
+        held, out = self.inner.state_arrays(), {}
+        for state in self.inner.STATE:
+            whole = self.gathered(comm, [ms.Tensor(held[f"{state}/{n}"]) for n in self.shapes]).asnumpy()
+            for n, (s, e) in self.layout.offsets().items():
+                out[f"{state}/{n}"] = whole[s:e].reshape(self.layout.shapes[n])
+        return out
+
+    def sliced_state(self, shards: dict) -> dict:
+        """Whole per-parameter state (this part's names among `shards`) -> this rank's slice runs."""
+        lay, mine = self.layout, {}
+        for state in sorted({key.split("/", 1)[0] for key in shards}):
+            flat = np.concatenate([np.asarray(shards[f"{state}/{n}"], np.float32).reshape(-1) for n in lay.order])
+            for (n, shape), (s, e, _) in zip(self.shapes.items(), lay.runs):
+                mine[f"{state}/{n}"] = flat[s:e].reshape(shape)
+        return mine
+
+
 class DistributedOptimizer:
     """The plain optimizer's interface (step_count, state_arrays, load_state_arrays) plus
     step_on_local_grads, which also reduces and clips: the gradients arrive as this rank's own
@@ -84,84 +162,53 @@ class DistributedOptimizer:
     def __init__(self, model, backend, ps, args):
         self.model, self.comm, self.ps = model, backend.comm, ps
         self.names = list(model.params)
-        self.layout = lay = FlatLayout({n: model.params[n].shape for n in self.names}, ps.dp_size, ps.dp_rank)
-        self._shapes = {f"zero1.{'decayed' if d else 'kept'}": (1, e - s) if d else (e - s,) for s, e, d in lay.runs}
-        self._inner = build_optimizer(_SliceModel({n: ms.Parameter(ms.Tensor(np.zeros(shape, np.float32)), name=n)
-                                                   for n, shape in self._shapes.items()}), args)
-        self._slices = list(self._inner.model.params.values())      # the runs' order
-        for slice_name, (_, _, d) in zip(self._shapes, lay.runs):
-            assert self._inner.decays(slice_name) == d, slice_name
-        # 1 where the owned value counts in the global norm: TP-sharded, or TP rank 0 (replicated)
-        counted = np.zeros(lay.shard, np.float32)
-        for n, (s, e) in lay.offsets().items():
-            if model.counted_in_grad_norm(n):
-                counted[max(s, lay.lo) - lay.lo:max(min(e, lay.hi) - lay.lo, 0)] = 1.0
-        self._counted = ms.Tensor(counted)
+        experts = [n for n in self.names if is_expert(n)] if ps.ep_size > 1 else []
+        dense = [n for n in self.names if n not in set(experts)]
+        self.dense = _ShardedPart(model, dense, ps.dp_size, ps.dp_rank, ps.dp_group, args,
+                                  model.counted_in_grad_norm)
+        # each expert is whole on one rank of the EP group: every value counts in the norm
+        self.experts = _ShardedPart(model, experts, ps.edp_size, ps.edp_rank, ps.edp_group, args,
+                                    lambda _n: True) if experts else None
+        self.parts = [p for p in (self.dense, self.experts) if p is not None]
+        self.layout = self.dense.layout
 
     @property
     def step_count(self) -> int:
-        return self._inner.step_count
+        return self.dense.inner.step_count
 
-    def state_elements(self) -> int:
-        """Optimizer state values this rank holds."""
-        return sum(int(a.size) for a in self._inner.state_arrays().values())
-
-    def _flat_params(self):
-        return _flatten(ms.mutable(tuple(self.model.params[n] for n in self.layout.order)))
-
-    def _padded(self, flat):
-        missing = self.layout.padded - self.layout.total
-        return flat if not missing else ops.cat([flat, ops.zeros(missing, flat.dtype)])
+    def state_elements(self, part: str | None = None) -> int:
+        """Optimizer state values this rank holds (part "dense" or "experts": that part's only)."""
+        parts = self.parts if part is None else [p for p in (getattr(self, part),) if p is not None]
+        return sum(int(a.size) for p in parts for a in p.inner.state_arrays().values())
 
     def step_on_local_grads(self, grads: dict, lr: float, max_norm: float):
-        """Reduce-scatter, clip, update this rank's slice, all-gather the weights -> the global norm
+        """Reduce-scatter, clip, update this rank's slices, all-gather the weights -> the global norm
         before clipping (0-d fp64 tensor)."""
-        lay, ps = self.layout, self.ps
-        flat = self._padded(_flatten(ms.mutable(tuple(_tensor(grads[n]) for n in lay.order))))
-        mine = self.comm.reduce_scatter(flat, 0, ps.dp_group)
-        if ps.dp_size > 1:
-            mine = mine / ps.dp_size                # the DP mean, as reduce_gradients' "avg"
-        sq = sum_of_squares_over_ranks(self.comm, ps, _masked_sum_of_squares(mine, self._counted), over_dp=True)
+        ps = self.ps
+        mine = [p.reduce_scattered(self.comm, grads, ps.dp_size) for p in self.parts]
+        sq = sum_of_squares_over_ranks(self.comm, ps, _masked_sum_of_squares(mine[0], self.dense.counted),
+                                       over_dp=True)
+        if self.experts is not None:     # the slices over expert-DP, then the other experts over EP
+            expert_sq = _masked_sum_of_squares(mine[1], self.experts.counted)
+            for size, group in ((ps.edp_size, ps.edp_group), (ps.ep_size, ps.ep_group)):
+                if size > 1:
+                    expert_sq = _fp64_sum_over(self.comm, expert_sq, group)
+            sq = sq + expert_sq
         if max_norm and max_norm > 0:
-            (mine,) = _clipped(ms.mutable((mine,)), sq, ms.Tensor(max_norm, ms.float64))
-        weights = self._flat_params()
-        for p, (s, e, _) in zip(self._slices, lay.runs):
-            ops.assign(p, weights[s:e].reshape(p.shape))
-        self._inner.step({n: mine[s - lay.lo:e - lay.lo].reshape(shape)
-                          for (n, shape), (s, e, _) in zip(self._shapes.items(), lay.runs)}, lr)
-        self._gather_into_model()
+            mine = list(_clipped(ms.mutable(tuple(mine)), sq, ms.Tensor(max_norm, ms.float64)))
+        for part, slice_grads in zip(self.parts, mine):
+            part.update(slice_grads, lr)
+        for part in self.parts:
+            part.gather_into_model(self.comm)
         return ops.sqrt(sq)
 
-    def _gathered(self, runs_values):
-        """Every rank's slice (its runs, then padding), joined: the whole flat buffer, unpadded."""
-        parts = [v.reshape(-1) for v in runs_values]
-        used = sum(int(v.shape[0]) for v in parts)
-        if used < self.layout.shard:
-            parts.append(ops.zeros(self.layout.shard - used, ms.float32))
-        whole = self.comm.all_gather(ops.cat(parts), 0, self.ps.dp_group)
-        return whole[:self.layout.total]
-
-    def _gather_into_model(self) -> None:
-        whole = self._gathered(self._slices)
-        for n, part in zip(self.layout.order, ops.split(whole, self.layout.sizes)):
-            ops.assign(self.model.params[n], part.reshape(self.layout.shapes[n]))
-
     def state_arrays(self) -> dict:
-        """Whole per-parameter state, as the plain optimizer names it (every DP rank must call it:
-        an all-gather)."""
-        held, out = self._inner.state_arrays(), {}
-        for state in self._inner.STATE:
-            whole = self._gathered([ms.Tensor(held[f"{state}/{n}"]) for n in self._shapes]).asnumpy()
-            for n, (s, e) in self.layout.offsets().items():
-                out[f"{state}/{n}"] = whole[s:e].reshape(self.layout.shapes[n])
-        return out
+        """Whole per-parameter state, as the plain optimizer names it (every rank must call it:
+        all-gathers over DP, and over expert-DP)."""
+        return {k: v for part in self.parts for k, v in part.state_arrays(self.comm).items()}
 
     def load_state_arrays(self, shards: dict, step_count: int) -> None:
         """shards: whole (TP-local) state by name, as the plain optimizer takes it; this rank keeps
-        its slice (the plain optimizer's load checks which state it is)."""
-        lay, mine = self.layout, {}
-        for state in sorted({key.split("/", 1)[0] for key in shards}):
-            flat = np.concatenate([np.asarray(shards[f"{state}/{n}"], np.float32).reshape(-1) for n in lay.order])
-            for (n, shape), (s, e, _) in zip(self._shapes.items(), lay.runs):
-                mine[f"{state}/{n}"] = flat[s:e].reshape(shape)
-        self._inner.load_state_arrays(mine, step_count)
+        its slices (the plain optimizer's load checks which state it is)."""
+        for part in self.parts:
+            part.inner.load_state_arrays(part.sliced_state(shards), step_count)

@@ -31,7 +31,9 @@ class ParallelState:
                                  # ranks; with --moe-tp-extend-ep the TP x EP block, TP fastest)
     ep_rank: int = 0
     ep_group: object = None
-    edp_group: object = None     # the ranks holding the same experts (expert gradients are reduced there)
+    edp_group: object = None     # the ranks holding the same experts (expert gradients are reduced there,
+    edp_size: int = 1            # the distributed optimizer shards their state there): Megatron's expt_dp,
+    edp_rank: int = 0            # world / (EP x TP) ranks with --moe-tp-extend-ep, world / EP without
 
     @property
     def first_stage(self) -> bool:
@@ -95,6 +97,7 @@ def _with_expert_groups(comm, ps: ParallelState, ep_size: int) -> ParallelState:
             if rank in ranks:
                 setattr(ps, f"{kind}_group", g)
     ps.ep_size, ps.ep_rank = ep_size, rank % ep_size
+    ps.edp_size, ps.edp_rank = world // ep_size, rank // ep_size
     return ps
 
 
