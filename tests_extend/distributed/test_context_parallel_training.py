@@ -2,8 +2,9 @@
 every algorithm's losses over 10 steps match the CP=1 run on the same 2 processes (data parallel:
 the same global batch of the same samples, the same initialisation). On 4 processes, CP=4 hybrid
 (Ulysses 2 x ring 2) and the double ring (inner rings of 2) match the same CP=1 losses (first 4 steps). On
-packed short documents (--reset-attention-mask, varlen attention), CP 2 ring and Ulysses match CP 1. One spawn
-per world size runs its trainings in turn (each with its own rendezvous port) to keep CI time down."""
+packed short documents (--reset-attention-mask, varlen attention), CP 2 ring, Ulysses and the KV
+all-gather match CP 1. One spawn per world size runs its trainings in turn (each with its own
+rendezvous port) to keep CI time down."""
 import json
 import os
 
@@ -20,6 +21,8 @@ RUNS = {
     "ulysses": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo"],
     "ring": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo", "megatron_cp_algo",
              "--use-cp-send-recv-overlap"],
+    "kvallgather": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo",
+                    "kvallgather_cp_algo"],
     "ring-general-mask": ["--micro-batch-size", "2", "--context-parallel-size", "2", "--context-parallel-algo",
                           "megatron_cp_algo", "--attention-mask-type", "general"],
 }
@@ -31,7 +34,7 @@ RUNS_CP4 = {   # 4 processes: CP 4 x DP 1, the same global batch of 2
                     "megatron_cp_algo", "--cp-window-size", "2", "--use-cp-send-recv-overlap",
                     "--exit-interval", str(CP4_STEPS)],
 }
-# packed short documents (EOD reset, varlen attention): CP 2 ring and Ulysses against CP 1, 4 steps
+# packed short documents (EOD reset, varlen attention): CP 2 ring, Ulysses, KV all-gather against CP 1, 4 steps
 EOD_STEPS = 4
 DATA = "DATA"    # replaced by the dataset of short documents the fixture writes
 EOD = ["--data-path", DATA, "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--split", "100,0,0",
@@ -42,12 +45,15 @@ RUNS.update({
                        "--context-parallel-algo", "megatron_cp_algo"],
     "eod-ulysses": EOD + ["--micro-batch-size", "2", "--context-parallel-size", "2",
                           "--context-parallel-algo", "ulysses_cp_algo"],
+    "eod-kvallgather": EOD + ["--micro-batch-size", "2", "--context-parallel-size", "2",
+                              "--context-parallel-algo", "kvallgather_cp_algo"],
 })
 # what the CP feature must have built for each run: (algo, Ulysses degree, ring size, window)
 BUILT = {"ulysses": ("ulysses_cp_algo", 2, 1, 1), "ring": ("megatron_cp_algo", 1, 2, 1),
          "ring-general-mask": ("megatron_cp_algo", 1, 2, 1), "hybrid-u2xring2": ("hybrid_cp_algo", 2, 2, 1),
          "double-ring": ("megatron_cp_algo", 1, 4, 2), "eod-ring": ("megatron_cp_algo", 1, 2, 1),
-         "eod-ulysses": ("ulysses_cp_algo", 2, 1, 1)}
+         "eod-ulysses": ("ulysses_cp_algo", 2, 1, 1), "kvallgather": ("kvallgather_cp_algo", 1, 1, 1),
+         "eod-kvallgather": ("kvallgather_cp_algo", 1, 1, 1)}
 
 
 def _documents(tmp) -> str:
@@ -102,7 +108,7 @@ def losses(tmp_path_factory):
     return losses
 
 
-@pytest.mark.parametrize("algo", ["eod-ring", "eod-ulysses"])
+@pytest.mark.parametrize("algo", ["eod-ring", "eod-ulysses", "eod-kvallgather"])
 def test_cp_with_packed_documents_matches_cp1(losses, algo):
     """Varlen attention inside documents: CP 2 gives CP 1's losses on packed short documents."""
     assert losses[algo + "/built"] == BUILT[algo]
@@ -114,7 +120,8 @@ def test_cp1_trains(losses):
     assert len(losses["cp1"]) == 10 and losses["cp1"][-1] < losses["cp1"][0] - 0.1
 
 
-@pytest.mark.parametrize("algo", ["ulysses", "ring", "ring-general-mask", "hybrid-u2xring2", "double-ring"])
+@pytest.mark.parametrize("algo", ["ulysses", "ring", "kvallgather", "ring-general-mask", "hybrid-u2xring2",
+                                  "double-ring"])
 def test_cp_matches_cp1_losses(losses, algo):
     assert losses[algo + "/built"] == BUILT[algo]
     want = losses["cp1"][:CP4_STEPS] if algo in RUNS_CP4 else losses["cp1"]
