@@ -142,12 +142,20 @@ def saved_args(args, consumed_samples: int, iteration: int):
     return argparse.Namespace(**values)
 
 
-def rng_state() -> dict:
+def _device_generator(chunks):
+    """The torch module whose generator is the device's for the model's parameters (torch.cuda,
+    torch.npu), or None on cpu, where the device generator is torch's own."""
+    kind = next(_unwrap(chunks[0]).parameters()).device.type
+    return None if kind == "cpu" else torch.get_device_module(kind)
+
+
+def rng_state(chunks) -> dict:
     """This rank's RNG state, as Megatron-LM's get_rng_state collects it (the device generator is the
     cpu one on cpu)."""
-    from mindspeed.backends import get_backend
+    device = _device_generator(chunks)
     return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": get_backend().device.get_rng_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": (device or torch).get_rng_state(),
             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
@@ -163,7 +171,7 @@ def state_dict(chunks, optimizer, scheduler, iteration: int, consumed_samples: i
         state["optimizer"] = optimizer.state_dict()
     state["opt_param_scheduler"] = scheduler.state_dict()
     if save_rng:
-        state["rng_state"] = [rng_state()]
+        state["rng_state"] = [rng_state(chunks)]
     state.update(extra or {})
     return state
 
@@ -428,16 +436,15 @@ def _steps_aside(optimizer):
             state.setdefault("step", step)
 
 
-def restore_rng(state: dict, directory: str) -> None:
+def restore_rng(state: dict, directory: str, chunks) -> None:
     """The RNG state of the checkpoint's first data-parallel rank (Megatron-LM's, without
     --data-parallel-random-init) into this process's generators."""
-    from mindspeed.backends import get_backend
     rng = state["rng_state"][0] if isinstance(state["rng_state"], list) else state["rng_state"]
     try:
         random.setstate(rng["random_rng_state"])
         np.random.set_state(rng["np_rng_state"])
         torch.set_rng_state(rng["torch_rng_state"])
-        get_backend().device.set_rng_state(rng["cuda_rng_state"])
+        (_device_generator(chunks) or torch).set_rng_state(rng["cuda_rng_state"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"checkpoint {directory}: its RNG state does not load on this device "
@@ -471,5 +478,5 @@ def load_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, *, 
     else:
         scheduler.step(increment=consumed)
     if load_rng and "rng_state" in state:
-        restore_rng(state, directory)
+        restore_rng(state, directory, chunks)
     return int(state["iteration"]), consumed
