@@ -49,7 +49,8 @@ def _cp_part(session: Session | None, name: str):
     part = session.part(name) if session is not None else None
     if part is None:
         raise TrainerConfigError("--context-parallel-size > 1 needs a context-parallel algorithm "
-                                 "(--context-parallel-algo ulysses_cp_algo | megatron_cp_algo | hybrid_cp_algo)")
+                                 "(--context-parallel-algo ulysses_cp_algo | megatron_cp_algo | hybrid_cp_algo | "
+                                 "kvallgather_cp_algo)")
     return part
 
 
