@@ -9,6 +9,7 @@ from mindspeed import compile_cache, vec_isa_memo
 from mindspeed.backends import active_backend, reset_backend, set_backend
 from mindspeed.backends.mindspore.device_select import select_device as ms_select
 from mindspeed.backends.mindspore.msadapter import msadapter_active
+from mindspeed.backends.torch.device_select import device_without_torch
 from mindspeed.flags.mindspeed_flags import defaults, parse_mindspeed_args, resolve_backend_name
 from mindspeed.features.base import ApplyContext, Feature, FeatureConfigError
 from mindspeed.features.registry import all_features, enabled_features, orphan_flag_problems
@@ -51,6 +52,9 @@ def _user_chose_backend(args) -> bool:
 def resolve_device(backend: str, requested: str) -> str:
     requested = _DEVICE_ALIASES[backend].get(requested, requested)
     if backend == "torch":
+        known = device_without_torch(requested)       # a CPU-only torch: no import needed to know
+        if known is not None:
+            return known
         from mindspeed.backends.torch.device import select_device  # imports torch: adaptor_core stays framework-free
         return select_device(requested)
     return ms_select(requested)

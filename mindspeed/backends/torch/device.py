@@ -11,8 +11,7 @@ import os
 import torch
 
 from mindspeed.backends.base import DeviceAPI
-
-DEVICE_ENV = "MINDSPEED_DEVICE"
+from mindspeed.backends.torch.device_select import DEVICE_ENV
 
 
 def npu_available() -> bool:
