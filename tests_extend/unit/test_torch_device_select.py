@@ -48,3 +48,21 @@ def test_other_requests_are_left_to_torch(monkeypatch):
     assert device_select.device_without_torch("npu") is None
     monkeypatch.setenv(device_select.DEVICE_ENV, "cpu")
     assert device_select.device_without_torch(None) == "cpu"
+
+
+def test_the_mindspore_backends_cpu_is_known_without_importing_mindspore_where_no_ascend_device_is():
+    """/dev/davinciN: how an Ascend device shows (its driver's nodes); without one, 'auto' is the cpu, and a
+    MindSpore preflight stays as light as torch's."""
+    import glob
+    import subprocess
+    import sys
+    pytest.importorskip("mindspore")
+    from mindspeed.backends.mindspore import device_select as ms_select
+    assert ms_select._no_ascend_device_nodes() is (not glob.glob("/dev/davinci[0-9]*"))
+    code = ("import sys; from mindspeed.backends.mindspore.device_select import select_device as s; "
+            "print(s('auto'), s('cpu'), 'mindspore' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split()
+    if ms_select._no_ascend_device_nodes():
+        assert out == ["cpu", "cpu", "False"], out
+    else:
+        assert out[1:] == ["cpu", "False"], out

@@ -2,7 +2,9 @@
 clear error when MindSpore is not installed."""
 from __future__ import annotations
 
+import glob
 import importlib
+import importlib.util
 import os
 
 from mindspeed.backends import BackendUnavailableError
@@ -36,11 +38,19 @@ def ascend_available(ms) -> bool:
         return False
 
 
+def _no_ascend_device_nodes() -> bool:
+    """No Ascend device on this machine: its driver shows each as /dev/davinciN (in containers too)."""
+    return not glob.glob("/dev/davinci[0-9]*")
+
+
 def select_device(requested: str | None = None) -> str:
     requested = (requested or os.environ.get(DEVICE_ENV) or "auto").lower()
     requested = {"npu": "ascend"}.get(requested, requested)
     if requested not in ("auto", "cpu", "ascend"):
         raise ValueError(f"unknown device {requested!r} for the mindspore backend; choose auto, cpu or ascend")
+    if (requested == "cpu" or requested == "auto" and _no_ascend_device_nodes()) \
+            and importlib.util.find_spec("mindspore") is not None:
+        return "cpu"           # known without importing MindSpore (about a CPU-second): the preflight stays light
     ms = import_mindspore()
     if requested == "auto":
         return "ascend" if ascend_available(ms) else "cpu"
