@@ -1,5 +1,5 @@
-"""msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, CP=2 (Ulysses and
-ring attention, through the context-parallel feature), TP=2 with --use-ascend-coc with and
+"""msrun worker for the parity test: TP=2, TP=2 with sequence parallelism, CP=2 (Ulysses, ring
+attention and the KV all-gather, through the context-parallel feature), TP=2 with --use-ascend-coc with and
 without sequence parallelism, TP=2 with full recompute, CP=2 with selective recompute, from the same
 initial checkpoint; CP=2 with the documents' mask as the general mask; GELU + LayerNorm + learned positions at TP=2
 with SP from the trainer's init; and --qk-layernorm at TP=2, with and without SP, from QK_INIT (its checkpoint
@@ -26,7 +26,7 @@ def main(out_dir, init_ckpt, qk_init):
     try:
         result = {"tp2": ms_train(backend, 2, False, init_ckpt),
                   "tp2_sp": ms_train(backend, 2, True, init_ckpt, steps=SHORT_STEPS)}
-        for algo in ("ulysses_cp_algo", "megatron_cp_algo"):
+        for algo in ("ulysses_cp_algo", "megatron_cp_algo", "kvallgather_cp_algo"):
             result[f"cp2_{algo}"] = ms_train(backend, 1, False, init_ckpt, steps=SHORT_STEPS, cp=2, cp_algo=algo)
         from mindspeed.features.parallel import coc_mindspore
         for name, (sp, chunks) in COC.items():

@@ -79,7 +79,7 @@ def test_tp2_losses_match_and_checkpoint_crosses_backends(torch_tp1, ms_tp1, ms_
         t = np.array(plain["losses"])
         np.testing.assert_allclose(ms_tp2[rank]["tp2"]["losses"], t, atol=TOL, rtol=0)
         np.testing.assert_allclose(ms_tp2[rank]["tp2"]["grad_norms"], plain["grad_norms"], rtol=NORM_RTOL)
-        for run in ("tp2_sp", "cp2_ulysses_cp_algo", "cp2_megatron_cp_algo"):
+        for run in ("tp2_sp", "cp2_ulysses_cp_algo", "cp2_megatron_cp_algo", "cp2_kvallgather_cp_algo"):
             short = ms_tp2[rank][run]["losses"]
             np.testing.assert_allclose(short, t[:len(short)], atol=TOL, rtol=0, err_msg=run)
             np.testing.assert_allclose(ms_tp2[rank][run]["grad_norms"], plain["grad_norms"][:len(short)],
