@@ -1,7 +1,8 @@
 """MoE checkpoints cross between the trainers: the torch trainer's torch_dist checkpoint
 of an MoE GPT with Qwen3-MoE's attention (router, every expert stacked [layer, expert, ...], shared
 experts, per-head q/k norms with --kv-channels of their own, Adam's moments) loads into the MindSpore
-trainer, which saves it again as a neutral checkpoint holding the same arrays under Megatron's
+trainer (with --use-distributed-optimizer: the moments through its flat slices), which saves it
+again as a neutral checkpoint holding the same arrays under Megatron's
 per-expert and per-layer names; that loads back into the torch trainer, whose torch_dist save then
 holds the original arrays bit for bit."""
 import os
@@ -42,8 +43,10 @@ def test_moe_checkpoint_crosses_both_ways(tmp_path):
     from mindspeed.checkpoint import neutral as nf
     torch_ckpt, ms_ckpt, back = (str(tmp_path / n) for n in ("torch", "ms", "back"))
     _run("torch", "--save", torch_ckpt)
-    out = _run("mindspore", "--load", torch_ckpt, "--save", ms_ckpt)
+    # the MindSpore leg with its distributed optimizer: the moments go into its flat slices and back out
+    out = _run("mindspore", "--load", torch_ckpt, "--save", ms_ckpt, "--use-distributed-optimizer")
     assert "loaded checkpoint" in out and "(MoE: 4 experts, top-2, EP 1)" in out
+    assert "> distributed optimizer: rank 0 keeps" in out
     original = _torch_dist(torch_ckpt)
     model, moments, _ = nf.load(ms_ckpt)
     experts = original["decoder.layers.mlp.experts.experts.linear_fc1.weight"]

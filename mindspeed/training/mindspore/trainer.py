@@ -412,7 +412,8 @@ def _print_setup(args, logger, backend, ps, cfg, trainer, n_params) -> None:
         say(f"> {' and '.join(overlapped)}: the same reductions and gathers, not overlapped with compute (emulated)")
     if trainer.distributed_optimizer:
         say(f"> distributed optimizer: rank 0 keeps {trainer.optimizer.state_elements()} optimizer state "
-            f"values for its {n_params} parameters (a 1/{ps.dp_size} slice)")
+            f"values for its {n_params} parameters (a 1/{ps.dp_size} slice"
+            f"{f'; its experts: a 1/{ps.edp_size} slice over expert-DP' if trainer.optimizer.experts else ''})")
 
 
 def loop_parts(args, backend, ps, trainer: Trainer, streams: tuple, gc_point=lambda: None) -> loop.TrainParts:
