@@ -55,9 +55,23 @@ option("fp16", (host("--fp16", False), host("--loss-scale"), host("--initial-los
 Bf16 = option("bf16", (BF16,), lambda a: a.bf16, "bf16 training with fp32 master weights",
               {}, "", ("--bf16",))
 Bf16.requires = (Cap.BF16_COMPUTE,)     # MindSpore/CPU: bf16 storage, ops without a bf16 kernel in fp32
-option("sgd-optimizer", (host("--optimizer", "adam"), host("--sgd-momentum", 0.9)), lambda a: a.optimizer != "adam",
+option("sgd-optimizer", (host("--optimizer", "adam"), host("--sgd-momentum", 0.9)), lambda a: a.optimizer == "sgd",
        "Megatron's SGD optimizer (momentum, L2 weight decay) instead of Adam", {}, "",
        ("--optimizer", "sgd"))
+# Megatron-Core 0.16.1's Muon (megatron/core/optimizer/muon.py) is built on the emerging-optimizers
+# package, whose one release (0.3.0) requires Python >= 3.12: this project pins Python 3.11
+MUON_NEEDS = ("Megatron-Core's Muon needs the emerging-optimizers package, whose one release (0.3.0) requires "
+              "Python >= 3.12 (this install pins 3.11)")
+option("muon-optimizer", (host("--optimizer", "adam"), host("--muon-momentum", 0.9),
+                          host("--muon-no-split-qkv", True, dest="muon_split_qkv"), host("--muon-use-nesterov", False),
+                          host("--muon-scale-mode", "spectral"), host("--muon-fp32-matmul-prec", "medium"),
+                          host("--muon-num-ns-steps", 5), host("--muon-tp-mode", "blockwise"),
+                          host("--muon-extra-scale-factor", 1.0)),
+       lambda a: "muon" in a.optimizer,
+       "Muon (dist_muon: layer-wise distributed): Newton-Schulz orthogonalised momentum for 2-D weight "
+       "matrices, Adam for embeddings, output layer, norms and biases",
+       {"torch": MUON_NEEDS, "mindspore": f"{MS} has no Muon optimizer"}, "--optimizer adam or sgd",
+       ("--optimizer", "muon"))
 option("selective-recompute", (host("--recompute-granularity"),),
        lambda a: a.recompute_granularity == "selective",
        "recompute only the attention core in backward", {}, "",

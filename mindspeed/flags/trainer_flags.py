@@ -115,6 +115,18 @@ def _implementation(parser: argparse.ArgumentParser) -> None:
                    default=False, help="undo --gradient-accumulation-fusion (off unless that is given)")
 
 
+def _muon(g) -> None:
+    """Megatron-LM's Muon flags (its names, defaults and choices)."""
+    g.add_argument("--muon-momentum", type=float, default=0.9)
+    g.add_argument("--muon-no-split-qkv", action="store_false", default=True, dest="muon_split_qkv")
+    g.add_argument("--muon-use-nesterov", action="store_true")
+    g.add_argument("--muon-scale-mode", default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    g.add_argument("--muon-fp32-matmul-prec", default="medium", choices=["low", "medium", "high"])
+    g.add_argument("--muon-num-ns-steps", type=int, default=5)
+    g.add_argument("--muon-tp-mode", default="blockwise", choices=["blockwise", "duplicated", "distributed"])
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0)
+
+
 def _training(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=8)
@@ -125,7 +137,8 @@ def _training(parser: argparse.ArgumentParser) -> None:
                    help="grow the global batch from START by INCREMENT over SAMPLES samples")
     g.add_argument("--train-iters", type=int, default=600)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    # muon / dist_muon parse as Megatron-LM's do; the support matrix refuses them (megatron_options)
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "muon", "dist_muon"])
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=1e-4)
     g.add_argument("--lr-decay-style", default="cosine",
@@ -143,6 +156,7 @@ def _training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    _muon(g)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     # fp16 loss scaling; None = not given (Megatron's defaults are filled in for --fp16)

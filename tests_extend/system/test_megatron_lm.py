@@ -180,6 +180,11 @@ if megatron_version() == '0.12.1':
         "drop the flag")
     assert parsed(*moe, '--moe-permutation-async-comm').startswith(
         "MindSpeed: --moe-permutation-async-comm wraps Megatron-Core's MoEAllGatherTokenDispatcher.token_dispatch")
+# Megatron-LM's own --optimizer muon / dist_muon (core_v0.16 on): the matrix's one-line refusal
+if megatron_version() != '0.12.1':
+    for kind in ('muon', 'dist_muon'):
+        assert parsed('--optimizer', kind).startswith(
+            f"MindSpeed: feature 'muon-optimizer' (--optimizer {kind}) is not supported on backend 'torch'")
 irregular = ('--pipeline-model-parallel-size', '4', '--num-layers', '8', '--num-layer-list', '1,2,3,2')
 if megatron_version() == '0.12.1':
     assert parsed(*irregular) == ("MindSpeed: --num-layer-list 1,2,3,2 needs Megatron's "
