@@ -4,7 +4,7 @@ from the initial checkpoint; the trained weights saved (experts gathered from bo
 parallelism and --moe-tp-extend-ep (whole experts over the two TP ranks), saved to SAVE_DIR_TP,
 and 3 steps of it with the MoE communication features; then EP=2 with --bf16 for BF16_STEPS steps
 from a bf16-representable checkpoint; then EP=2 with --use-distributed-optimizer, saved after
-ZERO_STEPS steps and resumed from there for ZERO_STEPS more.
+ZERO_STEPS steps and resumed from there for ZERO_STEPS more, and TP=2 extended with it.
 Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR SAVE_DIR_TP BF16_INIT_CKPT"""
 import os
 import sys
@@ -23,12 +23,14 @@ ZERO_STEPS = 3
 
 def zero_runs(backend, out_dir, init_ckpt) -> dict:
     """EP=2 with --use-distributed-optimizer: ZERO_STEPS steps from the initial weights, saved with
-    the sharded state, then resumed from that checkpoint for ZERO_STEPS more."""
+    the sharded state, then resumed from that checkpoint for ZERO_STEPS more; TP=2 with
+    --moe-tp-extend-ep and the flag for ZERO_STEPS steps."""
     from tests_extend.distributed.mindspore_parity_moe import ms_train
     ckpt, zero = os.path.join(out_dir, "ckpt_zero"), ("--use-distributed-optimizer",)
     first = ms_train(backend, 2, False, init_ckpt, save_dir=ckpt, steps=ZERO_STEPS, extra=zero)
     return {"ep2_zero": first, "ep2_zero_resumed": ms_train(backend, 2, False, ckpt, steps=ZERO_STEPS, extra=zero,
-                                                            resume=True)}
+                                                            resume=True),
+            "tp2_extend_zero": ms_train(backend, 1, False, init_ckpt, steps=ZERO_STEPS, tp=2, extra=zero)}
 
 
 def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt):

@@ -146,7 +146,8 @@ def test_ep2_distributed_optimizer_matches_megatron_shards_dense_state_and_resum
     Megatron-Core's losses (the torch side's plain AdamW: ZeRO-1 changes where the state lives, not the
     update) for ZERO_STEPS steps, and its checkpoint (the sharded state gathered) resumed gives the
     losses of the plain EP=2 run's next steps (the same update; 1e-6 leaves room for another
-    reduction order) and Megatron-Core's."""
+    reduction order) and Megatron-Core's. TP=2 with --moe-tp-extend-ep and the flag: Megatron-Core's
+    losses and gradient norms at that layout."""
     from tests_extend.distributed.mindspore_parity_moe_worker import ZERO_STEPS
     ms, torch_runs = two_processes
     dense_state = []
@@ -161,6 +162,13 @@ def test_ep2_distributed_optimizer_matches_megatron_shards_dense_state_and_resum
         assert abs(zero["state_dense"] - zero["dense_values"]) <= 2
         dense_state.append(zero["state_dense"])
     assert sum(dense_state) == 2 * ms[0]["ep2_zero"]["dense_values"]     # the slices cover it once
+    # TP=2 with --moe-tp-extend-ep: DP = expert-DP = 1, each rank its TP shards' and its two experts' whole
+    # state; the norm counts each expert once over the TP x EP group
+    for rank in range(2):
+        run, t = ms[rank]["tp2_extend_zero"], torch_runs[rank][1]
+        np.testing.assert_allclose(run["losses"], t["losses"][:ZERO_STEPS], atol=TOL, rtol=0)
+        np.testing.assert_allclose(run["grad_norms"], t["grad_norms"][:ZERO_STEPS], rtol=NORM_RTOL)
+        assert (run["state_dense"], run["state_experts"]) == (2 * run["dense_values"], 2 * run["expert_values"])
 
 
 @pytest.mark.cpu_numerics
