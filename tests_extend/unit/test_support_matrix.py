@@ -83,3 +83,12 @@ def test_conflicts_and_dependencies_are_errors():
     finally:
         registry._REGISTRY.clear()
         registry._REGISTRY.update(saved)
+
+
+def test_muon_refusal_reason_holds_here():
+    """The muon-optimizer row is refused on torch because Megatron-Core's Muon cannot be built on this
+    install (emerging-optimizers needs Python >= 3.12). Where it can, this fails: wire
+    get_megatron_muon_optimizer into training/pretrain.py and lift the row's torch cell."""
+    import sys
+    from megatron.core.optimizer import muon
+    assert not muon.HAVE_EMERGING_OPTIMIZERS and sys.version_info < (3, 12)
