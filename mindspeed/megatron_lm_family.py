@@ -41,7 +41,9 @@ LLM_SPELLINGS = (
 )
 # MindSpeed-LLM's values of Megatron's choices (the unsupported balancing types are refused in one line)
 LLM_CHOICES = {"--moe-router-load-balancing-type": [*ff.LLM_BALANCING, *ff.UNSUPPORTED_BALANCING],
-               "--moe-token-dispatcher-type": ["alltoall_seq"]}
+               "--moe-token-dispatcher-type": ["alltoall_seq"],
+               # upstream MindSpeed's alibi: parsed, then refused in one line (features/fused/alibi.py)
+               "--position-embedding-type": ["alibi"]}
 BUILTIN_TRAINER = "MindSpeed's built-in trainer (tests_extend/example/pretrain_gpt.py)"
 MEGATRON_LM_SPEC = "Megatron-LM's own layer spec (--transformer-impl)"
 

@@ -103,7 +103,7 @@ Dropout = option("dropout", (host("--hidden-dropout", 0.0), host("--attention-dr
        lambda a: bool(a.hidden_dropout or a.attention_dropout), "dropout in attention and after layers",
        {}, "", ("--hidden-dropout", "0.1", "--attention-dropout", "0.1"))
 option("learned-position-embedding", (host("--position-embedding-type", "rope"),),
-       lambda a: a.position_embedding_type != "rope", "learned absolute (or no) position embeddings", {}, "",
+       lambda a: a.position_embedding_type not in ("rope", "alibi"), "learned absolute (or no) position embeddings", {}, "",
        ("--position-embedding-type", "learned_absolute"))
 option("batch-size-rampup", (host("--rampup-batch-size"),), lambda a: bool(a.rampup_batch_size),
        "global batch size ramp-up", {}, "", ("--rampup-batch-size", "2", "2", "8", "--global-batch-size", "4"))

@@ -66,9 +66,6 @@ planned("multiparameter-pipeline", PARALLEL, "not scheduled", "pipeline stages p
         on("--use-multiparameter-pipeline-model-parallel"))
 planned("ascend-mc2", FUSED, "not scheduled", "Ascend MC2 fused matmul + collective", on("--use-ascend-mc2"))
 planned("fusion-attn-v2", FUSED, "not scheduled", "fusion attention v2 (Ascend)", on("--use-fusion-attn-v2"))
-planned("alibi", FUSED, "not scheduled", "ALiBi position bias in the fused attention",
-        value("--alibi-fusion-attn-type", int), on("--alibi-diagonal-opposite"), on("--square-alibi-mask"),
-        on("--fill-neg-inf"))
 planned("moe-allgather-overlap-comm", MOE, "not scheduled", "MoE allgather dispatcher overlap",
         on("--moe-allgather-overlap-comm"))
 planned("moe-bmm-mc2", MOE, "not scheduled", "MoE batched matmul fused with communication (Ascend)",

@@ -19,6 +19,7 @@ FEATURE_MODULES = [
     "mindspeed.features.observability.throughput",
     "mindspeed.features.training.deterministic",
     "mindspeed.features.fused.features",
+    "mindspeed.features.fused.alibi",
     "mindspeed.features.megatron_options",
     "mindspeed.features.model_family_options",
     "mindspeed.features.memory.recompute",

@@ -39,7 +39,8 @@ def _network(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", default="rope", choices=["rope", "learned_absolute", "none"])
+    g.add_argument("--position-embedding-type", default="rope", choices=["rope", "learned_absolute", "none", "alibi"],
+                   help="alibi: per-head linear attention biases (features/fused/alibi.py), no embedding")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron alias for --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=10000)

@@ -210,8 +210,7 @@ def build_model_chunks(args, config: TransformerConfig, modules: SpecModules | N
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type="yarn" if args.yarn and not config.multi_latent_attention
-            else args.position_embedding_type,
+            position_embedding_type=_position_embedding_type(args, config),
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
             rope_scaling=args.use_rope_scaling,
@@ -221,6 +220,13 @@ def build_model_chunks(args, config: TransformerConfig, modules: SpecModules | N
     for chunk in chunks:
         fold_mlp_input_biases(chunk)
     return chunks
+
+
+def _position_embedding_type(args, config) -> str:
+    """GPTModel's position embedding: alibi's positions are biases in the attention (features/fused/alibi.py)."""
+    if args.position_embedding_type == "alibi":
+        return "none"
+    return "yarn" if args.yarn and not config.multi_latent_attention else args.position_embedding_type
 
 
 def fold_mlp_input_biases(model) -> int:

@@ -57,10 +57,14 @@ def _flash_class():
 
     class FlashDotProductAttention(DotProductAttention):
         def __init__(self, *args, kernels, sparse_mode: int = 0, pre_tokens: int = NO_LIMIT,
-                     next_tokens: int = NO_LIMIT, **kwargs):
+                     next_tokens: int = NO_LIMIT, alibi: dict | None = None, **kwargs):
             super().__init__(*args, **kwargs)
             self.kernels = kernels              # the run's backend's (a spec param: flash_settings)
             self.sparse_mode, self.pre_tokens, self.next_tokens = sparse_mode, pre_tokens, next_tokens
+            self.alibi = AlibiBias(self, alibi) if alibi else None
+
+        def _alibi_bias(self, sq: int, skv: int, device):
+            return None if self.alibi is None else self.alibi(sq, skv, device)
 
         def _defer(self, attention_bias, packed_seq_params) -> bool:
             return (self.config.context_parallel_size > 1 or attention_bias is not None
@@ -71,6 +75,9 @@ def _flash_class():
                     packed_seq_params=None):
             docs = documents.ends_in(attention_mask)    # EOD reset: the micro-batch's documents
             if self._defer(attention_bias, packed_seq_params):
+                if self.alibi is not None:
+                    raise NotImplementedError("alibi: attention bias, packed sequences and sliding windows "
+                                              "run Megatron's own attention, which adds no alibi bias")
                 if docs is not None and self.config.context_parallel_size == 1:
                     raise NotImplementedError("--reset-attention-mask with flash attention: attention bias, "
                                               "packed sequences and sliding windows cannot take the documents")
@@ -85,10 +92,11 @@ def _flash_class():
             # Megatron folds 1/layer_number into softmax_scale when it rescales in the softmax
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
             dropout_p = self.attention_dropout.p if self.training else 0.0
+            band["alibi"] = self._alibi_bias(sq, skv, query.device)   # [1, n, sq, skv] fp32, or None
             if docs is not None:     # attention inside each document, no [s, s] mask
                 documents.check(docs, b, sq)
                 if self.sparse_mode == 1:   # 'the given mask only': the documents' mask, causal in each
-                    band = dict(causal=True)
+                    band = dict(causal=True, alibi=band["alibi"])
 
             def run():
                 if docs is not None:
@@ -114,6 +122,93 @@ def _attend_documents(query, key, value, docs, **kwargs):
     return documents.attention(sbh(query), sbh(key), sbh(value), docs, head_num=heads, **kwargs)[0]
 
 
+class AlibiBias:
+    """An attention module's alibi bias (features/fused/alibi.py): the slopes of the heads its TP rank
+    holds (their global indices), and the [1, heads, sq, skv] fp32 bias of the last shape asked for.
+    A plain attribute, not a buffer: checkpoints stay those of a model without alibi."""
+
+    def __init__(self, module, settings: dict):
+        from mindspeed.features.fused import alibi
+        tp = module.tp_group
+        self.slopes = alibi.local_slopes(module.config.num_attention_heads, tp.size(), tp.rank())
+        self.diagonal_opposite = bool(settings.get("diagonal_opposite"))
+        self.fill_neg_inf = bool(settings.get("fill_neg_inf"))
+        self._cached = (None, None)
+
+    def __call__(self, sq: int, skv: int, device):
+        key, bias = self._cached
+        if key != (sq, skv, str(device)):
+            bias = alibi_bias(self.slopes, sq, skv, diagonal_opposite=self.diagonal_opposite, device=device)
+            self._cached = ((sq, skv, str(device)), bias)
+        return bias
+
+
+def alibi_bias(slopes, sq: int, skv: int, *, diagonal_opposite: bool = False, q_offset: int = 0,
+               k_offset: int = 0, device=None):
+    """[1, len(slopes), sq, skv] fp32: -m_h * |i - j| (diagonal_opposite: -m_h * (i - j)) for query
+    position i = q_offset + row and key position j = k_offset + column."""
+    import torch
+    i = torch.arange(sq, device=device, dtype=torch.float64) + q_offset
+    j = torch.arange(skv, device=device, dtype=torch.float64) + k_offset
+    distance = i[:, None] - j[None, :]
+    if not diagonal_opposite:
+        distance = distance.abs()
+    m = torch.tensor(slopes, device=device, dtype=torch.float64)
+    return (-m[:, None, None] * distance).unsqueeze(0).float()
+
+
+def _alibi_class():
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class AlibiDotProductAttention(DotProductAttention):
+        """Megatron-Core's unfused attention with the alibi bias added to the scaled scores (no
+        --use-flash-attn): softmax(scale QK^T + bias, masked at -10000, or -inf with --fill-neg-inf) V."""
+
+        def __init__(self, *args, alibi: dict, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.alibi = AlibiBias(self, alibi)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            import torch
+            if attention_bias is not None or packed_seq_params is not None:
+                raise NotImplementedError("alibi takes no attention bias or packed sequences")
+            sq, b, heads, _ = query.shape
+            skv = key.shape[0]
+            groups = heads // key.shape[2]
+            key, value = (t.repeat_interleave(groups, dim=2) if groups > 1 else t for t in (key, value))
+            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+            fp32 = self.config.attention_softmax_in_fp32 or query.dtype == torch.float32
+            work = torch.float32 if fp32 else query.dtype
+            scores = torch.einsum("sbnd,tbnd->bnst", query, key).to(work) * scale
+            scores = scores + self.alibi(sq, skv, query.device).to(work)
+            causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            mask = attention_mask
+            if mask is None and causal:
+                mask = torch.ones(sq, skv, dtype=torch.bool, device=query.device).triu(1)
+            if mask is not None:
+                scores = scores.masked_fill(mask.bool(), float("-inf") if self.alibi.fill_neg_inf else -10000.0)
+            probs = torch.softmax(scores, dim=-1).to(value.dtype)
+            if self.training and self.attention_dropout.p > 0:     # as Megatron's attention dropout
+                if self.config.sequence_parallel:
+                    probs = self.attention_dropout(probs)
+                else:
+                    with tensor_parallel.get_cuda_rng_tracker().fork():
+                        probs = self.attention_dropout(probs)
+            context = torch.einsum("bnst,tbnd->sbnd", probs, value)
+            return context.reshape(sq, b, heads * value.shape[-1])
+
+    return AlibiDotProductAttention
+
+
+@functools.cache
+def alibi_attention_class():
+    """AlibiDotProductAttention, built on first use (as flash_attention_class)."""
+    return _alibi_class()
+
+
 @functools.cache
 def flash_attention_class():
     """FlashDotProductAttention, built on first use (it subclasses Megatron-Core's DotProductAttention,
@@ -121,22 +216,29 @@ def flash_attention_class():
     return _flash_class()
 
 
-def core_attention_spec(settings: dict):
-    """The ModuleSpec of the flash attention with these settings (its params: flash_settings)."""
+def core_attention_spec(settings: dict, cls=None):
+    """The ModuleSpec of the flash attention (or `cls`) with these settings (its params: flash_settings)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
-    return ModuleSpec(module=flash_attention_class(), params=dict(settings))
+    return ModuleSpec(module=cls or flash_attention_class(), params=dict(settings))
 
 
-def _class_with_settings(settings: dict):
+def _class_with_settings(settings: dict, cls=None):
     """core 0.12's spec names a class, not a ModuleSpec: bind the settings (kernels too) into a subclass."""
-    cls = flash_attention_class()
+    cls = cls or flash_attention_class()
     return type(cls.__name__, (cls,), {"__init__": functools.partialmethod(cls.__init__, **settings)})
 
 
+def alibi_settings(args) -> dict | None:
+    """The alibi bias's settings (features/fused/alibi.py), None without --position-embedding-type alibi."""
+    if getattr(args, "position_embedding_type", None) != "alibi":
+        return None
+    return dict(diagonal_opposite=bool(args.alibi_diagonal_opposite), fill_neg_inf=bool(args.fill_neg_inf))
+
+
 def flash_settings(args, kernels) -> dict:
-    """The attention's parameters: the sparse settings of the flags, and the kernels it calls."""
+    """The attention's parameters: the sparse settings of the flags, the alibi bias's, and the kernels it calls."""
     return dict(sparse_mode=args.sparse_mode, pre_tokens=args.pre_tockens, next_tokens=args.next_tockens,
-                kernels=kernels)
+                alibi=alibi_settings(args), kernels=kernels)
 
 
 def install(ctx, args) -> None:
@@ -146,10 +248,21 @@ def install(ctx, args) -> None:
         _patch_specs(ctx.patcher, settings)
 
 
-def _patch_specs(patcher, settings: dict) -> None:
+def install_alibi(ctx, args) -> None:
+    """--position-embedding-type alibi: with flash attention its module adds the bias (install above);
+    without, the unfused AlibiDotProductAttention takes every core attention slot."""
+    if ctx.applies("flash-attn"):
+        return
+    settings = dict(alibi=alibi_settings(args))
+    ctx.provide(SPEC_CORE_ATTENTION, core_attention_spec(settings, alibi_attention_class()))
+    if not ctx.specs_from_session:
+        _patch_specs(ctx.patcher, settings, alibi_attention_class(), "--position-embedding-type alibi")
+
+
+def _patch_specs(patcher, settings: dict, cls=None, reason: str = "--use-flash-attn") -> None:
     if has_local_spec_provider():
-        patcher.replace(f"{LOCAL_SPEC_PROVIDER}.core_attention", lambda self: core_attention_spec(settings),
-                        reason="--use-flash-attn")
+        patcher.replace(f"{LOCAL_SPEC_PROVIDER}.core_attention", lambda self: core_attention_spec(settings, cls),
+                        reason=reason)
     else:
-        patcher.replace(f"{GPT_LAYER_SPECS}.DotProductAttention", _class_with_settings(settings),
-                        reason="--use-flash-attn")
+        patcher.replace(f"{GPT_LAYER_SPECS}.DotProductAttention", _class_with_settings(settings, cls),
+                        reason=reason)
