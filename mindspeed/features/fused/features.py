@@ -172,10 +172,9 @@ class MoeGroupedGemm(_FusedFeature):
         # num_experts is the host's (Megatron's) flag: checked when the host's args are given
         if hasattr(args, "num_experts") and not args.num_experts:
             raise FeatureConfigError("--moe-grouped-gemm needs an MoE model (--num-experts)")
+        # --gemm-gradient-accumulation-fusion: on MindSpore the trainer's grouped experts' fp32 main
+        # grads (training/mindspore/main_grad.py)
         on_mindspore = args.backend == "mindspore"
-        if on_mindspore and args.gemm_gradient_accumulation_fusion:
-            raise FeatureConfigError("--gemm-gradient-accumulation-fusion is Megatron-Core GroupedMLP's main_grad "
-                                     "path; the MindSpore trainer's grouped experts take MindSpore's gradients: drop it")
         # Megatron-Core's GroupedMLP asserts it
         if not on_mindspore and hasattr(args, "bf16") and not args.bf16:
             raise FeatureConfigError("--moe-grouped-gemm needs --bf16 (Megatron-Core's GroupedMLP runs in bf16 only)")

@@ -54,6 +54,7 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_shared_expert_size: int = 0          # --moe-shared-expert-intermediate-size (0: none)
     moe_dispatch: frozenset = frozenset()    # the MOE_DISPATCH features on: how moe.py schedules its exchanges
+    expert_main_grads: bool = False          # --gemm-gradient-accumulation-fusion: grouped experts' fp32 main grads
     attention_band: tuple = CAUSAL           # the attention kernel's mask keywords (attention_band.py)
 
     # feature ids that change the MoE layer's dispatch and combine (moe.py)
@@ -167,4 +168,6 @@ def _moe(args, features, dispatch_features: tuple) -> dict:
                 moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
                 moe_aux_loss_coeff=float(args.moe_aux_loss_coeff or 0.0),
                 moe_shared_expert_size=args.moe_shared_expert_intermediate_size or 0,
-                moe_dispatch=frozenset(f for f in features if f in dispatch_features))
+                moe_dispatch=frozenset(f for f in features if f in dispatch_features),
+                expert_main_grads="moe-grouped-gemm" in features
+                and bool(getattr(args, "gemm_gradient_accumulation_fusion", False)))

@@ -22,6 +22,12 @@ def linear(x, weight):
     return _MATMUL_T(x.reshape(-1, x.shape[-1]), weight).reshape(tuple(x.shape[:-1]) + (weight.shape[0],))
 
 
+def stacked(weights: list, transpose: bool = True):
+    """The [G, K, N] gmm operand of G weights [N, K] (transpose; else [G, N, K]), through Concat:
+    MindSpore's CPU has a bf16 Concat, no bf16 Stack."""
+    return ops.cat([(w.T if transpose else w).expand_dims(0) for w in weights], 0)
+
+
 def column_parallel(backend, ps: ParallelState, x, weight, bias=None):
     """x [s(/tp with SP), b, h] -> x_full @ W_local^T: each TP rank computes its output columns."""
     if ps.tp_size > 1 and ps.tp_linear is not None:
@@ -35,7 +41,7 @@ def column_parallel(backend, ps: ParallelState, x, weight, bias=None):
 
 
 def _weight_linear(ps: ParallelState, x, weight):
-    return linear(x, weight) if ps.main_grads is None else ps.main_grads.linear(x, weight)
+    return linear(x, weight) if ps.main_grads is None or not ps.main_grads.dense else ps.main_grads.linear(x, weight)
 
 
 def row_parallel(backend, ps: ParallelState, x, weight, bias=None):

@@ -27,7 +27,8 @@ the steps of the last call, in order):
 - --use-fused-moe-token-permute-and-unpermute: the backend's moe_permute / moe_unpermute kernels
   permute the tokens and sum them back, in place of the host's argsort and a segment sum;
 - --moe-grouped-gemm: the local experts run as two grouped GEMMs (the backend's gmm kernel over
-  the stacked expert weights) in place of one MLP per expert;
+  the stacked expert weights) in place of one MLP per expert; with --gemm-gradient-accumulation-fusion
+  their weight gradients go into fp32 main grads (main_grad.py);
 - --moe-alltoall-overlap-comm: dispatch, experts and combine run once per chunk (part c of every
   expert's block, as the torch hook cuts them), one chunk after the other: MindSpore's CPU
   collectives have no all-to-all to overlap (comm.py builds it from AllReduce), so nothing overlaps;
@@ -44,7 +45,7 @@ from mindspore import ops
 
 from mindspeed.checkpoint import neutral as nf
 from mindspeed.features.moe.chunks import CHUNKS, piece
-from mindspeed.training.mindspore.layers import linear
+from mindspeed.training.mindspore.layers import linear, stacked
 
 def route(logits, topk: int):
     """[T, E] logits -> (probs [T, k], expert indices [T, k]): top-k by logit, softmax over those."""
@@ -260,7 +261,11 @@ class MoELayer:
     def _grouped_experts(self, pairs, sizes: list, h: int):
         """pairs [M, h + 1] sorted by local expert (sizes[j] rows for expert j) -> [M, h]: fc1, the
         activation, x probability, fc2, each GEMM one gmm over the local experts' weights [L, K, N]."""
-        gmm = self.model.kernel("gmm")
-        stacked = lambda suffix: ops.stack([self._expert_weight(self.first + j, suffix).T for j in range(self.local)])
-        hidden = self.model._activation(gmm(pairs[:, :h], stacked("linear_fc1.weight"), sizes, 1))
-        return gmm(hidden * pairs[:, h:], stacked("linear_fc2.weight"), sizes, 1)
+        gmm, main_grads = self.model.kernel("gmm"), self.model.ps.main_grads
+        weights = lambda suffix: [self._expert_weight(self.first + j, suffix) for j in range(self.local)]
+        if main_grads is not None and main_grads.experts:     # --gemm-gradient-accumulation-fusion
+            grouped = lambda x, suffix: main_grads.grouped_linear(gmm, x, weights(suffix), sizes)
+        else:
+            grouped = lambda x, suffix: gmm(x, stacked(weights(suffix)), sizes, 1)
+        hidden = self.model._activation(grouped(pairs[:, :h], "linear_fc1.weight"))
+        return grouped(hidden * pairs[:, h:], "linear_fc2.weight")

@@ -23,7 +23,7 @@ class ParallelState:
     cp_group: object = None
     all_cp_ranks: list = field(default_factory=list)   # every CP group's global ranks
     tp_linear: object = None     # a feature's TP linears (--use-ascend-coc's CocLinears), else layers.py's
-    main_grads: object = None    # --gradient-accumulation-fusion's fp32 weight gradients (main_grad.py)
+    main_grads: object = None    # --(gemm-)gradient-accumulation-fusion's fp32 weight gradients (main_grad.py)
     pp_size: int = 1
     pp_rank: int = 0
     pp_group: object = None

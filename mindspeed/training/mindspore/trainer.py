@@ -143,8 +143,9 @@ class Trainer:
         if ps.cp_size > 1:
             enable_context_parallel(args, self.model, ps, session)
             self._shard = _cp_part(session, "shard_batch")
-        if "matmul_add_fp32" in cfg.fused_kernels:
-            ps.main_grads = MainGrads(backend)
+        dense_main_grads = "matmul_add_fp32" in cfg.fused_kernels
+        if dense_main_grads or cfg.expert_main_grads:
+            ps.main_grads = MainGrads(backend, dense_main_grads, cfg.expert_main_grads)
         self.graph_mode = graph_mode_ok(cfg, ps, swap is not None)
         self.dropout = DropoutMasks(cfg, ps, args.seed, len(self.model.layers))
         self._train_names, self._eval_names = extras_names(args, cfg, True), extras_names(args, cfg, False)
