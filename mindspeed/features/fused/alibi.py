@@ -83,7 +83,8 @@ class Alibi(Feature):
         kind = args.alibi_fusion_attn_type
         if kind is not None and kind not in FUSION_ATTN_TYPES:
             raise FeatureConfigError(f"--alibi-fusion-attn-type {kind} is not supported; choose one of "
-                                     f"{', '.join(map(str, FUSION_ATTN_TYPES))} (3, sqrt distances, is not implemented)")
+                                     f"{', '.join(map(str, FUSION_ATTN_TYPES))} (3, sqrt distances, is not "
+                                     "implemented)")
         if kind is not None and not getattr(args, "use_flash_attn", False):
             raise FeatureConfigError(f"--alibi-fusion-attn-type {kind} picks the fused attention's alibi: "
                                      "it needs --use-flash-attn")

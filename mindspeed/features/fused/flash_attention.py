@@ -63,9 +63,6 @@ def _flash_class():
             self.sparse_mode, self.pre_tokens, self.next_tokens = sparse_mode, pre_tokens, next_tokens
             self.alibi = AlibiBias(self, alibi) if alibi else None
 
-        def _alibi_bias(self, sq: int, skv: int, device):
-            return None if self.alibi is None else self.alibi(sq, skv, device)
-
         def _defer(self, attention_bias, packed_seq_params) -> bool:
             return (self.config.context_parallel_size > 1 or attention_bias is not None
                     or packed_seq_params is not None or getattr(self, "softmax_offset", None) is not None
@@ -76,8 +73,7 @@ def _flash_class():
             docs = documents.ends_in(attention_mask)    # EOD reset: the micro-batch's documents
             if self._defer(attention_bias, packed_seq_params):
                 if self.alibi is not None:
-                    raise NotImplementedError("alibi: attention bias, packed sequences and sliding windows "
-                                              "run Megatron's own attention, which adds no alibi bias")
+                    raise NotImplementedError("alibi: Megatron's attention (bias, packed sequences, windows) adds none")
                 if docs is not None and self.config.context_parallel_size == 1:
                     raise NotImplementedError("--reset-attention-mask with flash attention: attention bias, "
                                               "packed sequences and sliding windows cannot take the documents")
@@ -92,7 +88,7 @@ def _flash_class():
             # Megatron folds 1/layer_number into softmax_scale when it rescales in the softmax
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
             dropout_p = self.attention_dropout.p if self.training else 0.0
-            band["alibi"] = self._alibi_bias(sq, skv, query.device)   # [1, n, sq, skv] fp32, or None
+            band["alibi"] = self.alibi and self.alibi(sq, skv, query.device)   # [1, n, sq, skv] fp32, or None
             if docs is not None:     # attention inside each document, no [s, s] mask
                 documents.check(docs, b, sq)
                 if self.sparse_mode == 1:   # 'the given mask only': the documents' mask, causal in each
