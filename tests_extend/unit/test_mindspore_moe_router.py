@@ -161,7 +161,6 @@ def test_layer_output_is_each_tokens_weighted_experts(path, plain_gradients):
     (("--moe-token-dispatcher-type", "allgather"), "all-to-all only"),
     (("--add-bias-linear",), "no linear biases"),
     (("--recompute-activation-function",), "experts' activation"),
-    (("--expert-model-parallel-size", "2", "--use-distributed-optimizer"), "expert-parallel weights"),
 ])
 def test_what_the_layer_does_not_do_is_refused_in_one_line(extra, says):
     from mindspeed.adaptor_core import MindSpeedConfigError, plan
