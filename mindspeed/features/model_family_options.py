@@ -44,8 +44,7 @@ RouterOptions = option(
     depends=("moe",))
 option("moe-layer-layout", (host("--moe-layer-freq", 1), host("--first-k-dense-replace")),
        lambda a: a.moe_layer_freq not in (1, -1) or (a.first_k_dense_replace or 0) > 0,
-       "dense and MoE layers mixed (--moe-layer-freq, MindSpeed-LLM's --first-k-dense-replace)",
-       _lacks("dense layers among MoE layers"), TORCH,
+       "dense and MoE layers mixed (--moe-layer-freq, MindSpeed-LLM's --first-k-dense-replace)", {}, "",
        MOE_EXAMPLE + ("--first-k-dense-replace", "1"), depends=("moe",))
 option("mtp", (host("--mtp-num-layers"), host("--mtp-loss-scaling-factor", 0.1)), lambda a: bool(a.mtp_num_layers),
        "multi-token prediction (Megatron-Core's MTP block): extra layers predict later tokens; their losses "

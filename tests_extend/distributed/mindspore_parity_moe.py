@@ -43,14 +43,20 @@ def batch(step: int, dp_rank: int):
     return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32), mask
 
 
-def write_init(path: str, shared: bool, seed: int = 7, bf16: bool = False) -> None:
+# --first-k-dense-replace 1: layer 0 dense (the plain MLP, --ffn-hidden-size), layer 1 MoE; Megatron-Core's
+# moe_layer_freq pattern for it
+DENSE_FIRST, DENSE_FIRST_PATTERN = ("--first-k-dense-replace", "1"), [0, 1]
+
+
+def write_init(path: str, shared: bool, seed: int = 7, bf16: bool = False, extra: tuple = ()) -> None:
     """The initial weights (Megatron's init, the trainer's init_full_weights) as a neutral checkpoint;
-    bf16: rounded to bf16, so both sides' fp32 masters start from their bf16 weights' values."""
+    bf16: rounded to bf16, so both sides' fp32 masters start from their bf16 weights' values; extra:
+    more flags (the layer layout)."""
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.checkpoint import neutral as nf
     from mindspeed.training.mindspore.model import GPTConfig, init_full_weights
     from tests_extend.distributed.mindspore_parity_fp16 import to_bf16
-    args = parse_args(mp.trainer_argv(1) + moe_flags(1, shared))
+    args = parse_args(mp.trainer_argv(1) + moe_flags(1, shared) + list(extra))
     full = init_full_weights(GPTConfig.from_args(args, mp.VOCAB), seed)
     nf.save(path, 0, {k: to_bf16(v) if bf16 else v for k, v in full.items()}, meta={"backend": "test"})
 
@@ -114,9 +120,11 @@ def moe_schedule(model) -> list:
 
 
 # -- torch side (inside the gloo harness) ----------------------------------------------------------
-def build_torch_model(ep: int, shared: bool, tp: int = 1):
+def build_torch_model(ep: int, shared: bool, tp: int = 1, layer_freq=1):
+    """layer_freq: Megatron-Core's moe_layer_freq (a 0/1 list: dense layers among the MoE ones, its
+    decoder block spec)."""
     import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
     config = TransformerConfig(num_layers=mp.LAYERS, hidden_size=mp.HIDDEN, num_attention_heads=mp.HEADS,
@@ -128,8 +136,11 @@ def build_torch_model(ep: int, shared: bool, tp: int = 1):
                                moe_aux_loss_coeff=AUX, moe_token_dispatcher_type="alltoall",
                                expert_model_parallel_size=ep, tensor_model_parallel_size=tp,
                                sequence_parallel=tp > 1,
-                               moe_shared_expert_intermediate_size=SHARED if shared else None)
-    return GPTModel(config, get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm"),
+                               moe_shared_expert_intermediate_size=SHARED if shared else None,
+                               moe_layer_freq=layer_freq)
+    spec = (get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm") if layer_freq == 1 else
+            get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"))
+    return GPTModel(config, spec,
                     vocab_size=mp.VOCAB, max_sequence_length=mp.SEQ, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False)
 
@@ -173,7 +184,7 @@ def torch_layouts(rank, world_size, layouts):
 
 
 def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None, tp=1,
-                bf16=False):
+                bf16=False, layer_freq=1):
     """Harness body: train; evaluate the result; with save_dir (EP=1) save it as a neutral
     checkpoint; with other_ckpt, load that one into a fresh model and evaluate it too. tp > 1:
     sequence parallel, with MindSpeed's --moe-tp-extend-ep hook (the experts over TP x EP). bf16:
@@ -193,7 +204,7 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
     edp_group, dp_group = ps.get_expert_data_parallel_group(), ps.get_data_parallel_group()
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     spread = ps.get_expert_model_parallel_world_size()       # ep, or ep x tp extended
-    model = build_torch_model(ep, shared, tp)
+    model = build_torch_model(ep, shared, tp, layer_freq)
     load_into_torch(model, init_ckpt, ep_rank, spread, tp_rank, tp)
     params = list(model.named_parameters())
     forward, updated = model, [p for _, p in params]
@@ -252,7 +263,7 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
         nf.save(save_dir, steps, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
                                   if torch.is_tensor(v) and v.is_floating_point()}, meta={"backend": "torch"})
     if other_ckpt:      # the MindSpore run's final checkpoint, loaded here and evaluated
-        fresh = build_torch_model(ep, shared, tp)
+        fresh = build_torch_model(ep, shared, tp, layer_freq)
         load_into_torch(fresh, other_ckpt, ep_rank, spread, tp_rank, tp)
         result["eval_loss_of_other"] = _eval(fresh, dp_rank, dp_group, dp)
     result["experts"] = sorted({int(n.split(EXPERT_KEY)[1].split(".")[0]) + ep_rank * (EXPERTS // spread)

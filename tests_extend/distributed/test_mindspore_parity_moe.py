@@ -190,3 +190,27 @@ def test_ep2_bf16_matches_megatron_bf16_within_torchs_bf16_effect(two_processes)
         assert TOL < own < effect * pf.GAP_FACTOR, (own, effect)
         assert run["param_dtypes"] == ["BFloat16"] and not run["graph_mode"]
         assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]
+
+
+DENSE_FIRST_STEPS = 4
+
+
+def test_first_k_dense_replace_matches_megatron_and_checkpoint_crosses(ckpts):
+    """--first-k-dense-replace 1 on 2 layers (DeepSeek-V3's layout): layer 0 the plain MLP
+    (--ffn-hidden-size, Megatron's dense names), layer 1 the MoE layer; Megatron-Core with
+    moe_layer_freq [0, 1] (its decoder block spec) from the same weights: the losses within TOL and
+    the gradient norms over DENSE_FIRST_STEPS fp32 steps; torch's trained weights evaluate the same
+    in MindSpore."""
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    init, final = str(ckpts["root"] / "init_dense_first"), str(ckpts["root"] / "torch_dense_first")
+    pm.write_init(init, shared=False, extra=pm.DENSE_FIRST)
+    ((t,),) = run_distributed(pm.torch_layouts, world_size=1, args=(
+        [((1, False, init, None, DENSE_FIRST_STEPS, final), {"layer_freq": pm.DENSE_FIRST_PATTERN})],), timeout=300)
+    ms = pm.ms_train(MindSporeBackend("cpu"), 1, False, init, steps=DENSE_FIRST_STEPS, extra=pm.DENSE_FIRST)
+    np.testing.assert_allclose(ms["losses"], t["losses"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(ms["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
+    layer0 = {n for n in ms["params"] if n.startswith("decoder.layers.0.mlp.")}
+    assert layer0 == {"decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight"}
+    assert "decoder.layers.1.mlp.router.weight" in ms["params"] and _held_experts(ms) == {0, 1, 2, 3}
+    other = pm.ms_train(MindSporeBackend("cpu"), 1, False, final, steps=0, extra=pm.DENSE_FIRST)
+    assert other["eval_loss"] == pytest.approx(t["eval_loss"], abs=TOL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mindspeed.flags.family_flags import moe_layer_pattern
 from mindspeed.features.parallel.layers import layer_list, noop_layer_set
 from mindspeed.features.registry import fast_kernels
 from mindspeed.training.mindspore import param_layout
@@ -48,7 +49,9 @@ class GPTConfig:
     hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
     attention_dropout: float = 0.0           # on the attention probabilities (training only)
     params_dtype: str = "fp32"               # --fp16 / --bf16: 16-bit weights and activations, fp32 masters
-    num_experts: int = 0                     # --num-experts: every layer's MLP is an MoE layer (moe.py)
+    num_experts: int = 0                     # --num-experts: the MoE layers' MLP is an MoE layer (moe.py)
+    dense_layers: frozenset = frozenset()    # with --num-experts, the layers whose MLP stays dense (--moe-layer-freq,
+                                             # --first-k-dense-replace: Megatron-Core's moe_layer_freq pattern)
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 0             # each expert's FFN size (default: --ffn-hidden-size)
     moe_aux_loss_coeff: float = 0.0
@@ -88,6 +91,10 @@ class GPTConfig:
     def real_layers(self) -> list[int]:
         """Indices of the layers that compute (the others have no weights and pass through)."""
         return [i for i in range(self.num_layers) if i not in self.noop_layers]
+
+    def is_moe(self, i: int) -> bool:
+        """Whether layer i (global index)'s MLP is an MoE layer."""
+        return bool(self.num_experts) and i not in self.dense_layers
 
     def full_shapes(self) -> dict:
         """Every parameter's whole (unsharded) shape by Megatron-Core name (param_layout.py)."""
@@ -164,7 +171,9 @@ def _virtual_chunks(args) -> int:
 
 def _moe(args, features, dispatch_features: tuple) -> dict:
     """--num-experts and the MoE layer's settings; the dispatch features on (moe.py)."""
+    pattern = moe_layer_pattern(args) if hasattr(args, "moe_layer_freq") else None
     return dict(num_experts=args.num_experts or 0, moe_router_topk=args.moe_router_topk,
+                dense_layers=frozenset(i for i, moe in enumerate(pattern or ()) if not moe),
                 moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
                 moe_aux_loss_coeff=float(args.moe_aux_loss_coeff or 0.0),
                 moe_shared_expert_size=args.moe_shared_expert_intermediate_size or 0,

@@ -7,7 +7,8 @@ queries and keys are normalized per head by it too (Qwen3); positions are RoPE (
 learned table (--position-embedding-type learned_absolute) or none; linear biases optional
 (--add-bias-linear, or q/k/v only: --add-qkv-bias, Qwen2) -> vocab-parallel cross-entropy; with
 --num-experts every MLP is Megatron-Core's MoE layer instead (moe.py: router, experts over the
-expert-parallel ranks, shared experts). What the model is comes from GPTConfig (gpt_config.py);
+expert-parallel ranks, shared experts), but for the layers --moe-layer-freq / --first-k-dense-replace
+keep dense (GPTConfig.is_moe, by global layer index, so under PP too). What the model is comes from GPTConfig (gpt_config.py);
 which parameters this rank holds, and their shapes, from param_layout.py. RMSNorm, SwiGLU, RoPE and
 attention run through the backend's kernels (features reach the model via the interface only);
 LayerNorm and GELU are MindSpore's own ops (no fused variant here).
@@ -332,7 +333,7 @@ class GPTModel:
 
     # forward: MLP ---------------------------------------------------------------------------------
     def _mlp(self, i, x):
-        if self.cfg.num_experts:
+        if self.cfg.is_moe(i):       # else a dense layer among MoE ones (--first-k-dense-replace): the plain MLP
             if i not in self.moe_layers:
                 self.moe_layers[i] = MoELayer(self, i)
             return precision.fp32_compute(self.moe_layers[i])(x)     # bf16 on CPU: the layer in fp32

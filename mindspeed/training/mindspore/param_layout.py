@@ -51,7 +51,7 @@ def full_shapes(cfg: GPTConfig) -> dict:
 
 
 def _layer_shapes(cfg: GPTConfig, i: int) -> dict:
-    """Decoder layer i's weights: norms, attention, the dense or MoE MLP, the biases switched on."""
+    """Decoder layer i's weights: norms, attention, the dense or MoE MLP (cfg.is_moe), the biases switched on."""
     h, d = cfg.hidden_size, cfg.kv_channels
     qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
     fc1 = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size
@@ -59,7 +59,7 @@ def _layer_shapes(cfg: GPTConfig, i: int) -> dict:
               nf.layer_name(i, "self_attention.linear_qkv.weight"): (qkv, h),
               nf.layer_name(i, "self_attention.linear_proj.weight"): (h, cfg.num_attention_heads * d),
               nf.layer_name(i, "pre_mlp_layernorm.weight"): (h,)}
-    shapes.update(_moe_shapes(cfg, i) if cfg.num_experts else
+    shapes.update(_moe_shapes(cfg, i) if cfg.is_moe(i) else
                   {nf.layer_name(i, "mlp.linear_fc1.weight"): (fc1, h),
                    nf.layer_name(i, "mlp.linear_fc2.weight"): (h, cfg.ffn_hidden_size)})
     if cfg.normalization == "LayerNorm":
