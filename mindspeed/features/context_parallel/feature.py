@@ -125,11 +125,9 @@ class _ContextParallel(Feature):
                 kv_repeats(heads // tp, max((groups or heads) // tp, 1), u)
         except ValueError as exc:
             raise FeatureConfigError(f"{self.flags[0].name} {self.algo}: {exc}") from exc
-        for flag, given in (("--use-cp-send-recv-overlap", args.use_cp_send_recv_overlap),
-                            (WINDOW.name, (args.cp_window_size or 1) > 1)):
-            if given and self.algo not in RINGS:
-                raise FeatureConfigError(f"{flag} applies to ring attention (megatron_cp_algo / hybrid_cp_algo), "
-                                         f"not {self.algo}: drop it")
+        if args.use_cp_send_recv_overlap and self.algo not in RINGS:
+            raise FeatureConfigError("--use-cp-send-recv-overlap applies to ring attention "
+                                     f"(megatron_cp_algo / hybrid_cp_algo), not {self.algo}")
 
     def apply(self, ctx, args) -> None:
         u = args.ulysses_degree_in_cp
