@@ -77,6 +77,8 @@ def test_bad_values_are_reported():
     (["--profile-ranks", "1"], "--profile-ranks has no effect without --profile (profile): add it or drop"),
     # at CP > 1 under another algorithm (at CP 1 every CP flag is inert: test_inert_flags.py)
     (["--context-parallel-size", "2", "--cp-window-size", "2"], "--cp-window-size has no effect"),
+    (["--context-parallel-size", "2", "--context-parallel-algo", "kvallgather_cp_algo", "--cp-window-size", "2"],
+     "--cp-window-size has no effect"),
     (["--context-parallel-size", "2", "--ulysses-degree-in-cp", "2"],
      "--ulysses-degree-in-cp has no effect without --context-parallel-size > 1 (--context-parallel-algo hybrid_cp_algo)"),
 ])
