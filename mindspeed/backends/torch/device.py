@@ -6,12 +6,11 @@ module level, and only when asked for or when auto-detecting.
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
 from mindspeed.backends.base import DeviceAPI
-from mindspeed.backends.torch.device_select import DEVICE_ENV
+from mindspeed.backends.torch.device_select import requested_device
 
 
 def npu_available() -> bool:
@@ -23,7 +22,7 @@ def npu_available() -> bool:
 
 
 def select_device(requested: str | None = None) -> str:
-    requested = (requested or os.environ.get(DEVICE_ENV) or "auto").lower()
+    requested = requested_device(requested)
     if requested == "auto":
         if npu_available():
             return "npu"

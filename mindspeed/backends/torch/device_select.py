@@ -48,10 +48,15 @@ def cpu_only_torch() -> bool:
         return False
 
 
+def requested_device(requested: str | None) -> str:
+    """What the user asked for: --device, else $MINDSPEED_DEVICE, else auto (lower case)."""
+    return (requested or os.environ.get(DEVICE_ENV) or "auto").lower()
+
+
 def device_without_torch(requested: str | None) -> str | None:
     """'cpu' where that is what torch's own selection (device.select_device) would answer for `requested`
     on this install; None where only torch can answer."""
-    choice = (requested or os.environ.get(DEVICE_ENV) or "auto").lower()
+    choice = requested_device(requested)
     if choice == "cpu" and _torch_spec() is not None or choice == "auto" and cpu_only_torch():
         return "cpu"
     return None
