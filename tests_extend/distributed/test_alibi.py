@@ -2,7 +2,7 @@
 (a power-of-two head count and the interpolated ones), MindSpeed's attention modules (unfused and
 --use-flash-attn) against an fp64 softmax(QK^T/sqrt(d) + bias + causal mask) V, forward and backward,
 at TP=2 with a non-power-of-two head count (each rank's heads keep their global slopes), and the
-trainer's fp32 losses at TP=2 against TP=1. One 2-process launch."""
+trainer's fp32 losses at TP=2 against TP=1, and that the layers share one bias cache. One 2-process launch."""
 import math
 
 import pytest
@@ -44,7 +44,7 @@ def _attention_modules(tp):
                                params_dtype=__import__("torch").float32)
     kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     settings = dict(diagonal_opposite=False, fill_neg_inf=False)
-    return (alibi_attention_class()(alibi=settings, **kw),
+    return (alibi_attention_class()(kernels=get_backend().kernels, alibi=settings, **kw),
             flash_attention_class()(kernels=get_backend().kernels, alibi=settings, **kw))
 
 
@@ -69,9 +69,18 @@ def _check_modules(rank, tp):
     return worst
 
 
+def _shared_bias(model) -> dict:
+    """Whether the model's two attention layers share one bias cache, and one bias tensor in it."""
+    first, second = (layer.self_attention.core_attention.alibi for layer in model.decoder.layers)
+    device = next(model.parameters()).device
+    return dict(one_cache=first.cache is second.cache, entries=len(first.cache),
+                one_tensor=first(5, 5, device) is second(5, 5, device))
+
+
 def _gpt_losses(tp):
     """Megatron-Core's tiny GPT (cpu init: weights independent of TP, fp32, no position embedding) with
-    MindSpeed's alibi attention in its spec, unfused and flash: loss after one step's forward."""
+    MindSpeed's alibi attention in its spec, unfused and flash: loss after one step's forward, and
+    whether its layers share their bias."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -83,16 +92,26 @@ def _gpt_losses(tp):
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=10, kv_channels=8,
                                use_cpu_initialization=True, normalization="RMSNorm", add_bias_linear=False,
                                tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0)
-    alibi = dict(diagonal_opposite=False, fill_neg_inf=False)
-    losses = {}
-    for name, spec in (("unfused", fa.core_attention_spec(dict(alibi=alibi), fa.alibi_attention_class())),
-                       ("flash", fa.core_attention_spec(dict(alibi=alibi, kernels=get_backend().kernels)))):
+    kernels = get_backend().kernels
+    losses, sharing = {}, {}
+    for name, spec in (("unfused", fa.core_attention_spec(dict(alibi=_alibi_settings(), kernels=kernels),
+                                                          fa.alibi_attention_class())),
+                       ("flash", fa.core_attention_spec(dict(alibi=_alibi_settings(), kernels=kernels)))):
         layer = with_modules(get_gpt_layer_local_spec(normalization="RMSNorm"), SpecModules(core_attention=spec))
         __import__("torch").manual_seed(0)
         model = GPTModel(config, layer, vocab_size=megatron_tiny.VOCAB, max_sequence_length=megatron_tiny.SEQ,
                          position_embedding_type="none")
         losses[name] = megatron_tiny.loss_and_grad_norm(model)
-    return losses
+        sharing[name] = _shared_bias(model)
+    return losses, sharing
+
+
+def _alibi_settings() -> dict:
+    """The run's alibi settings as --position-embedding-type alibi makes them (with their bias cache)."""
+    from argparse import Namespace
+    from mindspeed.features.fused.flash_attention import alibi_settings
+    return alibi_settings(Namespace(position_embedding_type="alibi", alibi_diagonal_opposite=False,
+                                    fill_neg_inf=False))
 
 
 def _body(rank, world_size):
@@ -118,9 +137,19 @@ def test_attention_modules_match_fp64_reference_at_tp2(launch):
         assert worst["unfused"] < 1e-5 and worst["flash"] < 1e-5, worst
 
 
+def test_layers_share_one_bias_cache(launch):
+    """Both layers of each model hold one cache object; after the forward at one length it holds one
+    bias, and both layers get the same tensor for a new length (one copy per run, not per layer)."""
+    for _, runs in launch:
+        for tp in ("tp1", "tp2"):
+            for name, shared in runs[tp][1].items():
+                assert shared == dict(one_cache=True, entries=1, one_tensor=True), (tp, name, shared)
+
+
 def test_tp2_loss_matches_tp1(launch):
     """10 heads (not a power of two), 5 per TP rank: the loss, unfused and flash."""
-    for _, losses in launch:
+    for _, runs in launch:
+        losses = {tp: runs[tp][0] for tp in runs}
         print(f"\nalibi (loss, grad norm^2): {losses}")
         ref = losses["tp1"]["unfused"]
         for tp in ("tp1", "tp2"):

@@ -51,7 +51,6 @@ def _is_plain_causal(mask, sq: int, skv: int) -> bool:
 
 
 def _flash_class():
-    from megatron.core import tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -103,10 +102,7 @@ def _flash_class():
                     value.reshape(skv, b, kv_heads * value.shape[-1]), layout="SBH", head_num=heads,
                     mask=attention_mask, scale=scale, dropout_p=dropout_p, **band)[0]
 
-            if dropout_p > 0 and not self.config.sequence_parallel:
-                with tensor_parallel.get_cuda_rng_tracker().fork():   # as Megatron's attention dropout
-                    return run()
-            return run()
+            return _with_dropout_rng(self, dropout_p, run)
 
     return FlashDotProductAttention
 
@@ -118,34 +114,68 @@ def _attend_documents(query, key, value, docs, **kwargs):
     return documents.attention(sbh(query), sbh(key), sbh(value), docs, head_num=heads, **kwargs)[0]
 
 
+class AlibiCache:
+    """The alibi biases of a run, one tensor per key, shared by every attention layer (a [1, n, s, s]
+    fp32 bias is about 2 GiB per layer at seq 4096 with 32 heads: one copy, not one per layer). The
+    key is all that determines a bias; the newest few are kept (a run sees one or two lengths)."""
+
+    KEEP = 4
+
+    def __init__(self):
+        self._biases: dict = {}
+
+    def get(self, key, build):
+        bias = self._biases.pop(key, None)
+        if bias is None:
+            bias = build()
+        self._biases[key] = bias                   # newest last
+        while len(self._biases) > self.KEEP:
+            del self._biases[next(iter(self._biases))]
+        return bias
+
+    def __len__(self) -> int:
+        return len(self._biases)
+
+
 class AlibiBias:
     """An attention module's alibi bias (features/fused/alibi.py): the slopes of the heads its TP rank
-    holds (their global indices), and the [1, heads, sq, skv] fp32 bias of the last shape asked for.
-    A plain attribute, not a buffer: checkpoints stay those of a model without alibi."""
+    holds (their global indices); the fp32 [1, heads, sq, skv] biases come from the run's AlibiCache
+    (settings["cache"], one per spec: every layer shares it). A plain attribute, not a buffer:
+    checkpoints stay those of a model without alibi."""
 
     def __init__(self, module, settings: dict):
         from mindspeed.features.fused import alibi
         tp = module.tp_group
-        self.slopes = alibi.local_slopes(module.config.num_attention_heads, tp.size(), tp.rank())
+        self.slopes = tuple(alibi.local_slopes(module.config.num_attention_heads, tp.size(), tp.rank()))
         self.diagonal_opposite = bool(settings.get("diagonal_opposite"))
         self.fill_neg_inf = bool(settings.get("fill_neg_inf"))
-        self._cached = (None, None)
+        cache = settings.get("cache")    # (an empty cache is falsy: no `or`)
+        self.cache = AlibiCache() if cache is None else cache
 
-    def __call__(self, sq: int, skv: int, device):
-        key, bias = self._cached
-        if key != (sq, skv, str(device)):
+    @property
+    def mask_fill(self) -> float:
+        """What a masked score becomes in the unfused softmax (Megatron's -10000; --fill-neg-inf: -inf)."""
+        return float("-inf") if self.fill_neg_inf else -10000.0
+
+    def __call__(self, sq: int, skv: int, device, *, causal_fill: float | None = None):
+        """The bias; causal_fill: with `causal_fill` above the diagonal (a causal mask folded in)."""
+        import torch
+        key = (self.slopes, sq, skv, self.diagonal_opposite, causal_fill, torch.float32, str(device))
+
+        def build():
             bias = alibi_bias(self.slopes, sq, skv, diagonal_opposite=self.diagonal_opposite, device=device)
-            self._cached = ((sq, skv, str(device)), bias)
-        return bias
+            if causal_fill is None:
+                return bias
+            return bias.masked_fill(torch.ones(sq, skv, dtype=torch.bool, device=device).triu(1), causal_fill)
+        return self.cache.get(key, build)
 
 
-def alibi_bias(slopes, sq: int, skv: int, *, diagonal_opposite: bool = False, q_offset: int = 0,
-               k_offset: int = 0, device=None):
+def alibi_bias(slopes, sq: int, skv: int, *, diagonal_opposite: bool = False, device=None):
     """[1, len(slopes), sq, skv] fp32: -m_h * |i - j| (diagonal_opposite: -m_h * (i - j)) for query
-    position i = q_offset + row and key position j = k_offset + column."""
+    position i and key position j."""
     import torch
-    i = torch.arange(sq, device=device, dtype=torch.float64) + q_offset
-    j = torch.arange(skv, device=device, dtype=torch.float64) + k_offset
+    i = torch.arange(sq, device=device, dtype=torch.float64)
+    j = torch.arange(skv, device=device, dtype=torch.float64)
     distance = i[:, None] - j[None, :]
     if not diagonal_opposite:
         distance = distance.abs()
@@ -153,48 +183,51 @@ def alibi_bias(slopes, sq: int, skv: int, *, diagonal_opposite: bool = False, q_
     return (-m[:, None, None] * distance).unsqueeze(0).float()
 
 
+def _with_dropout_rng(module, dropout_p: float, run):
+    """run() under Megatron's model-parallel RNG when attention dropout draws (as Megatron's attention)."""
+    if dropout_p > 0 and not module.config.sequence_parallel:
+        from megatron.core import tensor_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return run()
+    return run()
+
+
 def _alibi_class():
-    from megatron.core import tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
+    from mindspeed.features.memory.shared_mask import is_shared
 
     class AlibiDotProductAttention(DotProductAttention):
         """Megatron-Core's unfused attention with the alibi bias added to the scaled scores (no
-        --use-flash-attn): softmax(scale QK^T + bias, masked at -10000, or -inf with --fill-neg-inf) V."""
+        --use-flash-attn): the backend's reference attention, softmax(scale QK^T + bias) V, with the
+        mask folded into the bias at -10000 (Megatron's unfused softmax; -inf with --fill-neg-inf).
+        A causal layer's folded bias is cached; other masks are folded per call."""
 
-        def __init__(self, *args, alibi: dict, **kwargs):
+        def __init__(self, *args, alibi: dict, kernels, **kwargs):
             super().__init__(*args, **kwargs)
+            self.kernels = kernels              # the run's backend's (a spec param)
             self.alibi = AlibiBias(self, alibi)
+
+        def _bias(self, attention_mask, causal: bool, sq: int, skv: int, device):
+            if (attention_mask is None and causal) or is_shared(attention_mask):
+                return self.alibi(sq, skv, device, causal_fill=self.alibi.mask_fill)
+            bias = self.alibi(sq, skv, device)
+            return bias if attention_mask is None else bias.masked_fill(attention_mask.bool(), self.alibi.mask_fill)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            import torch
             if attention_bias is not None or packed_seq_params is not None:
                 raise NotImplementedError("alibi takes no attention bias or packed sequences")
-            sq, b, heads, _ = query.shape
-            skv = key.shape[0]
-            groups = heads // key.shape[2]
-            key, value = (t.repeat_interleave(groups, dim=2) if groups > 1 else t for t in (key, value))
-            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-            fp32 = self.config.attention_softmax_in_fp32 or query.dtype == torch.float32
-            work = torch.float32 if fp32 else query.dtype
-            scores = torch.einsum("sbnd,tbnd->bnst", query, key).to(work) * scale
-            scores = scores + self.alibi(sq, skv, query.device).to(work)
+            sq, b, heads, head_dim = query.shape
+            skv, _, kv_heads, _ = key.shape
             causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
-            mask = attention_mask
-            if mask is None and causal:
-                mask = torch.ones(sq, skv, dtype=torch.bool, device=query.device).triu(1)
-            if mask is not None:
-                scores = scores.masked_fill(mask.bool(), float("-inf") if self.alibi.fill_neg_inf else -10000.0)
-            probs = torch.softmax(scores, dim=-1).to(value.dtype)
-            if self.training and self.attention_dropout.p > 0:     # as Megatron's attention dropout
-                if self.config.sequence_parallel:
-                    probs = self.attention_dropout(probs)
-                else:
-                    with tensor_parallel.get_cuda_rng_tracker().fork():
-                        probs = self.attention_dropout(probs)
-            context = torch.einsum("bnst,tbnd->sbnd", probs, value)
-            return context.reshape(sq, b, heads * value.shape[-1])
+            bias = self._bias(attention_mask, causal, sq, skv, query.device)
+            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+            dropout_p = self.attention_dropout.p if self.training else 0.0
+            return _with_dropout_rng(self, dropout_p, lambda: self.kernels.reference.attention(
+                query.reshape(sq, b, heads * head_dim), key.reshape(skv, b, kv_heads * head_dim),
+                value.reshape(skv, b, kv_heads * value.shape[-1]), layout="SBH", head_num=heads, scale=scale,
+                dropout_p=dropout_p, alibi=bias)[0])
 
     return AlibiDotProductAttention
 
@@ -228,7 +261,8 @@ def alibi_settings(args) -> dict | None:
     """The alibi bias's settings (features/fused/alibi.py), None without --position-embedding-type alibi."""
     if getattr(args, "position_embedding_type", None) != "alibi":
         return None
-    return dict(diagonal_opposite=bool(args.alibi_diagonal_opposite), fill_neg_inf=bool(args.fill_neg_inf))
+    return dict(diagonal_opposite=bool(args.alibi_diagonal_opposite), fill_neg_inf=bool(args.fill_neg_inf),
+                cache=AlibiCache())   # one per spec: every layer's module shares it
 
 
 def flash_settings(args, kernels) -> dict:
@@ -249,7 +283,7 @@ def install_alibi(ctx, args) -> None:
     without, the unfused AlibiDotProductAttention takes every core attention slot."""
     if ctx.applies("flash-attn"):
         return
-    settings = dict(alibi=alibi_settings(args))
+    settings = dict(alibi=alibi_settings(args), kernels=ctx.backend.kernels)
     ctx.provide(SPEC_CORE_ATTENTION, core_attention_spec(settings, alibi_attention_class()))
     if not ctx.specs_from_session:
         _patch_specs(ctx.patcher, settings, alibi_attention_class(), "--position-embedding-type alibi")
