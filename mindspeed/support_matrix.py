@@ -34,6 +34,8 @@ def feature_level(feature: Feature, backend: str, device: str) -> tuple[Level, l
     the backend's host model has no integration hook for the feature."""
     if feature.planned:
         return Level.ABSENT, [f"not implemented yet ({feature.planned})"]
+    if feature.by_design:
+        return Level.ABSENT, [f"refused by design: {feature.by_design}"]
     caps = capability_table(backend).declared(device)
     levels = [(req, caps.get(req, Level.ABSENT)) for req in feature.requires]
     level = min((lv for _, lv in levels), key=lambda lv: lv.rank, default=Level.NATIVE)
@@ -53,7 +55,7 @@ def feature_level(feature: Feature, backend: str, device: str) -> tuple[Level, l
 
 
 def implemented() -> list[Feature]:
-    return [f for f in all_features() if not f.planned]
+    return [f for f in all_features() if not f.planned and not f.by_design]
 
 
 def planned() -> list[Feature]:
@@ -77,10 +79,20 @@ def planned_rows() -> list[dict]:
              "tracked": f.planned} for f in planned()]
 
 
+def by_design() -> list[Feature]:
+    return [f for f in all_features() if f.by_design]
+
+
+def by_design_rows() -> list[dict]:
+    return [{"feature": f.id, "category": f.category, "flags": [fl.name for fl in f.flags],
+             "why": f.by_design, "alternatives": f.alternatives} for f in by_design()]
+
+
 def to_json() -> str:
     return json.dumps({"columns": [f"{b}/{d}" for b, d in columns()],
                        "verified": [f"{b}/{d}" for b, d in columns() if verified(b, d)],
-                       "features": compute(), "not_implemented_yet": planned_rows()}, indent=2)
+                       "features": compute(), "not_implemented_yet": planned_rows(),
+                       "refused_by_design": by_design_rows()}, indent=2)
 
 
 def to_markdown() -> str:
@@ -103,6 +115,13 @@ def to_markdown() -> str:
     for row in planned_rows():
         flags = ", ".join(f"`{name}`" for name in row["flags"])
         lines.append(f"- {row['feature']} ({row['category']}; {row['tracked']}): {flags}")
+    lines.append("")
+    lines.append("Refused by design (accepted by the parser, refused on every backend before any work; "
+                 "not planned, for the reason given):")
+    lines.append("")
+    for row in by_design_rows():
+        flags = ", ".join(f"`{name}`" for name in row["flags"])
+        lines.append(f"- {row['feature']} ({row['category']}): {flags}: {row['why']}")
     return "\n".join(lines)
 
 
@@ -118,6 +137,10 @@ def check(features: list[Feature], backend: str, device: str, args=None) -> None
         if f.planned:
             problems.append((f"{f.id} ({flag})",
                              f"{flag} ({f.id}) is not implemented yet ({f.planned}); drop the flag"))
+            continue
+        if f.by_design:
+            instead = f"; instead: {f.alternatives}" if f.alternatives else "; drop the flag"
+            problems.append((f"{f.id} ({flag})", f"{flag} ({f.id}) is refused by design: {f.by_design}{instead}"))
             continue
         reasons = [lim for lim in limits if lim in f.unsupported.values()]
         missing = "; ".join(lim for lim in limits if "(emulated)" not in lim and lim not in reasons)

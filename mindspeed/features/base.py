@@ -64,6 +64,7 @@ class Feature:
     emulated: dict = {}
     megatron_lm_refusal: str = ""      # why Megatron-LM's own scripts cannot run it (empty: they can)
     planned: str = ""                  # not implemented yet: where it is tracked (refused everywhere)
+    by_design: str = ""                # refused everywhere by design: why it cannot run in this project
     example: tuple[str, ...] = ()      # argv that turns the feature on (docs, the matrix walk test)
     example_world: int = 1             # processes that argv needs
     examples: dict = {}                # backend -> its own example, where it differs from `example`

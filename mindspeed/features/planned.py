@@ -43,8 +43,7 @@ def on(name: str) -> Flag:
 MEMORY, PARALLEL, FUSED, MOE, LOOP = "memory", "parallel", "fused", "moe", "training"
 
 planned("adaptive-recompute", MEMORY, "not scheduled", "recompute/swap chosen from a memory budget",
-        value("--adaptive-recompute-device-size", int), on("--adaptive-recompute-device-swap"),
-        value("--adaptive-recompute-profiling-step", int))
+        value("--adaptive-recompute-device-size", int), value("--adaptive-recompute-profiling-step", int))
 planned("recompute-in-bubble", MEMORY, "not scheduled", "recompute scheduled into pipeline bubbles",
         on("--recompute-in-bubble"), on("--recompute-in-advance"))
 planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer sizes (Ascend)",
@@ -56,8 +55,6 @@ planned("dualpipev", PARALLEL, "not scheduled", "DualPipeV pipeline schedule",
         value("--schedules-method", choices=["dualpipev"]), on("--dualpipev-dw-detach"))
 planned("moe-fb-overlap", MOE, "scheduled", "one micro-batch's MoE all-to-all overlapped with another's compute",
         on("--moe-fb-overlap"))
-planned("nanopipe", PARALLEL, "not scheduled", "nano-pipe pipeline schedule",
-        on("--use-nanopipe"), on("--use-nanopipe-swap"))
 planned("automated-pipeline", PARALLEL, "not scheduled", "automated pipeline memory balancing",
         on("--automated-pipeline"), on("--automated-pipeline-perf"))
 planned("tp-2d", PARALLEL, "not scheduled", "2-D tensor parallelism",
@@ -73,8 +70,6 @@ planned("moe-bmm-mc2", MOE, "not scheduled", "MoE batched matmul fused with comm
 planned("deepspeed-moe", MOE, "not scheduled", "DeepSpeed-style MoE (token rearrange, dropless)",
         value("--moe-model-type", choices=["megatron_moe", "deepspeed_moe"], default="megatron_moe"), on("--moe-no-drop"),
         on("--enable-token-rearrange-opt"))
-planned("pipe-experts", MOE, "not scheduled", "MoE MLP communication hiding",
-        on("--use-pipe-experts"), on("--pipe-experts-multi-stream"), value("--pipe-experts-multi-data", int))
 planned("ampipe", MOE, "not scheduled", "Ampipe attention/MoE pipelining",
         value("--ampipe-degree", int), on("--ampipe-tp-sp-comm-overlap"))
 planned("fused-ema-adamw", LOOP, "not scheduled", "fused EMA AdamW optimizer",

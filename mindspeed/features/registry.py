@@ -27,6 +27,7 @@ FEATURE_MODULES = [
     "mindspeed.features.memory.reuse_fp32_param",
     "mindspeed.features.finetune.lora",
     "mindspeed.features.planned",
+    "mindspeed.features.by_design",
 ]
 _REGISTRY: dict[str, Feature] = {}
 _loaded = False

@@ -26,9 +26,36 @@ def test_matrix_cli_lists_both_backends():
     data = json.loads(_cli("matrix", "--json").stdout)
     assert {"torch/cpu", "mindspore/cpu"} <= set(data["verified"])
     assert "torch/npu" not in data["verified"]
-    assert {row["feature"] for row in data["features"]} == {f.id for f in all_features() if not f.planned}
+    assert {row["feature"] for row in data["features"]} == {f.id for f in all_features()
+                                                            if not f.planned and not f.by_design}
     assert {row["feature"] for row in data["not_implemented_yet"]} == {f.id for f in all_features() if f.planned}
     assert "dualpipev" in {row["feature"] for row in data["not_implemented_yet"]}
+    assert {row["feature"] for row in data["refused_by_design"]} == {f.id for f in all_features() if f.by_design}
+
+
+# each row refused by design, by a flag of it: the one line says so, why, and what to use instead
+BY_DESIGN = {
+    ("--use-pipe-experts",): ("pipe-experts", "legacy (non-Megatron-Core) models", "--moe-alltoall-overlap-comm"),
+    ("--use-nanopipe-swap",): ("nanopipe", "legacy (non-Megatron-Core) models", "interleaved pipeline"),
+    ("--adaptive-recompute-device-swap",): ("adaptive-recompute-device-swap", "legacy (non-Megatron-Core) models",
+                                            "--swap-attention"),
+    ("--virtual-optimizer", "all"): ("virtual-optimizer", "torch_npu.empty_with_swapped_memory", "--swap-optimizer"),
+}
+
+
+@pytest.mark.parametrize("argv", list(BY_DESIGN), ids=lambda argv: argv[0])
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_refused_by_design_in_one_line_naming_why_and_the_alternative(argv, backend):
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    feature_id, why, instead = BY_DESIGN[argv]
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(["--backend", backend, *argv], unknown_flags="trainer")
+    msg = str(err.value)
+    assert "\n" not in msg and f"{' '.join(argv)} ({feature_id}) is refused by design: " in msg, msg
+    assert why in msg and instead in msg.split("; instead: ")[1] and "not implemented yet" not in msg, msg
+    markdown = support_matrix.to_markdown()
+    assert f"- {feature_id} (" in markdown.split("Refused by design")[1]
+    assert feature_id not in [row["feature"] for row in support_matrix.compute()]
 
 
 def test_readme_tables_match_the_code():
