@@ -196,15 +196,24 @@ def check_documents(kit, cp, seed, nkv=4):
     return max(errors)
 
 
+def document_cases_for(cp_size):
+    """cases_for's, plus at CP 2 the KV all-gather with the fused merge (only its document parts merge)."""
+    extra = [("kvallgather-fused", "kvallgather_cp_algo", {"fused_merge": True})] if cp_size == 2 else []
+    return cases_for(cp_size) + extra
+
+
 def run_documents(world_size, cp_size=None):
-    """Every algorithm with packed documents (MHA and GQA), fp32: {label/documents/nkvN: max error}."""
+    """Every algorithm with packed documents (MHA and GQA), fp32: {label/documents/nkvN: max error}
+    and {label/documents/fused_merges: calls of the backend's fused ring_attention_update}."""
     cp_size = cp_size or world_size
     group, blocks = cp_subgroups(world_size, cp_size)
     results = {}
     from tests_extend.distributed import torch_kit
-    for label, algo, options in cases_for(cp_size):
+    for label, algo, options in document_cases_for(cp_size):
         cp = build_cp_groups(algo, backend=get_backend(), group=group, all_cp_ranks=blocks, **options)
-        for nkv in (4, 2 if cp_size == 2 else 1):
-            seed = zlib.crc32(f"{label}/documents/{nkv}".encode())
-            results[f"cp{cp_size}/{label}/documents/nkv{nkv}"] = check_documents(torch_kit, cp, seed, nkv)
+        with counted_fused_merges() as calls:
+            for nkv in (4, 2 if cp_size == 2 else 1):
+                seed = zlib.crc32(f"{label}/documents/{nkv}".encode())
+                results[f"cp{cp_size}/{label}/documents/nkv{nkv}"] = check_documents(torch_kit, cp, seed, nkv)
+        results[f"cp{cp_size}/{label}/documents/fused_merges"] = None if calls is None else len(calls)
     return results

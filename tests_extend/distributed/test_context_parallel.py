@@ -2,7 +2,7 @@
 and of 2 (two groups side by side, as with data parallelism). For every algorithm, output and
 q/k/v gradients equal single-process attention on the whole sequence (causal and general masks,
 MHA and GQA, fp32 and bf16; packed documents given by their ends, against the dense per-document
-mask, fp32). At CP 4: hybrid is Ulysses 2 x ring 2 (with and without a window),
+mask, fp32; the KV all-gather's document parts merged by the fused kernel when asked). At CP 4: hybrid is Ulysses 2 x ring 2 (with and without a window),
 and the double ring has two inner rings of 2; the groups actually built are checked."""
 import pytest
 
@@ -27,8 +27,12 @@ def test_cp_attention_matches_single_process():
     expected = {f"cp{size}/{label}" for size in (2, 4) for label, _, _ in cp_cases.cases_for(size)}
     for per_rank, docs in results:
         # packed documents (EOD reset): every algorithm, given the documents' ends and no mask
+        doc_merges = {k.split("/documents/")[0]: docs.pop(k) for k in list(docs) if k.endswith("/fused_merges")}
         assert set(docs) == {f"cp{size}/{label}/documents/nkv{nkv}" for size in (2, 4)
-                             for label, _, _ in cp_cases.cases_for(size) for nkv in (4, 2 if size == 2 else 1)}
+                             for label, _, _ in cp_cases.document_cases_for(size) for nkv in (4, 2 if size == 2 else 1)}
+        # the document parts merge with the fused kernel where the feature asks for it, the KV all-gather's too
+        assert doc_merges.pop("cp2/ring-fused") > 0 and doc_merges.pop("cp2/kvallgather-fused") > 0, doc_merges
+        assert set(doc_merges.values()) == {0}, doc_merges
         errors = {k: v for k, v in per_rank.items() if not k.endswith(("/arrangement", "/fused_merges"))}
         # the ring merges its steps with the fused kernel exactly where the feature asks for it
         merges = {k.rsplit("/", 1)[0]: v for k, v in per_rank.items() if k.endswith("/fused_merges")}

@@ -21,7 +21,7 @@ def context_parallel_attention(q, k, v, cp: CPGroups, *, head_num: int, causal: 
     if cp.algo == "ulysses_cp_algo":
         return ulysses_attention(q, k, v, group=cp.ulysses_group, **common)
     if cp.algo == "kvallgather_cp_algo":
-        return kvallgather_attention(q, k, v, group=cp.group, **common)
+        return kvallgather_attention(q, k, v, group=cp.group, fused_merge=cp.fused_merge, **common)
     ring = dict(window_size=cp.window_size, overlap=cp.overlap, fused_merge=cp.fused_merge)
     if cp.algo == "megatron_cp_algo" or cp.ulysses_degree == 1:
         return ring_attention(q, k, v, group=cp.ring_group, **ring, **common)

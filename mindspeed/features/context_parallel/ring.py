@@ -87,7 +87,14 @@ class _Rotation:
         return gk, gv
 
 
-def _merge(merge, acc, out, mx, sm):
+def merge_kernel(kernels, fused_merge: bool):
+    """The ring_attention_update that merges partial results: the backend's fused one under
+    --use-fused-ring-attention-update (fused_merge), else its reference."""
+    return kernels.ring_attention_update if fused_merge else kernels.reference.ring_attention_update
+
+
+def merge_partial(merge, acc, out, mx, sm):
+    """acc (out, max, sum in fp32, or None before the first block) merged with a block's partial result."""
     if acc is None:
         return out.float(), mx, sm
     return merge(acc[0], acc[1], acc[2], out.float(), mx, sm)
@@ -141,7 +148,7 @@ def ring_attention(q, k, v, *, backend, head_num: int, group=None, causal: bool 
         raise ValueError(f"ring attention: mask covers {mask.shape[-1]} tokens, the ring's sequence "
                          f"has {2 * size * c}")
     rows = chunk_positions(rank, size, c) if mask is not None else None
-    merge = kernels.ring_attention_update if fused_merge else kernels.reference.ring_attention_update
+    merge = merge_kernel(kernels, fused_merge)
     first = second = None
     for owner, rotation in ring_schedule(rank, size, window_size):
         hop = _Rotation(rotation[0], rotation[1], group, backend) if rotation else None
@@ -150,15 +157,15 @@ def ring_attention(q, k, v, *, backend, head_num: int, group=None, causal: bool 
             firsts, seconds = ring_documents.blocks(backend, q, k, v, documents, rank, owner, size, c,
                                                     head_num=head_num, scale=scale, dropout_p=dropout_p)
             for part in firsts:
-                first = _merge(merge, first, *part)
+                first = merge_partial(merge, first, *part)
             for part in seconds:
-                second = _merge(merge, second, *part)
+                second = merge_partial(merge, second, *part)
         else:
             a, b = _owner_halves(kernels, q, k, v, kw, rank=rank, owner=owner, size=size, causal=causal,
                                  mask=mask, rows=rows)
             if a is not None:
-                first = _merge(merge, first, *a)
-            second = _merge(merge, second, *b)
+                first = merge_partial(merge, first, *a)
+            second = merge_partial(merge, second, *b)
         if hop:
             if incoming is None:
                 incoming = hop.start(k, v)
