@@ -40,7 +40,7 @@ def on(name: str) -> Flag:
     return switch(name, "not implemented yet")
 
 
-MEMORY, PARALLEL, FUSED, MOE, LOOP = "memory", "parallel", "fused", "moe", "training"
+MEMORY, PARALLEL, FUSED, MOE = "memory", "parallel", "fused", "moe"
 
 planned("adaptive-recompute", MEMORY, "not scheduled", "recompute/swap chosen from a memory budget",
         value("--adaptive-recompute-device-size", int), value("--adaptive-recompute-profiling-step", int))
@@ -49,8 +49,6 @@ planned("recompute-in-bubble", MEMORY, "not scheduled", "recompute scheduled int
 planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer sizes (Ascend)",
         value("--hccl-group-buffer"), on("--hccl-group-buffer-adaptive"),
         value("--hccl-ep-group-buffer-adaptive-factor", float))
-planned("unaligned-pipeline", PARALLEL, "not scheduled", "layers per pipeline and virtual pipeline stage as a matrix",
-        value("--pipeline-num-transformer-layers"))
 planned("dualpipev", PARALLEL, "not scheduled", "DualPipeV pipeline schedule",
         value("--schedules-method", choices=["dualpipev"]), on("--dualpipev-dw-detach"))
 planned("moe-fb-overlap", MOE, "scheduled", "one micro-batch's MoE all-to-all overlapped with another's compute",
@@ -72,5 +70,3 @@ planned("deepspeed-moe", MOE, "not scheduled", "DeepSpeed-style MoE (token rearr
         on("--enable-token-rearrange-opt"))
 planned("ampipe", MOE, "not scheduled", "Ampipe attention/MoE pipelining",
         value("--ampipe-degree", int), on("--ampipe-tp-sp-comm-overlap"))
-planned("fused-ema-adamw", LOOP, "not scheduled", "fused EMA AdamW optimizer",
-        value("--optimizer-selection", choices=["fused_ema_adamw"]), on("--use-ema"), value("--ema-decay", float))

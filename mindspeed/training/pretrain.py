@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -34,7 +35,7 @@ from mindspeed.net import free_port
 from mindspeed.training import collective_timeout, data, loop
 from mindspeed.training.layer_spec import SpecModules
 from mindspeed.training.logger import TrainingLogger
-from mindspeed.training.model import build_model_chunks, count_parameters, transformer_config
+from mindspeed.training.model import build_model_chunks, count_parameters, transformer_config, virtual_stages
 
 
 def process_group_backend(requested: str | None, device: str) -> str:
@@ -73,8 +74,7 @@ def _join(args, device: str, setup_minutes: float) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=None if args.num_layers_per_virtual_pipeline_stage is None
-        else args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage,
+        virtual_pipeline_model_parallel_size=virtual_stages(args),
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=setup_minutes)      # its groups' timeout: 30 min otherwise
@@ -148,8 +148,9 @@ def _reduce_loss(losses_reduced: list, device: str) -> float:
 
 class Trainer:
     def __init__(self, args, logger: TrainingLogger, reader: data.BatchReader | None = None, lora=None,
-                 spec_modules: SpecModules | None = None):
+                 spec_modules: SpecModules | None = None, ema_weights=None):
         self.args, self.log = args, logger
+        self.ema_weights = ema_weights      # --use-ema: a context in which the model holds the EMA weights
         self.lora = lora            # the LoRA feature's part: adapters on a frozen model
         self.spec_modules = spec_modules     # what the features put into the layer spec (layer_spec.py)
         self.device = args.device_name
@@ -236,7 +237,8 @@ class Trainer:
         return _reduce_loss(losses, self.device), grad_norm, ok
 
     def evaluate(self, dataset) -> float | None:
-        return validation_loss(self.args, self.model, dataset, self.reader, self.num_microbatches)
+        with self.ema_weights(self.optimizer) if self.ema_weights else nullcontext():
+            return validation_loss(self.args, self.model, dataset, self.reader, self.num_microbatches)
 
 
 def microbatch_iterators(args, model_chunks: list, dataset, consumed: int, masks):
@@ -414,7 +416,8 @@ def _train(args, tokenizer, logger: TrainingLogger, session: Session, started_at
     baseline = None if a.mock_data else data.unigram_entropy(data.token_prefixes(a), tokenizer.vocab_size)
     reader = data.BatchReader.for_session(session, a, tokenizer.eod)
     train_ds, valid_ds, _test_ds = data.build_datasets(a, tokenizer, packed=reader.packed)
-    trainer = Trainer(a, logger, reader, lora=session.part("lora"), spec_modules=SpecModules.of(session))
+    trainer = Trainer(a, logger, reader, lora=session.part("lora"), spec_modules=SpecModules.of(session),
+                      ema_weights=session.part("ema_weights"))
     n_params = count_parameters(trainer.model)
     logger.print(f"> MindSpeed {session.plan.describe()}".replace("\n", "; "))
     for note in session.notes():

@@ -1,0 +1,125 @@
+"""--optimizer-selection fused_ema_adamw on Megatron-Core's optimizers (Float16OptimizerWithFloat16Params,
+FP32Optimizer): the torch AdamW inside each keeps Megatron's update untouched (the losses are
+--optimizer adam's bit for bit) and, in the same step call, updates each updated parameter's
+'ema_params' state (fp32, beside exp_avg / exp_avg_sq) with one foreach lerp:
+
+    ema_t = d_t * ema_(t-1) + (1 - d_t) * param_t,   d_t = min(decay, (1 + t) / (10 + t)),   ema_0 = param_0
+
+t is the parameter's AdamW step count, which the checkpoint holds: a resumed run continues the warm-up.
+As optimizer state the EMA reaches both checkpoint formats through Megatron's own state dicts
+(state_dict; sharded_state_dict maps every state key onto the parameter's sharding); a torch_dist load
+asks init_state_fn for the state to load into, so that gets 'ema_params' too.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+import torch
+
+KEY = "ema_params"
+OPTIMIZERS = ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
+              "megatron.core.optimizer.optimizer.FP32Optimizer")
+
+
+def decay_at(decay: float, step: int) -> float:
+    """Upstream MindSpeed's warm-up: early updates follow the weights closely."""
+    return min(decay, (1 + step) / (10 + step))
+
+
+class EmaOfWeights:
+    """The EMA state of one torch optimizer's parameters, kept by its step hooks."""
+
+    def __init__(self, inner: torch.optim.Optimizer, decay: float):
+        self.inner, self.decay = inner, decay
+        self.updates = 0            # EMA updates run (a test hook: the hook is live)
+        self.first = {}             # param -> its weights before its first update (ema_0)
+        inner.register_step_pre_hook(lambda opt, *_: self.keep_first(self.stepping()))
+        inner.register_step_post_hook(lambda opt, *_: self.update(self.stepping()))
+
+    def stepping(self) -> list:
+        """The params this step updates: AdamW's own choice, those with a gradient."""
+        return [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+
+    def keep_first(self, params) -> None:
+        # not into the state yet: AdamW creates its moments only for a param whose state is empty
+        for p in params:
+            if KEY not in self.inner.state.get(p, {}):
+                self.first[p] = p.detach().clone(memory_format=torch.preserve_format)
+
+    def update(self, params) -> None:
+        for p, weights in self.first.items():
+            self.inner.state[p][KEY] = weights
+        self.first = {}
+        by_step: dict[int, list] = {}
+        for p in params:
+            by_step.setdefault(int(self.inner.state[p]["step"]), []).append(p)
+        for step, group in by_step.items():
+            weight = 1.0 - decay_at(self.decay, step)
+            torch._foreach_lerp_([self.inner.state[p][KEY] for p in group], [p.detach() for p in group], weight)
+        self.updates += 1
+
+    def init_state(self) -> None:
+        """EMA slots beside the moments Megatron's init_state_fn makes (what a torch_dist load fills)."""
+        for p in (p for g in self.inner.param_groups for p in g["params"]):
+            self.inner.state[p].setdefault(KEY, p.detach().clone(memory_format=torch.preserve_format))
+
+
+def attach(opt, decay: float) -> EmaOfWeights:
+    ema = EmaOfWeights(opt.optimizer, decay)
+    opt.mindspeed_ema = ema
+    original_init = opt.init_state_fn
+
+    def init_state_fn(inner, *a, **kw):
+        original_init(inner, *a, **kw)
+        ema.init_state()
+    opt.init_state_fn = init_state_fn
+    return ema
+
+
+def install(patcher, decay: float) -> None:
+    """Every Megatron optimizer made from now on keeps an EMA of its (master) weights."""
+    def wrap_init(original):
+        @functools.wraps(original)
+        def init(self, *a, **kw):
+            original(self, *a, **kw)
+            if self.optimizer is not None and not hasattr(self, "mindspeed_ema"):
+                attach(self, decay)
+        return init
+
+    for cls in OPTIMIZERS:
+        patcher.wrap(cls + ".__init__", wrap_init,
+                     reason="--optimizer-selection fused_ema_adamw: an EMA of the weights in the optimizer step")
+
+
+def model_and_master_pairs(opt):
+    """(model parameter, the inner optimizer's parameter) of one Megatron optimizer: the fp32 master
+    of a bf16/fp16 parameter, or the parameter itself."""
+    if hasattr(opt, "float16_groups"):
+        for model_group, master_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+            yield from zip(model_group, master_group)
+        for group in opt.fp32_from_fp32_groups:
+            yield from ((p, p) for p in group)
+    else:
+        for group in opt.optimizer.param_groups:
+            yield from ((p, p) for p in group["params"])
+
+
+@contextmanager
+def ema_weights(optimizer):
+    """The model holds the EMA weights inside (evaluation), its own weights again after. A parameter
+    without an EMA yet (no update so far) keeps its weights."""
+    saved = []
+    with torch.no_grad():
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            for param, master in model_and_master_pairs(opt):
+                ema = opt.optimizer.state.get(master, {}).get(KEY)
+                if ema is not None:
+                    saved.append((param, param.detach().clone()))
+                    param.copy_(ema)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, weights in saved:
+                param.copy_(weights)
