@@ -49,8 +49,6 @@ planned("recompute-in-bubble", MEMORY, "not scheduled", "recompute scheduled int
 planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer sizes (Ascend)",
         value("--hccl-group-buffer"), on("--hccl-group-buffer-adaptive"),
         value("--hccl-ep-group-buffer-adaptive-factor", float))
-planned("unaligned-pipeline", PARALLEL, "not scheduled", "layers per pipeline and virtual pipeline stage as a matrix",
-        value("--pipeline-num-transformer-layers"))
 planned("dualpipev", PARALLEL, "not scheduled", "DualPipeV pipeline schedule",
         value("--schedules-method", choices=["dualpipev"]), on("--dualpipev-dw-detach"))
 planned("moe-fb-overlap", MOE, "scheduled", "one micro-batch's MoE all-to-all overlapped with another's compute",

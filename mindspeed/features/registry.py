@@ -14,6 +14,7 @@ FEATURE_MODULES = [
     "mindspeed.features.parallel.ascend_coc",
     "mindspeed.features.moe.features",
     "mindspeed.features.parallel.layers",
+    "mindspeed.features.parallel.unaligned_pipeline",
     "mindspeed.features.context_parallel.feature",
     "mindspeed.features.observability.profiling",
     "mindspeed.features.observability.throughput",

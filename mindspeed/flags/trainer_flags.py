@@ -194,6 +194,9 @@ def _parallel(parser: argparse.ArgumentParser) -> None:
                    help="layers of the first pipeline stage (the others split the rest evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers of the last pipeline stage (the others split the rest evenly)")
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help="Megatron-Core's layout of every (virtual) pipeline stage, e.g. E|t|tt|tL: E embedding, "
+                        "t transformer layer, m MTP layer, L loss, | the next virtual stage")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
@@ -364,8 +367,8 @@ def _positive(args, names) -> list[str]:
 def _pipeline_split_problems(args, pp: int) -> list[str]:
     """Even stages, or Megatron's uneven first/last stage with the other stages even."""
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if args.num_layer_list:
-        return []           # each stage's layers given: the uneven-pipeline-layers feature checks the list
+    if args.num_layer_list or args.pipeline_num_transformer_layers or args.pipeline_model_parallel_layout:
+        return []           # each stage's layers given: the uneven-pipeline-layers / unaligned-pipeline features check them
     if first is None and last is None:
         return [] if args.num_layers % pp == 0 else [
             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"]

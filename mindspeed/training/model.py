@@ -19,6 +19,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from mindspeed.features.parallel.unaligned_pipeline import layer_matrix
 from mindspeed.flags.family_flags import moe_layer_pattern
 from mindspeed.training.layer_spec import SpecModules, block_with_final_norm, with_modules
 
@@ -47,10 +48,16 @@ def transformer_config(args) -> TransformerConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=_virtual_pp(args),
+        virtual_pipeline_model_parallel_size=virtual_stages(args),
+        # Megatron-LM's default under the interleaved schedule: batched p2p at PP 2 would post both
+        # directions' sends and receives between the same two ranks in one batch, and gloo pairs
+        # them by order (a gradient lands in an activation's buffer)
+        overlap_p2p_comm=virtual_stages(args) is not None,
+        batch_p2p_comm=virtual_stages(args) is None,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        # --num-layer-list (the uneven-pipeline-layers feature sets it through adapt(args))
+        # --num-layer-list / --pipeline-num-transformer-layers (their features set it through adapt(args))
+        pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout", None),
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
         **_moe_fields(args),
@@ -152,7 +159,12 @@ def fused_softmax_installed(args) -> bool:
     return all(importlib.util.find_spec(name) is not None for name in SOFTMAX_EXTENSIONS)
 
 
-def _virtual_pp(args):
+def virtual_stages(args) -> int | None:
+    """Model chunks per pipeline stage (None without a virtual pipeline): the columns of the
+    unaligned pipeline's matrix or layout, else --num-layers-per-virtual-pipeline-stage's split."""
+    rows = layer_matrix(args)
+    if rows is not None:
+        return len(rows[0]) if len(rows[0]) > 1 else None
     per_stage = args.num_layers_per_virtual_pipeline_stage
     if per_stage is None:
         return None
