@@ -37,7 +37,7 @@ LLM_SPELLINGS = (
     "--n-group", "--topk-group", "--routed-scaling-factor", "--router-gating-in-fp32", "--moe-intermediate-size",
     "--norm-topk-prob", "--seq-aux", "--first-k-dense-replace", "--n-shared-experts",
     "--mtp-mem-efficient-logits", "--no-shared-storage", "--moe-permute-fusion",
-    "--spec", "--handler-name", "--workers", "--enable-hf2mg-convert", "--model-type-hf",
+    "--spec", "--handler-name", "--workers", "--enable-hf2mg-convert", "--model-type-hf", "--mg-save-dir",
 )
 # MindSpeed-LLM's values of Megatron's choices (the unsupported balancing types are refused in one line)
 LLM_CHOICES = {"--moe-router-load-balancing-type": [*ff.LLM_BALANCING, *ff.UNSUPPORTED_BALANCING],

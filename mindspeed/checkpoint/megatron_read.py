@@ -8,6 +8,7 @@ group, under the model's own parameter names:
   and the PP split at once.
 - the MindSpore trainer's framework-neutral safetensors (whole tensors under the model's names),
   memory-mapped.
+- Megatron-LM's legacy per-rank files (--ckpt-format torch): legacy_read.LegacyReader.
 
 Peak memory: the largest tensor asked for (one layer's slice of the stacked ones).
 """
@@ -118,10 +119,8 @@ def open_checkpoint(root: str):
     except CheckpointError as err:
         raise ConvertError(str(err)) from None
     if is_legacy(directory):
-        raise ConvertError(f"{directory} holds Megatron-LM's legacy per-rank checkpoint (--ckpt-format torch), which "
-                           "the converter does not read: resume it once with the run's flags and --ckpt-format "
-                           "torch_dist --save DIR (it saves without training when --train-iters is its iteration), "
-                           "then convert DIR")
+        from mindspeed.checkpoint.legacy_read import LegacyReader  # imports this module
+        return LegacyReader(directory)
     return NeutralReader(directory) if torch_dist.is_neutral(directory) else TorchDistReader(directory)
 
 
@@ -131,13 +130,15 @@ class TorchDistReader:
         self.dir = directory
         index = read_index(directory)
         self.meta = index.state_dict_metadata
-        self.pieces: dict[str, list] = {}   # key -> [(chunk offsets, storage info)]
+        self.pieces: dict[str, list] = {}   # key -> [(chunk offsets, chunk sizes, storage info)]
         for mindex, info in index.storage_data.items():
             if getattr(info, "transform_descriptors", None):
                 raise ConvertError(f"{directory}: {mindex.fqn} is stored transformed "
                                    f"({info.transform_descriptors}); only plain torch_dist files are read")
             if mindex.offset is not None:
-                self.pieces.setdefault(mindex.fqn, []).append((tuple(mindex.offset), info))
+                sizes = {tuple(c.offsets): tuple(c.sizes) for c in self.meta[mindex.fqn].chunks}
+                offsets = tuple(mindex.offset)
+                self.pieces.setdefault(mindex.fqn, []).append((offsets, sizes[offsets], info))
 
     # model-local names ------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -223,16 +224,17 @@ class TorchDistReader:
     # chunks -----------------------------------------------------------------------------------
     def _assemble(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
         """The global tensor `key`, or its slice [index] along its first axes (layer-stacked keys: the
-        layer; expert keys: the expert)."""
+        layer; expert keys: the expert). A chunk may span several of those (GroupedMLP's: a rank's
+        experts in one chunk)."""
         shape = self.shape(key)
         n = len(index)
         out = torch.empty(shape[n:], dtype=self.meta[key].properties.dtype)
         filled = 0
-        for offsets, info in self.pieces[key]:
-            if tuple(offsets[:n]) != tuple(index):
+        for offsets, sizes, info in self.pieces[key]:
+            if not all(o <= i < o + c for i, o, c in zip(index, offsets, sizes)):
                 continue
             chunk = self._read(info)
-            chunk, offsets = chunk[(0,) * n], offsets[n:]
+            chunk, offsets = chunk[tuple(i - o for i, o in zip(index, offsets))], offsets[n:]
             out[tuple(slice(o, o + c) for o, c in zip(offsets, chunk.shape))] = chunk
             filled += chunk.numel()
         if filled != out.numel():   # chunks never overlap in torch_dist (replicas are written once)

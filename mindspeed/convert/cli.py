@@ -91,6 +91,14 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
                    help="hf->mg: write this many embedding/output rows instead of the vocabulary padded to a "
                         "multiple of --make-vocab-size-divisible-by x TP; train with the same --padded-vocab-size "
                         "(it is in the printed trainer flags)")
+    p.add_argument("--ckpt-format", default=None, choices=["torch_dist", "torch"],
+                   help="hf->mg: the trainer's checkpoint format to write (Megatron's flag): torch_dist (default; loads at any "
+                        "TP/PP/EP) or torch, Megatron-LM's legacy per-rank files for exactly the target sizes; "
+                        "mg->hf reads either (and the MindSpore trainer's)")
+    p.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="the trainer runs the experts as Megatron-Core's GroupedMLP: hf->mg adds the flag to the "
+                        "trainer flags and, with --ckpt-format torch, writes its fused weights; mg->hf expects "
+                        "them in a legacy checkpoint (torch_dist stores the experts alike either way)")
     p.add_argument("--hf-config", default=None,
                    help="mg->hf: the Hugging Face model directory (or config.json) that describes the "
                         "checkpoint, when it has no hf_config/ of its own")

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from mindspeed.convert import layout, megatron_write, sidecar
+from mindspeed.convert import layout, legacy_write, megatron_write, sidecar
 from mindspeed.convert.arch import QKV_BIAS, Arch, arch_from_config, check_parallel, pipeline_split_flags, read_config
 from mindspeed.errors import ConvertError
 from mindspeed.flags.trainer_flags import padded_vocab_size
@@ -113,6 +113,19 @@ def _padded_rows(opts, vocab: int, tp: int) -> int:
     return given
 
 
+def check_format_flags(opts, arch: Arch, legacy: bool) -> None:
+    """--ckpt-format torch and --moe-grouped-gemm ask for what the model and the other flags allow."""
+    if legacy and opts.neutral_copy:
+        raise ConvertError("--neutral-copy goes beside torch_dist files, which the MindSpore trainer reads: drop "
+                           "--ckpt-format torch (or --neutral-copy)")
+    if opts.moe_grouped_gemm and not arch.num_experts:
+        raise ConvertError(f"--moe-grouped-gemm: the model has no experts (--model-type-hf {opts.model_type_hf}): "
+                           "drop it")
+    if opts.moe_grouped_gemm and opts.params_dtype != "bf16":
+        raise ConvertError("--moe-grouped-gemm: the trainer's GroupedMLP (Megatron-Core's) runs in bf16 only: add "
+                           "--params-dtype bf16")
+
+
 def convert(opts, log=print) -> dict:
     start = time.perf_counter()
     if not os.path.isdir(opts.load_dir):
@@ -126,6 +139,8 @@ def convert(opts, log=print) -> dict:
     if opts.neutral_copy and arch.num_experts:
         raise ConvertError(f"--neutral-copy: the MindSpore trainer does not build MoE layers "
                            f"(--model-type-hf {opts.model_type_hf}); convert without it for the torch trainer")
+    legacy = opts.ckpt_format == "torch"
+    check_format_flags(opts, arch, legacy)
     vocab = vocab_from_tokenizer or arch.vocab_size
     padded = _padded_rows(opts, vocab, tp)
     check_save_dir(opts.save_dir)
@@ -134,8 +149,12 @@ def convert(opts, log=print) -> dict:
         arch = with_mtp_layers(reader, arch)
         check_tensors(reader, arch, opts.model_type_hf)
         with staged(opts.save_dir) as tmp:
-            megatron_write.write_megatron(tmp, arch, reader, vocab, padded, opts.params_dtype,
-                                          neutral_copy=opts.neutral_copy)
+            if legacy:
+                legacy_write.write_legacy(tmp, arch, reader, vocab, padded, opts.params_dtype, tp, pp, ep,
+                                          opts.num_layer_list, opts.moe_grouped_gemm)
+            else:
+                megatron_write.write_megatron(tmp, arch, reader, vocab, padded, opts.params_dtype,
+                                              neutral_copy=opts.neutral_copy)
             side = os.path.join(tmp, sidecar.HF_CONFIG_DIR)
             os.makedirs(side)
             extra = (opts.tokenizer_model,) if opts.tokenizer_model and os.path.isfile(opts.tokenizer_model) else ()
@@ -149,12 +168,16 @@ def convert(opts, log=print) -> dict:
             if opts.padded_vocab_size is not None:   # the trainer must build these rows
                 flags += ["--padded-vocab-size", str(padded)]
             flags += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[opts.params_dtype]
+            flags += (["--ckpt-format", "torch"] if legacy else []) + \
+                (["--moe-grouped-gemm"] if opts.moe_grouped_gemm else [])
             sidecar.write_info(tmp, {"model_type_hf": opts.model_type_hf, "params_dtype": opts.params_dtype,
                                      "target_tensor_parallel_size": tp, "target_pipeline_parallel_size": pp,
                                      "target_expert_parallel_size": ep,
                                      "num_layer_list": opts.num_layer_list, "vocab_size": vocab,
                                      "hf_vocab_size": arch.vocab_size,
                                      "neutral_copy": opts.neutral_copy,
+                                     "ckpt_format": opts.ckpt_format or "torch_dist",
+                                     "moe_grouped_gemm": opts.moe_grouped_gemm,
                                      "padded_vocab_size": padded, "trainer_flags": flags})
     finally:
         reader.close()

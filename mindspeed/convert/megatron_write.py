@@ -6,7 +6,7 @@ TP only sets the vocabulary padding.
 
 Streaming: everything runs in this one process, in a world of one gloo rank, and the trainer's
 model is built on the meta device (names, shapes, Megatron's sharded state dict: no memory).
-dist_checkpointing saves that state dict through torch_dist_stream, which asks `_Producer` for each
+dist_checkpointing saves that state dict through torch_dist_stream, which asks `Producer` for each
 chunk just before writing it; the producer reads the Hugging Face tensors of one decoder layer at a
 time. Peak memory: one decoder layer converted (plus one Hugging Face tensor being read), or the
 embedding / output layer when larger -- not the model. The neutral copy is written the same way
@@ -84,7 +84,7 @@ def trainer_args(arch: Arch, vocab: int, padded_vocab: int, params_dtype: str):
     return args
 
 
-class _Producer:
+class Producer:
     """Whole converted tensors by trainer name, one decoder layer kept at a time; the data of a
     torch_dist chunk (its slice of the whole tensor) for the streaming writer."""
 
@@ -145,7 +145,7 @@ def write_megatron(root: str, arch: Arch, reader: HFReader, vocab: int, padded_v
         config.use_cpu_initialization = True      # Megatron then names no device, so the meta one holds
         with torch.device("meta"):        # the model's structure only: its data is streamed
             model = build_model_chunks(args, config)[0]      # the structure only: no fused module matters
-        producer = _Producer(arch, reader, vocab, padded_vocab)
+        producer = Producer(arch, reader, vocab, padded_vocab)
         torch_dist.save_checkpoint(root, 0, [model], None, _NoScheduler(), 0,
                                       sharded_strategy=StreamingTorchDistSave(producer.chunk))
         if neutral_copy:

@@ -1,5 +1,6 @@
 """The built-in trainers' checkpoints -> Hugging Face safetensors + config.json: the torch trainer's
-torch_dist (any TP/PP it was saved at) or the MindSpore trainer's framework-neutral safetensors.
+torch_dist (any TP/PP it was saved at) or legacy per-rank files (--ckpt-format torch), or the MindSpore
+trainer's framework-neutral safetensors.
 The Hugging Face config comes from --hf-config, else from --save-dir when that holds a Hugging Face
 model, else from the hf_config/ folder that hf->mg left in the checkpoint.
 
@@ -112,6 +113,25 @@ def _config_dir(opts) -> str:
     return side
 
 
+def check_grouped(reader, opts, log) -> None:
+    """--moe-grouped-gemm says how a legacy checkpoint holds its experts; torch_dist holds them alike either
+    way (as the MindSpore trainer's files do), so there it changes nothing."""
+    if opts.ckpt_format is not None:
+        log(f"> --ckpt-format {opts.ckpt_format} has no effect on mg->hf: the checkpoint's own format is read")
+    grouped = getattr(reader, "grouped", None)     # a legacy checkpoint's
+    if grouped is None:
+        if opts.moe_grouped_gemm:
+            log(f"> --moe-grouped-gemm has no effect here: {reader.dir} stores each expert under its global "
+                "index whichever MLP the trainer built")
+        return
+    if grouped and not opts.moe_grouped_gemm:
+        raise ConvertError(f"checkpoint {reader.dir} holds GroupedMLP's fused expert weights (mlp.experts.weight1/"
+                           "weight2: trained with --moe-grouped-gemm): add --moe-grouped-gemm")
+    if opts.moe_grouped_gemm and not grouped:
+        raise ConvertError(f"--moe-grouped-gemm given but checkpoint {reader.dir} holds no GroupedMLP weights "
+                           "(its experts are separate MLPs, or it has none): drop --moe-grouped-gemm")
+
+
 def convert(opts, log=print) -> dict:
     start = time.perf_counter()
     if not os.path.isdir(opts.load_dir):
@@ -126,6 +146,7 @@ def convert(opts, log=print) -> dict:
                                          f"weights go to its {MG2HG}/; nothing is overwritten: move or remove it")
     check_save_dir(out_dir)
     reader = open_checkpoint(opts.load_dir)
+    check_grouped(reader, opts, log)
     arch = with_mtp_layers(reader, arch)
     check_checkpoint(reader, arch, opts.model_type_hf)
     adapters = lora_merge.adapters_for(opts)

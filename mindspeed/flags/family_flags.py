@@ -189,8 +189,13 @@ def _recipe_launch(parser) -> None:
     g.add_argument("--handler-name", default=None, help="preprocessing's (python -m mindspeed.data): no effect here")
     g.add_argument("--workers", type=int, default=None, help="preprocessing's (python -m mindspeed.data): no effect here")
     g.add_argument("--enable-hf2mg-convert", action="store_true",
-                   help="MindSpeed-LLM's on-the-fly Hugging Face conversion: convert with convert_ckpt.py first")
-    g.add_argument("--model-type-hf", default=None, help="with --enable-hf2mg-convert (convert_ckpt.py's flag)")
+                   help="MindSpeed-LLM's: the run first converts the Hugging Face model --load names (convert_ckpt.py's "
+                        "conversion, for this run's sizes and --ckpt-format) and loads the result (torch trainer)")
+    g.add_argument("--model-type-hf", default=None,
+                   help="with --enable-hf2mg-convert (convert_ckpt.py's flag; default: from config.json's model_type)")
+    g.add_argument("--mg-save-dir", default=None,
+                   help="with --enable-hf2mg-convert: where the converted checkpoint goes (default "
+                        "<load>/megatron_cache_tp<T>pp<P>ep<E>)")
 
 
 def moe_layer_pattern(args) -> list[int] | None:
@@ -213,8 +218,9 @@ def preprocessing_notes(args) -> list[str]:
              "training reads the dataset --data-path names"
              for flag, dest in (("--handler-name", "handler_name"), ("--workers", "workers"))
              if getattr(args, dest) is not None]
-    if args.model_type_hf is not None and not args.enable_hf2mg_convert:
-        notes.append("> --model-type-hf has no effect without --enable-hf2mg-convert")
+    notes.extend(f"> {flag} has no effect without --enable-hf2mg-convert"
+                 for flag, dest in (("--model-type-hf", "model_type_hf"), ("--mg-save-dir", "mg_save_dir"))
+                 if getattr(args, dest) is not None and not args.enable_hf2mg_convert)
     return notes
 
 
@@ -272,6 +278,20 @@ def derive_family_args(args, say) -> None:
 
 
 LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
+# YaRN's settings a recipe leaves out: Megatron-Core 0.16's MLATransformerConfig defaults (the torch trainer reads
+# them from there; the MindSpore trainer from here, and its parity test checks the two agree)
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                 "original_max_position_embeddings": 4096}
+
+
+def yarn_settings(args) -> dict:
+    """YaRN's factor and settings (Megatron-Core's names, without the yarn_ prefix), the defaults for those
+    not given."""
+    given = dict(beta_fast=args.beta_fast, beta_slow=args.beta_slow, mscale=args.mscale,
+                 mscale_all_dim=args.mscale_all_dim,
+                 original_max_position_embeddings=args.rope_scaling_original_max_position_embeddings)
+    return dict(YARN_DEFAULTS, rotary_scaling_factor=args.rotary_scaling_factor,
+                **{k: v for k, v in given.items() if v is not None})
 YARN_FLAGS = (("--beta-fast", "beta_fast"), ("--beta-slow", "beta_slow"), ("--mscale", "mscale"),
               ("--mscale-all-dim", "mscale_all_dim"), ("--rotary-scaling-factor", "rotary_scaling_factor"),
               ("--rope-scaling-original-max-position-embeddings", "rope_scaling_original_max_position_embeddings"))
@@ -298,6 +318,18 @@ def convert_problem(args) -> str | None:
             "python convert_ckpt.py --model-type GPT --load-model-type hf --save-model-type mg "
             f"--model-type-hf {args.model_type_hf or 'TYPE'} --load-dir HF_DIR --save-dir MG_DIR "
             "(with this run's parallel sizes), then --load MG_DIR; drop --enable-hf2mg-convert")
+
+
+def hf2mg_problem(args) -> str | None:
+    """--enable-hf2mg-convert on the built-in trainers: the torch trainer converts --load's model first."""
+    if not args.enable_hf2mg_convert:
+        return None
+    if args.backend == "mindspore":
+        return ("--enable-hf2mg-convert converts for the torch trainer: on MindSpore convert first (python "
+                "convert_ckpt.py --load-model-type hf --save-model-type mg ... --save-dir MG_DIR) and --load MG_DIR")
+    if not args.load:
+        return "--enable-hf2mg-convert converts the Hugging Face model that --load names: give --load HF_DIR"
+    return None
 
 
 def balancing_problem(kind) -> str | None:
@@ -353,8 +385,8 @@ def family_problems(args) -> list[str]:
                             "--multi-latent-attention); run your own spec in Megatron-LM's pretrain_gpt.py")
         elif known_spec_problem(args, args.spec):
             problems.append(known_spec_problem(args, args.spec))
-    if convert_problem(args):
-        problems.append(convert_problem(args))
+    if hf2mg_problem(args):
+        problems.append(hf2mg_problem(args))
     if balancing_problem(args.moe_router_load_balancing_type):
         problems.append(balancing_problem(args.moe_router_load_balancing_type))
     problems.extend(llama3_problems(args))

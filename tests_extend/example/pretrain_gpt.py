@@ -29,9 +29,13 @@ def main(argv=None) -> int:
     from mindspeed.adaptor_core import MindSpeedConfigError
     from mindspeed.backends import BackendUnavailableError
     from mindspeed.data import DataError, TokenizerError
-    from mindspeed.errors import CheckpointError, CollectiveTimeout
-    user_errors = (MindSpeedConfigError, BackendUnavailableError, DataError, TokenizerError, CheckpointError)
+    from mindspeed.errors import CheckpointError, CollectiveTimeout, ConvertError
+    user_errors = (MindSpeedConfigError, BackendUnavailableError, DataError, TokenizerError, CheckpointError,
+                   ConvertError)
     try:
+        if args.enable_hf2mg_convert:       # MindSpeed-LLM's: convert --load's Hugging Face model first
+            from mindspeed.convert.at_training import convert_load
+            convert_load(args, log=print if os.environ.get("RANK", "0") == "0" else (lambda msg: None))
         if args.backend == "mindspore":
             from mindspeed.training import mindspore as ms_trainer   # imported only when asked for
             from mindspeed.training.mindspore.trainer import TrainerConfigError

@@ -84,14 +84,15 @@ def read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
         reader.close()
 
 
-def trainer_args(mg_dir: str, tp: int = 1, pp: int = 1, world_size: int = 1, extra=(), fp32: bool = False):
-    """The trainer's own argument parsing for the converted model, as convert_info.json says; with
-    `fp32` the model computes in fp32 whatever dtype the checkpoint stores (the loader casts), so
-    its logits compare with Hugging Face's fp32 ones."""
+def trainer_args(mg_dir: str, tp: int = 1, pp: int = 1, world_size: int = 1, extra=(), fp32: bool = False,
+                 drop=()):
+    """The trainer's own argument parsing for the converted model, as convert_info.json says, less the
+    flags in `drop`; with `fp32` the model computes in fp32 whatever dtype the checkpoint stores (the
+    loader casts), so its logits compare with Hugging Face's fp32 ones."""
     from mindspeed.convert.sidecar import read_info
     from mindspeed.flags.trainer_flags import parse_args
     info = read_info(mg_dir)
-    flags = [f for f in info["trainer_flags"] if not (fp32 and f in ("--bf16", "--fp16"))]
+    flags = [f for f in info["trainer_flags"] if not (fp32 and f in ("--bf16", "--fp16")) and f not in drop]
     if pp == 1 and "--decoder-first-pipeline-num-layers" in flags:   # the converted split is for PP > 1
         at = flags.index("--decoder-first-pipeline-num-layers")
         del flags[at:at + 4]

@@ -97,7 +97,9 @@ def test_moe_layer_freq_reads_megatrons_list_without_eval():
     (["--manual-gc-interval", "5"], "--manual-gc-interval acts only with --manual-gc"),
     (["--spec", "my.spec", "layer_spec"], "--spec my.spec layer_spec: the built-in trainer builds"),
     (["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"], "add --qk-layernorm"),
-    (["--enable-hf2mg-convert", "--model-type-hf", "qwen3"], "python convert_ckpt.py"),
+    (["--enable-hf2mg-convert", "--model-type-hf", "qwen3"], "--enable-hf2mg-convert converts the Hugging Face model "
+                                                             "that --load names: give --load HF_DIR"),
+    (["--enable-hf2mg-convert", "--load", ".", "--backend", "mindspore"], "on MindSpore convert first"),
 ])
 def test_what_megatron_core_cannot_express_is_refused_in_one_line(argv, message):
     with pytest.raises(ArgumentError) as err:
@@ -109,6 +111,7 @@ def test_what_megatron_core_cannot_express_is_refused_in_one_line(argv, message)
     (["--bf16", "--initial-loss-scale", "4096"], "> --initial-loss-scale has no effect here: loss scaling is for --fp16"),
     (["--handler-name", "GeneralPretrainHandler", "--workers", "4"], "> --workers has no effect here"),
     (["--model-type-hf", "qwen3"], "> --model-type-hf has no effect without --enable-hf2mg-convert"),
+    (["--mg-save-dir", "cache"], "> --mg-save-dir has no effect without --enable-hf2mg-convert"),
     (["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec", "--qk-layernorm"],
      "> --spec mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec: Megatron-Core's local spec with --qk-layernorm"),
     ([*MOE, "--moe-token-dispatcher-type", "alltoall_seq"], "> --moe-token-dispatcher-type alltoall_seq runs as alltoall"),
