@@ -1,8 +1,8 @@
 """Megatron-LM's legacy checkpoint files (--ckpt-format torch, mindspeed/checkpoint/legacy.py) without a
 process group: the per-rank directory names, the check every rank runs before a load (a missing rank, a
-truncated file, a file that would run code), and the readers that do not load the format, which refuse
-it in one line (the converter, the MindSpore trainer). Saving and resuming: tests_extend/distributed/
-test_legacy_checkpoint.py and tests_extend/system/test_pretrain_gpt.py."""
+truncated file, a file that would run code), the converter's reader of the format, and the MindSpore trainer,
+which refuses it in one line. Saving and resuming: tests_extend/distributed/test_legacy_checkpoint.py and
+tests_extend/system/test_pretrain_gpt.py; converting: tests_extend/unit/test_convert_legacy.py."""
 import argparse
 import fractions
 import os
@@ -64,13 +64,16 @@ def test_a_file_that_would_run_code_is_not_unpickled(tmp_path):
         legacy.read_file(os.path.join(directory, "mp_rank_00", legacy.MODEL_FILE))
 
 
-def test_the_converter_and_the_mindspore_trainer_refuse_it_in_one_line(tmp_path):
+def test_the_converter_reads_it_and_the_mindspore_trainer_refuses_it_in_one_line(tmp_path):
+    from mindspeed.checkpoint.legacy_read import LegacyReader
     from mindspeed.checkpoint.megatron_read import open_checkpoint
     directory = _checkpoint(str(tmp_path))
-    with pytest.raises(ConvertError) as err:
+    reader = open_checkpoint(str(tmp_path))
+    assert isinstance(reader, LegacyReader) and not reader.grouped
+    assert torch.equal(reader.get("w"), torch.zeros(2))      # not a tensor-parallel one: each rank's whole copy
+    os.remove(os.path.join(directory, "mp_rank_01", legacy.MODEL_FILE))
+    with pytest.raises(ConvertError, match="mp_rank_01/model_optim_rng.pt is missing"):
         open_checkpoint(str(tmp_path))
-    assert "legacy per-rank checkpoint (--ckpt-format torch), which the converter does not read: resume it " \
-           "once with the run's flags and --ckpt-format torch_dist --save DIR" in str(err.value)
     with pytest.raises(CheckpointError) as err:
         neutral.resolve(str(tmp_path))
     assert "which the MindSpore trainer does not read: resume it once with --backend torch --ckpt-format " \
