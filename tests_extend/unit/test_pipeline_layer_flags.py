@@ -6,6 +6,7 @@ import pytest
 
 from mindspeed.adaptor_core import MindSpeedConfigError, plan
 from mindspeed.features.parallel.layers import host_split, layout_string
+from mindspeed.features.parallel.pipeline_layout import layout_stages, matrix_layout, parse_matrix
 from mindspeed.training import flops
 from mindspeed.flags.trainer_flags import parse_args
 
@@ -88,3 +89,75 @@ def test_flops_leave_the_noop_layers_out():
         args.padded_vocab_size = 128
         return flops.flops_per_token(args)
     assert per_token("--noop-layers", "0,3") == per_token(layers="2") < per_token()
+
+
+MATRIX = "--pipeline-num-transformer-layers"
+LAYOUT = "--pipeline-model-parallel-layout"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([MATRIX, "[[1,2]"], f"{MATRIX} takes one row of non-negative layer counts per pipeline stage"),
+    ([MATRIX, "[[1,-1],[2,2]]"], f"{MATRIX} takes one row of non-negative layer counts per pipeline stage"),
+    ([MATRIX, "[[1,1],[1,2]]"], f"{MATRIX} [[1,1],[1,2]] holds 5 transformer layers, not --num-layers 4"),
+    ([MATRIX, "[[1,1,2]]"], f"{MATRIX} [[1,1,2]] has 1 pipeline stage(s) but --pipeline-model-parallel-size is 2"),
+    ([MATRIX, "[[1,2],[1]]"], "every pipeline stage needs the same number of virtual stages (columns), got [2, 1]"),
+    ([MATRIX, "[[0,2],[1,1]]", "--num-layers-per-virtual-pipeline-stage", "2"],
+     "has 2 virtual stage(s) per pipeline stage but --num-layers-per-virtual-pipeline-stage 2 gives 1: leave it out"),
+    ([MATRIX, "[[0,2],[1,1]]", "--num-layer-list", "2,2"], f"{MATRIX} [[0,2],[1,1]] sets each stage's layers: "
+                                                             "leave out --num-layer-list"),
+    ([MATRIX, "[[1],[3]]", "--decoder-last-pipeline-num-layers", "2"], "leave out --decoder-last-pipeline-num-layers"),
+    ([MATRIX, "[[0,2],[1,1]]", LAYOUT, "E|tt|t|tL"], f"leave out {LAYOUT}"),
+    ([LAYOUT, "E|t|t"], f"{LAYOUT} E|t|t has 3 stages, not a multiple of --pipeline-model-parallel-size 2"),
+    ([LAYOUT, "Et|tx|tt|L"], f"{LAYOUT} takes stages separated by | made of E (embedding)"),
+    ([LAYOUT, "tE|t|tt|L"], f"{LAYOUT} tE|t|tt|L needs the embedding E once, first"),
+    ([LAYOUT, "Et|t|ttL|"], "needs the loss L once, last"),
+    ([LAYOUT, "Et|t|t|tmL"], "needs 0 MTP layer(s) m (--mtp-num-layers)"),
+    ([LAYOUT, "E|tt|t|tL", "--num-layers-per-virtual-pipeline-stage", "1"],
+     f"{LAYOUT} E|tt|t|tL sets the virtual stages: leave out --num-layers-per-virtual-pipeline-stage"),
+])
+def test_unaligned_pipeline_refusals_are_one_line(argv, message):
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(FOUR + PP2 + argv)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_pp1_matrix_with_one_stage_is_inert_and_virtual_stages_at_pp1_are_refused():
+    p = plan(FOUR + [MATRIX, "[[4]]"])
+    assert [f.id for f, *_ in p.inert] == ["unaligned-pipeline"] and not p.features
+    with pytest.raises(MindSpeedConfigError, match="virtual stages need --pipeline-model-parallel-size >= 2"):
+        plan(FOUR + [MATRIX, "[[2,2]]"])
+
+
+def test_the_matrix_becomes_megatron_s_layout():
+    assert parse_matrix("[[0,1],[1,1]*4,[1,0]]") == [[0, 1]] + [[1, 1]] * 4 + [[1, 0]]   # upstream's example
+    assert parse_matrix(" [[1], [2]*2, [1]] ") == [[1], [2], [2], [1]]
+    assert matrix_layout([[0, 2], [1, 1]]) == "E|t|tt|tL"           # virtual stage v of rank r: Megatron's 2v + r
+    assert matrix_layout([[1, 1], [1, 1]], mtp_layers=1) == "Et|t|t|tmL"
+    feature = next(f for f in plan(FOUR + PP2 + [MATRIX, "[[0,2],[1,1]]"]).features if f.id == "unaligned-pipeline")
+    ns = plan(FOUR + PP2 + [MATRIX, "[[0,2],[1,1]]"]).args
+    assert feature.host_values(ns) == {"pipeline_model_parallel_layout": "E|t|tt|tL",
+                                       "num_layers_per_virtual_pipeline_stage": None}
+    ns = plan(FOUR + PP2 + [MATRIX, "[[1],[3]]"]).args     # no virtual stage: Megatron's first/last stage flags
+    assert feature.host_values(ns) == {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 3}
+    ns = plan(["--num-layers", "8", "--pipeline-model-parallel-size", "4", MATRIX, "[[1],[2],[3],[2]]"]).args
+    assert feature.host_values(ns) == {"pipeline_model_parallel_layout": "Et|tt|ttt|ttL",
+                                       "num_layers_per_virtual_pipeline_stage": None}
+
+
+@pytest.mark.parametrize("text", ["E|t|tt|tL", "Ettt|(tt|)*3,m|L", "E(t|)*2,t*3|L", "Et*2|t|m*2L"])
+def test_layout_stages_read_as_megatron_core_reads_them(text):
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    from megatron.core.transformer.enums import LayerType
+    kinds = {"E": LayerType.embedding, "t": LayerType.decoder, "m": LayerType.mtp, "L": LayerType.loss}
+    theirs = PipelineParallelLayerLayout.parse_str_to_list(text)
+    assert [[kinds[c] for c in stage] for stage in layout_stages(text)] == theirs
+
+
+def test_megatron_core_builds_the_matrix_s_stages():
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    from megatron.core.transformer.enums import LayerType
+    rows = [[0, 1], [1, 1], [2, 1]]
+    layout = PipelineParallelLayerLayout.from_str(matrix_layout(rows), 3)
+    layout.validate_layer_layout(num_layers=6, mtp_num_layers=None)
+    assert [[stage.count(LayerType.decoder) for stage in row] for row in layout.layout] == rows   # [pp rank][vpp]
+    assert layout.layout[0][0] == [LayerType.embedding] and layout.layout[2][1][-1] == LayerType.loss

@@ -105,6 +105,11 @@ class UnalignedPipeline(Feature):
 
     def _rows(self, args) -> list[list[int]]:
         try:
+            if not self._matrix_given(args):
+                stages, pp = layout_stages(args.pipeline_model_parallel_layout), args.pipeline_model_parallel_size or 1
+                if len(stages) % pp:
+                    raise FeatureConfigError(f"{LAYOUT_FLAG} {args.pipeline_model_parallel_layout} has {len(stages)} "
+                                             f"stages, not a multiple of --pipeline-model-parallel-size {pp}")
             return layer_matrix(args)
         except LayoutSyntaxError:
             if self._matrix_given(args):
