@@ -10,6 +10,7 @@ from mindspeed.backends import active_backend, reset_backend, set_backend
 from mindspeed.backends.mindspore.device_select import select_device as ms_select
 from mindspeed.backends.mindspore.msadapter import msadapter_active
 from mindspeed.backends.torch.device_select import device_without_torch
+from mindspeed.backends.torch.triton_cpu import interpret_triton_on_cpu
 from mindspeed.flags.mindspeed_flags import defaults, parse_mindspeed_args, resolve_backend_name
 from mindspeed.features.base import ApplyContext, Feature, FeatureConfigError
 from mindspeed.features.registry import all_features, enabled_features, orphan_flag_problems
@@ -113,6 +114,7 @@ def activate_backend(backend_name: str, device: str, patcher: PatchManager = GLO
         if backend_name == "torch":
             compile_cache.remove_broken_kernels()   # before anything compiles: a killed compile's leftovers
             vec_isa_memo.install(patcher)           # the CPU's vector-ISA probe, once per machine
+            interpret_triton_on_cpu(patcher, device)  # before the shim imports Megatron's kernels
             from mindspeed.backends.torch.megatron_shim import apply_device_shim  # imports torch (see resolve_device)
             apply_device_shim(patcher, device, megatron_lm=megatron_lm)
             from mindspeed.features.memory import shared_mask  # always on: one causal mask object; imports torch

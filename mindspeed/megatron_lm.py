@@ -28,6 +28,7 @@ from mindspeed.flags.mindspeed_flags import (add_mindspeed_args, known_flags, mi
                                  unknown_flag_message, unknown_options)
 from mindspeed import megatron_lm_data, megatron_lm_family
 from mindspeed.backends import active_backend
+from mindspeed.backends.torch.triton_cpu import interpret_triton_on_cpu
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
 from mindspeed.session import Plan, Session
 from mindspeed.versions import megatron_version
@@ -224,7 +225,6 @@ def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> Session:
     """The import hook under Megatron-LM: version check, backend + device shim, parser hooks."""
     if active_backend() is not None:
         unadapt(patcher)
-    check_version()
     msadapter = _msadapter_active()
     ns = _pre_read(argv)
     if msadapter and not any(a.split("=")[0] in ("--backend", "--ai-framework") for a in argv):
@@ -237,6 +237,9 @@ def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> Session:
         device = resolve_device(ns.backend, ns.mindspeed_device or "auto")
     except (ValueError, RuntimeError, ImportError) as exc:
         raise MindSpeedConfigError(f"MindSpeed: {exc}") from exc
+    if ns.backend == "torch":
+        interpret_triton_on_cpu(patcher, device)   # before check_version imports megatron.core's kernels
+    check_version()
     ctx = activate_backend(ns.backend, device, patcher, megatron_lm=(ns.backend == "torch"))
     session = Session(Plan(ns, ns.backend, device, [], msadapter=msadapter), ctx, patcher)
     hooks = MegatronLMHooks(session, msadapter)

@@ -43,20 +43,47 @@ def _counts(summary: str) -> dict:
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
 
 
+# Megatron's Triton kernel (the MoE dispatcher's multihot conversion) against its torch reference,
+# forward and backward: 20 local experts, top-7, 8 tokens and 31 experts, top-2, 5 tokens
+MULTIHOT = ["tests/unit_tests/transformer/moe/test_multihot_indices_converter.py::TestIndicesToMultihot::"
+            f"test_indices_to_multihot[{case}]" for case in ("20-7-8", "31-2-5")]
+# what `python -m pytest` imports when triton is not installed (find_spec answers None, import fails)
+WITHOUT_TRITON = "import sys; sys.modules['triton'] = None; import pytest; sys.exit(pytest.main(sys.argv[1:]))"
+
+
+def _plugin_run(checkout, *tests, python_args=("-m", "pytest")):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([checkout, ROOT]))
+    for name in ("WORLD_SIZE", "TRITON_INTERPRET"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, *python_args, "-p", "mindspeed.pytest_plugin", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", "-q", "-rs", "-W", "ignore", *tests],
+                          cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
+
+
 @needs_snapshots
 def test_megatron_test_files_pass_through_the_plugin(checkout):
+    pytest.importorskip("triton", reason="triton (the test extra) runs Megatron's Triton kernels on a CPU")
     files = ["tests/unit_tests/models/test_base_embedding.py", "tests/unit_tests/transformer/test_mlp.py"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([checkout, ROOT]))
-    env.pop("WORLD_SIZE", None)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "mindspeed.pytest_plugin", "-p", "no:cacheprovider",
-                          "-p", "no:xdist", "-q", "-rs", "-W", "ignore", *files],
-                         cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
+    out = _plugin_run(checkout, *files, *MULTIHOT)
     last = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     counts = _counts(last)
-    assert counts.get("passed", 0) >= 4 and "failed" not in counts and "error" not in counts, last
+    # the two Triton-kernel cases pass through triton's CPU interpreter (nothing skips them)
+    assert counts.get("passed", 0) >= 4 + len(MULTIHOT) and "failed" not in counts and "error" not in counts, last
+    assert "Triton" not in out.stdout.split("short test summary info")[-1], out.stdout[-3000:]
     # test_gpu_forward asserts a CUDA tensor: skipped by the list, with its reason
     assert "MindSpeed skip list: asserts that its output is a CUDA tensor" in out.stdout
+
+
+@needs_snapshots
+def test_without_triton_megatrons_triton_kernels_are_skipped_saying_how_to_run_them(checkout):
+    """The other setup: no triton. Megatron (and megatron.training, whose batch-invariant kernels
+    import triton) still imports through the plugin; the kernel's test is reported skipped with the
+    list's reason, not failed."""
+    out = _plugin_run(checkout, MULTIHOT[1], python_args=("-c", WITHOUT_TRITON))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert _counts(out.stdout.strip().splitlines()[-1]) == {"skipped": 1}, out.stdout[-3000:]
+    assert "MindSpeed skip list: calls one of Megatron's Triton kernels" in out.stdout, out.stdout[-3000:]
 
 
 KEEPS_GROUPS = """

@@ -154,3 +154,36 @@ def test_a_cuda_machine_without_apex_or_te_builds_torch_norms_under_megatron_lm_
         patcher.remove_all()
     with pytest.raises(AssertionError):
         WrappedTorchNorm(config, 8)
+
+
+class _AllocatesOnCudaInBackward(torch.autograd.Function):
+    """What Megatron's Triton-kernel Functions do (fused_indices_converter): both passes allocate
+    their outputs with device='cuda'."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.empty(x.shape, dtype=x.dtype, device="cuda")
+        out.copy_(x * 3)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_in = torch.empty(grad.shape, dtype=grad.dtype, device="cuda")
+        grad_in.copy_(grad * 3)
+        return grad_in
+
+
+def test_a_custom_functions_backward_allocates_on_cuda_as_its_forward_does():
+    """torch turns a mode off while the mode's handler runs, and Tensor.backward goes through the
+    handler: without the shim's wrap the backward's device='cuda' reaches CPU-only torch."""
+    state = mindspeed.adapt([])
+    try:
+        assert "BackwardCFunction.apply" in state.patcher.describe()
+        x = torch.arange(4.0, requires_grad=True)
+        _AllocatesOnCudaInBackward.apply(x).sum().backward()
+        assert x.grad.tolist() == [3.0] * 4
+        y = torch.arange(2.0, requires_grad=True)
+        (grad,) = torch.autograd.grad(_AllocatesOnCudaInBackward.apply(y).sum(), y)
+        assert grad.tolist() == [3.0, 3.0]
+    finally:
+        mindspeed.unadapt()

@@ -12,7 +12,7 @@ import copy
 import logging
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from mindspeed.backends.torch.absent_packages import apply_absent_package_probes
 from mindspeed.backends.torch.cpu_torch_view import apply_cpu_torch_views, device_kwarg_to_cpu, names_cuda
@@ -304,8 +304,24 @@ def apply_cpu_shim(patcher) -> None:
     apply_one_rank_cross_entropy(patcher)
     apply_cpu_torch_views(patcher)
     apply_in_process_results_queue(patcher)
-    patcher.enter("torch.overrides.TorchFunctionMode[CudaToCpuMode]", CudaToCpuMode(),
+    mode = CudaToCpuMode()
+    patcher.enter("torch.overrides.TorchFunctionMode[CudaToCpuMode]", mode,
                   reason="device='cuda' / .cuda() -> cpu")
+    patcher.wrap("torch.autograd.function.BackwardCFunction.apply", _backward_under(mode),
+                 reason="custom autograd Functions' backward allocate on 'cuda' too (Megatron's fused kernels)")
+
+
+def _backward_under(mode):
+    """torch turns a mode off while its handler runs, and `Tensor.backward` goes through the handler:
+    a custom autograd Function's backward would run without the mode its forward ran under."""
+    def wrapper(original):
+        def apply(self, *args):
+            if any(isinstance(active, CudaToCpuMode) for active in _get_current_function_mode_stack()):
+                return original(self, *args)
+            with mode:
+                return original(self, *args)
+        return apply
+    return wrapper
 
 
 def _define_missing_te_names(patcher) -> None:
