@@ -237,7 +237,7 @@ class Trainer:
         return _reduce_loss(losses, self.device), grad_norm, ok
 
     def evaluate(self, dataset) -> float | None:
-        with self.ema_weights(self.optimizer) if self.ema_weights else nullcontext():
+        with self.ema_weights([self.optimizer]) if self.ema_weights else nullcontext():
             return validation_loss(self.args, self.model, dataset, self.reader, self.num_microbatches)
 
 

@@ -61,5 +61,8 @@ class FusedEmaAdamW(Feature):
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
             from mindspeed.features.training import ema_adamw_megatron   # imports torch: applied only
-            ema_adamw_megatron.install(ctx.patcher, args.ema_decay)
-            ctx.provide("ema_weights", ema_adamw_megatron.ema_weights if args.use_ema else None)
+            attached = ema_adamw_megatron.install(ctx.patcher, args.ema_decay)
+            if not args.use_ema:
+                return
+            ctx.provide("ema_weights", ema_adamw_megatron.ema_weights)   # the built-in trainer's validation
+            ema_adamw_megatron.evaluate_with_ema(ctx.patcher, attached)  # Megatron-LM's own loop's

@@ -13,9 +13,12 @@ asks init_state_fn for the state to load into, so that gets 'ema_params' too.
 from __future__ import annotations
 
 import functools
+import sys
 from contextlib import contextmanager
 
 import torch
+
+from mindspeed.features.memory.reuse_fp32_param_megatron import attach_after_init
 
 KEY = "ema_params"
 OPTIMIZERS = ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
@@ -34,12 +37,14 @@ class EmaOfWeights:
         self.inner, self.decay = inner, decay
         self.updates = 0            # EMA updates run (a test hook: the hook is live)
         self.first = {}             # param -> its weights before its first update (ema_0)
+        self.params = []            # the params of the step under way (one scan of the groups per step)
         inner.register_step_pre_hook(lambda opt, *_: self.keep_first(self.stepping()))
-        inner.register_step_post_hook(lambda opt, *_: self.update(self.stepping()))
+        inner.register_step_post_hook(lambda opt, *_: self.update(self.params))
 
     def stepping(self) -> list:
         """The params this step updates: AdamW's own choice, those with a gradient."""
-        return [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+        self.params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+        return self.params
 
     def keep_first(self, params) -> None:
         # not into the state yet: AdamW creates its moments only for a param whose state is empty
@@ -50,7 +55,7 @@ class EmaOfWeights:
     def update(self, params) -> None:
         for p, weights in self.first.items():
             self.inner.state[p][KEY] = weights
-        self.first = {}
+        self.first, self.params = {}, []
         by_step: dict[int, list] = {}
         for p in params:
             by_step.setdefault(int(self.inner.state[p]["step"]), []).append(p)
@@ -77,19 +82,36 @@ def attach(opt, decay: float) -> EmaOfWeights:
     return ema
 
 
-def install(patcher, decay: float) -> None:
-    """Every Megatron optimizer made from now on keeps an EMA of its (master) weights."""
-    def wrap_init(original):
-        @functools.wraps(original)
-        def init(self, *a, **kw):
-            original(self, *a, **kw)
-            if self.optimizer is not None and not hasattr(self, "mindspeed_ema"):
-                attach(self, decay)
-        return init
+def install(patcher, decay: float) -> list:
+    """Every Megatron optimizer made from now on keeps an EMA of its (master) weights; returns the
+    list they are added to."""
+    attached = []
+
+    def attach_once(opt):
+        if opt.optimizer is not None and not hasattr(opt, "mindspeed_ema"):
+            attach(opt, decay)
+            attached.append(opt)
 
     for cls in OPTIMIZERS:
-        patcher.wrap(cls + ".__init__", wrap_init,
-                     reason="--optimizer-selection fused_ema_adamw: an EMA of the weights in the optimizer step")
+        attach_after_init(patcher, cls, attach_once,
+                          "--optimizer-selection fused_ema_adamw: an EMA of the weights in the optimizer step")
+    return attached
+
+
+def evaluate_with_ema(patcher, optimizers: list) -> None:
+    """--use-ema under Megatron-LM's own loop: its evaluate() (periodic and final validation, which
+    is given the model but not the optimizer) runs with the EMA weights of `optimizers`."""
+    if "megatron.training.training" not in sys.modules:     # not under Megatron-LM's pretrain_gpt.py
+        return
+
+    def wrap(original):
+        @functools.wraps(original)
+        def evaluate(*a, **kw):
+            with ema_weights(optimizers):
+                return original(*a, **kw)
+        return evaluate
+    patcher.wrap("megatron.training.training.evaluate", wrap,
+                 reason="--use-ema: Megatron-LM's validation with the EMA weights")
 
 
 def model_and_master_pairs(opt):
@@ -106,12 +128,13 @@ def model_and_master_pairs(opt):
 
 
 @contextmanager
-def ema_weights(optimizer):
-    """The model holds the EMA weights inside (evaluation), its own weights again after. A parameter
-    without an EMA yet (no update so far) keeps its weights."""
+def ema_weights(optimizers):
+    """The model holds the EMA weights of `optimizers` (Megatron optimizers, chained or not) inside
+    (evaluation), its own weights again after. A parameter without an EMA yet (no update so far)
+    keeps its weights."""
     saved = []
     with torch.no_grad():
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for opt in (o for chained in optimizers for o in getattr(chained, "chained_optimizers", [chained])):
             for param, master in model_and_master_pairs(opt):
                 ema = opt.optimizer.state.get(master, {}).get(KEY)
                 if ema is not None:
