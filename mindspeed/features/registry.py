@@ -19,6 +19,7 @@ FEATURE_MODULES = [
     "mindspeed.features.observability.profiling",
     "mindspeed.features.observability.throughput",
     "mindspeed.features.training.deterministic",
+    "mindspeed.features.training.quant_states",
     "mindspeed.features.training.ema_adamw",
     "mindspeed.features.fused.features",
     "mindspeed.features.fused.alibi",

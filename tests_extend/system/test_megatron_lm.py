@@ -39,13 +39,14 @@ CONFIGS = {
     "cp4-hybrid-fused": (4, {"CP": "4", "FUSED": "1"},
                          ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"] + NO_DROPOUT,
                          {"hybrid-cp-algo", "flash-attn"}),
-    # EP=2 on 2 processes is DP=2 for the dense weights: the distributed optimizer shards them
+    # EP=2 on 2 processes is DP=2 for the dense weights: the distributed optimizer shards them; Adam's
+    # moments of both (the dense and the experts' optimizer) in 8 bits between updates
     "moe-ep2-distopt-fused": (2, {"EP": "2", "NUM_EXPERTS": "4", "FUSED": "1"},
                               ["--bf16", "--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute",
                                "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
-                               "--use-distributed-optimizer", "--op-cal-tflops"],
+                               "--use-distributed-optimizer", "--op-cal-tflops", "--quant-states", "fp8"],
                               {"expert-parallel", "moe-grouped-gemm", "fused-moe-token-permute-and-unpermute",
-                               "distributed-optimizer", "fused-rmsnorm", "op-cal-tflops"}),
+                               "distributed-optimizer", "fused-rmsnorm", "op-cal-tflops", "quant-states"}),
 }
 # added where Megatron-Core has the MoE layer steps they hook (not core_v0.12.1, which refuses them:
 # the describe test): the MoE comm flags run inside Megatron-LM's own loop (chunked dispatch/combine

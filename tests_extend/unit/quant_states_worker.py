@@ -1,0 +1,126 @@
+"""Run in a fresh process for test_quant_states.py (dist_checkpointing's save starts a helper process,
+which a multiprocessing daemon may not):
+
+    python -m tests_extend.unit.quant_states_worker ROOT   -> one JSON line on stdout
+
+The torch trainer (Megatron-Core GPT, Megatron's optimizers, mock data) with --quant-states fp8 and
+mxfp8 against fp32 moments for 20 updates (losses, weights, bytes held); checkpoints saved mid-run in both formats and by the distributed optimizer, resumed."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from mindspeed.features.training import quantized_moments as qm
+from tests_extend.unit import swap_workers as kit
+
+STEPS = 20
+ONE_MICRO_BATCH = ["--global-batch-size", "2"]
+
+
+def optimizers(tr) -> list:
+    return getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])
+
+
+def weights(tr) -> list:
+    return [p.detach().float().clone() for p in tr.model[0].parameters()]
+
+
+def run(flags: list, steps: int = STEPS) -> dict:
+    args, tr = kit.trainer_for(flags + ONE_MICRO_BATCH)
+    it = kit.batches(args, tr)
+    losses = [tr.train_step(it)[0] for _ in range(steps)]
+    out = {"losses": losses, "weights": weights(tr), "lr": args.lr}
+    attached = [getattr(o, "mindspeed_quant_states", None) for o in optimizers(tr)]
+    if all(attached):
+        params = sum(p.numel() for s in attached for p in s.params())
+        quantized = [p for s in attached for p in s.params() if s.quantized(p)]
+        out.update(bytes_per_param=sum(s.state_bytes() for s in attached) / params,
+                   quantized_fraction=sum(p.numel() for p in quantized) / params,
+                   packed=sum(len(s.packed) for s in attached), quantized_params=len(quantized))
+    return out
+
+
+def max_gap(a: list, b: list) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def accuracy() -> dict:
+    report = {}
+    for base in ([], ["--bf16", "--use-distributed-optimizer"]):
+        reference = run(base)
+        reference_weights = reference.pop("weights")
+        for fmt in ("fp8", "mxfp8"):
+            quant = run(base + ["--quant-states", fmt])
+            quant["weight_gap"] = max_gap(quant.pop("weights"), reference_weights)
+            quant["reference_losses"] = reference["losses"]
+            report[" ".join(base + [fmt])] = quant
+    return report
+
+
+def on_disk_moment_dtypes(path: str, iteration: int, fmt: str) -> list:
+    directory = os.path.join(path, f"iter_{iteration:07d}")
+    if fmt == "torch":
+        from mindspeed.checkpoint import legacy
+        (rank_dir,) = os.listdir(directory)
+        saved = legacy.read_file(os.path.join(directory, rank_dir, "model_optim_rng.pt"))["optimizer"]
+        inner = saved.get("optimizer", saved)
+        return sorted({str(s[k].dtype) for s in inner["state"].values() for k in qm.MOMENT_DTYPES})
+    from megatron.core.dist_checkpointing.serialization import load_tensors_metadata
+    return sorted({str(meta.dtype) for key, meta in load_tensors_metadata(directory).items() if "exp_avg" in key})
+
+
+def resumed(root: str, fmt: str, flags: list, half: int = 3) -> dict:
+    """Train `half` updates, save in `fmt`, train `half` more; a new trainer with the same flags loads
+    the checkpoint and trains `half` (both continuations), and one without --quant-states does too."""
+    from mindspeed.checkpoint import legacy, torch_dist
+    from mindspeed.training import pretrain
+    path = os.path.join(root, fmt + "_" + "_".join(flags))
+    all_flags = flags + ONE_MICRO_BATCH + ["--ckpt-format", fmt]
+    args, tr = kit.trainer_for(all_flags)
+    it = kit.batches(args, tr)
+    for _ in range(half):
+        tr.train_step(it)
+    consumed = half * args.global_batch_size
+    save = legacy.save_checkpoint if fmt == "torch" else torch_dist.save_checkpoint
+    save(path, half, tr.model, tr.optimizer, tr.scheduler, consumed, **({"args": args} if fmt == "torch" else {}))
+    continued = [tr.train_step(it)[0] for _ in range(half)]
+    final = weights(tr)
+    out = {"continued": continued, "on_disk": on_disk_moment_dtypes(path, half, fmt)}
+    for name, load_flags in (("resumed", all_flags), ("resumed_without_flag", _without_quant(all_flags))):
+        args2, tr2 = kit.trainer_for(load_flags + ["--load", path])
+        pretrain.resume(args2, tr2, kit._Log())
+        out[name] = kit.train(args2, tr2, half, consumed)
+        if name == "resumed":
+            out["final_weights_bitwise"] = all(torch.equal(a, b) for a, b in zip(weights(tr2), final))
+    return out
+
+
+def _without_quant(flags: list) -> list:
+    i = flags.index("--quant-states")
+    return flags[:i] + flags[i + 2:]
+
+
+def main(root: str) -> dict:
+    os.environ.pop("RANK", None)
+    import mindspeed
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.training import pretrain
+    args = parse_args(kit.TINY, world_size=1)
+    mindspeed.adapt(args)
+    pretrain._init_distributed(args, "cpu")
+    pretrain.init_batch_schedule(args, 0)
+    report = {"accuracy": accuracy(),
+              "resume": {f"{fmt} {' '.join(flags)}": resumed(root, fmt, flags)
+                         for fmt, flags in (("torch_dist", ["--quant-states", "fp8"]),
+                                            ("torch", ["--quant-states", "mxfp8"]),
+                                            ("torch_dist", ["--bf16", "--use-distributed-optimizer",
+                                                            "--quant-states", "fp8"]))}}
+    mindspeed.unadapt()
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))
