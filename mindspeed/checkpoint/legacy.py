@@ -40,7 +40,7 @@ rank); any other layout is refused in one line naming them.
 from __future__ import annotations
 
 import argparse
-import errno
+import functools
 import os
 import random
 import zipfile
@@ -55,10 +55,11 @@ from mindspeed.checkpoint import scan
 from mindspeed.checkpoint.common_state import UnsafeCommonState, load_common
 from mindspeed.checkpoint.run_flags import plain_flags
 from mindspeed.checkpoint.scan import iteration_dir
+from mindspeed.checkpoint.staged_save import agreed, staged_save, write_failure
 from mindspeed.checkpoint.torch_dist import (DIR_MODE, FILE_MODE, TRACKER, _finish_param_gathers, _model_keys,
-                                             _restore_adam_steps, _restrict_permissions, _unwrap)
+                                             _restore_adam_steps, _unwrap, distributed_parts, no_optimizer_refusal,
+                                             other_architecture_refusal)
 from mindspeed.errors import CheckpointError, one_line
-from mindspeed.files import atomic_write_text
 
 MODEL_FILE, DIST_OPTIM_FILE = "model_optim_rng.pt", "distrib_optim.pt"
 CHECKPOINT_VERSION = 3.0
@@ -94,41 +95,13 @@ def expected_rank_dirs(tp_size: int, pp_size: int, ep_size: int) -> list[str]:
 
 
 def _distributed(optimizer) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    return optimizer is not None and any(isinstance(opt, DistributedOptimizer)
-                                         for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return bool(distributed_parts(optimizer))
 
 
 def _writes_parameter_state(optimizer) -> bool:
     """Whether Megatron-Core's save_parameter_state writes distrib_optim.pt on this rank: data-parallel
     rank 0 of (one of) its distributed optimizers."""
-    return any(opt.data_parallel_group.rank() == 0 for opt in getattr(optimizer, "chained_optimizers", [optimizer])
-               if hasattr(opt, "get_parameter_state_dp_zero"))
-
-
-# --- every rank agrees ---------------------------------------------------------------------------
-
-def _agreed(problem: str | None, name_rank: bool = False) -> str | None:
-    """The first failing rank's problem (naming the rank with name_rank; None when no rank has one), the
-    same on every rank; a barrier."""
-    every = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, problem)
-    return next((f"{p} (rank {rank})" if name_rank else p for rank, p in enumerate(every) if p), None)
-
-
-def _write_failure(path: str, err: BaseException) -> str:
-    """One phrase for a failed write of `path`. torch.save reports a full disk as a RuntimeError about
-    stream positions: the file system's free space names the cause."""
-    if isinstance(err, OSError) and err.strerror:
-        cause = err.strerror
-    else:
-        try:
-            stat = os.statvfs(os.path.dirname(path) or ".")
-            full = stat.f_bavail * stat.f_frsize < 1 << 20
-        except OSError:
-            full = False
-        cause = os.strerror(errno.ENOSPC) if full else one_line(f"{type(err).__name__}: {err}", 200)
-    return f"{path}: {cause}"
+    return any(opt.data_parallel_group.rank() == 0 for opt in distributed_parts(optimizer))
 
 
 # --- saving ----------------------------------------------------------------------------------------
@@ -183,7 +156,7 @@ def _write_rank_files(rank_dir: str, state: dict | None, optimizer) -> str | Non
     try:
         os.makedirs(rank_dir, mode=DIR_MODE, exist_ok=True)
     except OSError as err:
-        problem = _write_failure(rank_dir, err)
+        problem = write_failure(rank_dir, err)
     if _distributed(optimizer):
         path = os.path.join(rank_dir, DIST_OPTIM_FILE)
         try:
@@ -193,53 +166,28 @@ def _write_rank_files(rank_dir: str, state: dict | None, optimizer) -> str | Non
             else:
                 optimizer.save_parameter_state(path)       # the gather only: this rank writes nothing
         except (OSError, RuntimeError) as err:
-            problem = problem or _write_failure(path, err)
+            problem = problem or write_failure(path, err)
     if state is not None and problem is None:
         path = os.path.join(rank_dir, MODEL_FILE)
         try:
             with open(path, "wb") as f:
                 torch.save(state, f)
         except (OSError, RuntimeError) as err:
-            problem = _write_failure(path, err)
+            problem = write_failure(path, err)
     return problem
 
 
 def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, consumed_samples: int, *,
                     args=None, only=None, extra: dict | None = None, save_rng: bool = True) -> str:
-    """Save in Megatron-LM's legacy layout; same contract as torch_dist.save_checkpoint (staged, then
-    published, then the tracker; a failure on any rank is one CheckpointError on every rank)."""
-    path, staged = iteration_dir(root, iteration), scan.staging_dir(root, iteration)
-    rank0 = torch.distributed.get_rank() == 0
-    problem = None
-    if rank0:
-        try:
-            os.makedirs(root, mode=DIR_MODE, exist_ok=True)
-            scan.fresh_staging_dir(root, iteration, DIR_MODE)
-        except OSError as err:
-            problem = _write_failure(staged, err)
-    _raise_save_failure(path, _agreed(problem, name_rank=True))
-    _finish_param_gathers(chunks)
-    writer = ps.get_expert_data_parallel_rank() == 0      # one copy per model-parallel rank, as Megatron-LM
-    state = state_dict(chunks, optimizer, scheduler, iteration, consumed_samples, args=args, only=only,
-                       extra=extra, save_rng=save_rng) if writer else None
-    problem = _write_rank_files(os.path.join(staged, own_rank_dir()), state, optimizer)
-    _raise_save_failure(path, _agreed(problem, name_rank=True))
-    problem = None
-    if rank0:
-        try:
-            scan.publish(root, iteration)
-            atomic_write_text(os.path.join(root, TRACKER), str(iteration), FILE_MODE)
-            _restrict_permissions(root)
-        except OSError as err:
-            problem = _write_failure(os.path.join(root, TRACKER), err)
-    _raise_save_failure(path, _agreed(problem, name_rank=True))
-    return path
-
-
-def _raise_save_failure(path: str, problem: str | None) -> None:
-    if problem:
-        raise CheckpointError(f"saving {path} failed: {problem}; the tracker still names the last complete "
-                              "checkpoint")
+    """Save in Megatron-LM's legacy layout; same contract as torch_dist.save_checkpoint (staged_save:
+    staged, then published, then the tracker; a failure on any rank is one CheckpointError on every rank)."""
+    def write(staged: str) -> str | None:
+        _finish_param_gathers(chunks)
+        writer = ps.get_expert_data_parallel_rank() == 0      # one copy per model-parallel rank, as Megatron-LM
+        state = state_dict(chunks, optimizer, scheduler, iteration, consumed_samples, args=args, only=only,
+                           extra=extra, save_rng=save_rng) if writer else None
+        return _write_rank_files(os.path.join(staged, own_rank_dir()), state, optimizer)
+    return staged_save(root, iteration, write)
 
 
 # --- checking and reading -------------------------------------------------------------------------
@@ -266,8 +214,9 @@ def _check_file(path: str) -> str | None:
     return None
 
 
-def _missing_rank_dir(directory: str, names: list[str]) -> str | None:
-    """The first mp_rank_* directory of the grid `names` spans that is absent (or a mix of layouts)."""
+def _rank_dirs_problem(directory: str, names: list[str]) -> str | None:
+    """What is wrong with the mp_rank_* directories `names` (a mix of layouts, or the first directory of
+    the grid they span that is absent); None when the grid is whole."""
     parsed = [tuple(int(g) for g in scan.LEGACY_RANK_DIR.match(n).groups() if g is not None) for n in names]
     if len({len(p) for p in parsed}) > 1:
         return f"{directory} mixes mp_rank_* directories of different layouts ({names[0]}, {names[-1]})"
@@ -277,7 +226,8 @@ def _missing_rank_dir(directory: str, names: list[str]) -> str | None:
         grid = [g + (i,) for g in grid for i in range(1 + max(p[axis] for p in parsed))]
     for rank in grid:
         if rank not in have:
-            return os.path.join(directory, "mp_rank_" + "_".join([f"{rank[0]:02d}", *(f"{r:03d}" for r in rank[1:])]))
+            name = "mp_rank_" + "_".join([f"{rank[0]:02d}", *(f"{r:03d}" for r in rank[1:])])
+            return f"{os.path.join(directory, name)} is missing"
     return None
 
 
@@ -287,9 +237,9 @@ def check_iteration(directory: str) -> str | None:
     names = scan.legacy_rank_dirs(directory)
     if not names:
         return f"{directory} holds no mp_rank_* directories"
-    missing = _missing_rank_dir(directory, names)
-    if missing:
-        return missing if " " in missing else f"{missing} is missing"
+    problem = _rank_dirs_problem(directory, names)
+    if problem:
+        return problem
     for name in names:
         for file in (MODEL_FILE, DIST_OPTIM_FILE):
             path = os.path.join(directory, name, file)
@@ -300,15 +250,25 @@ def check_iteration(directory: str) -> str | None:
     return None
 
 
-def _first_file(directory: str) -> str:
-    return os.path.join(directory, scan.legacy_rank_dirs(directory)[0], MODEL_FILE)
+def first_state(directory: str) -> dict:
+    """The first rank's file of the checkpoint in `directory`, its tensors left on disk (mmap). A resume
+    asks it for the vocabulary rows, then the common state: unpickled once (the file is never rewritten
+    in place: a save publishes a new directory, so a file of the same identity holds the same state)."""
+    path = os.path.join(directory, scan.legacy_rank_dirs(directory)[0], MODEL_FILE)
+    stat = os.stat(path)
+    return _read_once(path, (stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_size))
 
 
-def read_common(directory: str) -> dict:
-    """The non-tensor state of the checkpoint in `directory` (its first rank's file, tensors left on
-    disk): iteration, consumed_train_samples, opt_param_scheduler, what `extra` added, and no_optimizer
-    (saved with --no-save-optim)."""
-    state = read_file(_first_file(directory), mmap=True)
+@functools.lru_cache(maxsize=1)
+def _read_once(path: str, identity: tuple) -> dict:
+    return read_file(path, mmap=True)
+
+
+def read_common(directory: str, state: dict | None = None) -> dict:
+    """The non-tensor state of the checkpoint in `directory` (`state`: its first rank's file, read when not
+    given): iteration, consumed_train_samples, opt_param_scheduler, what `extra` added, and no_optimizer
+    (saved with --no-save-optim: the file holds no optimizer entry, as Megatron-LM's)."""
+    state = first_state(directory) if state is None else state
     common = {k: v for k, v in state.items()
               if not k.startswith("model") and k not in ("args", "optimizer", "rng_state")}
     common["consumed_train_samples"] = int(getattr(state.get("args"), "consumed_train_samples", 0))
@@ -316,20 +276,28 @@ def read_common(directory: str) -> dict:
     return common
 
 
-def saved_sizes(directory: str) -> tuple[int, int, int] | None:
-    """(TP, PP, EP) the checkpoint was saved at, from its `args`; None when it does not say."""
+def sizes_saved_in(state: dict) -> tuple[int, int, int] | None:
+    """(TP, PP, EP) a rank file's `args` says it was saved at; None when it does not say."""
     try:
-        args = read_file(_first_file(directory), mmap=True).get("args")
+        args = state.get("args")
         return (int(args.tensor_model_parallel_size), int(args.pipeline_model_parallel_size),
                 int(getattr(args, "expert_model_parallel_size", 1) or 1))
-    except (AttributeError, TypeError, ValueError, OSError, RuntimeError, UnsafeCommonState):
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def saved_sizes(directory: str) -> tuple[int, int, int] | None:
+    """(TP, PP, EP) the checkpoint in `directory` was saved at; None when its first file does not say."""
+    try:
+        return sizes_saved_in(first_state(directory))
+    except (OSError, RuntimeError, UnsafeCommonState):
         return None
 
 
 def vocab_rows(directory: str) -> int | None:
     """The vocabulary rows of the whole embedding (its TP shards' rows together); None without one."""
-    state = read_file(_first_file(directory), mmap=True)
-    sizes = saved_sizes(directory)
+    state = first_state(directory)
+    sizes = sizes_saved_in(state)
     model = state.get("model", state.get("model0", {}))
     weight = model.get("embedding.word_embeddings.weight")
     return None if weight is None or sizes is None else int(weight.shape[0]) * sizes[0]
@@ -337,13 +305,7 @@ def vocab_rows(directory: str) -> int | None:
 
 # --- loading -------------------------------------------------------------------------------------
 
-def layout_problem(directory: str) -> str | None:
-    """Why this run's ranks cannot each read their own file of the checkpoint in `directory` (the same
-    on every rank: the directory names and the saved sizes); None when they can."""
-    here = _sizes()
-    saved = saved_sizes(directory)
-    if scan.legacy_rank_dirs(directory) == expected_rank_dirs(*here) and saved in (None, here):
-        return None
+def _layout_refusal(directory: str, saved: tuple[int, int, int] | None, here: tuple[int, int, int]) -> str:
     shown = f"TP {saved[0]} x PP {saved[1]} x EP {saved[2]}" if saved else \
         f"{len(scan.legacy_rank_dirs(directory))} mp_rank_* directories"
     return (f"checkpoint {directory} is Megatron-LM's legacy per-rank format (--ckpt-format torch), saved at "
@@ -367,9 +329,7 @@ def fit_problem(root: str, directory: str, chunks, state: dict, only=None) -> st
         own, saved = _selected(_unwrap(chunk).state_dict_for_save_checkpoint(), only), _selected(state[key], only)
         extra = sorted(k for k in saved if k not in own and not k.endswith("_extra_state"))
         if extra:
-            return (f"checkpoint {directory} holds {len(extra)} weight tensor(s) this model does not have "
-                    f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): it was trained with other model "
-                    f"flags (see {os.path.join(root, 'run_flags.json')}); give those flags")
+            return other_architecture_refusal(root, directory, extra)
         missing = sorted(k for k in own if k not in saved and not k.endswith("_extra_state"))
         if missing:
             return f"checkpoint {directory} does not fit this model: it has no {', '.join(missing[:3])}"
@@ -384,8 +344,7 @@ def fit_problem(root: str, directory: str, chunks, state: dict, only=None) -> st
 def optimizer_problem(directory: str, rank_dir: str, state: dict, optimizer) -> str | None:
     """Why the saved optimizer state does not load into `optimizer`; None when it does."""
     if "optimizer" not in state:
-        return (f"checkpoint {directory} holds no optimizer state (saved with --no-save-optim): resume it with "
-                "--no-load-optim (or --finetune)")
+        return no_optimizer_refusal(directory)
     has_parameter_state = os.path.isfile(os.path.join(rank_dir, DIST_OPTIM_FILE))
     if _distributed(optimizer) and not has_parameter_state:
         return (f"checkpoint {directory} was saved without --use-distributed-optimizer (no {DIST_OPTIM_FILE}): "
@@ -398,10 +357,11 @@ def optimizer_problem(directory: str, rank_dir: str, state: dict, optimizer) -> 
 
 def _read_own(root: str, directory: str, chunks, optimizer, use_optim: bool, only) -> dict:
     """This rank's file, checked against the model and the optimizer on every rank before any is loaded:
-    one CheckpointError, the same on every rank, when any rank's does not fit."""
-    problem = layout_problem(directory)
-    if problem:
-        raise CheckpointError(problem)
+    one CheckpointError, the same on every rank, when any rank's does not fit (the layout first: the
+    directory names, then the sizes in the file's args, the same in every rank's file)."""
+    here = _sizes()
+    if scan.legacy_rank_dirs(directory) != expected_rank_dirs(*here):
+        raise CheckpointError(_layout_refusal(directory, saved_sizes(directory), here))
     rank_dir = os.path.join(directory, own_rank_dir())
     state, problem = None, None
     try:
@@ -412,9 +372,11 @@ def _read_own(root: str, directory: str, chunks, optimizer, use_optim: bool, onl
         problem = f"checkpoint {directory} cannot be read: {os.path.join(rank_dir, MODEL_FILE)}: " \
                   f"{one_line(f'{type(err).__name__}: {err}', 200)}"
     if state is not None:
-        problem = fit_problem(root, directory, chunks, state, only) or \
+        saved = sizes_saved_in(state)
+        problem = (_layout_refusal(directory, saved, here) if saved not in (None, here) else None) or \
+            fit_problem(root, directory, chunks, state, only) or \
             (optimizer_problem(directory, rank_dir, state, optimizer) if use_optim else None)
-    problem = _agreed(problem)
+    problem = agreed(problem)
     if problem:
         raise CheckpointError(problem)
     return state

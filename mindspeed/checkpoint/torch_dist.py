@@ -23,14 +23,14 @@ import torch
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE, atomic_write_text
+from mindspeed.files import PRIVATE_DIR, PRIVATE_FILE
 from mindspeed.checkpoint import cross_format, neutral, scan
 from mindspeed.checkpoint.common_state import UnsafeCommonState, load_common
 from mindspeed.checkpoint.scan import iteration_dir
 from mindspeed.errors import CheckpointError, one_line, resume_hint, unreadable
 from mindspeed.checkpoint.save_guard import writer_failures_reported
+from mindspeed.checkpoint.staged_save import TRACKER, staged_save
 
-TRACKER = "latest_checkpointed_iteration.txt"
 FILE_MODE, DIR_MODE = PRIVATE_FILE, PRIVATE_DIR
 INDEX_FILE, COMMON_FILE, FORMAT_FILE = ".metadata", "common.pt", "metadata.json"
 
@@ -213,13 +213,6 @@ def last_readable(root: str, exclude: int | None = None) -> int | None:
     return scan.last_readable(root, check_iteration, exclude)
 
 
-def _restrict_permissions(path: str) -> None:
-    for dirpath, dirnames, filenames in os.walk(path):
-        os.chmod(dirpath, DIR_MODE)
-        for name in filenames:
-            os.chmod(os.path.join(dirpath, name), FILE_MODE)
-
-
 def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
@@ -228,12 +221,24 @@ def _model_keys(chunks) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
+def optimizer_parts(optimizer, kind) -> list:
+    """The parts of `optimizer` (a ChainedOptimizer's, or itself) that are `kind`; [] for None."""
+    if optimizer is None:
+        return []
+    return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(opt, kind)]
+
+
+def distributed_parts(optimizer) -> list:
+    """The DistributedOptimizers among `optimizer`'s parts."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    return optimizer_parts(optimizer, DistributedOptimizer)
+
+
 def _init_empty_distributed_optimizer_state(optimizer) -> None:
     """Without Apex/TE, DistributedOptimizer.state_dict() needs Adam's 'step' to exist before a
     load; a dummy zero-grad step creates the state that the checkpoint then overwrites."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+    for opt in distributed_parts(optimizer):
+        if len(opt.optimizer.state) == 0:
             opt._init_optimizer_states_with_dummy_values()
 
 
@@ -242,10 +247,7 @@ def _restore_adam_steps(optimizer) -> None:
     param_groups, but its load leaves the per-parameter torch 'step' at the value of the dummy
     state (and, where it does set it, shares one tensor among all parameters, which torch then
     advances once per parameter). Give every parameter its own step from its group."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, DistributedOptimizer):
-            continue
+    for opt in distributed_parts(optimizer):
         for group in opt.optimizer.param_groups:
             if "step" not in group:
                 continue
@@ -267,9 +269,8 @@ def _float16_layout(optimizer):
     master is then checkpointed too, as in Megatron-LM's all-float16 models."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     with ExitStack() as stack:
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            if isinstance(opt, Float16OptimizerWithFloat16Params):
-                stack.enter_context(_every_param_as_float16(opt))
+        for opt in optimizer_parts(optimizer, Float16OptimizerWithFloat16Params):
+            stack.enter_context(_every_param_as_float16(opt))
         yield
 
 
@@ -317,29 +318,19 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, con
                     sharded_strategy=None, only=None, extra: dict | None = None) -> str:
     """sharded_strategy: dist_checkpointing's (default: Megatron's torch_dist writer; the converter
     passes its streaming one). only(name): which of the model's tensors to save (default all; LoRA
-    saves its adapters); extra: more common state (plain values, read back by read_common)."""
-    rank0 = torch.distributed.get_rank() == 0
-    path, staged = iteration_dir(root, iteration), scan.staging_dir(root, iteration)
-    if rank0:     # written under iter_NNNNNNN.partial, renamed when complete, then the tracker (scan)
-        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
-        scan.fresh_staging_dir(root, iteration, DIR_MODE)
-    torch.distributed.barrier()
-    _finish_param_gathers(chunks)
-    state = _sharded_state(chunks, optimizer, is_loading=False, only=only)
-    state.update(iteration=iteration, consumed_train_samples=consumed_samples,
-                 opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0, **(extra or {}))
-    try:
-        with writer_failures_reported():
-            dist_checkpointing.save(state, staged, sharded_strategy=sharded_strategy)
-    except CheckpointException as err:     # raised on every rank; only the coordinator has the cause
-        raise _save_failure(path, err) from None
-    torch.distributed.barrier()
-    if rank0:
-        scan.publish(root, iteration)
-        atomic_write_text(os.path.join(root, TRACKER), str(iteration), FILE_MODE)
-        _restrict_permissions(root)
-    torch.distributed.barrier()
-    return path
+    saves its adapters); extra: more common state (plain values, read back by read_common). Staged,
+    published, then tracked (staged_save: a failure on any rank stops every rank in one line)."""
+    def write(staged: str) -> None:
+        _finish_param_gathers(chunks)
+        state = _sharded_state(chunks, optimizer, is_loading=False, only=only)
+        state.update(iteration=iteration, consumed_train_samples=consumed_samples,
+                     opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0, **(extra or {}))
+        try:
+            with writer_failures_reported():
+                dist_checkpointing.save(state, staged, sharded_strategy=sharded_strategy)
+        except CheckpointException as err:     # raised on every rank; only the coordinator has the cause
+            raise _save_failure(iteration_dir(root, iteration), err) from None
+    return staged_save(root, iteration, write)
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool = True,
@@ -357,8 +348,7 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
                                       finetune=finetune, only=only, load_rng=load_rng)
     use_optim = load_optim and not finetune
     if use_optim and optimizer is not None and saved_without_optimizer(root, iteration):
-        raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with --no-save-optim): "
-                              "resume it with --no-load-optim (or --finetune)")
+        raise CheckpointError(no_optimizer_refusal(path))
     state = _sharded_state(chunks, optimizer if use_optim else None, is_loading=True, only=only)
     if only is None and not is_neutral(path):
         _refuse_other_architecture(root, path, [state[key] for key in _model_keys(chunks)])
@@ -405,9 +395,20 @@ def _refuse_other_architecture(root: str, path: str, model_states: list) -> None
     saved = dist_checkpointing.load_tensors_metadata(path)
     extra = sorted(k for k in saved if k not in wanted and not k.startswith(("chained_", "optimizer")))
     if extra:
-        raise CheckpointError(f"checkpoint {path} holds {len(extra)} weight tensor(s) this model does not have "
-                              f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): it was trained with other "
-                              f"model flags (see {os.path.join(root, 'run_flags.json')}); give those flags")
+        raise CheckpointError(other_architecture_refusal(root, path, extra))
+
+
+def no_optimizer_refusal(path: str) -> str:
+    """Either format's refusal of a --no-save-optim checkpoint where optimizer state is asked for."""
+    return (f"checkpoint {path} holds no optimizer state (saved with --no-save-optim): resume it with "
+            "--no-load-optim (or --finetune)")
+
+
+def other_architecture_refusal(root: str, path: str, extra: list[str]) -> str:
+    """Either format's refusal of a checkpoint holding weight tensors (`extra`) this model does not have."""
+    return (f"checkpoint {path} holds {len(extra)} weight tensor(s) this model does not have "
+            f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): it was trained with other "
+            f"model flags (see {os.path.join(root, 'run_flags.json')}); give those flags")
 
 
 def _load_model(model, loaded: dict, only) -> None:

@@ -449,12 +449,12 @@ def loop_parts(args, trainer: Trainer, train_iter, valid_ds, backend) -> loop.Tr
 
     def save(iteration: int, consumed: int) -> str:
         extra = {"lora": lora.settings} if lora else {}
-        if args.no_save_optim:
-            extra["no_optimizer"] = True      # a resume that asks for optimizer state is refused in one line
         optimizer, only = None if args.no_save_optim else trainer.optimizer, lora.is_adapter_key if lora else None
-        if args.ckpt_format == "torch":       # Megatron-LM's legacy per-rank files
+        if args.ckpt_format == "torch":       # Megatron-LM's legacy per-rank files (no optimizer entry says it)
             return legacy.save_checkpoint(args.save, iteration, trainer.model, optimizer, trainer.scheduler, consumed,
                                           args=args, only=only, extra=extra or None, save_rng=not args.no_save_rng)
+        if args.no_save_optim:
+            extra["no_optimizer"] = True      # a resume that asks for optimizer state is refused in one line
         return torch_dist.save_checkpoint(args.save, iteration, trainer.model, optimizer, trainer.scheduler,
                                           consumed, only=only, extra=extra or None)
 

@@ -12,6 +12,8 @@ Megatron-Core model and optimizers; one spawn for every case (CI time):
   iteration), and the checkpoint at TP=2 (it was saved at TP=1: legacy files are per rank).
 * the other way round: a torch_dist checkpoint resumes a --ckpt-format torch run (the format is the
   directory's).
+* a save whose publish fails on rank 0 (either format) stops both ranks with the same one-line error; the
+  previous checkpoint stays tracked and resumes.
 The TP=2 save, its layout and a bit-for-bit resume through the launch script are in
 tests_extend/system/test_pretrain_gpt.py.
 """
@@ -158,9 +160,39 @@ def _tp2_cases(rank, root) -> dict:
     out = {"other_layout": _refusal(args, trainer)}
     _step(trainer, 1)
     torch_dist.save_checkpoint(os.path.join(root, "td"), 1, trainer.model, trainer.optimizer, trainer.scheduler, 2)
+    out["publish_failed"] = _publish_failures(rank, os.path.join(root, "td"), args, trainer)
     args, fresh = _trainer(["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--load",
                             os.path.join(root, "td")], seed=2)
     out["torch_dist_into_torch"] = [*pretrain.resume(args, fresh, _Log()), _digest(fresh) == _digest(trainer)]
+    return out
+
+
+def _publish_failures(rank, ckpt, args, trainer) -> dict:
+    """Rank 0's publish of iteration 2 fails (a file lies where iter_0000002 goes: the rename raises
+    NotADirectoryError) in either format: every rank's CheckpointError (None if it returned), and the
+    tracker after each. It hung before: the other rank waited at a barrier for rank 0, which had raised."""
+    from mindspeed.checkpoint import legacy, torch_dist
+    from mindspeed.errors import CheckpointError
+    in_the_way = os.path.join(ckpt, "iter_0000002")
+    if rank == 0:
+        with open(in_the_way, "w") as f:
+            f.write("not a checkpoint")
+    saves = {"torch_dist": lambda: torch_dist.save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer,
+                                                              trainer.scheduler, 4),
+             "legacy": lambda: legacy.save_checkpoint(ckpt, 2, trainer.model, trainer.optimizer, trainer.scheduler,
+                                                      4, args=args)}
+    out = {}
+    for name, save in saves.items():
+        try:
+            save()
+            out[name] = None
+        except CheckpointError as err:
+            out[name] = str(err)
+        with open(os.path.join(ckpt, torch_dist.TRACKER)) as f:
+            out[f"{name}_tracker"] = f.read()
+    legacy.agreed(None)                   # both ranks done before the file goes
+    if rank == 0:
+        os.remove(in_the_way)
     return out
 
 
@@ -213,6 +245,18 @@ def test_what_does_not_fit_is_refused_in_one_line_on_every_rank(report):
             assert r[key] and text in r[key] and "\n" not in r[key], (key, r[key])
         assert "the last readable checkpoint is iteration 1" in r["truncated"]
         assert r["no_load_optim"] == [3, 6]
+
+
+def test_a_failed_publish_stops_every_rank_in_one_line(report):
+    """Rank 0 cannot publish: both ranks raise the same line (rank 0's cause), the tracker still names
+    iteration 1, and that checkpoint then resumes (the next test)."""
+    for name in ("torch_dist", "legacy"):
+        lines = {report[rank]["publish_failed"][name] for rank in (0, 1)}
+        assert len(lines) == 1, lines
+        line = lines.pop()
+        assert line and "\n" not in line and "iter_0000002" in line and "Not a directory (rank 0)" in line, line
+        assert line.endswith("the tracker still names the last complete checkpoint"), line
+        assert all(report[rank]["publish_failed"][f"{name}_tracker"] == "1" for rank in (0, 1))
 
 
 def test_a_torch_dist_checkpoint_resumes_a_legacy_format_run(report):
