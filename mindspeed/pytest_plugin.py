@@ -65,6 +65,11 @@ def pytest_load_initial_conftests(early_config, parser, args):
         # imported here, not at the top: the module imports Megatron, which the adaptor must patch first
         from mindspeed.backends.torch.te_spec_standin import apply_te_spec_standin
         apply_te_spec_standin(state.patcher)
+    if state.plan.backend == "torch" and importlib.util.find_spec("grouped_gemm") is None:
+        # Megatron's MoE tests build GroupedMLP directly (no --moe-grouped-gemm to enable the feature)
+        from mindspeed.features.fused.grouped_gemm import provide_grouped_gemm_package
+        provide_grouped_gemm_package(state.context, into_main_grad=False,
+                                     why="grouped_gemm absent: GroupedMLP's GEMMs through the backend's gmm")
     if state.patcher.find("torch.distributed.new_group") is not None and LAZY_GLOO not in os.environ:
         state.patcher.setenv(LAZY_GLOO, "1", reason="gloo stands in for nccl: connect a group's peers on its "
                              "first collective, as NCCL does, not each of the groups every test makes")

@@ -69,12 +69,18 @@ def _grouped_mlp_modules(original):
     return grouped_mlp_modules
 
 
+def provide_grouped_gemm_package(ctx, into_main_grad: bool, why: str) -> None:
+    """Megatron's `grouped_gemm` package handle served by the backend's gmm: GroupedMLP builds and
+    runs wherever it would with the CUDA package (Megatron's own unit tests build it directly)."""
+    ops = GroupedGemmOps(into_main_grad, ctx.backend.kernels)
+    ctx.patcher.replace(f"{GG}.grouped_gemm", ops, reason=why)
+    ctx.patcher.replace(f"{GG}.ops", ops, reason=why)
+
+
 def install(ctx, args) -> None:
     why = "--moe-grouped-gemm via kernels.gmm"
     patcher = ctx.patcher
-    ops = GroupedGemmOps(args.gemm_gradient_accumulation_fusion, ctx.backend.kernels)
-    patcher.replace(f"{GG}.grouped_gemm", ops, reason=why)
-    patcher.replace(f"{GG}.ops", ops, reason=why)
+    provide_grouped_gemm_package(ctx, args.gemm_gradient_accumulation_fusion, why)
     ctx.provide(SPEC_GROUPED_EXPERTS, True)
     if has_local_spec_provider() and not ctx.specs_from_session:   # core 0.12's local spec picks GroupedMLP from the flag itself
         patcher.wrap(f"{LOCAL_SPEC_PROVIDER}.grouped_mlp_modules", _grouped_mlp_modules, reason=why)
