@@ -22,7 +22,8 @@ sys.path.insert(0, ROOT)
 PATHS = {"single-tensor": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
-def step_ms(options: dict, steps: int) -> float:
+def adamw_on_gpt2_params(**options):
+    """torch's AdamW over the GPT-2 layout's parameters in Megatron's two groups, random gradients set."""
     import torch
     from tests_extend.benchmarks import bench_plain_gpt as plain
     torch.manual_seed(0)
@@ -32,7 +33,11 @@ def step_ms(options: dict, steps: int) -> float:
         p.grad = torch.randn_like(p)
     groups = [dict(params=[p for p in params if p.dim() > 1], weight_decay=0.1),
               dict(params=[p for p in params if p.dim() <= 1], weight_decay=0.0)]
-    optimizer = torch.optim.AdamW(groups, lr=3e-4, **options)
+    return torch.optim.AdamW(groups, lr=3e-4, **options)
+
+
+def median_step_ms(optimizer, steps: int) -> float:
+    """The median of `steps` optimizer steps after 10 warm-up ones."""
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -41,8 +46,13 @@ def step_ms(options: dict, steps: int) -> float:
     return 1000 * statistics.median(times[10:])
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def step_ms(options: dict, steps: int) -> float:
+    return median_step_ms(adamw_on_gpt2_params(**options), steps)
+
+
+def arguments(argv, description: str):
+    """--rounds, --steps, --threads (torch set to them)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--threads", type=int, default=1)
@@ -51,6 +61,11 @@ def main(argv=None) -> int:
         p.error("--steps must be above 10 (the first 10 are warm-up)")
     import torch
     torch.set_num_threads(a.threads)
+    return a
+
+
+def main(argv=None) -> int:
+    a = arguments(argv, __doc__.split("\n")[0])
     load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())   # noqa: E731
     print(f"AdamW step, GPT-2 layout parameters, {a.threads} thread(s), {a.rounds} round(s); load average {load()}")
     ms = {name: [] for name in PATHS}

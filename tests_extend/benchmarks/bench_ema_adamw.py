@@ -12,51 +12,32 @@ warm-up steps. Prints the load average before and after: rerun when it is above 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+from tests_extend.benchmarks.bench_cpu_adam import adamw_on_gpt2_params, arguments, median_step_ms  # noqa: E402
 
 
 def run(ema: bool, steps: int) -> tuple[float, float]:
     """(median step ms, optimizer-state bytes per parameter) of one path."""
     import torch
     from mindspeed.features.training.ema_adamw_megatron import EmaOfWeights
-    from tests_extend.benchmarks import bench_plain_gpt as plain
-    torch.manual_seed(0)
-    model = plain.build_plain(dict(plain.MODEL, **plain.SIZES["issue"], layout="gpt2"))
-    params = list(model.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p)
-    groups = [dict(params=[p for p in params if p.dim() > 1], weight_decay=0.1),
-              dict(params=[p for p in params if p.dim() <= 1], weight_decay=0.0)]
-    optimizer = torch.optim.AdamW(groups, lr=3e-4, fused=True)
+    optimizer = adamw_on_gpt2_params(fused=True)
     if ema:
         EmaOfWeights(optimizer, 0.9999)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
+    ms = median_step_ms(optimizer, steps)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     state_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                       if torch.is_tensor(t) and t.numel() > 1)
-    return 1000 * statistics.median(times[10:]), state_bytes / sum(p.numel() for p in params)
+    return ms, state_bytes / sum(p.numel() for p in params)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args(argv)
-    if a.steps <= 10:
-        p.error("--steps must be above 10 (the first 10 are warm-up)")
-    import torch
-    torch.set_num_threads(a.threads)
+    a = arguments(argv, __doc__.split("\n")[0])
     load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())   # noqa: E731
     print(f"optimizer step, GPT-2 layout parameters, {a.threads} thread(s), {a.rounds} round(s); "
           f"load average {load()}")

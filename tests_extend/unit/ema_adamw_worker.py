@@ -175,14 +175,8 @@ def use_ema_validation() -> dict:
 
 
 def main(root: str) -> dict:
-    os.environ.pop("RANK", None)
     import mindspeed
-    from mindspeed.flags.trainer_flags import parse_args
-    from mindspeed.training import pretrain
-    args = parse_args(kit.TINY, world_size=1)
-    mindspeed.adapt(args)
-    pretrain._init_distributed(args, "cpu")
-    pretrain.init_batch_schedule(args, 0)
+    kit.start_world_of_one()
     report = {"fp32": against_reference([], 0.6), "bf16": against_reference(["--bf16"], 0.6),
               "use_ema": use_ema_validation(),
               "resume": {f"{fmt} {' '.join(flags)}": resumed(root, fmt, flags)

@@ -605,7 +605,8 @@ def shared_mask_report(steps=2) -> dict:
     return out
 
 
-def main(root: str) -> dict:
+def start_world_of_one() -> None:
+    """This process as a world of one (gloo), adapted for TINY: what trainer_for's trainers run in."""
     import os
     os.environ.pop("RANK", None)
     import mindspeed
@@ -615,6 +616,11 @@ def main(root: str) -> dict:
     mindspeed.adapt(args)
     pretrain._init_distributed(args, "cpu")
     pretrain.init_batch_schedule(args, 0)
+
+
+def main(root: str) -> dict:
+    import mindspeed
+    start_world_of_one()
     bf16_dist = ["--bf16", "--use-distributed-optimizer"]
     import time
     t0 = time.perf_counter()

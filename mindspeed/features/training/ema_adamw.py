@@ -35,8 +35,9 @@ class FusedEmaAdamW(Feature):
     backends = ("torch",)
     # upstream refuses it too: the bf16 parameters would be the masters' high halves, the EMA a third copy
     conflicts = ("reuse-fp32-param", "swap-optimizer")
-    unsupported = {"mindspore": "the MindSpore trainer's optimizer (nn.AdamWeightDecay) keeps no EMA of the "
-                                "weights and its checkpoint has no slot for one: use --backend torch"}
+    # not a MindSpore gap: the trainer's Adam (optimizer.py) is not wired for it yet
+    unsupported = {"mindspore": "the MindSpore trainer's Adam (its fused AdamWeightDecay graph) keeps no EMA of the "
+                                "weights yet and its checkpoints have no slot for one: use --backend torch"}
     alternatives = "drop --optimizer-selection: Megatron's AdamW runs without the EMA"
     example = ("--optimizer-selection", SELECTION)
 
