@@ -20,7 +20,7 @@ option("qk-layernorm", (host("--qk-layernorm", False),), lambda a: a.qk_layernor
 option("yarn-rope", (host("--rope-scaling-type"), host("--rope-type")),
        lambda a: a.rope_scaling_type == "yarn" or a.rope_type == "yarn",
        "YaRN RoPE scaling (Megatron-Core's YarnRotaryEmbedding): frequencies interpolated beyond the original "
-       "context, attention scaled by mscale", _lacks("YaRN RoPE scaling"), TORCH,
+       "context, attention scaled by mscale", {}, "",
        ("--rope-scaling-type", "yarn", "--rope-scaling-factor", "4", "--rope-scaling-original-max-position-embeddings",
         "32"))
 option("llama3-rope", (host("--rope-scaling-type"),), lambda a: a.rope_scaling_type == "llama3",

@@ -104,12 +104,13 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=No
 def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNorm",
                       position_embedding_type: str = "rope", num_query_groups: int | None = None,
                       tied: bool = False, layers: int | None = None, qk_layernorm: bool = False,
-                      kv_channels: int | None = None):
+                      kv_channels: int | None = None, yarn: dict | None = None):
     """swiglu=False: Megatron-Core's default GELU MLP (F.gelu, not gated), as --no-swiglu;
     num_query_groups: GROUPS unless given (HEADS: multi-head attention, one query head per group);
     tied: the output layer is the word embeddings (Megatron's default; the trainers' argv unties);
     layers: transformer layers (LAYERS, read at the call: benchmarks resize the module, unless given);
-    qk_layernorm, kv_channels: --qk-layernorm's per-head q/k norms, --kv-channels' head size (Qwen3)."""
+    qk_layernorm, kv_channels: --qk-layernorm's per-head q/k norms, --kv-channels' head size (Qwen3);
+    yarn: YaRN's settings (family_flags.yarn_settings), set as the torch trainer sets them for a dense model."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -123,6 +124,11 @@ def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNor
                                tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0,
                                qk_layernorm=qk_layernorm, kv_channels=kv_channels)
     spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    if yarn:
+        for name, value in yarn.items():
+            setattr(config, f"yarn_{name}", value)
+        config.yarn_correction_range_round_to_int = True
+        position_embedding_type = "yarn"
     return GPTModel(config, spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, position_embedding_type=position_embedding_type,
                     share_embeddings_and_output_weights=tied)
@@ -234,3 +240,32 @@ def torch_train(rank, world_size, tp, init_ckpt, save_init, other_ckpt=None, mod
         with torch.no_grad():
             result["eval_loss_of_other"] = _torch_loss(fresh, EVAL_SEED, batch_fn).item()
     return result
+
+
+def torch_yarn(rank, world_size, init_ckpt: str, other_ckpt: str, yarn: dict, table_settings: list) -> dict:
+    """Harness body: torch_train at TP=1 with YaRN's `yarn` settings (evaluating `other_ckpt`), then
+    Megatron-Core's YaRN tables and defaults (_yarn_tables)."""
+    result = torch_train(rank, world_size, 1, init_ckpt, False, other_ckpt, {"yarn": yarn})
+    result["tables"], result["defaults"] = _yarn_tables(table_settings)
+    return result
+
+
+def _yarn_tables(settings: list) -> tuple:
+    """Megatron-Core's YarnRotaryEmbedding cos tables (times its concentration factor, as its rotation
+    applies it) for each (kv_channels, rotary_base, seq, yarn settings), and its MLATransformerConfig's YaRN
+    defaults."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    tables = []
+    for kv_channels, base, seq, yarn in settings:
+        rope = YarnRotaryEmbedding(kv_channels, rotary_base=base, use_cpu_initialization=True,
+                                   scaling_factor=yarn["rotary_scaling_factor"], beta_fast=yarn["beta_fast"],
+                                   beta_slow=yarn["beta_slow"], mscale=yarn["mscale"],
+                                   mscale_all_dim=yarn["mscale_all_dim"],
+                                   original_max_position_embeddings=yarn["original_max_position_embeddings"])
+        emb, concentration = rope(seq)
+        tables.append((emb.cos() * concentration).reshape(seq, -1).numpy().tolist())
+    fields = MLATransformerConfig.__dataclass_fields__
+    defaults = {name: fields[name].default for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                                        "original_max_position_embeddings")}
+    return tables, defaults

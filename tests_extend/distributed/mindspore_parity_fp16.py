@@ -74,6 +74,8 @@ def ms_train_fp16(backend, init_ckpt: str, flags=PARITY, steps: int = mp.STEPS, 
     """Through the support matrix (mindspeed.adapt) as the trainer goes; every DP rank trains on the
     same batch (so DP=2 is DP=1's run; CP ranks hold shards of it). Per step: loss, grad norm (None
     when skipped), the loss scale after the step, whether it was skipped, the lr."""
+    import mindspore as ms
+
     import mindspeed
     from mindspeed.backends import get_backend
     from mindspeed.flags.trainer_flags import parse_args
@@ -108,7 +110,12 @@ def ms_train_fp16(backend, init_ckpt: str, flags=PARITY, steps: int = mp.STEPS, 
             meta = {"backend": "mindspore", "skipped_iterations": trainer.skipped_iterations,
                     **({"grad_scaler": trainer.scaler.state_dict()} if trainer.scaler else {})}
             checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, meta)
-            out["masters"] = {n: p.asnumpy().tolist() for n, p in trainer.model.masters.items()}
+            out["masters"] = {n: p.asnumpy().tolist() for n, p in trainer.model.master_params().items()}
+            out["weights"] = {n: p.astype(ms.float32).asnumpy().tolist() for n, p in trainer.model.params.items()}
+        # everything the model keeps between steps: weights, fp32 masters, --reuse-fp32-param's residuals
+        kept = [*trainer.model.params.values(), *trainer.model.masters.values(),
+                *(trainer.model.folded.residuals.values() if trainer.model.folded is not None else ())]
+        out["kept_dtypes"] = sorted({str(t.dtype) for t in kept})
         return out
     finally:
         mindspeed.unadapt()

@@ -8,7 +8,9 @@ positions at TP=2 with SP give their TP=1 losses; selective recompute at CP=2 gi
 with --attention-mask-type general takes packed documents' mask and gives CP=1's losses with it. Weights cross both ways: torch writes the initial checkpoint that
 MindSpore loads; MindSpore writes its trained checkpoint that torch loads (at TP=2) and evaluates.
 --qk-layernorm (Qwen3's per-head q/k norms, --kv-channels of its own) at TP=2, with and without SP,
-gives Megatron-Core's TP=2 losses, and its MindSpore checkpoint Megatron-Core's evaluation loss."""
+gives Megatron-Core's TP=2 losses, and its MindSpore checkpoint Megatron-Core's evaluation loss.
+YaRN RoPE scaling (--rope-scaling-type yarn) at TP=1: the rotary tables are Megatron-Core's
+YarnRotaryEmbedding's (two settings), the losses Megatron-Core's (a dense GPT with position type yarn)."""
 import os
 
 import numpy as np
@@ -30,7 +32,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_par
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
     return {"init": str(root / "init"), "ms_final": str(root / "ms_final"), "root": root,
-            "qk_init": str(root / "qk_init"), "ms_qk": str(root / "msrun" / "ms_qk")}
+            "qk_init": str(root / "qk_init"), "ms_qk": str(root / "msrun" / "ms_qk"), "ms_yarn": str(root / "ms_yarn")}
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +183,46 @@ def test_general_mask_with_context_parallelism(ckpts, ms_tp2):
         run = ms_tp2[rank]["cp2_general_documents"]
         np.testing.assert_allclose(run["losses"], documents["losses"], atol=TOL, rtol=0)
         np.testing.assert_allclose(run["grad_norms"], documents["grad_norms"], rtol=NORM_RTOL)
+
+
+# --- YaRN RoPE scaling ------------------------------------------------------------------------------
+# DeepSeek-V3's factor and a context of 8 for the 16-token sequence: the ramp interpolates all but the fastest
+# frequency, and the concentration factor (1.37) sharpens the attention
+YARN_FLAGS = ("--rope-scaling-type", "yarn", "--rope-scaling-factor", "40",
+              "--rope-scaling-original-max-position-embeddings", "8")
+# (kv_channels, rotary_base, seq, settings other than the defaults) of the tables compared
+YARN_TABLES = ((mp.HIDDEN // mp.HEADS, 10000.0, mp.SEQ, {"rotary_scaling_factor": 40.0, "original_max_position_embeddings": 8}),
+               (16, 500.0, 40, {"rotary_scaling_factor": 2.5, "original_max_position_embeddings": 24, "beta_fast": 4.0,
+                                "beta_slow": 0.5, "mscale": 0.8, "mscale_all_dim": 0.5}))
+
+
+@pytest.fixture(scope="module")
+def yarn_runs(ckpts, torch_tp1):
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from mindspeed.flags.family_flags import YARN_DEFAULTS
+    ms = mp.ms_train(MindSporeBackend("cpu"), 1, False, ckpts["init"], save_dir=ckpts["ms_yarn"], extra=YARN_FLAGS)
+    tables = [(kv, base, seq, dict(YARN_DEFAULTS, **given)) for kv, base, seq, given in YARN_TABLES]
+    (torch_side,) = run_distributed(mp.torch_yarn, world_size=1, timeout=300,
+                                    args=(ckpts["init"], ckpts["ms_yarn"], tables[0][3], tables))
+    return ms, torch_side, tables
+
+
+def test_yarn_tables_are_megatron_cores(yarn_runs):
+    from mindspeed.flags.family_flags import YARN_DEFAULTS
+    from mindspeed.training.mindspore import rope
+    _, torch_side, tables = yarn_runs
+    assert torch_side["defaults"] == YARN_DEFAULTS          # what the MindSpore trainer fills in, Megatron-Core's
+    for (kv, base, seq, yarn), theirs in zip(tables, torch_side["tables"]):
+        cos, _ = rope.rope_tables(kv, 1.0, base, seq, yarn=yarn)
+        plain, _ = rope.rope_tables(kv, 1.0, base, seq)
+        ours = cos.asnumpy().reshape(seq, -1)
+        np.testing.assert_allclose(ours, np.array(theirs), rtol=0, atol=2e-6)
+        assert np.abs(ours - plain.asnumpy().reshape(seq, -1)).max() > 0.05      # YaRN changed them
+
+
+def test_yarn_losses_match_megatron_core_and_its_checkpoint_crosses(yarn_runs, torch_tp1):
+    ms, torch_side, _ = yarn_runs
+    np.testing.assert_allclose(ms["losses"], torch_side["losses"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(ms["grad_norms"], torch_side["grad_norms"], rtol=NORM_RTOL)
+    assert np.abs(np.array(ms["losses"]) - np.array(torch_tp1["losses"])).max() > 10 * TOL     # not plain RoPE
+    assert torch_side["eval_loss_of_other"] == pytest.approx(ms["eval_loss"], abs=TOL)

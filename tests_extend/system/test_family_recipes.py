@@ -143,14 +143,19 @@ def test_recipe_trains_three_iterations_on_two_processes(family, corpus, sentenc
         _another_architecture_is_refused(tmp_path / "ckpt", corpus)
 
 
-def test_qwen3_moe_recipe_trains_on_the_mindspore_trainer(corpus, tmp_path):
-    """The same recipe on the MindSpore trainer (train_distributed_ms.sh, EP 2, bf16, grouped experts with
-    --gemm-gradient-accumulation-fusion), less --ckpt-format torch (its writer is the neutral checkpoint's):
-    3 iterations, finite losses. ~2 minutes of this machine's two cores: with MINDSPEED_SLOW_TESTS=1."""
+# the recipes the MindSpore trainer runs as they are, less --ckpt-format torch (its writer is the neutral checkpoint's)
+ON_MINDSPORE = {"qwen3_moe": "EP 2, bf16, grouped experts with --gemm-gradient-accumulation-fusion",
+                "qwen3": "PP 2, bf16, the distributed optimizer with --reuse-fp32-param"}
+
+
+@pytest.mark.parametrize("family", sorted(ON_MINDSPORE))
+def test_recipe_trains_on_the_mindspore_trainer(family, corpus, tmp_path):
+    """The recipe on the MindSpore trainer (train_distributed_ms.sh; ON_MINDSPORE says what it exercises):
+    3 iterations, finite losses. ~2 minutes each of this machine's two cores: with MINDSPEED_SLOW_TESTS=1."""
     if SLOW:
-        pytest.skip("MINDSPEED_SLOW_TESTS=1 trains qwen3_moe on the MindSpore trainer (~2 min)")
-    argv = shrink.shrink("qwen3_moe", dict(corpus, CKPT_LOAD_DIR=str(tmp_path / "ckpt"),
-                                           CKPT_SAVE_DIR=str(tmp_path / "ckpt")), runnable=True)
+        pytest.skip(f"MINDSPEED_SLOW_TESTS=1 trains {family} on the MindSpore trainer (~2 min)")
+    argv = shrink.shrink(family, dict(corpus, CKPT_LOAD_DIR=str(tmp_path / "ckpt"),
+                                      CKPT_SAVE_DIR=str(tmp_path / "ckpt")), runnable=True)
     at = argv.index("--ckpt-format")
     argv = argv[:at] + argv[at + 2:] + ["--log-loss-file", str(tmp_path / "loss.jsonl")]
     # the recipe's --lr-warmup-fraction sets the warmup: the script's own --lr-warmup-iters off

@@ -1,7 +1,8 @@
 """--reuse-fp32-param: bf16 parameters share storage with their fp32 master copies (6 bytes per bf16
 parameter become 4; with the distributed optimizer 2 + 4/DP become 2 + 2/DP, DP=1 included).
 Framework-free (the matrix imports it); the Megatron-Core hooks are reuse_fp32_param_megatron.py (Float16 optimizer) and
-reuse_fp32_param_distrib.py (distributed optimizer), imported only when applied."""
+reuse_fp32_param_distrib.py (distributed optimizer), imported only when applied; the MindSpore trainer's is
+training/mindspore/reuse_fp32_param.py (with its distributed optimizer only)."""
 from __future__ import annotations
 
 from mindspeed.backends.base import Cap
@@ -19,21 +20,23 @@ class ReuseFp32Param(Feature):
                    "instead of 2 + 4/DP)")
     flags = (switch("--reuse-fp32-param", "bf16 parameters share storage with the optimizer's fp32 master "
                     "copy (needs --bf16)"),)
-    requires = (Cap.MEGATRON_CORE,)
-    backends = ("torch",)
+    requires = ()        # torch: Megatron-Core's optimizers (always there); MindSpore: the trainer's own
+    backends = ("torch", "mindspore")
     depends = ("bf16",)
     # the swap empties and refills the masters' storage, which here is the model's parameters too
     conflicts = ("swap-optimizer",)
-    unsupported = {"mindspore": "the MindSpore trainer's --bf16 keeps each bf16 parameter and its fp32 master as "
-                                "two MindSpore Parameters, each owning its storage (the folding is written for "
-                                "Megatron-Core's optimizers only); use --backend torch"}
     alternatives = "leave it off: bf16 parameters and fp32 masters are kept apart"
     example = ("--reuse-fp32-param", "--bf16")
+    examples = {"mindspore": ("--reuse-fp32-param", "--bf16", "--use-distributed-optimizer")}
 
     def validate(self, args) -> None:
         if args.fp16 or not until_given(args, BF16):
             raise FeatureConfigError("--reuse-fp32-param needs --bf16 (a bf16 value is the high half of an "
                                      "fp32 one; fp16 is not)")
+        if args.backend == "mindspore" and not args.use_distributed_optimizer:
+            raise FeatureConfigError("--reuse-fp32-param on MindSpore needs --use-distributed-optimizer: its plain "
+                                     "optimizer updates the fp32 masters as Parameters owning their storage, so "
+                                     "there is no copy to fold away (drop --reuse-fp32-param, or add the flag)")
         if args.use_distributed_optimizer:
             # --overlap-param-gather is fine (reuse_fp32_param_distrib.py: the borrowed halves hold fp32 bits
             # until the deferred all-gather, which the next forward's pre-hooks, a save and a params norm

@@ -20,7 +20,9 @@ The model's fp32 parameters (with --fp16 its fp32 masters, mixed_precision.Maste
 trainer rounds the fp16 weights from them after the update) are what it updates: the slice
 Parameters are the optimizer's view of this rank's part, copied from them before each update, so a
 load into the model between steps (checkpoint.load, load_full) is seen. So with --fp16 each rank
-keeps the whole fp32 master copy (Megatron shards it with the optimizer state).
+keeps the whole fp32 master copy (Megatron shards it with the optimizer state). With --reuse-fp32-param the masters are
+folded into the bf16 weights and their residuals (reuse_fp32_param.FoldedWeights: read joined, written
+split): the slices are the only fp32 copies.
 
 Expert parallelism (EP > 1, or --moe-tp-extend-ep): the experts are a second flat buffer (a
 _ShardedPart, same layout rules) sharded over the expert-data-parallel group (Megatron-Core's
@@ -38,8 +40,8 @@ import numpy as np
 from mindspore import ops
 
 from mindspeed.checkpoint.neutral import is_expert
-from mindspeed.training.mindspore.optimizer import (_clipped, _flatten, _fp64_sum_over, _tensor, build_optimizer,
-                                                    decays, sum_of_squares_over_ranks)
+from mindspeed.training.mindspore.optimizer import (_clipped, _flatten, _tensor, build_optimizer, decays,
+                                                    expert_sum_of_squares, sum_of_squares_over_ranks)
 
 
 class FlatLayout:
@@ -89,7 +91,9 @@ class _ShardedPart:
     its runs; `counted(name)`: whether the parameter's owned values enter the global norm."""
 
     def __init__(self, model, names: list, size: int, rank: int, group, args, counted):
-        self.model, self.names, self.size, self.group = model, names, size, group
+        self.model, self.group = model, group
+        # where the updated values go: the model's fp32 Parameters, or (--reuse-fp32-param) split into halves
+        self.write = getattr(model, "write", None) or (lambda n, value: ops.assign(model.params[n], value))
         self.layout = lay = FlatLayout({n: model.params[n].shape for n in names}, size, rank)
         self.shapes = {f"zero1.{'decayed' if d else 'kept'}": (1, e - s) if d else (e - s,) for s, e, d in lay.runs}
         self.inner = build_optimizer(_SliceModel({n: ms.Parameter(ms.Tensor(np.zeros(shape, np.float32)), name=n)
@@ -134,7 +138,7 @@ class _ShardedPart:
     def gather_into_model(self, comm) -> None:
         whole = self.gathered(comm, self.slices)
         for n, part in zip(self.layout.order, ops.split(whole, self.layout.sizes)):
-            ops.assign(self.model.params[n], part.reshape(self.layout.shapes[n]))
+            self.write(n, part.reshape(self.layout.shapes[n]))
 
     def state_arrays(self, comm) -> dict:
         held, out = self.inner.state_arrays(), {}
@@ -161,16 +165,15 @@ class DistributedOptimizer:
 
     def __init__(self, model, backend, ps, args):
         self.model, self.comm, self.ps = model, backend.comm, ps
-        self.names = list(model.params)
-        experts = [n for n in self.names if is_expert(n)] if ps.ep_size > 1 else []
-        dense = [n for n in self.names if n not in set(experts)]
+        names = list(model.params)
+        experts = [n for n in names if is_expert(n)] if ps.ep_size > 1 else []
+        dense = [n for n in names if n not in set(experts)]
         self.dense = _ShardedPart(model, dense, ps.dp_size, ps.dp_rank, ps.dp_group, args,
                                   model.counted_in_grad_norm)
         # each expert is whole on one rank of the EP group: every value counts in the norm
         self.experts = _ShardedPart(model, experts, ps.edp_size, ps.edp_rank, ps.edp_group, args,
                                     lambda _n: True) if experts else None
         self.parts = [p for p in (self.dense, self.experts) if p is not None]
-        self.layout = self.dense.layout
 
     @property
     def step_count(self) -> int:
@@ -189,11 +192,8 @@ class DistributedOptimizer:
         sq = sum_of_squares_over_ranks(self.comm, ps, _masked_sum_of_squares(mine[0], self.dense.counted),
                                        over_dp=True)
         if self.experts is not None:     # the slices over expert-DP, then the other experts over EP
-            expert_sq = _masked_sum_of_squares(mine[1], self.experts.counted)
-            for size, group in ((ps.edp_size, ps.edp_group), (ps.ep_size, ps.ep_group)):
-                if size > 1:
-                    expert_sq = _fp64_sum_over(self.comm, expert_sq, group)
-            sq = sq + expert_sq
+            sq = sq + expert_sum_of_squares(self.comm, ps, _masked_sum_of_squares(mine[1], self.experts.counted),
+                                            over_edp=True)
         if max_norm and max_norm > 0:
             mine = list(_clipped(ms.mutable(tuple(mine)), sq, ms.Tensor(max_norm, ms.float64)))
         for part, slice_grads in zip(self.parts, mine):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mindspeed.flags.family_flags import moe_layer_pattern
+from mindspeed.flags.family_flags import moe_layer_pattern, yarn_settings
 from mindspeed.features.parallel.layers import layer_list, noop_layer_set
+from mindspeed.features.parallel.unaligned_pipeline import layer_matrix
 from mindspeed.features.registry import fast_kernels
 from mindspeed.training.mindspore import param_layout
 from mindspeed.training.mindspore.attention_band import CAUSAL, band_keywords
@@ -32,12 +33,14 @@ class GPTConfig:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False               # --add-qkv-bias: biases on linear_qkv only (Qwen2)
     rope_scaling_factor: float | None = None  # --use-rope-scaling: Llama 3.1's frequency scaling
+    yarn: tuple = ()                         # YaRN scaling: ((setting, value), ...) of family_flags.yarn_settings
     recompute_activation_layers: int = 0     # --recompute-activation-function: the first N layers
     recompute_norm_layers: int = 0           # --recompute-norm: the first N layers
     fused_kernels: frozenset = frozenset()   # kernels whose fused feature is on: the device's fast path
     noop_layers: frozenset = frozenset()     # --noop-layers: indices of layers that pass their input through
     pipeline_layers: tuple = ()              # layers per pipeline stage (empty: one stage holds all)
     virtual_chunks: int = 1                  # --num-layers-per-virtual-pipeline-stage: model chunks per stage
+    chunk_counts: tuple = ()                 # unaligned pipeline: layers of each virtual stage v x PP + r (Megatron's order)
     recompute_method: str = "uniform"        # with recompute: uniform groups or the first N layers (recompute_plan)
     recompute_num_layers: int = 1
     recompute_core_attention: bool = False   # --recompute-granularity selective
@@ -49,6 +52,7 @@ class GPTConfig:
     hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
     attention_dropout: float = 0.0           # on the attention probabilities (training only)
     params_dtype: str = "fp32"               # --fp16 / --bf16: 16-bit weights and activations, fp32 masters
+    reuse_fp32_param: bool = False           # --reuse-fp32-param: bf16 masters folded as (weight, residual) halves
     num_experts: int = 0                     # --num-experts: the MoE layers' MLP is an MoE layer (moe.py)
     dense_layers: frozenset = frozenset()    # with --num-experts, the layers whose MLP stays dense (--moe-layer-freq,
                                              # --first-k-dense-replace: Megatron-Core's moe_layer_freq pattern)
@@ -67,7 +71,7 @@ class GPTConfig:
     def from_args(cls, args, padded_vocab: int, features=()) -> "GPTConfig":
         """features: ids of the enabled (adapted) features; fused ones pick the fast kernels."""
         return cls(**_architecture(args, padded_vocab), **_positions(args), **_recompute(args, features),
-                   **_training(args), **_pipeline(args), **_moe(args, features, cls.MOE_DISPATCH),
+                   **_training(args, features), **_pipeline(args), **_moe(args, features, cls.MOE_DISPATCH),
                    fused_kernels=fast_kernels(features),     # each feature declares its own (Feature.kernels)
                    attention_band=band_keywords(args, features))
 
@@ -81,6 +85,10 @@ class GPTConfig:
         layout) chunk c of stage r is virtual stage c x PP + r of PP x chunks equal ones; else the
         stage's layers."""
         counts = self.pipeline_layers or (self.num_layers,)
+        if self.chunk_counts:
+            stage = chunk * len(counts) + pp_rank
+            first = sum(self.chunk_counts[:stage])
+            return range(first, first + self.chunk_counts[stage])
         if self.virtual_chunks > 1:
             per_chunk = counts[0] // self.virtual_chunks
             first = (chunk * len(counts) + pp_rank) * per_chunk
@@ -115,10 +123,11 @@ def _architecture(args, padded_vocab: int) -> dict:
 
 
 def _positions(args) -> dict:
-    """RoPE (base, share of the head, Llama 3.1's scaling) or a learned table, or none."""
+    """RoPE (base, share of the head, Llama 3.1's or YaRN's scaling) or a learned table, or none."""
     scaled = args.use_rope_scaling
     return dict(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
                 rope_scaling_factor=float(args.rope_scaling_factor or 8.0) if scaled else None,
+                yarn=tuple(sorted(yarn_settings(args).items())) if getattr(args, "yarn", False) else (),
                 position_embedding_type=args.position_embedding_type,
                 max_position_embeddings=args.max_position_embeddings or args.seq_length)
 
@@ -141,16 +150,20 @@ def _recomputed_layers(args, features, feature_id: str, num_layers_dest: str) ->
     return getattr(args, num_layers_dest) or args.num_layers
 
 
-def _training(args) -> dict:
-    """Dropout and the weights' dtype."""
+def _training(args, features) -> dict:
+    """Dropout, the weights' dtype and how their fp32 masters are kept."""
     dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     return dict(hidden_dropout=float(args.hidden_dropout or 0.0), attention_dropout=float(args.attention_dropout or 0.0),
-                params_dtype=dtype)
+                params_dtype=dtype, reuse_fp32_param="reuse-fp32-param" in features)
 
 
 def _pipeline(args) -> dict:
     """Layers per pipeline stage (Megatron's split, uneven first/last stages included) and model
-    chunks per stage."""
+    chunks per stage; the unaligned pipeline's matrix gives each virtual stage's layers."""
+    rows = layer_matrix(args)
+    if rows is not None and len(rows) > 1:
+        return dict(pipeline_layers=tuple(map(sum, rows)), virtual_chunks=len(rows[0]),
+                    chunk_counts=tuple(row[v] for v in range(len(rows[0])) for row in rows))
     return dict(pipeline_layers=_pipeline_layers(args), virtual_chunks=_virtual_chunks(args))
 
 
@@ -171,7 +184,7 @@ def _virtual_chunks(args) -> int:
 
 def _moe(args, features, dispatch_features: tuple) -> dict:
     """--num-experts and the MoE layer's settings; the dispatch features on (moe.py)."""
-    pattern = moe_layer_pattern(args) if hasattr(args, "moe_layer_freq") else None
+    pattern = moe_layer_pattern(args)
     return dict(num_experts=args.num_experts or 0, moe_router_topk=args.moe_router_topk,
                 dense_layers=frozenset(i for i, moe in enumerate(pattern or ()) if not moe),
                 moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,

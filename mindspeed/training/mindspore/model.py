@@ -37,6 +37,7 @@ from mindspeed.training.mindspore.moe import MoELayer
 from mindspeed.training.mindspore.parallel import ParallelState
 from mindspeed.training.mindspore.param_layout import init_full_weights
 from mindspeed.training.mindspore.recompute_plan import layer_chunks
+from mindspeed.training.mindspore.reuse_fp32_param import FoldedMasters
 from mindspeed.training.mindspore.rope import llama3_scaled_inv_freq
 
 # the names callers import from here (the config and the layout live in their own modules)
@@ -81,10 +82,12 @@ class GPTModel:
         # ops without a CPU kernel compute in fp32 (backends/mindspore/precision.py)
         self.dtype = {"fp16": ms.float16, "bf16": ms.bfloat16}.get(cfg.params_dtype, ms.float32)
         self.masters = {}
+        # --reuse-fp32-param: the masters folded into the bf16 weights and their residuals (reuse_fp32_param.py)
+        self.folded = FoldedMasters(self.params) if cfg.reuse_fp32_param else None
         self.heads_local = cfg.num_attention_heads // ps.tp_size
         self.groups_local = cfg.num_query_groups // ps.tp_size
         self.cos, self.sin = rope.rope_tables(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base, cfg.seq_length,
-                                              cfg.rope_scaling_factor)
+                                              cfg.rope_scaling_factor, dict(cfg.yarn))
         self.band = dict(cfg.attention_band)
         # the features' hooks the forward reads (None: off); set by enable_context_parallel and
         # enable_activation_swap
@@ -110,13 +113,18 @@ class GPTModel:
         """Set parameters from whole tensors (Megatron names), keeping this TP rank's shard."""
         for name in param_layout.check_fits(self.cfg, self.ps, full):
             shard = param_layout.tp_shard(self.cfg, self.ps, name, full[name])
+            if self.folded is not None:      # the loaded fp32 values are the masters, exactly
+                self.folded.write(name, ms.Tensor(shard))
+                continue
             if self.dtype != ms.float32:      # the loaded fp32 values are the masters, exactly
                 _assign(self.masters, name, ms.Tensor(shard))
             _assign(self.params, name, ms.Tensor(shard).astype(self.dtype))
 
     def master_params(self) -> dict:
         """The fp32 weights by name: what the optimizer updates and checkpoints hold (with --fp16 the
-        masters, else the parameters themselves)."""
+        masters, with --reuse-fp32-param joined from their halves, else the parameters themselves)."""
+        if self.folded is not None:
+            return self.folded.arrays()
         return self.masters or self.params
 
     def copy_from_masters(self) -> None:
@@ -315,7 +323,8 @@ class GPTModel:
         if not self.cfg.qk_layernorm:
             return q, k
         norm = lambda x, which: self._norm(x, nf.layer_name(i, f"self_attention.{which}.weight"))
-        return norm(q, "q_layernorm"), norm(k, "k_layernorm")
+        q_norm, k_norm = nf.QK_NORMS
+        return norm(q, q_norm), norm(k, k_norm)
 
     def _core_attention(self, q, k, v, i=0, extras=NO_EXTRAS):
         if self.cp is not None:      # this rank holds a shard of the sequence

@@ -1,6 +1,7 @@
 """Rotary position embedding's cos/sin tables for the MindSpore GPT (Megatron-Core's
 RotaryEmbedding, rotate-half layout), optionally with Llama 3.1's frequency scaling
-(--use-rope-scaling), and the rows a sequence (or a context-parallel shard of it) reads."""
+(--use-rope-scaling) or YaRN's (Megatron-Core's YarnRotaryEmbedding), and the rows a sequence (or a
+context-parallel shard of it) reads."""
 from __future__ import annotations
 
 import math
@@ -11,16 +12,45 @@ from mindspore import ops
 
 
 def rope_tables(kv_channels: int, rotary_percent: float, rotary_base: float, seq_length: int,
-                scaling_factor: float | None = None) -> tuple:
+                scaling_factor: float | None = None, yarn: dict | None = None) -> tuple:
     """(cos, sin) tensors [s, 1, 1, dim] over the rotated share of each head (dim = kv_channels x
-    rotary_percent) for positions 0..seq_length-1."""
-    dim = int(kv_channels * rotary_percent)
+    rotary_percent; with YaRN the whole head, as YarnRotaryEmbedding) for positions 0..seq_length-1;
+    YaRN's tables are times its concentration factor (Megatron-Core scales q and k by it in their rotation)."""
+    dim = kv_channels if yarn else int(kv_channels * rotary_percent)
     inv_freq = 1.0 / (rotary_base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     if scaling_factor is not None:
         inv_freq = llama3_scaled_inv_freq(inv_freq, scaling_factor)
+    concentration = 1.0
+    if yarn:
+        inv_freq, concentration = yarn_inv_freq(dim, rotary_base, **yarn)
     freqs = np.outer(np.arange(seq_length, dtype=np.float32), inv_freq)
     emb = np.concatenate([freqs, freqs], -1)[:, None, None, :]        # [s, 1, 1, dim], rotate-half
-    return ms.Tensor(np.cos(emb)), ms.Tensor(np.sin(emb))
+    return ms.Tensor(np.cos(emb) * np.float32(concentration)), ms.Tensor(np.sin(emb) * np.float32(concentration))
+
+
+def yarn_inv_freq(dim: int, rotary_base: float, rotary_scaling_factor: float, original_max_position_embeddings: int,
+                  beta_fast: float, beta_slow: float, mscale: float, mscale_all_dim: float) -> tuple:
+    """YaRN's frequencies and concentration factor as Megatron-Core 0.16's YarnRotaryEmbedding computes them:
+    each frequency blended between the original (extrapolated) and the one slowed by the factor (interpolated)
+    by a linear ramp over the dimensions between the beta_fast and beta_slow rotation counts of the original
+    context; the factor (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1) multiplies cos and sin."""
+    f32 = np.float32
+    powers = rotary_base ** (np.arange(0, dim, 2, dtype=f32) / f32(dim))
+    extra, inter = f32(1) / powers, f32(1) / (f32(rotary_scaling_factor) * powers)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rotary_base))
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001           # Megatron's guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
+    keep = f32(1) - ramp
+    inv_freq = (inter * (f32(1) - keep) + extra * keep).astype(f32)
+
+    def get_mscale(m: float) -> float:
+        return 1.0 if rotary_scaling_factor <= 1 else 0.1 * m * math.log(rotary_scaling_factor) + 1.0
+    return inv_freq, get_mscale(mscale) / get_mscale(mscale_all_dim)
 
 
 def rows_at(cos, sin, s: int, positions=None) -> tuple:

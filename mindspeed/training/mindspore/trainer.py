@@ -33,6 +33,7 @@ from mindspeed.training.mindspore.model import Extras, GPTConfig, GPTModel, init
 from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
 from mindspeed.training.mindspore.pipeline import TwoStagePipeline
+from mindspeed.training.mindspore.reuse_fp32_param import FoldedWeights
 from mindspeed.training.mindspore.tracing import traced
 
 
@@ -124,7 +125,8 @@ class Trainer:
         self.distributed_optimizer = bool(args.use_distributed_optimizer)
         # --fp16: the optimizer updates the fp32 masters; the fp16 weights are copied from them
         self.scaler = scaler_from_args(args)
-        weights = MasterWeights(self.model) if self.model.masters else self.model
+        weights = (FoldedWeights(self.model) if self.model.folded is not None
+                   else MasterWeights(self.model) if self.model.masters else self.model)
         self.optimizer = (DistributedOptimizer(weights, backend, ps, args) if self.distributed_optimizer
                           else build_optimizer(weights, args))
         # steps skipped on an fp16 overflow: the lr schedule does not advance on them (Megatron's)
