@@ -245,3 +245,44 @@ def test_enable_hf2mg_convert_trains_as_converting_first(models, tmp_path):
     before, after = kit.read_safetensors(hf), kit.read_safetensors(back)
     assert sorted(before) == sorted(after)
     assert not torch.equal(before["model.layers.0.mlp.down_proj.weight"], after["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_enable_hf2mg_convert_follows_the_run_and_guards_its_cache(models, tmp_path, monkeypatch):
+    """The conversion a run asks for: its sizes, format, dtype and grouped experts on convert_ckpt.py's command
+    line, MindSpeed-LLM's cache name, --model-type-hf from config.json; a second start converts again over its
+    own cache; a cache directory the converter did not write, or a --load without a Hugging Face model, is one
+    line."""
+    from mindspeed.convert import at_training
+    from mindspeed.errors import ConvertError
+    from mindspeed.flags.trainer_flags import parse_args
+    monkeypatch.delenv("RANK", raising=False)
+    hf = str(tmp_path / "hf")
+    shutil.copytree(models["qwen3-moe"]["hf"], hf)
+    moe = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4",
+           "--seq-length", "16", "--max-position-embeddings", "64", "--mock-data", "--tokenizer-type", "NullTokenizer",
+           "--vocab-size", "127", "--load", hf, "--enable-hf2mg-convert"]
+    args = parse_args(moe + ["--expert-model-parallel-size", "2", "--bf16", "--moe-grouped-gemm", "--ckpt-format",
+                             "torch"], world_size=2)
+    argv = at_training.converter_argv(args, at_training.cache_dir(args))
+    assert at_training.cache_dir(args) == os.path.join(hf, "megatron_cache_tp1pp1ep2")
+    for flag, value in (("--model-type-hf", "qwen3-moe"), ("--params-dtype", "bf16"), ("--ckpt-format", "torch"),
+                        ("--target-expert-parallel-size", "2"), ("--load-dir", hf)):
+        assert argv[argv.index(flag) + 1] == value, (flag, argv)
+    assert "--moe-grouped-gemm" in argv
+    args = parse_args(moe, world_size=1)
+    lines = []
+    for _ in range(2):        # the second start converts again, over its own cache
+        args.load = hf
+        at_training.convert_load(args, log=lines.append)
+        assert args.load == os.path.join(hf, "megatron_cache_tp1pp1ep1") and args.finetune
+    assert os.path.isfile(os.path.join(args.load, "iter_0000000", "__0_0.distcp"))      # the run's torch_dist
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    args.load, args.mg_save_dir = hf, str(foreign)
+    with pytest.raises(ConvertError, match="holds something other than this converter's output"):
+        at_training.convert_load(args, log=lines.append)
+    assert (foreign / "notes.txt").read_text() == "mine"
+    args.load, args.mg_save_dir = str(foreign), None
+    with pytest.raises(ConvertError, match="is not a Hugging Face model"):
+        at_training.convert_load(args, log=lines.append)
