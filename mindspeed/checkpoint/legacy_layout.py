@@ -73,9 +73,7 @@ def group_experts(fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> tuple[tor
     return weight1.reshape(weight1.shape[1], -1), torch.cat([w.t() for w in fc2]).contiguous()
 
 
-def ungroup_experts(weight1: torch.Tensor, weight2: torch.Tensor, experts: int):
-    """The inverse of group_experts: [fc1 of each local expert], [fc2 of each]."""
+def grouped_expert(weight1: torch.Tensor, weight2: torch.Tensor, experts: int, k: int):
+    """The inverse of group_experts for local expert k: its (fc1, fc2) parts, as views of the two tensors."""
     hidden = weight1.shape[0]
-    fc1 = [w.t().contiguous() for w in weight1.reshape(experts, hidden, -1).unbind(0)]
-    fc2 = [w.t().contiguous() for w in weight2.reshape(experts, -1, hidden).unbind(0)]
-    return fc1, fc2
+    return weight1.reshape(experts, hidden, -1)[k].t(), weight2.reshape(experts, -1, hidden)[k].t()

@@ -94,7 +94,7 @@ def _layer_offsets(models: dict, pp: int) -> list[int]:
 
 def _global_parts(key: str, value, layer_offset: int, ep_rank: int, local_experts: int, model: dict):
     """(global name, this rank's part) for the rank file's entry `key`: layers and experts renumbered,
-    GroupedMLP's weight1/weight2 as each expert's fc1/fc2 (cut apart when asked for)."""
+    GroupedMLP's weight1/weight2 as each expert's fc1/fc2 (that expert's slices, taken when asked for)."""
     m = LAYER.match(key)
     name = f"{m.group(1)}{int(m.group(2)) + layer_offset}.{m.group(3)}" if m else key
     first = ep_rank * local_experts
@@ -103,9 +103,8 @@ def _global_parts(key: str, value, layer_offset: int, ep_rank: int, local_expert
     if key.endswith(legacy_layout.GROUPED[0]):
         weight2 = model[key[:-len("weight1")] + "weight2"]
         prefix = name[:-len("weight1")] + "local_experts."
-        split = lambda: legacy_layout.ungroup_experts(value, weight2, local_experts)   # noqa: E731
         return [(f"{prefix}{first + k}.linear_fc{which + 1}.weight",
-                 lambda k=k, which=which: split()[which][k])
+                 lambda k=k, which=which: legacy_layout.grouped_expert(value, weight2, local_experts, k)[which])
                 for k in range(local_experts) for which in (0, 1)]
     e = EXPERT.match(name)
     if e is None:
