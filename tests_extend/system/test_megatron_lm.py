@@ -52,6 +52,8 @@ CONFIGS = {
 # the describe test): the MoE comm flags run inside Megatron-LM's own loop (chunked dispatch/combine
 # in forward and backward), with the shared experts' fc1 under the first dispatch
 NEWER_CORE_EXTRA = {
+    # upstream's unaligned matrix with the virtual-stage flag its scripts give: Megatron-Core's layout E|t|tt|tL
+    "pp2-vpp": (["--pipeline-num-transformer-layers", "[[0,2],[1,1]]"], {"unaligned-pipeline"}),
     "moe-ep2-distopt-fused": (["--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
                                "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"],
                               {"moe-alltoall-overlap-comm", "moe-permutation-async-comm"}),
@@ -119,6 +121,8 @@ def test_pretrain_gpt_trains(checkout, indexed_dataset, name, request):
         assert losses[10] < losses[1] - 0.1, losses
     assert expected <= kit.mindspeed_features(output), output[-3000:]
     assert "gradient-accumulation-fusion" in kit.mindspeed_features(output)   # Megatron's default, MindSpeed's kernel
+    if "--pipeline-num-transformer-layers" in extra:      # the layout Megatron-LM itself built from
+        assert re.search(r"pipeline_model_parallel_layout \.+ E\|t\|tt\|tL", output), output[-3000:]
     if "--moe-shared-expert-overlap" in extra:   # a Megatron option (not on the features line): its args dump
         assert re.search(r"moe_shared_expert_overlap \.+ True", output), output[-3000:]
     # --op-cal-tflops turns on Megatron-LM's own --log-throughput (its line; MFU is the built-in trainers')
@@ -196,6 +200,15 @@ else:
     args = parsed(*irregular, '--noop-layers', '0')
     assert args.pipeline_model_parallel_layout == 'Et|tt|ttt|ttL', args.pipeline_model_parallel_layout
     assert args.virtual_pipeline_model_parallel_size is None
+# upstream's unaligned matrix (one successful parse per process: the training launch pp2-vpp parses it on
+# core_v0.16): refused in one line where its shape is wrong, and on core_v0.12, which has no pipeline layout
+assert parsed('--pipeline-model-parallel-size', '2', '--pipeline-num-transformer-layers', '[[1,1]]') == (
+    "MindSpeed: --pipeline-num-transformer-layers [[1,1]] has 1 pipeline stage(s) but "
+    "--pipeline-model-parallel-size is 2: give one row per stage")
+if megatron_version() == '0.12.1':
+    assert parsed('--pipeline-model-parallel-size', '2', '--pipeline-num-transformer-layers', '[[0,2],[1,1]]') == (
+        "MindSpeed: --pipeline-num-transformer-layers [[0,2],[1,1]] needs Megatron's "
+        "--pipeline-model-parallel-layout, which Megatron-LM 0.12.1 lacks")
 args.padded_vocab_size = 128            # (set when Megatron builds its tokenizer)
 flops = mtt.num_floating_point_operations(args, 8)
 def one_layer_fewer(a):

@@ -153,6 +153,18 @@ def test_layout_stages_read_as_megatron_core_reads_them(text):
     assert [[kinds[c] for c in stage] for stage in layout_stages(text)] == theirs
 
 
+def test_the_mindspore_gpt_holds_the_matrix_s_layers_per_chunk():
+    """Megatron's order (virtual stage v of rank r is v x PP + r) on the MindSpore trainer; its interleaved
+    schedule's micro-batch rule holds for the matrix's virtual stages too."""
+    from mindspeed.training.mindspore.model import GPTConfig
+    argv = FOUR + PP2 + [MATRIX, "[[0,2],[1,1]]", "--micro-batch-size", "1"]
+    cfg = GPTConfig.from_args(parse_args(argv + ["--global-batch-size", "4"], world_size=2), 64)
+    assert cfg.virtual_chunks == 2 and cfg.pipeline_layers == (2, 2)
+    assert [[list(cfg.chunk_layers(r, c)) for c in (0, 1)] for r in (0, 1)] == [[[], [1, 2]], [[0], [3]]]
+    with pytest.raises(MindSpeedConfigError, match="3 micro-batches per step: the interleaved schedule"):
+        plan(["--backend", "mindspore"] + argv + ["--global-batch-size", "3"])
+
+
 def test_megatron_core_builds_the_matrix_s_stages():
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     from megatron.core.transformer.enums import LayerType

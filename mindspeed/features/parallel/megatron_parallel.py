@@ -62,7 +62,7 @@ def mindspore_pipeline_problem(args) -> str | None:
     if pp != 2:
         return (f"--pipeline-model-parallel-size {pp}: the MindSpore trainer's 1F1B runs 2 stages (on CPU its "
                 "transfers are exchanges both stages make together); use 2")
-    if args.num_layers_per_virtual_pipeline_stage is not None:
+    if args.num_layers_per_virtual_pipeline_stage is not None or _unaligned_virtual_stages(args):
         # the micro-batches of every step: each global batch size --rampup-batch-size goes through
         gbs, mbs = args.global_batch_size, args.micro_batch_size
         dp = args.data_parallel_size or 1
@@ -76,6 +76,17 @@ def mindspore_pipeline_problem(args) -> str | None:
         return ("--context-parallel-size with --pipeline-model-parallel-size: the MindSpore trainer runs one "
                 "or the other; use --backend torch for both")
     return None
+
+
+def _unaligned_virtual_stages(args) -> bool:
+    """Whether --pipeline-num-transformer-layers / --pipeline-model-parallel-layout give virtual stages."""
+    from mindspeed.features.parallel.pipeline_layout import LayoutSyntaxError
+    from mindspeed.features.parallel.unaligned_pipeline import layer_matrix
+    try:
+        rows = layer_matrix(args)
+    except LayoutSyntaxError:
+        return False          # the unaligned-pipeline feature refuses it
+    return bool(rows) and len(rows[0]) > 1
 
 
 def interleaved_micro_batch_problem(n: int, pp: int) -> str | None:

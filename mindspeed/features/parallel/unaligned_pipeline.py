@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, host_flag
-from mindspeed.features.parallel.layers import LAYOUT, host_split
+from mindspeed.features.parallel.layers import LAYOUT, host_split, layer_list
 from mindspeed.features.parallel.pipeline_layout import (LayoutSyntaxError, layout_stages, matrix_layout,
                                                           parse_matrix, stage_matrix)
 from mindspeed.features.registry import register
@@ -37,6 +37,15 @@ def layer_matrix(args) -> list[list[int]] | None:
     return None
 
 
+def _layer_list_layout(args) -> str | None:
+    """The layout --num-layer-list sets in the host's args (its own feature's, not a typed one)."""
+    try:
+        counts = layer_list(args)
+    except FeatureConfigError:
+        return None             # the uneven-pipeline-layers feature refuses it
+    return host_split(counts).get(LAYOUT) if counts else None
+
+
 @register
 class UnalignedPipeline(Feature):
     id = "unaligned-pipeline"
@@ -56,8 +65,9 @@ class UnalignedPipeline(Feature):
     inert_example = ("--num-layers", "4", MATRIX, "[[4]]")
 
     def enabled(self, args) -> bool:
-        return bool(getattr(args, "pipeline_num_transformer_layers", None)
-                    or getattr(args, "pipeline_model_parallel_layout", None))
+        layout = getattr(args, LAYOUT, None)
+        return bool(getattr(args, "pipeline_num_transformer_layers", None)) or (
+            bool(layout) and layout != _layer_list_layout(args))
 
     def inert(self, args) -> str:
         rows = self._matrix_or_none(args)
