@@ -187,3 +187,22 @@ def test_a_custom_functions_backward_allocates_on_cuda_as_its_forward_does():
         assert grad.tolist() == [3.0, 3.0]
     finally:
         mindspeed.unadapt()
+
+
+def test_all_gather_into_a_stacked_output_on_gloo():
+    """torch's documented stacked form ([world, *input.shape]), which NCCL takes and gloo refuses
+    ('invalid tensor size'); Megatron's MoE tests gather their inputs that way."""
+    state = mindspeed.adapt([])
+    try:
+        dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1)
+        source = torch.arange(6.0).view(2, 3)
+        stacked = torch.zeros(1, 2, 3)
+        dist.all_gather_into_tensor(stacked, source)
+        assert torch.equal(stacked[0], source)
+        concatenated = torch.zeros(2, 3)
+        dist.all_gather_into_tensor(concatenated, source)       # the form gloo takes, unchanged
+        assert torch.equal(concatenated, source)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        mindspeed.unadapt()

@@ -25,6 +25,7 @@ from mindspeed.backends.torch.native_linear import apply_native_linear
 from mindspeed.backends.torch.one_rank_collectives import apply_one_rank_all_reduce
 from mindspeed.backends.torch.one_rank_cross_entropy import apply_one_rank_cross_entropy
 from mindspeed.backends.torch.one_rank_regions import apply_one_rank_regions
+from mindspeed.backends.torch.stacked_all_gather import apply_stacked_all_gather
 from mindspeed.backends.torch.process_groups import wrap_destroy_model_parallel
 from mindspeed.backends.torch.sync_save_queue import apply_in_process_results_queue
 
@@ -300,6 +301,7 @@ def apply_cpu_shim(patcher) -> None:
     apply_native_linear(patcher)
     apply_fused_cpu_adam(patcher)
     apply_one_rank_all_reduce(patcher)
+    apply_stacked_all_gather(patcher)
     apply_one_rank_regions(patcher)
     apply_one_rank_cross_entropy(patcher)
     apply_cpu_torch_views(patcher)
