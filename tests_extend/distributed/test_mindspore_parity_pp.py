@@ -6,7 +6,8 @@ CPU) trained at PP=1 on the same global batch with gradients accumulated over th
 whole model, gathered from both stages) loads into the MindSpore trainer at PP=1. The same with
 tied embeddings (Megatron's default) against a tied Megatron-Core GPTModel; with a virtual pipeline
 (--num-layers-per-virtual-pipeline-stage 1 on 4 layers: Megatron's interleaved 1F1B over 2 model chunks per
-stage, training/mindspore/interleaved.py) against Megatron-Core at PP=1 on the 4 layers; and with
+stage, training/mindspore/interleaved.py) against Megatron-Core at PP=1 on the 4 layers, the unaligned
+pipeline's matrix [[0,2],[1,1]] on the same layers (6 steps); and with
 --variable-seq-lengths, micro-batches of their own lengths against Megatron-Core on padded ones."""
 import os
 
@@ -91,6 +92,21 @@ def test_pp2_with_virtual_pipeline_matches_torch(runs):
     assert first["layers"] == [0, 2] and last["layers"] == [1, 3]
     assert "embedding.word_embeddings.weight" in first["params"] and "embedding.word_embeddings.weight" in last["params"]
     assert "decoder.final_layernorm.weight" in last["params"] and "decoder.final_layernorm.weight" not in first["params"]
+
+
+def test_pp2_with_the_unaligned_pipeline_matches_torch(runs):
+    """--pipeline-num-transformer-layers [[0,2],[1,1]] on the same 4 layers: stage 0's first chunk holds
+    only the embedding, its second layers 1-2; stage 1 holds layer 0 and layer 3 with the loss. The
+    interleaved schedule runs them with Megatron-Core's PP=1 losses (the first UNALIGNED_STEPS)."""
+    t = runs["torch_vpp"]
+    unaligned = [runs["all"][rank]["pp2_unaligned"] for rank in range(2)]
+    for rank, ms in enumerate(unaligned):
+        assert ms["pipeline"] == "InterleavedPipeline" and len(ms["losses"]) == mpp.UNALIGNED_STEPS
+        np.testing.assert_allclose(ms["losses"], t["losses"][:mpp.UNALIGNED_STEPS], atol=TOL, rtol=0,
+                                   err_msg=f"rank {rank}")
+        np.testing.assert_allclose(ms["grad_norms"], t["grad_norms"][:mpp.UNALIGNED_STEPS], rtol=1e-4,
+                                   err_msg=f"rank {rank}")
+    assert unaligned[0]["layers"] == [1, 2] and unaligned[1]["layers"] == [0, 3]
 
 
 @pytest.mark.parametrize("case", ["untied", "tied", "vpp"])
