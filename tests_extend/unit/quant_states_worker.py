@@ -49,10 +49,11 @@ def max_gap(a: list, b: list) -> float:
 
 def accuracy() -> dict:
     report = {}
-    for base in ([], ["--bf16", "--use-distributed-optimizer"]):
+    for base, formats in (([], ("fp8", "mxfp8")), (["--bf16", "--use-distributed-optimizer"], ("fp8", "mxfp8")),
+                          (["--bf16", "--reuse-fp32-param"], ("fp8",))):
         reference = run(base)
         reference_weights = reference.pop("weights")
-        for fmt in ("fp8", "mxfp8"):
+        for fmt in formats:
             quant = run(base + ["--quant-states", fmt])
             quant["weight_gap"] = max_gap(quant.pop("weights"), reference_weights)
             quant["reference_losses"] = reference["losses"]

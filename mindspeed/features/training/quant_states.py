@@ -27,7 +27,9 @@ class QuantStates(Feature):
                  "per block of gcd(numel, 128)) or mxfp8 (OCP MX blocks of 32, E8M0 scales); hif8 is refused"))),
              switch("--quant-grads", "hold gradients in fp16 (upstream's --quant-grads; refused: not implemented yet)"),
              host("--optimizer", "adam"))
-    conflicts = ("swap-optimizer",)
+    # upstream refuses --swap-optimizer with it; fused EMA AdamW is another optimizer (upstream's is its own
+    # class) whose step hooks would run once per parameter here
+    conflicts = ("swap-optimizer", "fused-ema-adamw")
     optimization_level = 0
     backends = ("torch",)
     unsupported = {"mindspore": "MindSpore 2.10 has no CPU cast to float8_e4m3fn / float8_e5m2 (nor hifloat8), "
