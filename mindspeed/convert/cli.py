@@ -99,6 +99,9 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
                    help="the trainer runs the experts as Megatron-Core's GroupedMLP: hf->mg adds the flag to the "
                         "trainer flags and, with --ckpt-format torch, writes its fused weights; mg->hf expects "
                         "them in a legacy checkpoint (torch_dist stores the experts alike either way)")
+    p.add_argument("--spec", nargs=2, default=None, metavar=("MODULE", "NAME"),
+                   help="MindSpeed-LLM's layer spec (its qwen3_spec / deepseek_spec, as its guides pass them): the "
+                        "tensors follow --model-type-hf, so a known spec changes nothing (one line says so)")
     p.add_argument("--hf-config", default=None,
                    help="mg->hf: the Hugging Face model directory (or config.json) that describes the "
                         "checkpoint, when it has no hf_config/ of its own")
@@ -124,9 +127,23 @@ def main(argv=None, prog: str = "convert_ckpt.py") -> int:
         return _run(parser, opts)
 
 
+def _spec_note(opts) -> str | None:
+    """The one line for MindSpeed-LLM's --spec (None without it); a spec the converter does not know is refused."""
+    if opts.spec is None:
+        return None
+    from mindspeed.flags.family_flags import KNOWN_SPECS
+    if opts.spec[0] not in KNOWN_SPECS:
+        raise ConvertError(f"--spec {' '.join(opts.spec)}: the converter knows MindSpeed-LLM's "
+                           f"{' and '.join(sorted(KNOWN_SPECS))} (the tensors follow --model-type-hf); drop it")
+    return f"> --spec {' '.join(opts.spec)} has no effect here: the tensors follow --model-type-hf {opts.model_type_hf}"
+
+
 def _run(parser: argparse.ArgumentParser, opts) -> int:
     direction = (opts.load_model_type, opts.save_model_type)
     try:
+        note = _spec_note(opts)
+        if note:
+            print(note)
         lora_flags = [name for name in ("lora_r", "lora_alpha", "lora_target_modules") if getattr(opts, name)]
         if lora_flags and not opts.lora_load:
             raise ConvertError(f"--{lora_flags[0].replace('_', '-')} describes adapters to merge: give them "

@@ -128,7 +128,11 @@ def test_grouped_gemm_weights_both_ways(models, model_type, tmp_path):
     from mindspeed.convert.megatron_write import _NoScheduler, adapted, world_of_one
     hf = _hf(models["root"], model_type, torch.bfloat16)
     legacy_mg, dist_mg = str(tmp_path / "legacy"), str(tmp_path / "dist")
-    _convert_hf_to_mg(hf, legacy_mg, model_type, "--ckpt-format", "torch", *GROUPED)
+    # MindSpeed-LLM's Qwen3-MoE guide passes its layer spec both ways, and the target sizes 1 on the way back
+    spec = ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"] if model_type == "qwen3-moe" else []
+    guide_back = ["--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1",
+                  "--target-expert-parallel-size", "1", "--params-dtype", "bf16", *spec]
+    _convert_hf_to_mg(hf, legacy_mg, model_type, "--ckpt-format", "torch", *GROUPED, *spec)
     _convert_hf_to_mg(hf, dist_mg, model_type, *GROUPED)
     from mindspeed.convert.sidecar import read_info
     assert "--moe-grouped-gemm" in read_info(legacy_mg)["trainer_flags"]
@@ -146,7 +150,7 @@ def test_grouped_gemm_weights_both_ways(models, model_type, tmp_path):
         grouped_flag = ["--moe-grouped-gemm"] if fmt == "legacy" else []
         _mg_to_hf(saved, saved + "_back", model_type, "--hf-config", hf, *grouped_flag)
         _assert_same_hf(hf, saved + "_back")
-    _mg_to_hf(legacy_mg, str(tmp_path / "converted_back"), model_type, "--moe-grouped-gemm")
+    _mg_to_hf(legacy_mg, str(tmp_path / "converted_back"), model_type, "--moe-grouped-gemm", *guide_back)
     _assert_same_hf(hf, str(tmp_path / "converted_back"))
     shutil.copy(os.path.join(dist_mg, "convert_info.json"), str(tmp_path / "saved_torch_dist"))
     args = _grouped_model(str(tmp_path / "saved_torch_dist"), grouped=False)
@@ -184,6 +188,8 @@ def test_bad_legacy_and_grouped_input_is_one_line(models, tmp_path):
              "add --moe-grouped-gemm", out)
     _refused([*back, "--model-type-hf", "qwen3-moe", "--moe-grouped-gemm", "--load-dir", models[("qwen3-moe", 1, 1, 2)]],
              "holds no GroupedMLP weights (its experts are separate MLPs, or it has none): drop --moe-grouped-gemm", out)
+    _refused([*back, "--model-type-hf", "mixtral", "--load-dir", grouped, "--spec", "my.spec", "layer_spec"],
+             "--spec my.spec layer_spec: the converter knows MindSpeed-LLM's", out)
     forward = ["--load-model-type", "hf", "--save-model-type", "mg", "--save-dir", out]
     for argv, needle in (
             (["--model-type-hf", "qwen3", "--load-dir", models["qwen3"]["hf"], *GROUPED], "the model has no experts"),
