@@ -13,8 +13,9 @@ HIF8_REFUSAL = ("--quant-states hif8: HiFloat8 has no encoder here to match: tor
                 "MindSpore 2.10's hifloat8 has no CPU cast, and upstream encodes it with torch_npu's "
                 "HiFloat8Tensor, whose rounding an encoder written here could not be checked against; "
                 "use --quant-states fp8 or mxfp8")
-QUANT_GRADS_REFUSAL = ("--quant-grads (gradients held in fp16) is not implemented yet: use --quant-states alone, "
-                       "or --bf16 (bf16 gradient buffers without --accumulate-allreduce-grads-in-fp32)")
+QUANT_GRADS_REFUSAL = ("--quant-grads (gradients held in fp16) is not implemented yet: upstream's fp16 gradient "
+                       "buffers need per-tensor scales agreed over the data-parallel ranks before each reduction; "
+                       "drop it (--quant-states works without it)")
 
 
 @register
