@@ -206,3 +206,22 @@ def test_all_gather_into_a_stacked_output_on_gloo():
         if dist.is_initialized():
             dist.destroy_process_group()
         mindspeed.unadapt()
+
+
+def test_fused_softmax_without_its_cuda_extension_runs_megatrons_torch_softmax():
+    """Megatron's availability check passes on config and shapes alone (fusion on, 16-bit input,
+    sizes multiples of 4), then its forward imports scaled_masked_softmax_cuda."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+    state = mindspeed.adapt([])
+    try:
+        assert "is_kernel_available" in state.patcher.describe()
+        softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=True, attn_mask_type=AttnMaskType.padding,
+                                        scaled_masked_softmax_fusion=True, mask_func=attention_mask_func,
+                                        softmax_in_fp32=True, scale=None)
+        scores = torch.randn(2, 2, 32, 32).to(torch.bfloat16)
+        mask = torch.zeros(2, 1, 32, 32, dtype=torch.bool)
+        assert torch.equal(softmax(scores, mask), torch.softmax(scores.float(), dim=-1).to(torch.bfloat16))
+    finally:
+        mindspeed.unadapt()

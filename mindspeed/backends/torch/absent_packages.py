@@ -5,12 +5,19 @@ package is absent instead of raising.
 is `None >= Version` (TypeError), and before core 0.13 `get_te_version()` imports Transformer
 Engine and raises ModuleNotFoundError; Megatron's own code and tests call the probe at import and
 in fixtures. Installed packages keep Megatron's answer unchanged.
+
+The same for Megatron's fused softmax: `FusedScaleMaskSoftmax.is_kernel_available` answers from the
+config and the shapes alone, then the forward imports the CUDA extension (Apex's / Megatron's fused
+kernels). Without the extension the kernel is not available, and Megatron's torch softmax runs.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 TE_PROBES = ("is_te_min_version",)
+SOFTMAX = "megatron.core.fusions.fused_softmax.FusedScaleMaskSoftmax.is_kernel_available"
+SOFTMAX_EXTENSION = "scaled_masked_softmax_cuda"    # the one its availability check itself imports
 
 
 def _wrap_te_probe(original):
@@ -30,9 +37,19 @@ def _te_version(utils):
         return None
 
 
+def _wrap_softmax_probe(original):
+    def is_kernel_available(self, *args, **kwargs):
+        return importlib.util.find_spec(SOFTMAX_EXTENSION) is not None and original(self, *args, **kwargs)
+    return is_kernel_available
+
+
 def apply_absent_package_probes(patcher) -> None:
     utils = importlib.import_module("megatron.core.utils")
     for name in TE_PROBES:
         if hasattr(utils, name):
             patcher.wrap(f"megatron.core.utils.{name}", _wrap_te_probe,
                          reason="Transformer Engine absent: its version probe answers False", aliases="megatron")
+    if importlib.util.find_spec(SOFTMAX_EXTENSION) is None:
+        importlib.import_module("megatron.core.fusions.fused_softmax")
+        patcher.wrap(SOFTMAX, _wrap_softmax_probe,
+                     reason=f"{SOFTMAX_EXTENSION} absent: Megatron's torch softmax, not the fused kernel")
