@@ -225,7 +225,7 @@ def test_enable_hf2mg_convert_trains_as_converting_first(models, tmp_path):
     """MindSpeed-LLM's --enable-hf2mg-convert: the run converts --load's Hugging Face model (legacy files for
     its sizes, into <load>/megatron_cache_tp1pp1ep1) and trains from it; its losses are those of a run that
     loads the same conversion made beforehand with --finetune. What it saves converts back to a model whose
-    weights moved."""
+    weights moved; with MINDSPEED_SLOW_TESTS=1 its iteration-1 legacy checkpoint resumes to its iteration-2 loss."""
     from mindspeed.convert.sidecar import read_info
     from tests_extend.system.one_process_run import run_pretrain_gpt
     hf = str(tmp_path / "hf")
@@ -239,7 +239,7 @@ def test_enable_hf2mg_convert_trains_as_converting_first(models, tmp_path):
     for name, load in (("converting", ["--load", hf, "--enable-hf2mg-convert"]),
                        ("converted", ["--load", first, "--finetune"])):
         losses, save = str(tmp_path / f"{name}.jsonl"), str(tmp_path / f"save_{name}")
-        result = run_pretrain_gpt(*common, *load, "--save", save, "--save-interval", "2", "--log-loss-file", losses)
+        result = run_pretrain_gpt(*common, *load, "--save", save, "--save-interval", "1", "--log-loss-file", losses)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         runs[name] = (_losses(losses), result.stdout, save)
     assert runs["converting"][0] == runs["converted"][0] and len(runs["converting"][0]) == 2
@@ -248,6 +248,12 @@ def test_enable_hf2mg_convert_trains_as_converting_first(models, tmp_path):
     assert sorted(os.listdir(os.path.join(cache, "iter_0000000"))) == ["mp_rank_00"]
     back = str(tmp_path / "back")
     _mg_to_hf(runs["converting"][2], back, "qwen3", "--hf-config", hf)
+    if os.environ.get("MINDSPEED_SLOW_TESTS"):      # a third launch (~30 s here): resuming its iteration 1
+        resumed = str(tmp_path / "resumed.jsonl")
+        result = run_pretrain_gpt(*common, "--load", runs["converting"][2], "--ckpt-step", "1", "--log-loss-file",
+                                  resumed)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        assert _losses(resumed) == runs["converting"][0][1:]
     before, after = kit.read_safetensors(hf), kit.read_safetensors(back)
     assert sorted(before) == sorted(after)
     assert not torch.equal(before["model.layers.0.mlp.down_proj.weight"], after["model.layers.0.mlp.down_proj.weight"])
