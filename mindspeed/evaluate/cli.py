@@ -35,6 +35,8 @@ def build_parser(prog: str = "python -m mindspeed.evaluate") -> OneLineParser:
     p.add_argument("--eval-iters", type=int, default=None, help="global batches to evaluate (default: the run's)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     p.add_argument("--output-json", default=None, help='also write {"loss", "perplexity"} here')
+    p.add_argument("--use-ema", action="store_true",
+                   help="the checkpoint's EMA of the weights (--optimizer-selection fused_ema_adamw) instead of them")
     lora_adapters.add_flags(p)
     return p
 
@@ -79,7 +81,7 @@ def _evaluate(args, origin: str, opts, lora: dict) -> float:
              else losses.torch_trainer_data(args, session, say))
     start_processes(args)
     try:
-        chunks = load_model(args, opts.ckpt_step, session.part("lora"), SpecModules.of(session))
+        chunks = load_model(args, opts.ckpt_step, session.part("lora"), SpecModules.of(session), opts.use_ema)
         if origin == "mindspore":
             loss = losses.mindspore_trainer_loss(args, chunks[0], *split)
         else:

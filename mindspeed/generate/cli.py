@@ -46,6 +46,8 @@ def build_parser(prog: str = "python -m mindspeed.generate") -> OneLineParser:
                         "model's max_position_embeddings)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     p.add_argument("--output-json", default=None, help='with --prompt: write {"prompt", "tokens", "text"} here')
+    p.add_argument("--use-ema", action="store_true",
+                   help="the checkpoint's EMA of the weights (--optimizer-selection fused_ema_adamw) instead of them")
     lora_adapters.add_flags(p)
     return p
 
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
         with quiet_frameworks():
             start_processes(args)
             try:
-                model = load_model(args, opts.ckpt_step, applied.part("lora"))[0]
+                model = load_model(args, opts.ckpt_step, applied.part("lora"), use_ema=opts.use_ema)[0]
                 session = Session(_generator(args, model, source.vocab_size, opts.seed), tokenizer,
                                   tokenizer.eod, opts, sampling)
                 if prompt_ids is not None:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
-from mindspeed.checkpoint import torch_dist
+from mindspeed.checkpoint import ema_weights, torch_dist
 from mindspeed.features.finetune import lora_megatron
 from mindspeed.training import pretrain
 from mindspeed.training.model import build_model_chunks, transformer_config
@@ -29,11 +29,11 @@ def stop_processes() -> None:
         torch.distributed.destroy_process_group()
 
 
-def load_model(args, step: int | None = None, lora=None, spec_modules=None):
+def load_model(args, step: int | None = None, lora=None, spec_modules=None, use_ema: bool = False):
     """The model chunk of this rank with the checkpoint's weights (--load, iteration `step` or the
     latest). `lora`: the LoRA feature's part (its --lora-load adapters are loaded, then folded into
     the weights, so generation runs the plain linears); `spec_modules`: the session's layer-spec modules
-    (training/layer_spec.SpecModules)."""
+    (training/layer_spec.SpecModules); `use_ema`: the checkpoint's EMA of the weights instead (--use-ema)."""
     chunks = build_model_chunks(args, transformer_config(args), spec_modules)
     if lora is not None:
         lora.attach(chunks)
@@ -41,6 +41,8 @@ def load_model(args, step: int | None = None, lora=None, spec_modules=None):
         chunk.to(args.device_name)
     base = None if lora is None else (lambda name: not lora.is_adapter_key(name))
     torch_dist.load_checkpoint(args.load, chunks, None, None, finetune=True, step=step, only=base)
+    if use_ema:
+        ema_weights.load_ema_weights(args.load, chunks, step)
     if lora is not None:
         torch_dist.load_checkpoint(lora.lora_load, chunks, None, None, finetune=True, only=lora.is_adapter_key)
         lora_megatron.merge(chunks)

@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import torch
 
+from mindspeed.features.training import ema_adamw_megatron
 from tests_extend.unit import swap_workers as kit
 
 STEPS = 20
@@ -125,6 +126,8 @@ def resumed(root: str, fmt: str, flags: list, half: int = 4) -> dict:
     else:
         torch_dist.save_checkpoint(path, half, tr.model, tr.optimizer, tr.scheduler, consumed)
     saved_ema = ema_state(tr)
+    with ema_adamw_megatron.ema_weights([tr.optimizer]):     # the model holding its EMA (as its dtype)
+        ema_in_model = [p.detach().clone() for p in tr.model[0].parameters()]
     continued = [tr.train_step(it)[0] for _ in range(half)]
     ema_continued = ema_state(tr)
     args2, tr2 = kit.trainer_for(all_flags + ["--load", path])
@@ -132,11 +135,26 @@ def resumed(root: str, fmt: str, flags: list, half: int = 4) -> dict:
     loaded_ema = ema_state(tr2)
     again = kit.train(args2, tr2, half, consumed)
     ema_again = ema_state(tr2)
-    return {"continued": continued, "resumed": again,
+    return {"continued": continued, "resumed": again, "use_ema_load": use_ema_load(all_flags, path, ema_in_model),
             "loaded_ema_bitwise": len(loaded_ema) == len(saved_ema) > 0
             and all(torch.equal(a, b) for a, b in zip(loaded_ema, saved_ema)),
             "final_ema_bitwise": all(torch.equal(a, b) for a, b in zip(ema_again, ema_continued)),
             "on_disk": state_keys_on_disk(path, half, fmt)}
+
+
+def use_ema_load(flags: list, path: str, ema_in_model: list) -> dict:
+    """What mindspeed.generate / evaluate --use-ema load (checkpoint.ema_weights) into a fresh model:
+    tensors loaded, and whether the model then holds the saved run's EMA bit for bit; or the refusal."""
+    from mindspeed.checkpoint import ema_weights
+    from mindspeed.errors import CheckpointError
+    _args, tr = kit.trainer_for(flags)
+    try:
+        count = ema_weights.load_ema_weights(path, tr.model)
+    except CheckpointError as err:
+        return {"refused": str(err)}
+    loaded = list(tr.model[0].parameters())
+    return {"tensors": count, "params": len(loaded),
+            "bitwise": len(loaded) == len(ema_in_model) and all(torch.equal(a, b) for a, b in zip(loaded, ema_in_model))}
 
 
 def state_keys_on_disk(path: str, iteration: int, fmt: str) -> dict:

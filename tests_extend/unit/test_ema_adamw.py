@@ -59,6 +59,18 @@ def test_checkpoints_carry_the_ema_and_resume_bit_for_bit(report, case):
     assert run["final_ema_bitwise"]
 
 
+@pytest.mark.parametrize("case", ["torch_dist ", "torch_dist --bf16"])
+def test_use_ema_loads_the_saved_ema_into_a_fresh_model(report, case):
+    load = report["resume"][case]["use_ema_load"]       # mindspeed.generate / evaluate --use-ema
+    assert load["tensors"] > 0 and load["bitwise"], load
+
+
+def test_use_ema_load_refuses_a_legacy_checkpoint_in_one_line(report):
+    refused = report["resume"]["torch "]["use_ema_load"]["refused"]
+    assert "--use-ema reads the EMA of the weights from a torch_dist checkpoint" in refused
+    assert "\n" not in refused
+
+
 def test_use_ema_validates_with_the_ema_weights(report):
     run = report["use_ema"]
     assert run["with_ema"] == run["by_hand"]
