@@ -66,8 +66,12 @@ def dequantize_fp8(q: Quantized) -> torch.Tensor:
     return (blocks * (1.0 / q.scales)[:, None]).view(q.shape)
 
 
-def _signed_power(x: torch.Tensor, power: float) -> torch.Tensor:
-    magnitude = x.abs().pow(power)
+def _signed_square(x: torch.Tensor) -> torch.Tensor:
+    return x * x.abs() + 0.0          # sign(x) x² (+ 0.0: -0 becomes +0)
+
+
+def _signed_sqrt(x: torch.Tensor) -> torch.Tensor:
+    magnitude = x.abs().sqrt()
     return torch.where(x >= 0, magnitude, -magnitude)
 
 
@@ -78,7 +82,7 @@ def _mx_blocks(flat: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp8(x: torch.Tensor, dtype) -> Quantized:
-    flat = _signed_power(x.detach().reshape(-1).float(), 2.0).to(torch.bfloat16).float()
+    flat = _signed_square(x.detach().reshape(-1).float()).to(torch.bfloat16).float()
     blocks = _mx_blocks(flat)
     amax = blocks.abs().amax(dim=1)
     # floor(log2 amax) from the exponent field (exact: frexp gives amax = m * 2^e, m in [0.5, 1))
@@ -93,7 +97,7 @@ def dequantize_mxfp8(q: Quantized) -> torch.Tensor:
     blocks = _mx_blocks(q.codes.float())
     scale = torch.exp2(q.scales.float() - 127.0)
     stored = (blocks * scale[:, None]).view(-1)[:q.codes.numel()]
-    return _signed_power(stored, 0.5).view(q.shape)
+    return _signed_sqrt(stored).view(q.shape)
 
 
 CODECS = {"fp8": (quantize_fp8, dequantize_fp8), "mxfp8": (quantize_mxfp8, dequantize_mxfp8)}
