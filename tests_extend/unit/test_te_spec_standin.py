@@ -88,3 +88,16 @@ def test_the_fused_norm_follows_the_config(adapted, normalization, zero_centered
     torch.testing.assert_close(out, normed @ linear.weight.t() + linear.bias)
     # a zero-centered gamma is stored as 0 and used as 1: the norm starts as the identity scale
     assert torch.equal(gamma, torch.ones(64))
+
+
+def test_te_decoder_block_spec_gets_the_local_norm_and_mla_a_linear(adapted):
+    """get_gpt_decoder_block_spec(use_transformer_engine=True) names TENorm (a NameError without TE),
+    and the MLA layer spec asks the provider for TE's `linear`."""
+    assert apply_te_spec_standin(adapted.patcher)
+    config = _config(normalization="RMSNorm")
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+    norm = block.layer_norm(config, config.hidden_size, eps=config.layernorm_epsilon)
+    assert isinstance(norm, torch.nn.RMSNorm)
+    mla = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    assert mla.submodules.self_attention.submodules.linear_q_down_proj is ColumnParallelLinear

@@ -63,12 +63,20 @@ class TelessTESpecProvider(LocalSpecProvider):
     def column_parallel_layer_norm_linear(self):
         return LayerNormColumnParallelLinear
 
+    def linear(self):
+        # TE's replicated linear (MLA's down projections); the local spec gives ColumnParallelLinear,
+        # whose sharded output MLA gathers itself
+        return ColumnParallelLinear
+
 
 def apply_te_spec_standin(patcher) -> bool:
-    """Bind the stand-in where Megatron's GPT layer specs look up TESpecProvider, when Transformer
-    Engine left it unbound; True if it was bound."""
+    """Bind the stand-in where Megatron's GPT layer specs look up TESpecProvider, and the block's
+    final norm (TENorm, the config's LayerNorm or RMSNorm) as the local spec's norm, when Transformer
+    Engine left them unbound; True if they were bound."""
     if hasattr(gpt_layer_specs, "TESpecProvider"):
         return False      # Transformer Engine is installed: its own provider stays
     patcher.define(f"{GPT_LAYER_SPECS}.TESpecProvider", TelessTESpecProvider,
                    reason="Transformer Engine absent: TE's layer spec from Megatron's local modules")
+    patcher.define(f"{GPT_LAYER_SPECS}.TENorm", gpt_layer_specs.LNImpl,
+                   reason="Transformer Engine absent: the TE decoder block's final norm is the local spec's")
     return True
