@@ -54,10 +54,10 @@ class FusedEmaAdamW(Feature):
             raise FeatureConfigError(f"--optimizer-selection {SELECTION} is AdamW: drop --optimizer "
                                      f"{args.optimizer}")
         if args.use_distributed_optimizer:
-            raise FeatureConfigError(f"--optimizer-selection {SELECTION} with --use-distributed-optimizer: "
-                                     "Megatron-Core's distributed optimizer saves only its param/exp_avg/"
-                                     "exp_avg_sq shards, so the EMA would not reach the checkpoint; drop "
-                                     "--use-distributed-optimizer")
+            raise FeatureConfigError(f"--optimizer-selection {SELECTION} with --use-distributed-optimizer: the "
+                                     "EMA would be sharded as the fp32 master shards are, and neither the legacy "
+                                     "format's distrib_optim.pt (param/exp_avg/exp_avg_sq only) nor --use-ema's "
+                                     "whole-weight evaluation reads such shards yet; drop --use-distributed-optimizer")
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
