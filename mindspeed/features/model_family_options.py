@@ -5,6 +5,7 @@ spelling a user typed (the trainers derive Megatron-Core's values from them afte
 """
 from __future__ import annotations
 
+from mindspeed.features.base import FeatureConfigError
 from mindspeed.features.host_flags import NUM_EXPERTS, host
 from mindspeed.features.megatron_options import MS, TORCH, option, refused_with_context_parallelism
 
@@ -38,10 +39,31 @@ RouterOptions = option(
                or a.moe_router_dtype is not None or a.seq_aux),
     "Megatron-Core's router options: sigmoid scores, expert bias (aux-loss-free balancing), group-limited top-k, "
     "scaled weights, pre-softmax, sequence/global aux loss, router precision",
-    _lacks("router other than softmax top-k with the aux loss"), TORCH,
+    {}, "",
     MOE_EXAMPLE + ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--norm-topk-prob",
                    "--moe-router-load-balancing-type", "none", "--moe-router-topk-scaling-factor", "2.5"),
     depends=("moe",))
+RouterOptions.examples = {"mindspore": MOE_EXAMPLE + ("--moe-router-score-function", "sigmoid", "--norm-topk-prob",
+                                                      "--seq-aux", "--moe-aux-loss-coeff", "0.01",
+                                                      "--moe-router-topk-scaling-factor", "2.5")}
+
+
+def _router_on_mindspore(self, args) -> None:
+    """What the MindSpore trainer's router (training/mindspore/moe.py) does not do, refused in one line."""
+    if args.backend != "mindspore" or not self.enabled(args):
+        return
+    kind = args.moe_router_load_balancing_type
+    lacking = [what for what, given in (
+        ("an expert bias (--moe-router-enable-expert-bias, noaux_tc: its per-step update)",
+         args.moe_router_enable_expert_bias or kind == "noaux_tc"),
+        (f"--moe-router-load-balancing-type {kind}", kind in ("global_aux_loss", "sinkhorn")),
+        ("--moe-router-dtype fp64", args.moe_router_dtype == "fp64")) if given]
+    if lacking:
+        raise FeatureConfigError(f"{'; '.join(lacking)}: {MS}'s MoE router has none (its softmax/sigmoid scores, "
+                                 f"groups, scaling, pre-softmax, aux_loss, seq_aux_loss and none run); drop it, or {TORCH}")
+
+
+RouterOptions.validate = _router_on_mindspore
 option("moe-layer-layout", (host("--moe-layer-freq", 1), host("--first-k-dense-replace")),
        lambda a: a.moe_layer_freq not in (1, -1) or (a.first_k_dense_replace or 0) > 0,
        "dense and MoE layers mixed (--moe-layer-freq, MindSpeed-LLM's --first-k-dense-replace)", {}, "",

@@ -22,6 +22,12 @@ EXPERT_KEY = "mlp.experts.local_experts."
 # the MoE features on the MindSpore trainer, compared with its plain run
 KERNEL_FLAGS = ("--use-fused-moe-token-permute-and-unpermute", "--moe-grouped-gemm", "--moe-shared-expert-overlap")
 COMM_FLAGS = ("--moe-alltoall-overlap-comm", "--moe-permutation-async-comm", "--use-fused-moe-token-permute-and-unpermute")
+# Megatron-Core's router options (DeepSeek-V3's sigmoid router, node-limited groups, scaled weights, --seq-aux),
+# as flags for the MindSpore trainer and as the TransformerConfig fields they become
+ROUTER_FLAGS = ("--moe-router-score-function", "sigmoid", "--norm-topk-prob", "--seq-aux", "--moe-router-num-groups",
+                "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5")
+ROUTER_FIELDS = dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="seq_aux_loss",
+                     moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5)
 
 
 def moe_flags(ep: int, shared: bool, tp: int = 1) -> list:
@@ -120,9 +126,9 @@ def moe_schedule(model) -> list:
 
 
 # -- torch side (inside the gloo harness) ----------------------------------------------------------
-def build_torch_model(ep: int, shared: bool, tp: int = 1, layer_freq=1):
+def build_torch_model(ep: int, shared: bool, tp: int = 1, layer_freq=1, router: dict | None = None):
     """layer_freq: Megatron-Core's moe_layer_freq (a 0/1 list: dense layers among the MoE ones, its
-    decoder block spec)."""
+    decoder block spec); router: more TransformerConfig router fields (ROUTER_FIELDS)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -137,7 +143,7 @@ def build_torch_model(ep: int, shared: bool, tp: int = 1, layer_freq=1):
                                expert_model_parallel_size=ep, tensor_model_parallel_size=tp,
                                sequence_parallel=tp > 1,
                                moe_shared_expert_intermediate_size=SHARED if shared else None,
-                               moe_layer_freq=layer_freq)
+                               moe_layer_freq=layer_freq, **(router or {}))
     spec = (get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm") if layer_freq == 1 else
             get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"))
     return GPTModel(config, spec,
@@ -184,7 +190,7 @@ def torch_layouts(rank, world_size, layouts):
 
 
 def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None, tp=1,
-                bf16=False, layer_freq=1):
+                bf16=False, layer_freq=1, router=None):
     """Harness body: train; evaluate the result; with save_dir (EP=1) save it as a neutral
     checkpoint; with other_ckpt, load that one into a fresh model and evaluate it too. tp > 1:
     sequence parallel, with MindSpeed's --moe-tp-extend-ep hook (the experts over TP x EP). bf16:
@@ -204,7 +210,7 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
     edp_group, dp_group = ps.get_expert_data_parallel_group(), ps.get_data_parallel_group()
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     spread = ps.get_expert_model_parallel_world_size()       # ep, or ep x tp extended
-    model = build_torch_model(ep, shared, tp, layer_freq)
+    model = build_torch_model(ep, shared, tp, layer_freq, router)
     load_into_torch(model, init_ckpt, ep_rank, spread, tp_rank, tp)
     params = list(model.named_parameters())
     forward, updated = model, [p for _, p in params]
@@ -263,7 +269,7 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
         nf.save(save_dir, steps, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
                                   if torch.is_tensor(v) and v.is_floating_point()}, meta={"backend": "torch"})
     if other_ckpt:      # the MindSpore run's final checkpoint, loaded here and evaluated
-        fresh = build_torch_model(ep, shared, tp, layer_freq)
+        fresh = build_torch_model(ep, shared, tp, layer_freq, router)
         load_into_torch(fresh, other_ckpt, ep_rank, spread, tp_rank, tp)
         result["eval_loss_of_other"] = _eval(fresh, dp_rank, dp_group, dp)
     result["experts"] = sorted({int(n.split(EXPERT_KEY)[1].split(".")[0]) + ep_rank * (EXPERTS // spread)

@@ -15,7 +15,9 @@ on its bf16 weights on CPU, backends/mindspore/precision.py) follows Megatron-Co
 a few steps within test_mindspore_parity_bf16.py's bound, twice torch's own bf16 effect measured in
 the same launch (EP=2 in bf16 and fp32 from the same bf16-representable weights), and bf16 moves its
 losses beyond fp32's bound TOL. --use-distributed-optimizer at EP=2 (the dense state sharded over DP,
-the experts' over expert-DP) gives Megatron-Core's losses and resumes from its checkpoint (same launch)."""
+the experts' over expert-DP) gives Megatron-Core's losses and resumes from its checkpoint (same launch).
+Megatron-Core's router options at EP=1 (sigmoid scores, group-limited top-k, scaled weights, --seq-aux; in the
+EP=1 gloo spawn): its losses and grad norms over 20 steps, and MindSpore's checkpoint evaluates the same there."""
 import os
 
 import numpy as np
@@ -38,7 +40,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_par
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_parity")
-    paths = {k: str(root / k) for k in ("init_shared", "init", "init_bf16", "torch_final", "ms_final", "ms_final_tp")}
+    paths = {k: str(root / k) for k in ("init_shared", "init", "init_bf16", "torch_final", "ms_final", "ms_final_tp",
+                                        "ms_router")}
     pm.write_init(paths["init_shared"], shared=True)
     pm.write_init(paths["init"], shared=False)
     pm.write_init(paths["init_bf16"], shared=False, bf16=True)
@@ -47,10 +50,34 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def torch_ep1(ckpts):
-    (result,) = run_distributed(pm.torch_train, world_size=1,
-                                args=(1, True, ckpts["init_shared"], None, pm.mp.STEPS, ckpts["torch_final"]), timeout=300)
-    return result
+def torch_ep1_runs(ckpts, ms_router):
+    """One spawn: Megatron-Core at EP=1 with shared experts, and with the router options (ROUTER_FIELDS)."""
+    return run_distributed(pm.torch_layouts, world_size=1, timeout=400, args=(
+        [((1, True, ckpts["init_shared"], None, pm.mp.STEPS, ckpts["torch_final"]), {}),
+         ((1, True, ckpts["init_shared"], ckpts["ms_router"]), {"router": pm.ROUTER_FIELDS})],))[0]
+
+
+@pytest.fixture(scope="module")
+def torch_ep1(torch_ep1_runs):
+    return torch_ep1_runs[0]
+
+
+@pytest.fixture(scope="module")
+def ms_router(ckpts):
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    return pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["init_shared"], save_dir=ckpts["ms_router"],
+                       extra=pm.ROUTER_FLAGS)
+
+
+def test_router_options_at_ep1_match_megatron(ms_router, torch_ep1_runs):
+    """Sigmoid scores in 2 groups (one per token), scaled by 2.5, with the sequence-level aux loss (--seq-aux):
+    Megatron-Core's losses and grad norms over 20 fp32 steps; the MindSpore checkpoint evaluates the same there;
+    the plain router's losses differ."""
+    plain, t = torch_ep1_runs
+    np.testing.assert_allclose(ms_router["losses"], t["losses"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(ms_router["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
+    assert t["eval_loss_of_other"] == pytest.approx(ms_router["eval_loss"], abs=TOL)
+    assert np.abs(np.array(t["losses"]) - np.array(plain["losses"])).max() > 10 * TOL
 
 
 def test_ep1_with_shared_experts_matches_megatron(ckpts, torch_ep1):

@@ -168,3 +168,81 @@ def test_what_the_layer_does_not_do_is_refused_in_one_line(extra, says):
         plan(["--backend", "mindspore", "--num-experts", "4", *extra])
     assert says in str(err.value) and "\n" not in str(err.value)
     plan(["--backend", "torch", "--num-experts", "4", *extra])        # Megatron-Core runs each of them
+
+
+# --- the router's options against Megatron-Core's own functions (torch, in process) -------------------
+ROUTERS = {   # name -> (RouterSettings fields, top-k); 8 experts
+    "sigmoid": (dict(score_function="sigmoid"), 2),
+    "sigmoid-groups-scaled": (dict(score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5), 4),
+    "softmax-pre-softmax": (dict(pre_softmax=True), 2),
+    "softmax-groups": (dict(num_groups=2, group_topk=1), 2),
+    "sigmoid-top1": (dict(score_function="sigmoid"), 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_router_options_route_and_differentiate_as_megatron_core(name):
+    import torch
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from mindspore import ops
+    from mindspeed.training.mindspore.router_settings import RouterSettings
+    fields, k = ROUTERS[name]
+    router = RouterSettings(**fields)
+    logits = np.random.RandomState(3).randn(T, 8).astype(np.float32)
+    weights = np.random.RandomState(4).randn(T, 8).astype(np.float32)     # d(loss)/d(routing probs)
+    theirs = torch.tensor(logits, requires_grad=True)
+    probs_t, routing_map = topk_routing_with_score_function(
+        theirs, k, use_pre_softmax=router.pre_softmax, num_groups=router.num_groups, group_topk=router.group_topk,
+        scaling_factor=router.scaling_factor, score_function=router.score_function)
+    (probs_t * torch.tensor(weights)).sum().backward()
+
+    def dense(x):     # [T, k] probabilities and indices -> [T, E], as Megatron-Core's routing_probs
+        probs, idx = moe.route(x, k, router)
+        one_hot = ops.one_hot(idx, 8, ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32))     # [T, k, E]
+        return (one_hot * probs.expand_dims(-1)).sum(1), idx
+    ours, idx = dense(ms.Tensor(logits))
+    assert (moe._one_hot_sum(idx, 8).asnumpy() > 0).tolist() == routing_map.numpy().tolist()
+    np.testing.assert_allclose(ours.asnumpy(), probs_t.detach().numpy(), rtol=1e-5, atol=1e-6)
+    grad = ms.grad(lambda x: (dense(x)[0] * ms.Tensor(weights)).sum())(ms.Tensor(logits))
+    np.testing.assert_allclose(grad.asnumpy(), theirs.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("sequences", [0, 3])
+def test_aux_and_sequence_aux_losses_are_megatron_cores(score_function, sequences):
+    """--seq-aux (seq_aux_loss): T = s x b tokens laid out [s, b], as Megatron-Core's router reshapes them;
+    loss and gradient equal Megatron-Core's router arithmetic (compute_routing_scores_for_aux_loss, then
+    switch_load_balancing_loss_func over [s, b x E], divided by b)."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
+                                                         switch_load_balancing_loss_func)
+    logits = np.random.RandomState(5).randn(T, 8).astype(np.float32)
+    theirs = torch.tensor(logits, requires_grad=True)
+    routing_map, scores = compute_routing_scores_for_aux_loss(theirs, K, score_function)
+    b = sequences or 1
+    loss_t = switch_load_balancing_loss_func(scores.reshape(T // b, -1), routing_map.reshape(T // b, -1).sum(0),
+                                             T // b, K, 8, COEFF) / b
+    loss_t.backward()
+    loss = lambda x: moe.load_balancing_loss(x, K, COEFF, score_function=score_function, sequences=sequences)
+    assert float(loss(ms.Tensor(logits)).asnumpy()) == pytest.approx(float(loss_t), rel=1e-6)
+    np.testing.assert_allclose(ms.grad(loss)(ms.Tensor(logits)).asnumpy(), theirs.grad.numpy(), rtol=1e-5, atol=1e-7)
+    if sequences:    # the per-sequence counts change the loss
+        assert float(loss(ms.Tensor(logits)).asnumpy()) != pytest.approx(
+            float(moe.load_balancing_loss(ms.Tensor(logits), K, COEFF, score_function=score_function).asnumpy()))
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--moe-router-load-balancing-type", "noaux_tc", "--norm-topk-prob"), "an expert bias"),
+    (("--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid", "--norm-topk-prob"),
+     "an expert bias"),
+    (("--moe-router-load-balancing-type", "global_aux_loss"), "--moe-router-load-balancing-type global_aux_loss"),
+    (("--moe-router-dtype", "fp64"), "--moe-router-dtype fp64"),
+])
+def test_router_options_the_mindspore_router_lacks_are_refused_in_one_line(extra, says):
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(["--backend", "mindspore", "--num-experts", "4", *extra])
+    assert says in str(err.value) and "\n" not in str(err.value)
+    plan(["--backend", "torch", "--num-experts", "4", *extra])        # Megatron-Core's router runs each
+    plan(["--backend", "mindspore", "--num-experts", "4", "--moe-router-score-function", "sigmoid", "--norm-topk-prob",
+          "--seq-aux", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-dtype", "fp32"])

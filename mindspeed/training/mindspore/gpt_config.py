@@ -12,6 +12,7 @@ from mindspeed.features.registry import fast_kernels
 from mindspeed.training.mindspore import param_layout
 from mindspeed.training.mindspore.attention_band import CAUSAL, band_keywords
 from mindspeed.training.mindspore.parallel import stage_layer_counts
+from mindspeed.training.mindspore.router_settings import SOFTMAX_TOPK, RouterSettings
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class GPTConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 0             # each expert's FFN size (default: --ffn-hidden-size)
     moe_aux_loss_coeff: float = 0.0
+    moe_router: RouterSettings = SOFTMAX_TOPK  # the router's score function, groups, scaling, load balancing
     moe_shared_expert_size: int = 0          # --moe-shared-expert-intermediate-size (0: none)
     moe_dispatch: frozenset = frozenset()    # the MOE_DISPATCH features on: how moe.py schedules its exchanges
     expert_main_grads: bool = False          # --gemm-gradient-accumulation-fusion: grouped experts' fp32 main grads
@@ -189,6 +191,7 @@ def _moe(args, features, dispatch_features: tuple) -> dict:
                 dense_layers=frozenset(i for i, moe in enumerate(pattern or ()) if not moe),
                 moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
                 moe_aux_loss_coeff=float(args.moe_aux_loss_coeff or 0.0),
+                moe_router=RouterSettings.from_args(args),
                 moe_shared_expert_size=args.moe_shared_expert_intermediate_size or 0,
                 moe_dispatch=frozenset(f for f in features if f in dispatch_features),
                 expert_main_grads="moe-grouped-gemm" in features

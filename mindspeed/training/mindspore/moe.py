@@ -46,27 +46,74 @@ from mindspore import ops
 from mindspeed.checkpoint import neutral as nf
 from mindspeed.features.moe.chunks import CHUNKS, piece
 from mindspeed.training.mindspore.layers import linear, stacked
+from mindspeed.training.mindspore.router_settings import SOFTMAX_TOPK, RouterSettings
 
-def route(logits, topk: int):
-    """[T, E] logits -> (probs [T, k], expert indices [T, k]): top-k by logit, softmax over those."""
-    top_logits, top_idx = ops.topk(logits, topk)
-    return ops.softmax(top_logits, -1), top_idx
+def _one_hot_sum(indices, n: int):
+    """[T, k] indices -> [T, n]: 1.0 where chosen (each index once per row)."""
+    return ops.one_hot(indices, n, ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32)).sum(1)
 
 
-def load_balancing_loss(logits, topk: int, coeff: float, sum_over_sequence=None, ranks: int = 1):
+def _topk(scores, topk: int, router: RouterSettings):
+    """Top-k of [T, E] scores, limited to the router's best groups where it has groups (Megatron-Core's
+    group_limited_topk: a group's score is the sum of its best topk / group_topk experts' scores)."""
+    if not router.group_topk:
+        return ops.topk(scores, topk)
+    tokens, experts = scores.shape
+    groups = router.num_groups
+    group_scores = ops.topk(scores.reshape(tokens, groups, experts // groups), topk // router.group_topk)[0].sum(-1)
+    chosen = _one_hot_sum(ops.topk(group_scores, router.group_topk)[1], groups)
+    mask = chosen.expand_dims(-1).broadcast_to((tokens, groups, experts // groups)).reshape(tokens, experts)
+    return ops.topk(ops.where(mask > 0, scores, ops.full_like(scores, float("-inf"))), topk)
+
+
+def route(logits, topk: int, router: RouterSettings = SOFTMAX_TOPK):
+    """[T, E] logits -> (probs [T, k], expert indices [T, k]) as Megatron-Core's
+    topk_routing_with_score_function (no expert bias): softmax after the top-k (before it with
+    pre_softmax), or sigmoid scores normalized over the k chosen; times the scaling factor."""
+    if router.score_function == "sigmoid":
+        top, top_idx = _topk(ops.sigmoid(logits.astype(ms.float32)), topk, router)
+        probs = top / (top.sum(-1, keepdims=True) + 1e-20) if topk > 1 else top
+    elif router.pre_softmax:
+        probs, top_idx = _topk(ops.softmax(logits.astype(ms.float32), -1), topk, router)
+    else:
+        top, top_idx = _topk(logits, topk, router)
+        probs = ops.softmax(top, -1)
+    if router.scaling_factor:
+        probs = probs * router.scaling_factor
+    return probs, top_idx
+
+
+def aux_loss_scores(logits, score_function: str = "softmax"):
+    """Megatron-Core's compute_routing_scores_for_aux_loss: the scores over all experts (sigmoid ones
+    normalized per token)."""
+    if score_function == "sigmoid":
+        scores = ops.sigmoid(logits.astype(ms.float32))
+        return scores / (scores.sum(-1, keepdims=True) + 1e-20)
+    return ops.softmax(logits.astype(ms.float32), -1)
+
+
+def load_balancing_loss(logits, topk: int, coeff: float, sum_over_sequence=None, ranks: int = 1,
+                        score_function: str = "softmax", sequences: int = 0):
     """Megatron's switch_load_balancing_loss_func on this rank's T tokens; under sequence
     parallelism (ranks > 1: this rank holds T of the ranks * T tokens) the tokens per expert summed
     over the sequence-parallel ranks by sum_over_sequence, the probabilities this rank's (Megatron's
-    tp_cp reduction: the ranks' partial losses and their router gradients add up)."""
+    tp_cp reduction: the ranks' partial losses and their router gradients add up).
+    sequences > 0: the sequence-level loss (seq_aux_loss, --seq-aux) of T tokens laid out [s, sequences]:
+    each sequence's experts counted apart (Megatron-Core reshapes [s x b, E] to [s, b x E]), the sum over
+    the sequences divided by their number."""
     tokens, experts = logits.shape
-    scores = ops.softmax(logits.astype(ms.float32), -1)
+    scores = aux_loss_scores(logits, score_function)
     _, chosen = ops.topk(scores, topk)
-    per_expert = ops.stop_gradient(ops.one_hot(chosen, experts, ms.Tensor(1.0, ms.float32),
-                                               ms.Tensor(0.0, ms.float32)).sum((0, 1)))
+    hits = _one_hot_sum(chosen, experts)
+    if sequences:
+        scores, hits = scores.reshape(-1, sequences * experts), hits.reshape(-1, sequences * experts)
+        tokens = tokens // sequences
+    per_expert = ops.stop_gradient(hits.sum(0))
     if ranks > 1:
         per_expert = ops.stop_gradient(sum_over_sequence(per_expert))
     total = tokens * ranks
-    return (scores.sum(0) * per_expert).sum() * (experts * coeff / (topk * total * total))
+    loss = (scores.sum(0) * per_expert).sum() * (experts * coeff / (topk * total * total))
+    return loss / sequences if sequences else loss
 
 
 def attach_aux_gradient(autograd, probs, aux_loss):
@@ -112,13 +159,16 @@ class MoELayer:
         flat = x.reshape(-1, h)
         cfg, backend = self.model.cfg, self.model.backend
         self.schedule = []
-        logits = linear(flat, self._p("mlp.router.weight"))
-        probs, top_idx = route(logits, self.topk)
-        if cfg.moe_aux_loss_coeff > 0:
+        router = cfg.moe_router
+        weight = self._p("mlp.router.weight")
+        logits = linear(flat.astype(ms.float32), weight.astype(ms.float32)) if router.fp32 else linear(flat, weight)
+        probs, top_idx = route(logits, self.topk, router)
+        if cfg.moe_aux_loss_coeff > 0 and router.load_balancing in ("aux_loss", "seq_aux_loss"):
             ps = self.model.ps
             sp = ps.tp_size if ps.sequence_parallel else 1
             aux = load_balancing_loss(logits, self.topk, cfg.moe_aux_loss_coeff,
-                                      lambda t: backend.comm.all_reduce(t, "sum", ps.tp_group), sp)
+                                      lambda t: backend.comm.all_reduce(t, "sum", ps.tp_group), sp,
+                                      router.score_function, b if router.load_balancing == "seq_aux_loss" else 0)
             probs = attach_aux_gradient(backend.autograd, probs, aux)
         idx = top_idx.asnumpy()
         counts_of_every_rank = self._start_counts(np.bincount(idx.reshape(-1), minlength=self.experts))
