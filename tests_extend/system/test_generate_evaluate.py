@@ -22,6 +22,8 @@ RUN = ["--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "
        "--lr-warmup-iters", "1", "--split", "90,10,0", "--log-interval", "3", "--eval-interval", "6",
        "--eval-iters", "2"]
 FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn"]
+# the torch run keeps an EMA of its weights and validates with it: evaluation and generation load it (--use-ema)
+EMA = ["--optimizer-selection", "fused_ema_adamw", "--ema-decay", "0.9", "--use-ema"]
 LOGGED = re.compile(r"final validation loss at iteration 6 \| lm loss value: (\S+) \|")
 
 
@@ -45,7 +47,7 @@ def trained(request, tiny_dataset, tmp_path_factory):      # noqa: F811  (the fi
     root = tmp_path_factory.mktemp(backend)
     save = str(root / "ckpt")
     train = _run([sys.executable, PRETRAIN, "--backend", backend, *MODEL, *RUN, "--data-path", tiny_dataset,
-                  "--save", save, *(FUSED if backend == "torch" else [])])
+                  "--save", save, *(FUSED + EMA if backend == "torch" else [])])
     return backend, save, float(LOGGED.search(train.stdout).group(1)), root
 
 
@@ -54,10 +56,12 @@ def test_evaluate_equals_the_trainers_validation_loss(trained):
     with open(os.path.join(save, "run_flags.json")) as f:
         assert json.load(f)["trainer"] == backend
     out = str(root / "eval.json")
-    evaluated = _module("mindspeed.evaluate", "--load", save, "--output-json", out)
+    evaluated = _module("mindspeed.evaluate", "--load", save, "--output-json", out,
+                        *(["--use-ema"] if backend == "torch" else []))
     with open(out) as f:
         loss = json.load(f)["loss"]
     if backend == "torch":      # the trainer's own validation code, on its own kernels: the same digits
+        # (both with the EMA of the weights: the trainer's in its optimizer, evaluate's from the checkpoint)
         assert f"lm loss value: {loss:.6E}" in evaluated.stdout
         assert f"{loss:.6E}" == f"{logged:.6E}"
     else:                       # MindSpore's kernels against Megatron-Core's: float rounding apart
@@ -69,7 +73,7 @@ def test_generate_from_the_trainers_checkpoint(trained, tiny_dataset):      # no
     tokenizer = tiny_dataset + ".tokenizer.json"
     if backend == "torch":      # interactive chat: two turns from stdin, sampled, then quit
         chat = _module("mindspeed.generate", "--load", save, "--tokenizer-model", tokenizer, "--task", "chat",
-                       "--top-k", "3", "--max-new-tokens", "8", stdin="the king\nthe fool\nquit\n")
+                       "--top-k", "3", "--max-new-tokens", "8", "--use-ema", stdin="the king\nthe fool\nquit\n")
         assert chat.stdout.count(">>> ") == 3 and chat.stdout.count("tokens/s") == 2, chat.stdout
         return
     answer = str(root / "answer.json")
