@@ -1,6 +1,6 @@
 """MindSpeed-LLM's --enable-hf2mg-convert on the torch trainer: the Hugging Face model that --load names
 is converted (hf_to_mg, in this process) for the run's TP/PP/EP sizes, checkpoint format, parameter
-dtype and --moe-grouped-gemm into --mg-save-dir (default <load>/megatron_cache_tp<T>pp<P>ep<E>, as
+dtype, uneven pipeline split and --moe-grouped-gemm into --mg-save-dir (default <load>/megatron_cache_tp<T>pp<P>ep<E>, as
 MindSpeed-LLM names it), and the run loads that instead, as a converted checkpoint (iteration 0, no
 optimizer state: the run loads it as with --finetune). --model-type-hf, when not given, is the one
 config.json's model_type converts as.
@@ -56,6 +56,9 @@ def converter_argv(args, save_dir: str) -> list[str]:
             "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by),
             "--params-dtype", "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             "--ckpt-format", "torch" if args.ckpt_format == "torch" else "torch_dist"]
+    stages = layer_list(args)
+    if stages:
+        argv += ["--num-layer-list", ",".join(map(str, stages))]
     if args.padded_vocab_size:
         argv += ["--padded-vocab-size", str(args.padded_vocab_size)]
     if args.add_qkv_bias:
@@ -63,6 +66,26 @@ def converter_argv(args, save_dir: str) -> list[str]:
     if args.moe_grouped_gemm:
         argv.append("--moe-grouped-gemm")
     return argv
+
+
+def layer_list(args) -> list[int] | None:
+    """The run's uneven pipeline split (--decoder-first/last-pipeline-num-layers) as --num-layer-list; None
+    for an even one (the stages between share the other layers, as Megatron-Core splits them)."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    pp = args.pipeline_model_parallel_size
+    if pp == 1 or (first is None and last is None):
+        return None
+    given = [n for n in (first, last) if n is not None]
+    each = (args.num_layers - sum(given)) // max(1, pp - len(given))
+    return [each if first is None else first] + [each] * (pp - 2) + [each if last is None else last]
+
+
+def _marker_says(marker: str, token: str) -> bool:
+    try:
+        with open(marker, encoding="utf-8") as f:
+            return f.read() == token
+    except FileNotFoundError:
+        return False
 
 
 def _run_token() -> str:
@@ -93,7 +116,7 @@ def convert_load(args, log=print, wait_minutes: float = 30.0) -> None:
             f.write(token)
     else:
         deadline = time.monotonic() + 60 * wait_minutes
-        while not (os.path.isfile(marker) and open(marker, encoding="utf-8").read() == token):
+        while not _marker_says(marker, token):
             if time.monotonic() > deadline:
                 raise ConvertError(f"--enable-hf2mg-convert: rank 0 did not finish converting into {save_dir} "
                                    f"within {wait_minutes:g} minutes")

@@ -281,6 +281,11 @@ def test_enable_hf2mg_convert_follows_the_run_and_guards_its_cache(models, tmp_p
                         ("--target-expert-parallel-size", "2"), ("--load-dir", hf)):
         assert argv[argv.index(flag) + 1] == value, (flag, argv)
     assert "--moe-grouped-gemm" in argv
+    uneven = parse_args(moe + ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
+                        world_size=2)
+    argv = at_training.converter_argv(uneven, at_training.cache_dir(uneven))
+    assert argv[argv.index("--num-layer-list") + 1] == "1,3"
+    assert "--num-layer-list" not in at_training.converter_argv(args, "x")      # an even split
     args = parse_args(moe, world_size=1)
     lines = []
     for _ in range(2):        # the second start converts again, over its own cache
