@@ -50,10 +50,26 @@ class PipelineParallel(_SizeFeature):
 
     def validate(self, args) -> None:
         super().validate(args)
-        if args.backend == "mindspore":
-            problem = mindspore_pipeline_problem(args)
-            if problem:
-                raise FeatureConfigError(problem)
+        problem = virtual_pipeline_problem(args) or (
+            mindspore_pipeline_problem(args) if args.backend == "mindspore" else None)
+        if problem:
+            raise FeatureConfigError(problem)
+
+
+def virtual_pipeline_problem(args) -> str | None:
+    """Megatron-Core's interleaved schedule raises at the first step whose micro-batches it cannot
+    group (schedules.py): refused here for every global batch size --rampup-batch-size goes through."""
+    if args.num_layers_per_virtual_pipeline_stage is None and not _unaligned_virtual_stages(args):
+        return None
+    gbs, mbs = args.global_batch_size, args.micro_batch_size
+    dp = args.data_parallel_size or 1
+    rampup = args.rampup_batch_size
+    sizes = [gbs] if rampup is None else list(range(int(rampup[0]), gbs, int(rampup[1]) or gbs)) + [gbs]
+    for size in (sizes if gbs and mbs else []):
+        problem = interleaved_micro_batch_problem(size // (mbs * dp), args.pipeline_model_parallel_size)
+        if problem:
+            return problem
+    return None
 
 
 def mindspore_pipeline_problem(args) -> str | None:
@@ -62,16 +78,6 @@ def mindspore_pipeline_problem(args) -> str | None:
     if pp != 2:
         return (f"--pipeline-model-parallel-size {pp}: the MindSpore trainer's 1F1B runs 2 stages (on CPU its "
                 "transfers are exchanges both stages make together); use 2")
-    if args.num_layers_per_virtual_pipeline_stage is not None or _unaligned_virtual_stages(args):
-        # the micro-batches of every step: each global batch size --rampup-batch-size goes through
-        gbs, mbs = args.global_batch_size, args.micro_batch_size
-        dp = args.data_parallel_size or 1
-        rampup = args.rampup_batch_size
-        sizes = [gbs] if rampup is None else list(range(int(rampup[0]), gbs, int(rampup[1]) or gbs)) + [gbs]
-        for size in (sizes if gbs and mbs else []):
-            problem = interleaved_micro_batch_problem(size // (mbs * dp), pp)
-            if problem:
-                return problem
     if (args.context_parallel_size or 1) > 1:
         return ("--context-parallel-size with --pipeline-model-parallel-size: the MindSpore trainer runs one "
                 "or the other; use --backend torch for both")
@@ -91,10 +97,10 @@ def _unaligned_virtual_stages(args) -> bool:
 
 def interleaved_micro_batch_problem(n: int, pp: int) -> str | None:
     """Megatron-Core's rule for its interleaved schedule (micro-batches in groups of PP per model
-    chunk): the MindSpore trainer's (training/mindspore/interleaved.py) follows it."""
+    chunk): the MindSpore trainer's (training/mindspore/interleaved.py) follows it too."""
     if n < pp or n % pp:
-        return (f"{n} micro-batches per step: the interleaved schedule (--num-layers-per-virtual-pipeline-stage) "
-                f"needs a multiple of --pipeline-model-parallel-size {pp}, as Megatron-Core's; change "
+        return (f"{n} micro-batches per step: the interleaved schedule (virtual pipeline stages) needs a "
+                f"multiple of --pipeline-model-parallel-size {pp}, as Megatron-Core's; change "
                 "--global-batch-size or --micro-batch-size")
     return None
 
