@@ -20,7 +20,7 @@ import os
 import torch
 
 from mindspeed.errors import ConvertError
-from mindspeed.checkpoint.neutral import MODEL_FILE
+from mindspeed.checkpoint.neutral import MODEL_FILE, QK_NORMS
 from mindspeed.checkpoint.scan import is_legacy, iteration_dir
 from mindspeed.errors import CheckpointError
 
@@ -37,7 +37,7 @@ LAYER_KEYS = {
     "mlp.linear_fc2.weight": STACKED + "mlp.linear_fc2.weight",
     # --qk-layernorm: the per-head q/k norms (one [head_dim] weight per layer; LayerNorm's bias too)
     **{f"self_attention.{norm}.{part}": f"{STACKED}self_attention.{norm}.{part}"
-       for norm in ("q_layernorm", "k_layernorm") for part in ("weight", "bias")},
+       for norm in QK_NORMS for part in ("weight", "bias")},
 }
 LAYER_SUFFIXES = tuple(LAYER_KEYS)
 

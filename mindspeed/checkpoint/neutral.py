@@ -34,6 +34,8 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ROW_SPLIT = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight",
              "self_attention.linear_qkv.bias")
 COLUMN_SPLIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+# --qk-layernorm: Megatron-Core's per-head query and key norms, modules of self_attention (the one spelling)
+QK_NORMS = ("q_layernorm", "k_layernorm")
 GATED_SPLIT = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")   # [gate; up]: each half split by rows, rank r holds [gate_r; up_r]
 # (a GELU MLP's fc1, --no-swiglu, has no halves: gated=False splits it by rows like linear_qkv)
 

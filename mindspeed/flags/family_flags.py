@@ -199,8 +199,9 @@ def _recipe_launch(parser) -> None:
 
 
 def moe_layer_pattern(args) -> list[int] | None:
-    """0/1 per layer (1: MoE) from --moe-layer-freq and --first-k-dense-replace; None for a dense model."""
-    if not args.num_experts:
+    """0/1 per layer (1: MoE) from --moe-layer-freq and --first-k-dense-replace; None for a dense model,
+    and for args without the MoE family flags (a parser that does not define --moe-layer-freq)."""
+    if not args.num_experts or not hasattr(args, "moe_layer_freq"):
         return None
     freq, first = args.moe_layer_freq, args.first_k_dense_replace
     if isinstance(freq, list):

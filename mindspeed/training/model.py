@@ -173,7 +173,7 @@ def virtual_stages(args) -> int | None:
 
 def layer_spec(args, config=None, vp_stage=None):
     """Megatron-Core's local spec; a per-layer block spec where dense and MoE layers mix."""
-    pattern = moe_layer_pattern(args) if hasattr(args, "moe_layer_freq") else None
+    pattern = moe_layer_pattern(args)
     if config is not None and pattern is not None and not all(pattern):
         return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                           vp_stage=vp_stage)

@@ -27,6 +27,7 @@ class MainGrads:
         self.dense, self.experts = dense, experts    # which weights are fused: linears, grouped experts
         self.buffers: dict = {}      # weight name -> fp32 main grad
         self.grouped: dict = {}      # expert weight names (one GEMM's, in group order) -> fp32 [G, K, N]
+        self.slot: dict = {}         # expert weight name -> (its GEMM's buffer, its group index): `of` per step
 
     def linear(self, x, weight):
         """x @ weight^T; backward: dx = dy @ weight, and main_grad += dy^T @ x (fp32, in place)."""
@@ -55,6 +56,7 @@ class MainGrads:
         if main_grad is None:
             n, k = weights[0].shape
             main_grad = self.grouped[key] = ops.zeros((len(weights), k, n), ms.float32)
+            self.slot.update((name, (main_grad, g)) for g, name in enumerate(key))
         kernels = self.backend.kernels
 
         def forward(ctx, x, *ws):
@@ -77,9 +79,9 @@ class MainGrads:
         transposed to the weight's [N, K]), None if it has none."""
         if name in self.buffers:
             return self.buffers[name]
-        for names, main_grad in self.grouped.items():
-            if name in names:
-                return main_grad[names.index(name)].T
+        if name in self.slot:
+            main_grad, g = self.slot[name]
+            return main_grad[g].T
         return None
 
     def added_to(self, names: list, grads, n: int) -> tuple:

@@ -19,7 +19,7 @@ import numpy as np
 from mindspore import ops
 from mindspore.experimental.optim import SGD as MsSGD
 
-from mindspeed.checkpoint.neutral import is_expert
+from mindspeed.checkpoint.neutral import QK_NORMS, is_expert
 
 
 def decays(name: str, shape) -> bool:
@@ -222,7 +222,7 @@ def _flat_all_reduce(comm, arrays: list, op: str, group) -> list:
     return [part.reshape(a.shape) for part, a in zip(ops.split(flat, sizes), arrays)]
 
 
-QK_NORMS = (".self_attention.q_layernorm.", ".self_attention.k_layernorm.")
+QK_NORM_PARTS = tuple(f".self_attention.{norm}." for norm in QK_NORMS)
 
 
 def _partial_over_tp(model, ps, name: str) -> bool:
@@ -233,7 +233,7 @@ def _partial_over_tp(model, ps, name: str) -> bool:
     sums them."""
     if ps.tp_size == 1 or model.is_tp_sharded(name) or is_expert(name):
         return False
-    return ps.sequence_parallel or any(part in name for part in QK_NORMS)
+    return ps.sequence_parallel or any(part in name for part in QK_NORM_PARTS)
 
 
 def reduce_gradients(backend, ps, model, grads: dict, over_dp: bool = True) -> dict:
@@ -290,16 +290,29 @@ def _fp64_sum_over(comm, value, group):
     return comm.all_gather(ops.stack([high, low]), 0, group).astype(ms.float64).sum()
 
 
+def _summed_over(comm, sq, groups):
+    """sq summed over each (size, group) in turn (in fp64; a group of one is skipped)."""
+    for size, group in groups:
+        if size > 1:
+            sq = _fp64_sum_over(comm, sq, group)
+    return sq
+
+
 def sum_of_squares_over_ranks(comm, ps, sq, over_dp: bool = False):
     """This rank's squared gradient norm summed with the ranks holding the other parts: DP slices
     (over_dp: the distributed optimizer's), TP ranks (replicated weights counted on TP rank 0 only)
     and pipeline stages (disjoint parameters)."""
     groups = ([(ps.dp_size, ps.dp_group)] if over_dp else []) + [
         (ps.tp_size, ps.tp_group), (getattr(ps, "pp_size", 1), getattr(ps, "pp_group", None))]
-    for size, group in groups:
-        if size > 1:
-            sq = _fp64_sum_over(comm, sq, group)
-    return sq
+    return _summed_over(comm, sq, groups)
+
+
+def expert_sum_of_squares(comm, ps, sq, over_edp: bool = False):
+    """This rank's experts' squared gradient norm summed with the ranks holding the other experts: the
+    expert-DP slices (over_edp: the distributed optimizer's), then the EP group (each EP rank, of the
+    TP x EP block with --moe-tp-extend-ep, holds other experts; once: EP runs at PP 1)."""
+    groups = ([(ps.edp_size, ps.edp_group)] if over_edp else []) + [(ps.ep_size, ps.ep_group)]
+    return _summed_over(comm, sq, groups)
 
 
 def clip_gradients(backend, ps, model, grads: dict, max_norm: float):
@@ -309,10 +322,9 @@ def clip_gradients(backend, ps, model, grads: dict, max_norm: float):
     counted = [g for n, g in grads.items() if model.counted_in_grad_norm(n) and not (ep and is_expert(n))]
     sq = _sum_of_squares(ms.mutable(tuple(counted))) if counted else ms.Tensor(0.0, ms.float64)
     sq = sum_of_squares_over_ranks(backend.comm, ps, sq)
-    if ep:      # each EP rank (of the TP x EP block with --moe-tp-extend-ep) holds other experts:
-        # their squares add up over the EP group, once (EP runs at PP 1)
+    if ep:
         experts = [g for n, g in grads.items() if is_expert(n)]
-        sq = sq + _fp64_sum_over(backend.comm, _sum_of_squares(ms.mutable(tuple(experts))), ps.ep_group)
+        sq = sq + expert_sum_of_squares(backend.comm, ps, _sum_of_squares(ms.mutable(tuple(experts))))
     if max_norm and max_norm > 0:
         clipped = _clipped(ms.mutable(tuple(grads.values())), sq, ms.Tensor(max_norm, ms.float64))
         grads = dict(zip(grads, clipped))

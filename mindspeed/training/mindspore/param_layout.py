@@ -83,7 +83,7 @@ def _qk_norm_shapes(cfg: GPTConfig, i: int) -> dict:
         return {}
     parts = ("weight", "bias") if cfg.normalization == "LayerNorm" else ("weight",)
     return {nf.layer_name(i, f"self_attention.{norm}.{part}"): (cfg.kv_channels,)
-            for norm in ("q_layernorm", "k_layernorm") for part in parts}
+            for norm in nf.QK_NORMS for part in parts}
 
 
 def _moe_shapes(cfg: GPTConfig, i: int) -> dict:
