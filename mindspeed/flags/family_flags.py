@@ -279,6 +279,20 @@ def derive_family_args(args, say) -> None:
 
 
 LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
+# YaRN's settings a recipe leaves out: Megatron-Core 0.16's MLATransformerConfig defaults (the torch trainer reads
+# them from there; the MindSpore trainer from here, and its parity test checks the two agree)
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                 "original_max_position_embeddings": 4096}
+
+
+def yarn_settings(args) -> dict:
+    """YaRN's factor and settings (Megatron-Core's names, without the yarn_ prefix), the defaults for those
+    not given."""
+    given = dict(beta_fast=args.beta_fast, beta_slow=args.beta_slow, mscale=args.mscale,
+                 mscale_all_dim=args.mscale_all_dim,
+                 original_max_position_embeddings=args.rope_scaling_original_max_position_embeddings)
+    return dict(YARN_DEFAULTS, rotary_scaling_factor=args.rotary_scaling_factor,
+                **{k: v for k, v in given.items() if v is not None})
 YARN_FLAGS = (("--beta-fast", "beta_fast"), ("--beta-slow", "beta_slow"), ("--mscale", "mscale"),
               ("--mscale-all-dim", "mscale_all_dim"), ("--rotary-scaling-factor", "rotary_scaling_factor"),
               ("--rope-scaling-original-max-position-embeddings", "rope_scaling_original_max_position_embeddings"))
