@@ -18,6 +18,8 @@ from tests_extend.unit import swap_workers as kit
 
 STEPS = 20
 ONE_MICRO_BATCH = ["--global-batch-size", "2"]
+# CI's time budget: mxfp8 under the distributed optimizer (its codec is the fp32 run's) where MINDSPEED_SLOW_TESTS=1
+DISTRIBUTED_FORMATS = ("fp8", "mxfp8") if os.environ.get("MINDSPEED_SLOW_TESTS") else ("fp8",)
 
 
 def optimizers(tr) -> list:
@@ -49,7 +51,7 @@ def max_gap(a: list, b: list) -> float:
 
 def accuracy() -> dict:
     report = {}
-    for base, formats in (([], ("fp8", "mxfp8")), (["--bf16", "--use-distributed-optimizer"], ("fp8", "mxfp8")),
+    for base, formats in (([], ("fp8", "mxfp8")), (["--bf16", "--use-distributed-optimizer"], DISTRIBUTED_FORMATS),
                           (["--bf16", "--reuse-fp32-param"], ("fp8",))):
         reference = run(base)
         reference_weights = reference.pop("weights")
