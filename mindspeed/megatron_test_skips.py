@@ -134,3 +134,12 @@ def listed_failure(nodeid: str, message: str, te_present: bool) -> str | None:
     if not any(signature in message for signature in reason.signature):
         return None
     return f"MindSpeed skip list: {reason.text}"
+
+
+def te_name_used(exception_type: str, message: str) -> str | None:
+    """The skip reason for a test that used a Transformer Engine name its module imported at its top
+    (the plugin's stand-in, mindspeed/backends/torch/te_import_standin.py, raises), else None."""
+    if exception_type != "TransformerEngineAbsent":
+        return None
+    return (f"MindSpeed: needs Transformer Engine ({message.split(':', 1)[0]}), which is not installed; "
+            f"on CPU a user loses TE's CUDA layers and FP8")

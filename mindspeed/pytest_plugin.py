@@ -27,7 +27,7 @@ deferred_compile.install(GLOBAL_PATCHES)   # before Megatron's conftest imports 
 
 from mindspeed import megatron_lm  # noqa: E402  (after the install)
 from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, plan
-from mindspeed.megatron_test_skips import listed_failure, more_ranks_needed, skip_before_running
+from mindspeed.megatron_test_skips import listed_failure, more_ranks_needed, skip_before_running, te_name_used
 
 DOWNLOAD_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
 TE_SPEC_PROVIDERS = "megatron.core.models.backends"
@@ -73,9 +73,24 @@ def pytest_load_initial_conftests(early_config, parser, args):
     if state.patcher.find("torch.distributed.new_group") is not None and LAZY_GLOO not in os.environ:
         state.patcher.setenv(LAZY_GLOO, "1", reason="gloo stands in for nccl: connect a group's peers on its "
                              "first collective, as NCCL does, not each of the groups every test makes")
+    if state.plan.backend == "torch" and importlib.util.find_spec("transformer_engine") is None:
+        from mindspeed.backends.torch.te_import_standin import test_module_builtins
+        state.patcher.wrap("_pytest.assertion.rewrite.AssertionRewritingHook.exec_module", _with_te_standin(
+            test_module_builtins), reason="Transformer Engine absent: a test module's own TE imports get a stand-in")
     if DOWNLOAD_MODULE not in sys.modules:
         state.patcher.provide_module(DOWNLOAD_MODULE, _offline_download_module(),
                                      reason="Megatron's conftest must not reach for the network")
+
+
+def _with_te_standin(test_module_builtins):
+    """Test modules execute with an `__import__` that answers their Transformer Engine imports with
+    a stand-in (te_import_standin.py); Megatron's modules keep Python's own."""
+    def wrapper(original):
+        def exec_module(self, module):
+            module.__dict__["__builtins__"] = test_module_builtins()
+            return original(self, module)
+        return exec_module
+    return wrapper
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,6 +133,7 @@ def pytest_runtest_makereport(item, call):
     if report.failed and call.excinfo is not None:
         message = f"{call.excinfo.typename}: {call.excinfo.value}"
         reason = (more_ranks_needed(message, _world_size())
+                  or te_name_used(call.excinfo.typename, message)
                   or listed_failure(item.nodeid, message, _te_present()))
         if reason:
             report.outcome = "skipped"

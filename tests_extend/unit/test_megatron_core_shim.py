@@ -225,3 +225,49 @@ def test_fused_softmax_without_its_cuda_extension_runs_megatrons_torch_softmax()
         assert torch.equal(softmax(scores, mask), torch.softmax(scores.float(), dim=-1).to(torch.bfloat16))
     finally:
         mindspeed.unadapt()
+
+
+TE_AT_THE_TOP = """
+import sys
+from transformer_engine.pytorch.fp8 import check_fp8_support
+import transformer_engine as te
+fp8_available, reason = check_fp8_support()
+import megatron.core.models.gpt.gpt_layer_specs as specs
+"""
+
+
+def test_a_test_modules_te_imports_get_a_stand_in_that_megatron_never_sees():
+    import sys
+    from megatron.core.models.gpt import gpt_layer_specs
+    from mindspeed.backends.torch.te_import_standin import TransformerEngineAbsent, test_module_builtins
+    from mindspeed.megatron_test_skips import te_name_used
+    if gpt_layer_specs.HAVE_TE:
+        pytest.skip("Transformer Engine is installed: test modules import it")
+    namespace = {"__builtins__": test_module_builtins(), "__name__": "tests.unit_tests.fake"}
+    exec(compile(TE_AT_THE_TOP, "fake_test.py", "exec"), namespace)
+    assert namespace["fp8_available"] is False               # TE's probe: no FP8 here
+    assert "transformer_engine" not in sys.modules            # Megatron's `import transformer_engine` still fails
+    assert namespace["specs"].HAVE_TE is False
+    with pytest.raises(TransformerEngineAbsent) as used:
+        namespace["te"].pytorch.LayerNorm(16)
+    assert "te.pytorch.LayerNorm" not in str(used.value) and "transformer_engine.pytorch.LayerNorm" in str(used.value)
+    reason = te_name_used(type(used.value).__name__, str(used.value))
+    assert reason.startswith("MindSpeed: needs Transformer Engine (transformer_engine.pytorch.LayerNorm)")
+    assert te_name_used("AssertionError", "x") is None
+    with pytest.raises(ModuleNotFoundError):                  # other imports: Python's own answer
+        exec("import not_a_module_anywhere", {"__builtins__": test_module_builtins()})
+
+
+def test_flash_attn_version_probe_answers_not_installed():
+    """Megatron's skipif marks call is_fa_min_version while a test module is imported; without
+    flash-attn Megatron's own probe raises ModuleNotFoundError, so the module is not collected."""
+    import importlib.util
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn installed: Megatron's own answer stands")
+    with pytest.raises(ModuleNotFoundError):
+        mutils.is_fa_min_version("2.7.3")
+    mindspeed.adapt([])
+    try:
+        assert mutils.is_fa_min_version("2.7.3") is False
+    finally:
+        mindspeed.unadapt()
