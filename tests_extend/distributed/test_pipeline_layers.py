@@ -154,6 +154,7 @@ def _chunk_probe(model, seen):
     """Per model chunk: its decoder layers' global numbers, whether it holds the embedding and the output layer."""
     seen["chunks"] = [([layer.layer_number for layer in chunk.module.decoder.layers],
                        chunk.module.pre_process, chunk.module.post_process) for chunk in model]
+    seen["mtp"] = [chunk.module.mtp_process for chunk in model]
     return model
 
 
@@ -171,6 +172,9 @@ def _unaligned_runs(rank, tmp):
     out["unaligned-resumed"], _ = _train(rank, tmp, "unaligned-resumed", resume + [
         "--pipeline-model-parallel-layout", "E|t|tt|tL"])       # the same layout, as Megatron writes it
     out["unaligned-to-plain"], out["plain/seen"] = _train(rank, tmp, "unaligned-to-plain", resume, _chunk_probe)
+    # with an MTP layer: the matrix's layout places it with the loss (E|t|tt|tmL)
+    out["unaligned-mtp"], out["mtp/seen"] = _train(rank, tmp, "unaligned-mtp", PP2 + UNALIGNED + [
+        "--mtp-num-layers", "1", "--train-iters", "2"], _chunk_probe)
     return out
 
 
@@ -240,6 +244,12 @@ def test_unaligned_matrix_builds_megatron_s_layout(runs):
     assert runs[1]["unaligned/seen"]["chunks"] == [([1], False, False), ([4], False, True)]
     assert runs[0]["plain/seen"]["chunks"] == [([1, 2], True, False)]
     assert runs[1]["plain/seen"]["chunks"] == [([3, 4], False, True)]
+
+
+def test_unaligned_matrix_places_mtp_with_the_loss(runs):
+    assert runs[0]["mtp/seen"]["mtp"] == [False, False] and runs[1]["mtp/seen"]["mtp"] == [False, True]
+    losses = runs[0]["unaligned-mtp"]
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses), losses
 
 
 def test_unaligned_pipeline_trains_with_the_aligned_losses(runs):

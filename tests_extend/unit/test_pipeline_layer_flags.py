@@ -112,6 +112,8 @@ LAYOUT = "--pipeline-model-parallel-layout"
     ([LAYOUT, "tE|t|tt|L"], f"{LAYOUT} tE|t|tt|L needs the embedding E once, first"),
     ([LAYOUT, "Et|t|ttL|"], "needs the loss L once, last"),
     ([LAYOUT, "Et|t|t|tmL"], "needs 0 MTP layer(s) m (--mtp-num-layers)"),
+    ([LAYOUT, "Et|tm|t|tL", "--mtp-num-layers", "1"], "the MTP layers after every transformer layer; the MTP "
+                                                      "layers together in one last virtual stage"),
     ([LAYOUT, "E|tt|t|tL", "--num-layers-per-virtual-pipeline-stage", "1"],
      f"{LAYOUT} E|tt|t|tL sets the virtual stages: leave out --num-layers-per-virtual-pipeline-stage"),
 ])

@@ -156,6 +156,10 @@ class UnalignedPipeline(Feature):
             problems.append(f"{mtp} MTP layer(s) m (--mtp-num-layers)")
         if "m" in flat and "t" in flat[flat.index("m"):]:
             problems.append("the MTP layers after every transformer layer")
+        stages, pp = layout_stages(args.pipeline_model_parallel_layout), args.pipeline_model_parallel_size or 1
+        with_mtp = [s for s, stage in enumerate(stages) if "m" in stage]
+        if len(with_mtp) > 1 or any(s // pp != len(stages) // pp - 1 for s in with_mtp):
+            problems.append("the MTP layers together in one last virtual stage of a pipeline stage (Megatron-Core's rule)")
         if problems:
             raise FeatureConfigError(f"{LAYOUT_FLAG} {args.pipeline_model_parallel_layout} needs "
                                      f"{'; '.join(problems)}")
