@@ -5,7 +5,6 @@ quant_states_megatron.py). hif8 is refused: see HIF8_REFUSAL.
 from __future__ import annotations
 
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
-from mindspeed.features.host_flags import host
 from mindspeed.features.registry import register
 
 FORMATS = ("fp8", "hif8", "mxfp8")
@@ -26,8 +25,7 @@ class QuantStates(Feature):
     flags = (Flag("--quant-states", dict(choices=FORMATS, default=None, help=(
                  "hold Adam's moments in 8 bits between updates: fp8 (exp_avg e4m3, exp_avg_sq e5m2, fp32 scale "
                  "per block of gcd(numel, 128)) or mxfp8 (OCP MX blocks of 32, E8M0 scales); hif8 is refused"))),
-             switch("--quant-grads", "hold gradients in fp16 (upstream's --quant-grads; refused: not implemented yet)"),
-             host("--optimizer", "adam"))
+             switch("--quant-grads", "hold gradients in fp16 (upstream's --quant-grads; refused: not implemented yet)"))
     # upstream refuses --swap-optimizer with it; fused EMA AdamW is another optimizer (upstream's is its own
     # class) whose step hooks would run once per parameter here
     conflicts = ("swap-optimizer", "fused-ema-adamw")
@@ -38,6 +36,7 @@ class QuantStates(Feature):
                                 "moments as fp32 Parameters in place: it has no 8-bit moment store; use --backend torch"}
     alternatives = "--swap-optimizer (the moments in host memory), or --use-distributed-optimizer (the moments split over data-parallel ranks)"
     example = ("--quant-states", "fp8")
+    inert_example = ("--quant-states", "fp8", "--optimizer", "sgd")
 
     def enabled(self, args) -> bool:
         return bool(args.quant_states) or bool(args.quant_grads)
