@@ -1,6 +1,6 @@
 """msrun worker for test_mindspore_parity_pp.py: PP=2 (1F1B over 4 micro-batches) from the torch
 initial checkpoint, saving the trained model, untied and tied; the interleaved schedule (4 layers, 2 chunks
-per stage, tied), saved; the unaligned pipeline's matrix on the same 4 layers; 2 steps with --optimizer sgd, saved; 3 steps with each
+per stage, tied), saved; the unaligned pipeline's matrix on the same 4 layers, saved; 2 steps with --optimizer sgd, saved; 3 steps with each
 recompute method; 4 steps of micro-batches of 4 lengths with --variable-seq-lengths. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
 import contextlib
 import os
@@ -46,8 +46,8 @@ def main(out_dir, init_ckpt, save_dir):
         result["pp2_vpp"] = ms_train_pp(backend, 2, init_ckpt + "_vpp", save_dir + "_vpp", tied=True,
                                         extra=mpp.VPP_FLAGS, layers=mpp.VPP_LAYERS)
         # the unaligned pipeline: the same 4 layers as upstream's matrix [[0,2],[1,1]] (E|t|tt|tL)
-        result["pp2_unaligned"] = ms_train_pp(backend, 2, init_ckpt + "_vpp", tied=True, steps=mpp.UNALIGNED_STEPS,
-                                              extra=mpp.UNALIGNED_FLAGS, layers=mpp.VPP_LAYERS)
+        result["pp2_unaligned"] = ms_train_pp(backend, 2, init_ckpt + "_vpp", save_dir + "_unaligned", tied=True,
+                                              steps=mpp.UNALIGNED_STEPS, extra=mpp.UNALIGNED_FLAGS, layers=mpp.VPP_LAYERS)
         # SGD's state (a momentum buffer) saved from both stages too: 2 steps are enough to check
         result["pp2_sgd"] = ms_train_pp(backend, 2, init_ckpt, save_dir + "_sgd", steps=2,
                                         extra=("--optimizer", "sgd"))

@@ -109,11 +109,11 @@ def test_pp2_with_the_unaligned_pipeline_matches_torch(runs):
     assert unaligned[0]["layers"] == [1, 2] and unaligned[1]["layers"] == [0, 3]
 
 
-@pytest.mark.parametrize("case", ["untied", "tied", "vpp"])
+@pytest.mark.parametrize("case", ["untied", "tied", "vpp", "unaligned"])
 def test_pp2_checkpoint_loads_at_pp1(runs, case):
-    """The PP=2 checkpoint (with a virtual pipeline too) holds the whole model (both stages'
-    parameters and Adam moments): the trainer at PP=1 loads it and evaluates the held-out batch to
-    PP=2's loss."""
+    """The PP=2 checkpoint (with a virtual pipeline, and with the unaligned pipeline's empty first
+    chunk, too) holds the whole model (both stages' parameters and Adam moments): the trainer at PP=1
+    loads it and evaluates the held-out batch to PP=2's loss."""
     import mindspeed
     from mindspeed.backends import get_backend
     from mindspeed.flags.trainer_flags import parse_args
@@ -122,15 +122,17 @@ def test_pp2_checkpoint_loads_at_pp1(runs, case):
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     tied = case != "untied"
-    args = parse_args(mpp.ms_argv(1, tied, layers=mpp.VPP_LAYERS if case == "vpp" else mp.LAYERS), world_size=1)
+    args = parse_args(mpp.ms_argv(1, tied, layers=mp.LAYERS if case in ("untied", "tied") else mpp.VPP_LAYERS),
+                      world_size=1)
     args.backend = "mindspore"
     mindspeed.adapt(args)
     try:
         backend = get_backend()
         trainer = Trainer(args, backend, build_parallel_state(backend.comm, 1), GPTConfig.from_args(args, mp.VOCAB))
-        meta = checkpoint.load(runs["saved"] + {"untied": "", "tied": "_tied", "vpp": "_vpp"}[case], trainer.model,
-                               trainer.optimizer)
-        assert trainer.optimizer.step_count == mp.STEPS and meta["iteration"] == mp.STEPS
+        meta = checkpoint.load(runs["saved"] + {"untied": "", "tied": "_tied", "vpp": "_vpp",
+                                                "unaligned": "_unaligned"}[case], trainer.model, trainer.optimizer)
+        steps = mpp.UNALIGNED_STEPS if case == "unaligned" else mp.STEPS
+        assert trainer.optimizer.step_count == steps and meta["iteration"] == steps
         pp2 = runs["all"][0]["pp2" if case == "untied" else f"pp2_{case}"]
         assert trainer.evaluate(mpp.eval_batches()) == pytest.approx(pp2["eval_loss"], abs=1e-5)
     finally:

@@ -193,7 +193,8 @@ if megatron_version() != '0.12.1':
 irregular = ('--pipeline-model-parallel-size', '4', '--num-layers', '8', '--num-layer-list', '1,2,3,2')
 if megatron_version() == '0.12.1':
     assert parsed(*irregular) == ("MindSpeed: --num-layer-list 1,2,3,2 needs Megatron's "
-                                  "--pipeline-model-parallel-layout, which Megatron-LM 0.12.1 lacks")
+                                  "--pipeline-model-parallel-layout, which Megatron-LM 0.12.1 lacks "
+                                  "(core_v0.13 on have it; tested: core_v0.16.1)")
     args = parsed('--pipeline-model-parallel-size', '2', '--num-layer-list', '1,3', '--noop-layers', '0')
     assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (1, 3)
 else:
@@ -208,7 +209,8 @@ assert parsed('--pipeline-model-parallel-size', '2', '--pipeline-num-transformer
 if megatron_version() == '0.12.1':
     assert parsed('--pipeline-model-parallel-size', '2', '--pipeline-num-transformer-layers', '[[0,2],[1,1]]') == (
         "MindSpeed: --pipeline-num-transformer-layers [[0,2],[1,1]] needs Megatron's "
-        "--pipeline-model-parallel-layout, which Megatron-LM 0.12.1 lacks")
+        "--pipeline-model-parallel-layout, which Megatron-LM 0.12.1 lacks (core_v0.13 on have it; tested: "
+        "core_v0.16.1)")
 args.padded_vocab_size = 128            # (set when Megatron builds its tokenizer)
 flops = mtt.num_floating_point_operations(args, 8)
 def one_layer_fewer(a):

@@ -159,7 +159,8 @@ class UnalignedPipeline(Feature):
         stages, pp = layout_stages(args.pipeline_model_parallel_layout), args.pipeline_model_parallel_size or 1
         with_mtp = [s for s, stage in enumerate(stages) if "m" in stage]
         if len(with_mtp) > 1 or any(s // pp != len(stages) // pp - 1 for s in with_mtp):
-            problems.append("the MTP layers together in one last virtual stage of a pipeline stage (Megatron-Core's rule)")
+            problems.append("the MTP layers together in one last virtual stage of a pipeline stage "
+                            "(Megatron-Core's rule)")
         if problems:
             raise FeatureConfigError(f"{LAYOUT_FLAG} {args.pipeline_model_parallel_layout} needs "
                                      f"{'; '.join(problems)}")
