@@ -222,6 +222,25 @@ def one_layer_fewer(a):
 """
 
 
+# a torch_dist save and load through Megatron-Core's own writer on this torch: core_v0.12's writer
+# calls torch's _write_item without the argument torch added, from a process its save forks
+# (mindspeed/backends/torch/dist_ckpt_write_item.py, sync_save_queue.py); one process, a world of one
+SAVE_CODE = """
+import tempfile, torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+work = tempfile.mkdtemp()
+dist.init_process_group('gloo', init_method=f'file://{work}/store', rank=0, world_size=1)
+weights = torch.arange(6.)
+os.makedirs(work + '/ckpt')
+dist_checkpointing.save({'w': ShardedTensor.from_rank_offsets('w', weights, replica_id=0)}, work + '/ckpt')
+loaded = dist_checkpointing.load({'w': ShardedTensor.from_rank_offsets('w', torch.zeros(6), replica_id=0)},
+                                 work + '/ckpt')
+assert torch.equal(loaded['w'], weights), loaded
+dist.destroy_process_group()
+"""
+
+
 def test_describe_lists_the_training_shim_and_unadapt_removes_it(checkout):
     code = (
         "import sys, torch; sys.argv = ['pretrain_gpt.py']\n"
@@ -233,7 +252,7 @@ def test_describe_lists_the_training_shim_and_unadapt_removes_it(checkout):
         "    assert needle in described, (needle, described)\n"
         "assert torch.cuda.device_count() == 1 and init.parse_args is margs.parse_args\n"
         "wrapped = init.initialize_megatron\n"
-        + LAYER_FLAGS_CODE +
+        + LAYER_FLAGS_CODE + SAVE_CODE +
         "import mindspeed; mindspeed.unadapt()\n"
         "assert one_layer_fewer(args) == flops\n"
         "assert torch.cuda.device_count() == 0 and init.initialize_megatron is not wrapped\n"

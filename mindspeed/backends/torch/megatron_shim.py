@@ -19,6 +19,7 @@ from mindspeed.backends.torch.cpu_torch_view import apply_cpu_torch_views, devic
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.fused_cpu_adam import apply_fused_cpu_adam
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
+from mindspeed.backends.torch.dist_ckpt_write_item import apply_write_item_format
 from mindspeed.backends.torch.mla_standin import apply_mla_standin
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
 from mindspeed.backends.torch.native_linear import apply_native_linear
@@ -379,3 +380,4 @@ def apply_device_shim(patcher, device: str, megatron_lm: bool = False) -> None:
     elif device == "npu":
         apply_npu_shim(patcher)
     apply_mla_standin(patcher)     # every device: MindSpeed's Megatron-Core runs without Transformer Engine
+    apply_write_item_format(patcher)   # every device: Megatron-Core 0.12's checkpoint writer on this torch

@@ -33,9 +33,19 @@ def _in_process_results(writer):
     return wrap
 
 
+def _saves_in_this_process(strategy_base) -> bool:
+    """Megatron-Core 0.16's synchronous save runs its request here (`execute_sync`); 0.12's hands it
+    to its AsyncCallsQueue, which writes in a forked process: an in-process queue would never see
+    that process's results ("results_queue should not be empty")."""
+    import inspect
+    return "execute_sync" in inspect.getsource(strategy_base.AsyncSaveShardedStrategy.save)
+
+
 def apply_in_process_results_queue(patcher) -> None:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import base, filesystem_async
     if not callable(getattr(filesystem_async, "_get_write_results_queue", None)):
         return      # a Megatron-Core without the Manager queue: nothing to avoid
+    if not _saves_in_this_process(base):
+        return
     patcher.wrap(SYNC_SAVE, _in_process_results(filesystem_async),
                  reason="a synchronous save's write results stay in this process (no spawned Manager)")
