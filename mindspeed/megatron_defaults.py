@@ -19,7 +19,6 @@ HOST_FLAG_DEFAULTS = {
     "micro_batch_size": None,
     "global_batch_size": None,
     "num_layers_per_virtual_pipeline_stage": None,
-    "pipeline_model_parallel_layout": None,   # Megatron-Core >= 0.13
     "add_bias_linear": False,
     "defer_embedding_wgrad_compute": False,
     "overlap_param_gather_with_optimizer_step": False,

@@ -105,6 +105,12 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p.add_argument("--hf-config", default=None,
                    help="mg->hf: the Hugging Face model directory (or config.json) that describes the "
                         "checkpoint, when it has no hf_config/ of its own")
+    _add_lora_args(p)
+    return p
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """mg->hf of a LoRA run: its adapters merged into the base model."""
     p.add_argument("--lora-load", default=None, metavar="DIR",
                    help="mg->hf: a LoRA run's adapter checkpoint (its --save) to merge into --load-dir's base "
                         "model (weight + alpha/r * B @ A)")
@@ -112,7 +118,6 @@ def build_parser(prog: str = "convert_ckpt.py") -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=float, default=None, help="with --lora-load: checked against the adapters")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="with --lora-load: checked against the adapters")
-    return p
 
 
 def main(argv=None, prog: str = "convert_ckpt.py") -> int:

@@ -47,17 +47,7 @@ def transformer_config(args) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_stages(args),
-        # Megatron-LM's default under the interleaved schedule: batched p2p at PP 2 would post both
-        # directions' sends and receives between the same two ranks in one batch, and gloo pairs
-        # them by order (a gradient lands in an activation's buffer)
-        overlap_p2p_comm=virtual_stages(args) is not None,
-        batch_p2p_comm=virtual_stages(args) is None,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        # --num-layer-list / --pipeline-num-transformer-layers (their features set it through adapt(args))
-        pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout", None),
+        **_pipeline_fields(args),
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
         **_moe_fields(args),
@@ -87,6 +77,24 @@ def transformer_config(args) -> TransformerConfig:
     if args.yarn and not config.multi_latent_attention:
         _set_dense_yarn(config, args)
     return config
+
+
+def _pipeline_fields(args) -> dict:
+    """Megatron-Core's pipeline fields: stages, virtual stages, the layers of each, the p2p mode."""
+    vpp = virtual_stages(args)
+    return dict(
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        # Megatron-LM's default under the interleaved schedule: batched p2p at PP 2 would post both
+        # directions' sends and receives between the same two ranks in one batch, and gloo pairs
+        # them by order (a gradient lands in an activation's buffer)
+        overlap_p2p_comm=vpp is not None,
+        batch_p2p_comm=vpp is None,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        # --num-layer-list / --pipeline-num-transformer-layers (their features set it through adapt(args))
+        pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout", None),
+    )
 
 
 def _moe_fields(args) -> dict:

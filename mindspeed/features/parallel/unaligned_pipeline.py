@@ -30,9 +30,9 @@ def layer_matrix(args) -> list[list[int]] | None:
     """Transformer layers per [pipeline rank][virtual stage] the run's flags give, or None. (Read by
     both trainers; the flags were validated.)"""
     pp = args.pipeline_model_parallel_size or 1
-    if getattr(args, "pipeline_num_transformer_layers", None):
+    if args.pipeline_num_transformer_layers:
         return parse_matrix(args.pipeline_num_transformer_layers)
-    if getattr(args, "pipeline_model_parallel_layout", None):
+    if args.pipeline_model_parallel_layout:
         return stage_matrix(layout_stages(args.pipeline_model_parallel_layout), pp)
     return None
 
@@ -66,7 +66,7 @@ class UnalignedPipeline(Feature):
 
     def enabled(self, args) -> bool:
         layout = getattr(args, LAYOUT, None)
-        return bool(getattr(args, "pipeline_num_transformer_layers", None)) or (
+        return bool(args.pipeline_num_transformer_layers) or (
             bool(layout) and layout != _layer_list_layout(args))
 
     def inert(self, args) -> str:
@@ -111,7 +111,7 @@ class UnalignedPipeline(Feature):
             raise FeatureConfigError(f"{self.trigger(args)}: virtual stages need --pipeline-model-parallel-size >= 2")
 
     def _matrix_given(self, args) -> bool:
-        return bool(getattr(args, "pipeline_num_transformer_layers", None))
+        return bool(args.pipeline_num_transformer_layers)
 
     def _rows(self, args) -> list[list[int]]:
         try:

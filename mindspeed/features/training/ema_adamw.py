@@ -42,7 +42,7 @@ class FusedEmaAdamW(Feature):
     example = ("--optimizer-selection", SELECTION)
 
     def enabled(self, args) -> bool:
-        return getattr(args, "optimizer_selection", None) == SELECTION
+        return args.optimizer_selection == SELECTION
 
     def on_hint(self) -> str:
         return f"--optimizer-selection {SELECTION}"
