@@ -12,6 +12,7 @@ tests too large for a CPU unit-test run (TOO_LARGE) are not run.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -100,6 +101,8 @@ TOO_LARGE: dict[str, str] = {
         "custom process groups matches one on Megatron's own) is not run there",
 }
 
+# HyperCommGrid's "Grid shape [2, 1, 1, 4] is over sized with world size 1 and rank offset 0"
+_GRID = re.compile(r"Grid shape \[([\d, ]+)\] is over sized with world size (\d+)")
 # parallel_state's "world_size (1) is not divisible by 8" and "... by <name> size (8)"
 _DIVISIBLE = re.compile(r"world_size \((\d+)\) is not divisible by (?:[\w-]+ size \()?(\d+)")
 
@@ -119,9 +122,12 @@ def ranks_advice(need: int, world_size: int) -> str:
 def more_ranks_needed(message: str, world_size: int) -> str | None:
     """The skip reason for a test that failed asking for more processes than the run has, else None."""
     match = _DIVISIBLE.search(message)
-    if match is None or int(match.group(1)) != world_size:
-        return None
-    return ranks_advice(int(match.group(2)), world_size)
+    if match is not None and int(match.group(1)) == world_size:
+        return ranks_advice(int(match.group(2)), world_size)
+    grid = _GRID.search(message)          # HyperCommGrid: its shape's product is the ranks it spans
+    if grid is not None and int(grid.group(2)) == world_size:
+        return ranks_advice(math.prod(int(n) for n in grid.group(1).split(",")), world_size)
+    return None
 
 
 def skip_before_running(nodeid: str, world_size: int) -> str | None:

@@ -27,6 +27,7 @@ deferred_compile.install(GLOBAL_PATCHES)   # before Megatron's conftest imports 
 
 from mindspeed import megatron_lm  # noqa: E402  (after the install)
 from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, plan
+from mindspeed.net import free_port
 from mindspeed.megatron_test_skips import listed_failure, more_ranks_needed, skip_before_running, te_name_used
 
 DOWNLOAD_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
@@ -77,9 +78,21 @@ def pytest_load_initial_conftests(early_config, parser, args):
         from mindspeed.backends.torch.te_import_standin import test_module_builtins
         state.patcher.wrap("_pytest.assertion.rewrite.AssertionRewritingHook.exec_module", _with_te_standin(
             test_module_builtins), reason="Transformer Engine absent: a test module's own TE imports get a stand-in")
+    if not any(name in os.environ for name in ("RANK", "WORLD_SIZE")):     # not under torchrun
+        for name, value in _one_process_env().items():
+            if name not in os.environ:
+                state.patcher.setenv(name, value, reason="a one-process run: what torchrun --nproc_per_node 1 "
+                                     "sets (Megatron's tests that initialise with env:// read it)")
     if DOWNLOAD_MODULE not in sys.modules:
         state.patcher.provide_module(DOWNLOAD_MODULE, _offline_download_module(),
                                      reason="Megatron's conftest must not reach for the network")
+
+
+def _one_process_env() -> dict:
+    # a free port: Megatron's Utils rendezvous on MASTER_PORT, 6000 when unset, which two concurrent
+    # one-process runs on a machine would share
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
+            "MASTER_PORT": str(free_port())}
 
 
 def _with_te_standin(test_module_builtins):

@@ -95,6 +95,10 @@ def test_a_test_needing_more_ranks_is_told_how_to_run():
     assert "torchrun --nproc_per_node 4" in reason
     assert more_ranks_needed("world_size (2) is not divisible by 8", 1) is None   # another run's world
     assert more_ranks_needed("shape mismatch", 1) is None
+    # HyperCommGrid (Megatron's pipeline_parallel tests): the grid's shape spans 2 * 1 * 1 * 4 ranks
+    grid = "RuntimeError: Grid shape [2, 1, 1, 4] is over sized with world size 1 and rank offset 0"
+    assert "torchrun --nproc_per_node 8" in more_ranks_needed(grid, 1)
+    assert more_ranks_needed(grid, 2) is None
 
 
 def test_a_listed_test_is_skipped_only_when_it_fails_as_its_reason_says():
