@@ -101,6 +101,7 @@ TOO_LARGE: dict[str, str] = {
         "custom process groups matches one on Megatron's own) is not run there",
 }
 
+_SHARD_FACTOR = "Data parallel size should be divisible by partial DistOpt shard factor"
 # HyperCommGrid's "Grid shape [2, 1, 1, 4] is over sized with world size 1 and rank offset 0"
 _GRID = re.compile(r"Grid shape \[([\d, ]+)\] is over sized with world size (\d+)")
 # parallel_state's "world_size (1) is not divisible by 8" and "... by <name> size (8)"
@@ -124,6 +125,10 @@ def more_ranks_needed(message: str, world_size: int) -> str | None:
     match = _DIVISIBLE.search(message)
     if match is not None and int(match.group(1)) == world_size:
         return ranks_advice(int(match.group(2)), world_size)
+    if _SHARD_FACTOR in message:          # --num-distributed-optimizer-instances > the data-parallel size
+        return (f"needs a data-parallel size that is a multiple of its distributed-optimizer instances, more "
+                f"processes than the run's {world_size}: torchrun --nproc_per_node 2 (or a multiple of the "
+                f"instances) -m pytest -p mindspeed.pytest_plugin ...")
     grid = _GRID.search(message)          # HyperCommGrid: its shape's product is the ranks it spans
     if grid is not None and int(grid.group(2)) == world_size:
         return ranks_advice(math.prod(int(n) for n in grid.group(1).split(",")), world_size)

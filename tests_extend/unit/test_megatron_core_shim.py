@@ -99,6 +99,8 @@ def test_a_test_needing_more_ranks_is_told_how_to_run():
     grid = "RuntimeError: Grid shape [2, 1, 1, 4] is over sized with world size 1 and rank offset 0"
     assert "torchrun --nproc_per_node 8" in more_ranks_needed(grid, 1)
     assert more_ranks_needed(grid, 2) is None
+    shards = "AssertionError: Data parallel size should be divisible by partial DistOpt shard factor"
+    assert "torchrun --nproc_per_node 2" in more_ranks_needed(shards, 1)
 
 
 def test_a_listed_test_is_skipped_only_when_it_fails_as_its_reason_says():
