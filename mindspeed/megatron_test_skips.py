@@ -161,3 +161,20 @@ def te_name_used(exception_type: str, message: str) -> str | None:
         return None
     return (f"MindSpeed: needs Transformer Engine ({message.split(':', 1)[0]}), which is not installed; "
             f"on CPU a user loses TE's CUDA layers and FP8")
+
+
+#: failures that say a package this Python cannot install is missing, whichever test shows them
+UNINSTALLABLE = {
+    "Emerging Optimizers is not installed": (
+        "needs emerging-optimizers (Megatron-Core's Muon and layer-wise optimizers), whose one release "
+        "requires Python >= 3.12 (this is Python 3.11): a user here loses --optimizer muon / dist_muon, "
+        "which MindSpeed refuses in one line"),
+}
+
+
+def uninstallable_package(message: str) -> str | None:
+    """The skip reason for a test that failed on a package this Python cannot install, else None."""
+    for signature, reason in UNINSTALLABLE.items():
+        if signature in message:
+            return f"MindSpeed skip list: {reason}"
+    return None

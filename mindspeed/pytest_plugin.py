@@ -28,7 +28,8 @@ deferred_compile.install(GLOBAL_PATCHES)   # before Megatron's conftest imports 
 from mindspeed import megatron_lm  # noqa: E402  (after the install)
 from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, plan
 from mindspeed.net import free_port
-from mindspeed.megatron_test_skips import listed_failure, more_ranks_needed, skip_before_running, te_name_used
+from mindspeed.megatron_test_skips import (listed_failure, more_ranks_needed, skip_before_running, te_name_used,
+                                          uninstallable_package)
 
 DOWNLOAD_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
 TE_SPEC_PROVIDERS = "megatron.core.models.backends"
@@ -147,6 +148,7 @@ def pytest_runtest_makereport(item, call):
         message = f"{call.excinfo.typename}: {call.excinfo.value}"
         reason = (more_ranks_needed(message, _world_size())
                   or te_name_used(call.excinfo.typename, message)
+                  or uninstallable_package(message)
                   or listed_failure(item.nodeid, message, _te_present()))
         if reason:
             report.outcome = "skipped"

@@ -10,7 +10,8 @@ import mindspeed
 from megatron.core import parallel_state
 from megatron.core import utils as mutils
 from mindspeed.backends.torch.process_groups import held_process_groups
-from mindspeed.megatron_test_skips import base_name, listed_failure, more_ranks_needed, skip_before_running
+from mindspeed.megatron_test_skips import (base_name, listed_failure, more_ranks_needed, skip_before_running,
+                                           uninstallable_package)
 
 
 def test_nccl_process_groups_get_gloo_and_unadapt_restores_torch():
@@ -277,3 +278,12 @@ def test_flash_attn_version_probe_answers_not_installed():
         assert mutils.is_fa_min_version("2.7.3") is False
     finally:
         mindspeed.unadapt()
+
+
+def test_a_package_this_python_cannot_install_is_a_skip_by_reason():
+    """Megatron's Muon / layer-wise optimizer tests assert emerging-optimizers, which needs Python >= 3.12."""
+    import sys
+    reason = uninstallable_package("AssertionError: Emerging Optimizers is not installed.")
+    assert reason.startswith("MindSpeed skip list: needs emerging-optimizers") and "Python >= 3.12" in reason
+    assert uninstallable_package("AssertionError: Grouped GEMM is not available.") is None
+    assert sys.version_info < (3, 12), "emerging-optimizers installs on this Python: lift the entry"
