@@ -236,7 +236,7 @@ def test_reuse_fp32_param_with_megatron_lm_overlap_param_gather_with_optimizer_s
     from mindspeed.features.base import FeatureConfigError
     from mindspeed.features.memory.reuse_fp32_param import ReuseFp32Param
     monkeypatch.setenv("WORLD_SIZE", "4")
-    args = Namespace(bf16=True, fp16=False, use_distributed_optimizer=True, overlap_param_gather=True,
+    args = Namespace(backend=None, bf16=True, fp16=False, use_distributed_optimizer=True, overlap_param_gather=True,
                      overlap_param_gather_with_optimizer_step=True, num_experts=experts,
                      expert_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     if not refused:
