@@ -85,6 +85,12 @@ class DeviceAPI(ABC):
     @abstractmethod
     def set_rng_state(self, state: Any) -> None: ...
 
+    def side_stream(self) -> Any:
+        """Where work meant to run beside the host's compute goes (communication a schedule overlaps):
+        None where the device's own streams do it (CUDA, NPU); else an object whose submit(fn, *args,
+        label=...) runs fn in order beside the host thread and returns a Future."""
+        return None
+
 
 class CommAPI(ABC):
     """Collectives over the backend's process groups. `group=None` means the world."""

@@ -51,8 +51,6 @@ planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer siz
         value("--hccl-ep-group-buffer-adaptive-factor", float))
 planned("dualpipev", PARALLEL, "not scheduled", "DualPipeV pipeline schedule",
         value("--schedules-method", choices=["dualpipev"]), on("--dualpipev-dw-detach"))
-planned("moe-fb-overlap", MOE, "scheduled", "one micro-batch's MoE all-to-all overlapped with another's compute",
-        on("--moe-fb-overlap"))
 planned("automated-pipeline", PARALLEL, "not scheduled", "automated pipeline memory balancing",
         on("--automated-pipeline"), on("--automated-pipeline-perf"))
 planned("tp-2d", PARALLEL, "not scheduled", "2-D tensor parallelism",

@@ -102,12 +102,16 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": torch.stack([local_sum.detach(), count.detach()])}
 
 
-def forward_step(reader: data.BatchReader, data_iterator, model, mtp: bool = False):
+def forward_step(reader: data.BatchReader, data_iterator, model, mtp: bool = False,
+                 return_schedule_plan: bool = False):
     batch = reader(data_iterator)
     # the MTP block masks its own losses with the batch's mask (GPTModel's loss_mask is read by MTP only)
     extra = {"loss_mask": batch["loss_mask"]} if mtp else {}
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
-                   **extra)
+    # Megatron-Core's combined 1F1B (--moe-fb-overlap) asks for the micro-batch's schedule plan instead
+    # of its output; the plan runs the same forward layer by layer
+    run = model.build_schedule_plan if return_schedule_plan else model
+    output = run(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                 **extra)
     return output, partial(loss_func, batch["loss_mask"])
 
 

@@ -64,3 +64,12 @@ class TorchDevice(DeviceAPI):
     def set_rng_state(self, state) -> None:
         mod = self._module()
         (mod.set_rng_state if mod is not None else torch.set_rng_state)(state)
+
+    def side_stream(self):
+        """CPU has no second stream: a worker thread stands in (one per device object, made on first use)."""
+        if self.name != "cpu":
+            return None
+        if getattr(self, "_side", None) is None:
+            from mindspeed.backends.torch.side_stream import SideStream
+            self._side = SideStream("comm")
+        return self._side

@@ -1,0 +1,107 @@
+"""--moe-fb-overlap (MindSpeed upstream's name) and Megatron-Core 0.16's own
+--overlap-moe-expert-parallel-comm / --delay-wgrad-compute: one micro-batch's MoE all-to-alls
+overlapped with another micro-batch's compute, by Megatron-Core's combined-1F1B schedule
+(pipeline_parallel/combined_1f1b.py). The hook is fb_overlap.py; the refusals follow Megatron's
+TransformerConfig checks and upstream's, each as one line before any work.
+"""
+from __future__ import annotations
+
+from mindspeed.backends.base import Cap
+from mindspeed.features.base import Feature, FeatureConfigError, switch
+from mindspeed.features.host_flags import host
+from mindspeed.features.moe.features import _dispatcher, missing_megatron_hook
+from mindspeed.features.registry import register
+from mindspeed.versions import megatron_version
+
+FB_OVERLAP = switch("--moe-fb-overlap", "overlap one micro-batch's MoE all-to-alls with another micro-batch's "
+                                        "forward/backward compute (Megatron-Core's combined 1F1B schedule)")
+MEGATRON_OVERLAP = host("--overlap-moe-expert-parallel-comm", False)
+DELAY_WGRAD = host("--delay-wgrad-compute", False)
+# Megatron-Core's combined-1F1B pieces the feature runs on
+COMBINED_1F1B = (("megatron.core.pipeline_parallel.combined_1f1b", "AbstractSchedulePlan", ()),
+                 ("megatron.core.models.gpt.gpt_model", "GPTModel", ("build_schedule_plan",)))
+
+
+def _megatron_lacks_combined_1f1b() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("megatron.core.pipeline_parallel.combined_1f1b") is None
+
+
+@register
+class MoeFbOverlap(Feature):
+    id = "moe-fb-overlap"
+    category = "moe"
+    optimization_level = 2
+    description = ("one micro-batch's MoE all-to-alls overlapped with another's forward/backward compute "
+                   "(Megatron-Core's combined 1F1B)")
+    flags = (FB_OVERLAP, MEGATRON_OVERLAP, DELAY_WGRAD)
+    requires = (Cap.MOE, Cap.ASYNC_COMM, Cap.ALL_TO_ALL)
+    depends = ("moe",)
+    backends = ("torch",)
+    conflicts = ("moe-alltoall-overlap-comm", "moe-permutation-async-comm", "dualpipev")
+    alternatives = ("leave it off: each micro-batch's all-to-alls run between its own compute "
+                    "(--moe-alltoall-overlap-comm overlaps them within one micro-batch)")
+    unsupported = {"mindspore": "the MindSpore trainer has no asynchronous all-to-all to overlap (MindSpore's CPU "
+                                "collectives lack AlltoAll: its backend builds one from AllReduce) and no "
+                                "combined-1F1B schedule; use the torch backend"}
+    example = ("--moe-fb-overlap", "--num-experts", "4", "--expert-model-parallel-size", "2")
+    example_world = 2
+    inert_example = ("--moe-fb-overlap", "--num-experts", "4")
+    inert_host_flags = {"moe_fb_overlap": False, "overlap_moe_expert_parallel_comm": False,
+                        "delay_wgrad_compute": False}
+
+    def enabled(self, args) -> bool:
+        return any(bool(getattr(args, fl.dest, False)) for fl in self.flags)
+
+    def inert(self, args) -> str:
+        if (args.expert_model_parallel_size or 1) < 2 and self._overlap_on(args):
+            return "at --expert-model-parallel-size 1 there is no all-to-all to overlap"
+        return ""
+
+    @staticmethod
+    def _overlap_on(args) -> bool:
+        return bool(args.moe_fb_overlap or args.overlap_moe_expert_parallel_comm)
+
+    def validate(self, args) -> None:
+        if not self._overlap_on(args):
+            raise FeatureConfigError("--delay-wgrad-compute needs --moe-fb-overlap (or --overlap-moe-expert-"
+                                     "parallel-comm): it defers weight gradients inside the overlapped schedule")
+        name = self.trigger(args)
+        if _megatron_lacks_combined_1f1b():
+            raise FeatureConfigError(f"{name} runs Megatron-Core's combined 1F1B schedule, which Megatron-Core "
+                                     f"{megatron_version()} lacks: use Megatron-LM core_v0.16.1, or drop the flag")
+        for refusal in _layout_refusals(args):
+            if refusal:
+                raise FeatureConfigError(f"{name} {refusal}")
+
+    def host_values(self, args) -> dict:
+        # the fields are switched on after TransformerConfig's own checks (fb_overlap.install):
+        # Megatron asserts bf16/fp16 there, which fp32 on CPU runs without (tested equal to the plain run)
+        # (--delay-wgrad-compute: Megatron-LM asks for Transformer Engine; the local layers ignore it)
+        return {"overlap_moe_expert_parallel_comm": False, "delay_wgrad_compute": False}
+
+    def apply(self, ctx, args) -> None:
+        if ctx.backend_name == "torch":
+            from mindspeed.features.moe import fb_overlap
+            fb_overlap.install(ctx.patcher, ctx.backend, delay_wgrad=bool(args.delay_wgrad_compute))
+
+
+def _layout_refusals(args):
+    """Each combination Megatron-Core's combined 1F1B (or upstream) cannot run, as the rest of a line."""
+    pp, vpp = args.pipeline_model_parallel_size or 1, args.num_layers_per_virtual_pipeline_stage
+    yield (f"at --pipeline-model-parallel-size {pp} needs the interleaved schedule "
+           "(--num-layers-per-virtual-pipeline-stage): plain 1F1B has no second micro-batch to overlap with"
+           if pp > 1 and not vpp and not getattr(args, "num_virtual_stages_per_pipeline_rank", None) else "")
+    kind = _dispatcher(args)
+    yield (f"needs --moe-token-dispatcher-type alltoall (got {kind}: the allgather dispatcher has no all-to-all "
+           "to overlap, flex needs DeepEP)" if kind != "alltoall" else "")
+    yield ("does not run with recomputation (Megatron-Core's combined 1F1B refuses --recompute-granularity full "
+           "and --recompute-method): drop them" if args.recompute_granularity == "full" or args.recompute_method
+           else "")
+    yield ("does not combine with --moe-shared-expert-overlap (the schedule overlaps the shared experts itself): "
+           "drop it" if args.moe_shared_expert_overlap else "")
+    mtp = getattr(args, "mtp_num_layers", None) or 0
+    yield ("runs with at most one MTP layer, and that one only at --pipeline-model-parallel-size > 1 "
+           "(Megatron-Core's combined 1F1B)" if mtp > 1 or (mtp == 1 and pp == 1) else "")
+    yield ("supports dropless MoE only: drop --moe-expert-capacity-factor"
+           if args.moe_expert_capacity_factor is not None else "")
