@@ -49,8 +49,6 @@ planned("recompute-in-bubble", MEMORY, "not scheduled", "recompute scheduled int
 planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer sizes (Ascend)",
         value("--hccl-group-buffer"), on("--hccl-group-buffer-adaptive"),
         value("--hccl-ep-group-buffer-adaptive-factor", float))
-planned("dualpipev", PARALLEL, "not scheduled", "DualPipeV pipeline schedule",
-        value("--schedules-method", choices=["dualpipev"]), on("--dualpipev-dw-detach"))
 planned("automated-pipeline", PARALLEL, "not scheduled", "automated pipeline memory balancing",
         on("--automated-pipeline"), on("--automated-pipeline-perf"))
 planned("tp-2d", PARALLEL, "not scheduled", "2-D tensor parallelism",

@@ -16,6 +16,7 @@ FEATURE_MODULES = [
     "mindspeed.features.moe.fb_overlap_feature",
     "mindspeed.features.parallel.layers",
     "mindspeed.features.parallel.unaligned_pipeline",
+    "mindspeed.features.parallel.dualpipev",
     "mindspeed.features.context_parallel.feature",
     "mindspeed.features.observability.profiling",
     "mindspeed.features.observability.throughput",

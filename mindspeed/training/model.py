@@ -19,6 +19,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from mindspeed.features.parallel.dualpipev import dualpipev_on
 from mindspeed.features.parallel.unaligned_pipeline import layer_matrix
 from mindspeed.flags.family_flags import moe_layer_pattern
 from mindspeed.training.layer_spec import SpecModules, block_with_final_norm, with_modules
@@ -170,6 +171,8 @@ def fused_softmax_installed(args) -> bool:
 def virtual_stages(args) -> int | None:
     """Model chunks per pipeline stage (None without a virtual pipeline): the columns of the
     unaligned pipeline's matrix or layout, else --num-layers-per-virtual-pipeline-stage's split."""
+    if dualpipev_on(args):
+        return 2                # the V's two chunks (built as training/dualpipev.py runs them)
     rows = layer_matrix(args)
     if rows is not None:
         return len(rows[0]) if len(rows[0]) > 1 else None
@@ -227,8 +230,8 @@ def build_model_chunks(args, config: TransformerConfig, modules: SpecModules | N
             mtp_block_spec=mtp,
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            pre_process=_holds_end(args, "first", stage),
+            post_process=_holds_end(args, "last", stage),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=_position_embedding_type(args, config),
             rotary_percent=args.rotary_percent,
@@ -240,6 +243,16 @@ def build_model_chunks(args, config: TransformerConfig, modules: SpecModules | N
     for chunk in chunks:
         fold_mlp_input_biases(chunk)
     return chunks
+
+
+def _holds_end(args, end: str, vp_stage) -> bool:
+    """Whether this chunk holds the model's first (embedding) or last (output layer, loss) stage. The
+    V of --schedules-method dualpipev holds both on pipeline rank 0: chunk 0 the first, chunk 1 the last."""
+    if dualpipev_on(args):
+        return parallel_state.get_pipeline_model_parallel_rank() == 0 and vp_stage == (0 if end == "first" else 1)
+    if end == "first":
+        return parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
 
 
 def _position_embedding_type(args, config) -> str:

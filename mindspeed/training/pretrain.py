@@ -33,6 +33,8 @@ from mindspeed.errors import CheckpointError
 from mindspeed.flags.checks import dynamic_loss_scaling
 from mindspeed.net import free_port
 from mindspeed.training import collective_timeout, data, loop
+from mindspeed.features.parallel.dualpipev import dualpipev_on
+from mindspeed.training.dualpipev import DualPipeVSchedule
 from mindspeed.training.layer_spec import SpecModules
 from mindspeed.training.logger import TrainingLogger
 from mindspeed.training.model import build_model_chunks, count_parameters, transformer_config, virtual_stages
@@ -141,8 +143,8 @@ def step_batch(consumed_samples: int) -> tuple[int, int]:
 def _reduce_loss(losses_reduced: list, device: str) -> float:
     """Mean token loss of a step over all micro-batches, data- and context-parallel ranks."""
     pair = torch.zeros(2, dtype=torch.float64, device=device)
-    counts_here = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                   and parallel_state.get_tensor_model_parallel_rank() == 0)
+    # the schedules return the losses where the loss is computed (DualPipeV: pipeline rank 0)
+    counts_here = bool(losses_reduced) and parallel_state.get_tensor_model_parallel_rank() == 0
     if counts_here:
         for item in losses_reduced:
             pair += item["lm loss"].to(torch.float64)
@@ -164,7 +166,7 @@ class Trainer:
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
-        self.forward_backward = get_forward_backward_func()
+        self.forward_backward = forward_backward_func(args)
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
     def _build_model(self):
@@ -252,10 +254,15 @@ def microbatch_iterators(args, model_chunks: list, dataset, consumed: int, masks
         if len(model_chunks) > 1 else data.microbatches(dataset, consumed, args, masks)
 
 
+def forward_backward_func(args):
+    """Megatron-Core's schedule for the run's layout, or DualPipeV's (training/dualpipev.py)."""
+    return DualPipeVSchedule(args.dualpipev_dw_detach) if dualpipev_on(args) else get_forward_backward_func()
+
+
 def run_schedule(args, model_chunks: list, iterator, reader: data.BatchReader, forward_only: bool,
                  num_microbatches: int, forward_backward=None):
-    """One global batch through Megatron-Core's pipeline schedule; the losses of its micro-batches."""
-    forward_backward = forward_backward or get_forward_backward_func()
+    """One global batch through the run's pipeline schedule; the losses of its micro-batches."""
+    forward_backward = forward_backward or forward_backward_func(args)
     return forward_backward(
         forward_step_func=partial(forward_step, reader, mtp=bool(args.mtp_num_layers)),
         data_iterator=iterator,
