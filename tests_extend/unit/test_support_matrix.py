@@ -29,7 +29,7 @@ def test_matrix_cli_lists_both_backends():
     assert {row["feature"] for row in data["features"]} == {f.id for f in all_features()
                                                             if not f.planned and not f.by_design}
     assert {row["feature"] for row in data["not_implemented_yet"]} == {f.id for f in all_features() if f.planned}
-    assert "dualpipev" in {row["feature"] for row in data["not_implemented_yet"]}
+    assert "automated-pipeline" in {row["feature"] for row in data["not_implemented_yet"]}
     assert {row["feature"] for row in data["refused_by_design"]} == {f.id for f in all_features() if f.by_design}
 
 
