@@ -44,3 +44,20 @@ class SideStream:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def hidden_seconds(intervals, side_labels) -> float:
+    """Seconds of the intervals labelled in `side_labels` (work on the side stream) that lie under the
+    other intervals (the host's compute): what the overlap hid. Each side's intervals are disjoint
+    (one thread each); a two-pointer sweep over both, in start order."""
+    side = sorted((a, b) for label, a, b in intervals if label in side_labels)
+    host = sorted((a, b) for label, a, b in intervals if label not in side_labels)
+    hidden, j = 0.0, 0
+    for a, b in side:
+        while j < len(host) and host[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(host) and host[k][0] < b:
+            hidden += min(b, host[k][1]) - max(a, host[k][0])
+            k += 1
+    return hidden

@@ -7,24 +7,28 @@ TransformerConfig checks and upstream's, each as one line before any work.
 from __future__ import annotations
 
 from mindspeed.backends.base import Cap
-from mindspeed.features.base import Feature, FeatureConfigError, switch
-from mindspeed.features.host_flags import host
-from mindspeed.features.moe.features import _dispatcher, missing_megatron_hook
+from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.moe.features import _dispatcher
 from mindspeed.features.registry import register
 from mindspeed.versions import megatron_version
 
 FB_OVERLAP = switch("--moe-fb-overlap", "overlap one micro-batch's MoE all-to-alls with another micro-batch's "
                                         "forward/backward compute (Megatron-Core's combined 1F1B schedule)")
-MEGATRON_OVERLAP = host("--overlap-moe-expert-parallel-comm", False)
-DELAY_WGRAD = host("--delay-wgrad-compute", False)
-# Megatron-Core's combined-1F1B pieces the feature runs on
-COMBINED_1F1B = (("megatron.core.pipeline_parallel.combined_1f1b", "AbstractSchedulePlan", ()),
-                 ("megatron.core.models.gpt.gpt_model", "GPTModel", ("build_schedule_plan",)))
+# Megatron-LM 0.16's own flags (its parser has them; the built-in trainer's gets them from here)
+MEGATRON_OVERLAP = Flag("--overlap-moe-expert-parallel-comm", dict(
+    action="store_true", help="Megatron-Core 0.16's name of --moe-fb-overlap"), megatron=True)
+DELAY_WGRAD = Flag("--delay-wgrad-compute", dict(
+    action="store_true", help="defer weight gradients within the overlapped schedule (Transformer Engine "
+                              "layers only: the local layers compute them in the backward)"), megatron=True)
+COMBINED_1F1B = "megatron.core.pipeline_parallel.combined_1f1b"      # Megatron-Core >= 0.14's schedule
 
 
-def _megatron_lacks_combined_1f1b() -> bool:
+def _megatron_lacks(module: str) -> bool:
     import importlib.util
-    return importlib.util.find_spec("megatron.core.pipeline_parallel.combined_1f1b") is None
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:          # no Megatron-Core at all: the matrix refuses that itself
+        return False
 
 
 @register
@@ -67,7 +71,7 @@ class MoeFbOverlap(Feature):
             raise FeatureConfigError("--delay-wgrad-compute needs --moe-fb-overlap (or --overlap-moe-expert-"
                                      "parallel-comm): it defers weight gradients inside the overlapped schedule")
         name = self.trigger(args)
-        if _megatron_lacks_combined_1f1b():
+        if args.backend != "mindspore" and _megatron_lacks(COMBINED_1F1B):
             raise FeatureConfigError(f"{name} runs Megatron-Core's combined 1F1B schedule, which Megatron-Core "
                                      f"{megatron_version()} lacks: use Megatron-LM core_v0.16.1, or drop the flag")
         for refusal in _layout_refusals(args):

@@ -1,0 +1,124 @@
+"""--moe-fb-overlap on the torch trainer at EP 2 (2 gloo processes, one spawn for every run), fp32, no
+dropout, 2 MoE layers, 2 micro-batches a step:
+
+* 20 steps give the plain run's losses within 1e-5 relative (TOLERANCE says why not bitwise);
+* the all-to-all nodes really ran on the side stream's worker thread, beside the other micro-batch's
+  compute: every MoE layer's dispatch and combine, forward and backward, every step, and part of
+  their time under the host thread's compute (recorded intervals); without the flag nothing ran there;
+* the run's step-10 checkpoint resumes under the flag bit for bit, and loads without the flag
+  (the plain schedule), training on within 1e-5.
+The refusals: tests_extend/unit/test_moe_fb_overlap_flags.py. Interleaved PP (4 processes):
+MINDSPEED_SLOW_TESTS=1 (test_interleaved_pipeline_gives_the_plain_losses below).
+"""
+import json
+import os
+import threading
+
+import pytest
+
+from tests_extend.distributed.harness import next_rendezvous, run_distributed
+
+STEPS = 20
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr", "3e-3", "--mock-data",
+        "--seed", "7", "--num-experts", "4", "--moe-token-dispatcher-type", "alltoall",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]
+EP2 = ["--expert-model-parallel-size", "2"]
+ON = ["--moe-fb-overlap"]
+# fp32: the combined schedule cuts each layer's autograd graph at the node boundaries, so a tensor read
+# by two nodes (the residual stream) has its gradient summed in another order than one backward sums it
+TOLERANCE = 1e-5
+COMM_NODES = {f"moe_{kind}.{phase}" for kind in ("dispatch", "combine") for phase in ("forward", "backward")}
+
+
+def _train(rank, tmp, name, flags, layout=EP2):
+    import torch
+
+    import mindspeed
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.training import pretrain
+    torch.set_num_threads(1)
+    loss_file = os.path.join(tmp, name + ".jsonl")
+    next_rendezvous(rank, loss_file + ".port")
+    args = parse_args(TINY + layout + flags + ["--log-loss-file", loss_file])
+    session = mindspeed.adapt(args)
+    side = session.backend.device.side_stream()
+    side.recording, side.intervals[:] = True, []
+    threads = set()
+    side.submit(lambda: threads.add(threading.get_ident())).result()
+    try:
+        pretrain.run(args, session)
+    finally:
+        mindspeed.unadapt()
+        side.recording = False
+    from mindspeed.backends.torch.side_stream import hidden_seconds
+    comm = [i for i in side.intervals if i[0] in COMM_NODES]
+    losses = [json.loads(line)["lm_loss"] for line in open(loss_file)] if rank == 0 else None
+    return {"losses": losses, "comm": sorted({i[0] for i in comm}), "comm_count": len(comm),
+            "worker": threads != {threading.get_ident()}, "hidden": hidden_seconds(side.intervals, COMM_NODES),
+            "comm_seconds": sum(b - a for _, a, b in comm)}
+
+
+def _all_runs(rank, world_size, tmp):
+    saved = os.path.join(tmp, "fb")
+    steps = ["--train-iters", str(STEPS)]
+    resume = steps + ["--load", saved, "--ckpt-step", str(STEPS // 2)]
+    import time
+    runs = {"plain": _train(rank, tmp, "plain", steps),
+            "fb": _train(rank, tmp, "fb", steps + ON + ["--save", saved, "--save-interval", str(STEPS // 2)]),
+            "fb-resumed": _train(rank, tmp, "fb-resumed", resume + ON),
+            "fb-to-plain": _train(rank, tmp, "fb-to-plain", resume)}
+    return dict(runs, cpu_seconds=time.process_time())      # this rank's CPU, imports included (CI budget)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("fb_overlap"))
+    return run_distributed(_all_runs, world_size=2, args=(tmp,), timeout=400,
+                           daemon=False)    # checkpoint saves start a helper process
+
+
+def _relative(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def test_fb_overlap_trains_with_the_plain_losses(runs):
+    fb, plain = runs[0]["fb"]["losses"], runs[0]["plain"]["losses"]
+    assert len(fb) == len(plain) == STEPS
+    assert _relative(fb, plain) <= TOLERANCE, (fb, plain)
+    assert plain[0] != plain[-1]        # it trained: equal losses say something
+
+
+def test_all_to_alls_ran_on_the_side_stream_under_compute(runs):
+    for rank in (0, 1):
+        fb = runs[rank]["fb"]
+        assert fb["worker"] and fb["comm"] == sorted(COMM_NODES)
+        # every step: 2 layers x 2 micro-batches (8 samples / 2 per micro-batch / DP 2) x (dispatch,
+        # combine) x (forward, backward)
+        assert fb["comm_count"] == STEPS * 2 * 2 * 4
+        assert 0 < fb["hidden"] <= fb["comm_seconds"]
+        assert runs[rank]["plain"]["comm_count"] == 0 and runs[rank]["plain"]["hidden"] == 0
+
+
+def test_checkpoint_resumes_bit_for_bit_and_loads_without_the_flag(runs):
+    print("CPU seconds per rank:", [round(r["cpu_seconds"], 1) for r in runs])
+    fb = runs[0]["fb"]["losses"]
+    assert runs[0]["fb-resumed"]["losses"] == fb[STEPS // 2:]
+    to_plain = runs[0]["fb-to-plain"]["losses"]
+    assert len(to_plain) == STEPS // 2 and _relative(to_plain, fb[STEPS // 2:]) <= TOLERANCE
+
+
+def _interleaved(rank, world_size, tmp):
+    layout = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--num-layers-per-virtual-pipeline-stage", "1", "--num-layers", "4"]
+    steps = ["--train-iters", str(STEPS)]
+    return {"plain": _train(rank, tmp, "pp-plain", steps, layout), "fb": _train(rank, tmp, "pp-fb", steps + ON, layout)}
+
+
+@pytest.mark.skipif(os.environ.get("MINDSPEED_SLOW_TESTS") != "1", reason="4 processes: MINDSPEED_SLOW_TESTS=1")
+def test_interleaved_pipeline_gives_the_plain_losses(tmp_path):
+    runs = run_distributed(_interleaved, world_size=4, args=(str(tmp_path),), timeout=600)
+    fb, plain = runs[0]["fb"]["losses"], runs[0]["plain"]["losses"]
+    assert len(fb) == len(plain) == STEPS and _relative(fb, plain) <= TOLERANCE, (fb, plain)
+    assert all(runs[r]["fb"]["comm_count"] > 0 for r in range(4))
