@@ -43,7 +43,7 @@ RouterOptions = option(
     MOE_EXAMPLE + ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--norm-topk-prob",
                    "--moe-router-load-balancing-type", "none", "--moe-router-topk-scaling-factor", "2.5"),
     depends=("moe",))
-RouterOptions.examples = {"mindspore": MOE_EXAMPLE + ("--moe-router-score-function", "sigmoid", "--norm-topk-prob",
+RouterOptions.examples = {"mindspore": MOE_EXAMPLE + ("--moe-router-load-balancing-type", "noaux_tc", "--norm-topk-prob",
                                                       "--seq-aux", "--moe-aux-loss-coeff", "0.01",
                                                       "--moe-router-topk-scaling-factor", "2.5")}
 
@@ -54,13 +54,16 @@ def _router_on_mindspore(self, args) -> None:
         return
     kind = args.moe_router_load_balancing_type
     lacking = [what for what, given in (
-        ("an expert bias (--moe-router-enable-expert-bias, noaux_tc: its per-step update)",
-         args.moe_router_enable_expert_bias or kind == "noaux_tc"),
         (f"--moe-router-load-balancing-type {kind}", kind in ("global_aux_loss", "sinkhorn")),
         ("--moe-router-dtype fp64", args.moe_router_dtype == "fp64")) if given]
     if lacking:
         raise FeatureConfigError(f"{'; '.join(lacking)}: {MS}'s MoE router has none (its softmax/sigmoid scores, "
-                                 f"groups, scaling, pre-softmax, aux_loss, seq_aux_loss and none run); drop it, or {TORCH}")
+                                 "expert bias, groups, scaling, pre-softmax, aux_loss, seq_aux_loss and none run); "
+                                 f"drop it, or {TORCH}")
+    if (args.moe_router_enable_expert_bias or kind == "noaux_tc") and (args.pipeline_model_parallel_size or 1) > 1:
+        raise FeatureConfigError(f"an expert bias (--moe-router-enable-expert-bias, noaux_tc) with "
+                                 f"--pipeline-model-parallel-size > 1: {MS}'s pipeline reruns forwards out of "
+                                 f"micro-batch order, so its tokens per expert are not counted yet; use PP 1, or {TORCH}")
 
 
 RouterOptions.validate = _router_on_mindspore

@@ -22,12 +22,16 @@ EXPERT_KEY = "mlp.experts.local_experts."
 # the MoE features on the MindSpore trainer, compared with its plain run
 KERNEL_FLAGS = ("--use-fused-moe-token-permute-and-unpermute", "--moe-grouped-gemm", "--moe-shared-expert-overlap")
 COMM_FLAGS = ("--moe-alltoall-overlap-comm", "--moe-permutation-async-comm", "--use-fused-moe-token-permute-and-unpermute")
-# Megatron-Core's router options (DeepSeek-V3's sigmoid router, node-limited groups, scaled weights, --seq-aux),
-# as flags for the MindSpore trainer and as the TransformerConfig fields they become
-ROUTER_FLAGS = ("--moe-router-score-function", "sigmoid", "--norm-topk-prob", "--seq-aux", "--moe-router-num-groups",
-                "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5")
+# Megatron-Core's router options (DeepSeek-V3's noaux_tc: sigmoid scores with the expert bias, node-limited
+# groups, scaled weights, --seq-aux), as flags for the MindSpore trainer (MindSpeed-LLM's spelling) and as the
+# TransformerConfig fields they become; the bias's rate large enough that it changes the routing in 20 steps
+BIAS_RATE = 0.01
+ROUTER_FLAGS = ("--moe-router-load-balancing-type", "noaux_tc", "--norm-topk-prob", "--seq-aux",
+                "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor",
+                "2.5", "--moe-router-bias-update-rate", str(BIAS_RATE))
 ROUTER_FIELDS = dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="seq_aux_loss",
-                     moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5)
+                     moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5,
+                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=BIAS_RATE)
 
 
 def moe_flags(ep: int, shared: bool, tp: int = 1) -> list:
@@ -172,7 +176,8 @@ def load_into_torch(model, ckpt: str, ep_rank: int, ep: int, tp_rank: int = 0, t
     state.pop(None, None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
-    assert all(k.endswith("_extra_state") for k in missing), missing
+    # the initial weights hold no expert bias: Megatron's buffer starts at zero (the test compares the trained ones)
+    assert all(k.endswith(("_extra_state", "router.expert_bias")) for k in missing), missing
 
 
 def _loss(model, step, dp_rank):
@@ -229,6 +234,7 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
         opt.zero_grad()
         loss = _loss(forward, step, dp_rank)
         loss.backward()
+        _update_expert_bias(model)
         for (_, p), m in zip(params, updated):
             if p.grad is None:       # an expert no token was routed to
                 p.grad = torch.zeros_like(p)
@@ -276,6 +282,16 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
                                 for n, _ in params if EXPERT_KEY in n})
     mindspeed.unadapt()
     return result
+
+
+def _update_expert_bias(model) -> None:
+    """Megatron's finalize_model_grads's expert-bias step (this loop replaces finalize_model_grads): the
+    tokens per expert summed over TP x DP, each bias moved by the rate, the counts zeroed."""
+    from megatron.core.distributed.finalize_model_grads import (_update_router_expert_bias,
+                                                                reset_model_temporary_tensors)
+    if model.config.moe_router_enable_expert_bias:
+        _update_router_expert_bias([model], model.config)
+        reset_model_temporary_tensors(model.config, [model])
 
 
 def _eval(model, dp_rank, dp_group, dp) -> float:

@@ -16,8 +16,9 @@ a few steps within test_mindspore_parity_bf16.py's bound, twice torch's own bf16
 the same launch (EP=2 in bf16 and fp32 from the same bf16-representable weights), and bf16 moves its
 losses beyond fp32's bound TOL. --use-distributed-optimizer at EP=2 (the dense state sharded over DP,
 the experts' over expert-DP) gives Megatron-Core's losses and resumes from its checkpoint (same launch).
-Megatron-Core's router options at EP=1 (sigmoid scores, group-limited top-k, scaled weights, --seq-aux; in the
-EP=1 gloo spawn): its losses and grad norms over 20 steps, and MindSpore's checkpoint evaluates the same there."""
+Megatron-Core's router options at EP=1 (noaux_tc's sigmoid scores with the per-step expert bias, group-limited
+top-k, scaled weights, --seq-aux; in the EP=1 gloo spawn): its losses and grad norms over 20 steps, the same
+biases, and each side's checkpoint evaluates the same on the other."""
 import os
 
 import numpy as np
@@ -41,7 +42,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_par
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_parity")
     paths = {k: str(root / k) for k in ("init_shared", "init", "init_bf16", "torch_final", "ms_final", "ms_final_tp",
-                                        "ms_router")}
+                                        "ms_router", "torch_router")}
     pm.write_init(paths["init_shared"], shared=True)
     pm.write_init(paths["init"], shared=False)
     pm.write_init(paths["init_bf16"], shared=False, bf16=True)
@@ -54,7 +55,8 @@ def torch_ep1_runs(ckpts, ms_router):
     """One spawn: Megatron-Core at EP=1 with shared experts, and with the router options (ROUTER_FIELDS)."""
     return run_distributed(pm.torch_layouts, world_size=1, timeout=400, args=(
         [((1, True, ckpts["init_shared"], None, pm.mp.STEPS, ckpts["torch_final"]), {}),
-         ((1, True, ckpts["init_shared"], ckpts["ms_router"]), {"router": pm.ROUTER_FIELDS})],))[0]
+         ((1, True, ckpts["init_shared"], ckpts["ms_router"], pm.mp.STEPS, ckpts["torch_router"]),
+          {"router": pm.ROUTER_FIELDS})],))[0]
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +71,26 @@ def ms_router(ckpts):
                        extra=pm.ROUTER_FLAGS)
 
 
-def test_router_options_at_ep1_match_megatron(ms_router, torch_ep1_runs):
-    """Sigmoid scores in 2 groups (one per token), scaled by 2.5, with the sequence-level aux loss (--seq-aux):
-    Megatron-Core's losses and grad norms over 20 fp32 steps; the MindSpore checkpoint evaluates the same there;
-    the plain router's losses differ."""
+def test_router_options_at_ep1_match_megatron(ckpts, ms_router, torch_ep1_runs):
+    """noaux_tc (sigmoid scores with the expert bias, updated each step from the tokens per expert) in 2 groups
+    (one per token), scaled by 2.5, with the sequence-level aux loss (--seq-aux): Megatron-Core's losses and grad
+    norms over 20 fp32 steps; both checkpoints hold the same biases (Megatron's name) and each evaluates the same
+    on the other side; the plain router's losses differ."""
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from mindspeed.checkpoint import neutral as nf
     plain, t = torch_ep1_runs
     np.testing.assert_allclose(ms_router["losses"], t["losses"], atol=TOL, rtol=0)
     np.testing.assert_allclose(ms_router["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
     assert t["eval_loss_of_other"] == pytest.approx(ms_router["eval_loss"], abs=TOL)
     assert np.abs(np.array(t["losses"]) - np.array(plain["losses"])).max() > 10 * TOL
+    (theirs, _, _), (ours, _, _) = nf.load(ckpts["torch_router"]), nf.load(ckpts["ms_router"])
+    biases = sorted(n for n in theirs if n.endswith("mlp.router.expert_bias"))
+    assert biases == sorted(n for n in ours if n.endswith("mlp.router.expert_bias")) and len(biases) == pm.mp.LAYERS
+    for name in biases:     # 20 sign steps of the rate from zero: equal, and moved
+        np.testing.assert_allclose(ours[name], theirs[name], atol=1e-6, rtol=0)
+        assert np.abs(ours[name]).max() > pm.BIAS_RATE / 2
+    other = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["torch_router"], steps=0, extra=pm.ROUTER_FLAGS)
+    assert other["eval_loss"] == pytest.approx(t["eval_loss"], abs=TOL)
 
 
 def test_ep1_with_shared_experts_matches_megatron(ckpts, torch_ep1):

@@ -177,6 +177,8 @@ ROUTERS = {   # name -> (RouterSettings fields, top-k); 8 experts
     "softmax-pre-softmax": (dict(pre_softmax=True), 2),
     "softmax-groups": (dict(num_groups=2, group_topk=1), 2),
     "sigmoid-top1": (dict(score_function="sigmoid"), 1),
+    # noaux_tc: the bias (expert_bias.py) chooses the experts, the unbiased scores weight them
+    "sigmoid-groups-expert-bias": (dict(score_function="sigmoid", num_groups=4, group_topk=2, expert_bias=True), 4),
 }
 
 
@@ -190,14 +192,20 @@ def test_router_options_route_and_differentiate_as_megatron_core(name):
     router = RouterSettings(**fields)
     logits = np.random.RandomState(3).randn(T, 8).astype(np.float32)
     weights = np.random.RandomState(4).randn(T, 8).astype(np.float32)     # d(loss)/d(routing probs)
+    bias = (np.random.RandomState(5).randn(8) * 0.3).astype(np.float32) if router.expert_bias else None
     theirs = torch.tensor(logits, requires_grad=True)
     probs_t, routing_map = topk_routing_with_score_function(
         theirs, k, use_pre_softmax=router.pre_softmax, num_groups=router.num_groups, group_topk=router.group_topk,
-        scaling_factor=router.scaling_factor, score_function=router.score_function)
+        scaling_factor=router.scaling_factor, score_function=router.score_function,
+        expert_bias=None if bias is None else torch.tensor(bias))
     (probs_t * torch.tensor(weights)).sum().backward()
+    if bias is not None:     # the bias changes which experts are chosen
+        assert routing_map.tolist() != topk_routing_with_score_function(
+            theirs.detach(), k, num_groups=router.num_groups, group_topk=router.group_topk,
+            score_function="sigmoid")[1].tolist()
 
     def dense(x):     # [T, k] probabilities and indices -> [T, E], as Megatron-Core's routing_probs
-        probs, idx = moe.route(x, k, router)
+        probs, idx = moe.route(x, k, router, None if bias is None else ms.Tensor(bias))
         one_hot = ops.one_hot(idx, 8, ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32))     # [T, k, E]
         return (one_hot * probs.expand_dims(-1)).sum(1), idx
     ours, idx = dense(ms.Tensor(logits))
@@ -232,9 +240,8 @@ def test_aux_and_sequence_aux_losses_are_megatron_cores(score_function, sequence
 
 
 @pytest.mark.parametrize("extra, says", [
-    (("--moe-router-load-balancing-type", "noaux_tc", "--norm-topk-prob"), "an expert bias"),
-    (("--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid", "--norm-topk-prob"),
-     "an expert bias"),
+    (("--moe-router-load-balancing-type", "noaux_tc", "--norm-topk-prob", "--pipeline-model-parallel-size", "2",
+      "--num-layers", "2"), "an expert bias"),
     (("--moe-router-load-balancing-type", "global_aux_loss"), "--moe-router-load-balancing-type global_aux_loss"),
     (("--moe-router-dtype", "fp64"), "--moe-router-dtype fp64"),
 ])
@@ -245,4 +252,5 @@ def test_router_options_the_mindspore_router_lacks_are_refused_in_one_line(extra
     assert says in str(err.value) and "\n" not in str(err.value)
     plan(["--backend", "torch", "--num-experts", "4", *extra])        # Megatron-Core's router runs each
     plan(["--backend", "mindspore", "--num-experts", "4", "--moe-router-score-function", "sigmoid", "--norm-topk-prob",
-          "--seq-aux", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-dtype", "fp32"])
+          "--seq-aux", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-dtype", "fp32",
+          "--moe-router-enable-expert-bias"])

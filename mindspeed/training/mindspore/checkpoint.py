@@ -88,6 +88,8 @@ def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict, w
     # the fp32 weights: with --fp16 the masters (model.master_params), never the fp16 copies
     params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.master_params().items()}, gated)
     params = _gather_pp(backend, ps, model, _gather_ep(backend, ps, model, params))
+    if model.expert_bias is not None:      # the same on every rank (summed counts)
+        params.update(model.expert_bias.arrays())
     moments = _gathered_state(backend, ps, model, optimizer) if with_optimizer else None
     meta = dict(meta, optimizer_steps=optimizer.step_count) if with_optimizer else dict(meta, no_optimizer=True)
     if backend.comm.rank() == 0:
@@ -134,6 +136,8 @@ def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step:
     full, moments = _fit_vocab(model, full), _fit_vocab(model, moments)
     try:
         model.load_full(full)
+        if model.expert_bias is not None:
+            model.expert_bias.load(full)
         if optimizer is not None and load_optimizer and moments is not None:
             ps = model.ps
             shards = {k: np.ascontiguousarray(nf.shard_for_rank(k, v, ps.tp_rank, ps.tp_size, model.cfg.swiglu))

@@ -33,6 +33,7 @@ from mindspeed.training.mindspore import param_layout, rope
 from mindspeed.training.mindspore.gpt_config import GPTConfig
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
+from mindspeed.training.mindspore import expert_bias
 from mindspeed.training.mindspore.moe import MoELayer
 from mindspeed.training.mindspore.parallel import ParallelState
 from mindspeed.training.mindspore.param_layout import init_full_weights
@@ -98,6 +99,7 @@ class GPTModel:
         self.layers = [i for i in cfg.stage_layers(ps.pp_rank) if i not in cfg.noop_layers]
         self._slot = {layer: pos for pos, layer in enumerate(self.layers)}   # index into the dropout masks
         self.moe_layers = {}
+        self.expert_bias = expert_bias.for_model(cfg)     # --moe-router-enable-expert-bias: state, not parameters
 
     def enable_context_parallel(self, cp_groups, attention_fn) -> None:
         """Route attention through the CP feature (written once against the backend interface)."""

@@ -66,12 +66,18 @@ def _topk(scores, topk: int, router: RouterSettings):
     return ops.topk(ops.where(mask > 0, scores, ops.full_like(scores, float("-inf"))), topk)
 
 
-def route(logits, topk: int, router: RouterSettings = SOFTMAX_TOPK):
+def route(logits, topk: int, router: RouterSettings = SOFTMAX_TOPK, expert_bias=None):
     """[T, E] logits -> (probs [T, k], expert indices [T, k]) as Megatron-Core's
-    topk_routing_with_score_function (no expert bias): softmax after the top-k (before it with
-    pre_softmax), or sigmoid scores normalized over the k chosen; times the scaling factor."""
+    topk_routing_with_score_function: softmax after the top-k (before it with pre_softmax), or sigmoid
+    scores normalized over the k chosen; times the scaling factor. expert_bias [E] (sigmoid only,
+    expert_bias.py): added to the scores for choosing the experts, the probabilities the unbiased scores."""
     if router.score_function == "sigmoid":
-        top, top_idx = _topk(ops.sigmoid(logits.astype(ms.float32)), topk, router)
+        scores = ops.sigmoid(logits.astype(ms.float32))
+        if expert_bias is None:
+            top, top_idx = _topk(scores, topk, router)
+        else:
+            top_idx = _topk(ops.stop_gradient(scores) + expert_bias, topk, router)[1]
+            top = ops.gather_elements(scores, 1, top_idx)
         probs = top / (top.sum(-1, keepdims=True) + 1e-20) if topk > 1 else top
     elif router.pre_softmax:
         probs, top_idx = _topk(ops.softmax(logits.astype(ms.float32), -1), topk, router)
@@ -162,7 +168,8 @@ class MoELayer:
         router = cfg.moe_router
         weight = self._p("mlp.router.weight")
         logits = linear(flat.astype(ms.float32), weight.astype(ms.float32)) if router.fp32 else linear(flat, weight)
-        probs, top_idx = route(logits, self.topk, router)
+        bias = self.model.expert_bias
+        probs, top_idx = route(logits, self.topk, router, None if bias is None else ms.Tensor(bias.bias[self.i]))
         if cfg.moe_aux_loss_coeff > 0 and router.load_balancing in ("aux_loss", "seq_aux_loss"):
             ps = self.model.ps
             sp = ps.tp_size if ps.sequence_parallel else 1
@@ -171,7 +178,10 @@ class MoELayer:
                                       router.score_function, b if router.load_balancing == "seq_aux_loss" else 0)
             probs = attach_aux_gradient(backend.autograd, probs, aux)
         idx = top_idx.asnumpy()
-        counts_of_every_rank = self._start_counts(np.bincount(idx.reshape(-1), minlength=self.experts))
+        counts = np.bincount(idx.reshape(-1), minlength=self.experts)
+        if bias is not None:
+            bias.routed(self.i, counts)
+        counts_of_every_rank = self._start_counts(counts)
         if self.async_counts:        # permuted while the counts travel
             sent, unpermute = self._permute(flat, probs, top_idx, idx)
         shared = self._shared(flat) if self.shared_first and cfg.moe_shared_expert_size else None

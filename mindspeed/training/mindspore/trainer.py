@@ -30,6 +30,7 @@ from mindspeed.training.mindspore.main_grad import MainGrads
 from mindspeed.training.mindspore.mixed_precision import (MasterWeights, bf16_main_grads, scaler_from_args,
                                                           unscale_and_check)
 from mindspeed.training.mindspore.model import Extras, GPTConfig, GPTModel, init_full_weights
+from mindspeed.training.mindspore.expert_bias import count_groups
 from mindspeed.training.mindspore.optimizer import accumulate, build_optimizer, clip_gradients, reduce_gradients
 from mindspeed.training.mindspore.parallel import build_parallel_state
 from mindspeed.training.mindspore.pipeline import TwoStagePipeline
@@ -213,6 +214,10 @@ class Trainer:
                     loss = loss / scale
                 losses.append(loss)
                 grads = accumulate(grads, g, n)
+                if self.model.expert_bias is not None:
+                    self.model.expert_bias.end_micro_batch()
+        if self.model.expert_bias is not None:     # Megatron: in finalize_model_grads, before the update
+            self.model.expert_bias.update(self.backend.comm, count_groups(self.ps))
         if main_grads is not None:
             grads = main_grads.added_to(names, grads, n)
         step_samples = n * micro_batches[0]["tokens"].shape[0] * self.ps.dp_size
