@@ -126,7 +126,8 @@ def _documents_as_general_mask(feature, args) -> bool:
 
 
 def _mindspore_whole_sequence_only(what: str):
-    """validate: on the MindSpore trainer, `what` runs without context or pipeline parallelism only."""
+    """validate: on the MindSpore trainer, `what` runs without context parallelism only, and without
+    pipeline parallelism unless every stage can build it from its micro-batch (the documents' mask)."""
     def validate(self, args) -> None:
         if args.backend != "mindspore" or not self.enabled(args):
             return
@@ -138,7 +139,8 @@ def _mindspore_whole_sequence_only(what: str):
                        if self.id == "eod-reset" else "")
             raise FeatureConfigError(f"{self.trigger(args)} with --context-parallel-size > 1: {MS}'s "
                                      f"context-parallel attention takes no {what}{general}; drop one, or {TORCH}")
-        if (args.pipeline_model_parallel_size or 1) > 1:
+        # packed documents: every stage builds its document mask and positions from the micro-batch it has
+        if (args.pipeline_model_parallel_size or 1) > 1 and self.id != "eod-reset":
             raise FeatureConfigError(f"{self.trigger(args)} with --pipeline-model-parallel-size > 1: {MS}'s "
                                      f"pipeline stages exchange no {what}; drop one, or {TORCH}")
     return validate
@@ -255,15 +257,22 @@ def _moe_on_mindspore(self, args) -> None:
     tp, cp, pp = (args.tensor_model_parallel_size or 1, args.context_parallel_size or 1,
                   args.pipeline_model_parallel_size or 1)
     extend = bool(args.moe_tp_extend_ep)      # whole experts over TP x EP (moe-tp-extend-ep)
-    limits = [((tp > 1 and not extend) or cp > 1 or pp > 1,
-               "runs at context and pipeline parallel size 1, and at tensor parallel size 1 unless "
+    ep = args.expert_model_parallel_size or 1
+    limits = [((tp > 1 and not extend) or cp > 1,
+               "runs at context parallel size 1, and at tensor parallel size 1 unless "
                "--moe-tp-extend-ep spreads whole experts over the TP ranks (experts split over the "
                "data-parallel ranks with --expert-model-parallel-size)"),
+              (pp > 1 and (ep > 1 or extend),
+               "splits no experts over the ranks of a pipeline stage: at --pipeline-model-parallel-size > 1 "
+               "use --expert-model-parallel-size 1 (each stage holds its layers' experts whole)"),
               (extend and bool(args.moe_shared_expert_intermediate_size),
                "splits no shared experts over the tensor-parallel ranks: drop "
                "--moe-shared-expert-intermediate-size with --moe-tp-extend-ep"),
-              (args.moe_token_dispatcher_type == "allgather",
-               "dispatches tokens by all-to-all only: use --moe-token-dispatcher-type alltoall"),
+              (args.moe_token_dispatcher_type == "allgather"
+               and (args.moe_permutation_async_comm or args.use_fused_moe_token_permute_and_unpermute),
+               "permutes the allgather dispatcher's tokens on the host, synchronously: drop "
+               "--moe-permutation-async-comm and --use-fused-moe-token-permute-and-unpermute, or use "
+               "--moe-token-dispatcher-type alltoall"),
               (bool(args.add_bias_linear), "has no linear biases: drop --add-bias-linear"),
               (bool(args.recompute_activation_function),
                "does not recompute the experts' activation: drop --recompute-activation-function")]

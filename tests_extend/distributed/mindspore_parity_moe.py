@@ -73,10 +73,11 @@ def write_init(path: str, shared: bool, seed: int = 7, bf16: bool = False, extra
 
 # -- mindspore side -------------------------------------------------------------------------------
 def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | None = None,
-             steps: int = mp.STEPS, extra: tuple = (), tp: int = 1, resume: bool = False) -> dict:
+             steps: int = mp.STEPS, extra: tuple = (), tp: int = 1, resume: bool = False, pp: int = 1) -> dict:
     """Load init_ckpt, train `steps` steps (none: evaluate the checkpoint only), optionally save;
     `extra`: more flags (another feature on top of MoE); tp > 1: sequence parallel, --moe-tp-extend-ep;
-    resume: init_ckpt's optimizer state too, and on from its iteration."""
+    resume: init_ckpt's optimizer state too, and on from its iteration; pp > 1: that many pipeline
+    stages (one micro-batch per data-parallel rank and step, as at PP 1)."""
     import mindspeed
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
@@ -85,11 +86,12 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
     from mindspeed.training.mindspore.trainer import Trainer
     world = backend.comm.world_size()
     args = parse_args(mp.trainer_argv(tp, tp > 1) + moe_flags(ep, shared, tp)
-                      + ["--global-batch-size", str(mp.MBS * world // tp)] + list(extra), world_size=world)
+                      + ["--global-batch-size", str(mp.MBS * world // (tp * pp)),
+                         "--pipeline-model-parallel-size", str(pp)] + list(extra), world_size=world)
     args.backend = "mindspore"
     state = mindspeed.adapt(args)       # the support matrix's gate: MoE (and EP) must be accepted here
     try:
-        ps = build_parallel_state(backend.comm, tp, tp > 1, ep_size=ep, tp_extend_ep=tp > 1)
+        ps = build_parallel_state(backend.comm, tp, tp > 1, pp_size=pp, ep_size=ep, tp_extend_ep=tp > 1)
         trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, state.feature_ids), state)
         meta = checkpoint.load(init_ckpt, trainer.model, trainer.optimizer, load_optimizer=resume)
         start = int(meta["iteration"]) if resume else 0

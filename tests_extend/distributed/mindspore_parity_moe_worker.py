@@ -4,8 +4,12 @@ from the initial checkpoint; the trained weights saved (experts gathered from bo
 parallelism and --moe-tp-extend-ep (whole experts over the two TP ranks), saved to SAVE_DIR_TP,
 and 3 steps of it with the MoE communication features; then EP=2 with --bf16 for BF16_STEPS steps
 from a bf16-representable checkpoint; then EP=2 with --use-distributed-optimizer, saved after
-ZERO_STEPS steps and resumed from there for ZERO_STEPS more, and TP=2 extended with it.
-Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR SAVE_DIR_TP BF16_INIT_CKPT"""
+ZERO_STEPS steps and resumed from there for ZERO_STEPS more, and TP=2 extended with it; then EP=2 with
+the allgather dispatcher for 3 steps; then PP=2
+(each stage one MoE layer, shared experts) for PP_STEPS steps from the shared-experts checkpoint, saved
+to SAVE_DIR_PP.
+Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR SAVE_DIR_TP BF16_INIT_CKPT
+       SHARED_INIT_CKPT SAVE_DIR_PP"""
 import os
 import sys
 import traceback
@@ -19,6 +23,8 @@ from tests_extend.distributed.msrun_helper import end_worker, write_result  # no
 BF16_STEPS = 10
 # the distributed optimizer at EP=2: ZERO_STEPS steps, saved, and ZERO_STEPS more resumed from that checkpoint
 ZERO_STEPS = 3
+# MoE at PP=2: the 1F1B stages carry the MoE layers and their load-balancing losses' gradients
+PP_STEPS = 4
 
 
 def zero_runs(backend, out_dir, init_ckpt) -> dict:
@@ -33,7 +39,7 @@ def zero_runs(backend, out_dir, init_ckpt) -> dict:
             "tp2_extend_zero": ms_train(backend, 1, False, init_ckpt, steps=ZERO_STEPS, tp=2, extra=zero)}
 
 
-def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt):
+def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt, shared_init_ckpt, save_dir_pp):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
     from tests_extend.distributed.mindspore_parity_moe import COMM_FLAGS, ms_train
     backend = MindSporeBackend("cpu")
@@ -45,13 +51,17 @@ def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt):
                                      "tp2_extend": ms_train(backend, 1, False, init_ckpt, save_dir=save_dir_tp, tp=2),
                                      "tp2_extend_comm": ms_train(backend, 1, False, init_ckpt, steps=3, tp=2,
                                                                  extra=COMM_FLAGS),
+                                     "ep2_allgather": ms_train(backend, 2, False, init_ckpt, steps=3,
+                                                               extra=("--moe-token-dispatcher-type", "allgather")),
                                      "ep2_bf16": ms_train(backend, 2, False, bf16_init_ckpt, steps=BF16_STEPS,
                                                           extra=("--bf16",)),
-                                     **zero_runs(backend, out_dir, init_ckpt)})
+                                     **zero_runs(backend, out_dir, init_ckpt),
+                                     "pp2": ms_train(backend, 1, True, shared_init_ckpt, save_dir=save_dir_pp,
+                                                     steps=PP_STEPS, pp=2)})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:8])
     end_worker()

@@ -42,7 +42,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_par
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_parity")
     paths = {k: str(root / k) for k in ("init_shared", "init", "init_bf16", "torch_final", "ms_final", "ms_final_tp",
-                                        "ms_router", "torch_router")}
+                                        "ms_router", "torch_router", "ms_final_pp")}
     pm.write_init(paths["init_shared"], shared=True)
     pm.write_init(paths["init"], shared=False)
     pm.write_init(paths["init_bf16"], shared=False, bf16=True)
@@ -118,13 +118,14 @@ def test_ep1_with_shared_experts_matches_megatron(ckpts, torch_ep1):
 
 @pytest.fixture(scope="module")
 def two_processes(ckpts):
-    """One msrun launch (EP=2, its communication features, TP=2 extended, EP=2 in bf16) and one gloo
+    """One msrun launch (EP=2, its communication features and the allgather dispatcher, TP=2 extended, EP=2 in
+    bf16, PP=2) and one gloo
     spawn (Megatron-Core at EP=2, at TP=2 extended, at EP=2 in bf16 and fp32 from the bf16 weights)."""
     from tests_extend.distributed.mindspore_parity_moe_worker import BF16_STEPS
     out = ckpts["root"] / "msrun"
     out.mkdir()
-    ms = run_msrun(WORKER, [str(out), ckpts["init"], ckpts["ms_final"], ckpts["ms_final_tp"], ckpts["init_bf16"]],
-                   str(out), workers=2, timeout=600)
+    ms = run_msrun(WORKER, [str(out), ckpts["init"], ckpts["ms_final"], ckpts["ms_final_tp"], ckpts["init_bf16"],
+                            ckpts["init_shared"], ckpts["ms_final_pp"]], str(out), workers=2, timeout=600)
     for rank in range(2):
         assert ms[rank]["ok"], ms[rank].get("error")
     torch_runs = run_distributed(pm.torch_layouts, world_size=2, args=(
@@ -178,6 +179,12 @@ def test_ep2_matches_megatron_and_checkpoint_crosses(two_processes):
         _assert_matches_megatron(run, t)
         assert _held_experts(run) == {2 * rank, 2 * rank + 1}      # each EP rank its half (global indices)
         _assert_chunked_comm(ms[rank]["comm_features"], run)
+        # the allgather dispatcher (every rank's tokens gathered, the outputs reduce-scattered back):
+        # Megatron-Core's losses and gradient norms (the same sums as the alltoall dispatcher's)
+        allgather = ms[rank]["ep2_allgather"]
+        np.testing.assert_allclose(allgather["losses"], t["losses"][:3], atol=TOL, rtol=0)
+        np.testing.assert_allclose(allgather["grad_norms"], t["grad_norms"][:3], rtol=NORM_RTOL)
+        assert allgather["schedule"] == ["allgather", "experts:loop", "reduce-scatter"]
 
 
 def test_ep2_distributed_optimizer_matches_megatron_shards_dense_state_and_resumes(two_processes):
@@ -230,6 +237,27 @@ def test_ep2_bf16_matches_megatron_bf16_within_torchs_bf16_effect(two_processes)
         assert TOL < own < effect * pf.GAP_FACTOR, (own, effect)
         assert run["param_dtypes"] == ["BFloat16"] and not run["graph_mode"]
         assert run["schedule"] == ["counts", "permute:host", "dispatch", "experts:loop", "combine"]
+
+
+def test_pp2_carries_moe_layers_and_their_aux_loss_as_megatron_at_pp1(ckpts, two_processes, torch_ep1):
+    """MoE at PP=2, EP=1 (one MoE layer with shared experts per stage, one micro-batch per step): the
+    two-stage 1F1B runs each stage's MoE layer and its load-balancing loss's gradient (stage 0's
+    under its recomputed forward) and gives Megatron-Core's losses and gradient norms at PP=1, whose
+    updates hold the aux loss's gradient; the PP=2 checkpoint (both stages' experts) evaluates the
+    same at PP=1."""
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from tests_extend.distributed.mindspore_parity_moe_worker import PP_STEPS
+    ms, _ = two_processes
+    for rank in range(2):
+        run = ms[rank]["pp2"]
+        np.testing.assert_allclose(run["losses"], torch_ep1["losses"][:PP_STEPS], atol=TOL, rtol=0)
+        np.testing.assert_allclose(run["grad_norms"], torch_ep1["grad_norms"][:PP_STEPS], rtol=NORM_RTOL)
+        # each stage holds its own layer's router and experts, and runs them
+        layers = {int(n.split(".")[2]) for n in run["params"] if n.startswith("decoder.layers.")}
+        assert layers == {rank} and _held_experts(run) == {0, 1, 2, 3}
+        assert run["schedule"] == ["permute:host", "dispatch", "experts:loop", "combine", "shared"]
+    whole = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["ms_final_pp"], steps=0)
+    assert whole["eval_loss"] == pytest.approx(ms[0]["pp2"]["eval_loss"], abs=1e-5)
 
 
 DENSE_FIRST_STEPS = 4

@@ -63,6 +63,7 @@ class GPTConfig:
     moe_router: RouterSettings = SOFTMAX_TOPK  # the router's score function, groups, scaling, load balancing
     moe_shared_expert_size: int = 0          # --moe-shared-expert-intermediate-size (0: none)
     moe_dispatch: frozenset = frozenset()    # the MOE_DISPATCH features on: how moe.py schedules its exchanges
+    moe_allgather: bool = False              # --moe-token-dispatcher-type allgather (else alltoall)
     expert_main_grads: bool = False          # --gemm-gradient-accumulation-fusion: grouped experts' fp32 main grads
     attention_band: tuple = CAUSAL           # the attention kernel's mask keywords (attention_band.py)
 
@@ -194,5 +195,6 @@ def _moe(args, features, dispatch_features: tuple) -> dict:
                 moe_router=RouterSettings.from_args(args),
                 moe_shared_expert_size=args.moe_shared_expert_intermediate_size or 0,
                 moe_dispatch=frozenset(f for f in features if f in dispatch_features),
+                moe_allgather=args.moe_token_dispatcher_type == "allgather",
                 expert_main_grads="moe-grouped-gemm" in features
                 and bool(getattr(args, "gemm_gradient_accumulation_fusion", False)))

@@ -16,6 +16,10 @@ optional SharedExpertMLP) for the MindSpore GPT, with the math of Megatron-Core 
   the TP ranks too (Megatron-Core's expert TP 1, EP x TP); the router's weight is replicated over
   TP, its gradient summed there like the norms' (optimizer.reduce_gradients), and the
   load-balancing loss counts tokens per expert over the TP ranks;
+- --moe-token-dispatcher-type allgather (Megatron-Core's MoEAllGatherTokenDispatcher): every EP
+  rank's tokens and their probabilities all-gathered (one collective, so each backward runs one
+  reduce-scatter), each rank's experts run on every token routed to them, and the outputs summed
+  back to the tokens' ranks by a reduce-scatter; the same sums as the alltoall dispatcher's;
 - expert MLP: fc1 -> SwiGLU or GELU (as the dense MLP) -> x probability (Megatron's
   per_token_scale) -> fc2; shared experts: a dense MLP on the same input, added.
 
@@ -181,6 +185,9 @@ class MoELayer:
         counts = np.bincount(idx.reshape(-1), minlength=self.experts)
         if bias is not None:
             bias.routed(self.i, counts)
+        if cfg.moe_allgather:
+            shared = self._shared(flat) if self.shared_first and cfg.moe_shared_expert_size else None
+            return self._with_shared(self._allgather_dispatch(flat, probs, idx), shared, flat).reshape(s, b, h)
         counts_of_every_rank = self._start_counts(counts)
         if self.async_counts:        # permuted while the counts travel
             sent, unpermute = self._permute(flat, probs, top_idx, idx)
@@ -188,10 +195,13 @@ class MoELayer:
         every = counts_of_every_rank()
         if not self.async_counts:
             sent, unpermute = self._permute(flat, probs, top_idx, idx)
-        out = unpermute(self._routed(sent, every))
-        if cfg.moe_shared_expert_size:
-            out = out + (shared if shared is not None else self._shared(flat))
-        return out.reshape(s, b, h)
+        return self._with_shared(unpermute(self._routed(sent, every)), shared, flat).reshape(s, b, h)
+
+    def _with_shared(self, out, shared, flat):
+        """The routed experts' output plus the shared experts' (computed now unless `shared` already is)."""
+        if not self.model.cfg.moe_shared_expert_size:
+            return out
+        return out + (shared if shared is not None else self._shared(flat))
 
     def _shared(self, flat):
         self.schedule.append("shared")
@@ -218,6 +228,31 @@ class MoELayer:
         sent = ops.cat([ops.gather(flat, token_of, 0),
                         ops.gather(probs.reshape(-1), ms.Tensor(order.astype(np.int32)), 0).expand_dims(-1)], 1)
         return sent, lambda rows: ops.unsorted_segment_sum(rows, token_of, tokens)
+
+    def _allgather_dispatch(self, flat, probs, idx: np.ndarray):
+        """[T, h] tokens, [T, k] probabilities and expert indices -> [T, h]: the allgather dispatcher."""
+        tokens, k, h = flat.shape[0], self.topk, flat.shape[1]
+        comm, group = self.model.backend.comm, self.model.ps.ep_group
+        mine = ops.cat([flat, probs.astype(flat.dtype)], 1)
+        every = comm.all_gather_autograd(mine, 0, group) if self.ep > 1 else mine       # [ep * T, h + k]
+        choices = idx.reshape(-1)
+        if self.ep > 1:
+            gathered = comm.all_gather(ms.Tensor(idx.astype(np.float32)), 0, group)
+            choices = np.rint(gathered.asnumpy()).astype(np.int64).reshape(-1)
+        self.schedule.append("allgather")
+        local = choices - self.first
+        held = np.nonzero((local >= 0) & (local < self.local))[0]
+        pairs = held[np.argsort(local[held], kind="stable")]     # (token, slot) pairs, expert-major
+        if not pairs.size:     # still a function of `every`: its backward's reduce-scatter runs on every rank
+            out = every[:, :h] * 0.0
+        else:
+            token_of = ms.Tensor((pairs // k).astype(np.int32))
+            pair_probs = ops.gather(every[:, h:].reshape(-1), ms.Tensor(pairs.astype(np.int32)), 0)
+            sent = ops.cat([ops.gather(every[:, :h], token_of, 0), pair_probs.expand_dims(-1)], 1)
+            sizes = np.bincount(local[pairs], minlength=self.local)
+            out = ops.unsorted_segment_sum(self._local_experts(sent, list(sizes), h), token_of, every.shape[0])
+        self.schedule.append("reduce-scatter")
+        return comm.reduce_scatter_autograd(out, 0, group) if self.ep > 1 else out[:tokens]
 
     def _start_counts(self, counts: np.ndarray):
         """Start gathering every EP rank's tokens per expert; -> the function that returns them [ep, E]."""
@@ -305,18 +340,23 @@ class MoELayer:
             self.schedule.append("experts:none")
             return received[:, :h] * 0.0
         at = ms.Tensor(np.concatenate(where).astype(np.int32))
+        out = self._local_experts(ops.gather(received, at, 0), [w.size for w in where], h)
+        return ops.unsorted_segment_sum(out, at, received.shape[0])
+
+    def _local_experts(self, pairs, sizes: list, h: int):
+        """pairs [M, h + 1] sorted by local expert (sizes[j] rows for expert j) -> [M, h]: one grouped
+        GEMM per projection, or one MLP per expert."""
         if self.grouped_gemm:
             self.schedule.append("experts:gmm")
-            out = self._grouped_experts(ops.gather(received, at, 0), [w.size for w in where], h)
-        else:
-            self.schedule.append("experts:loop")
-            outputs = []
-            for j, w in enumerate(where):
-                if w.size:   # no token for this expert: its weights get zero gradient
-                    pairs = ops.gather(received, ms.Tensor(w.astype(np.int32)), 0)
-                    outputs.append(self._expert_mlp(self.first + j, pairs[:, :h], pairs[:, h]))
-            out = ops.cat(outputs, 0)
-        return ops.unsorted_segment_sum(out, at, received.shape[0])
+            return self._grouped_experts(pairs, sizes, h)
+        self.schedule.append("experts:loop")
+        outputs, start = [], 0
+        for j, n in enumerate(sizes):
+            if n:   # no token for this expert: its weights get zero gradient
+                part = pairs[start:start + int(n)]
+                outputs.append(self._expert_mlp(self.first + j, part[:, :h], part[:, h]))
+            start += int(n)
+        return ops.cat(outputs, 0)
 
     def _grouped_experts(self, pairs, sizes: list, h: int):
         """pairs [M, h + 1] sorted by local expert (sizes[j] rows for expert j) -> [M, h]: fc1, the
