@@ -35,6 +35,17 @@ def variable_micro_batches(step: int) -> list:
     return [{k: v[:, :length] for k, v in mb.items()} for mb, length in zip(padded_micro_batches(step), LENGTHS)]
 
 
+EOD_STEPS = 3        # --reset-attention-mask: packed documents, each micro-batch its own documents' mask
+
+
+def eod_micro_batches(step: int, torch_side: bool = False) -> list:
+    """MICRO micro-batches of packed documents (mindspore_parity_eod's), with the documents' mask the
+    MindSpore data pipeline builds, or (torch_side) the one Megatron's _get_ltor_masks_and_position_ids builds."""
+    from tests_extend.distributed import mindspore_parity_eod as pe
+    make = pe.torch_batch if torch_side else pe.ms_batch
+    return [make(MICRO * step + k, pe.DOCUMENT_FLAGS) for k in range(MICRO)]
+
+
 def eval_batches() -> list:
     return [dict(zip(("tokens", "labels", "loss_mask"), mp.batch(mp.EVAL_SEED)))]
 
@@ -55,10 +66,12 @@ def ms_argv(pp: int, tied: bool = False, dp: int = 1, layers: int = mp.LAYERS) -
 
 
 def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, steps: int = mp.STEPS,
-                extra: tuple = (), tied: bool = False, batches=micro_batches, layers: int = mp.LAYERS) -> dict:
+                extra: tuple = (), tied: bool = False, batches=micro_batches, layers: int = mp.LAYERS,
+                held_out=eval_batches) -> dict:
     """Through the support matrix (mindspeed.adapt) as the trainer goes; returns losses, grad norms,
     the held-out loss, and whether the run was PyNative. `extra`: more trainer flags; tied: the
-    output layer is the word embeddings; batches(step): the step's micro-batches."""
+    output layer is the word embeddings; batches(step): the step's micro-batches; held_out(): the
+    evaluated ones."""
     import mindspeed
     from mindspeed.backends import get_backend
     from mindspeed.flags.trainer_flags import parse_args
@@ -83,7 +96,7 @@ def ms_train_pp(backend, pp: int, init_ckpt: str, save_dir: str | None = None, s
             assert abs(lr - mp.lr_at(step)) < 1e-12
             losses.append(loss)
             norms.append(norm)
-        eval_loss = trainer.evaluate(eval_batches())
+        eval_loss = trainer.evaluate(held_out())
         if save_dir:
             checkpoint.save(backend, ps, save_dir, steps, trainer.model, trainer.optimizer, {"backend": "mindspore"})
         return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "graph_mode": trainer.graph_mode,
@@ -110,12 +123,15 @@ def torch_train_accumulated_dp(rank, world_size, init_ckpt):
 
 def torch_references(rank, world_size, init_ckpt):
     """torch_train_accumulated untied (initial weights at init_ckpt), tied (at init_ckpt_tied), on
-    padded_micro_batches (at init_ckpt_variable), and tied with VPP_LAYERS layers (at init_ckpt_vpp)."""
+    padded_micro_batches (at init_ckpt_variable), tied with VPP_LAYERS layers (at init_ckpt_vpp), and on
+    packed documents with their mask (at init_ckpt_eod)."""
     return {"untied": torch_train_accumulated(rank, world_size, init_ckpt),
             "tied": torch_train_accumulated(rank, world_size, init_ckpt + "_tied", tied=True),
             "vpp": torch_train_accumulated(rank, world_size, init_ckpt + "_vpp", tied=True, layers=VPP_LAYERS),
             "variable": torch_train_accumulated(rank, world_size, init_ckpt + "_variable",
-                                                batches=padded_micro_batches, steps=VARIABLE_STEPS)}
+                                                batches=padded_micro_batches, steps=VARIABLE_STEPS),
+            "eod": torch_train_accumulated(rank, world_size, init_ckpt + "_eod", steps=EOD_STEPS,
+                                           batches=lambda step: eod_micro_batches(step, torch_side=True))}
 
 
 def torch_train_accumulated(rank, world_size, init_ckpt, tied: bool = False, batches=micro_batches,
@@ -145,9 +161,10 @@ def _train_accumulated(model, batches_of_step, dp_group=None, dp: int = 1, steps
         opt.zero_grad()
         total = 0.0
         for mb in batches_of_step(step):
-            tokens, labels = (torch.from_numpy(mb[k].astype(np.int64)) for k in ("tokens", "labels"))
-            mask = torch.from_numpy(mb["loss_mask"])
-            loss = (model(tokens, position_ids, None, labels=labels) * mask).sum() / mask.sum()
+            tokens, labels = (torch.as_tensor(mb[k]).long() for k in ("tokens", "labels"))
+            mask = torch.as_tensor(mb["loss_mask"])
+            per_token = model(tokens, position_ids, mb.get("attention_mask"), labels=labels)
+            loss = (per_token * mask).sum() / mask.sum()
             (loss / MICRO).backward()
             total += loss.item() / MICRO
         if dp_group is not None:

@@ -1,7 +1,8 @@
 """msrun worker for test_mindspore_parity_pp.py: PP=2 (1F1B over 4 micro-batches) from the torch
 initial checkpoint, saving the trained model, untied and tied; the interleaved schedule (4 layers, 2 chunks
 per stage, tied), saved; the unaligned pipeline's matrix on the same 4 layers, saved; 2 steps with --optimizer sgd, saved; 3 steps with each
-recompute method; 4 steps of micro-batches of 4 lengths with --variable-seq-lengths. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
+recompute method; 4 steps of micro-batches of 4 lengths with --variable-seq-lengths; EOD_STEPS steps
+of packed documents with --reset-attention-mask. Usage: msrun ... mindspore_parity_pp_worker.py OUT_DIR INIT_CKPT SAVE_DIR"""
 import contextlib
 import os
 import sys
@@ -34,6 +35,7 @@ def counted_recompute():
 
 def main(out_dir, init_ckpt, save_dir):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from tests_extend.distributed import mindspore_parity_eod as pe
     from tests_extend.distributed import mindspore_parity_pp as mpp
     from tests_extend.distributed.mindspore_parity_pp import ms_train_pp
     backend = MindSporeBackend("cpu")
@@ -54,6 +56,10 @@ def main(out_dir, init_ckpt, save_dir):
         # micro-batches of 4 lengths: the stages exchange each activation's length first
         result["pp2_variable"] = ms_train_pp(backend, 2, init_ckpt + "_variable", steps=mpp.VARIABLE_STEPS,
                                              extra=("--variable-seq-lengths",), batches=mpp.variable_micro_batches)
+        # packed documents: each stage builds its layers' document mask from the micro-batch
+        result["pp2_eod"] = ms_train_pp(backend, 2, init_ckpt + "_eod", steps=mpp.EOD_STEPS,
+                                        extra=pe.DOCUMENT_FLAGS, batches=mpp.eod_micro_batches,
+                                        held_out=lambda: mpp.eod_micro_batches(0)[:1])
         for name, flags in RECOMPUTE.items():      # recompute within each stage, 3 steps
             with counted_recompute() as calls:
                 result[name] = dict(ms_train_pp(backend, 2, init_ckpt, steps=3, extra=flags), recompute_calls=calls)

@@ -7,8 +7,9 @@ whole model, gathered from both stages) loads into the MindSpore trainer at PP=1
 tied embeddings (Megatron's default) against a tied Megatron-Core GPTModel; with a virtual pipeline
 (--num-layers-per-virtual-pipeline-stage 1 on 4 layers: Megatron's interleaved 1F1B over 2 model chunks per
 stage, training/mindspore/interleaved.py) against Megatron-Core at PP=1 on the 4 layers, the unaligned
-pipeline's matrix [[0,2],[1,1]] on the same layers (6 steps); and with
---variable-seq-lengths, micro-batches of their own lengths against Megatron-Core on padded ones."""
+pipeline's matrix [[0,2],[1,1]] on the same layers (6 steps); with
+--variable-seq-lengths, micro-batches of their own lengths against Megatron-Core on padded ones; and with
+--reset-attention-mask, packed documents against Megatron-Core given Megatron's own document masks."""
 import os
 
 import numpy as np
@@ -36,7 +37,7 @@ def runs(tmp_path_factory):
     for rank in range(2):
         assert ms_pp2[rank]["ok"], ms_pp2[rank].get("error")
     return {"torch": torch_pp1["untied"], "torch_tied": torch_pp1["tied"], "torch_variable": torch_pp1["variable"],
-            "torch_vpp": torch_pp1["vpp"],
+            "torch_vpp": torch_pp1["vpp"], "torch_eod": torch_pp1["eod"],
             "ms": [r["pp2"] for r in ms_pp2],
             "saved": saved, "saved_sgd": saved + "_sgd", "all": ms_pp2}
 
@@ -173,3 +174,16 @@ def test_pp2_with_variable_seq_lengths_gives_the_pp1_losses(runs):
                                    err_msg=f"rank {rank}")
         np.testing.assert_allclose(run["grad_norms"], t["grad_norms"][:mpp.VARIABLE_STEPS], rtol=1e-4,
                                    err_msg=f"rank {rank}")
+
+
+def test_pp2_with_reset_attention_mask_gives_the_pp1_losses(runs):
+    """--eod-mask-loss --reset-attention-mask over 4 micro-batches of packed documents: each stage masks
+    its layers' attention to each token's own document (the mask built from the micro-batch on every
+    stage; only activations travel). The losses and norms are Megatron-Core's at PP=1 given its own
+    documents' masks."""
+    t = runs["torch_eod"]
+    for rank in range(2):
+        run = runs["all"][rank]["pp2_eod"]
+        assert len(run["losses"]) == mpp.EOD_STEPS
+        np.testing.assert_allclose(run["losses"], t["losses"], atol=TOL, rtol=0, err_msg=f"rank {rank}")
+        np.testing.assert_allclose(run["grad_norms"], t["grad_norms"], rtol=1e-4, err_msg=f"rank {rank}")

@@ -36,6 +36,15 @@ def test_variable_seq_lengths_with_pipeline_parallelism_is_accepted():
     assert "variable-seq-lengths" in _ids(MS + ["--variable-seq-lengths", "--pipeline-model-parallel-size", "2"])
 
 
+def test_documents_with_pipeline_parallelism_are_accepted_and_dropout_refused():
+    """Every stage builds its documents' mask from its micro-batch (test_mindspore_parity_pp.py); dropout's
+    masks are drawn per layer and the stages exchange none."""
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    assert "eod-reset" in _ids(MS + pp2 + ["--reset-attention-mask", "--reset-position-ids"])
+    with pytest.raises(MindSpeedConfigError, match="exchange no dropout masks"):
+        plan(MS + pp2 + ["--hidden-dropout", "0.1"])
+
+
 @pytest.mark.parametrize("argv, features, expected", [
     (BAND, ("flash-attn",), (("causal", True), ("next_tokens", 0), ("pre_tokens", 3))),
     (BAND, (), (("causal", True),)),                                  # no flash attention: the flags do nothing

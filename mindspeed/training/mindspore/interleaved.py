@@ -24,7 +24,7 @@ from mindspore import ops
 
 from mindspeed.features.parallel.megatron_parallel import interleaved_micro_batch_problem
 from mindspeed.training.mindspore.optimizer import accumulate
-from mindspeed.training.mindspore.pipeline import TwoStagePipeline, _inputs
+from mindspeed.training.mindspore.pipeline import TwoStagePipeline
 
 
 def megatron_order(rank: int, pp: int, chunks: int, n: int) -> list:
@@ -76,8 +76,8 @@ def exchange_plan(pp: int, chunks: int, n: int) -> list:
 class InterleavedPipeline(TwoStagePipeline):
     """TwoStagePipeline's exchanges, with `model.cfg.virtual_chunks` model chunks per stage."""
 
-    def __init__(self, backend, ps, model, variable_lengths: bool = False):
-        super().__init__(backend, ps, model, variable_lengths)
+    def __init__(self, backend, ps, model, variable_lengths: bool = False, extras: tuple = ()):
+        super().__init__(backend, ps, model, variable_lengths, extras)
         self.chunks = model.cfg.virtual_chunks
         self._plans = {}
 
@@ -116,7 +116,7 @@ class InterleavedPipeline(TwoStagePipeline):
                 sends[m] = self._backward(hidden, mb, chunk, None)
                 return None
             kept[(chunk, m)] = hidden
-            return self.model.stage_forward(hidden, *_inputs(mb), chunk)     # no graph kept
+            return self._stage(hidden, mb, chunk)     # no graph kept
         if last:
             return sends.pop(m)
         d_hidden = self._backward(kept.pop((chunk, m)), mb, chunk, inbox.pop(("dout", v, m)))
@@ -141,7 +141,7 @@ class InterleavedPipeline(TwoStagePipeline):
             for v in range(last + 1):
                 out = None
                 if v % pp == self.ps.pp_rank:
-                    out = self.model.stage_forward(hidden, *_inputs(mb), v // pp)
+                    out = self._stage(hidden, mb, v // pp)
                     if v == last:
                         losses.append(out)
                 if v < last:

@@ -167,14 +167,15 @@ class GPTModel:
         losses (and gradients) sum to the full-sequence ones."""
         return self._masked_mean(self.logits(tokens, position_ids, extras), labels, loss_mask, denominator)
 
-    def stage_forward(self, hidden, tokens, labels, loss_mask, chunk: int = 0):
+    def stage_forward(self, hidden, tokens, labels, loss_mask, chunk: int = 0, extras=NO_EXTRAS):
         """One pipeline stage's model chunk `chunk` (the stage itself without a virtual pipeline): the
         embedding of `tokens` on the first stage's first chunk, else the previous (virtual) stage's
         output `hidden` [s, b, h], through the chunk's layers -> the loss on the last stage's last
-        chunk, else the activation for the next one."""
+        chunk, else the activation for the next one. extras: the micro-batch's document mask and positions."""
         first = self.ps.first_stage and chunk == 0
         last = self.ps.last_stage and chunk == self.cfg.virtual_chunks - 1
-        x = self._decoder(self._embed(tokens) if first else hidden, layers=self.chunk_layers(chunk))
+        x = self._decoder(self._embed(tokens, None, extras) if first else hidden, None, extras,
+                          layers=self.chunk_layers(chunk))
         return self._masked_mean(self._head(x), labels, loss_mask) if last else x
 
     def chunk_layers(self, chunk: int) -> list:

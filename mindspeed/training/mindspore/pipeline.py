@@ -23,6 +23,9 @@ paired with send_backward_recv_forward); warmup is PP - rank - 1 forwards, as in
 --variable-seq-lengths (micro-batches of their own lengths): as Megatron's stages communicate
 tensor shapes first, each exchange starts with one of the two tensors' sequence lengths; then both
 send theirs padded to the longer (the exchange takes one shape) and each keeps the peer's length.
+
+--reset-attention-mask / --reset-position-ids: every stage has the micro-batch, so each builds its
+layers' document mask (and the first stage its per-sample positions) from it; only activations travel.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from collections import deque
 import mindspore as ms
 from mindspore import ops
 
+from mindspeed.training.mindspore.model import Extras
 from mindspeed.training.mindspore.optimizer import accumulate
 
 
@@ -38,8 +42,16 @@ def _inputs(mb: dict) -> tuple:
     return ms.Tensor(mb["tokens"]), ms.Tensor(mb["labels"]), ms.Tensor(mb["loss_mask"])
 
 
+def _extras(mb: dict, names: tuple) -> Extras:
+    """The Extras `names` of micro-batch mb (the documents' mask, per-sample positions) as tensors."""
+    of_batch = {"attention_mask": mb.get("attention_mask"), "embed_positions": mb.get("position_ids")}
+    return Extras(**{name: ms.Tensor(of_batch[name]) for name in names})
+
+
 class TwoStagePipeline:
-    def __init__(self, backend, ps, model, variable_lengths: bool = False):
+    def __init__(self, backend, ps, model, variable_lengths: bool = False, extras: tuple = ()):
+        """extras: the names of the Extras each micro-batch gives the stages (no dropout masks: refused
+        with PP)."""
         if ps.pp_size != 2:
             raise ValueError(f"the MindSpore 1F1B schedule runs 2 pipeline stages, not {ps.pp_size}")
         self.comm, self.ps, self.model = backend.comm, ps, model
@@ -51,6 +63,7 @@ class TwoStagePipeline:
         self._dtype = model.dtype          # the activations' (fp16 with --fp16)
         self._nothing = ms.Tensor(0.0, ms.float32)     # stage 0's input: it embeds the tokens itself
         self._variable = variable_lengths
+        self._extra_names = extras
 
     def _exchange(self, send, batch_size: int):
         """Both stages at once: `send` (None: nothing, zeros go) to the other stage; returns its tensor."""
@@ -79,11 +92,14 @@ class TwoStagePipeline:
         received = self._swap(send)
         return received[:theirs] if theirs else None
 
+    def _stage(self, hidden, mb, chunk: int = 0):
+        """Model chunk `chunk` of this stage on micro-batch mb (model.stage_forward)."""
+        return self.model.stage_forward(hidden, *_inputs(mb), chunk, _extras(mb, self._extra_names))
+
     def _forward(self, hidden, mb, chunk: int = 0):
         """(output, its vjp): the loss on stage 1, the activation for stage 1 on stage 0 (of model
         chunk `chunk` with a virtual pipeline)."""
-        tokens, labels, mask = _inputs(mb)
-        fn = lambda h: self.model.stage_forward(h, tokens, labels, mask, chunk)
+        fn = lambda h: self._stage(h, mb, chunk)
         return ms.vjp(fn, self._nothing if hidden is None else hidden, weights=self.weights)
 
     def _first_stage_grads(self, mb, d_output):
@@ -100,7 +116,7 @@ class TwoStagePipeline:
         if self.ps.first_stage:
             pending = deque()
             for mb in micro_batches:
-                out = self.model.stage_forward(None, *_inputs(mb))     # no graph kept (see above)
+                out = self._stage(None, mb)     # no graph kept (see above)
                 dy = self._exchange(out, b)        # first one: only sends (warmup forward)
                 if pending:
                     grads = accumulate(grads, self._first_stage_grads(pending.popleft(), dy), n)
@@ -124,7 +140,7 @@ class TwoStagePipeline:
         for mb in micro_batches:
             b = mb["tokens"].shape[0]
             if self.ps.first_stage:
-                self._exchange(self.model.stage_forward(None, *_inputs(mb)), b)
+                self._exchange(self._stage(None, mb), b)
             else:
-                losses.append(self.model.stage_forward(self._exchange(None, b), *_inputs(mb)))
+                losses.append(self._stage(self._exchange(None, b), mb))
         return losses

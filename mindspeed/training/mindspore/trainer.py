@@ -162,7 +162,7 @@ class Trainer:
             loss, self._eval_loss = traced(loss), traced(self._eval_loss)
         self._grad_fn = ms.value_and_grad(loss, None, weights=self.model.parameters())
         pipeline = InterleavedPipeline if cfg.virtual_chunks > 1 else TwoStagePipeline
-        self.pipeline = pipeline(backend, ps, self.model, bool(args.variable_seq_lengths)
+        self.pipeline = pipeline(backend, ps, self.model, bool(args.variable_seq_lengths), self._eval_names
                                  ) if ps.pp_size > 1 else None
 
     def _inputs(self, mb: dict, names: tuple = (), masks: dict | None = None) -> tuple:
