@@ -36,6 +36,10 @@ class _Meter:
     def count(self, dtype=None) -> int:
         return sum(1 for s, dt in self._storages.values() if dtype is None or dt == dtype)
 
+    def freed(self) -> int:
+        """Saved storages already freed when asked (a recompute feature's discarded outputs)."""
+        return sum(1 for s, _ in self._storages.values() if s.nbytes() == 0)
+
 
 def parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())

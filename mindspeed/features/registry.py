@@ -13,6 +13,7 @@ FEATURE_MODULES = [
     "mindspeed.features.parallel.megatron_parallel",
     "mindspeed.features.parallel.ascend_coc",
     "mindspeed.features.moe.features",
+    "mindspeed.features.moe.zero_memory",
     "mindspeed.features.moe.fb_overlap_feature",
     "mindspeed.features.parallel.layers",
     "mindspeed.features.parallel.unaligned_pipeline",

@@ -35,17 +35,22 @@ CASES = {
     "async/alltoall": (["--moe-permutation-async-comm"], 1, 2, "alltoall", {}),
     "extend+overlap+async": (["--moe-tp-extend-ep", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"],
                              2, 1, "alltoall", {}),
+    "overlap/zero-memory-level0": (["--moe-alltoall-overlap-comm", "--moe-zero-memory", "level0"], 1, 2, "alltoall", {}),
+    "overlap/zero-memory-level1": (["--moe-alltoall-overlap-comm", "--moe-zero-memory", "level1"], 1, 2, "alltoall", {}),
 }
+ZERO_MEMORY = ("overlap/zero-memory-level0", "overlap/zero-memory-level1")
 TRAIN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
          "--train-iters", "3", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
          "--lr", "3e-3", "--mock-data", "--seed", "7", "--num-experts", "4", "--expert-model-parallel-size", "2",
          "--moe-shared-expert-intermediate-size", "32"]
-TRAIN_ON = ["--moe-alltoall-overlap-comm", "--moe-permutation-async-comm", "--moe-shared-expert-overlap"]
+TRAIN_ON = ["--moe-alltoall-overlap-comm", "--moe-permutation-async-comm", "--moe-shared-expert-overlap",
+            "--moe-zero-memory", "level0"]
 PATCHED = (("moe_layer", "MoELayer", "dispatch"), ("moe_layer", "MoELayer", "routed_experts_compute"),
            ("moe_layer", "MoELayer", "combine"), ("token_dispatcher", "MoEAllGatherTokenDispatcher", "token_dispatch"),
            ("token_dispatcher", "MoEAllGatherTokenDispatcher", "dispatch_postprocess"),
-           ("token_dispatcher", "MoEAlltoAllTokenDispatcher", "token_dispatch"))
+           ("token_dispatcher", "MoEAlltoAllTokenDispatcher", "token_dispatch"), ("experts", "SequentialMLP", "forward"),
+           ("experts", "GroupedMLP", "forward"))
 
 
 def _originals():
@@ -86,16 +91,21 @@ def _layer_run(flags, tp, ep, dispatcher, options):
     import mindspeed
     from megatron.core import parallel_state as ps
 
-    from mindspeed.features.moe import async_comm
+    from mindspeed.features.moe import async_comm, zero_memory_megatron
     from mindspeed.flags.trainer_flags import parse_args
     from tests_extend.distributed import moe_comm_cases as mc
+    from tests_extend.memory_meter import saved_for_backward
     mindspeed.adapt(parse_args(_argv(flags, tp, ep, dispatcher, options)))
     try:
         layer = mc.build_layer(tp, ep, dispatcher, **options)
-        arrivals = mc.arrival_inputs(layer, ps)
+        with saved_for_backward() as meter:
+            arrivals = mc.arrival_inputs(layer, ps)
         async_comm.reset_counts()
+        zero_memory_megatron.reset_counts()
         losses, y, dx, grads = mc.run_layer(layer, ps, steps=STEPS)
         return dict(losses=losses, y=y, dx=dx, grads=grads, counts=dict(async_comm.COUNTS),
+                    saved=meter.nbytes(exclude=list(layer.parameters())), freed=meter.freed(),
+                    recomputes=dict(zero_memory_megatron.COUNTS),
                     backward_order=list(async_comm.BACKWARD_ORDER), arrivals=arrivals,
                     experts=list(layer.local_expert_indices), ep_group=ps.get_expert_model_parallel_world_size())
     finally:
@@ -111,11 +121,18 @@ def _compare(got, ref):
                 same_keys=sorted(got["grads"]) == sorted(ref["grads"]))
 
 
+def _bitwise(a, b) -> bool:
+    import torch
+    if isinstance(a, dict):
+        return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
 def _body(rank, world_size, tmp):
     import torch
 
     import mindspeed
-    from mindspeed.features.moe import async_comm
+    from mindspeed.features.moe import async_comm, zero_memory_megatron
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.pretrain import run
     torch.set_num_threads(1)        # tiny tensors: two ranks' thread pools would only spin against each other
@@ -142,7 +159,11 @@ def _body(rank, world_size, tmp):
         out[name] = dict(_compare(g, ref), counts=g["counts"], backward_order=g["backward_order"],
                          arrivals=g["arrivals"], experts=g["experts"], ep_group=g["ep_group"],
                          plain_experts=ref["experts"], plain_ep_group=ref["ep_group"],
-                         restored=_originals() == originals)
+                         restored=_originals() == originals, saved=g["saved"], freed=g["freed"],
+                         recomputes=g["recomputes"])
+        if name in ZERO_MEMORY:          # against the overlap alone: the recompute must not change a bit
+            overlap = got["overlap"][1]
+            out[name]["bitwise"] = {k: _bitwise(g[k], overlap[k]) for k in ("losses", "y", "dx", "grads")}
     out["layer-seconds"] = time.monotonic() - t0
     out["cpu-layers"] = time.process_time()
     from megatron.core import parallel_state
@@ -152,12 +173,13 @@ def _body(rank, world_size, tmp):
         next_rendezvous(rank, loss_file + ".port")
         args = parse_args(TRAIN + flags + ["--log-loss-file", loss_file])
         async_comm.reset_counts()
+        zero_memory_megatron.reset_counts()
         session = mindspeed.adapt(args)
         try:
             run(args, session)
         finally:
             mindspeed.unadapt()
-        out[f"train-{name}/counts"] = dict(async_comm.COUNTS)
+        out[f"train-{name}/counts"] = dict(async_comm.COUNTS, **zero_memory_megatron.COUNTS)
         if rank == 0:
             with open(loss_file) as f:
                 out[f"train-{name}"] = [json.loads(line)["lm_loss"] for line in f]
@@ -198,7 +220,8 @@ def test_extended_layout_has_whole_experts_over_tp(runs, case):
 # reverse dispatch.
 PER_STEP = {"extend/alltoall": (0, 0, 0, 0), "extend/allgather": (0, 0, 0, 0), "overlap": (6, 2, 6, 2),
             "overlap/shared": (6, 3, 6, 2), "async/allgather": (3, 1, 0, 0), "async/alltoall": (2, 0, 0, 0),
-            "extend+overlap+async": (6, 2, 6, 2)}
+            "extend+overlap+async": (6, 2, 6, 2), "overlap/zero-memory-level0": (6, 2, 6, 2),
+            "overlap/zero-memory-level1": (6, 2, 6, 2)}
 EXPECTED = {case: tuple(n * STEPS for n in per_step) for case, per_step in PER_STEP.items()}
 # the gradient all-to-alls' start order (chunked_alltoall.py): the same on every rank, every step
 BACKWARD_ORDER = ["combine 0", "combine 1", "dispatch 1 tokens", "dispatch 1 probs", "dispatch 0 tokens",
@@ -229,6 +252,25 @@ def test_backward_all_to_alls_start_in_one_order_on_every_rank(runs, case):
                                                 ["_DispatchJoinBackward"]]
 
 
+# recomputes per step: level0 one per expert MLP call (2 chunks x 2 local experts), level1 one per
+# experts call (2 chunks); each inside a chunk's expert backward, another chunk's gradient all-to-all in flight
+RECOMPUTES = {"overlap/zero-memory-level0": 4 * STEPS, "overlap/zero-memory-level1": 2 * STEPS}
+
+
+@pytest.mark.parametrize("case", ZERO_MEMORY)
+def test_zero_memory_is_bitwise_the_overlap_and_recomputes_under_its_all_to_alls(runs, case):
+    for rank in (0, 1):
+        r, overlap = runs[rank][case], runs[rank]["overlap"]
+        assert all(r["bitwise"].values()), r["bitwise"]
+        assert r["recomputes"] == {"recomputed": RECOMPUTES[case], "under_comm": RECOMPUTES[case]}, r["recomputes"]
+        assert overlap["recomputes"] == {"recomputed": 0, "under_comm": 0}
+    # level0: each expert call's fc2 input (activation x probs) freed once fc2 saved it (2 chunks x 2 experts)
+    assert [runs[0][c]["freed"] for c in ("overlap",) + ZERO_MEMORY] == [0, 4, 0]
+    saved = {c: runs[0][c]["saved"] for c in ("overlap",) + ZERO_MEMORY}
+    # level0 frees fc2's input (activation x probs); level1 keeps only the experts' inputs
+    assert saved["overlap"] > saved["overlap/zero-memory-level0"] > saved["overlap/zero-memory-level1"], saved
+
+
 def test_unadapt_restores_megatrons_methods(runs):
     assert all(runs[0][c]["restored"] for c in CASES)
 
@@ -239,6 +281,8 @@ def test_training_losses_equal_without_overlap(runs):
     assert runs[0]["train-off/counts"]["started"] == 0
     assert runs[0]["train-on/counts"]["overlapped_compute"] > 0
     assert runs[0]["train-on/counts"]["bwd_overlapped_compute"] > 0
+    assert runs[0]["train-off/counts"]["recomputed"] == 0       # --moe-zero-memory level0 in the trainer
+    assert runs[0]["train-on/counts"]["under_comm"] == runs[0]["train-on/counts"]["recomputed"] > 0
     for a, b in zip(off, on):
         assert abs(a - b) <= 1e-6 * abs(a), (off, on)
     print(f"\nMoE comm spawn: layers {runs[0]['layer-seconds']:.1f} s, total {runs[0]['total-seconds']:.1f} s",
