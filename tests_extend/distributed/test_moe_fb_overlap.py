@@ -32,7 +32,7 @@ TOLERANCE = 1e-5
 COMM_NODES = {f"moe_{kind}.{phase}" for kind in ("dispatch", "combine") for phase in ("forward", "backward")}
 
 
-def _train(rank, tmp, name, flags, layout=EP2):
+def _train(rank, tmp, name, flags, layout=EP2, base=TINY):
     import torch
 
     import mindspeed
@@ -41,7 +41,7 @@ def _train(rank, tmp, name, flags, layout=EP2):
     torch.set_num_threads(1)
     loss_file = os.path.join(tmp, name + ".jsonl")
     next_rendezvous(rank, loss_file + ".port")
-    args = parse_args(TINY + layout + flags + ["--log-loss-file", loss_file])
+    args = parse_args(base + layout + flags + ["--log-loss-file", loss_file])
     session = mindspeed.adapt(args)
     side = session.backend.device.side_stream()
     side.recording, side.intervals[:] = True, []

@@ -25,7 +25,8 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
     (["--overlap-moe-expert-parallel-comm", "--moe-token-dispatcher-type", "allgather"] + MOE + EP2,
      "--overlap-moe-expert-parallel-comm needs --moe-token-dispatcher-type alltoall"),
     (["--delay-wgrad-compute"] + MOE + EP2, "--delay-wgrad-compute needs --moe-fb-overlap"),
-    (FB + ["--moe-alltoall-overlap-comm"], "moe-alltoall-overlap-comm"),
+    (FB + ["--moe-alltoall-overlap-comm"], "does not combine with --moe-alltoall-overlap-comm"),
+    (FB + ["--moe-permutation-async-comm"], "does not combine with --moe-permutation-async-comm"),
     (["--moe-fb-overlap"], "needs --num-experts (moe) to be on too"),
     (FB + ["--backend", "mindspore"], "lack AlltoAll"),
 ])

@@ -42,7 +42,6 @@ class MoeFbOverlap(Feature):
     requires = (Cap.MOE, Cap.ASYNC_COMM, Cap.ALL_TO_ALL)
     depends = ("moe",)
     backends = ("torch",)
-    conflicts = ("moe-alltoall-overlap-comm", "moe-permutation-async-comm", "dualpipev")
     alternatives = ("leave it off: each micro-batch's all-to-alls run between its own compute "
                     "(--moe-alltoall-overlap-comm overlaps them within one micro-batch)")
     unsupported = {"mindspore": "the MindSpore trainer has no asynchronous all-to-all to overlap (MindSpore's CPU "
@@ -93,6 +92,9 @@ class MoeFbOverlap(Feature):
 def _layout_refusals(args):
     """Each combination Megatron-Core's combined 1F1B (or upstream) cannot run, as the rest of a line."""
     pp, vpp = args.pipeline_model_parallel_size or 1, args.num_layers_per_virtual_pipeline_stage
+    # DualPipeV (another schedule) would have to run the combined nodes itself
+    yield ("does not combine with --schedules-method dualpipev yet: drop one"
+           if getattr(args, "schedules_method", None) == "dualpipev" else "")
     yield (f"at --pipeline-model-parallel-size {pp} needs the interleaved schedule "
            "(--num-layers-per-virtual-pipeline-stage): plain 1F1B has no second micro-batch to overlap with"
            if pp > 1 and not vpp and not getattr(args, "num_virtual_stages_per_pipeline_rank", None) else "")
@@ -104,6 +106,9 @@ def _layout_refusals(args):
            else "")
     yield ("does not combine with --moe-shared-expert-overlap (the schedule overlaps the shared experts itself): "
            "drop it" if args.moe_shared_expert_overlap else "")
+    for other in ("--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"):
+        yield (f"does not combine with {other} (both wrap the MoE layer's all-to-alls): drop one"
+               if getattr(args, other[2:].replace("-", "_"), False) else "")
     mtp = getattr(args, "mtp_num_layers", None) or 0
     yield ("runs with at most one MTP layer, and that one only at --pipeline-model-parallel-size > 1 "
            "(Megatron-Core's combined 1F1B)" if mtp > 1 or (mtp == 1 and pp == 1) else "")
