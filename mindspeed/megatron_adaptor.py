@@ -20,7 +20,8 @@ from mindspeed.adaptor_core import MindSpeedConfigError, apply_plan, plan  # noq
 
 try:
     if megatron_lm.present():
-        SESSION = megatron_lm.adapt_megatron_lm(sys.argv[1:])
+        from mindspeed.convert.at_training import convert_load
+        SESSION = megatron_lm.adapt_megatron_lm(sys.argv[1:], convert_hf=convert_load)
     else:
         # the script's own flags are its business; flags close to MindSpeed's or Megatron's are typos
         SESSION = apply_plan(plan(sys.argv[1:], unknown_flags="typos"))

@@ -9,7 +9,9 @@ argument parsing:
   (megatron_lm_data.tokenizer_problems), and so do its model-family spellings (megatron_lm_family;
   `parse_args` added those the parser lacks); the device's collective backend replaces nccl and
   options the device cannot honour are refused; after them, MindSpeed plans the enabled features,
-  the support matrix gates them, and their hooks are applied, all before any model exists.
+  the support matrix gates them, and their hooks are applied, all before any model exists; then
+  MindSpeed-LLM's --enable-hf2mg-convert converts the Hugging Face model at --load (with the converter the
+  import line passes in: `convert_hf`) and Megatron loads the result.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from mindspeed.flags.mindspeed_flags import (add_mindspeed_args, known_flags, mi
 from mindspeed import megatron_lm_data, megatron_lm_family
 from mindspeed.backends import active_backend
 from mindspeed.backends.torch.triton_cpu import interpret_triton_on_cpu
+from mindspeed.errors import ConvertError
 from mindspeed.patching import GLOBAL_PATCHES, PatchManager
 from mindspeed.session import Plan, Session
 from mindspeed.versions import megatron_version
@@ -91,9 +94,10 @@ def _one_line_error(parser):
 class MegatronLMHooks:
     """The parse_args / validate_args wrappers, bound to one activated backend."""
 
-    def __init__(self, session: Session, msadapter: bool):
+    def __init__(self, session: Session, msadapter: bool, convert_hf=None):
         self.session = session
         self.msadapter = msadapter
+        self.convert_hf = convert_hf     # (args, log) -> None: --load's Hugging Face model converted, args.load moved
         self.family = None          # megatron_lm_family.ParsedFamily of the last parse
         self.family_notes = []
 
@@ -131,8 +135,20 @@ class MegatronLMHooks:
             if self.family is not None:
                 megatron_lm_family.after_checks(args)
             self._after_megatron(args)
+            if args.enable_hf2mg_convert:      # after the gate: nothing is converted for a refused run
+                self._convert_hf(args)
             return result
         return validate_args
+
+    def _convert_hf(self, args) -> None:
+        if self.convert_hf is None:
+            self._refuse("--enable-hf2mg-convert: this entry point has no converter (import mindspeed.megatron_adaptor "
+                         "passes it); convert first with python -m mindspeed.convert and --load the result")
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        try:
+            self.convert_hf(args, log=(lambda msg: print(msg, flush=True)) if rank0 else (lambda msg: None))
+        except ConvertError as exc:
+            self._refuse(str(exc))
 
     def _refuse(self, message: str):
         raise SystemExit(f"MindSpeed: {message}")
@@ -222,8 +238,9 @@ def _route_cp_batch_sharding(session: Session):
     return wrap
 
 
-def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> Session:
-    """The import hook under Megatron-LM: version check, backend + device shim, parser hooks."""
+def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES, convert_hf=None) -> Session:
+    """The import hook under Megatron-LM: version check, backend + device shim, parser hooks. convert_hf:
+    the Hugging Face converter --enable-hf2mg-convert runs (mindspeed.convert sits beside this layer)."""
     if active_backend() is not None:
         unadapt(patcher)
     msadapter = _msadapter_active()
@@ -243,7 +260,7 @@ def adapt_megatron_lm(argv, patcher: PatchManager = GLOBAL_PATCHES) -> Session:
     check_version()
     ctx = activate_backend(ns.backend, device, patcher, megatron_lm=(ns.backend == "torch"))
     session = Session(Plan(ns, ns.backend, device, [], msadapter=msadapter), ctx, patcher)
-    hooks = MegatronLMHooks(session, msadapter)
+    hooks = MegatronLMHooks(session, msadapter, convert_hf)
     patcher.wrap("megatron.training.arguments.parse_args", hooks.wrap_parse_args,
                  reason="MindSpeed's flags join Megatron's parser", aliases="megatron")
     patcher.wrap("megatron.training.arguments.validate_args", hooks.wrap_validate_args,

@@ -89,6 +89,8 @@ MoePermuteFusion = option(
 MoePermuteFusion.inert = lambda self, args: (
     "Megatron-Core fuses the permutation with Transformer Engine only, which MindSpeed does not use; the "
     "unfused permutation moves the same tokens (MindSpeed's own: --use-fused-moe-token-permute-and-unpermute)")
+# Megatron-Core's TransformerConfig imports Transformer Engine's permutation when the flag is on (Megatron-LM's args)
+MoePermuteFusion.inert_host_flags = {"moe_permute_fusion": False}
 NoSharedStorage = option(
     "no-shared-storage", (host("--no-shared-storage", False),), lambda a: a.no_shared_storage,
     "MindSpeed-LLM's switch for nodes without a shared filesystem", {}, "", ("--no-shared-storage",))

@@ -49,6 +49,23 @@ def make_hf_model(out_dir: str, kind: str = "llama", tied: bool = False, seed: i
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True, **shards)
 
 
+def add_mtp_layer(hf_dir: str, layers: int = LAYERS, hidden: int = HIDDEN) -> None:
+    """DeepSeek-V3's MTP layer as its checkpoints hold it (model.layers.<num_hidden_layers>: a decoder layer,
+    enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and the output head), random."""
+    from safetensors.torch import save_file
+    tensors = read_safetensors(hf_dir)
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    g = torch.Generator().manual_seed(5)
+    for name in [n for n in tensors if n.startswith(last)]:
+        tensors[mtp + name[len(last):]] = tensors[name] + 0.05 * torch.randn(tensors[name].shape, generator=g)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{mtp}{norm}.weight"] = 1 + 0.5 * torch.randn(hidden, generator=g)
+    tensors[mtp + "eh_proj.weight"] = 0.2 * torch.randn(hidden, 2 * hidden, generator=g)
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
 def write_tokenizer_json(path: str, size: int) -> None:
     """A word-level tokenizer.json of `size` tokens, the last one an added end-of-text token."""
     vocab = {f"w{i}": i for i in range(size - 1)}

@@ -277,24 +277,6 @@ def test_tp2_pp2_ep2_logits_in_two_processes_and_back(models, tmp_path):
         _assert_same_hf(models[model_type]["hf"], back)
 
 
-def _add_mtp_layer(hf_dir: str) -> None:
-    """DeepSeek-V3's MTP layer as its checkpoints hold it (model.layers.<num_hidden_layers>: a decoder layer,
-    enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and the output head), random."""
-    from safetensors.torch import save_file
-    tensors = kit.read_safetensors(hf_dir)
-    last, mtp = f"model.layers.{kit.LAYERS - 1}.", f"model.layers.{kit.LAYERS}."
-    g = torch.Generator().manual_seed(5)
-    for name in [n for n in tensors if n.startswith(last)]:
-        tensors[mtp + name[len(last):]] = tensors[name] + 0.05 * torch.randn(tensors[name].shape, generator=g)
-    h = kit.HIDDEN
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"{mtp}{norm}.weight"] = 1 + 0.5 * torch.randn(h, generator=g)
-    tensors[mtp + "eh_proj.weight"] = 0.2 * torch.randn(h, 2 * h, generator=g)
-    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
-
-
 def test_deepseek3_mtp_layer_round_trip(models, tmp_path):
     """The MTP layer becomes Megatron-Core's mtp.layers.0 (its experts at EP2 too); the trainer builds it
     (--mtp-num-layers 1) and its per-token language-model loss is the cross entropy of transformers'
@@ -305,7 +287,7 @@ def test_deepseek3_mtp_layer_round_trip(models, tmp_path):
     from mindspeed.convert.sidecar import read_info
     hf, mg, back = str(tmp_path / "hf"), str(tmp_path / "mg"), str(tmp_path / "back")
     shutil.copytree(models["deepseek3"]["hf"], hf)
-    _add_mtp_layer(hf)
+    kit.add_mtp_layer(hf)
     _convert_hf_to_mg(hf, mg, "deepseek3")
     flags = read_info(mg)["trainer_flags"]
     assert flags[flags.index("--mtp-num-layers") + 1] == "1"

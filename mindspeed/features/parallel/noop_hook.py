@@ -60,14 +60,18 @@ def _per_layer_keys(original):
 
 
 def _wrap_megatron_lm_flops(noop: frozenset):
-    """Megatron-LM's --log-throughput counts args.num_layers layers: count the real ones."""
+    """Megatron-LM's --log-throughput counts args.num_layers layers: count the real ones (and, for a
+    dense/MoE mix, the real layers' entries of --moe-layer-freq's list, whose length it checks)."""
     def wrap(original):
         def num_floating_point_operations(args, batch_size):
+            layers, pattern = args.num_layers, args.moe_layer_freq
             args.num_layers -= len(noop)
+            if isinstance(pattern, list):
+                args.moe_layer_freq = [moe for i, moe in enumerate(pattern) if i not in noop]
             try:
                 return original(args, batch_size)
             finally:
-                args.num_layers += len(noop)
+                args.num_layers, args.moe_layer_freq = layers, pattern
         return num_floating_point_operations
     return wrap
 
