@@ -55,8 +55,9 @@ NEWER_CORE_EXTRA = {
     # upstream's unaligned matrix with the virtual-stage flag its scripts give: Megatron-Core's layout E|t|tt|tL
     "pp2-vpp": (["--pipeline-num-transformer-layers", "[[0,2],[1,1]]"], {"unaligned-pipeline"}),
     "moe-ep2-distopt-fused": (["--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
-                               "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"],
-                              {"moe-alltoall-overlap-comm", "moe-permutation-async-comm"}),
+                               "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap",
+                               "--moe-zero-memory", "level1"],          # level1: the grouped GEMM experts
+                              {"moe-alltoall-overlap-comm", "moe-permutation-async-comm", "moe-zero-memory"}),
 }
 MOCK = {"tp2-fused"}   # the others read the indexed dataset
 # CI's 40-minute budget: training runs on the newest core only; the older core keeps the adaptor's
