@@ -312,17 +312,8 @@ def known_spec_problem(args, spec) -> str | None:
     return None
 
 
-def convert_problem(args) -> str | None:
-    if not args.enable_hf2mg_convert:
-        return None
-    return ("--enable-hf2mg-convert: convert the Hugging Face weights once, before training: "
-            "python convert_ckpt.py --model-type GPT --load-model-type hf --save-model-type mg "
-            f"--model-type-hf {args.model_type_hf or 'TYPE'} --load-dir HF_DIR --save-dir MG_DIR "
-            "(with this run's parallel sizes), then --load MG_DIR; drop --enable-hf2mg-convert")
-
-
 def hf2mg_problem(args) -> str | None:
-    """--enable-hf2mg-convert on the built-in trainers: the torch trainer converts --load's model first."""
+    """--enable-hf2mg-convert: the torch trainer and Megatron-LM's pretrain_gpt.py convert --load's model first."""
     if not args.enable_hf2mg_convert:
         return None
     if args.backend == "mindspore":
