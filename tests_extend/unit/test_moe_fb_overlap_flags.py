@@ -43,10 +43,7 @@ def test_combinations_it_cannot_honour_are_refused(argv, message):
     FB + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"],                 # the interleaved schedule
 ])
 def test_good_combinations_plan(argv):
-    p = plan(argv)
-    assert "moe-fb-overlap" in {f.id for f in p.features}
-    # Megatron's field is switched on after TransformerConfig's checks (fb_overlap.install), not by the host
-    assert p.args.overlap_moe_expert_parallel_comm in (False, True)
+    assert "moe-fb-overlap" in {f.id for f in plan(argv).features}
 
 
 def test_at_expert_parallel_size_1_it_is_noted_and_off():

@@ -23,6 +23,8 @@ WHY = "--moe-fb-overlap: Megatron-Core's combined 1F1B (one micro-batch's all-to
 NODE = "megatron.core.pipeline_parallel.utils.ScheduleNode"
 LAYER_RUN = "megatron.core.models.common.model_chunk_schedule_plan.TransformerLayerSchedulePlan.run"
 NVTX = ("torch.cuda.nvtx.range_push", "torch.cuda.nvtx.range_pop")
+CONFIGS = ("megatron.core.transformer.transformer_config.TransformerConfig.__init__",
+           "megatron.core.transformer.transformer_config.MLATransformerConfig.__init__")
 log = logging.getLogger("mindspeed")
 
 
@@ -49,6 +51,16 @@ def _arguments(values: tuple) -> tuple:
     if len(values) == 1 and isinstance(values[0], tuple):
         return values[0]
     return values
+
+
+def _field_set_after_checks(original):
+    def __init__(self, *args, **kwargs):
+        # the host's own flag (Megatron-LM's) is set after the config's checks too (`_on`): they assert
+        # bf16/fp16, which the CPU runs do without (fp32: tested equal to the plain run); the plan
+        # checked the rest (fb_overlap_feature.py)
+        kwargs["overlap_moe_expert_parallel_comm"] = False
+        original(self, *args, **kwargs)
+    return __init__
 
 
 def _on(config):
@@ -99,6 +111,8 @@ def _record_stream(original):
 
 
 def install(patcher, backend, delay_wgrad: bool) -> None:
+    for target in CONFIGS:
+        patcher.wrap(target, _field_set_after_checks, reason=WHY)
     config_fields.override(patcher, "overlap_moe_expert_parallel_comm", _on, WHY)
     if delay_wgrad:
         log.info("MindSpeed: --delay-wgrad-compute has no effect here: Megatron-Core's local layers (no Transformer "

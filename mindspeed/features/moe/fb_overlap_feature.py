@@ -78,10 +78,10 @@ class MoeFbOverlap(Feature):
                 raise FeatureConfigError(f"{name} {refusal}")
 
     def host_values(self, args) -> dict:
-        # the fields are switched on after TransformerConfig's own checks (fb_overlap.install):
-        # Megatron asserts bf16/fp16 there, which fp32 on CPU runs without (tested equal to the plain run)
-        # (--delay-wgrad-compute: Megatron-LM asks for Transformer Engine; the local layers ignore it)
-        return {"overlap_moe_expert_parallel_comm": False, "delay_wgrad_compute": False}
+        # Megatron-LM's pretrain_gpt.py builds the schedule plan only under its own flag; its config takes
+        # the field after its checks (fb_overlap.install). --delay-wgrad-compute: Megatron-LM asks for
+        # Transformer Engine, and the local layers compute weight gradients in the backward anyway
+        return {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": False}
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
