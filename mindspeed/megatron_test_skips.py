@@ -64,6 +64,12 @@ NO_TRITON = Reason("calls one of Megatron's Triton kernels, which without triton
                    "decorator leaves uncallable; `pip install triton` (its CPU interpreter runs the kernel, "
                    "MindSpeed sets TRITON_INTERPRET=1 on a CPU), without it a user loses that fused kernel",
                    ("'_GeneratorContextManager' object is not subscriptable",), needs_te=False)
+TE_VERSION_ERROR = Reason("asserts the error Transformer Engine 1.7-1.10 itself raises when Megatron passes it "
+                          "rng_tracker_name (TE's Linear does not take it; the test mocks TE's version); without "
+                          "TE nothing raises, so a user on CPU loses nothing", ("DID NOT RAISE",))
+NCCL_ALLOCATOR = Reason("builds Megatron's NCCL memory-pool allocator, a CUDA C++ extension (CUDA_HOME); on CPU a "
+                        "user loses NCCL user-buffer registration, which exists only with NCCL on a GPU",
+                        ("CUDA_HOME environment variable is not set",), needs_te=False)
 
 SKIPS: dict[str, Reason] = {
     **{cls + name: PACKED_ATTENTION for cls in (PACKED, PACKED_PADDED) for name in (
@@ -83,6 +89,9 @@ SKIPS: dict[str, Reason] = {
         NO_TRITON,
     UNIT + "transformer/moe/test_grouped_mlp.py::TestParallelGroupedMLP::test_weight_init_value_the_same":
         PHILOX_OFFSETS,
+    UNIT + "models/test_bert_model.py::TestBertModelAttentionDimensions::"
+           "test_transformer_engine_version_1_7_to_1_10_rng_error": TE_VERSION_ERROR,
+    UNIT + "test_nccl_allocator.py::TestNCCLAllocator::test_nccl_allocator_init_sets_env_vars": NCCL_ALLOCATOR,
 }
 
 #: tests that need at least this many processes, where the need does not show as parallel_state's

@@ -19,6 +19,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from mindspeed import deferred_compile
 from mindspeed.patching import GLOBAL_PATCHES
@@ -65,8 +66,9 @@ def pytest_load_initial_conftests(early_config, parser, args):
     # TESpecProvider to stand in for (their TE spec names TE's modules directly)
     if state.plan.backend == "torch" and importlib.util.find_spec(TE_SPEC_PROVIDERS) is not None:
         # imported here, not at the top: the module imports Megatron, which the adaptor must patch first
-        from mindspeed.backends.torch.te_spec_standin import apply_te_spec_standin
+        from mindspeed.backends.torch.te_spec_standin import apply_bert_te_spec_standin, apply_te_spec_standin
         apply_te_spec_standin(state.patcher)
+        apply_bert_te_spec_standin(state.patcher)
     if state.plan.backend == "torch" and importlib.util.find_spec("grouped_gemm") is None:
         # Megatron's MoE tests build GroupedMLP directly (no --moe-grouped-gemm to enable the feature)
         from mindspeed.features.fused.grouped_gemm import provide_grouped_gemm_package
@@ -79,6 +81,10 @@ def pytest_load_initial_conftests(early_config, parser, args):
         from mindspeed.backends.torch.te_import_standin import test_module_builtins
         state.patcher.wrap("_pytest.assertion.rewrite.AssertionRewritingHook.exec_module", _with_te_standin(
             test_module_builtins), reason="Transformer Engine absent: a test module's own TE imports get a stand-in")
+    if not hasattr(torch._C, "_nccl_version"):
+        # torch built without NCCL: Megatron's skipif marks compare NCCL's version at import
+        state.patcher.replace("torch.cuda.nccl.version", _no_nccl_version,
+                              reason="torch without NCCL: NCCL's version probe answers (0, 0, 0), below any")
     if not any(name in os.environ for name in ("RANK", "WORLD_SIZE")):     # not under torchrun
         for name, value in _one_process_env().items():
             if name not in os.environ:
@@ -87,6 +93,10 @@ def pytest_load_initial_conftests(early_config, parser, args):
     if DOWNLOAD_MODULE not in sys.modules:
         state.patcher.provide_module(DOWNLOAD_MODULE, _offline_download_module(),
                                      reason="Megatron's conftest must not reach for the network")
+
+
+def _no_nccl_version() -> tuple:
+    return (0, 0, 0)
 
 
 def _one_process_env() -> dict:

@@ -101,3 +101,24 @@ def test_te_decoder_block_spec_gets_the_local_norm_and_mla_a_linear(adapted):
     mla = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     assert mla.submodules.self_attention.submodules.linear_q_down_proj is ColumnParallelLinear
+
+
+def test_bert_te_spec_builds_from_local_modules_and_its_projection_checkpoints_without_metadata(adapted):
+    """BERT's TE spec names TE's modules itself and raises without TE (its test modules build it at
+    import); the stand-in runs Megatron's function with the stand-ins bound. The fused projection fills
+    in the data-parallel group a caller's checkpoint metadata lacks, as TE's does."""
+    from megatron.core.models.bert import bert_layer_specs
+    from mindspeed.backends.torch.te_spec_standin import TelessDotProductAttention, apply_bert_te_spec_standin
+    assert apply_bert_te_spec_standin(adapted.patcher)
+    spec = bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+    assert not bert_layer_specs.HAVE_TE        # Megatron still finds TE absent
+    layer = TransformerLayer(_config(), spec.submodules)
+    assert isinstance(layer.self_attention.linear_qkv, LayerNormColumnParallelLinear)
+    assert isinstance(layer.mlp.linear_fc1, LayerNormColumnParallelLinear)
+    assert isinstance(layer.self_attention.core_attention, TelessDotProductAttention)
+    sharded = layer.mlp.linear_fc1.sharded_state_dict(prefix="fc1.", metadata={})
+    assert {"fc1.weight", "fc1.layer_norm_weight"} <= set(sharded)
+    mindspeed.unadapt()
+    with pytest.raises(ImportError, match="Transformer Engine is not installed"):
+        bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+    mindspeed.adapt([])        # the fixture's unadapt

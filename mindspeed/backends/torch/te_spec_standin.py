@@ -10,13 +10,19 @@ training refuses `--transformer-impl transformer_engine` without TE instead (meg
 """
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.bert import bert_layer_specs
 from megatron.core.models.gpt import gpt_layer_specs
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 GPT_LAYER_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
+BERT_LAYER_SPECS = "megatron.core.models.bert.bert_layer_specs"
 
 
 class LayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -52,6 +58,12 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
             normed = F.rms_norm(input_, shape, gamma, self.eps)
         return super().forward(normed, *args, **kwargs)
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        # TE's fused projection fills in the data-parallel group a caller's metadata lacks;
+        # ColumnParallelLinear reads it from the metadata (KeyError 'dp_cp_group')
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
 
 class TelessTESpecProvider(LocalSpecProvider):
     """TESpecProvider's answers from Megatron's local modules: the norm fused into the following
@@ -79,4 +91,27 @@ def apply_te_spec_standin(patcher) -> bool:
                    reason="Transformer Engine absent: TE's layer spec from Megatron's local modules")
     patcher.define(f"{GPT_LAYER_SPECS}.TENorm", gpt_layer_specs.LNImpl,
                    reason="Transformer Engine absent: the TE decoder block's final norm is the local spec's")
+    return True
+
+
+class TelessDotProductAttention(DotProductAttention):
+    """Megatron's local attention in TE's attention's place: BERT tells the two apart by class (the
+    local one wants the local attention backend; TE's takes any, with the mask TE's version needs)."""
+
+
+def _bert_te_spec_from_local_modules(original):
+    """BERT's TE spec names TE's modules in its own globals (no provider to stand in for) and raises
+    without TE: Megatron's own function runs with those names bound to the stand-ins instead."""
+    standins = {"HAVE_TE": True, "TELayerNormColumnParallelLinear": LayerNormColumnParallelLinear,
+                "TEDotProductAttention": TelessDotProductAttention, "TERowParallelLinear": RowParallelLinear}
+    return types.FunctionType(original.__code__, {**original.__globals__, **standins}, original.__name__)
+
+
+def apply_bert_te_spec_standin(patcher) -> bool:
+    """Megatron's BERT TE layer spec from the local modules (as the GPT one above) when Transformer
+    Engine is absent; its test modules build it at import. True if it was bound."""
+    if bert_layer_specs.HAVE_TE:
+        return False
+    patcher.wrap(f"{BERT_LAYER_SPECS}.get_bert_layer_with_transformer_engine_spec", _bert_te_spec_from_local_modules,
+                 reason="Transformer Engine absent: BERT's TE layer spec from Megatron's local modules")
     return True
