@@ -30,7 +30,7 @@ TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", "pytest-xdist==3.
                      *PLOT_REQUIREMENTS, "import-linter==2.16",
                      # Megatron-Core's own unit tests (docs/megatron-core-tests.md): their imports, and
                      # triton, whose CPU interpreter runs Megatron's Triton kernels (the MoE dispatcher's)
-                     "pytest-mock==3.17.0", "mock==5.2.0", "triton==3.5.1"]
+                     "pytest-mock==3.17.0", "mock==5.2.0", "triton==3.5.1", "httpx==0.28.1", "wrapt==2.5.2"]
 # what Megatron-LM's megatron.training imports beyond megatron-core (pybind11 builds its dataset
 # helpers; einops for core_v0.12); `pip install -e ".[megatron-lm]"`
 MEGATRON_LM_REQUIREMENTS = ["regex==2026.11.15", PYYAML, "pydantic==2.14.3", "pybind11==3.1.0",
