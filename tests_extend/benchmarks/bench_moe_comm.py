@@ -116,8 +116,10 @@ def _body(rank, world_size, tokens, hidden, ffn, experts, steps):
     return results
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_sized(body, description, argv=None):
+    """The layer sizes from the command line, and body(rank, world, tokens, hidden, ffn, experts, steps)'s
+    rank-0 result on 2 processes; also the sizes and the load average before the run."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per EP rank (the full sequence at TP 2)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--ffn", type=int, default=512)
@@ -125,8 +127,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
-    res = run_distributed(_body, world_size=2, args=(args.tokens, args.hidden, args.ffn, args.experts, args.steps),
+    res = run_distributed(body, world_size=2, args=(args.tokens, args.hidden, args.ffn, args.experts, args.steps),
                           timeout=3000)[0]
+    return res, args, load_before
+
+
+def main(argv=None):
+    res, args, load_before = run_sized(_body, __doc__.splitlines()[0], argv)
     print(f"MoE layer fwd+bwd, {args.tokens} tokens, hidden {args.hidden}, expert ffn {args.ffn} (SwiGLU), "
           f"{args.experts} experts top-2, fp32, gloo, 1 thread per rank; median of {args.steps} steps (ms)")
     groups = {}

@@ -12,15 +12,13 @@ and level1, in one run:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tests_extend.benchmarks.bench_moe_comm import _flags, _interleaved, _layer  # noqa: E402
-from tests_extend.distributed.harness import run_distributed  # noqa: E402
+from tests_extend.benchmarks.bench_moe_comm import _flags, _interleaved, _layer, run_sized  # noqa: E402
 
 OVERLAP = ["--moe-alltoall-overlap-comm"]
 CONFIGS = {"overlap": OVERLAP, "overlap + zero-memory level0": OVERLAP + ["--moe-zero-memory", "level0"],
@@ -66,16 +64,7 @@ def _body(rank, world_size, tokens, hidden, ffn, experts, steps):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per EP rank")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args(argv)
-    load_before = os.getloadavg()
-    res = run_distributed(_body, world_size=2, args=(args.tokens, args.hidden, args.ffn, args.experts, args.steps),
-                          timeout=3000)[0]
+    res, args, load_before = run_sized(_body, __doc__.splitlines()[0], argv)
     print(f"MoE layer fwd+bwd, EP 2 alltoall + --moe-alltoall-overlap-comm, {args.tokens} tokens per rank, hidden "
           f"{args.hidden}, expert ffn {args.ffn} (SwiGLU), {args.experts} experts top-2, fp32, gloo, 1 thread per rank")
     base_saved, base_time = res["saved"]["overlap"], res["times"]["overlap"]
