@@ -7,6 +7,8 @@ optional SharedExpertMLP) for the MindSpore GPT, with the math of Megatron-Core 
   E * coeff / (k * T^2) * sum_e(sum_t scores[t, e] * tokens_per_expert[e]); like Megatron's
   MoEAuxLossAutoScaler it only adds its gradient (x1) where the probabilities enter the graph,
   so the reported lm loss stays the cross-entropy alone;
+- expert bias (--moe-router-enable-expert-bias, sigmoid scores): the bias of expert_bias.py added to the
+  scores for choosing the top-k only; the layer reports each call's tokens per expert to it;
 - no token dropping: every expert takes every token routed to it;
 - expert parallelism: expert e lives on EP rank e // (E / ep); each rank sends the tokens (and
   their probabilities) routed to another rank's experts by all-to-all, the experts run, and a
