@@ -44,7 +44,7 @@ class MoeZeroMemory(Feature):
                "--expert-model-parallel-size", "2")
     example_world = 2
 
-    inert_example = ("--moe-zero-memory", "level0", "--moe-alltoall-overlap-comm", "--num-experts", "4")
+    inert_example = ("--moe-zero-memory", "level0", "--num-experts", "4")
     inert_host_flags = {"moe_zero_memory": "disable"}
 
     def enabled(self, args) -> bool:
