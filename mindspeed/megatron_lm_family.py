@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import os
 from typing import NamedTuple
 
 from mindspeed.flags import family_flags as ff
@@ -112,10 +111,9 @@ def _balancing(args) -> tuple[str | None, list[str]]:
 def before_checks(args, parsed: ParsedFamily) -> tuple[list[str], list[str]]:
     """MindSpeed-LLM's spellings -> Megatron's args, before Megatron's checks: (problems, notes), each one
     line (notes without a prefix)."""
-    auto = _hf_model_at_load(args)      # before the notes: --model-type-hf then has an effect
-    problems, notes = [], [n[2:] for n in ff.preprocessing_notes(args)]
+    auto = ff.auto_hf2mg(args)      # before the notes: --model-type-hf then has an effect
+    problems, notes = [], [n[2:] for n in [auto, *ff.preprocessing_notes(args)] if n]
     problems.extend(p for p in (ff.hf2mg_problem(args),) if p)
-    notes.extend([auto] if auto else [])
     _spec(args, problems, notes)
     _router(args, parsed, problems, notes)
     _layout(args, problems)
@@ -125,26 +123,6 @@ def before_checks(args, parsed: ParsedFamily) -> tuple[list[str], list[str]]:
     if args.mla_fa_without_pad and not args.multi_latent_attention:
         problems.append(ff.mla_only_problem(["--mla-fa-without-pad"]))
     return problems, notes
-
-
-def hf_model_in(path) -> bool:
-    """A Hugging Face model's directory, as MindSpeed-LLM recognises one at --load: a config.json beside
-    safetensors weights."""
-    try:
-        names = os.listdir(path) if path else []
-    except OSError:
-        return False
-    return "config.json" in names and any(name.endswith(".safetensors") for name in names)
-
-
-def _hf_model_at_load(args) -> str:
-    """MindSpeed-LLM converts a Hugging Face model at --load without being asked (--enable-hf2mg-convert
-    turned on): the same here, said in one line ('' when --load holds no such model or the flag is given)."""
-    if args.enable_hf2mg_convert or not hf_model_in(args.load):
-        return ""
-    args.enable_hf2mg_convert = True
-    return (f"--load {args.load} holds a Hugging Face model (config.json, *.safetensors): converted before "
-            "Megatron loads it, as with --enable-hf2mg-convert (MindSpeed-LLM does the same)")
 
 
 def _spec(args, problems, notes) -> None:

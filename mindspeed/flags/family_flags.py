@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 
 # MindSpeed-LLM's load-balancing types -> (Megatron-Core's type, what else it sets)
 LLM_BALANCING = {
@@ -259,8 +260,9 @@ ALLTOALL_SEQ_NOTE = ("> --moe-token-dispatcher-type alltoall_seq runs as alltoal
 def derive_family_args(args, say) -> None:
     """MindSpeed-LLM's combined options -> the Megatron-Core values training/model.py reads; `say` gets the
     one line for a flag that runs as another here, or has no effect."""
-    for note in preprocessing_notes(args):
-        say(note)
+    for note in [auto_hf2mg(args), *preprocessing_notes(args)]:      # converting first: --model-type-hf counts
+        if note:
+            say(note)
     note = spec_note(args.spec)
     if note:
         say(note)
@@ -310,6 +312,26 @@ def known_spec_problem(args, spec) -> str | None:
     if flag is not None and not getattr(args, dest):
         return f"--spec {' '.join(spec)} is Megatron-Core's local spec with {flag}: add {flag}"
     return None
+
+
+def hf_model_in(path) -> bool:
+    """A Hugging Face model's directory, as MindSpeed-LLM recognises one at --load: a config.json beside
+    safetensors weights."""
+    try:
+        names = os.listdir(path) if path else []
+    except OSError:
+        return False
+    return "config.json" in names and any(name.endswith(".safetensors") for name in names)
+
+
+def auto_hf2mg(args) -> str | None:
+    """MindSpeed-LLM converts a Hugging Face model at --load without being asked (--enable-hf2mg-convert
+    turned on): the same here, said in one line (None when --load holds no such model or the flag is given)."""
+    if args.enable_hf2mg_convert or not hf_model_in(args.load):
+        return None
+    args.enable_hf2mg_convert = True
+    return (f"> --load {args.load} holds a Hugging Face model (config.json, *.safetensors): converted before "
+            "loading, as with --enable-hf2mg-convert (MindSpeed-LLM does the same)")
 
 
 def hf2mg_problem(args) -> str | None:

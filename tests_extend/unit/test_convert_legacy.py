@@ -263,7 +263,7 @@ def test_enable_hf2mg_convert_follows_the_run_and_guards_its_cache(models, tmp_p
     """The conversion a run asks for: its sizes, format, dtype and grouped experts on convert_ckpt.py's command
     line, MindSpeed-LLM's cache name, --model-type-hf from config.json; a second start converts again over its
     own cache; a cache directory the converter did not write, or a --load without a Hugging Face model, is one
-    line."""
+    line; a Hugging Face model at --load converts without the flag (MindSpeed-LLM's detection), said once."""
     from mindspeed.convert import at_training
     from mindspeed.errors import ConvertError
     from mindspeed.flags.trainer_flags import parse_args
@@ -286,6 +286,12 @@ def test_enable_hf2mg_convert_follows_the_run_and_guards_its_cache(models, tmp_p
     argv = at_training.converter_argv(uneven, at_training.cache_dir(uneven))
     assert argv[argv.index("--num-layer-list") + 1] == "1,3"
     assert "--num-layer-list" not in at_training.converter_argv(args, "x")      # an even split
+    # MindSpeed-LLM's detection: a config.json beside safetensors at --load converts without the flag, said once
+    auto = parse_args([a for a in moe if a != "--enable-hf2mg-convert"], world_size=1)
+    assert auto.enable_hf2mg_convert and \
+        [n for n in auto.flag_notes if "holds a Hugging Face model" in n] == [
+            f"> --load {hf} holds a Hugging Face model (config.json, *.safetensors): converted before loading, as "
+            "with --enable-hf2mg-convert (MindSpeed-LLM does the same)"], auto.flag_notes
     args = parse_args(moe, world_size=1)
     lines = []
     for _ in range(2):        # the second start converts again, over its own cache
