@@ -27,6 +27,7 @@ HOST_FLAG_DEFAULTS = {
     "moe_expert_capacity_factor": None,
     "is_instruction_dataset": False,
     "neat_pack": False,
+    "ckpt_format": "torch_dist",          # the built-in trainers' default (Megatron-LM's is torch_dist too)
 }
 
 

@@ -217,6 +217,26 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
+def _sharded_in_place(chunk) -> bool:
+    """FSDP2 (--use-torch-fsdp2): dist_checkpointing has loaded each parameter's local shard in place (the
+    sharded state holds the shards themselves), as Megatron-LM's load relies on."""
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+    return isinstance(chunk, TorchFullyShardedDataParallel)
+
+
+@contextmanager
+def _sharded_states_kept(optimizer):
+    """FSDP2: the optimizer's sharded (DTensor) states, loaded in place, stay as they are; torch's
+    load_state_dict would put plain tensor copies in their place (their parameters stay DTensors)."""
+    from torch.distributed.tensor import DTensor
+    kept = [(opt.optimizer, param, key, value) for opt in optimizer_parts(optimizer, object)
+            for param, state in opt.optimizer.state.items() for key, value in state.items()
+            if isinstance(value, DTensor)]
+    yield
+    for torch_optimizer, param, key, value in kept:    # the load replaced the state dicts themselves
+        torch_optimizer.state[param][key] = value
+
+
 def _model_keys(chunks) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
@@ -364,9 +384,10 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, *, load_optim: bool
     try:
         with torch.no_grad():   # main params are views of the model's parameters
             for key, chunk in zip(_model_keys(chunks), chunks):
-                _load_model(_unwrap(chunk), loaded[key], only)
+                if not _sharded_in_place(chunk):
+                    _load_model(_unwrap(chunk), loaded[key], only)
             if use_optim:
-                with _float16_layout(optimizer):
+                with _float16_layout(optimizer), _sharded_states_kept(optimizer):
                     optimizer.load_state_dict(loaded["optimizer"])
                 _restore_adam_steps(optimizer)
             elif optimizer is not None:   # as Megatron-LM: fp32 masters from the loaded bf16/fp16 weights

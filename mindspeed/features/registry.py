@@ -17,6 +17,7 @@ FEATURE_MODULES = [
     "mindspeed.features.moe.fb_overlap_feature",
     "mindspeed.features.parallel.layers",
     "mindspeed.features.parallel.unaligned_pipeline",
+    "mindspeed.features.parallel.fsdp2",
     "mindspeed.features.parallel.dualpipev",
     "mindspeed.features.context_parallel.feature",
     "mindspeed.features.observability.profiling",

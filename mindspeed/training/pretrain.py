@@ -32,6 +32,7 @@ from mindspeed.data.indexed_reader import check_dataset
 from mindspeed.errors import CheckpointError
 from mindspeed.flags.checks import dynamic_loss_scaling
 from mindspeed.net import free_port
+from mindspeed.features.parallel import fsdp2_megatron
 from mindspeed.training import collective_timeout, data, loop
 from mindspeed.features.parallel.dualpipev import dualpipev_on
 from mindspeed.training.dualpipev import DualPipeVSchedule
@@ -179,6 +180,8 @@ class Trainer:
                            f"{' '.join(self.lora.targets)}; trainable parameters on rank 0: {trainable}")
         for chunk in chunks:
             chunk.to(self.device)
+        if a.use_torch_fsdp2:     # PyTorch's fully_shard instead of DDP (features/parallel/fsdp2.py)
+            return fsdp2_megatron.wrap_chunks(a, self.config, chunks)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=a.overlap_grad_reduce,
             overlap_param_gather=a.overlap_param_gather, use_distributed_optimizer=a.use_distributed_optimizer,

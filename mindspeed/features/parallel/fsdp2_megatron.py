@@ -1,0 +1,83 @@
+"""The torch hook of 'torch-fsdp2' (fsdp2.py): Megatron-Core 0.16's own TorchFullyShardedDataParallel,
+made to run on the run's device and with the torch this project pins, through three patches:
+
+- its device mesh is built for "cuda" whatever the device: here for the run's (cpu: gloo, which has
+  all_gather_into_tensor and reduce_scatter_tensor in torch 2.13);
+- Megatron-Core's finalize_model_grads calls finish_grad_sync(force_all_reduce=...), which the
+  wrapper's base class does not take (FSDP2 has reduce-scattered during backward: nothing is left);
+- dist_checkpointing pairs optimizer parameters with the model's sharded tensors by the identity of
+  each DTensor's local tensor, which torch 2.13's DTensor.to_local() no longer keeps for parameters
+  (a fresh view each call): the local tensor itself is handed back, as before;
+- the SwiGLU fc1 checkpoint factory splits a local tensor into its gate and up halves, but an FSDP2
+  shard is a run of rows of [gate; up] (all gate or all up at an even data-parallel size): it is
+  saved as that run, at its place in the checkpoint's global [gate; up] layout.
+
+`wrap_chunks` is how the built-in trainer wraps its model chunks (Megatron-LM's training.py does the
+same with --use-torch-fsdp2)."""
+from __future__ import annotations
+
+MODULE = "megatron.core.distributed.torch_fully_sharded_data_parallel"
+
+
+class _MeshOnDevice:
+    """DeviceMesh.from_group with the run's device type in place of the wrapper's "cuda"."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def from_group(self, group, _device_type, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+        return DeviceMesh.from_group(group, self.device_type, *args, **kwargs)
+
+
+def _finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+    """Nothing to finish: FSDP2 reduce-scattered each layer's gradients during backward."""
+
+
+def _local_tensor(tensor):
+    from megatron.core.utils import HAVE_DTENSOR
+    if HAVE_DTENSOR:
+        from torch.distributed.tensor import DTensor
+        if isinstance(tensor, DTensor):
+            return tensor._local_tensor
+    return tensor
+
+
+def _swiglu_shard(original_sh_ten, sharded_offsets, singleton_local_shards: bool = False):
+    """The checkpoint entry of an FSDP2 shard of a SwiGLU fc1 (rows of one TP shard's [gate; up])."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing import ShardedTensor
+    axis = len(sharded_offsets)
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    frag = original_sh_ten.axis_fragmentations[axis]
+    index = original_sh_ten.global_offset[axis] // original_sh_ten.local_shape[0]
+    tp_rank, piece, half, tp = index // dp, index % dp, dp // 2, frag // dp
+    up = piece >= half
+    within = tp_rank * half + piece % half          # the shard's place among the gate (or up) rows
+    if singleton_local_shards:
+        key, offset = f"{original_sh_ten.key}_{'v' if up else 'w'}", (axis, within, tp * half)
+    else:
+        key, offset = original_sh_ten.key, (axis, within + (tp * half if up else 0), frag)
+    return ShardedTensor.from_rank_offsets(key, original_sh_ten.data, *sharded_offsets, offset,
+                                           replica_id=original_sh_ten.replica_id, prepend_axis_num=axis)
+
+
+def install(patcher, device: str) -> None:
+    patcher.replace(f"{MODULE}.DeviceMesh", _MeshOnDevice(device),
+                    reason="torch-fsdp2: the wrapper's device mesh on the run's device, not always cuda")
+    patcher.replace(f"{MODULE}.TorchFullyShardedDataParallel.finish_grad_sync", _finish_grad_sync,
+                    reason="torch-fsdp2: finalize_model_grads passes force_all_reduce, which the wrapper lacks")
+    patcher.replace("megatron.core.dist_checkpointing.optimizer.to_local_if_dtensor", _local_tensor,
+                    reason="torch-fsdp2: optimizer state paired with the model's shards by the local tensor's "
+                           "identity (torch 2.13's to_local() returns a fresh view of a parameter)")
+    patcher.replace("megatron.core.transformer.mlp.apply_swiglu_sharded_factory", _swiglu_shard, aliases="megatron",
+                    reason="torch-fsdp2: an FSDP2 shard of SwiGLU's fc1 is rows of [gate; up], saved at their place")
+
+
+def wrap_chunks(args, config, chunks: list) -> list:
+    """Each model chunk in Megatron-Core's TorchFullyShardedDataParallel, as Megatron-LM's get_model does."""
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+    from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
+        TorchFullyShardedDataParallelConfig)
+    ddp_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+    return [TorchFullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]

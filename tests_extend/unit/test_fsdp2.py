@@ -1,0 +1,92 @@
+"""--use-torch-fsdp2 (features/parallel/fsdp2.py): Megatron-LM's refusals and upstream's YAML keys in
+process; then one 2-process spawn (fsdp2_workers.fsdp2_against_ddp): 20 fp32 updates against DDP, the
+shards each rank holds, a torch_dist save resumed under FSDP2 and loaded into the plain layout."""
+import numpy as np
+import pytest
+
+from mindspeed.adaptor_core import MindSpeedConfigError, plan
+from tests_extend.unit import fsdp2_workers as worker
+
+ON = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--use-torch-fsdp2"], "add --untie-embeddings-and-output-weights"),
+    (ON + ["--use-distributed-optimizer"], "--use-distributed-optimizer (FSDP2 shards"),
+    (ON + ["--pipeline-model-parallel-size", "2"], "not supported with pipeline parallelism"),
+    (ON + ["--fp16"], "not supported with fp16"),
+    (ON, "use an even data-parallel size"),                                  # 3 ranks, --swiglu
+    (ON + ["--ckpt-format", "torch"], "use --ckpt-format torch_dist"),
+    (["--fsdp2-config-path", "x.yaml"], "add --use-torch-fsdp2"),
+    (ON + ["--backend", "mindspore"], "no per-parameter sharded data parallelism"),
+])
+def test_refused_in_one_line(argv, words):
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(_at_dp2(argv, world_size=3 if "even" in words else 4))
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def _at_dp2(argv, world_size=2):
+    from mindspeed.flags.trainer_flags import parse_args
+    return parse_args(worker.kit.TINY + argv + ["--global-batch-size", str(2 * world_size)], world_size=world_size)
+
+
+@pytest.mark.parametrize("yaml_text, words", [
+    ("sharding_size: 3\n", "set sharding_size: 2"),
+    ("param_dtype: bf16\n", "differs from the run's parameters (fp32)"),
+    ("offload_to_cpu: true\n", "use --swap-optimizer"),
+    ("recompute_modules: [a.B]\n", "--recompute-granularity"),
+    ("bogus: 1\n", "bogus: not an FSDP2 option"),
+])
+def test_config_keys_refused_in_one_line(tmp_path, yaml_text, words):
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(MindSpeedConfigError) as err:
+        plan(_at_dp2(ON + ["--fsdp2-config-path", str(path)]))
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_config_keys_mapped(tmp_path):
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text("sharding_size: 2\nreshard_after_forward: false\nparam_dtype: fp32\nreduce_dtype: fp32\n")
+    args = _at_dp2(ON + ["--fsdp2-config-path", str(path)])
+    feature = next(f for f in plan(args).features if f.id == "torch-fsdp2")
+    assert feature.host_values(args) == {"use_torch_fsdp2": True, "torch_fsdp2_reshard_after_forward": False}
+
+
+def test_at_data_parallel_size_one_it_has_no_effect_and_says_so():
+    p = plan(_at_dp2(ON + ["--fp16"], world_size=1))       # nothing of it applies: not even its limits
+    assert "torch-fsdp2" not in [f.id for f in p.features]
+    assert any("nothing to shard" in note for note in p.notes())
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    from tests_extend.distributed.harness import run_distributed
+    root = str(tmp_path_factory.mktemp("fsdp2"))
+    return run_distributed(worker.fsdp2_against_ddp, world_size=2, args=(root,), timeout=600, daemon=False)
+
+
+def test_twenty_fp32_updates_equal_ddp(report):
+    for rank in report:
+        ddp, fsdp2 = rank["ddp"], rank["fsdp2"]
+        assert len(fsdp2["losses"]) == worker.STEPS and fsdp2["losses"][-1] < fsdp2["losses"][0] - 1.5
+        np.testing.assert_allclose(fsdp2["losses"], ddp["losses"], rtol=1e-5)
+        np.testing.assert_allclose(fsdp2["grad_norms"], ddp["grad_norms"], rtol=1e-5)
+
+
+def test_each_rank_holds_half_of_the_parameters_and_optimizer_states(report):
+    for rank in report:
+        fsdp2, ddp, dist_opt = rank["fsdp2"], rank["ddp"], rank["distributed_optimizer"]
+        assert fsdp2["dtensor_params"] == fsdp2["params"] > 0 and ddp["dtensor_params"] == 0
+        assert fsdp2["params_local"] * 2 == fsdp2["params_global"] == ddp["params_local"]
+        assert fsdp2["optimizer_state"] == ddp["optimizer_state"] // 2     # Adam's two moments, halved
+        assert dist_opt["params_local"] == dist_opt["params_global"]        # the distributed optimizer keeps them whole
+
+
+def test_checkpoint_resumes_bit_for_bit_and_loads_into_the_plain_layout(report):
+    for rank in report:
+        continued = rank["fsdp2"]["losses"][worker.SAVE_AT:worker.SAVE_AT + 2]
+        assert rank["resumed_fsdp2"] == {"iteration": worker.SAVE_AT, "losses": continued}
+        assert rank["resumed_plain"]["iteration"] == worker.SAVE_AT
+        np.testing.assert_allclose(rank["resumed_plain"]["losses"], continued, rtol=1e-5)
