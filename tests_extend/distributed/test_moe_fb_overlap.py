@@ -17,6 +17,7 @@ import threading
 import pytest
 
 from tests_extend.distributed.harness import next_rendezvous, run_distributed
+from tests_extend.distributed.test_pipeline_layers import _relative
 
 STEPS = 20
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -77,10 +78,6 @@ def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("fb_overlap"))
     return run_distributed(_all_runs, world_size=2, args=(tmp,), timeout=400,
                            daemon=False)    # checkpoint saves start a helper process
-
-
-def _relative(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def test_fb_overlap_trains_with_the_plain_losses(runs):

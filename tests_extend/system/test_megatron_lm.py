@@ -47,6 +47,9 @@ CONFIGS = {
                                "--use-distributed-optimizer", "--op-cal-tflops", "--quant-states", "fp8"],
                               {"expert-parallel", "moe-grouped-gemm", "fused-moe-token-permute-and-unpermute",
                                "distributed-optimizer", "fused-rmsnorm", "op-cal-tflops", "quant-states"}),
+    # fp32 EP 2; core_v0.16 adds --moe-fb-overlap (Megatron-Core's combined 1F1B; 0.12.1 refuses it: describe)
+    "moe-ep2-fb-overlap": (2, {"EP": "2", "NUM_EXPERTS": "4"}, ["--moe-token-dispatcher-type", "alltoall"] + NO_DROPOUT,
+                           {"expert-parallel"}),
 }
 # added where Megatron-Core has the MoE layer steps they hook (not core_v0.12.1, which refuses them:
 # the describe test): the MoE comm flags run inside Megatron-LM's own loop (chunked dispatch/combine
@@ -58,6 +61,7 @@ NEWER_CORE_EXTRA = {
                                "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap",
                                "--moe-zero-memory", "level1"],          # level1: the grouped GEMM experts
                               {"moe-alltoall-overlap-comm", "moe-permutation-async-comm", "moe-zero-memory"}),
+    "moe-ep2-fb-overlap": (["--moe-fb-overlap"], {"moe-fb-overlap"}),
 }
 MOCK = {"tp2-fused"}   # the others read the indexed dataset
 # CI's 40-minute budget: training runs on the newest core only; the older core keeps the adaptor's
@@ -65,7 +69,8 @@ MOCK = {"tp2-fused"}   # the others read the indexed dataset
 NEWEST_CORE_ONLY = set(CONFIGS) if not os.environ.get("MINDSPEED_SLOW_TESTS") else set()
 # the same CP hook as cp2-ring (the built-in trainer's CP-2 losses test runs the algorithm through it):
 # one more launch (~25 s) only where MINDSPEED_SLOW_TESTS=1
-SLOW_ONLY = {"cp2-kvallgather"}
+SLOW_ONLY = {"cp2-kvallgather", "moe-ep2-fb-overlap"}   # the second: its mechanism is tested in-process
+                                                       # (tests_extend/distributed/test_moe_fb_overlap.py)
 CP_TOLERANCE = 1e-4   # fp32; CP changes only the order of reductions
 
 
@@ -124,6 +129,8 @@ def test_pretrain_gpt_trains(checkout, indexed_dataset, name, request):
     assert "gradient-accumulation-fusion" in kit.mindspeed_features(output)   # Megatron's default, MindSpeed's kernel
     if "--pipeline-num-transformer-layers" in extra:      # the layout Megatron-LM itself built from
         assert re.search(r"pipeline_model_parallel_layout \.+ E\|t\|tt\|tL", output), output[-3000:]
+    if "--moe-fb-overlap" in extra:     # Megatron-LM's own flag on in its args (its forward_step builds the plan)
+        assert re.search(r"overlap_moe_expert_parallel_comm \.+ True", output), output[-3000:]
     if "--moe-shared-expert-overlap" in extra:   # a Megatron option (not on the features line): its args dump
         assert re.search(r"moe_shared_expert_overlap \.+ True", output), output[-3000:]
     # --op-cal-tflops turns on Megatron-LM's own --log-throughput (its line; MFU is the built-in trainers')
@@ -186,6 +193,9 @@ if megatron_version() == '0.12.1':
         "drop the flag")
     assert parsed(*moe, '--moe-permutation-async-comm').startswith(
         "MindSpeed: --moe-permutation-async-comm wraps Megatron-Core's MoEAllGatherTokenDispatcher.token_dispatch")
+    assert parsed(*moe, '--moe-fb-overlap') == (
+        "MindSpeed: --moe-fb-overlap runs Megatron-Core's combined 1F1B schedule, which Megatron-Core 0.12.1 lacks: "
+        "use Megatron-LM core_v0.16.1, or drop the flag")
 # Megatron-LM's own --optimizer muon / dist_muon (core_v0.16 on): the matrix's one-line refusal
 if megatron_version() != '0.12.1':
     for kind in ('muon', 'dist_muon'):
