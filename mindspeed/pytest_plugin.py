@@ -12,6 +12,7 @@ saying how many it needs.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import importlib.util
 import os
@@ -136,8 +137,27 @@ def _world_size() -> int:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    threads = thread_count()
     yield
     release_test_instance(item)
+    if threads is not None and thread_count() > threads:
+        # a failed test's traceback is a reference cycle (its frames, pytest's excinfo) that holds
+        # the test's models and their process groups, destroyed or not; a group's gloo threads live
+        # until the cycle is collected, and a full collection may come only thousands of tests later.
+        # pytest also keeps the last failure for a post-mortem (sys.last_*), which holds the same frames
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+        gc.collect()
+
+
+def thread_count() -> int | None:
+    """This process's threads (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def release_test_instance(item) -> None:
