@@ -164,6 +164,10 @@ class MegatronLMHooks:
             if int(os.environ.get("RANK", "0")) == 0:
                 log.warning("MindSpeed: --distributed-backend %s -> %s (device %s)", given, wanted, device)
             args.distributed_backend = wanted
+        if args.use_torch_fsdp2 and device == "cpu":
+            # Megatron-LM asserts this CUDA knob is not 1 under FSDP2 (the CPU shim sets 1 for its TP/CP
+            # assert, which FSDP2 runs skip); meaningless on CPU, restored by unadapt() with the shim's
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "2"
         if args.transformer_impl == "transformer_engine" and not _transformer_engine_present():
             self._refuse("--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is "
                          "not installed; use --transformer-impl local (MindSpeed's fused kernels plug into it)")
@@ -196,6 +200,9 @@ class MegatronLMHooks:
                     setattr(args, dest, value)
 
     def _after_megatron(self, args) -> None:
+        if args.use_torch_fsdp2 and self.session.plan.device == "cpu" and hasattr(args, "high_priority_stream_groups"):
+            # core_v0.16 gives FSDP2's dp_cp group high-priority CUDA streams, whose NCCL options a CPU torch lacks
+            args.high_priority_stream_groups = [g for g in args.high_priority_stream_groups if g != "dp_cp"]
         try:
             p = plan(args)
         except MindSpeedConfigError as exc:
