@@ -4,8 +4,8 @@ default stream's. torch ops and gloo's collectives release the GIL, so a collect
 overlaps the host's compute for real.
 
 `submit(fn, *args)` returns a Future; the caller waits for it where the work's results are needed
-(the stream's events). `intervals` (when recording) holds (label, start, end) of each piece of work
-on either side, in time.perf_counter seconds, for the benchmark's hidden-time count.
+(the stream's events). `intervals` (when recording) holds (label, start, end, thread id) of each piece of
+work on either side, in time.perf_counter seconds, for the benchmark's hidden-time count.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class SideStream:
     def __init__(self, name: str = "side"):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mindspeed-{name}")
         self.recording = False
-        self.intervals: list[tuple[str, float, float]] = []
+        self.intervals: list[tuple[str, float, float, int]] = []
         self._lock = threading.Lock()
 
     def submit(self, fn, *args, label: str = "side"):
@@ -40,7 +40,7 @@ class SideStream:
             return fn(*args)
         finally:
             with self._lock:
-                self.intervals.append((label, start, time.perf_counter()))
+                self.intervals.append((label, start, time.perf_counter(), threading.get_ident()))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -50,8 +50,8 @@ def hidden_seconds(intervals, side_labels) -> float:
     """Seconds of the intervals labelled in `side_labels` (work on the side stream) that lie under the
     other intervals (the host's compute): what the overlap hid. Each side's intervals are disjoint
     (one thread each); a two-pointer sweep over both, in start order."""
-    side = sorted((a, b) for label, a, b in intervals if label in side_labels)
-    host = sorted((a, b) for label, a, b in intervals if label not in side_labels)
+    side = sorted((a, b) for label, a, b, *_ in intervals if label in side_labels)
+    host = sorted((a, b) for label, a, b, *_ in intervals if label not in side_labels)
     hidden, j = 0.0, 0
     for a, b in side:
         while j < len(host) and host[j][1] <= a:

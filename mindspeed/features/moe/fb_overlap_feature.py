@@ -50,6 +50,7 @@ class MoeFbOverlap(Feature):
     example = ("--moe-fb-overlap", "--num-experts", "4", "--expert-model-parallel-size", "2")
     example_world = 2
     inert_example = ("--moe-fb-overlap", "--num-experts", "4")
+    before_host_checks = True          # Megatron-LM's args show its own flag on, as its forward_step needs
     inert_host_flags = {"moe_fb_overlap": False, "overlap_moe_expert_parallel_comm": False,
                         "delay_wgrad_compute": False}
 
@@ -69,6 +70,8 @@ class MoeFbOverlap(Feature):
         if not self._overlap_on(args):
             raise FeatureConfigError("--delay-wgrad-compute needs --moe-fb-overlap (or --overlap-moe-expert-"
                                      "parallel-comm): it defers weight gradients inside the overlapped schedule")
+        if self.inert(args):                # Megatron-LM's early pass (before_host_checks) sees EP 1 too
+            return
         name = self.trigger(args)
         if args.backend != "mindspore" and _megatron_lacks(COMBINED_1F1B):
             raise FeatureConfigError(f"{name} runs Megatron-Core's combined 1F1B schedule, which Megatron-Core "
