@@ -178,6 +178,9 @@ UNINSTALLABLE = {
         "needs emerging-optimizers (Megatron-Core's Muon and layer-wise optimizers), whose one release "
         "requires Python >= 3.12 (this is Python 3.11): a user here loses --optimizer muon / dist_muon, "
         "which MindSpeed refuses in one line"),
+    "MambaSSM is not installed": (
+        "needs mamba-ssm (Megatron-Core's Mamba layers), whose selective-scan kernels are CUDA-only (it "
+        "builds only against CUDA): a user here loses Megatron's Mamba and hybrid models"),
 }
 
 

@@ -67,9 +67,9 @@ def pytest_load_initial_conftests(early_config, parser, args):
     # TESpecProvider to stand in for (their TE spec names TE's modules directly)
     if state.plan.backend == "torch" and importlib.util.find_spec(TE_SPEC_PROVIDERS) is not None:
         # imported here, not at the top: the module imports Megatron, which the adaptor must patch first
-        from mindspeed.backends.torch.te_spec_standin import apply_bert_te_spec_standin, apply_te_spec_standin
+        from mindspeed.backends.torch.te_spec_standin import apply_te_spec_function_standins, apply_te_spec_standin
         apply_te_spec_standin(state.patcher)
-        apply_bert_te_spec_standin(state.patcher)
+        apply_te_spec_function_standins(state.patcher)
     if state.plan.backend == "torch" and importlib.util.find_spec("grouped_gemm") is None:
         # Megatron's MoE tests build GroupedMLP directly (no --moe-grouped-gemm to enable the feature)
         from mindspeed.features.fused.grouped_gemm import provide_grouped_gemm_package

@@ -286,4 +286,7 @@ def test_a_package_this_python_cannot_install_is_a_skip_by_reason():
     reason = uninstallable_package("AssertionError: Emerging Optimizers is not installed.")
     assert reason.startswith("MindSpeed skip list: needs emerging-optimizers") and "Python >= 3.12" in reason
     assert uninstallable_package("AssertionError: Grouped GEMM is not available.") is None
+    # Megatron's Mamba tests: mamba-ssm's kernels build only against CUDA
+    mamba = uninstallable_package("ImportError: MambaSSM is not installed. Please install it with `pip install mamba-ssm`.")
+    assert mamba.startswith("MindSpeed skip list: needs mamba-ssm") and "CUDA-only" in mamba
     assert sys.version_info < (3, 12), "emerging-optimizers installs on this Python: lift the entry"

@@ -103,19 +103,23 @@ def test_te_decoder_block_spec_gets_the_local_norm_and_mla_a_linear(adapted):
     assert mla.submodules.self_attention.submodules.linear_q_down_proj is ColumnParallelLinear
 
 
-def test_bert_te_spec_builds_from_local_modules_and_its_projection_checkpoints_without_metadata(adapted):
-    """BERT's TE spec names TE's modules itself and raises without TE (its test modules build it at
+def test_bert_and_t5_te_specs_build_from_local_modules_and_the_projection_checkpoints_without_metadata(adapted):
+    """BERT's (and T5's) TE spec names TE's modules itself and raises without TE (its test modules build it at
     import); the stand-in runs Megatron's function with the stand-ins bound. The fused projection fills
     in the data-parallel group a caller's checkpoint metadata lacks, as TE's does."""
     from megatron.core.models.bert import bert_layer_specs
-    from mindspeed.backends.torch.te_spec_standin import TelessDotProductAttention, apply_bert_te_spec_standin
-    assert apply_bert_te_spec_standin(adapted.patcher)
+    from mindspeed.backends.torch.te_spec_standin import TelessDotProductAttention, apply_te_spec_function_standins
+    assert apply_te_spec_function_standins(adapted.patcher) == 3      # BERT's, T5's encoder and decoder
     spec = bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
     assert not bert_layer_specs.HAVE_TE        # Megatron still finds TE absent
     layer = TransformerLayer(_config(), spec.submodules)
     assert isinstance(layer.self_attention.linear_qkv, LayerNormColumnParallelLinear)
     assert isinstance(layer.mlp.linear_fc1, LayerNormColumnParallelLinear)
     assert isinstance(layer.self_attention.core_attention, TelessDotProductAttention)
+    from megatron.core.models.T5 import t5_spec
+    decoder = TransformerLayer(_config(), t5_spec.decoder_model_with_transformer_engine_default_spec().submodules)
+    assert isinstance(decoder.pre_cross_attn_layernorm, torch.nn.LayerNorm)      # TENorm: the local norm
+    assert isinstance(decoder.cross_attention.core_attention, TelessDotProductAttention)
     sharded = layer.mlp.linear_fc1.sharded_state_dict(prefix="fc1.", metadata={})
     assert {"fc1.weight", "fc1.layer_norm_weight"} <= set(sharded)
     mindspeed.unadapt()

@@ -10,12 +10,12 @@ training refuses `--transformer-impl transformer_engine` without TE instead (meg
 """
 from __future__ import annotations
 
+import importlib
 import types
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.bert import bert_layer_specs
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -23,6 +23,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 GPT_LAYER_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 BERT_LAYER_SPECS = "megatron.core.models.bert.bert_layer_specs"
+T5_SPEC = "megatron.core.models.T5.t5_spec"
 
 
 class LayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -99,19 +100,36 @@ class TelessDotProductAttention(DotProductAttention):
     local one wants the local attention backend; TE's takes any, with the mask TE's version needs)."""
 
 
-def _bert_te_spec_from_local_modules(original):
-    """BERT's TE spec names TE's modules in its own globals (no provider to stand in for) and raises
-    without TE: Megatron's own function runs with those names bound to the stand-ins instead."""
+def _te_spec_from_local_modules(original):
+    """BERT's and T5's TE specs name TE's modules in their own module's globals (no provider to stand
+    in for) and raise or fail without TE: Megatron's own function runs with those names bound to the
+    stand-ins instead (the norm: the module's local-spec norm)."""
+    module_globals = original.__globals__
     standins = {"HAVE_TE": True, "TELayerNormColumnParallelLinear": LayerNormColumnParallelLinear,
-                "TEDotProductAttention": TelessDotProductAttention, "TERowParallelLinear": RowParallelLinear}
-    return types.FunctionType(original.__code__, {**original.__globals__, **standins}, original.__name__)
+                "TEDotProductAttention": TelessDotProductAttention, "TERowParallelLinear": RowParallelLinear,
+                "TEColumnParallelLinear": ColumnParallelLinear,
+                "TENorm": module_globals.get("LNImpl", gpt_layer_specs.LNImpl)}
+    return types.FunctionType(original.__code__, {**module_globals, **standins}, original.__name__,
+                              original.__defaults__)
 
 
-def apply_bert_te_spec_standin(patcher) -> bool:
-    """Megatron's BERT TE layer spec from the local modules (as the GPT one above) when Transformer
-    Engine is absent; its test modules build it at import. True if it was bound."""
-    if bert_layer_specs.HAVE_TE:
-        return False
-    patcher.wrap(f"{BERT_LAYER_SPECS}.get_bert_layer_with_transformer_engine_spec", _bert_te_spec_from_local_modules,
-                 reason="Transformer Engine absent: BERT's TE layer spec from Megatron's local modules")
-    return True
+#: Megatron's TE spec functions that read TE's module names from their module's globals
+TE_SPEC_FUNCTIONS = {
+    BERT_LAYER_SPECS: ("get_bert_layer_with_transformer_engine_spec",),
+    T5_SPEC: ("encoder_model_with_transformer_engine_default_spec", "decoder_model_with_transformer_engine_default_spec"),
+}
+
+
+def apply_te_spec_function_standins(patcher) -> int:
+    """Megatron's BERT and T5 TE layer specs from the local modules (as the GPT one above) when
+    Transformer Engine is absent; their test modules build them at import. The count bound."""
+    bound = 0
+    for module_name, functions in TE_SPEC_FUNCTIONS.items():
+        module = importlib.import_module(module_name)
+        if module.HAVE_TE:
+            continue
+        for name in functions:
+            patcher.wrap(f"{module_name}.{name}", _te_spec_from_local_modules,
+                         reason="Transformer Engine absent: its TE layer spec from Megatron's local modules")
+            bound += 1
+    return bound
