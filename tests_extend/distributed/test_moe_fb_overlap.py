@@ -5,6 +5,7 @@ dropout, 2 MoE layers, 2 micro-batches a step:
 * the all-to-all nodes really ran on the side stream's worker thread, beside the other micro-batch's
   compute: every MoE layer's dispatch and combine, forward and backward, every step, and part of
   their time under the host thread's compute (recorded intervals); without the flag nothing ran there;
+* unadapt() gives back every object the hook patched;
 * the run's step-10 checkpoint resumes under the flag bit for bit, and loads without the flag
   (the plain schedule), training on within 1e-5.
 The refusals: tests_extend/unit/test_moe_fb_overlap_flags.py. Interleaved PP (4 processes):
@@ -43,6 +44,7 @@ def _train(rank, tmp, name, flags, layout=EP2, base=TINY):
     loss_file = os.path.join(tmp, name + ".jsonl")
     next_rendezvous(rank, loss_file + ".port")
     args = parse_args(base + layout + flags + ["--log-loss-file", loss_file])
+    originals = _patched_originals()
     session = mindspeed.adapt(args)
     side = session.backend.device.side_stream()
     side.recording, side.intervals[:] = True, []
@@ -54,9 +56,21 @@ def _train(rank, tmp, name, flags, layout=EP2, base=TINY):
     from mindspeed.backends.torch.side_stream import hidden_seconds
     comm = [i for i in side.intervals if i[0] in COMM_NODES]
     losses = [json.loads(line)["lm_loss"] for line in open(loss_file)] if rank == 0 else None
-    return {"losses": losses, "comm": sorted({i[0] for i in comm}), "comm_count": len(comm),
+    return {"losses": losses, "restored": _patched_originals() == originals, "comm": sorted({i[0] for i in comm}), "comm_count": len(comm),
             "host_thread": threading.get_ident() in {i[3] for i in comm}, "hidden": hidden_seconds(side.intervals, COMM_NODES),
             "comm_seconds": sum(i[2] - i[1] for i in comm)}
+
+
+def _patched_originals():
+    """What the hook patches (fb_overlap.install), as stored on their owners."""
+    import torch
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerLayerSchedulePlan
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    return [ScheduleNode.__dict__["_forward"], ScheduleNode.__dict__["_backward"],
+            TransformerLayerSchedulePlan.__dict__["run"], TransformerConfig.__dict__["__init__"],
+            TransformerConfig.__dict__["__post_init__"], MLATransformerConfig.__dict__["__init__"],
+            torch.Tensor.record_stream, torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop]
 
 
 def _all_runs(rank, world_size, tmp):
@@ -94,6 +108,7 @@ def test_all_to_alls_ran_on_the_side_stream_under_compute(runs):
         assert fb["comm_count"] == STEPS * 2 * 2 * 4
         assert 0 < fb["hidden"] <= fb["comm_seconds"]
         assert runs[rank]["plain"]["comm_count"] == 0 and runs[rank]["plain"]["hidden"] == 0
+        assert fb["restored"]        # unadapt() gave Megatron and torch their own objects back
 
 
 def test_checkpoint_resumes_bit_for_bit_and_loads_without_the_flag(runs):
