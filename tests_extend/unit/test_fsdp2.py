@@ -1,10 +1,15 @@
 """--use-torch-fsdp2 (features/parallel/fsdp2.py): Megatron-LM's refusals and upstream's YAML keys in
 process; then one 2-process spawn (fsdp2_workers.fsdp2_against_ddp): 20 fp32 updates against DDP, the
 shards each rank holds, a torch_dist save resumed under FSDP2 and loaded into the plain layout."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from mindspeed.adaptor_core import MindSpeedConfigError, plan
+from mindspeed.net import free_port
 from tests_extend.unit import fsdp2_workers as worker
 
 ON = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
@@ -90,3 +95,30 @@ def test_checkpoint_resumes_bit_for_bit_and_loads_into_the_plain_layout(report):
         assert rank["resumed_fsdp2"] == {"iteration": worker.SAVE_AT, "losses": continued}
         assert rank["resumed_plain"]["iteration"] == worker.SAVE_AT
         np.testing.assert_allclose(rank["resumed_plain"]["losses"], continued, rtol=1e-5)
+
+
+# -- the launchers (two more 2-process launches: MINDSPEED_SLOW_TESTS=1 runs them) ----------------------
+SLOW = pytest.mark.skipif(not os.environ.get("MINDSPEED_SLOW_TESTS"),
+                          reason="CI time budget: MINDSPEED_SLOW_TESTS=1 runs the launchers with the flag")
+
+
+@SLOW
+def test_megatron_lm_pretrain_gpt_trains_with_it(tmp_path_factory):
+    from tests_extend.system import megatron_lm_kit as kit
+    checkout = kit.checkout_or_skip("0.16.1", tmp_path_factory)
+    # Megatron-LM's own rule for --use-torch-fsdp2: gradient accumulation fusion (its default) off
+    result = kit.launch(checkout, 2, ON + ["--no-gradient-accumulation-fusion"], {"MOCK_DATA": "1", "TRAIN_ITERS": "4"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch-fsdp2" in kit.mindspeed_features(result.stdout)
+    assert sorted(kit.losses(result.stdout)) == [1, 2, 3, 4]
+
+
+@SLOW
+def test_train_distributed_sh_trains_and_saves_with_it(tmp_path):
+    from tests_extend.system import megatron_lm_kit as kit
+    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(free_port()), NPUS_PER_NODE="2", TP="1", FUSED="0",
+               MOCK_DATA="1", CKPT_DIR=str(tmp_path), SAVE_INTERVAL="2", **dict(kit.TINY, TRAIN_ITERS="4"))
+    result = subprocess.run(["bash", kit.SCRIPT, *ON], cwd=kit.ROOT, env=env, capture_output=True, text=True,
+                            timeout=420)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "features: torch-fsdp2" in result.stdout and "saved checkpoint at iteration 4" in result.stdout
