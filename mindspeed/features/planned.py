@@ -51,7 +51,7 @@ planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer siz
         value("--hccl-ep-group-buffer-adaptive-factor", float))
 planned("automated-pipeline", PARALLEL, "not scheduled", "automated pipeline memory balancing",
         on("--automated-pipeline"), on("--automated-pipeline-perf"))
-planned("tp-2d", PARALLEL, "not scheduled", "2-D tensor parallelism",
+planned("tp-2d", PARALLEL, "scheduled", "2-D tensor parallelism",
         on("--tp-2d"), value("--tp-x", int), value("--tp-y", int))
 planned("multiparameter-pipeline", PARALLEL, "not scheduled", "pipeline stages passing several tensors",
         on("--use-multiparameter-pipeline-model-parallel"))
