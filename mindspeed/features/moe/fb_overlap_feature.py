@@ -97,7 +97,7 @@ def _layout_refusals(args):
     pp, vpp = args.pipeline_model_parallel_size or 1, args.num_layers_per_virtual_pipeline_stage
     # DualPipeV (another schedule) would have to run the combined nodes itself
     yield ("does not combine with --schedules-method dualpipev yet: drop one"
-           if getattr(args, "schedules_method", None) == "dualpipev" else "")
+           if args.schedules_method == "dualpipev" else "")
     yield (f"at --pipeline-model-parallel-size {pp} needs the interleaved schedule "
            "(--num-layers-per-virtual-pipeline-stage): plain 1F1B has no second micro-batch to overlap with"
            if pp > 1 and not vpp and not getattr(args, "num_virtual_stages_per_pipeline_rank", None) else "")
@@ -112,7 +112,7 @@ def _layout_refusals(args):
     for other in ("--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"):
         yield (f"does not combine with {other} (both wrap the MoE layer's all-to-alls): drop one"
                if getattr(args, other[2:].replace("-", "_"), False) else "")
-    mtp = getattr(args, "mtp_num_layers", None) or 0
+    mtp = args.mtp_num_layers or 0
     yield ("runs with at most one MTP layer, and that one only at --pipeline-model-parallel-size > 1 "
            "(Megatron-Core's combined 1F1B)" if mtp > 1 or (mtp == 1 and pp == 1) else "")
     yield ("supports dropless MoE only: drop --moe-expert-capacity-factor"

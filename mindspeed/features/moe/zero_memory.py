@@ -57,7 +57,7 @@ class MoeZeroMemory(Feature):
 
     def validate(self, args) -> None:
         level, n, total = args.moe_zero_memory, args.moe_zero_memory_num_layers, args.num_layers
-        fb_overlap = getattr(args, "moe_fb_overlap", False)
+        fb_overlap = args.moe_fb_overlap
         if not (args.moe_alltoall_overlap_comm or fb_overlap):
             raise FeatureConfigError(f"--moe-zero-memory {level} recomputes under the overlapped all-to-alls: "
                                      "add --moe-alltoall-overlap-comm (or --moe-fb-overlap), as upstream")
