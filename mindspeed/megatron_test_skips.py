@@ -113,6 +113,8 @@ TOO_LARGE: dict[str, str] = {
 _SHARD_FACTOR = "Data parallel size should be divisible by partial DistOpt shard factor"
 # HyperCommGrid's "Grid shape [2, 1, 1, 4] is over sized with world size 1 and rank offset 0"
 _GRID = re.compile(r"Grid shape \[([\d, ]+)\] is over sized with world size (\d+)")
+# gloo's "ProcessGroupGloo::broadcast: invalid root rank: 6" (a test's source rank, for 8 GPUs)
+_ROOT = re.compile(r"ProcessGroupGloo::\w+: invalid root rank: (\d+)")
 # parallel_state's "world_size (1) is not divisible by 8" and "... by <name> size (8)"
 _DIVISIBLE = re.compile(r"world_size \((\d+)\) is not divisible by (?:[\w-]+ size \()?(\d+)")
 
@@ -138,6 +140,11 @@ def more_ranks_needed(message: str, world_size: int) -> str | None:
         return (f"needs a data-parallel size that is a multiple of its distributed-optimizer instances, more "
                 f"processes than the run's {world_size}: torchrun --nproc_per_node 2 (or a multiple of the "
                 f"instances) -m pytest -p mindspeed.pytest_plugin ...")
+    root = _ROOT.search(message)          # a collective from a rank this world lacks
+    if root is not None and int(root.group(1)) >= world_size:
+        need = int(root.group(1)) + 1
+        return (f"needs at least {need} processes (a collective from rank {need - 1}), the run has {world_size}: "
+                f"torchrun --nproc_per_node {need} (or more) -m pytest -p mindspeed.pytest_plugin ...")
     grid = _GRID.search(message)          # HyperCommGrid: its shape's product is the ranks it spans
     if grid is not None and int(grid.group(2)) == world_size:
         return ranks_advice(math.prod(int(n) for n in grid.group(1).split(",")), world_size)

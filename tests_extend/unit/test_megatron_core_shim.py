@@ -100,6 +100,10 @@ def test_a_test_needing_more_ranks_is_told_how_to_run():
     grid = "RuntimeError: Grid shape [2, 1, 1, 4] is over sized with world size 1 and rank offset 0"
     assert "torchrun --nproc_per_node 8" in more_ranks_needed(grid, 1)
     assert more_ranks_needed(grid, 2) is None
+    # gloo's broadcast from a rank the world lacks (dist_checkpointing/test_fp8.py's source rank 6)
+    root = "RuntimeError: ProcessGroupGloo::broadcast: invalid root rank: 6"
+    assert more_ranks_needed(root, 1).startswith("needs at least 7 processes (a collective from rank 6)")
+    assert more_ranks_needed(root, 8) is None
     shards = "AssertionError: Data parallel size should be divisible by partial DistOpt shard factor"
     assert "torchrun --nproc_per_node 2" in more_ranks_needed(shards, 1)
 
@@ -261,6 +265,9 @@ def test_a_test_modules_te_imports_get_a_stand_in_that_megatron_never_sees():
     reason = te_name_used(type(used.value).__name__, str(used.value))
     assert reason.startswith("MindSpeed: needs Transformer Engine (transformer_engine.pytorch.LayerNorm)")
     assert te_name_used("AssertionError", "x") is None
+    # `isinstance(t, Float8Tensor)` (dist_checkpointing/test_fp8.py): False, not a TypeError
+    assert not isinstance(torch.zeros(1), namespace["te"].pytorch.Float8Tensor)
+    assert not issubclass(torch.Tensor, namespace["te"].pytorch.Float8Tensor)
     with pytest.raises(ModuleNotFoundError):                  # other imports: Python's own answer
         exec("import not_a_module_anywhere", {"__builtins__": test_module_builtins()})
 

@@ -44,6 +44,12 @@ class _Placeholder:
             return _unsupported            # TE's capability probes: FP8 / MXFP8 / block scaling
         return _Placeholder(f"{self._name}.{attr}")
 
+    def __instancecheck__(self, obj):
+        return False      # `isinstance(t, Float8Tensor)`: nothing is an instance of an absent TE class
+
+    def __subclasscheck__(self, cls):
+        return False
+
     def __mro_entries__(self, bases):
         raise TransformerEngineAbsent(f"subclassing {self._name}: {ABSENT}")
 
