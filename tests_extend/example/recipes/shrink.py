@@ -32,10 +32,12 @@ PARALLEL = {"llama3": {"--tensor-model-parallel-size": 2}, "llama31": {"--tensor
             "qwen25": {"--tensor-model-parallel-size": 2}, "qwen3": {"--pipeline-model-parallel-size": 2},
             "qwen3_moe": {"--expert-model-parallel-size": 2}, "mixtral": {"--tensor-model-parallel-size": 2},
             "deepseek3": {"--expert-model-parallel-size": 2}, "deepseek3_2_1_0": {"--expert-model-parallel-size": 2}}
-# options of a recipe the built-in trainer refuses (in one line, naming what to do instead) until the work
-# named here lands; `shrink(..., runnable=True)` leaves them out so the rest of the recipe trains
-NOT_YET = {"--schedules-method": "DualPipeV (scheduled)", "--moe-fb-overlap": "MoE forward/backward overlap (scheduled)",
-           "--coc-fused-kernel": "CoC's fused kernel (scheduled)"}
+# options of a recipe the built-in trainer refuses in this shrunk layout (in one line, naming what to do
+# instead): DualPipeV needs PP >= 2 and no MTP, and does not combine with --moe-fb-overlap yet; CoC's fused
+# kernel is Ascend's. `shrink(..., runnable=True)` leaves them out so the rest of the recipe trains
+NOT_YET = {"--schedules-method": "DualPipeV (at PP >= 2, without MTP and without --moe-fb-overlap)",
+           "--moe-fb-overlap": "MoE forward/backward overlap (not with DualPipeV yet)",
+           "--coc-fused-kernel": "CoC's fused kernel (Ascend's)"}
 # options that need a Hugging Face model at --load, which the runs here do not have: left out of the runnable
 # form too (the torch trainer converts it then: tests_extend/unit/test_convert_legacy.py)
 NEEDS_HF_MODEL = {"--enable-hf2mg-convert": "the run converts the Hugging Face model --load names"}
