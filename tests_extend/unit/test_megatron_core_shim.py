@@ -140,9 +140,10 @@ def test_a_test_too_large_for_a_cpu_run_is_not_run():
 def test_a_cuda_machine_without_apex_or_te_builds_torch_norms_under_megatron_lm_defaults():
     """Megatron-LM's defaults (persist_layer_norm) and sequence parallelism are Apex/TE choices that
     Megatron-Core's torch norm refuses; the cuda shim patches that norm and nothing else (but multi-latent
-    attention's TE-less stand-in, which every device gets)."""
+    attention's TE-less stand-in and torch's checkpoint-writer argument, which every device gets)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from mindspeed.backends.torch.dist_ckpt_write_item import WRITER
     from mindspeed.backends.torch.megatron_shim import apply_device_shim
     from mindspeed.backends.torch.mla_standin import PATCH_TARGETS
     from mindspeed.patching import PatchManager
@@ -156,7 +157,7 @@ def test_a_cuda_machine_without_apex_or_te_builds_torch_norms_under_megatron_lm_
     try:
         norm_patch, *others = [p.target for p in patcher.applied()]
         assert norm_patch == "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"
-        assert set(others) <= set(PATCH_TARGETS)
+        assert set(others) <= {*PATCH_TARGETS, f"{WRITER}._write_item"}
         norm = WrappedTorchNorm(config, 8)
         assert isinstance(norm, torch.nn.LayerNorm)
         assert all(p.sequence_parallel for p in norm.parameters())   # their grads are all-reduced over TP
