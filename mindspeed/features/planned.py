@@ -57,8 +57,6 @@ planned("multiparameter-pipeline", PARALLEL, "not scheduled", "pipeline stages p
         on("--use-multiparameter-pipeline-model-parallel"))
 planned("ascend-mc2", FUSED, "not scheduled", "Ascend MC2 fused matmul + collective", on("--use-ascend-mc2"))
 planned("fusion-attn-v2", FUSED, "not scheduled", "fusion attention v2 (Ascend)", on("--use-fusion-attn-v2"))
-planned("moe-allgather-overlap-comm", MOE, "not scheduled", "MoE allgather dispatcher overlap",
-        on("--moe-allgather-overlap-comm"))
 planned("moe-bmm-mc2", MOE, "not scheduled", "MoE batched matmul fused with communication (Ascend)",
         on("--moe-bmm-mc2"))
 planned("deepspeed-moe", MOE, "not scheduled", "DeepSpeed-style MoE (token rearrange, dropless)",

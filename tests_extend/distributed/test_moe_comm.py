@@ -1,4 +1,5 @@
-"""--moe-tp-extend-ep, --moe-alltoall-overlap-comm, --moe-permutation-async-comm on 2 gloo
+"""--moe-tp-extend-ep, --moe-alltoall-overlap-comm, --moe-allgather-overlap-comm,
+--moe-permutation-async-comm on 2 gloo
 processes (one spawn for every check, CI time):
 
 * one Megatron-Core MoELayer (4 experts, top-2, SwiGLU) loaded from the same full weights in each
@@ -13,6 +14,8 @@ processes (one spawn for every check, CI time):
 * the overlap's gradient all-to-alls start in one order on both ranks, every step, and that order
   is held by graph edges (a different order on two ranks would pair wrong messages);
 * unadapt() gives Megatron its own methods back;
+* --moe-allgather-overlap-comm: the allgather dispatcher's path bit for bit (losses, output, input and
+  every gradient, 20 steps), its gathers and reduce-scatters in flight while experts compute;
 * --moe-zero-memory level0/level1 on the overlap: bitwise the overlap alone, every recompute under a
   gradient all-to-all, the activations it frees;
 * the built-in trainer at EP 2 (2 layers) with the overlap flags, shared experts and --moe-zero-memory
@@ -34,6 +37,7 @@ CASES = {
     "overlap": (["--moe-alltoall-overlap-comm"], 1, 2, "alltoall", {}),
     "overlap/shared": (["--moe-alltoall-overlap-comm"], 1, 2, "alltoall", dict(shared=True, shared_overlap=True)),
     "async/allgather": (["--moe-permutation-async-comm"], 1, 2, "allgather", {}),
+    "overlap/allgather": (["--moe-allgather-overlap-comm"], 1, 2, "allgather", {}),
     "async/alltoall": (["--moe-permutation-async-comm"], 1, 2, "alltoall", {}),
     "extend+overlap+async": (["--moe-tp-extend-ep", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"],
                              2, 1, "alltoall", {}),
@@ -41,6 +45,7 @@ CASES = {
     "overlap/zero-memory-level1": (["--moe-alltoall-overlap-comm", "--moe-zero-memory", "level1"], 1, 2, "alltoall", {}),
 }
 ZERO_MEMORY = ("overlap/zero-memory-level0", "overlap/zero-memory-level1")
+BITWISE_PLAIN = ("overlap/allgather",)      # the same bits as its plain reference (allgather_overlap.py: top-2)
 TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
          "--train-iters", "3", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
@@ -166,6 +171,8 @@ def _body(rank, world_size, tmp):
         if name in ZERO_MEMORY:          # against the overlap alone: the recompute must not change a bit
             overlap = got["overlap"][1]
             out[name]["bitwise"] = {k: _bitwise(g[k], overlap[k]) for k in ("losses", "y", "dx", "grads")}
+        if name in BITWISE_PLAIN:
+            out[name]["bitwise"] = {k: _bitwise(g[k], ref[k]) for k in ("losses", "y", "dx", "grads")}
     out["layer-seconds"] = time.monotonic() - t0
     out["cpu-layers"] = time.process_time()
     from megatron.core import parallel_state
@@ -223,7 +230,10 @@ def test_extended_layout_has_whole_experts_over_tp(runs, case):
 PER_STEP = {"extend/alltoall": (0, 0, 0, 0), "extend/allgather": (0, 0, 0, 0), "overlap": (6, 2, 6, 2),
             "overlap/shared": (6, 3, 6, 2), "async/allgather": (3, 1, 0, 0), "async/alltoall": (2, 0, 0, 0),
             "extend+overlap+async": (6, 2, 6, 2), "overlap/zero-memory-level0": (6, 2, 6, 2),
-            "overlap/zero-memory-level1": (6, 2, 6, 2)}
+            "overlap/zero-memory-level1": (6, 2, 6, 2),
+            # per local expert (2): its tokens' and probs' gathers and its outputs' reduce-scatter; expert 0
+            # under expert 1's gathers, expert 1 under expert 0's reduce-scatter; backward synchronous
+            "overlap/allgather": (6, 2, 0, 0)}
 EXPECTED = {case: tuple(n * STEPS for n in per_step) for case, per_step in PER_STEP.items()}
 # the gradient all-to-alls' start order (chunked_alltoall.py): the same on every rank, every step
 BACKWARD_ORDER = ["combine 0", "combine 1", "dispatch 1 tokens", "dispatch 1 probs", "dispatch 0 tokens",
@@ -242,7 +252,13 @@ def test_collectives_ran_async_with_compute_in_between(runs, case):
             assert not any(plain.values()), (key, plain)
 
 
-@pytest.mark.parametrize("case", [c for c in sorted(CASES) if "overlap" in c])
+def test_allgather_overlap_is_bitwise_the_plain_allgather_dispatcher(runs):
+    for rank in (0, 1):
+        r = runs[rank]["overlap/allgather"]
+        assert r["bitwise"] == dict.fromkeys(("losses", "y", "dx", "grads"), True), r["bitwise"]
+
+
+@pytest.mark.parametrize("case", [c for c in sorted(CASES) if "overlap" in c and "allgather" not in c])
 def test_backward_all_to_alls_start_in_one_order_on_every_rank(runs, case):
     orders = [runs[rank][case]["backward_order"] for rank in (0, 1)]
     assert orders[0] == orders[1] and orders[0][-6:] == BACKWARD_ORDER, orders

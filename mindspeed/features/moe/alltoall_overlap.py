@@ -24,10 +24,10 @@ import torch
 
 from mindspeed.features.moe.async_comm import computing
 from mindspeed.features.moe.chunked_alltoall import ChunkedAllToAll
+from mindspeed.features.moe import layer_pipeline
 from mindspeed.features.moe.chunks import CHUNKS, piece
 from mindspeed.features.moe.permutation_async import as_list
 
-LAYER = "megatron.core.transformer.moe.moe_layer.MoELayer"
 WHY = "--moe-alltoall-overlap-comm: alltoall dispatch/combine in chunks overlapped with the experts"
 
 
@@ -67,15 +67,6 @@ def _applies(layer) -> bool:
     return isinstance(d, MoEAlltoAllTokenDispatcher) and d.ep_size > 1 and d.tp_size == 1 and not d.drop_and_pad
 
 
-def _dispatch(original):
-    def dispatch(self, hidden_states, probs):
-        if not _applies(self):
-            return original(self, hidden_states, probs)
-        self._overlap_pending = True        # routed_experts_compute runs dispatch, experts and combine
-        return hidden_states, probs
-    return dispatch
-
-
 def _pipeline(layer, tokens, probs, comm):
     d = layer.token_dispatcher
     d.tokens_per_expert = d._maybe_dtoh_and_synchronize("before_ep_alltoall", d.tokens_per_expert)
@@ -106,26 +97,7 @@ def _pipeline(layer, tokens, probs, comm):
     return torch.cat(a2a.combined(combines)).index_select(0, torch.argsort(torch.cat(picks)))
 
 
-def _routed_experts_compute(original, comm):
-    def routed_experts_compute(self, hidden_states, probs):
-        if not self.__dict__.get("_overlap_pending", False):
-            return original(self, hidden_states, probs)
-        return _pipeline(self, hidden_states, probs, comm), None
-    return routed_experts_compute
-
-
-def _combine(original):
-    def combine(self, output):
-        if not self.__dict__.pop("_overlap_pending", False):
-            return original(self, output)
-        return output                        # already combined, chunk by chunk
-    return combine
-
-
 def install(patcher, backend) -> None:
     """The MoE layer's hooks; the chunks' all-to-alls run on `backend`'s comm (the run's)."""
-    # the support matrix has checked these methods exist (features.MoeComm.megatron_hooks)
-    patcher.wrap(f"{LAYER}.dispatch", _dispatch, reason=WHY)
-    patcher.wrap(f"{LAYER}.routed_experts_compute", functools.partial(_routed_experts_compute, comm=backend.comm),
-                 reason=WHY)
-    patcher.wrap(f"{LAYER}.combine", _combine, reason=WHY)
+    layer_pipeline.install(patcher, _applies, functools.partial(_pipeline, comm=backend.comm), WHY,
+                           pending="_overlap_pending")

@@ -5,6 +5,8 @@
   permutation bookkeeping computed while the tokens travel (permutation_async.py)
 * --moe-alltoall-overlap-comm: alltoall dispatch and combine in chunks, each chunk's all-to-all
   overlapped with the previous chunk's expert compute (alltoall_overlap.py)
+* --moe-allgather-overlap-comm: the allgather dispatcher's gathers and reduce-scatter per local
+  expert, each overlapped with another expert's compute (allgather_overlap.py; torch only)
 
 Megatron-Core's MoE layer on the torch backend. The MindSpore trainer's MoE layer
 (training/mindspore/moe.py) runs them too: --moe-tp-extend-ep as it is (its expert-parallel group
@@ -215,5 +217,50 @@ class MoeAlltoallOverlapComm(_MoeComm):
     def megatron_hook():
         from mindspeed.features.moe import alltoall_overlap
         return alltoall_overlap
+    megatron_hooks = (("megatron.core.transformer.moe.moe_layer", "MoELayer",
+                       ("dispatch", "routed_experts_compute", "combine")),)
+
+
+@register
+class MoeAllgatherOverlapComm(_MoeComm):
+    id = "moe-allgather-overlap-comm"
+    description = ("MoE allgather dispatcher's all-gather and reduce-scatter per local expert, each "
+                   "overlapped with another expert's compute")
+    flags = (switch("--moe-allgather-overlap-comm", "overlap the MoE allgather dispatcher's all-gather and "
+                                                    "reduce-scatter with the experts' compute"),)
+    requires = (Cap.MOE, Cap.ASYNC_COMM, Cap.ALL_GATHER, Cap.REDUCE_SCATTER)
+    backends = ("torch",)
+    unsupported = {"mindspore": "the MindSpore trainer's MoE layer gathers every token for all its experts in one "
+                                "collective and its CPU sub-group all-gather and reduce-scatter are AllReduce "
+                                "emulations (no per-expert pipeline to overlap); drop the flag there"}
+    alternatives = "leave it off: Megatron's allgather dispatcher communicates before and after the experts"
+    example = ("--moe-allgather-overlap-comm", "--moe-token-dispatcher-type", "allgather", "--num-experts", "4",
+               "--expert-model-parallel-size", "2")
+
+    inert_example = ("--moe-allgather-overlap-comm", "--num-experts", "4")
+    inert_host_flags = {"moe_allgather_overlap_comm": False}
+
+    def inert(self, args) -> str:
+        if _tp(args) * _ep(args) < 2:       # whichever dispatcher: none communicates there
+            return "at tensor x expert parallel size 1 the MoE dispatcher gathers nothing"
+        experts = until_given(args, NUM_EXPERTS)
+        if experts and _tp(args) == 1 and experts == _ep(args):
+            return "with one expert per rank there is one chunk: nothing runs while it travels"
+        return ""
+
+    def validate(self, args) -> None:
+        self._common(args)
+        if _dispatcher(args) != "allgather":
+            raise FeatureConfigError("--moe-allgather-overlap-comm needs --moe-token-dispatcher-type allgather "
+                                     "(for alltoall: --moe-alltoall-overlap-comm)")
+        if _tp(args) > 1:
+            raise FeatureConfigError("--moe-allgather-overlap-comm runs at --tensor-model-parallel-size 1 only "
+                                     "(the per-expert chunks are not built for tensor-parallel experts): "
+                                     "use TP 1 with --expert-model-parallel-size, or drop the flag")
+
+    @staticmethod
+    def megatron_hook():
+        from mindspeed.features.moe import allgather_overlap
+        return allgather_overlap
     megatron_hooks = (("megatron.core.transformer.moe.moe_layer", "MoELayer",
                        ("dispatch", "routed_experts_compute", "combine")),)
