@@ -118,7 +118,27 @@ _FLOAT_BAD = st.sampled_from(["abc", "", "1,5", "0.1.2", "one"])
 _PATH = st.sampled_from(PATH_TOKENS)
 
 
+# values for a flag whose type is a parser of its own (--moe-layer-freq's): clean are those it takes
+_PARSED_CANDIDATES = ("1", "2", "-1", "0", "([0]*1+[1]*3)", "[1, 0, 1]", "abc", "_", "1.5", "")
+
+
+def _own_parser(spec: Spec) -> bool:
+    return callable(spec.type) and spec.type not in (str, int, float, list)
+
+
+def _parsed_values(spec: Spec, taken: bool) -> list:
+    def takes(value):
+        try:
+            spec.type(value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError):
+            return False
+        return True
+    return [v for v in _PARSED_CANDIDATES if takes(v) == taken]
+
+
 def _clean_value(spec: Spec):
+    if _own_parser(spec):
+        return st.sampled_from(_parsed_values(spec, taken=True))
     if spec.choices:
         return st.sampled_from([str(c) for c in spec.choices])
     if spec.type is int:
@@ -138,6 +158,8 @@ def _bad_value(spec: Spec):
         return _INT_BAD
     if spec.type is float:
         return _FLOAT_BAD
+    if _own_parser(spec):
+        return st.sampled_from(_parsed_values(spec, taken=False))
     return st.nothing()      # any string is a valid str value
 
 
