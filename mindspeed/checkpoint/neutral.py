@@ -66,7 +66,13 @@ def expert_owner(e: int, num_experts: int, ep_size: int) -> int:
     return e // (num_experts // ep_size)
 
 
-def split_kind(name: str, gated: bool = True) -> str:
+def split_kind(name: str, gated: bool = True, experts_sharded: bool = False) -> str:
+    """experts_sharded: Megatron-Core's expert TP (expert_tensor_parallel_size = TP > 1): each expert's
+    fc1 column-parallel and fc2 row-parallel over TP, split as the dense MLP's; else experts are whole."""
+    if is_expert(name):
+        if not experts_sharded:
+            return "replicated"
+        name = "mlp." + name.rsplit(".", 2)[-2] + ".weight"       # an expert's linear_fc1/fc2: the dense MLP's
     if name.endswith(GATED_SPLIT):
         return "gated" if gated else "row"
     if name.endswith(ROW_SPLIT):
@@ -76,8 +82,9 @@ def split_kind(name: str, gated: bool = True) -> str:
     return "replicated"
 
 
-def shard_for_rank(name: str, full: np.ndarray, tp_rank: int, tp_size: int, gated: bool = True) -> np.ndarray:
-    kind = split_kind(name, gated)
+def shard_for_rank(name: str, full: np.ndarray, tp_rank: int, tp_size: int, gated: bool = True,
+                   experts_sharded: bool = False) -> np.ndarray:
+    kind = split_kind(name, gated, experts_sharded)
     if kind == "replicated" or tp_size == 1:
         return full
     if kind == "gated":
@@ -86,8 +93,8 @@ def shard_for_rank(name: str, full: np.ndarray, tp_rank: int, tp_size: int, gate
     return np.split(full, tp_size, axis=0 if kind == "row" else 1)[tp_rank]
 
 
-def unshard(name: str, shards: list[np.ndarray], gated: bool = True) -> np.ndarray:
-    kind = split_kind(name, gated)
+def unshard(name: str, shards: list[np.ndarray], gated: bool = True, experts_sharded: bool = False) -> np.ndarray:
+    kind = split_kind(name, gated, experts_sharded)
     if kind == "replicated" or len(shards) == 1:
         return shards[0]
     if kind == "gated":

@@ -258,10 +258,18 @@ def _moe_on_mindspore(self, args) -> None:
                   args.pipeline_model_parallel_size or 1)
     extend = bool(args.moe_tp_extend_ep)      # whole experts over TP x EP (moe-tp-extend-ep)
     ep = args.expert_model_parallel_size or 1
-    limits = [((tp > 1 and not extend) or cp > 1,
-               "runs at context parallel size 1, and at tensor parallel size 1 unless "
-               "--moe-tp-extend-ep spreads whole experts over the TP ranks (experts split over the "
-               "data-parallel ranks with --expert-model-parallel-size)"),
+    sharded = tp > 1 and not extend     # every expert split over TP (Megatron-Core's expert TP = TP)
+    limits = [(cp > 1, "runs at context parallel size 1"),
+              (sharded and not args.sequence_parallel,
+               "needs --sequence-parallel at tensor parallel size > 1 (as Megatron-Core's MoE layer in training)"),
+              (sharded and (ep > 1 or pp > 1),
+               "splits every expert over the tensor-parallel ranks at --expert-model-parallel-size 1 and "
+               "--pipeline-model-parallel-size 1 only: drop those, or add --moe-tp-extend-ep (whole experts "
+               "over the TP x EP ranks)"),
+              (sharded and bool(args.moe_shared_expert_intermediate_size or args.moe_token_dispatcher_type == "allgather"),
+               "splits experts over TP with the alltoall dispatcher and no shared experts: drop "
+               "--moe-shared-expert-intermediate-size and --moe-token-dispatcher-type allgather, or add "
+               "--moe-tp-extend-ep"),
               (pp > 1 and (ep > 1 or extend),
                "splits no experts over the ranks of a pipeline stage: at --pipeline-model-parallel-size > 1 "
                "use --expert-model-parallel-size 1 (each stage holds its layers' experts whole)"),

@@ -21,6 +21,8 @@ EXPERTS, TOPK, MOE_FFN, SHARED, AUX = 4, 2, 32, 16, 0.1
 EXPERT_KEY = "mlp.experts.local_experts."
 # the MoE features on the MindSpore trainer, compared with its plain run
 KERNEL_FLAGS = ("--use-fused-moe-token-permute-and-unpermute", "--moe-grouped-gemm", "--moe-shared-expert-overlap")
+# MindSpeed-LLM's mixtral recipe's MoE flags (TP 2 + SP, experts split over TP; the async counts inert at EP 1)
+MIXTRAL_FLAGS = ("--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute", "--moe-permutation-async-comm")
 COMM_FLAGS = ("--moe-alltoall-overlap-comm", "--moe-permutation-async-comm", "--use-fused-moe-token-permute-and-unpermute")
 # Megatron-Core's router options (DeepSeek-V3's noaux_tc: sigmoid scores with the expert bias, node-limited
 # groups, scaled weights, --seq-aux), as flags for the MindSpore trainer (MindSpeed-LLM's spelling) and as the
@@ -34,13 +36,13 @@ ROUTER_FIELDS = dict(moe_router_score_function="sigmoid", moe_router_load_balanc
                      moe_router_enable_expert_bias=True, moe_router_bias_update_rate=BIAS_RATE)
 
 
-def moe_flags(ep: int, shared: bool, tp: int = 1) -> list:
+def moe_flags(ep: int, shared: bool, tp: int = 1, extend: bool = True) -> list:
     """tp > 1: --moe-tp-extend-ep (the experts over the TP x EP ranks; it needs --sequence-parallel,
-    which mp.trainer_argv(tp, True) gives)."""
+    which mp.trainer_argv(tp, True) gives); extend False: every expert split over TP (expert TP = TP)."""
     flags = ["--num-experts", EXPERTS, "--moe-router-topk", TOPK, "--moe-ffn-hidden-size", MOE_FFN,
              "--moe-aux-loss-coeff", AUX, "--expert-model-parallel-size", ep]
     return [str(a) for a in flags + (["--moe-shared-expert-intermediate-size", SHARED] if shared else [])
-            + (["--moe-tp-extend-ep"] if tp > 1 else [])]
+            + (["--moe-tp-extend-ep"] if tp > 1 and extend else [])]
 
 
 def batch(step: int, dp_rank: int):
@@ -73,11 +75,13 @@ def write_init(path: str, shared: bool, seed: int = 7, bf16: bool = False, extra
 
 # -- mindspore side -------------------------------------------------------------------------------
 def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | None = None,
-             steps: int = mp.STEPS, extra: tuple = (), tp: int = 1, resume: bool = False, pp: int = 1) -> dict:
+             steps: int = mp.STEPS, extra: tuple = (), tp: int = 1, resume: bool = False, pp: int = 1,
+             extend: bool = True) -> dict:
     """Load init_ckpt, train `steps` steps (none: evaluate the checkpoint only), optionally save;
     `extra`: more flags (another feature on top of MoE); tp > 1: sequence parallel, --moe-tp-extend-ep;
     resume: init_ckpt's optimizer state too, and on from its iteration; pp > 1: that many pipeline
-    stages (one micro-batch per data-parallel rank and step, as at PP 1)."""
+    stages (one micro-batch per data-parallel rank and step, as at PP 1); extend False at tp > 1: no
+    --moe-tp-extend-ep, each expert split over TP."""
     import mindspeed
     from mindspeed.flags.trainer_flags import parse_args
     from mindspeed.training.mindspore import checkpoint
@@ -85,13 +89,13 @@ def ms_train(backend, ep: int, shared: bool, init_ckpt: str, save_dir: str | Non
     from mindspeed.training.mindspore.parallel import build_parallel_state
     from mindspeed.training.mindspore.trainer import Trainer
     world = backend.comm.world_size()
-    args = parse_args(mp.trainer_argv(tp, tp > 1) + moe_flags(ep, shared, tp)
+    args = parse_args(mp.trainer_argv(tp, tp > 1) + moe_flags(ep, shared, tp, extend)
                       + ["--global-batch-size", str(mp.MBS * world // (tp * pp)),
                          "--pipeline-model-parallel-size", str(pp)] + list(extra), world_size=world)
     args.backend = "mindspore"
     state = mindspeed.adapt(args)       # the support matrix's gate: MoE (and EP) must be accepted here
     try:
-        ps = build_parallel_state(backend.comm, tp, tp > 1, pp_size=pp, ep_size=ep, tp_extend_ep=tp > 1)
+        ps = build_parallel_state(backend.comm, tp, tp > 1, pp_size=pp, ep_size=ep, tp_extend_ep=tp > 1 and extend)
         trainer = Trainer(args, backend, ps, GPTConfig.from_args(args, mp.VOCAB, state.feature_ids), state)
         meta = checkpoint.load(init_ckpt, trainer.model, trainer.optimizer, load_optimizer=resume)
         start = int(meta["iteration"]) if resume else 0
@@ -166,14 +170,16 @@ def _local_name(name: str, ep_rank: int, local: int):
     return f"{head}{EXPERT_KEY}{int(e) - ep_rank * local}.{rest}" if int(e) // local == ep_rank else None
 
 
-def load_into_torch(model, ckpt: str, ep_rank: int, ep: int, tp_rank: int = 0, tp: int = 1) -> None:
+def load_into_torch(model, ckpt: str, ep_rank: int, ep: int, tp_rank: int = 0, tp: int = 1,
+                    expert_tp: bool = False) -> None:
     """ep, ep_rank: the ranks the experts are spread over (TP x EP with --moe-tp-extend-ep); dense
-    weights cut for TP rank tp_rank, experts whole."""
+    weights cut for TP rank tp_rank, experts whole (expert_tp: cut as the dense MLP's too)."""
     import torch
     from mindspeed.checkpoint import neutral as nf
     full, _, _ = nf.load(ckpt)
     local = EXPERTS // ep
-    state = {_local_name(k, ep_rank, local): torch.from_numpy(np.array(nf.shard_for_rank(k, np.asarray(v), tp_rank, tp)))
+    state = {_local_name(k, ep_rank, local): torch.from_numpy(np.array(nf.shard_for_rank(k, np.asarray(v), tp_rank, tp,
+                                                                                 experts_sharded=expert_tp)))
              for k, v in full.items()}
     state.pop(None, None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -197,16 +203,17 @@ def torch_layouts(rank, world_size, layouts):
 
 
 def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None, tp=1,
-                bf16=False, layer_freq=1, router=None):
+                bf16=False, layer_freq=1, router=None, expert_tp=False):
     """Harness body: train; evaluate the result; with save_dir (EP=1) save it as a neutral
     checkpoint; with other_ckpt, load that one into a fresh model and evaluate it too. tp > 1:
     sequence parallel, with MindSpeed's --moe-tp-extend-ep hook (the experts over TP x EP). bf16:
     Megatron's --bf16 (Float16Module's bf16 weights and activations; fp32 main gradients, reduced
-    in fp32, and fp32 masters that AdamW updates, as Float16OptimizerWithFloat16Params)."""
+    in fp32, and fp32 masters that AdamW updates, as Float16OptimizerWithFloat16Params). expert_tp at
+    tp > 1: no hook, Megatron-Core's expert_tensor_parallel_size = TP (each expert split over TP)."""
     import torch
     import mindspeed
     mindspeed.adapt([str(a) for a in ["--moe-tp-extend-ep", "--num-experts", EXPERTS, "--tensor-model-parallel-size",
-                                      tp, "--sequence-parallel"]] if tp > 1 else [])
+                                      tp, "--sequence-parallel"]] if tp > 1 and not expert_tp else [])
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     ps.destroy_model_parallel()
@@ -218,7 +225,7 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     spread = ps.get_expert_model_parallel_world_size()       # ep, or ep x tp extended
     model = build_torch_model(ep, shared, tp, layer_freq, router)
-    load_into_torch(model, init_ckpt, ep_rank, spread, tp_rank, tp)
+    load_into_torch(model, init_ckpt, ep_rank, spread, tp_rank, tp, expert_tp)
     params = list(model.named_parameters())
     forward, updated = model, [p for _, p in params]
     if bf16:
@@ -256,6 +263,8 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
                     dense_sq += float(p.grad.double().square().sum())
         sq, dense = (torch.tensor([v], dtype=torch.float64) for v in (expert_sq, dense_sq))
         torch.distributed.all_reduce(sq, group=ep_group)
+        if expert_tp:        # each expert's TP shards
+            torch.distributed.all_reduce(sq, group=tp_group)
         torch.distributed.all_reduce(dense, group=tp_group)
         norms.append(float((sq + dense).sqrt()))
         coeff = mp.OPT["clip"] / (norms[-1] + 1e-6)
@@ -278,7 +287,7 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
                                   if torch.is_tensor(v) and v.is_floating_point()}, meta={"backend": "torch"})
     if other_ckpt:      # the MindSpore run's final checkpoint, loaded here and evaluated
         fresh = build_torch_model(ep, shared, tp, layer_freq, router)
-        load_into_torch(fresh, other_ckpt, ep_rank, spread, tp_rank, tp)
+        load_into_torch(fresh, other_ckpt, ep_rank, spread, tp_rank, tp, expert_tp)
         result["eval_loss_of_other"] = _eval(fresh, dp_rank, dp_group, dp)
     result["experts"] = sorted({int(n.split(EXPERT_KEY)[1].split(".")[0]) + ep_rank * (EXPERTS // spread)
                                 for n, _ in params if EXPERT_KEY in n})

@@ -2,7 +2,8 @@
 from the initial checkpoint; the trained weights saved (experts gathered from both EP ranks); then
 3 steps with the MoE communication features from the same checkpoint; then TP=2 with sequence
 parallelism and --moe-tp-extend-ep (whole experts over the two TP ranks), saved to SAVE_DIR_TP,
-and 3 steps of it with the MoE communication features; then EP=2 with --bf16 for BF16_STEPS steps
+and 3 steps of it with the MoE communication features; then TP=2 without it (every expert split over
+TP) with the mixtral recipe's MoE flags for TP_SHARDED_STEPS steps, saved to OUT_DIR/TP_SHARDED_CKPT; then EP=2 with --bf16 for BF16_STEPS steps
 from a bf16-representable checkpoint; then EP=2 with --use-distributed-optimizer, saved after
 ZERO_STEPS steps and resumed from there for ZERO_STEPS more, and TP=2 extended with it; then EP=2 with
 the allgather dispatcher for 3 steps; then PP=2
@@ -25,6 +26,8 @@ BF16_STEPS = 10
 ZERO_STEPS = 3
 # MoE at PP=2: the 1F1B stages carry the MoE layers and their load-balancing losses' gradients
 PP_STEPS = 4
+# MoE at TP=2 without --moe-tp-extend-ep (every expert split over TP, mixtral's layout): steps, and where it saves
+TP_SHARDED_STEPS, TP_SHARDED_CKPT = 4, "ckpt_tp_sharded"
 
 
 def zero_runs(backend, out_dir, init_ckpt) -> dict:
@@ -41,7 +44,7 @@ def zero_runs(backend, out_dir, init_ckpt) -> dict:
 
 def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt, shared_init_ckpt, save_dir_pp):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
-    from tests_extend.distributed.mindspore_parity_moe import COMM_FLAGS, ms_train
+    from tests_extend.distributed.mindspore_parity_moe import COMM_FLAGS, MIXTRAL_FLAGS, ms_train
     backend = MindSporeBackend("cpu")
     rank = backend.comm.rank()
     try:
@@ -51,6 +54,9 @@ def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt, shared_init_
                                      "tp2_extend": ms_train(backend, 1, False, init_ckpt, save_dir=save_dir_tp, tp=2),
                                      "tp2_extend_comm": ms_train(backend, 1, False, init_ckpt, steps=3, tp=2,
                                                                  extra=COMM_FLAGS),
+                                     "tp2_sharded": ms_train(backend, 1, False, init_ckpt, steps=TP_SHARDED_STEPS,
+                                                             tp=2, extend=False, extra=MIXTRAL_FLAGS,
+                                                             save_dir=os.path.join(out_dir, TP_SHARDED_CKPT)),
                                      "ep2_allgather": ms_train(backend, 2, False, init_ckpt, steps=3,
                                                                extra=("--moe-token-dispatcher-type", "allgather")),
                                      "ep2_bf16": ms_train(backend, 2, False, bf16_init_ckpt, steps=BF16_STEPS,

@@ -118,10 +118,10 @@ def test_ep1_with_shared_experts_matches_megatron(ckpts, torch_ep1):
 
 @pytest.fixture(scope="module")
 def two_processes(ckpts):
-    """One msrun launch (EP=2, its communication features and the allgather dispatcher, TP=2 extended, EP=2 in
-    bf16, PP=2) and one gloo
-    spawn (Megatron-Core at EP=2, at TP=2 extended, at EP=2 in bf16 and fp32 from the bf16 weights)."""
-    from tests_extend.distributed.mindspore_parity_moe_worker import BF16_STEPS
+    """One msrun launch (EP=2, its communication features and the allgather dispatcher, TP=2 extended, TP=2 with
+    every expert split over TP, EP=2 in bf16, PP=2) and one gloo spawn (Megatron-Core at EP=2, at TP=2 extended,
+    at EP=2 in bf16 and fp32 from the bf16 weights, at TP=2 with expert_tensor_parallel_size 2)."""
+    from tests_extend.distributed.mindspore_parity_moe_worker import BF16_STEPS, TP_SHARDED_CKPT, TP_SHARDED_STEPS
     out = ckpts["root"] / "msrun"
     out.mkdir()
     ms = run_msrun(WORKER, [str(out), ckpts["init"], ckpts["ms_final"], ckpts["ms_final_tp"], ckpts["init_bf16"],
@@ -132,7 +132,9 @@ def two_processes(ckpts):
         [((2, False, ckpts["init"], ckpts["ms_final"]), {}),
          ((1, False, ckpts["init"], ckpts["ms_final_tp"]), {"tp": 2}),
          ((2, False, ckpts["init_bf16"]), {"steps": BF16_STEPS, "bf16": True}),
-         ((2, False, ckpts["init_bf16"]), {"steps": BF16_STEPS})],), timeout=400)
+         ((2, False, ckpts["init_bf16"]), {"steps": BF16_STEPS}),
+         ((1, False, ckpts["init"], str(out / TP_SHARDED_CKPT), TP_SHARDED_STEPS), {"tp": 2, "expert_tp": True})],),
+        timeout=400)
     return ms, torch_runs
 
 
@@ -170,6 +172,23 @@ def test_tp2_extend_ep_matches_megatron_and_checkpoint_crosses(two_processes):
         assert _held_experts(run) == set(t["experts"]) == {2 * rank, 2 * rank + 1}
         # the chunks and the asynchronous counts over the TP x EP group
         _assert_chunked_comm(ms[rank]["tp2_extend_comm"], run)
+
+
+def test_tp2_experts_split_over_tp_match_megatron_expert_tp_and_checkpoint_crosses(two_processes):
+    """TP=2 with sequence parallelism, no --moe-tp-extend-ep, the mixtral recipe's MoE flags (MIXTRAL_FLAGS:
+    grouped GEMMs, the permutation kernels): each rank holds its TP slice of all 4 experts, the sequence shards
+    all-gathered over TP before the experts and their partial outputs reduce-scattered back; Megatron-Core at expert_tensor_parallel_size 2 (no hook): the losses and
+    gradient norms over TP_SHARDED_STEPS fp32 steps, and the MindSpore checkpoint (the expert slices gathered)
+    evaluates the same in Megatron-Core."""
+    ms, torch_runs = two_processes
+    for rank in range(2):
+        run, t = ms[rank]["tp2_sharded"], torch_runs[rank][4]
+        assert len(run["losses"]) == len(t["losses"]) >= 3
+        np.testing.assert_allclose(run["losses"], t["losses"], atol=TOL, rtol=0)
+        np.testing.assert_allclose(run["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
+        assert t["eval_loss_of_other"] == pytest.approx(run["eval_loss"], abs=TOL)
+        assert _held_experts(run) == set(t["experts"]) == {0, 1, 2, 3}      # a slice of every expert on each rank
+        assert run["schedule"] == ["allgather", "permute:kernel", "experts:gmm", "reduce-scatter"]
 
 
 def test_ep2_matches_megatron_and_checkpoint_crosses(two_processes):

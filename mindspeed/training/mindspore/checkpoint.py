@@ -14,23 +14,23 @@ from mindspeed.checkpoint import cross_format
 from mindspeed.checkpoint import neutral as nf
 
 
-def _gather_tp(backend, ps, arrays: dict, gated: bool = True) -> dict:
+def _gather_tp(backend, ps, arrays: dict, gated: bool = True, experts_sharded: bool = False) -> dict:
     """Whole tensors from this TP group's shards (one collective for all of them); gated: the MLP's
-    fc1 holds SwiGLU's [gate; up] halves. Experts are whole on their rank, never TP shards (with
-    --moe-tp-extend-ep the TP ranks hold different experts): they pass through, for _gather_ep."""
+    fc1 holds SwiGLU's [gate; up] halves. Experts are whole on their rank unless experts_sharded (expert
+    TP = TP): with --moe-tp-extend-ep the TP ranks hold different experts, which pass through, for _gather_ep."""
     if ps.tp_size == 1:
         return dict(arrays)
     import mindspore as ms
-    names = [n for n in arrays if not nf.is_expert(n)]
+    names = [n for n in arrays if experts_sharded or not nf.is_expert(n)]
     flat = ops.cat([ms.Tensor(arrays[n]).reshape(-1) for n in names]).expand_dims(0)
     every = backend.comm.all_gather(flat, 0, ps.tp_group).asnumpy()        # [tp, total]
     out, start = {}, 0
     for n in names:
         size = arrays[n].size
         out[n] = nf.unshard(n, [every[r, start:start + size].reshape(arrays[n].shape) for r in range(ps.tp_size)],
-                           gated)
+                           gated, experts_sharded)
         start += size
-    return {**out, **{n: a for n, a in arrays.items() if nf.is_expert(n)}}
+    return {**out, **{n: a for n, a in arrays.items() if n not in out}}
 
 
 def _gather_pp(backend, ps, model, arrays: dict, prefixes=("",)) -> dict:
@@ -86,7 +86,8 @@ def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict, w
     one neutral checkpoint written by rank 0."""
     gated = model.cfg.swiglu
     # the fp32 weights: with --fp16 the masters (model.master_params), never the fp16 copies
-    params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.master_params().items()}, gated)
+    params = _gather_tp(backend, ps, {n: p.asnumpy() for n, p in model.master_params().items()}, gated,
+                        model.cfg.experts_tp_sharded)
     params = _gather_pp(backend, ps, model, _gather_ep(backend, ps, model, params))
     if model.expert_bias is not None:      # the same on every rank (summed counts)
         params.update(model.expert_bias.arrays())
@@ -98,7 +99,7 @@ def save(backend, ps, root: str, iteration: int, model, optimizer, meta: dict, w
 
 
 def _gathered_state(backend, ps, model, optimizer) -> dict:
-    moments = _gather_tp(backend, ps, optimizer.state_arrays(), model.cfg.swiglu)
+    moments = _gather_tp(backend, ps, optimizer.state_arrays(), model.cfg.swiglu, model.cfg.experts_tp_sharded)
     # the state's kinds (Adam's two moments, SGD's momentum) are the same on every stage
     kinds = tuple(sorted({key.split("/", 1)[0] + "/" for key in moments}))
     return _gather_pp(backend, ps, model, _gather_ep(backend, ps, model, moments, kinds), kinds)
@@ -140,7 +141,8 @@ def load(path: str, model, optimizer=None, *, load_optimizer: bool = True, step:
             model.expert_bias.load(full)
         if optimizer is not None and load_optimizer and moments is not None:
             ps = model.ps
-            shards = {k: np.ascontiguousarray(nf.shard_for_rank(k, v, ps.tp_rank, ps.tp_size, model.cfg.swiglu))
+            shards = {k: np.ascontiguousarray(nf.shard_for_rank(k, v, ps.tp_rank, ps.tp_size, model.cfg.swiglu,
+                                                                   model.cfg.experts_tp_sharded))
                       for k, v in moments.items()}
             optimizer.load_state_arrays(shards, int(meta.get("optimizer_steps", meta["iteration"])))
     except (KeyError, ValueError) as err:      # same on every rank: the files are the same

@@ -64,6 +64,8 @@ class GPTConfig:
     moe_shared_expert_size: int = 0          # --moe-shared-expert-intermediate-size (0: none)
     moe_dispatch: frozenset = frozenset()    # the MOE_DISPATCH features on: how moe.py schedules its exchanges
     moe_allgather: bool = False              # --moe-token-dispatcher-type allgather (else alltoall)
+    experts_tp_sharded: bool = False         # TP > 1 without --moe-tp-extend-ep: every expert split over TP (Megatron-Core's
+                                             # expert_tensor_parallel_size = TP), its tokens all-gathered over TP (moe.py)
     expert_main_grads: bool = False          # --gemm-gradient-accumulation-fusion: grouped experts' fp32 main grads
     attention_band: tuple = CAUSAL           # the attention kernel's mask keywords (attention_band.py)
 
@@ -196,5 +198,7 @@ def _moe(args, features, dispatch_features: tuple) -> dict:
                 moe_shared_expert_size=args.moe_shared_expert_intermediate_size or 0,
                 moe_dispatch=frozenset(f for f in features if f in dispatch_features),
                 moe_allgather=args.moe_token_dispatcher_type == "allgather",
+                experts_tp_sharded=bool(args.num_experts) and (args.tensor_model_parallel_size or 1) > 1
+                and not args.moe_tp_extend_ep,
                 expert_main_grads="moe-grouped-gemm" in features
                 and bool(getattr(args, "gemm_gradient_accumulation_fusion", False)))

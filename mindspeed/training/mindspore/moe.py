@@ -22,6 +22,12 @@ optional SharedExpertMLP) for the MindSpore GPT, with the math of Megatron-Core 
   rank's tokens and their probabilities all-gathered (one collective, so each backward runs one
   reduce-scatter), each rank's experts run on every token routed to them, and the outputs summed
   back to the tokens' ranks by a reduce-scatter; the same sums as the alltoall dispatcher's;
+- expert TP (TP > 1 with sequence parallelism, no --moe-tp-extend-ep, EP 1: Megatron-Core's
+  expert_tensor_parallel_size defaults to TP): each TP rank holds its slice of every expert (fc1's
+  columns, fc2's rows, split as the dense MLP's); as Megatron-Core's alltoall dispatcher at expert
+  TP > 1, the TP ranks' sequence shards are all-gathered, each rank permutes them all, runs its
+  slices, sums the rows back per token, and a reduce-scatter over TP adds the slices' partial
+  outputs, each rank keeping its own shard;
 - expert MLP: fc1 -> SwiGLU or GELU (as the dense MLP) -> x probability (Megatron's
   per_token_scale) -> fc2; shared experts: a dense MLP on the same input, added.
 
@@ -190,6 +196,9 @@ class MoELayer:
         if cfg.moe_allgather:
             shared = self._shared(flat) if self.shared_first and cfg.moe_shared_expert_size else None
             return self._with_shared(self._allgather_dispatch(flat, probs, idx), shared, flat).reshape(s, b, h)
+        if cfg.experts_tp_sharded:
+            shared = self._shared(flat) if self.shared_first and cfg.moe_shared_expert_size else None
+            return self._with_shared(self._tp_dispatch(flat, probs, idx), shared, flat).reshape(s, b, h)
         counts_of_every_rank = self._start_counts(counts)
         if self.async_counts:        # permuted while the counts travel
             sent, unpermute = self._permute(flat, probs, top_idx, idx)
@@ -255,6 +264,21 @@ class MoELayer:
             out = ops.unsorted_segment_sum(self._local_experts(sent, list(sizes), h), token_of, every.shape[0])
         self.schedule.append("reduce-scatter")
         return comm.reduce_scatter_autograd(out, 0, group) if self.ep > 1 else out[:tokens]
+
+    def _tp_dispatch(self, flat, probs, idx: np.ndarray):
+        """[T, h] tokens (this TP rank's sequence shard), [T, k] probabilities and expert indices -> [T, h]
+        for experts split over TP at EP 1: the TP ranks' tokens gathered, through this rank's slices of
+        every expert, the partial outputs reduce-scattered (summed over TP, each rank its shard)."""
+        comm, group, h = self.model.backend.comm, self.model.ps.tp_group, flat.shape[1]
+        self.schedule.append("allgather")
+        every = comm.all_gather_autograd(ops.cat([flat, probs.astype(flat.dtype)], 1), 0, group)
+        choices = comm.all_gather(ms.Tensor(idx.astype(np.float32)), 0, group)
+        every_idx = np.rint(choices.asnumpy()).astype(np.int64)                   # [tp * T, k]
+        sent, unpermute = self._permute(every[:, :h], every[:, h:], ms.Tensor(every_idx.astype(np.int32)), every_idx)
+        sizes = np.bincount(every_idx.reshape(-1), minlength=self.experts)
+        out = unpermute(self._local_experts(sent, list(sizes), h))
+        self.schedule.append("reduce-scatter")
+        return comm.reduce_scatter_autograd(out, 0, group)
 
     def _start_counts(self, counts: np.ndarray):
         """Start gathering every EP rank's tokens per expert; -> the function that returns them [ep, E]."""

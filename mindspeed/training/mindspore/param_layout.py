@@ -149,7 +149,7 @@ def owns_expert(cfg: GPTConfig, ps: ParallelState, e: int) -> bool:
 
 
 def is_tp_sharded(cfg: GPTConfig, name: str) -> bool:
-    return nf.split_kind(name, cfg.swiglu) != "replicated"
+    return nf.split_kind(name, cfg.swiglu, cfg.experts_tp_sharded) != "replicated"
 
 
 def counted_in_grad_norm(cfg: GPTConfig, ps: ParallelState, name: str) -> bool:
@@ -177,4 +177,5 @@ def check_fits(cfg: GPTConfig, ps: ParallelState, full: dict) -> dict:
 
 def tp_shard(cfg: GPTConfig, ps: ParallelState, name: str, whole) -> np.ndarray:
     """This TP rank's fp32 shard of the whole tensor `whole` of parameter `name`."""
-    return nf.shard_for_rank(name, np.asarray(whole, np.float32), ps.tp_rank, ps.tp_size, cfg.swiglu)
+    return nf.shard_for_rank(name, np.asarray(whole, np.float32), ps.tp_rank, ps.tp_size, cfg.swiglu,
+                             cfg.experts_tp_sharded)
