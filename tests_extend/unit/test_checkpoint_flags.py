@@ -71,7 +71,9 @@ def test_torch_resume_leaves_the_rng_as_seeded(torch_report):
 class _Model:
     def __init__(self):
         self.ps = SimpleNamespace(tp_rank=0, tp_size=1)
-        self.cfg = SimpleNamespace(full_shapes=lambda: {}, swiglu=True)   # no vocabulary rows to fit here; SwiGLU fc1
+        # no vocabulary rows to fit here; SwiGLU fc1; no experts split over TP
+        self.cfg = SimpleNamespace(full_shapes=lambda: {}, swiglu=True, experts_tp_sharded=False)
+        self.expert_bias = None        # a dense model: no router bias to load
         self.loaded = None
 
     def load_full(self, full):

@@ -35,6 +35,7 @@ def _megatron_like_parser(dispatchers=("allgather", "alltoall", "flex")):
     p.add_argument("--rotary-scaling-factor", type=float, default=1.0)
     p.add_argument("--mscale", type=float, default=1.0)
     p.add_argument("--spec", type=str, nargs="*", default=None)
+    p.add_argument("--load", type=str, default=None)       # Megatron's: a Hugging Face model there converts
     return p
 
 

@@ -157,7 +157,7 @@ def test_layer_output_is_each_tokens_weighted_experts(path, plain_gradients):
 
 
 @pytest.mark.parametrize("extra, says", [
-    (("--tensor-model-parallel-size", "2", "--sequence-parallel"), "parallel size 1"),
+    (("--context-parallel-size", "2"), "context parallel size 1"),
     (("--moe-token-dispatcher-type", "allgather", "--moe-permutation-async-comm", "--expert-model-parallel-size", "2"),
      "on the host, synchronously"),
     (("--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"), "ranks of a pipeline stage"),
@@ -173,9 +173,11 @@ def test_what_the_layer_does_not_do_is_refused_in_one_line(extra, says):
 
 
 @pytest.mark.parametrize("extra", [("--pipeline-model-parallel-size", "2"), ("--moe-token-dispatcher-type", "allgather"),
-                                   ("--moe-token-dispatcher-type", "allgather", "--expert-model-parallel-size", "2")])
+                                   ("--moe-token-dispatcher-type", "allgather", "--expert-model-parallel-size", "2"),
+                                   ("--tensor-model-parallel-size", "2", "--sequence-parallel")])
 def test_the_layouts_the_layer_runs_are_accepted(extra):
-    """MoE at PP 2 (EP 1) and the allgather dispatcher (test_mindspore_parity_moe.py runs them)."""
+    """MoE at PP 2 (EP 1), the allgather dispatcher and experts split over TP 2 with SP
+    (test_mindspore_parity_moe.py runs them)."""
     from mindspeed.adaptor_core import plan
     assert "moe" in {f.id for f in plan(["--backend", "mindspore", "--num-experts", "4", *extra]).features}
 

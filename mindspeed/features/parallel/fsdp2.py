@@ -65,7 +65,8 @@ class TorchFsdp2(Feature):
     alternatives = "use --use-distributed-optimizer (optimizer states sharded over the data-parallel ranks)"
     example = (USE, "--untie-embeddings-and-output-weights", "--global-batch-size", "4")
     example_world = 2
-    inert_example = (USE, "--untie-embeddings-and-output-weights")
+    # the walk's 2 processes at TP 2: data-parallel size 1
+    inert_example = (USE, "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2")
     inert_host_flags = {"use_torch_fsdp2": False}
 
     def enabled(self, args) -> bool:
