@@ -42,8 +42,6 @@ def on(name: str) -> Flag:
 
 MEMORY, PARALLEL, FUSED, MOE = "memory", "parallel", "fused", "moe"
 
-planned("adaptive-recompute", MEMORY, "not scheduled", "recompute/swap chosen from a memory budget",
-        value("--adaptive-recompute-device-size", int), value("--adaptive-recompute-profiling-step", int))
 planned("recompute-in-bubble", MEMORY, "not scheduled", "recompute scheduled into pipeline bubbles",
         on("--recompute-in-bubble"), on("--recompute-in-advance"))
 planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer sizes (Ascend)",
@@ -51,8 +49,6 @@ planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer siz
         value("--hccl-ep-group-buffer-adaptive-factor", float))
 planned("automated-pipeline", PARALLEL, "not scheduled", "automated pipeline memory balancing",
         on("--automated-pipeline"), on("--automated-pipeline-perf"))
-planned("tp-2d", PARALLEL, "scheduled", "2-D tensor parallelism",
-        on("--tp-2d"), value("--tp-x", int), value("--tp-y", int))
 planned("multiparameter-pipeline", PARALLEL, "not scheduled", "pipeline stages passing several tensors",
         on("--use-multiparameter-pipeline-model-parallel"))
 planned("ascend-mc2", FUSED, "not scheduled", "Ascend MC2 fused matmul + collective", on("--use-ascend-mc2"))

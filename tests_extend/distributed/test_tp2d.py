@@ -1,0 +1,86 @@
+"""--tp-2d on the built-in torch trainer (Megatron-Core's GPT), one launch of 4 gloo processes:
+
+* TP 4 as a 2 x 2 grid trains 20 fp32 steps with the losses of plain TP 4 (within 1e-5 relative: the
+  norms' sums and the GEMMs' sums are grouped differently); TP 2 as a 2 x 1 and as a 1 x 2 grid
+  (data-parallel 2) with those of plain TP 2;
+* the layers really went through the 2-D path (QKV, proj, fc1, fc2 and the norms converted, per layer).
+
+MINDSPEED_SLOW_TESTS=1 adds a gated MLP with RMSNorm, grouped queries and no biases (2 x 2), and TP 1
+(the trainer builds the same whole weights at any TP size).
+"""
+import json
+import os
+
+import pytest
+
+from tests_extend.distributed.harness import next_rendezvous, run_distributed
+
+SLOW = os.environ.get("MINDSPEED_SLOW_TESTS") == "1"
+STEPS = 20
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", str(STEPS), "--eval-iters", "0", "--eval-interval", "1000",
+        "--log-interval", "1", "--lr", "3e-3", "--mock-data", "--seed", "7", "--hidden-dropout", "0",
+        "--attention-dropout", "0"]
+GATED = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--group-query-attention",
+         "--num-query-groups", "4", "--num-attention-heads", "8"]
+
+
+def _grid(x, y):
+    return ["--tensor-model-parallel-size", str(x * y), "--tp-2d", "--tp-x", str(x), "--tp-y", str(y)]
+
+
+def _tp(n):
+    return ["--tensor-model-parallel-size", str(n)]
+
+
+RUNS = {"tp4": _tp(4), "2x2": _grid(2, 2), "tp2": _tp(2), "2x1": _grid(2, 1), "1x2": _grid(1, 2)}
+if SLOW:
+    RUNS.update({"tp1": _tp(1), "gated-tp4": GATED + _tp(4), "gated-2x2": GATED + _grid(2, 2)})
+
+
+def _body(rank, world_size, tmp):
+    import mindspeed
+    from mindspeed.features.parallel import tp2d_megatron
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.training.pretrain import run
+    out = {}
+    for name, flags in RUNS.items():
+        loss_file = os.path.join(tmp, f"{name}.jsonl")
+        next_rendezvous(rank, loss_file + ".port")
+        args = parse_args(TINY + flags + ["--log-loss-file", loss_file])
+        tp2d_megatron.CONVERTED.update(linear=0, norm=0, attention=0)
+        session = mindspeed.adapt(args)
+        try:
+            run(args, session)
+        finally:
+            mindspeed.unadapt()
+        out[f"{name}/converted"] = dict(tp2d_megatron.CONVERTED)
+        if rank == 0:
+            with open(loss_file) as f:
+                out[name] = [json.loads(line)["lm_loss"] for line in f]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(_body, world_size=4, args=(str(tmp_path_factory.mktemp("tp2d")),), timeout=600)
+
+
+def _close(got, ref, tol=1e-5):
+    assert len(got) == len(ref) == STEPS, (got, ref)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    assert worst <= tol, f"worst relative difference {worst:.2e}: {got} vs {ref}"
+
+
+@pytest.mark.parametrize("grid,plain", [("2x2", "tp4"), ("2x1", "tp2"), ("1x2", "tp2")]
+                         + ([("gated-2x2", "gated-tp4"), ("tp4", "tp1")] if SLOW else []))
+def test_2d_grid_losses_equal_plain_tp(runs, grid, plain):
+    _close(runs[0][grid], runs[0][plain])
+
+
+def test_layers_go_through_the_2d_path_only_with_the_flag(runs):
+    for rank in range(4):
+        # 2 layers: QKV, proj, fc1, fc2 each; 2 norms each plus the final norm
+        assert runs[rank]["2x2/converted"] == {"linear": 8, "norm": 5, "attention": 2}
+        assert runs[rank]["tp4/converted"] == {"linear": 0, "norm": 0, "attention": 0}
