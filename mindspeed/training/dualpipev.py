@@ -9,17 +9,26 @@ gradients travel with a tag each: the schedule pairs each channel's Sends and Re
 computes the input gradient only (autograd restricted to the chunk's input); its "W" later walks the
 same graph again for the weight gradients alone, so on a CPU it costs a second backward of the chunk:
 what the schedule wins is the order, measured in slots by the benchmark, not time here.
+
+With --moe-fb-overlap (config.overlap_moe_expert_parallel_comm) every forward and backward runs
+through Megatron-Core's combined forward-backward step (the schedule plan's nodes), and each forward
+followed by another micro-batch's backward runs with it as one step (schedule_sim.fb_overlapped):
+one micro-batch's dispatch/combine all-to-alls under the other's attention/expert compute, as
+upstream MindSpeed overlaps the V's F0-B1 and F1-B0 slots. The plan's backward computes the weight
+gradients too, so nothing is deferred there.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.combined_1f1b import combined_forward_backward_step
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+from megatron.core.pipeline_parallel.utils import set_streams
 from megatron.core.utils import get_model_config, get_model_type
 
 from mindspeed.features.parallel.dualpipev_schedule import Work, dualpipev_order, v_stage
-from mindspeed.features.parallel.schedule_sim import Recv, Send, v_layout, with_transfers
+from mindspeed.features.parallel.schedule_sim import Pair, Recv, Send, fb_overlapped, v_layout, with_transfers
 
 TAGS = {"act": 1, "grad": 2}
 
@@ -41,7 +50,11 @@ class DualPipeVSchedule:
                    (seq_length, micro_batch_size))
         order = forward_only_order(num_microbatches) if forward_only else \
             dualpipev_order(run.pp, num_microbatches, run.rank, self.dw_detach)
-        for item in with_transfers(v_layout(run.pp), run.rank, order):
+        program = with_transfers(v_layout(run.pp), run.rank, order)
+        if run.combined:
+            set_streams()
+            program = fb_overlapped(program)
+        for item in program:
             run.do(item)
         return run.finish()
 
@@ -61,6 +74,7 @@ class _Run:
         self.inputs, self.outputs, self.grads = {}, {}, {}   # (chunk, mb) -> tensor
         self.turn = {}                                       # mb -> chunk 0's output on the last rank
         self.sends, self.store, self.tokens = [], [], 0
+        self.combined = bool(self.config.overlap_moe_expert_parallel_comm) and not forward_only
 
     def do(self, item) -> None:
         if isinstance(item, Recv):
@@ -72,6 +86,10 @@ class _Run:
             tensor = (self.outputs[key] if item.what == "act" else self.grads.pop(key)).contiguous()
             self.sends.append((dist.isend(tensor, self.peers[item.peer], group=self.group,
                                           tag=TAGS[item.what]), tensor))
+        elif isinstance(item, Pair):
+            self._combined(*item)
+        elif self.combined:
+            self._combined(*((item, None) if item.kind == "F" else (None, item)))
         elif item.kind == "F":
             self._forward(item)
         else:
@@ -97,21 +115,44 @@ class _Run:
         else:
             self.grads[("out", chunk, recv.mb)] = buf
 
-    def _forward(self, work: Work) -> None:
-        stage, key = self._stage(work.chunk), (work.chunk, work.mb)
-        if stage == self.pp:            # the V's turn: chunk 0's output on this rank, as a new leaf
+    def _forward_input(self, work: Work):
+        key = (work.chunk, work.mb)
+        if self._stage(work.chunk) == self.pp:     # the V's turn: chunk 0's output on this rank, as a new leaf
             self.inputs[key] = self.turn.pop(work.mb).detach().requires_grad_(not self.forward_only)
+        return self.inputs.get(key)
+
+    def _forward(self, work: Work) -> None:
         output, tokens = forward_step(
-            self.step_func, self.iterators[work.chunk], self.model[work.chunk], self.n, self.inputs.get(key),
+            self.step_func, self.iterators[work.chunk], self.model[work.chunk], self.n, self._forward_input(work),
             self.store, self.config, parallel_state.get_context_parallel_world_size(),
             is_first_microbatch=work.mb == 0, current_microbatch=work.mb,
-            is_last_stage=stage == 2 * self.pp - 1)
+            is_last_stage=self._stage(work.chunk) == 2 * self.pp - 1)
+        self._forward_done(work, output, tokens)
+
+    def _forward_done(self, work: Work, output, tokens) -> None:
+        key = (work.chunk, work.mb)
         self.tokens += int(tokens)
         self.outputs[key] = output
-        if stage == self.pp - 1:
+        if self._stage(work.chunk) == self.pp - 1:
             self.turn[work.mb] = output
         if self.forward_only:
             self.inputs.pop(key, None)
+
+    def _combined(self, f: Work | None, b: Work | None) -> None:
+        """Megatron-Core's combined step: f's forward and b's backward (either may be None) through
+        their schedule plans, each one's all-to-alls under the other's compute."""
+        f_input = self._forward_input(f) if f else None
+        b_key = b and (b.chunk, b.mb)
+        b_tensors = (self.inputs.pop(b_key, None), self.outputs.pop(b_key), self._output_grad(b)) if b else \
+            (None, None, None)
+        output, tokens, in_grad = combined_forward_backward_step(
+            self.step_func, f and self.iterators[f.chunk], f and self.model[f.chunk], self.n, f_input, self.store,
+            b and self.model[b.chunk], *b_tensors, self.config, f_model_chunk_id=f and f.chunk,
+            is_first_microbatch=bool(f) and f.mb == 0, current_microbatch=f and f.mb)
+        if f:
+            self._forward_done(f, output, tokens)
+        if b:
+            self._keep_input_grad(b, in_grad)
 
     def _output_grad(self, work: Work):
         """The gradient of the chunk's output: received, the turn's (chunk 1's input gradient on the

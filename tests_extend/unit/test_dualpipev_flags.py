@@ -42,6 +42,18 @@ def test_the_smallest_v_is_accepted_and_dw_detach_alone_is_inert():
         ("dualpipev", "without --schedules-method dualpipev there is no V cool-down to detach")]
 
 
+def test_dw_detach_under_fb_overlap_is_accepted_with_one_line(caplog):
+    import mindspeed
+    from mindspeed.flags.trainer_flags import parse_args
+    fb = ["--moe-fb-overlap", "--num-experts", "4", "--expert-model-parallel-size", "2", "--global-batch-size", "8"]
+    with caplog.at_level("INFO", logger="mindspeed"):
+        mindspeed.adapt(parse_args(ON + UNTIED + fb + ["--dualpipev-dw-detach", "--device", "cpu"], world_size=4))
+        mindspeed.unadapt()
+    lines = [r.getMessage() for r in caplog.records if "--dualpipev-dw-detach" in r.getMessage()]
+    assert lines == ["MindSpeed: --dualpipev-dw-detach has no effect here: with --moe-fb-overlap Megatron-Core's "
+                     "combined forward-backward step computes each backward's weight gradients within it"]
+
+
 def test_megatron_lm_scripts_refuse_dualpipev_in_one_line():
     import mindspeed
     from mindspeed.flags.trainer_flags import parse_args

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mindspeed.features.parallel.dualpipev_schedule import Work, dualpipev_order, min_microbatches
-from mindspeed.features.parallel.schedule_sim import (Recv, ScheduleError, Send, dualpipev_programs,
-                                                      interleaved_layout, interleaved_order, run_programs,
-                                                      v_layout, with_transfers)
+from mindspeed.features.parallel.schedule_sim import (Pair, Recv, ScheduleError, Send, dualpipev_programs,
+                                                      fb_overlapped, interleaved_layout, interleaved_order,
+                                                      run_programs, v_layout, with_transfers)
 
 
 def _text(order) -> str:
@@ -77,6 +77,46 @@ def test_programs_pair_up_and_finish(pp, n, detach):
     record = run_programs(v_layout(pp), dualpipev_programs(pp, n, detach), lambda w: unit[w.kind])
     assert all(b == 3 * 2 * n for b in record.busy)                   # two chunks, N micro-batches, F+B+W each
     assert record.makespan == record.busy[0] + record.idle[0]
+
+
+# --moe-fb-overlap: each forward met by another micro-batch's backward runs with it, [F+B] (upstream's
+# F0-B1 / F1-B0 slots); the combined step computes weight gradients in the backward (no Bi, no W)
+PP2_FB = [
+    "F0.0 F0.1 F0.2 F1.0 B1.0 F1.1 [F0.3+B1.1] [F1.2+B0.0] B1.2 [F1.3+B0.1] B1.3 B0.2 B0.3",
+    "F0.0 F1.0 F0.1 F1.1 [F0.2+B1.0] [F1.2+B0.0] [F0.3+B1.1] [F1.3+B0.1] B1.2 B0.2 B1.3 B0.3",
+]
+
+
+def _pairs_text(program) -> str:
+    return " ".join(f"[{_text(item)}]".replace(" ", "+") if isinstance(item, Pair) else _text([item])
+                    for item in program if not isinstance(item, (Send, Recv)))
+
+
+def test_fb_overlap_pairs_the_vs_forwards_with_other_microbatches_backwards():
+    assert [_pairs_text(fb_overlapped(p)) for p in dualpipev_programs(2, 4)] == PP2_FB
+
+
+@pytest.mark.parametrize("pp, n", [(2, 3), (2, 8), (3, 5), (4, 7), (4, 10), (8, 15)])
+def test_fb_overlapped_programs_keep_the_order_pair_up_and_finish(pp, n):
+    """The backward's Recvs move before its Pair, the forward's Sends after it: the programs still
+    pair up and finish; each rank's F/B order is DualPipeV's; every rank past the first has Pairs."""
+    programs = [fb_overlapped(p) for p in dualpipev_programs(pp, n)]
+    record = run_programs(v_layout(pp), programs, lambda w: {"F": 1, "B": 2}[w.kind])
+    assert all(b == 3 * 2 * n for b in record.busy)
+    for rank, program in enumerate(programs):
+        flat = [w for item in program if not isinstance(item, (Send, Recv))
+                for w in (item if isinstance(item, Pair) else (item,))]
+        assert flat == [w._replace(kind="B" if w.kind == "Bi" else w.kind) for w in dualpipev_order(pp, n, rank)
+                        if w.kind != "W"]
+        assert sum(isinstance(item, Pair) for item in program) >= n - 2 * pp + rank + 1
+
+
+def test_a_pair_whose_backward_needs_its_forward_is_caught():
+    layout = v_layout(2)
+    programs = dualpipev_programs(2, 3)
+    bad = [Pair(Work("F", 0, 0), Work("B", 0, 0))] + [i for i in programs[0] if i != Work("F", 0, 0)]
+    with pytest.raises(ScheduleError):
+        run_programs(layout, [bad, programs[1]], lambda w: 1)
 
 
 def test_the_vs_turn_and_ends_stay_on_one_rank():

@@ -15,7 +15,8 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (FB + PP2, "--moe-fb-overlap at --pipeline-model-parallel-size 2 needs the interleaved schedule"),
+    (FB + PP2, "--moe-fb-overlap at --pipeline-model-parallel-size 2 needs the interleaved schedule "
+               "(--num-layers-per-virtual-pipeline-stage) or --schedules-method dualpipev"),
     (FB + ["--moe-token-dispatcher-type", "allgather"], "needs --moe-token-dispatcher-type alltoall (got allgather"),
     (FB + ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
      "does not run with recomputation"),
@@ -41,6 +42,7 @@ def test_combinations_it_cannot_honour_are_refused(argv, message):
     ["--overlap-moe-expert-parallel-comm"] + MOE + EP2,                          # Megatron-Core 0.16's own name
     FB + ["--delay-wgrad-compute"],
     FB + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"],                 # the interleaved schedule
+    FB + PP2 + ["--schedules-method", "dualpipev", "--untie-embeddings-and-output-weights"],   # the V's F-B slots
 ])
 def test_good_combinations_plan(argv):
     assert "moe-fb-overlap" in {f.id for f in plan(argv).features}

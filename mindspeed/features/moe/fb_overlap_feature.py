@@ -95,12 +95,12 @@ class MoeFbOverlap(Feature):
 def _layout_refusals(args):
     """Each combination Megatron-Core's combined 1F1B (or upstream) cannot run, as the rest of a line."""
     pp, vpp = args.pipeline_model_parallel_size or 1, args.num_layers_per_virtual_pipeline_stage
-    # DualPipeV (another schedule) would have to run the combined nodes itself
-    yield ("does not combine with --schedules-method dualpipev yet: drop one"
-           if args.schedules_method == "dualpipev" else "")
+    # DualPipeV runs the combined steps itself (training/dualpipev.py), in the V's F-B slots
+    interleaved = vpp or getattr(args, "num_virtual_stages_per_pipeline_rank", None)
     yield (f"at --pipeline-model-parallel-size {pp} needs the interleaved schedule "
-           "(--num-layers-per-virtual-pipeline-stage): plain 1F1B has no second micro-batch to overlap with"
-           if pp > 1 and not vpp and not getattr(args, "num_virtual_stages_per_pipeline_rank", None) else "")
+           "(--num-layers-per-virtual-pipeline-stage) or --schedules-method dualpipev: plain 1F1B has no second "
+           "micro-batch to overlap with" if pp > 1 and not interleaved and args.schedules_method != "dualpipev"
+           else "")
     kind = _dispatcher(args)
     yield (f"needs --moe-token-dispatcher-type alltoall (got {kind}: the allgather dispatcher has no all-to-all "
            "to overlap, flex needs DeepEP)" if kind != "alltoall" else "")

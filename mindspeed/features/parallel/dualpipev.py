@@ -8,11 +8,15 @@ The limits are upstream MindSpeed's, refused here in one line before any work.
 """
 from __future__ import annotations
 
+import logging
+
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
 from mindspeed.features.host_flags import host
 from mindspeed.features.parallel.dualpipev_schedule import min_microbatches
 from mindspeed.features.registry import register
+
+log = logging.getLogger("mindspeed")
 
 SCHEDULE = Flag("--schedules-method", dict(default=None, choices=["dualpipev"],
                                            help="dualpipev: DeepSeek-V3's V-shaped pipeline schedule (2 chunks per "
@@ -25,6 +29,12 @@ OTHER_SPLITS = (("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virt
                 ("--num-layer-list", "num_layer_list"),
                 ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
                 ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"))
+
+
+def _fb_overlap_on(args) -> bool:
+    """Megatron-Core's combined forward-backward steps run the V's work (moe-fb-overlap, EP > 1)."""
+    return bool(args.moe_fb_overlap or args.overlap_moe_expert_parallel_comm) and \
+        (args.expert_model_parallel_size or 1) > 1
 
 
 def dualpipev_on(args) -> bool:
@@ -83,6 +93,9 @@ class DualPipeV(Feature):
         self._check_microbatches(args, pp)
 
     def apply(self, ctx, args) -> None:
+        if args.dualpipev_dw_detach and _fb_overlap_on(args):
+            log.info("MindSpeed: --dualpipev-dw-detach has no effect here: with --moe-fb-overlap Megatron-Core's "
+                     "combined forward-backward step computes each backward's weight gradients within it")
         if ctx.backend_name == "torch" and dualpipev_on(args):
             from mindspeed.features.parallel import dualpipev_megatron     # the Megatron-Core hook
             dualpipev_megatron.install(ctx.patcher, args.pipeline_model_parallel_size)

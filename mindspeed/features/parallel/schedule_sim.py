@@ -16,6 +16,7 @@ from collections import namedtuple
 from mindspeed.features.parallel.dualpipev_schedule import Work, dualpipev_order, v_stage
 
 Send = namedtuple("Send", "what peer stage mb")     # what: act (forward output) or grad (input gradient)
+Pair = namedtuple("Pair", "forward backward")       # run together (--moe-fb-overlap): one's all-to-alls under the other's compute
 Recv = namedtuple("Recv", "what peer stage mb")     # stage: the receiving stage
 Layout = namedtuple("Layout", "pp stages place")    # place: stage -> (rank, chunk)
 Record = namedtuple("Record", "makespan busy idle")  # per-rank busy and idle, in the clock's units
@@ -59,6 +60,41 @@ def _transfer(layout, rank, kind, what, peer_stage, to_stage, mb) -> list:
 def dualpipev_programs(pp: int, num_microbatches: int, dw_detach: bool = False) -> list[list]:
     layout = v_layout(pp)
     return [with_transfers(layout, r, dualpipev_order(pp, num_microbatches, r, dw_detach)) for r in range(pp)]
+
+
+def fb_overlapped(program: list) -> list:
+    """A rank's program for --moe-fb-overlap: each forward followed by the backward of another
+    micro-batch becomes one Pair (Megatron-Core's combined forward-backward step). The Pair needs
+    both inputs, so the backward's Recvs move before it and the forward's Sends after it (sends do
+    not block; run_programs checks the programs still pair up). Weight gradients are not deferred:
+    the combined step's backward computes them (a Bi is a whole B, its W goes)."""
+    program = [_whole(item) for item in program if not (isinstance(item, Work) and item.kind == "W")]
+    out, i = [], 0
+    while i < len(program):
+        item, j = program[i], i + 1
+        while j < len(program) and not isinstance(program[j], Work):
+            j += 1
+        if _pairs(item, program[j] if j < len(program) else None):
+            between, k = program[i + 1:j], j + 1
+            while k < len(program) and isinstance(program[k], Send):
+                k += 1
+            out += [t for t in between if isinstance(t, Recv)] + [Pair(item, program[j])]
+            out += [t for t in between if isinstance(t, Send)] + program[j + 1:k]
+            i = k
+        else:
+            out.append(item)
+            i += 1
+    return out
+
+
+def _whole(item):
+    return item._replace(kind="B") if isinstance(item, Work) and item.kind == "Bi" else item
+
+
+def _pairs(first, second) -> bool:
+    """A forward then a backward of another micro-batch (that backward needs nothing the forward makes)."""
+    return (isinstance(first, Work) and first.kind == "F" and isinstance(second, Work) and second.kind == "B"
+            and first.mb != second.mb)
 
 
 def one_f_one_b_order(pp: int, num_microbatches: int, rank: int) -> list[Work]:
@@ -107,10 +143,7 @@ def run_programs(layout: Layout, programs: list[list], cost) -> Record:
                 elif isinstance(item, Send):
                     sent.setdefault((rank, item.peer, item.what), []).append(((item.what, item.stage, item.mb), clocks[rank]))
                 else:
-                    _check_ready(layout, rank, item, done)
-                    clocks[rank] += cost(item)
-                    busy[rank] += cost(item)
-                    done[_key(layout, rank, item)] = clocks[rank]
+                    _run_work(layout, rank, item, cost, (clocks, busy, done))
                 pos[rank] += 1
                 progress = True
     stuck = [r for r, program in enumerate(programs) if pos[r] < len(program)]
@@ -118,6 +151,19 @@ def run_programs(layout: Layout, programs: list[list], cost) -> Record:
         raise ScheduleError(f"ranks {stuck} wait for messages never sent (deadlock), or messages are left unread")
     makespan = max(clocks)
     return Record(makespan, busy, [makespan - b for b in busy])
+
+
+def _run_work(layout, rank, item, cost, state) -> None:
+    """A work item, or a Pair (its two works back to back: the clock counts their compute, the
+    all-to-alls hidden under it take none)."""
+    clocks, busy, done = state
+    works = tuple(item) if isinstance(item, Pair) else (item,)
+    for work in works:
+        _check_ready(layout, rank, work, done)
+    for work in works:
+        clocks[rank] += cost(work)
+        busy[rank] += cost(work)
+        done[_key(layout, rank, work)] = clocks[rank]
 
 
 class ScheduleError(AssertionError):
