@@ -42,8 +42,6 @@ def on(name: str) -> Flag:
 
 MEMORY, PARALLEL, FUSED, MOE = "memory", "parallel", "fused", "moe"
 
-planned("recompute-in-bubble", MEMORY, "not scheduled", "recompute scheduled into pipeline bubbles",
-        on("--recompute-in-bubble"), on("--recompute-in-advance"))
 planned("hccl-group-buffer", MEMORY, "not scheduled", "per-group HCCL buffer sizes (Ascend)",
         value("--hccl-group-buffer"), on("--hccl-group-buffer-adaptive"),
         value("--hccl-ep-group-buffer-adaptive-factor", float))

@@ -32,6 +32,7 @@ FEATURE_MODULES = [
     "mindspeed.features.model_family_options",
     "mindspeed.features.memory.recompute",
     "mindspeed.features.memory.adaptive_recompute",
+    "mindspeed.features.memory.recompute_in_bubble",
     "mindspeed.features.memory.swap_features",
     "mindspeed.features.memory.reuse_fp32_param",
     "mindspeed.features.finetune.lora",
