@@ -71,7 +71,36 @@ NCCL_ALLOCATOR = Reason("builds Megatron's NCCL memory-pool allocator, a CUDA C+
                         "user loses NCCL user-buffer registration, which exists only with NCCL on a GPU",
                         ("CUDA_HOME environment variable is not set",), needs_te=False)
 
+TE_LAYERS_BATCH_INVARIANT = Reason(
+    "checks Transformer Engine's own layers (TEColumnParallelLinear, TERowParallelLinear, TENorm, "
+    "TELayerNormColumnParallelLinear) and TE's GEMM in Megatron's batch-invariant mode; they exist only with TE "
+    "on a GPU, so on CPU a user loses TE's batch-invariant layers (Megatron's own ColumnParallelLinear case in "
+    "the same file runs)", ("Mock object has no attribute", "No module named 'transformer_engine'",
+                            "Transformer Engine is not installed", "StopIteration"))
+TE_RADIO_NORM = Reason("builds the RADIO-g vision encoder, whose final norm Megatron's LLaVA takes from Transformer "
+                       "Engine by name (TENorm); on CPU a user loses that encoder (CLIP's and the other encoders "
+                       "build and run)", ("when instantiating TENorm",))
+CUDA_STATE = Reason("moves the optimizer's state to CUDA and asserts that it is on CUDA (the state is a reference to "
+                    "the inner optimizers', which the file's other checks see on CPU); a user loses nothing",
+                    (".is_cuda",), needs_te=False)
+STRAGGLER = Reason("asks Megatron's straggler detector's HTTP controller on rank 0 to switch it on; Megatron "
+                   "configures the detector off without CUDA (it times with CUDA events), so on CPU a user loses "
+                   "--log-straggler", ("Connection refused",), needs_te=False)
+LLAVA = UNIT + "models/test_llava_model.py::"
+TE_BATCH_INVARIANT = UNIT + "transformer/test_te_layers_batch_invariant.py::"
+
 SKIPS: dict[str, Reason] = {
+    **{TE_BATCH_INVARIANT + name: TE_LAYERS_BATCH_INVARIANT for name in (
+        "test_te_column_parallel_linear_batch_invariant_randomized",
+        "test_te_row_parallel_linear_batch_invariant_randomized",
+        "test_te_layernorm_column_parallel_linear_batch_invariant_randomized",
+        "test_te_norm_batch_invariant_randomized", "test_te_column_parallel_linear_parity",
+        "test_te_rmsnorm_parity", "test_te_layernorm_linear_parity")},
+    LLAVA + "TestLLaVAModel::test_forward": PACKED_ATTENTION,
+    LLAVA + "TestLLaVAModelVisionEncoders::test_constructor": TE_RADIO_NORM,
+    LLAVA + "TestLLaVAModelVisionEncoders::test_set_input_tensor": TE_RADIO_NORM,
+    UNIT + "test_optimizer.py::test_chained_optimizer": CUDA_STATE,
+    UNIT + "test_utils.py::test_straggler_detector": STRAGGLER,
     **{cls + name: PACKED_ATTENTION for cls in (PACKED, PACKED_PADDED) for name in (
         "test_gpu_forward", "test_checkpointed_gpu_forward")},
     BLOCK + "test_gpu_forward_full_checkpoint_fp8": TE_FP8_CHECKPOINT,
@@ -99,6 +128,8 @@ SKIPS: dict[str, Reason] = {
 RANKS: dict[str, int] = {
     UNIT + "test_parallel_state.py::test_initialize_and_destroy_model_parallel": 8,
     UNIT + "test_parallel_state.py::test_different_initialize_order_unconsistency": 8,
+    # asserts that rank 0's changed parameters disagree with the other data-parallel replicas'
+    UNIT + "test_utils.py::test_cross_check_param_hashes_across_dp_replicas": 2,
 }
 
 #: tests a CPU runs, but not in the time a unit test has: not run, with what they need. Keys carry

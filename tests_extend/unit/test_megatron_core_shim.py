@@ -140,11 +140,14 @@ def test_a_test_too_large_for_a_cpu_run_is_not_run():
 def test_a_cuda_machine_without_apex_or_te_builds_torch_norms_under_megatron_lm_defaults():
     """Megatron-LM's defaults (persist_layer_norm) and sequence parallelism are Apex/TE choices that
     Megatron-Core's torch norm refuses; the cuda shim patches that norm and nothing else (but multi-latent
-    attention's TE-less stand-in and torch's checkpoint-writer argument, which every device gets)."""
+    attention's TE-less stand-in, CLIP's default norm and torch's checkpoint-writer argument, which every
+    device gets, and Megatron's torch-Adam fallback, which a machine without TE or Apex gets)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from mindspeed.backends.torch.clip_vit_norm import CLIP_MODULE
     from mindspeed.backends.torch.dist_ckpt_write_item import WRITER
     from mindspeed.backends.torch.megatron_shim import apply_device_shim
+    from mindspeed.backends.torch.torch_adam_fallback import ADAM_INIT, DISTRIBUTED_STATE_DICT
     from mindspeed.backends.torch.mla_standin import PATCH_TARGETS
     from mindspeed.patching import PatchManager
 
@@ -157,7 +160,8 @@ def test_a_cuda_machine_without_apex_or_te_builds_torch_norms_under_megatron_lm_
     try:
         norm_patch, *others = [p.target for p in patcher.applied()]
         assert norm_patch == "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"
-        assert set(others) <= {*PATCH_TARGETS, f"{WRITER}._write_item"}
+        assert set(others) <= {*PATCH_TARGETS, f"{WRITER}._write_item", ADAM_INIT, DISTRIBUTED_STATE_DICT,
+                               f"{CLIP_MODULE}.CLIPViTModel.__init__"}
         norm = WrappedTorchNorm(config, 8)
         assert isinstance(norm, torch.nn.LayerNorm)
         assert all(p.sequence_parallel for p in norm.parameters())   # their grads are all-reduced over TP

@@ -109,7 +109,7 @@ def test_bert_and_t5_te_specs_build_from_local_modules_and_the_projection_checkp
     in the data-parallel group a caller's checkpoint metadata lacks, as TE's does."""
     from megatron.core.models.bert import bert_layer_specs
     from mindspeed.backends.torch.te_spec_standin import TelessDotProductAttention, apply_te_spec_function_standins
-    assert apply_te_spec_function_standins(adapted.patcher) == 3      # BERT's, T5's encoder and decoder
+    assert apply_te_spec_function_standins(adapted.patcher) == 7      # BERT's, T5's two, the heterogeneous 4
     spec = bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
     assert not bert_layer_specs.HAVE_TE        # Megatron still finds TE absent
     layer = TransformerLayer(_config(), spec.submodules)
@@ -126,3 +126,39 @@ def test_bert_and_t5_te_specs_build_from_local_modules_and_the_projection_checkp
     with pytest.raises(ImportError, match="Transformer Engine is not installed"):
         bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
     mindspeed.adapt([])        # the fixture's unadapt
+
+
+def test_heterogeneous_gpt_te_spec_builds_from_local_modules(adapted, tmp_path):
+    """The heterogeneous GPT's TE spec reads TE's names from its module (None without TE: `not_none`
+    raised); with the stand-ins it builds TE's layout, and its linear replacement of a whole block is
+    the fused norm + projection with the output gathered over tensor-parallel ranks."""
+    import json
+    from megatron.core.models.gpt.heterogeneous import heterogeneous_layer_specs as specs
+    from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
+    from megatron.core.transformer.identity_op import IdentityOp
+    from mindspeed.backends.torch.te_spec_standin import (LayerNormColumnParallelLinearGathered,
+                                                          TelessDotProductAttention, apply_te_spec_function_standins)
+    blocks = [{"attention": {"no_op": False, "replace_with_linear": False, "num_query_groups": 2},
+               "mlp": {"no_op": False, "replace_with_linear": False, "ffn_hidden_size": 128}},
+              {"attention": {"no_op": False, "replace_with_linear": True, "num_query_groups": None},
+               "mlp": {"no_op": True, "replace_with_linear": False, "ffn_hidden_size": None}}]
+    path = tmp_path / "blocks.json"
+    path.write_text(json.dumps({"block_configs": blocks}))
+    config = HeterogeneousTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="RMSNorm",
+                                            use_cpu_initialization=True, heterogeneous_layers_config_path=str(path))
+    with pytest.raises(ValueError, match="Expected value to be not None"):
+        specs.get_gpt_heterogeneous_layer_spec(config, use_te=True)        # Megatron's own, TE absent
+    apply_te_spec_function_standins(adapted.patcher)
+    block = specs.get_gpt_heterogeneous_layer_spec(config, use_te=True)
+    full, linear = (TransformerLayer(config, spec.submodules, layer_number=i + 1)
+                    for i, spec in enumerate(block.layer_specs))
+    assert isinstance(full.self_attention.linear_qkv, LayerNormColumnParallelLinear)
+    assert isinstance(full.self_attention.core_attention, TelessDotProductAttention)
+    assert isinstance(full.input_layernorm, IdentityOp)        # the norm is inside the projection, as TE's
+    assert isinstance(linear.self_attention, LayerNormColumnParallelLinearGathered)
+    x = torch.randn(3, 2, 64)
+    out, bias = linear.self_attention(x)
+    qkv = linear.self_attention
+    expected = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (64,), qkv.layer_norm_weight, qkv.eps),
+                                          qkv.weight, qkv.bias)
+    assert bias is None and torch.allclose(out, expected, atol=1e-6)

@@ -15,14 +15,17 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from mindspeed.backends.torch.absent_packages import apply_absent_package_probes
+from mindspeed.backends.torch.clip_vit_norm import apply_clip_vit_norm
 from mindspeed.backends.torch.cpu_torch_view import apply_cpu_torch_views, device_kwarg_to_cpu, names_cuda
 from mindspeed.backends.torch.device import dist_backend_for
 from mindspeed.backends.torch.fused_cpu_adam import apply_fused_cpu_adam
+from mindspeed.backends.torch.torch_adam_fallback import apply_torch_adam_fallback
 from mindspeed.backends.torch.megatron_training_shim import apply_cpu_training_shim
 from mindspeed.backends.torch.dist_ckpt_write_item import apply_write_item_format
 from mindspeed.backends.torch.mla_standin import apply_mla_standin
 from mindspeed.backends.torch.multi_tensor import apply_foreach_multi_tensor
 from mindspeed.backends.torch.native_linear import apply_native_linear
+from mindspeed.backends.torch.nvtx_ranges import apply_profiler_nvtx
 from mindspeed.backends.torch.one_rank_collectives import apply_one_rank_all_reduce
 from mindspeed.backends.torch.one_rank_cross_entropy import apply_one_rank_cross_entropy
 from mindspeed.backends.torch.one_rank_regions import apply_one_rank_regions
@@ -115,7 +118,7 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             CudaToCpuMode.rewrites += 1
-            return args[0]
+            return dense_if_overlapping(args[0]) if func is torch.Tensor.cuda else args[0]
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False   # no pinned allocator without an accelerator
             CudaToCpuMode.rewrites += 1
@@ -124,7 +127,18 @@ class CudaToCpuMode(TorchFunctionMode):
         if func in (torch.Tensor.to,) and args and len(args) > 1 and names_cuda(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
             CudaToCpuMode.rewrites += 1
+            return dense_if_overlapping(func(*args, **kwargs))
         return func(*args, **kwargs)
+
+
+def dense_if_overlapping(tensor):
+    """A host-to-device copy gives every element its own memory; on the cpu `.cuda()` returns the
+    tensor itself. A tensor whose elements share memory (expand's stride 0) is copied as the transfer
+    would copy it: a write to one of its elements then stays in that element (Megatron's tests build
+    batches with `torch.arange(n).expand(b, n).cuda()` and set single tokens)."""
+    if any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride())):
+        return tensor.contiguous()
+    return tensor
 
 
 class _CpuRNGTrackerMixin:
@@ -301,6 +315,8 @@ def apply_cpu_shim(patcher) -> None:
     apply_foreach_multi_tensor(patcher)
     apply_native_linear(patcher)
     apply_fused_cpu_adam(patcher)
+    apply_torch_adam_fallback(patcher)
+    apply_profiler_nvtx(patcher)
     apply_one_rank_all_reduce(patcher)
     apply_stacked_all_gather(patcher)
     apply_one_rank_regions(patcher)
@@ -377,7 +393,9 @@ def apply_device_shim(patcher, device: str, megatron_lm: bool = False) -> None:
         apply_cpu_shim(patcher)
     elif device == "cuda":
         apply_torch_norm_shim(patcher)
+        apply_torch_adam_fallback(patcher)
     elif device == "npu":
         apply_npu_shim(patcher)
     apply_mla_standin(patcher)     # every device: MindSpeed's Megatron-Core runs without Transformer Engine
+    apply_clip_vit_norm(patcher)   # every device: CLIP's own no-TE default norm cannot be built
     apply_write_item_format(patcher)   # every device: Megatron-Core 0.12's checkpoint writer on this torch

@@ -24,6 +24,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 GPT_LAYER_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 BERT_LAYER_SPECS = "megatron.core.models.bert.bert_layer_specs"
 T5_SPEC = "megatron.core.models.T5.t5_spec"
+HETEROGENEOUS_SPECS = "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs"
 
 
 class LayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -66,6 +67,20 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
 
+class LayerNormColumnParallelLinearGathered(LayerNormColumnParallelLinear):
+    """The heterogeneous GPT's linear replacement of a whole attention or MLP (hidden -> hidden, TE's
+    fused norm first), its output gathered over tensor-parallel ranks as Megatron's local one does."""
+
+    def __init__(self, config, tp_comm_buffer_name=None, *args, **kwargs):
+        super().__init__(config.hidden_size, config.hidden_size, config=config, init_method=config.init_method,
+                         gather_output=False, bias=config.add_bias_linear, skip_bias_add=False, is_expert=False)
+
+    def forward(self, x, **kwargs):
+        from megatron.core.transformer.heterogeneous import linear_replacements
+        out, bias = super().forward(x)
+        return linear_replacements._gather_from_tensor_parallel_region(out, self.config), bias
+
+
 class TelessTESpecProvider(LocalSpecProvider):
     """TESpecProvider's answers from Megatron's local modules: the norm fused into the following
     column-parallel projection, as TE's spec has it; every other module the local spec's."""
@@ -101,28 +116,32 @@ class TelessDotProductAttention(DotProductAttention):
 
 
 def _te_spec_from_local_modules(original):
-    """BERT's and T5's TE specs name TE's modules in their own module's globals (no provider to stand
-    in for) and raise or fail without TE: Megatron's own function runs with those names bound to the
-    stand-ins instead (the norm: the module's local-spec norm)."""
+    """BERT's, T5's and the heterogeneous GPT's TE specs name TE's modules in their own module's
+    globals (no provider to stand in for) and raise or fail without TE: Megatron's own function runs
+    with those names bound to the stand-ins instead (the norm: the module's local-spec norm)."""
     module_globals = original.__globals__
     standins = {"HAVE_TE": True, "TELayerNormColumnParallelLinear": LayerNormColumnParallelLinear,
                 "TEDotProductAttention": TelessDotProductAttention, "TERowParallelLinear": RowParallelLinear,
                 "TEColumnParallelLinear": ColumnParallelLinear,
+                "TELayerNormColumnParallelLinearGathered": LayerNormColumnParallelLinearGathered,
                 "TENorm": module_globals.get("LNImpl", gpt_layer_specs.LNImpl)}
     return types.FunctionType(original.__code__, {**module_globals, **standins}, original.__name__,
                               original.__defaults__)
 
 
-#: Megatron's TE spec functions that read TE's module names from their module's globals
+#: Megatron's TE spec functions that read TE's module names from their module's globals (a function
+#: runs with the globals its module had when it was bound: the helpers it calls are bound before it)
 TE_SPEC_FUNCTIONS = {
     BERT_LAYER_SPECS: ("get_bert_layer_with_transformer_engine_spec",),
     T5_SPEC: ("encoder_model_with_transformer_engine_default_spec", "decoder_model_with_transformer_engine_default_spec"),
+    HETEROGENEOUS_SPECS: ("_get_qk_layernorm", "_get_heterogenous_attention_spec", "_get_heterogenous_mlp_spec",
+                          "get_gpt_heterogeneous_layer_spec"),
 }
 
 
 def apply_te_spec_function_standins(patcher) -> int:
-    """Megatron's BERT and T5 TE layer specs from the local modules (as the GPT one above) when
-    Transformer Engine is absent; their test modules build them at import. The count bound."""
+    """Megatron's BERT, T5 and heterogeneous GPT TE layer specs from the local modules (as the GPT
+    one above) when Transformer Engine is absent; their test modules build them at import. The count bound."""
     bound = 0
     for module_name, functions in TE_SPEC_FUNCTIONS.items():
         module = importlib.import_module(module_name)
