@@ -17,6 +17,7 @@ setup(
     python_requires=V["PYTHON_REQUIRES"],
     install_requires=V["CORE_REQUIREMENTS"],
     extras_require={"mindspore": V["MINDSPORE_REQUIREMENTS"], "test": V["TEST_REQUIREMENTS"],
+                    "megatron-core-tests": V["MEGATRON_CORE_TESTS_REQUIREMENTS"],
                     "megatron-lm": V["MEGATRON_LM_REQUIREMENTS"], "data": V["DATA_REQUIREMENTS"],
                     "plot": V["PLOT_REQUIREMENTS"]},
     entry_points={"console_scripts": ["mindspeed=mindspeed.__main__:main"]},

@@ -28,9 +28,13 @@ PLOT_REQUIREMENTS = ["matplotlib==3.11.2"]
 # import-linter: the layer contracts in .importlinter, checked by `lint-imports` in .ci/run
 TEST_REQUIREMENTS = ["pytest==9.2.0", "pytest-timeout==2.3.1", "pytest-xdist==3.8.0", *DATA_REQUIREMENTS, "hypothesis==6.170.15",
                      *PLOT_REQUIREMENTS, "import-linter==2.16",
-                     # Megatron-Core's own unit tests (docs/megatron-core-tests.md): their imports, and
-                     # triton, whose CPU interpreter runs Megatron's Triton kernels (the MoE dispatcher's)
-                     "pytest-mock==3.17.0", "mock==5.2.0", "triton==3.5.1", "httpx==0.28.1", "wrapt==2.5.2"]
+                     # Megatron's test_bert_model.py imports it (tests_extend/system/test_megatron_core_tests.py runs it)
+                     "pytest-mock==3.17.0"]
+# Megatron-Core's own unit tests (.ci/megatron_core_tests, docs/megatron-core-tests.md): their imports, and
+# triton, whose CPU interpreter runs Megatron's Triton kernels (the MoE dispatcher's). Not in `test`:
+# Megatron-Core imports triton wherever it is installed, about 0.15 CPU-s more in every process of the suite
+# (docs/performance.md); `pip install -e ".[megatron-core-tests]"` before that stage
+MEGATRON_CORE_TESTS_REQUIREMENTS = ["mock==5.2.0", "triton==3.5.1", "httpx==0.28.1", "wrapt==2.5.2"]
 # what Megatron-LM's megatron.training imports beyond megatron-core (pybind11 builds its dataset
 # helpers; einops for core_v0.12); `pip install -e ".[megatron-lm]"`
 MEGATRON_LM_REQUIREMENTS = ["regex==2026.11.15", PYYAML, "pydantic==2.14.3", "pybind11==3.1.0",
@@ -61,6 +65,6 @@ if __name__ == "__main__":   # `python mindspeed/versions.py [extra...]` prints 
             sys.exit(1)
         sys.exit(0)
     groups = {"core": CORE_REQUIREMENTS, "mindspore": MINDSPORE_REQUIREMENTS, "test": TEST_REQUIREMENTS,
-              "megatron-lm": MEGATRON_LM_REQUIREMENTS, "data": DATA_REQUIREMENTS, "plot": PLOT_REQUIREMENTS}
+              "megatron-core-tests": MEGATRON_CORE_TESTS_REQUIREMENTS, "megatron-lm": MEGATRON_LM_REQUIREMENTS, "data": DATA_REQUIREMENTS, "plot": PLOT_REQUIREMENTS}
     for name in sys.argv[1:] or ["core"]:
         print("\n".join(groups[name]))
