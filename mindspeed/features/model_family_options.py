@@ -117,11 +117,23 @@ option("expert-tensor-parallel", (host("--expert-tensor-parallel-size"), NUM_EXP
 MultiLatentAttention = option(
     "multi-latent-attention", (host("--multi-latent-attention", False),), lambda a: a.multi_latent_attention,
     "DeepSeek's multi-latent attention (Megatron-Core's MLA; without Transformer Engine through "
-    "backends/torch/mla_standin.py)", _lacks("multi-latent attention"), TORCH,
+    "backends/torch/mla_standin.py; on MindSpore training/mindspore/mla.py)", {}, "",
     ("--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
      "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"))
 
 
-MultiLatentAttention.validate = refused_with_context_parallelism(
+_mla_with_cp = refused_with_context_parallelism(
     "--multi-latent-attention with --context-parallel-size > 1: MindSpeed's context-parallel attention takes one "
     "head size for q, k and v, and MLA's v has its own; drop --context-parallel-size (or MLA)")
+MLA_TP_ON_MINDSPORE = (f"--multi-latent-attention with --tensor-model-parallel-size > 1 on {MS}: its MLA splits "
+                       f"no heads over TP yet (training/mindspore/mla.py runs TP 1); use TP 1, or {TORCH}")
+
+
+def _mla_where_it_runs(self, args) -> None:
+    """CP > 1 on either trainer; TP > 1 on the MindSpore trainer's MLA."""
+    _mla_with_cp(self, args)
+    if args.backend == "mindspore" and self.enabled(args) and (args.tensor_model_parallel_size or 1) > 1:
+        raise FeatureConfigError(MLA_TP_ON_MINDSPORE)
+
+
+MultiLatentAttention.validate = _mla_where_it_runs

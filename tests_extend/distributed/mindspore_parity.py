@@ -104,18 +104,20 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=No
 def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNorm",
                       position_embedding_type: str = "rope", num_query_groups: int | None = None,
                       tied: bool = False, layers: int | None = None, qk_layernorm: bool = False,
-                      kv_channels: int | None = None, yarn: dict | None = None):
+                      kv_channels: int | None = None, yarn: dict | None = None, mla: dict | None = None):
     """swiglu=False: Megatron-Core's default GELU MLP (F.gelu, not gated), as --no-swiglu;
     num_query_groups: GROUPS unless given (HEADS: multi-head attention, one query head per group);
     tied: the output layer is the word embeddings (Megatron's default; the trainers' argv unties);
     layers: transformer layers (LAYERS, read at the call: benchmarks resize the module, unless given);
     qk_layernorm, kv_channels: --qk-layernorm's per-head q/k norms, --kv-channels' head size (Qwen3);
-    yarn: YaRN's settings (family_flags.yarn_settings), set as the torch trainer sets them for a dense model."""
+    yarn: YaRN's settings (family_flags.yarn_settings), set as the torch trainer sets them for a dense model;
+    mla: MLATransformerConfig's fields of multi-latent attention (its sizes, rope_type and YaRN's settings)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    config = TransformerConfig(num_layers=layers or LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    config_class = MLATransformerConfig if mla else TransformerConfig
+    config = config_class(**(mla or {}), num_layers=layers or LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=num_query_groups or GROUPS, ffn_hidden_size=FFN,
                                use_cpu_initialization=True,
                                normalization=normalization, layernorm_epsilon=1e-5, gated_linear_unit=swiglu,
@@ -123,7 +125,8 @@ def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNor
                                add_bias_linear=False,
                                tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0,
                                qk_layernorm=qk_layernorm, kv_channels=kv_channels)
-    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm,
+                                    multi_latent_attention=bool(mla))
     if yarn:
         for name, value in yarn.items():
             setattr(config, f"yarn_{name}", value)

@@ -192,16 +192,18 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16"
 
 
 @pytest.mark.parametrize("extra, refusal", [
-    (["--backend", "mindspore"], "feature 'multi-latent-attention' (--multi-latent-attention) is not supported on "
-                                 "backend 'mindspore'"),
+    (["--backend", "mindspore", "--tensor-model-parallel-size", "2"],
+     "--multi-latent-attention with --tensor-model-parallel-size > 1 on the MindSpore trainer"),
     (["--context-parallel-size", "2", "--context-parallel-algo", "megatron_cp_algo"],
      "--multi-latent-attention with --context-parallel-size > 1"),
 ])
 def test_multi_latent_attention_is_refused_where_it_cannot_run_before_any_work(extra, refusal):
-    """The MindSpore trainer's GPT has no MLA (it trained a plain attention before the row existed), and
+    """The MindSpore trainer's MLA splits no heads over TP (TP 1 runs: test_mindspore_parity_mla.py), and
     MindSpeed's CP attention takes one head size: the gate says so in one line (python -m mindspeed check)."""
     from mindspeed.adaptor_core import MindSpeedConfigError, plan
     assert "multi-latent-attention" in {f.id for f in plan(MLA, unknown_flags="trainer").features}
+    assert "multi-latent-attention" in {f.id for f in plan(MLA + ["--backend", "mindspore"],
+                                                            unknown_flags="trainer").features}
     with pytest.raises(MindSpeedConfigError) as refused:
         plan(MLA + extra, unknown_flags="trainer")
     assert refusal in str(refused.value) and "\n" not in str(refused.value)

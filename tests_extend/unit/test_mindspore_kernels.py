@@ -135,6 +135,20 @@ def test_attention_tnd(kernels):
              [q, k, v], grad_of=(0, 1, 2), n_outputs=3)
 
 
+@pytest.mark.parametrize("layout", ["SBH", "BNSD"])
+def test_attention_with_v_head_size_of_its_own(kernels, layout):
+    """Multi-latent attention's v head size (6) unlike q's and k's (8): the output takes v's; a v whose
+    hidden size is no whole number of heads is refused."""
+    q, k, _ = _qkv(layout, seed=9)
+    v = _rng(10).standard_normal(k.shape[:-1] + ((4 * 6,) if layout == "SBH" else (6,))).astype(np.float32)
+    kw = dict(layout=layout, head_num=4, causal=True, scale=0.2)
+    _compare(lambda a, b, c: torch_ref.attention(a, b, c, **kw), lambda a, b, c: kernels.attention(a, b, c, **kw),
+             [q, k, v], grad_of=(0, 1, 2), n_outputs=3)
+    if layout == "SBH":
+        with pytest.raises(ValueError, match="not a multiple of the 4 key/value heads"):
+            kernels.attention(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v[..., :-1]), **kw)
+
+
 def test_attention_rejects_bad_heads(kernels):
     q, k, v = (ms.Tensor(a) for a in _qkv("BNSD", n=4, nkv=3))
     with pytest.raises(ValueError, match="head_num 4 does not match|not a multiple"):

@@ -11,6 +11,7 @@ from mindspeed.features.parallel.unaligned_pipeline import layer_matrix
 from mindspeed.features.registry import fast_kernels
 from mindspeed.training.mindspore import param_layout
 from mindspeed.training.mindspore.attention_band import CAUSAL, band_keywords
+from mindspeed.training.mindspore.mla_layout import MLASizes
 from mindspeed.training.mindspore.parallel import stage_layer_counts
 from mindspeed.training.mindspore.router_settings import SOFTMAX_TOPK, RouterSettings
 
@@ -48,6 +49,8 @@ class GPTConfig:
     swiglu: bool = True                      # --no-swiglu: fc1 -> GELU (exact, Megatron's F.gelu) -> fc2
     normalization: str = "RMSNorm"           # or "LayerNorm" (with bias)
     qk_layernorm: bool = False               # --qk-layernorm: per-head q/k norms (Qwen3), weights [kv_channels]
+                                             # (with MLA: the compressed q's and kv's norms)
+    mla: MLASizes | None = None              # --multi-latent-attention's sizes (mla_layout.py; None: plain attention)
     position_embedding_type: str = "rope"    # or "learned_absolute" (a table added to the embedding), "none"
     max_position_embeddings: int = 0         # rows of the learned table (default: seq_length)
     hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
@@ -109,6 +112,11 @@ class GPTConfig:
         """Whether layer i (global index)'s MLP is an MoE layer."""
         return bool(self.num_experts) and i not in self.dense_layers
 
+    @property
+    def rope_head_dim(self) -> int:
+        """The channels of a head that RoPE's tables cover (before --rotary-percent): MLA's positional part."""
+        return self.mla.qk_pos_emb_head_dim if self.mla else self.kv_channels
+
     def full_shapes(self) -> dict:
         """Every parameter's whole (unsharded) shape by Megatron-Core name (param_layout.py)."""
         return param_layout.full_shapes(self)
@@ -124,7 +132,7 @@ def _architecture(args, padded_vocab: int) -> dict:
                 init_method_std=args.init_method_std, add_bias_linear=bool(args.add_bias_linear),
                 add_qkv_bias=bool(args.add_qkv_bias), swiglu=bool(args.swiglu),
                 normalization=args.normalization, qk_layernorm=bool(args.qk_layernorm),
-                noop_layers=noop_layer_set(args))
+                mla=MLASizes.from_args(args), noop_layers=noop_layer_set(args))
 
 
 def _positions(args) -> dict:

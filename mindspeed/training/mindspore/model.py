@@ -29,7 +29,7 @@ from mindspore import ops
 
 from mindspeed.backends.mindspore import precision
 from mindspeed.checkpoint import neutral as nf
-from mindspeed.training.mindspore import param_layout, rope
+from mindspeed.training.mindspore import mla, param_layout, rope
 from mindspeed.training.mindspore.gpt_config import GPTConfig
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
@@ -87,9 +87,11 @@ class GPTModel:
         self.folded = FoldedMasters(self.params) if cfg.reuse_fp32_param else None
         self.heads_local = cfg.num_attention_heads // ps.tp_size
         self.groups_local = cfg.num_query_groups // ps.tp_size
-        self.cos, self.sin = rope.rope_tables(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base, cfg.seq_length,
+        self.cos, self.sin = rope.rope_tables(cfg.rope_head_dim, cfg.rotary_percent, cfg.rotary_base, cfg.seq_length,
                                               cfg.rope_scaling_factor, dict(cfg.yarn))
         self.band = dict(cfg.attention_band)
+        if cfg.mla is not None:        # the attention kernel's keywords carry MLA's softmax scale too
+            self.band["scale"] = cfg.mla.softmax_scale
         # the features' hooks the forward reads (None: off); set by enable_context_parallel and
         # enable_activation_swap
         self.cp = None                 # CPGroups when context parallelism is on
@@ -295,6 +297,18 @@ class GPTModel:
         return precision.fp32_compute(lambda h: self._attention(i, h, positions, extras))(x)
 
     def _attention(self, i, x, positions=None, extras=NO_EXTRAS):
+        q, k, v = (mla.query_key_value(self, i, x, positions) if self.cfg.mla
+                   else self._query_key_value(i, x, positions))
+        core = lambda q, k, v: self._core_attention(q, k, v, i, extras)
+        if self.cfg.recompute_core_attention:     # selective recompute: only q, k, v are kept for backward
+            out = self.backend.memory.recompute(core, q, k, v)
+        else:
+            out = core(q, k, v)
+        return row_parallel(self.backend, self.ps, out, self.params[nf.layer_name(i, "self_attention.linear_proj.weight")],
+                            self._bias(i, "self_attention.linear_proj.bias"))
+
+    def _query_key_value(self, i, x, positions=None):
+        """q [s, b, heads x d], k and v [s, b, groups x d] of layer i's linear_qkv, normed and rotated."""
         cfg, rotate = self.cfg, self.kernel("rope")
         p = lambda s: self.params[nf.layer_name(i, s)]
         qkv = column_parallel(self.backend, self.ps, x, p("self_attention.linear_qkv.weight"),
@@ -310,14 +324,7 @@ class GPTModel:
             cos, sin = rope.rows_at(self.cos, self.sin, s, positions)
             q = rotate(q, cos, sin, 0)
             k = rotate(k, cos, sin, 0)
-        q, k, v = q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1)
-        core = lambda q, k, v: self._core_attention(q, k, v, i, extras)
-        if cfg.recompute_core_attention:     # selective recompute: only q, k, v are kept for backward
-            out = self.backend.memory.recompute(core, q, k, v)
-        else:
-            out = core(q, k, v)
-        return row_parallel(self.backend, self.ps, out, p("self_attention.linear_proj.weight"),
-                            self._bias(i, "self_attention.linear_proj.bias"))
+        return q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1)
 
     def _qk_normed(self, i, q, k):
         """--qk-layernorm: the queries [s, b, heads, d] and keys [s, b, groups, d] normalized per head
@@ -328,6 +335,10 @@ class GPTModel:
         norm = lambda x, which: self._norm(x, nf.layer_name(i, f"self_attention.{which}.weight"))
         q_norm, k_norm = nf.QK_NORMS
         return norm(q, q_norm), norm(k, k_norm)
+
+    def mla_norm(self, i, which, x):
+        """MLA's q_layernorm / kv_layernorm of layer i over x's last dim (--qk-layernorm; else x)."""
+        return self._norm(x, nf.layer_name(i, f"self_attention.{which}.weight")) if self.cfg.qk_layernorm else x
 
     def _core_attention(self, q, k, v, i=0, extras=NO_EXTRAS):
         if self.cp is not None:      # this rank holds a shard of the sequence

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mindspeed.checkpoint import neutral as nf
+from mindspeed.training.mindspore import mla_layout
 
 if TYPE_CHECKING:
     from mindspeed.training.mindspore.gpt_config import GPTConfig
@@ -52,26 +53,33 @@ def full_shapes(cfg: GPTConfig) -> dict:
 
 def _layer_shapes(cfg: GPTConfig, i: int) -> dict:
     """Decoder layer i's weights: norms, attention, the dense or MoE MLP (cfg.is_moe), the biases switched on."""
-    h, d = cfg.hidden_size, cfg.kv_channels
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
+    h = cfg.hidden_size
     fc1 = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size
-    shapes = {nf.layer_name(i, "input_layernorm.weight"): (h,),
-              nf.layer_name(i, "self_attention.linear_qkv.weight"): (qkv, h),
-              nf.layer_name(i, "self_attention.linear_proj.weight"): (h, cfg.num_attention_heads * d),
-              nf.layer_name(i, "pre_mlp_layernorm.weight"): (h,)}
+    shapes = {nf.layer_name(i, "input_layernorm.weight"): (h,)}
+    shapes.update(mla_layout.attention_shapes(cfg, i) if cfg.mla else _attention_shapes(cfg, i))
+    shapes[nf.layer_name(i, "pre_mlp_layernorm.weight")] = (h,)
     shapes.update(_moe_shapes(cfg, i) if cfg.is_moe(i) else
                   {nf.layer_name(i, "mlp.linear_fc1.weight"): (fc1, h),
                    nf.layer_name(i, "mlp.linear_fc2.weight"): (h, cfg.ffn_hidden_size)})
     if cfg.normalization == "LayerNorm":
         shapes.update({nf.layer_name(i, "input_layernorm.bias"): (h,),
                        nf.layer_name(i, "pre_mlp_layernorm.bias"): (h,)})
-    shapes.update(_qk_norm_shapes(cfg, i))
-    if cfg.add_bias_linear or cfg.add_qkv_bias:
-        shapes[nf.layer_name(i, "self_attention.linear_qkv.bias")] = (qkv,)
     if cfg.add_bias_linear:
         shapes.update({nf.layer_name(i, "self_attention.linear_proj.bias"): (h,),
                        nf.layer_name(i, "mlp.linear_fc1.bias"): (fc1,),
                        nf.layer_name(i, "mlp.linear_fc2.bias"): (h,)})
+    return shapes
+
+
+def _attention_shapes(cfg: GPTConfig, i: int) -> dict:
+    """Layer i's (grouped-query) attention: linear_qkv, linear_proj, the q/k norms, the qkv bias."""
+    h, d = cfg.hidden_size, cfg.kv_channels
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
+    shapes = {nf.layer_name(i, "self_attention.linear_qkv.weight"): (qkv, h),
+              nf.layer_name(i, "self_attention.linear_proj.weight"): (h, cfg.num_attention_heads * d)}
+    shapes.update(_qk_norm_shapes(cfg, i))
+    if cfg.add_bias_linear or cfg.add_qkv_bias:
+        shapes[nf.layer_name(i, "self_attention.linear_qkv.bias")] = (qkv,)
     return shapes
 
 

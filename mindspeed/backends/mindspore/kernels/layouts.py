@@ -37,6 +37,17 @@ def head_dim_of(q, layout: str, head_num: int) -> int:
     return q.shape[-1]
 
 
+def value_head_dim(k, v, layout: str, head_dim: int) -> int:
+    """The head size of `v`, which may differ from q's and k's `head_dim` (multi-latent attention):
+    in the packed-H layouts v's hidden size over k's head count."""
+    if layout in ("SBH", "BSH"):
+        heads = heads_of(k, layout, head_dim)
+        if v.shape[-1] % heads:
+            raise ValueError(f"value hidden size {v.shape[-1]} is not a multiple of the {heads} key/value heads")
+        return v.shape[-1] // heads
+    return v.shape[-1]
+
+
 def to_bnsd(t, layout: str, head_dim: int):
     if layout == "SBH":
         s, b, h = t.shape

@@ -14,7 +14,7 @@ import numpy as np
 from mindspore import ops
 
 from mindspeed.backends.mindspore.kernels.layouts import (check_layout, from_bnsd, head_dim_of, heads_of,
-                                                         seq_bounds, stats_view, to_bnsd)
+                                                         seq_bounds, stats_view, to_bnsd, value_head_dim)
 
 NO_LIMIT = 2**31 - 1
 _NEG_INF = float("-inf")
@@ -140,7 +140,8 @@ def _attention_bnsd(q, k, v, *, scale, mask, causal, pre_tokens, next_tokens, dr
 def check_attention_args(q, k, v, layout, head_num, dropout_p, scale):
     check_layout(layout)
     d = head_dim_of(q, layout, head_num)
-    if k.shape[-1] != v.shape[-1] or k.ndim != q.ndim or v.ndim != q.ndim:
+    # v's head size may differ from q's and k's (multi-latent attention); every other dim is k's
+    if tuple(k.shape[:-1]) != tuple(v.shape[:-1]) or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} do not match q "
                          f"{tuple(q.shape)} in layout {layout}")
     if layout not in ("SBH", "BSH") and k.shape[-1] != d:
@@ -150,6 +151,7 @@ def check_attention_args(q, k, v, layout, head_num, dropout_p, scale):
     nkv = heads_of(k, layout, d)
     if head_num % nkv:
         raise ValueError(f"attention: {head_num} query heads are not a multiple of {nkv} kv heads")
+    value_head_dim(k, v, layout, d)       # raises where v's hidden size is no whole number of kv heads
     return d, (scale if scale is not None else d ** -0.5)
 
 
@@ -169,7 +171,8 @@ def attention(q, k, v, *, layout: str = "SBH", head_num: int, mask=None, scale=N
     if layout == "TND":
         return _attention_tnd(q, k, v, mask=mask, alibi=alibi, actual_seq_qlen=actual_seq_qlen,
                               actual_seq_kvlen=actual_seq_kvlen, **common)
-    out, mx, sm = _attention_bnsd(to_bnsd(q, layout, d), to_bnsd(k, layout, d), to_bnsd(v, layout, d),
+    out, mx, sm = _attention_bnsd(to_bnsd(q, layout, d), to_bnsd(k, layout, d),
+                                  to_bnsd(v, layout, value_head_dim(k, v, layout, d)),
                                   mask=mask, alibi=alibi, **common)
     return from_bnsd(out, layout), mx, sm
 
