@@ -309,7 +309,9 @@ def _every_param_as_float16(opt):
 
 
 def _sharded_state(chunks, optimizer, is_loading: bool, only=None) -> dict:
-    state = {key: _unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
+    # metadata: a dict Megatron fills with the DP x CP group in place (GPTModel's MTP stage without the
+    # embedding reads it back from its own argument, which stays None when none is given)
+    state = {key: _unwrap(chunk).sharded_state_dict(metadata={}) for key, chunk in zip(_model_keys(chunks), chunks)}
     if only is not None:
         state = {key: {name: value for name, value in model.items() if only(name)} for key, model in state.items()}
     if optimizer is not None:

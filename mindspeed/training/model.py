@@ -242,6 +242,10 @@ def build_model_chunks(args, config: TransformerConfig, modules: SpecModules | N
         ))
     for chunk in chunks:
         fold_mlp_input_biases(chunk)
+    if dualpipev_on(args) and chunks[0].pre_process and chunks[1].mtp_process:
+        # the MTP block's copy of the word embeddings (Megatron zeroes it and fills it from the first
+        # stage over the embedding group: here that stage is this rank's chunk 0)
+        chunks[1].embedding.word_embeddings.weight.data.copy_(chunks[0].embedding.word_embeddings.weight.data)
     return chunks
 
 

@@ -80,6 +80,8 @@ def _join(args, device: str, setup_minutes: float) -> None:
         virtual_pipeline_model_parallel_size=virtual_stages(args),
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        # the V's word embeddings (and an MTP block's copy of them) all live on pipeline rank 0
+        get_embedding_ranks=(lambda pp_ranks: pp_ranks[:1]) if dualpipev_on(args) else None,
         distributed_timeout_minutes=setup_minutes)      # its groups' timeout: 30 min otherwise
 
 

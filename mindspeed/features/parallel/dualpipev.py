@@ -80,9 +80,6 @@ class DualPipeV(Feature):
         if (args.context_parallel_size or 1) > 1:
             raise FeatureConfigError("--schedules-method dualpipev with --context-parallel-size > 1: upstream's "
                                      "limit; drop one")
-        if args.mtp_num_layers:
-            raise FeatureConfigError("--schedules-method dualpipev with --mtp-num-layers: the V's last chunk "
-                                     "builds no MTP block yet; drop one")
         given = [name for name, dest in OTHER_SPLITS if getattr(args, dest, None) is not None]
         if given:
             raise FeatureConfigError(f"--schedules-method dualpipev splits the layers evenly over 2 x PP stages "
@@ -98,7 +95,7 @@ class DualPipeV(Feature):
                      "combined forward-backward step computes each backward's weight gradients within it")
         if ctx.backend_name == "torch" and dualpipev_on(args):
             from mindspeed.features.parallel import dualpipev_megatron     # the Megatron-Core hook
-            dualpipev_megatron.install(ctx.patcher, args.pipeline_model_parallel_size)
+            dualpipev_megatron.install(ctx.patcher, args.pipeline_model_parallel_size, mtp=bool(args.mtp_num_layers))
 
     def _check_microbatches(self, args, pp: int) -> None:
         gbs, mbs = args.global_batch_size, args.micro_batch_size

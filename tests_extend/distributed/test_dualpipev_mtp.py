@@ -1,0 +1,84 @@
+"""--schedules-method dualpipev with --mtp-num-layers 1 on the torch trainer, PP 2 (2 processes, one
+spawn for every run), fp32, no dropout, rotary positions (the MTP block's copy of the embeddings
+then holds only the word embeddings, the copy Megatron ties).
+
+* the MTP block sits where upstream puts it, on the V's last stage (rank 0's chunk 1, beside the
+  output layer), and nowhere else;
+* from one checkpoint (PP 1 with MTP, one step, loaded with --finetune: the same weights, a fresh
+  optimizer) the V with MTP trains 20 steps with PP 1's losses within 1e-5 relative (PP 1 runs at
+  DP 2 here: its gradients are summed over the two ranks, the V's micro-batch by micro-batch);
+* the MTP block's copy of the word embeddings is chunk 0's when built and still, bit for bit, after
+  20 steps (their gradients summed on the rank, as Megatron's embedding-group all-reduce sums them).
+"""
+import os
+
+import pytest
+
+from tests_extend.distributed.harness import next_rendezvous, run_distributed
+from tests_extend.distributed.test_pipeline_layers import _losses, _relative
+
+STEPS = 20
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr", "3e-3", "--mock-data",
+        "--seed", "7", "--hidden-dropout", "0", "--attention-dropout", "0", "--position-embedding-type", "rope",
+        "--untie-embeddings-and-output-weights", "--mtp-num-layers", "1"]
+V = ["--pipeline-model-parallel-size", "2", "--schedules-method", "dualpipev"]
+TOLERANCE = 1e-5
+
+
+def _probe(model, seen):
+    seen["mtp"] = [chunk.module.mtp_process for chunk in model]
+    seen["model"] = model
+    seen["copies_equal_when_built"] = _copies_equal(model)     # before the checkpoint loads into both
+    return model
+
+
+def _copies_equal(model) -> bool:
+    copies = [chunk.module.embedding.word_embeddings.weight for chunk in model if hasattr(chunk.module, "embedding")]
+    return len(copies) == 2 and bool((copies[0] == copies[1]).all())
+
+
+def _train(rank, tmp, name, flags):
+    import mindspeed
+    from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.training import pretrain
+    loss_file = os.path.join(tmp, name + ".jsonl")
+    next_rendezvous(rank, loss_file + ".port")
+    args = parse_args(TINY + flags + ["--log-loss-file", loss_file])
+    session = mindspeed.adapt(args)
+    seen, original = {}, pretrain.Trainer._build_model
+    pretrain.Trainer._build_model = lambda self: _probe(original(self), seen)
+    try:
+        pretrain.run(args, session)
+    finally:
+        pretrain.Trainer._build_model = original
+        mindspeed.unadapt()
+    seen["copies_equal"] = _copies_equal(seen.pop("model"))
+    return {"losses": _losses(loss_file) if rank == 0 else None, "seen": seen}
+
+
+def _all_runs(rank, world_size, tmp):
+    init = os.path.join(tmp, "init")
+    _train(rank, tmp, "init", ["--train-iters", "1", "--save", init])
+    start = ["--train-iters", str(STEPS), "--load", init, "--finetune"]
+    return {"pp1": _train(rank, tmp, "pp1", start), "v": _train(rank, tmp, "v", start + V)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(_all_runs, world_size=2, args=(str(tmp_path_factory.mktemp("v_mtp")),), timeout=400,
+                           daemon=False)    # checkpoint saves start a helper process
+
+
+def test_the_mtp_block_is_on_the_vs_last_stage(runs):
+    assert runs[0]["v"]["seen"]["mtp"] == [False, True] and runs[1]["v"]["seen"]["mtp"] == [False, False]
+    assert runs[0]["v"]["seen"]["copies_equal_when_built"] and runs[0]["v"]["seen"]["copies_equal"]
+
+
+def test_the_v_with_mtp_trains_with_pp1s_losses(runs):
+    v, pp1 = runs[0]["v"]["losses"], runs[0]["pp1"]["losses"]
+    assert len(v) == len(pp1) == STEPS
+    print("relative difference", _relative(v, pp1))
+    assert _relative(v, pp1) <= TOLERANCE, (v, pp1)
+    assert pp1[0] != pp1[-1]
