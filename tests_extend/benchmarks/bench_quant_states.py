@@ -1,4 +1,5 @@
-"""Optimizer-state bytes per parameter with --quant-states fp8 / mxfp8 against fp32 moments, and the
+"""Optimizer-state bytes per parameter with --quant-states fp8 / mxfp8 against fp32 moments, gradient
+bytes per parameter with --quant-grads (alone and with fp8) against the fp32 grad buffer, and the
 step time each costs, on the torch trainer (Megatron-Core GPT, Megatron's Adam, mock data), in one
 process, the cases interleaved so machine load hits all alike.
 
@@ -8,7 +9,10 @@ Bytes are Adam's two moments as held between updates (fp32 tensors in the optimi
 the 8-bit codes and their scales), counted from tensor sizes after the last update; `step` counters and
 the fp32 master copies (--bf16) are left out: the flag does not change them. The embeddings' and the
 output layer's moments stay fp32 (as upstream's): `quantized_share` is their complement's share of
-the parameters, `bytes_per_quantized_param` what a quantized parameter takes.
+the parameters, `bytes_per_quantized_param` what a quantized parameter takes. Gradient bytes are
+Megatron-Core's DDP grad buffers (held through forward and backward) over the parameters they hold;
+the fp32 copies the optimizer makes of them inside its step (Megatron's own, with or without the flag)
+are left out.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ def main() -> None:
     os.environ.pop("RANK", None)
     import mindspeed
     from mindspeed.flags.trainer_flags import parse_args
+    from mindspeed.features.training.quant_grads_megatron import grad_buffer_bytes
     from mindspeed.training import pretrain
     base = _base(a)
     mindspeed.adapt(parse_args(base, world_size=1))
@@ -63,10 +68,12 @@ def main() -> None:
           flush=True)
     load0 = os.getloadavg()[0]
     rows = {}
-    for name, flags in (("fp32", []), ("fp8", ["--quant-states", "fp8"]), ("mxfp8", ["--quant-states", "mxfp8"])):
+    for name, flags in (("fp32", []), ("fp8", ["--quant-states", "fp8"]), ("mxfp8", ["--quant-states", "mxfp8"]),
+                        ("quant-grads", ["--quant-grads"]), ("fp8+quant-grads", ["--quant-states", "fp8", "--quant-grads"])):
         args, tr = _trainer(base, flags)
         times = _step_times(args, tr, a.steps)
-        rows[name] = dict(_moment_bytes(tr), step_s=statistics.median(times))
+        held, params = grad_buffer_bytes(tr.model)
+        rows[name] = dict(_moment_bytes(tr), step_s=statistics.median(times), grad_bytes_per_param=held / params)
         del tr
     load = f"{load0:.1f}->{os.getloadavg()[0]:.1f}"
     fp32 = rows["fp32"]
@@ -74,6 +81,8 @@ def main() -> None:
         print(f"{name}: moment bytes/param {row['bytes_per_param']:.3f} (ratio to fp32 "
               f"{row['bytes_per_param'] / fp32['bytes_per_param']:.3f}) | per quantized param "
               f"{row['bytes_per_quantized_param'] or 8.0:.3f} | quantized share {row['quantized_share']:.3f} | "
+              f"grad bytes/param {row['grad_bytes_per_param']:.3f} (ratio "
+              f"{row['grad_bytes_per_param'] / fp32['grad_bytes_per_param']:.3f}) | "
               f"step {row['step_s']:.2f} s (ratio {row['step_s'] / fp32['step_s']:.2f}) | load avg 1 min {load}",
               flush=True)
     mindspeed.unadapt()

@@ -4,7 +4,9 @@ which a multiprocessing daemon may not):
     python -m tests_extend.unit.quant_states_worker ROOT   -> one JSON line on stdout
 
 The torch trainer (Megatron-Core GPT, Megatron's optimizers, mock data) with --quant-states fp8 and
-mxfp8 against fp32 moments for 20 updates (losses, weights, bytes held); checkpoints saved mid-run in both formats and by the distributed optimizer, resumed."""
+mxfp8 against fp32 moments for 20 updates (losses, weights, bytes held); --quant-grads against fp32
+gradients (SGD over two micro-batches, Adam alone and with --quant-states under the distributed
+optimizer; grad-buffer bytes); checkpoints saved mid-run in both formats and by the distributed optimizer, resumed."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,7 @@ import sys
 
 import torch
 
+from mindspeed.features.training import quant_grads_megatron as qg
 from mindspeed.features.training import quantized_moments as qm
 from tests_extend.unit import swap_workers as kit
 
@@ -31,10 +34,16 @@ def weights(tr) -> list:
 
 
 def run(flags: list, steps: int = STEPS) -> dict:
-    args, tr = kit.trainer_for(flags + ONE_MICRO_BATCH)
+    args, tr = kit.trainer_for(ONE_MICRO_BATCH + flags)      # unless the flags say how many
     it = kit.batches(args, tr)
-    losses = [tr.train_step(it)[0] for _ in range(steps)]
-    out = {"losses": losses, "weights": weights(tr), "lr": args.lr}
+    losses, largest_grad = [], 0.0
+    for _ in range(steps):
+        losses.append(tr.train_step(it)[0])
+        largest_grad = max([largest_grad] + [float(p.grad.abs().max()) for o in optimizers(tr)
+                                             for g in o.optimizer.param_groups for p in g["params"] if p.grad is not None])
+    held, params = qg.grad_buffer_bytes(tr.model)
+    out = {"losses": losses, "weights": weights(tr), "lr": args.lr, "grad_bytes_per_param": held / params,
+           "largest_grad": largest_grad}
     attached = [getattr(o, "mindspeed_quant_states", None) for o in optimizers(tr)]
     if all(attached):
         params = sum(p.numel() for s in attached for p in s.params())
@@ -51,16 +60,25 @@ def max_gap(a: list, b: list) -> float:
 
 def accuracy() -> dict:
     report = {}
-    for base, formats in (([], ("fp8", "mxfp8")), (["--bf16", "--use-distributed-optimizer"], DISTRIBUTED_FORMATS),
-                          (["--bf16", "--reuse-fp32-param"], ("fp8",))):
+    for base, formats in (([], ("fp8", "mxfp8", "--quant-grads")),
+                          (["--bf16", "--use-distributed-optimizer"], DISTRIBUTED_FORMATS + ("fp8 --quant-grads",)),
+                          (["--bf16", "--reuse-fp32-param"], ("fp8",)),
+                          (["--optimizer", "sgd", "--global-batch-size", "4"], ("--quant-grads",))):
         reference = run(base)
         reference_weights = reference.pop("weights")
         for fmt in formats:
-            quant = run(base + ["--quant-states", fmt])
+            quant = run(base + _quant_flags(fmt))
             quant["weight_gap"] = max_gap(quant.pop("weights"), reference_weights)
-            quant["reference_losses"] = reference["losses"]
+            quant.update({"reference_" + k: reference[k] for k in ("losses", "grad_bytes_per_param", "largest_grad")})
             report[" ".join(base + [fmt])] = quant
     return report
+
+
+def _quant_flags(fmt: str) -> list:
+    """"fp8" -> --quant-states fp8; "fp8 --quant-grads" -> both; "--quant-grads" -> the gradients alone."""
+    words = fmt.split()
+    return (["--quant-states", words[0]] if not words[0].startswith("--") else []) + \
+        [w for w in words if w.startswith("--")]
 
 
 def on_disk_moment_dtypes(path: str, iteration: int, fmt: str) -> list:

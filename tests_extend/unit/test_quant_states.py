@@ -1,8 +1,9 @@
 """--quant-states fp8 | mxfp8 (Adam's moments in 8 bits between updates): the formats against a reference
 quantizer written from their definitions (every code bit for bit), 20 updates of the torch trainer within a
 derived distance of fp32 moments, bytes per parameter, checkpoints that resume bit for bit and cross the
-flag, and the one-line refusals (hif8, --quant-grads, the MindSpore trainer). One worker process runs
-every training case (quant_states_worker.py)."""
+flag, and the one-line refusals (hif8, the MindSpore trainer). --quant-grads: its power-of-two scales and
+fp16 accumulation in process, 20 steps of the trainer within a derived distance of fp32 gradients, and the
+grad buffer's bytes per parameter. One worker process runs every training case (quant_states_worker.py)."""
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import torch
 from mindspeed.adaptor_core import MindSpeedConfigError, plan
 from mindspeed.backends.base import Level
 from mindspeed.features.registry import get_feature
+from mindspeed.features.training import quant_grads_megatron as qg
 from mindspeed.features.training import quantized_moments as qm
 from mindspeed.support_matrix import feature_level
 from tests_extend.unit import quant_states_worker as worker
@@ -175,10 +177,77 @@ def test_checkpoints_resume_bit_for_bit_and_cross_the_flag(report, case):
     assert crossed[:2] == run["continued"][:2] and crossed != run["continued"]
 
 
+# -- --quant-grads ------------------------------------------------------------------------------------
+FP16_HALF_ULP = 2.0 ** -11       # fp16's relative rounding error in its normal range (epsilon 2^-10, halved)
+
+
+@pytest.mark.parametrize("amax", [1e-30, 3e-8, 0.7, 1.0, 65504.0, 65505.0, 1e9, 3e38])
+def test_the_scale_is_the_largest_power_of_two_that_keeps_the_gradient_in_fp16(amax):
+    scale = qg.pow2_scale(torch.tensor(amax))
+    assert float(scale) == 2.0 ** round(math.log2(float(scale)))              # a power of two: exact scaling
+    assert float(torch.tensor(amax) * scale) <= qg.FP16_MAX < float(torch.tensor(amax) * scale * 2)
+
+
+def test_zero_and_non_finite_gradients_keep_neutral_scales():
+    assert float(qg.pow2_scale(torch.tensor(0.0))) == qg.ZERO_SCALE     # the minimum over ranks ignores it
+    for bad in (float("inf"), float("nan")):
+        held, scale = torch.zeros(3, dtype=torch.float16), torch.ones(1)
+        qg.quantize_into(held, scale, torch.tensor([1.0, bad, 2.0]))
+        assert float(scale) == 1.0 and not torch.isfinite(qg.unscaled(held, scale)).all()   # the loss scaler sees it
+
+
+def test_micro_batches_accumulate_within_one_fp16_rounding_each():
+    """Each stored sum is within half an fp16 ulp (2^-11 relative) of its fp32 value, the scale lifting the
+    largest element to fp16's top binade; k micro-batches: at most k roundings of at most the largest sum."""
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(512, generator=g) * 1e-5 for _ in range(4)]
+    held, scale = torch.zeros(512, dtype=torch.float16), torch.ones(1)
+    for k, grad in enumerate(grads, 1):
+        held_before = qg.unscaled(held, scale)
+        qg.quantize_into(held, scale, held_before.clone().add_(grad))
+        exact = torch.stack(grads[:k]).double().sum(0)
+        largest = max(float(torch.stack(grads[:i]).double().sum(0).abs().max()) for i in range(1, k + 1))
+        assert float((qg.unscaled(held, scale).double() - exact).abs().max()) <= k * FP16_HALF_ULP * largest
+        assert qg.FP16_MAX / 2 < float(held.float().abs().max()) <= qg.FP16_MAX
+    assert held.dtype == torch.float16
+
+
+def test_quant_grads_sgd_over_two_micro_batches_stays_within_fp16_rounding_of_fp32_grads(report):
+    """SGD moves a weight by lr x its gradient; each stored gradient element is within 2^-11 (fp16's epsilon
+    2^-10, halved) of the largest gradient G per rounding (below fp16's normal range: 2^-40 G), two
+    micro-batches round twice, so after 20 steps a weight is within 20 x lr x 2 x 2^-11 x G of the fp32-grads
+    run (to first order: the weights' feedback into later gradients is what the margin, 7x measured, covers)."""
+    run = report["accuracy"]["--optimizer sgd --global-batch-size 4 --quant-grads"]
+    assert run["losses"][0] == run["reference_losses"][0] and run["weight_gap"] > 0      # the flag acted
+    assert run["weight_gap"] <= worker.STEPS * run["lr"] * 2 * FP16_HALF_ULP * run["reference_largest_grad"]
+    np.testing.assert_allclose(run["losses"], run["reference_losses"], rtol=1e-5)        # measured 1.6e-7
+
+
+@pytest.mark.parametrize("case, moments_bound", [("--quant-grads", 0), ("--bf16 --use-distributed-optimizer fp8 --quant-grads", 2 ** -3)])
+def test_quant_grads_adam_stays_within_the_derived_distance_of_fp32_grads(report, case, moments_bound):
+    """Adam's update m / sqrt(v) moves by at most 2 x 2^-11 of its bound 3.16 lr when every gradient moves by
+    2^-11 relative (m by 2^-11, sqrt(v) by 2^-11): 20 x 2 x 3.16 lr x 2^-11 over 20 one-micro-batch steps,
+    plus the 8-bit moments' bound (test above) where --quant-states is on too."""
+    run = report["accuracy"][case]
+    assert run["losses"][0] == run["reference_losses"][0] and run["losses"] != run["reference_losses"]
+    np.testing.assert_allclose(run["losses"], run["reference_losses"], rtol=LOSS_RTOL)
+    assert run["weight_gap"] <= worker.STEPS * UPDATE_BOUND * run["lr"] * (2 * FP16_HALF_ULP + moments_bound)
+
+
+@pytest.mark.parametrize("case", ["--quant-grads", "--bf16 --use-distributed-optimizer fp8 --quant-grads"])
+def test_quant_grads_hold_two_bytes_of_gradient_per_parameter(report, case):
+    run = report["accuracy"][case]
+    assert run["reference_grad_bytes_per_param"] >= 4                  # the fp32 grad buffer (and its padding)
+    assert run["grad_bytes_per_param"] == run["reference_grad_bytes_per_param"] / 2
+
+
 # -- refusals ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, words", [
     (["--quant-states", "hif8"], "--quant-states hif8: HiFloat8 has no encoder here"),
-    (["--quant-grads"], "--quant-grads (gradients held in fp16) is not implemented yet"),
+    (["--quant-grads", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "--quant-grads with --sequence-parallel: the layer norms' gradients are summed"),
+    (["--quant-grads", "--pipeline-model-parallel-size", "2"], "--quant-grads with --pipeline-model-parallel-size > 1"),
+    (["--quant-grads", "--optimizer-selection", "fused_ema_adamw"], "conflicts with 'fused-ema-adamw'"),
     (["--quant-states", "fp8", "--swap-optimizer"], "conflicts with 'swap-optimizer'"),
     (["--quant-states", "fp8", "--optimizer-selection", "fused_ema_adamw"], "conflicts with 'fused-ema-adamw'"),
     (["--backend", "mindspore", "--quant-states", "fp8"], "MindSpore 2.10 has no CPU cast to float8_e4m3fn"),
@@ -187,6 +256,12 @@ def test_refused_in_one_line(argv, words):
     with pytest.raises(MindSpeedConfigError) as err:
         plan(argv, unknown_flags="trainer")
     assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_quant_grads_with_fsdp2_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")          # FSDP2 acts from data-parallel size 2
+    test_refused_in_one_line(["--quant-grads", "--use-torch-fsdp2"],
+                             "--quant-grads with --use-torch-fsdp2: FSDP2 reduces its own")
 
 
 def test_with_sgd_it_has_no_effect_and_says_so():
