@@ -45,7 +45,7 @@ class AdaptiveRecompute(Feature):
         if args.recompute_granularity == "full":
             raise FeatureConfigError("--adaptive-recompute-device-size with --recompute-granularity full: both "
                                      "choose which layers recompute; use one of them")
-        if getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+        if args.num_layers_per_virtual_pipeline_stage:
             raise FeatureConfigError("--adaptive-recompute-device-size with --num-layers-per-virtual-pipeline-stage: "
                                      "the plan counts the micro-batches in flight of the 1F1B schedule only; drop "
                                      "the virtual stages or use --recompute-granularity full")

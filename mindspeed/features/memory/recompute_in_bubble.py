@@ -55,7 +55,7 @@ class RecomputeInBubble(Feature):
         if args.recompute_in_bubble and args.recompute_in_advance:
             raise FeatureConfigError(f"{IN_BUBBLE} with {IN_ADVANCE}: in-bubble checkpoints the layers itself, "
                                      "in-advance moves your own full recompute; use one of them")
-        if getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+        if args.num_layers_per_virtual_pipeline_stage:
             raise FeatureConfigError(f"{self.trigger(args)} with --num-layers-per-virtual-pipeline-stage: only "
                                      "the 1F1B schedule (no virtual stages) is covered; drop the virtual stages")
         if args.recompute_in_bubble and args.recompute_granularity:
