@@ -64,7 +64,10 @@ class TensorParallel2D(Feature):
                     "joins CP to the y axis; not built here)"),
                    (getattr(args, "multi_latent_attention", False), "--multi-latent-attention (only Megatron's "
                     "SelfAttention has 2-D layers)"),
-                   (getattr(args, "mtp_num_layers", None), "--mtp-num-layers (the MTP block has no 2-D layers)")]
+                   (getattr(args, "mtp_num_layers", None), "--mtp-num-layers (the MTP block has no 2-D layers)"),
+                   (getattr(args, "save", None) or getattr(args, "load", None), "--save/--load (the 2-D layers' "
+                    "shards are not described to dist-checkpointing yet: train without a checkpoint, or with "
+                    "plain TP)")]
         for on, what in refused:
             if on:
                 raise FeatureConfigError(f"{FLAG} cannot run with {what}")
