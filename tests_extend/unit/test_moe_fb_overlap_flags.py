@@ -27,7 +27,6 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
      "--overlap-moe-expert-parallel-comm needs --moe-token-dispatcher-type alltoall"),
     (["--delay-wgrad-compute"] + MOE + EP2, "--delay-wgrad-compute needs --moe-fb-overlap"),
     (FB + ["--moe-alltoall-overlap-comm"], "does not combine with --moe-alltoall-overlap-comm"),
-    (FB + ["--moe-permutation-async-comm"], "does not combine with --moe-permutation-async-comm"),
     (["--moe-fb-overlap"], "needs --num-experts (moe) to be on too"),
     (FB + ["--backend", "mindspore"], "lack AlltoAll"),
 ])
@@ -53,6 +52,14 @@ def test_at_expert_parallel_size_1_it_is_noted_and_off():
     assert [f.id for f, *_ in p.inert] == ["moe-fb-overlap"] and "moe-fb-overlap" not in {f.id for f in p.features}
     assert len(p.notes()) == 1 and "no all-to-all to overlap" in p.notes()[0]
     assert not p.args.moe_fb_overlap
+
+
+def test_permutation_async_comm_under_the_overlap_is_noted_and_off():
+    p = plan(FB + ["--moe-permutation-async-comm"])        # upstream's DeepSeek-V3 recipe has both
+    assert [f.id for f, *_ in p.inert] == ["moe-permutation-async-comm"]
+    assert "moe-fb-overlap" in {f.id for f in p.features} and "moe-permutation-async-comm" not in {
+        f.id for f in p.features}
+    assert len(p.notes()) == 1 and "run as nodes of Megatron-Core's combined step" in p.notes()[0]
 
 
 def test_megatron_core_without_the_combined_schedule_is_named(monkeypatch):

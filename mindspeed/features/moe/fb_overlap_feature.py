@@ -109,9 +109,9 @@ def _layout_refusals(args):
            else "")
     yield ("does not combine with --moe-shared-expert-overlap (the schedule overlaps the shared experts itself): "
            "drop it" if args.moe_shared_expert_overlap else "")
-    for other in ("--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"):
-        yield (f"does not combine with {other} (both wrap the MoE layer's all-to-alls): drop one"
-               if getattr(args, other[2:].replace("-", "_"), False) else "")
+    # (--moe-permutation-async-comm is off under the overlap, with one line: features.py)
+    yield ("does not combine with --moe-alltoall-overlap-comm (both wrap the MoE layer's all-to-alls): drop one"
+           if args.moe_alltoall_overlap_comm else "")
     mtp = args.mtp_num_layers or 0
     yield ("runs with at most one MTP layer, and that one only at --pipeline-model-parallel-size > 1 "
            "(Megatron-Core's combined 1F1B)" if mtp > 1 or (mtp == 1 and pp == 1) else "")

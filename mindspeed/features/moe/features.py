@@ -160,6 +160,10 @@ class MoePermutationAsyncComm(_MoeComm):
         kind = _dispatcher(args)
         if kind == "alltoall" and expert_parallel(args) < 2:
             return "at expert parallel size 1 the alltoall dispatcher sends no tokens to another rank"
+        if kind == "alltoall" and (args.moe_fb_overlap or args.overlap_moe_expert_parallel_comm):
+            # upstream accepts the pair in its DeepSeek-V3 recipe: its overlap layers replace the dispatcher's
+            return ("with --moe-fb-overlap the dispatch and combine all-to-alls run as nodes of Megatron-Core's "
+                    "combined step, under another micro-batch's compute")
         tp, ep = _tp(args), _ep(args)
         if tp * ep < 2:
             return f"at tensor x expert parallel size 1 the {kind} dispatcher does not communicate"
