@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tests_extend.benchmarks.bench_memory import batch, build, mib  # noqa: E402  (after the path)
+from tests_extend.benchmarks.bench_memory import batch, build, init_one_process, mib  # noqa: E402  (after the path)
 
 MB = 1 << 20
 FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
@@ -79,15 +79,7 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--budget-fraction", type=float, default=0.5)
     opts = parser.parse_args()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    import torch
-    import mindspeed
-    from megatron.core import parallel_state
-    from mindspeed.net import free_port
-    os.environ["MASTER_PORT"] = str(free_port())
-    mindspeed.adapt([])                 # the cpu device shim, so Megatron-Core's process groups come up
-    torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel()
+    init_one_process()
     layers, outside = layer_bytes(opts)
     budget_mb = max(1, int(layers * opts.budget_fraction / MB))
     print(f"model: {opts.layers} layers, hidden {opts.hidden}, heads {opts.heads}, seq {opts.seq}, micro-batch "

@@ -118,6 +118,19 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def init_one_process() -> None:
+    """One gloo process with Megatron-Core's process groups, under the cpu device shim."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    import torch
+    import mindspeed
+    from mindspeed.net import free_port
+    from megatron.core import parallel_state
+    os.environ["MASTER_PORT"] = str(free_port())
+    mindspeed.adapt([])                 # the cpu device shim, so Megatron-Core's process groups come up
+    torch.distributed.init_process_group("gloo")
+    parallel_state.initialize_model_parallel()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
@@ -130,15 +143,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="case names to run")
     parser.add_argument("--no-mask-census", action="store_true")
     opts = parser.parse_args()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    import torch
-    import mindspeed
-    from mindspeed.net import free_port
-    from megatron.core import parallel_state
-    os.environ["MASTER_PORT"] = str(free_port())
-    mindspeed.adapt([])                 # the cpu device shim, so Megatron-Core's process groups come up
-    torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel()
+    init_one_process()
     print(f"model: {opts.layers} layers, hidden {opts.hidden}, heads {opts.heads}, seq {opts.seq}, "
           f"micro-batch {opts.micro_batch}, vocab {opts.vocab}, fp32, torch/cpu, {opts.steps} steps per run; "
           f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
