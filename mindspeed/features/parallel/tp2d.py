@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.host_flags import NUM_EXPERTS, host, until_given
 from mindspeed.features.registry import register
 
 FLAG = "--tp-2d"
@@ -32,7 +33,9 @@ class TensorParallel2D(Feature):
              Flag("--tp-x", dict(type=int, default=1, help="with --tp-2d: the grid's first axis (sequence "
                                                            "between layers); --tp-x x --tp-y = TP")),
              Flag("--tp-y", dict(type=int, default=1, help="with --tp-2d: the grid's second axis (hidden "
-                                                           "size between layers)")))
+                                                           "size between layers)")),
+             # the host's flags its checks read
+             NUM_EXPERTS, host("--hidden-size"), host("--ffn-hidden-size"), host("--save"), host("--load"))
     requires = (Cap.ALL_GATHER, Cap.REDUCE_SCATTER, Cap.ALL_TO_ALL, Cap.SUBGROUPS, Cap.CUSTOM_OP, Cap.MEGATRON_CORE)
     backends = ("torch",)
     conflicts = ("fused-rmsnorm", "ascend-coc", "dualpipev")
@@ -56,16 +59,16 @@ class TensorParallel2D(Feature):
         if x < 1 or y < 1 or x * y != tp:
             raise FeatureConfigError(f"{FLAG} needs --tp-x x --tp-y = --tensor-model-parallel-size: "
                                      f"{x} x {y} != {tp}")
-        refused = [(getattr(args, "sequence_parallel", False), "--sequence-parallel (the grid already shards "
+        refused = [(args.sequence_parallel, "--sequence-parallel (the grid already shards "
                     "the sequence over --tp-x; upstream's limit)"),
-                   (getattr(args, "num_experts", None), "MoE (--num-experts: upstream's limit; the experts keep "
+                   (until_given(args, NUM_EXPERTS), "MoE (--num-experts: upstream's limit; the experts keep "
                     "1-D TP)"),
-                   ((getattr(args, "context_parallel_size", 1) or 1) > 1, "--context-parallel-size > 1 (upstream "
+                   ((args.context_parallel_size or 1) > 1, "--context-parallel-size > 1 (upstream "
                     "joins CP to the y axis; not built here)"),
-                   (getattr(args, "multi_latent_attention", False), "--multi-latent-attention (only Megatron's "
+                   (args.multi_latent_attention, "--multi-latent-attention (only Megatron's "
                     "SelfAttention has 2-D layers)"),
-                   (getattr(args, "mtp_num_layers", None), "--mtp-num-layers (the MTP block has no 2-D layers)"),
-                   (getattr(args, "save", None) or getattr(args, "load", None), "--save/--load (the 2-D layers' "
+                   (args.mtp_num_layers, "--mtp-num-layers (the MTP block has no 2-D layers)"),
+                   (args.save or args.load, "--save/--load (the 2-D layers' "
                     "shards are not described to dist-checkpointing yet: train without a checkpoint, or with "
                     "plain TP)")]
         for on, what in refused:
@@ -74,13 +77,13 @@ class TensorParallel2D(Feature):
         self._check_sizes(args, tp, x, y)
 
     def _check_sizes(self, args, tp: int, x: int, y: int) -> None:
-        heads = getattr(args, "num_attention_heads", None)
-        groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
+        heads = args.num_attention_heads
+        groups = args.num_query_groups if args.group_query_attention else heads
         _divides(args, "--num-query-groups" if groups != heads else "--num-attention-heads", groups, tp,
                  "TP (whole head groups per rank after the all-to-all over --tp-y)")
-        _divides(args, "--hidden-size", getattr(args, "hidden_size", None), tp, "TP")
-        _divides(args, "--ffn-hidden-size", getattr(args, "ffn_hidden_size", None), tp, "TP")
-        _divides(args, "--seq-length", getattr(args, "seq_length", None), tp,
+        _divides(args, "--hidden-size", args.hidden_size, tp, "TP")
+        _divides(args, "--ffn-hidden-size", args.ffn_hidden_size, tp, "TP")
+        _divides(args, "--seq-length", args.seq_length, tp,
                  "TP (the sequence is split over --tp-x and over --tp-y)")
 
     def apply(self, ctx, args) -> None:
