@@ -66,3 +66,13 @@ def test_bad_combinations_are_refused_in_one_line(argv, message):
     with pytest.raises(MindSpeedConfigError, match=message) as err:
         plan(argv)
     assert "\n" not in str(err.value)
+
+
+def test_mindspore_refusal_names_what_its_trainer_lacks():
+    from mindspeed.backends.base import Level
+    from mindspeed.features.registry import get_feature
+    from mindspeed.support_matrix import feature_level
+    level, limits = feature_level(get_feature("recompute-in-bubble"), "mindspore", "cpu")
+    assert level is Level.ABSENT and any("point-to-point receive" in lim for lim in limits), limits
+    level, limits = feature_level(get_feature("adaptive-recompute"), "mindspore", "cpu")
+    assert level is Level.ABSENT and any("per-layer profile" in lim for lim in limits), limits

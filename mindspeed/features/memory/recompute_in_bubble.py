@@ -35,9 +35,11 @@ class RecomputeInBubble(Feature):
     requires = (Cap.RECOMPUTE, Cap.PIPELINE_PARALLEL, Cap.MEGATRON_CORE)
     backends = ("torch",)
     conflicts = ("adaptive-recompute", "recompute-activation-function", "recompute-norm", "swap-attention")
-    unsupported = {"mindspore": "the MindSpore trainer's pipeline differentiates each micro-batch in one "
-                                "value_and_grad call: there is no separate recomputation to move ahead of the "
-                                "gradient's arrival; use the torch backend"}
+    unsupported = {"mindspore": "it posts the gradient's receive ahead of its wait; MindSpore 2.10 has no "
+                                "point-to-point receive on CPU (comm.send_recv is a collective exchange both "
+                                "stages call together, training/mindspore/pipeline.py), and its first stage "
+                                "reruns the forward under vjp only right before the backward (PyNative keeps "
+                                "one pending backward graph per function): use the torch backend"}
     alternatives = "--recompute-granularity full --recompute-method block --recompute-num-layers N"
     example = (IN_BUBBLE, "--pipeline-model-parallel-size", "2")
     example_world = 2
