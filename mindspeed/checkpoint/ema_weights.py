@@ -40,7 +40,8 @@ def load_ema_weights(root: str, chunks, step: int | None = None) -> int:
     count = sum(len(model) for model in state.values())
     if not count:
         raise CheckpointError(f"checkpoint {path} holds no EMA of the weights (saved without --optimizer-selection "
-                              "fused_ema_adamw, or with --no-save-optim): drop --use-ema")
+                              "fused_ema_adamw, with --no-save-optim, or by the distributed optimizer, whose "
+                              "EMA shards are not keyed by parameter): drop --use-ema")
     loaded = dist_checkpointing.load(state, path)
     with torch.no_grad():
         for key, chunk in zip(_model_keys(chunks), chunks):

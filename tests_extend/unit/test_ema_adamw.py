@@ -82,7 +82,7 @@ ON = ["--optimizer-selection", "fused_ema_adamw"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (ON + ["--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
+    (ON + ["--use-distributed-optimizer", "--ckpt-format", "torch"], "use --ckpt-format torch_dist"),
     (ON + ["--optimizer", "sgd"], "is AdamW: drop --optimizer sgd"),
     (ON + ["--ema-decay", "1"], "--ema-decay must be in [0, 1), got 1.0"),
     (ON + ["--bf16", "--reuse-fp32-param"], "conflicts with 'reuse-fp32-param'"),

@@ -30,7 +30,7 @@ class FusedEmaAdamW(Feature):
                  "EMA decay d; update t uses min(d, (1 + t) / (10 + t)) (upstream's warm-up)"))),
              switch("--use-ema", "validation and evaluation run with the EMA weights (needs "
                                  "--optimizer-selection fused_ema_adamw)"),
-             host("--optimizer", "adam"), host("--use-distributed-optimizer", False))
+             host("--optimizer", "adam"), host("--use-distributed-optimizer", False), host("--ckpt-format", "torch_dist"))
     requires = (Cap.MEGATRON_CORE,)
     backends = ("torch",)
     # upstream refuses it too: the bf16 parameters would be the masters' high halves, the EMA a third copy
@@ -53,11 +53,10 @@ class FusedEmaAdamW(Feature):
         if args.optimizer != "adam":
             raise FeatureConfigError(f"--optimizer-selection {SELECTION} is AdamW: drop --optimizer "
                                      f"{args.optimizer}")
-        if args.use_distributed_optimizer:
-            raise FeatureConfigError(f"--optimizer-selection {SELECTION} with --use-distributed-optimizer: the "
-                                     "EMA would be sharded as the fp32 master shards are, and neither the legacy "
-                                     "format's distrib_optim.pt (param/exp_avg/exp_avg_sq only) nor --use-ema's "
-                                     "whole-weight evaluation reads such shards yet; drop --use-distributed-optimizer")
+        if args.use_distributed_optimizer and args.ckpt_format == "torch":
+            raise FeatureConfigError(f"--optimizer-selection {SELECTION} with --use-distributed-optimizer and "
+                                     "--ckpt-format torch: the legacy format's distrib_optim.pt holds only "
+                                     "param/exp_avg/exp_avg_sq, not the EMA shards; use --ckpt-format torch_dist")
 
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":

@@ -1,5 +1,5 @@
 """--optimizer-selection fused_ema_adamw on Megatron-Core's optimizers (Float16OptimizerWithFloat16Params,
-FP32Optimizer): the torch AdamW inside each keeps Megatron's update untouched (the losses are
+FP32Optimizer, DistributedOptimizer): the torch AdamW inside each keeps Megatron's update untouched (the losses are
 --optimizer adam's bit for bit) and, in the same step call, updates each updated parameter's
 'ema_params' state (fp32, beside exp_avg / exp_avg_sq) with one foreach lerp:
 
@@ -9,6 +9,11 @@ t is the parameter's AdamW step count, which the checkpoint holds: a resumed run
 As optimizer state the EMA reaches both checkpoint formats through Megatron's own state dicts
 (state_dict; sharded_state_dict maps every state key onto the parameter's sharding); a torch_dist load
 asks init_state_fn for the state to load into, so that gets 'ema_params' too.
+
+Under the distributed optimizer the inner AdamW holds this rank's shards of the fp32 masters, so the EMA
+is sharded as they are; Megatron's dp_reshardable format saves every state key of a shard (its
+'ema_params' too). Evaluating with it puts the EMA shards into the masters, copies them into the model's
+shards and all-gathers the parameters, as the optimizer's step does; then the same with the masters back.
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ from mindspeed.features.memory.reuse_fp32_param_megatron import attach_after_ini
 
 KEY = "ema_params"
 OPTIMIZERS = ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
-              "megatron.core.optimizer.optimizer.FP32Optimizer")
+              "megatron.core.optimizer.optimizer.FP32Optimizer",
+              "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer")
 
 
 def decay_at(decay: float, step: int) -> float:
@@ -127,22 +133,46 @@ def model_and_master_pairs(opt):
             yield from ((p, p) for p in group["params"])
 
 
+def _sharded(opt) -> bool:
+    return hasattr(opt, "shard_fp32_from_float16_groups")
+
+
+def _publish_masters(opt) -> None:
+    """The distributed optimizer's masters into the model's shards, all-gathered (its step's tail)."""
+    opt._copy_main_params_to_model_params()
+    for chunk in opt.model_chunks:
+        chunk.start_param_sync(force_sync=True)
+
+
+def _swap_in(pairs, opt) -> list:
+    """Each (target, master) whose master has an EMA: the target's weights kept, the EMA copied in."""
+    saved = []
+    for target, master in pairs:
+        ema = opt.optimizer.state.get(master, {}).get(KEY)
+        if ema is not None:
+            saved.append((target, target.detach().clone()))
+            target.copy_(ema)
+    return saved
+
+
 @contextmanager
 def ema_weights(optimizers):
     """The model holds the EMA weights of `optimizers` (Megatron optimizers, chained or not) inside
     (evaluation), its own weights again after. A parameter without an EMA yet (no update so far)
     keeps its weights."""
-    saved = []
+    parts = [o for chained in optimizers for o in getattr(chained, "chained_optimizers", [chained])]
+    saved, sharded = [], [o for o in parts if _sharded(o)]
     with torch.no_grad():
-        for opt in (o for chained in optimizers for o in getattr(chained, "chained_optimizers", [chained])):
-            for param, master in model_and_master_pairs(opt):
-                ema = opt.optimizer.state.get(master, {}).get(KEY)
-                if ema is not None:
-                    saved.append((param, param.detach().clone()))
-                    param.copy_(ema)
+        for opt in parts:
+            masters = ((p, p) for g in opt.optimizer.param_groups for p in g["params"])
+            saved += _swap_in(masters if _sharded(opt) else model_and_master_pairs(opt), opt)
+        for opt in sharded:
+            _publish_masters(opt)
     try:
         yield
     finally:
         with torch.no_grad():
-            for param, weights in saved:
-                param.copy_(weights)
+            for target, weights in saved:
+                target.copy_(weights)
+            for opt in sharded:
+                _publish_masters(opt)
