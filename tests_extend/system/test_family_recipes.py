@@ -182,3 +182,44 @@ def _another_architecture_is_refused(ckpt, corpus):
     errors = {line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error: ")}
     assert result.returncode != 0 and len(errors) == 1, (result.stdout + result.stderr)[-3000:]
     assert "this model does not have (" in (line := errors.pop()) and "self_attention.k_layernorm.weight" in line
+
+
+def _gate_at(argv, world_size: int) -> list[str]:
+    try:
+        return [f.id for f in plan(parse_args(argv, world_size=world_size)).features]
+    except MindSpeedConfigError as err:
+        assert len(str(err).splitlines()) == 1, str(err)
+        return [str(err)]
+
+
+def test_deepseek3_in_the_vs_layout_is_refused_only_its_full_recomputation(corpus, monkeypatch):
+    """The recipe at PP 2 x EP 2 with its --schedules-method dualpipev --moe-fb-overlap (and MTP) passes the
+    check; with its recompute options back, --moe-fb-overlap refuses them in one line."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = shrink.shrink("deepseek3", corpus, v=True)
+    assert {"dualpipev", "moe-fb-overlap", "mtp", "expert-parallel"} <= set(_gate_at(argv, 4))
+    recompute = [t for flag, *values in shrink.recipe("deepseek3") if flag.startswith("--recompute")
+                 for t in (flag, *values)]
+    (problem,) = _gate_at(argv + recompute, 4)
+    assert "--moe-fb-overlap does not run with recomputation" in problem, problem
+
+
+def test_deepseek3_trains_with_its_dualpipev_and_fb_overlap_at_pp2(corpus, tmp_path):
+    """MindSpeed-LLM's DeepSeek-V3 recipe in the V's layout (shrink(..., v=True): 4 processes, MTP on, the
+    full recomputation left out): 3 iterations, finite losses; MINDSPEED_SLOW_TESTS=1 (4 processes)."""
+    if SLOW:
+        pytest.skip("MINDSPEED_SLOW_TESTS=1 trains DeepSeek-V3's recipe with DualPipeV and --moe-fb-overlap")
+    argv = shrink.shrink("deepseek3", dict(corpus, CKPT_LOAD_DIR=str(tmp_path / "ckpt"),
+                                           CKPT_SAVE_DIR=str(tmp_path / "ckpt")), v=True)
+    losses = tmp_path / "loss.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-m", "mindspeed.torchrun", "--nproc_per_node", "4", "--nnodes", "1",
+                             "--node_rank", "0", "--master_addr", "localhost", "--master_port", str(free_port()),
+                             os.path.join(ROOT, "tests_extend", "example", "pretrain_gpt.py"), *argv,
+                             "--log-loss-file", str(losses)], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "features: " in output and "dualpipev" in output and "moe-fb-overlap" in output
+    values = [json.loads(line)["lm_loss"] for line in losses.read_text().splitlines()]
+    assert len(values) == 3 and all(math.isfinite(v) for v in values), values

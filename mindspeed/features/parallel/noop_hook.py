@@ -1,7 +1,13 @@
 """--noop-layers on Megatron-Core: the named layers are built as NoopTransformerLayer (no parameters,
-output = input) instead of TransformerLayer. Imported only when the feature is applied on torch."""
+output = input) instead of TransformerLayer. Imported only when the feature is applied on torch.
+
+Megatron-Core's combined forward-backward step (--moe-fb-overlap) splits each layer into nodes built
+by fine_grained_callables.build_layer_callables, which knows TransformerLayer and the MTP layer only:
+a noop layer gets pass-through nodes there, its last node applying the decoder's final norm where it
+is the chunk's last layer (as a MoE layer's combine node does)."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import sys
 
@@ -9,6 +15,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 BLOCK = "megatron.core.transformer.transformer_block.TransformerBlock"
+LAYER_CALLABLES = "megatron.core.models.gpt.fine_grained_callables.build_layer_callables"    # Megatron-Core >= 0.14
 MEGATRON_LM_FLOPS = "megatron.training.training.num_floating_point_operations"
 
 
@@ -19,6 +26,8 @@ class NoopTransformerLayer(MegatronModule):
     def __init__(self, config, layer_number: int = 1, global_layer_number: int = 1, **_):
         super().__init__(config)
         self.layer_number = global_layer_number
+
+    mlp = None          # a dense layer to Megatron's combined-step plan (which reads layer.mlp)
 
     def forward(self, hidden_states, attention_mask=None, context=None, *args, **kwargs):
         # a copy, not the same tensor: the pipeline schedule frees a stage's output tensor after
@@ -76,8 +85,25 @@ def _wrap_megatron_lm_flops(noop: frozenset):
     return wrap
 
 
+def _noop_nodes(original):
+    def build_layer_callables(layer):
+        if not isinstance(layer, NoopTransformerLayer):
+            return original(layer)
+
+        def passed(node, hidden_states):
+            return hidden_states.clone()
+
+        def passed_to_the_norm(node, hidden_states):
+            norm = node.chunk_state.model.decoder.final_layernorm
+            return norm(hidden_states) if node.is_last_layer and norm is not None else hidden_states.clone()
+        return [passed, None, passed_to_the_norm, None, None], {}
+    return build_layer_callables
+
+
 def install(patcher, noop: frozenset) -> None:
     patcher.wrap(BLOCK + "._build_layers", _wrap_build_layers(noop), reason="--noop-layers: pass-through layers")
+    if importlib.util.find_spec(LAYER_CALLABLES.rsplit(".", 1)[0]) is not None:
+        patcher.wrap(LAYER_CALLABLES, _noop_nodes, reason="--noop-layers: pass-through nodes in the combined step")
     patcher.wrap(BLOCK + ".sharded_state_dict", _per_layer_keys, reason="--noop-layers: per-layer checkpoint keys")
     if "megatron.training.training" in sys.modules:     # under Megatron-LM's pretrain_gpt.py
         patcher.wrap(MEGATRON_LM_FLOPS, _wrap_megatron_lm_flops(noop),

@@ -33,11 +33,21 @@ PARALLEL = {"llama3": {"--tensor-model-parallel-size": 2}, "llama31": {"--tensor
             "qwen3_moe": {"--expert-model-parallel-size": 2}, "mixtral": {"--tensor-model-parallel-size": 2},
             "deepseek3": {"--expert-model-parallel-size": 2}, "deepseek3_2_1_0": {"--expert-model-parallel-size": 2}}
 # options of a recipe the built-in trainer refuses in this shrunk layout (in one line, naming what to do
-# instead): DualPipeV needs PP >= 2 and no MTP, and does not combine with --moe-fb-overlap yet; CoC's fused
-# kernel is Ascend's. `shrink(..., runnable=True)` leaves them out so the rest of the recipe trains
-NOT_YET = {"--schedules-method": "DualPipeV (at PP >= 2, without MTP and without --moe-fb-overlap)",
-           "--moe-fb-overlap": "MoE forward/backward overlap (not with DualPipeV yet)",
+# instead): DualPipeV needs PP >= 2 (2 processes keep the recipe's EP; the V's own layout below), and
+# --moe-fb-overlap does not run with the recipe's full recomputation; CoC's fused kernel is Ascend's.
+# `shrink(..., runnable=True)` leaves them out so the rest of the recipe trains
+NOT_YET = {"--schedules-method": "DualPipeV (at PP >= 2: shrink(..., v=True))",
+           "--moe-fb-overlap": "MoE forward/backward overlap (not with --recompute-granularity full)",
            "--coc-fused-kernel": "CoC's fused kernel (Ascend's)"}
+# the V's layout (v=True): the recipe with its --schedules-method dualpipev --moe-fb-overlap at PP 2 x EP 2,
+# 4 processes, 8 samples a step (the V needs 2 x PP - 1 micro-batches per data-parallel rank); left out:
+# the full recomputation Megatron-Core's combined step cannot run (refused beside --moe-fb-overlap in one line)
+V_LAYOUT = {"--pipeline-model-parallel-size": 2, "--expert-model-parallel-size": 2}
+V_SIZES = {"--global-batch-size": 8}
+V_NOT_YET = {"--recompute-granularity": "full recomputation under --moe-fb-overlap",
+             "--recompute-method": "full recomputation under --moe-fb-overlap",
+             "--recompute-num-layers": "full recomputation under --moe-fb-overlap",
+             "--coc-fused-kernel": NOT_YET["--coc-fused-kernel"]}
 # options that need a Hugging Face model at --load, which the runs here do not have: left out of the runnable
 # form too (the torch trainer converts it then: tests_extend/unit/test_convert_legacy.py)
 NEEDS_HF_MODEL = {"--enable-hf2mg-convert": "the run converts the Hugging Face model --load names"}
@@ -53,20 +63,23 @@ def recipe(family: str) -> list[list[str]]:
         return [line.split() for line in f if line.strip() and not line.startswith("#")]
 
 
-def shrink(family: str, paths: dict, runnable: bool = False) -> list[str]:
+def shrink(family: str, paths: dict, runnable: bool = False, v: bool = False) -> list[str]:
     """The recipe at CPU size for 2 processes; `paths` fills its $NAME values (a missing one is an error);
-    runnable: without the NOT_YET and NEEDS_HF_MODEL options."""
+    runnable: without the NOT_YET and NEEDS_HF_MODEL options; v: in the V's layout (4 processes, runnable,
+    with its DualPipeV and fb overlap)."""
     parallel = {flag: 1 for flag in PARALLEL_FLAGS}
-    parallel.update(PARALLEL[family])
+    parallel.update(V_LAYOUT if v else PARALLEL[family])
+    sizes = dict(SIZES, **V_SIZES) if v else SIZES
+    left_out = dict(V_NOT_YET, **NEEDS_HF_MODEL) if v else dict(NOT_YET, **NEEDS_HF_MODEL) if runnable else {}
     argv, seen = [], set()
     for flag, *values in recipe(family):
-        if runnable and (flag in NOT_YET or flag in NEEDS_HF_MODEL):
+        if flag in left_out:
             continue
         seen.add(flag)
         if flag in parallel:
             values = [str(parallel[flag])]
-        elif flag in SIZES:
-            values = [str(SIZES[flag])]
+        elif flag in sizes:
+            values = [str(sizes[flag])]
         elif flag in DERIVED:
             values = [DERIVED[flag](values[0])]
         argv += [flag, *(_fill(v, paths) for v in values)]
@@ -86,14 +99,14 @@ def _fill(value: str, paths: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    runnable = "--runnable" in argv
-    argv = [a for a in argv if a != "--runnable"]
+    runnable, v = "--runnable" in argv, "--v" in argv
+    argv = [a for a in argv if a not in ("--runnable", "--v")]
     if not argv:
-        print(f"usage: shrink.py FAMILY [--runnable] [NAME=PATH ...]; families: {', '.join(FAMILIES)}",
+        print(f"usage: shrink.py FAMILY [--runnable | --v] [NAME=PATH ...]; families: {', '.join(FAMILIES)}",
               file=sys.stderr)
         return 2
     paths = dict(arg.split("=", 1) for arg in argv[1:])
-    print("\n".join(shrink(argv[0], paths, runnable)))
+    print("\n".join(shrink(argv[0], paths, runnable, v)))
     return 0
 
 
