@@ -8,6 +8,12 @@ layers: half of each. Printed per schedule and size: the idle units per rank per
 length minus the rank's work), their mean, and the ratio to 1F1B's; the load average is printed too
 (the figures do not depend on it: they are counted, not timed).
 
+"DualPipeV --moe-fb-overlap" runs each rank's program as the torch trainer runs it under the MoE overlap
+(schedule_sim.fb_overlapped: a forward met by another micro-batch's backward is one combined step, the
+weight gradients inside each backward); the last column counts those combined steps per rank: the slots
+where one micro-batch's dispatch/combine all-to-alls can hide under the other's compute (the clock gives
+the all-to-alls no time, so the idle units are the compute schedule's).
+
     python tests_extend/benchmarks/bench_dualpipev.py [--sizes 2x4 2x8 4x8 4x16 8x16]
 """
 from __future__ import annotations
@@ -19,8 +25,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from mindspeed.features.parallel.schedule_sim import (dualpipev_programs, interleaved_layout,  # noqa: E402
-                                                      interleaved_order, run_programs, v_layout, with_transfers)
+from mindspeed.features.parallel.schedule_sim import (Pair, dualpipev_programs, fb_overlapped,  # noqa: E402
+                                                      interleaved_layout, interleaved_order, run_programs,
+                                                      v_layout, with_transfers)
 
 WORK = {"F": 1.0, "B": 2.0, "Bi": 1.0, "W": 1.0}     # one stage's layers
 
@@ -35,12 +42,20 @@ def dualpipev(pp: int, n: int, dw_detach: bool):
     return run_programs(v_layout(pp), dualpipev_programs(pp, n, dw_detach), lambda w: WORK[w.kind] / 2)
 
 
+def dualpipev_fb_overlap(pp: int, n: int):
+    programs = [fb_overlapped(p) for p in dualpipev_programs(pp, n)]
+    pairs = [sum(isinstance(item, Pair) for item in p) for p in programs]
+    return run_programs(v_layout(pp), programs, lambda w: WORK[w.kind] / 2), pairs
+
+
 def rows(pp: int, n: int):
     base = megatron(pp, n, 1)
     yield "1F1B", base, base
     yield "interleaved 1F1B (2 chunks)", megatron(pp, n, 2), base
     yield "DualPipeV", dualpipev(pp, n, False), base
     yield "DualPipeV --dualpipev-dw-detach", dualpipev(pp, n, True), base
+    record, pairs = dualpipev_fb_overlap(pp, n)
+    yield "DualPipeV --moe-fb-overlap", record, base, pairs
 
 
 def main(argv=None) -> None:
@@ -49,13 +64,16 @@ def main(argv=None) -> None:
                         help="PPxMICROBATCHES (micro-batches a multiple of PP: the interleaved schedule's rule)")
     a = parser.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f} (counted, not timed); unit: one 1F1B stage's forward")
-    print(f"{'PP x N':>7} | {'schedule':<31} | {'step':>6} | {'idle per rank':<40} | {'mean':>5} | vs 1F1B")
+    print(f"{'PP x N':>7} | {'schedule':<31} | {'step':>6} | {'idle per rank':<40} | {'mean':>5} | vs 1F1B "
+          f"| F+B steps per rank")
     for size in a.sizes:
         pp, n = map(int, size.split("x"))
-        for name, record, base in rows(pp, n):
+        for name, record, base, *pairs in rows(pp, n):
             mean, base_mean = sum(record.idle) / pp, sum(base.idle) / pp
             idle = " ".join(f"{x:g}" for x in record.idle)
-            print(f"{size:>7} | {name:<31} | {record.makespan:6g} | {idle:<40} | {mean:5g} | {mean / base_mean:.2f}")
+            paired = " ".join(map(str, pairs[0])) if pairs else ""
+            print(f"{size:>7} | {name:<31} | {record.makespan:6g} | {idle:<40} | {mean:5g} | "
+                  f"{mean / base_mean:7.2f} | {paired}")
 
 
 if __name__ == "__main__":
