@@ -75,6 +75,10 @@ def pytest_load_initial_conftests(early_config, parser, args):
         from mindspeed.features.fused.grouped_gemm import provide_grouped_gemm_package
         provide_grouped_gemm_package(state.context, into_main_grad=False,
                                      why="grouped_gemm absent: GroupedMLP's GEMMs through the backend's gmm")
+    if state.plan.backend == "torch" and state.plan.device != "cuda":
+        # Megatron's FSDP2 tests build TorchFullyShardedDataParallel directly (no --use-torch-fsdp2)
+        from mindspeed.features.parallel.fsdp2_megatron import install_device_mesh
+        install_device_mesh(state.patcher, state.plan.device)
     if state.patcher.find("torch.distributed.new_group") is not None and LAZY_GLOO not in os.environ:
         state.patcher.setenv(LAZY_GLOO, "1", reason="gloo stands in for nccl: connect a group's peers on its "
                              "first collective, as NCCL does, not each of the groups every test makes")

@@ -294,7 +294,7 @@ def test_every_skip_list_entry_names_an_existing_test_and_says_why(tmp_path):
     with tarfile.open(_tests_tarball()) as archive:
         names = set(archive.getnames())
     safe_extract(_tests_tarball(), str(tmp_path))
-    for test in list(SKIPS) + list(RANKS) + [name.split("[", 1)[0] for name in TOO_LARGE]:
+    for test in list(SKIPS) + [name.split("[", 1)[0] for name in (*RANKS, *TOO_LARGE)]:
         path, _, name = test.partition("::")
         assert path in names, f"{test}: no such file in {TESTS_TARBALL}"
         assert name in _definitions(os.path.join(tmp_path, path)), f"{test}: no such test"

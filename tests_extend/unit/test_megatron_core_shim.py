@@ -106,6 +106,8 @@ def test_a_test_needing_more_ranks_is_told_how_to_run():
     assert more_ranks_needed(root, 8) is None
     shards = "AssertionError: Data parallel size should be divisible by partial DistOpt shard factor"
     assert "torchrun --nproc_per_node 2" in more_ranks_needed(shards, 1)
+    expert_shards = "AssertionError: Expert data parallel size should be divisible by partial DistOpt shard factor"
+    assert "torchrun --nproc_per_node 4" in more_ranks_needed(expert_shards, 2)    # the experts' DP at EP 2
 
 
 def test_a_listed_test_is_skipped_only_when_it_fails_as_its_reason_says():
@@ -127,6 +129,11 @@ def test_a_test_needing_eight_ranks_is_not_run_with_fewer():
     assert "--nproc_per_node 8" in skip_before_running(ranks, 2)
     assert skip_before_running(ranks, 8) is None
     assert skip_before_running("tests/unit_tests/test_parallel_state.py::test_other", 1) is None
+    # a key with parameters names those cases only (a bf16 sum of two values rounds as fp32's does)
+    accumulation = ("tests/unit_tests/distributed/test_reduce_scatter_with_fp32_accumulation.py::"
+                    "TestReduceScatterWithFP32Accumulation::test_reduce_scatter_with_fp32_accumulation")
+    assert "--nproc_per_node 4" in skip_before_running(accumulation + "[False-True]", 2)
+    assert skip_before_running(accumulation + "[True-True]", 2) is None
 
 
 def test_a_test_too_large_for_a_cpu_run_is_not_run():

@@ -62,9 +62,15 @@ def _swiglu_shard(original_sh_ten, sharded_offsets, singleton_local_shards: bool
                                            replica_id=original_sh_ten.replica_id, prepend_axis_num=axis)
 
 
-def install(patcher, device: str) -> None:
+def install_device_mesh(patcher, device: str) -> None:
+    """The wrapper's device mesh on the run's device (also what Megatron's own FSDP2 unit tests need,
+    which build the wrapper without the flag: mindspeed/pytest_plugin.py)."""
     patcher.replace(f"{MODULE}.DeviceMesh", _MeshOnDevice(device),
                     reason="torch-fsdp2: the wrapper's device mesh on the run's device, not always cuda")
+
+
+def install(patcher, device: str) -> None:
+    install_device_mesh(patcher, device)
     patcher.replace(f"{MODULE}.TorchFullyShardedDataParallel.finish_grad_sync", _finish_grad_sync,
                     reason="torch-fsdp2: finalize_model_grads passes force_all_reduce, which the wrapper lacks")
     patcher.replace("megatron.core.dist_checkpointing.optimizer.to_local_if_dtensor", _local_tensor,
