@@ -32,6 +32,9 @@ class AdaptiveRecompute(Feature):
                                 "Megatron's uniform/block method fixed at launch, and its trainer has no per-layer "
                                 "profile of the bytes saved for backward: use the torch backend"}
     alternatives = "--recompute-granularity full --recompute-method block --recompute-num-layers N"
+    megatron_lm_refusal = ("adaptive recompute runs on the built-in torch trainer (tests_extend/example/pretrain_gpt.py, "
+                           "the same flags): Megatron-LM's training loop tells features no step boundaries, so the "
+                           "profiled steps would never end and no layer would recompute")
     example = ("--adaptive-recompute-device-size", "1")
 
     def enabled(self, args) -> bool:
