@@ -73,7 +73,7 @@ def test_the_plan_fits_a_budget_the_plain_run_exceeds_and_the_meter_agrees(repor
 
 
 def test_no_plan_before_the_profiled_steps_end(reports):
-    assert reports["eval_only"][2] is None and reports["eval_only"][0] == reports["off"][0][:3]
+    assert reports["still_profiling"][2] is None and reports["still_profiling"][0] == reports["off"][0][:3]
 
 
 @pytest.mark.parametrize("argv, message", [
