@@ -222,6 +222,10 @@ UNINSTALLABLE = {
         "needs emerging-optimizers (Megatron-Core's Muon and layer-wise optimizers), whose one release "
         "requires Python >= 3.12 (this is Python 3.11): a user here loses --optimizer muon / dist_muon, "
         "which MindSpeed refuses in one line"),
+    # Megatron's "fused_topk_with_score_function is not available. Please install TE >= 2.6.0." and its kin
+    "is not available. Please install TE": (
+        "needs one of Transformer Engine's fused kernels (the MoE router's fused top-k, --moe-router-fusion, "
+        "and its kin), which exist only with TE on a GPU: a user here loses that fusion"),
     "MambaSSM is not installed": (
         "needs mamba-ssm (Megatron-Core's Mamba layers), whose selective-scan kernels are CUDA-only (it "
         "builds only against CUDA): a user here loses Megatron's Mamba and hybrid models"),

@@ -308,4 +308,7 @@ def test_a_package_this_python_cannot_install_is_a_skip_by_reason():
     # Megatron's Mamba tests: mamba-ssm's kernels build only against CUDA
     mamba = uninstallable_package("ImportError: MambaSSM is not installed. Please install it with `pip install mamba-ssm`.")
     assert mamba.startswith("MindSpeed skip list: needs mamba-ssm") and "CUDA-only" in mamba
+    fused = uninstallable_package("ValueError: fused_topk_with_score_function is not available. Please install TE "
+                                  ">= 2.6.0.")
+    assert "Transformer Engine's fused kernels" in fused and "--moe-router-fusion" in fused
     assert sys.version_info < (3, 12), "emerging-optimizers installs on this Python: lift the entry"
