@@ -151,8 +151,10 @@ _SHARD_FACTOR = "ata parallel size should be divisible by partial DistOpt shard 
 _GRID = re.compile(r"Grid shape \[([\d, ]+)\] is over sized with world size (\d+)")
 # gloo's "ProcessGroupGloo::broadcast: invalid root rank: 6" (a test's source rank, for 8 GPUs)
 _ROOT = re.compile(r"ProcessGroupGloo::\w+: invalid root rank: (\d+)")
-# parallel_state's "world_size (1) is not divisible by 8" and "... by <name> size (8)"
-_DIVISIBLE = re.compile(r"world_size \((\d+)\) is not divisible by (?:[\w-]+ size \()?(\d+)")
+# parallel_state's "world_size (1) is not divisible by 8" and "... by <name> size (8)"; the hybrid
+# (Mamba) models' "world size (1) is not divisible by total_model_size (total_model_size=2)"
+_DIVISIBLE = re.compile(r"world[_ ]size \((\d+)\) is not divisible by "
+                        r"(?:[\w-]+ size \(|total_model_size \(total_model_size=)?(\d+)")
 
 
 def base_name(nodeid: str) -> str:

@@ -95,6 +95,8 @@ def test_a_test_needing_more_ranks_is_told_how_to_run():
     reason = more_ranks_needed("world_size (2) is not divisible by expert_tensor_model_pipeline_parallel size (4)", 2)
     assert "torchrun --nproc_per_node 4" in reason
     assert more_ranks_needed("world_size (2) is not divisible by 8", 1) is None   # another run's world
+    hybrid = "AssertionError: world size (1) is not divisible by total_model_size (total_model_size=2)"
+    assert "torchrun --nproc_per_node 2" in more_ranks_needed(hybrid, 1)
     assert more_ranks_needed("shape mismatch", 1) is None
     # HyperCommGrid (Megatron's pipeline_parallel tests): the grid's shape spans 2 * 1 * 1 * 4 ranks
     grid = "RuntimeError: Grid shape [2, 1, 1, 4] is over sized with world size 1 and rank offset 0"
