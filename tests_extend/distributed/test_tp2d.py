@@ -41,6 +41,16 @@ if SLOW:
                  "classic-2x2": CLASSIC + _grid(2, 2)})
 
 
+def _checkpoint_runs(tmp):
+    """4 steps at 2 x 2 saving at 2 and 4; then steps 3-4 again from its step-2 checkpoint, at 2 x 2 and
+    at plain TP 4 (dist-checkpointing reshards the 2-D blocks)."""
+    ckpt, resume = os.path.join(tmp, "ckpt"), ["--ckpt-step", "2"]
+    short = ["--train-iters", "4"]
+    return {"ck-2x2": _grid(2, 2) + short + ["--save", ckpt, "--save-interval", "2"],
+            "ck-2x2-resumed": _grid(2, 2) + short + ["--load", ckpt] + resume,
+            "ck-tp4-resumed": _tp(4) + short + ["--load", ckpt] + resume}
+
+
 def _body(rank, world_size, tmp):
     import mindspeed
     from mindspeed.features.parallel import tp2d_megatron
@@ -48,7 +58,7 @@ def _body(rank, world_size, tmp):
     from mindspeed.training.pretrain import run
     import time
     out = {}
-    for name, flags in RUNS.items():
+    for name, flags in {**RUNS, **_checkpoint_runs(tmp)}.items():
         cpu = time.process_time()
         loss_file = os.path.join(tmp, f"{name}.jsonl")
         next_rendezvous(rank, loss_file + ".port")
@@ -69,7 +79,8 @@ def _body(rank, world_size, tmp):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(_body, world_size=4, args=(str(tmp_path_factory.mktemp("tp2d")),), timeout=600)
+    return run_distributed(_body, world_size=4, args=(str(tmp_path_factory.mktemp("tp2d")),), timeout=600,
+                           daemon=False)      # dist-checkpointing's save starts processes
 
 
 def _close(got, ref, tol=1e-5):
@@ -82,6 +93,14 @@ def _close(got, ref, tol=1e-5):
                                                              ("classic-2x2", "classic-tp4")] if SLOW else []))
 def test_2d_grid_losses_equal_plain_tp(runs, grid, plain):
     _close(runs[0][grid], runs[0][plain])
+
+
+def test_a_2d_checkpoint_resumes_bitwise_and_loads_into_plain_tp(runs):
+    whole = runs[0]["ck-2x2"]
+    assert len(whole) == 4
+    assert runs[0]["ck-2x2-resumed"][-2:] == whole[2:]
+    got, ref = runs[0]["ck-tp4-resumed"][-2:], whole[2:]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, ref)), (got, ref)
 
 
 def test_layers_go_through_the_2d_path_only_with_the_flag(runs):

@@ -15,7 +15,6 @@ ON = ["--tp-2d", "--tp-x", "2", "--tp-y", "2", "--tensor-model-parallel-size", "
     (ON + ["--sequence-parallel"], "cannot run with --sequence-parallel"),
     (ON + ["--num-experts", "4"], "cannot run with MoE"),
     (ON + ["--context-parallel-size", "2"], "cannot run with --context-parallel-size > 1"),
-    (ON + ["--save", "/tmp/x"], "cannot run with --save/--load"),
     (ON + ["--num-attention-heads", "6"], "--num-attention-heads 6 must divide by TP"),
     (ON + ["--use-fused-rmsnorm"], "fused-rmsnorm"),
     (ON + ["--use-ascend-coc"], "ascend-coc"),

@@ -35,7 +35,7 @@ class TensorParallel2D(Feature):
              Flag("--tp-y", dict(type=int, default=1, help="with --tp-2d: the grid's second axis (hidden "
                                                            "size between layers)")),
              # the host's flags its checks read
-             NUM_EXPERTS, host("--hidden-size"), host("--ffn-hidden-size"), host("--save"), host("--load"))
+             NUM_EXPERTS, host("--hidden-size"), host("--ffn-hidden-size"))
     requires = (Cap.ALL_GATHER, Cap.REDUCE_SCATTER, Cap.ALL_TO_ALL, Cap.SUBGROUPS, Cap.CUSTOM_OP, Cap.MEGATRON_CORE)
     backends = ("torch",)
     conflicts = ("fused-rmsnorm", "ascend-coc", "dualpipev")
@@ -70,10 +70,7 @@ class TensorParallel2D(Feature):
                     "joins CP to the y axis; not built here)"),
                    (args.multi_latent_attention, "--multi-latent-attention (only Megatron's "
                     "SelfAttention has 2-D layers)"),
-                   (args.mtp_num_layers, "--mtp-num-layers (the MTP block has no 2-D layers)"),
-                   (args.save or args.load, "--save/--load (the 2-D layers' "
-                    "shards are not described to dist-checkpointing yet: train without a checkpoint, or with "
-                    "plain TP)")]
+                   (args.mtp_num_layers, "--mtp-num-layers (the MTP block has no 2-D layers)")]
         for on, what in refused:
             if on:
                 raise FeatureConfigError(f"{FLAG} cannot run with {what}")

@@ -15,6 +15,7 @@ import torch
 from mindspeed.features.parallel.tp2d_ops import Grid
 
 BLOCK = "megatron.core.transformer.transformer_block.TransformerBlock"
+SWIGLU = "megatron.core.transformer.mlp.apply_swiglu_sharded_factory"
 
 #: layers converted, by kind (read by the wiring test)
 CONVERTED = {"linear": 0, "norm": 0, "attention": 0}
@@ -23,10 +24,11 @@ CONVERTED = {"linear": 0, "norm": 0, "attention": 0}
 class Linear2D(torch.nn.Module):
     """A 2-D linear in place of Megatron's Column/RowParallelLinear: (output, bias) as they return."""
 
-    def __init__(self, grid: Grid, weight, bias, ag, rs, skip_bias_add: bool, before=None):
+    def __init__(self, grid: Grid, weight, bias, ag, rs, skip_bias_add: bool, before=None, gated: bool = False):
         super().__init__()
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
         self.grid, self.ag, self.rs, self.skip_bias_add, self.before = grid, ag, rs, skip_bias_add, before
+        self.gated = gated
         self.weight = torch.nn.Parameter(weight.contiguous())
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)      # every rank's chunk differs
         self.bias = None if bias is None else torch.nn.Parameter(bias.contiguous())   # replicated
@@ -35,12 +37,39 @@ class Linear2D(torch.nn.Module):
         if self.before is not None:
             x = self.before(x)
         out = self.grid.linear(x, self.weight, self.ag, self.rs)
-        bias = None
-        if self.bias is not None:
-            bias = self.grid.piece(self.bias, self.grid.group_rank(self.ag), self.grid.size(self.ag))
+        bias = None if self.bias is None else self._bias_piece()
         if self.skip_bias_add:
             return out, bias
         return (out if bias is None else out + bias), None
+
+    def _bias_piece(self):
+        """This rank's chunk of the whole bias (Megatron's layout: a gated fc1's gates, then its ups)."""
+        index, parts = self.grid.group_rank(self.ag), self.grid.size(self.ag)
+        if not self.gated:
+            return self.grid.piece(self.bias, index, parts)
+        gate, up = self.bias.chunk(2, 0)
+        return torch.cat([self.grid.piece(gate, index, parts), self.grid.piece(up, index, parts)])
+
+    def get_extra_state(self):
+        return None                       # as Megatron's linears: the key exists, plain TP's layers expect it
+
+    def set_extra_state(self, state):
+        pass
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The weight as the (ag rank, rs rank) block of Megatron's whole matrix (column layers: rows over
+        x, columns over y; row layers the other way round), the bias whole: plain TP loads both."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.parallel_state import get_data_parallel_rank
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+        grid, n = self.grid, len(sharded_offsets)
+        rest = {k: v for k, v in self.state_dict(keep_vars=True).items() if k != "weight"}
+        out = make_sharded_tensors_for_checkpoint(rest, prefix, {}, sharded_offsets)
+        axes = [(n, grid.group_rank(self.ag), grid.size(self.ag)), (n + 1, grid.group_rank(self.rs), grid.size(self.rs))]
+        out[f"{prefix}weight"] = ShardedTensor.from_rank_offsets(
+            f"{prefix}weight", self.weight, *sharded_offsets, *axes,
+            replica_id=(0, 0, get_data_parallel_rank(with_context_parallel=True)), prepend_axis_num=n)
+        return out
 
 
 def _x_major(grid: Grid, full, gated: bool):
@@ -55,6 +84,14 @@ def _x_major(grid: Grid, full, gated: bool):
     return torch.cat(out, 0)
 
 
+def _whole_bias(grid: Grid, shards_in_order, gated: bool):
+    """A column layer's whole bias in Megatron's checkpoint layout (a gated fc1's: every gate, then every up)."""
+    if not gated:
+        return shards_in_order.clone()
+    shards = shards_in_order.chunk(grid.x * grid.y, 0)
+    return torch.cat([s[:s.shape[0] // 2] for s in shards] + [s[s.shape[0] // 2:] for s in shards])
+
+
 def _chunk(t, dim, index, parts):
     return t.chunk(parts, dim)[index]
 
@@ -64,12 +101,11 @@ def column_2d(grid: Grid, layer, gated: bool = False) -> Linear2D:
     comm = grid.comm
     with torch.no_grad():
         weight = _x_major(grid, comm.all_gather(layer.weight.detach(), 0, grid.tp_group), gated)
-        bias = None if layer.bias is None else _x_major(
-            grid, comm.all_gather(layer.bias.detach(), 0, grid.tp_group), gated)
+        bias = None if layer.bias is None else _whole_bias(grid, comm.all_gather(layer.bias.detach(), 0, grid.tp_group),
+                                                           gated)
     local = _chunk(_chunk(weight, 0, grid.x_rank, grid.x), 1, grid.y_rank, grid.y)
     CONVERTED["linear"] += 1
-    return Linear2D(grid, local.clone(), None if bias is None else bias.clone(), grid.x_group, grid.y_group,
-                    layer.skip_bias_add)
+    return Linear2D(grid, local.clone(), bias, grid.x_group, grid.y_group, layer.skip_bias_add, gated=gated)
 
 
 def row_2d(grid: Grid, layer, before=None) -> Linear2D:
@@ -186,7 +222,40 @@ def block_forward(original):
     return forward
 
 
+def _split_gate_up(sh_ten, sharded_offsets):
+    """A gated fc1 weight sharded on both axes saved as Megatron saves it: its gate rows and its up rows
+    as two blocks of the same key (chunk r of 2 x frag and chunk frag + r), the column block kept."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    n = len(sharded_offsets)
+    rows, cols = sh_ten.local_shape[0], sh_ten.local_shape[1]
+    row_rank, row_frag = sh_ten.global_offset[n] // rows, sh_ten.axis_fragmentations[n]
+    col_axis = (n + 1, sh_ten.global_offset[n + 1] // cols, sh_ten.axis_fragmentations[n + 1])
+
+    def build(key, t, replica_id, flattened_range):
+        return [ShardedTensor.from_rank_offsets(key, half, *sharded_offsets, (n, row_rank + k * row_frag, 2 * row_frag),
+                                                col_axis, replica_id=replica_id, prepend_axis_num=n)
+                for k, half in enumerate(torch.chunk(t, 2, 0))]
+
+    def merge(halves):
+        with torch.no_grad():
+            return torch.cat(halves)
+
+    return ShardedTensorFactory(sh_ten.key, sh_ten.data, build, merge, sh_ten.replica_id,
+                                flattened_range=sh_ten.flattened_range)
+
+
+def swiglu_factory(original):
+    def apply_swiglu_sharded_factory(sh_ten, sharded_offsets, singleton_local_shards=False):
+        n = len(sharded_offsets)
+        if len(sh_ten.local_shape) < 2 or sh_ten.axis_fragmentations[n + 1] == 1:
+            return original(sh_ten, sharded_offsets, singleton_local_shards)
+        return _split_gate_up(sh_ten, sharded_offsets)
+    return apply_swiglu_sharded_factory
+
+
 def install(patcher, backend, x: int, y: int) -> None:
     why = f"--tp-2d: TP over a {x} x {y} grid (activations [s/{x}, b, h/{y}] between layers)"
     patcher.wrap(f"{BLOCK}.__init__", block_init(_Grids(backend, x, y)), reason=why)
     patcher.wrap(f"{BLOCK}.forward", block_forward, reason=why)
+    patcher.wrap(SWIGLU, swiglu_factory, reason="--tp-2d: a gated fc1 weight sharded on both axes, saved as "
+                                                "Megatron's gate and up blocks")
