@@ -71,10 +71,31 @@ option("moe-layer-layout", (host("--moe-layer-freq", 1), host("--first-k-dense-r
        lambda a: a.moe_layer_freq not in (1, -1) or (a.first_k_dense_replace or 0) > 0,
        "dense and MoE layers mixed (--moe-layer-freq, MindSpeed-LLM's --first-k-dense-replace)", {}, "",
        MOE_EXAMPLE + ("--first-k-dense-replace", "1"), depends=("moe",))
-option("mtp", (host("--mtp-num-layers"), host("--mtp-loss-scaling-factor", 0.1)), lambda a: bool(a.mtp_num_layers),
-       "multi-token prediction (Megatron-Core's MTP block): extra layers predict later tokens; their losses "
-       "weighted into training", _lacks("multi-token prediction block"), TORCH,
-       ("--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"))
+Mtp = option(
+    "mtp", (host("--mtp-num-layers"), host("--mtp-loss-scaling-factor", 0.1)), lambda a: bool(a.mtp_num_layers),
+    "multi-token prediction (Megatron-Core's MTP block): extra layers predict later tokens; their losses "
+    "weighted into training (on MindSpore training/mindspore/mtp.py)", {}, "",
+    ("--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"))
+
+
+def _mtp_on_mindspore(self, args) -> None:
+    """What the MindSpore trainer's MTP (training/mindspore/mtp.py: PP, TP and CP 1, dense layers, no
+    dropout) does not do, refused in one line."""
+    if args.backend != "mindspore" or not self.enabled(args):
+        return
+    lacking = [what for what, given in (
+        ("--pipeline-model-parallel-size > 1", (args.pipeline_model_parallel_size or 1) > 1),
+        ("--tensor-model-parallel-size > 1", (args.tensor_model_parallel_size or 1) > 1),
+        ("--context-parallel-size > 1", (args.context_parallel_size or 1) > 1),
+        ("--num-experts", bool(args.num_experts)),
+        ("--hidden-dropout/--attention-dropout > 0", bool(args.hidden_dropout or args.attention_dropout)))
+        if given]
+    if lacking:
+        raise FeatureConfigError(f"--mtp-num-layers with {', '.join(lacking)}: {MS}'s MTP runs at PP, TP and CP 1, "
+                                 f"with dense layers and no dropout; drop those, or {TORCH}")
+
+
+Mtp.validate = _mtp_on_mindspore
 NoSaveOptim = option(
     "no-save-optim", (host("--no-save-optim", False),), lambda a: a.no_save_optim,
     "checkpoints without optimizer state (resumed with --no-load-optim; a resume that asks for the state is "
@@ -101,7 +122,6 @@ MtpMemEfficientLogits = option(
     "mtp-mem-efficient-logits", (host("--mtp-mem-efficient-logits", False),), lambda a: a.mtp_mem_efficient_logits,
     "MindSpeed-LLM's memory saver for the MTP logits", {}, "",
     ("--mtp-num-layers", "1", "--untie-embeddings-and-output-weights", "--mtp-mem-efficient-logits"))
-MtpMemEfficientLogits.examples = {"mindspore": ("--mtp-mem-efficient-logits",)}    # its MTP is refused there
 MtpMemEfficientLogits.inert = lambda self, args: (
     "Megatron-Core's MTP computes each MTP layer's logits and loss in turn, freeing the last before the next")
 

@@ -104,20 +104,23 @@ def _ms_train(backend, args, tp, sp, cp, init_ckpt, save_dir, steps, batch_fn=No
 def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNorm",
                       position_embedding_type: str = "rope", num_query_groups: int | None = None,
                       tied: bool = False, layers: int | None = None, qk_layernorm: bool = False,
-                      kv_channels: int | None = None, yarn: dict | None = None, mla: dict | None = None):
+                      kv_channels: int | None = None, yarn: dict | None = None, mla: dict | None = None,
+                      mtp: dict | None = None):
     """swiglu=False: Megatron-Core's default GELU MLP (F.gelu, not gated), as --no-swiglu;
     num_query_groups: GROUPS unless given (HEADS: multi-head attention, one query head per group);
     tied: the output layer is the word embeddings (Megatron's default; the trainers' argv unties);
     layers: transformer layers (LAYERS, read at the call: benchmarks resize the module, unless given);
     qk_layernorm, kv_channels: --qk-layernorm's per-head q/k norms, --kv-channels' head size (Qwen3);
     yarn: YaRN's settings (family_flags.yarn_settings), set as the torch trainer sets them for a dense model;
-    mla: MLATransformerConfig's fields of multi-latent attention (its sizes, rope_type and YaRN's settings)."""
+    mla: MLATransformerConfig's fields of multi-latent attention (its sizes, rope_type and YaRN's settings);
+    mtp: mtp_num_layers and mtp_loss_scaling_factor: Megatron-Core's MTP block after the decoder."""
     import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     config_class = MLATransformerConfig if mla else TransformerConfig
-    config = config_class(**(mla or {}), num_layers=layers or LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+    config = config_class(**(mla or {}), **(mtp or {}), num_layers=layers or LAYERS, hidden_size=HIDDEN,
+                               num_attention_heads=HEADS,
                                num_query_groups=num_query_groups or GROUPS, ffn_hidden_size=FFN,
                                use_cpu_initialization=True,
                                normalization=normalization, layernorm_epsilon=1e-5, gated_linear_unit=swiglu,
@@ -132,7 +135,8 @@ def build_torch_model(tp: int, swiglu: bool = True, normalization: str = "RMSNor
             setattr(config, f"yarn_{name}", value)
         config.yarn_correction_range_round_to_int = True
         position_embedding_type = "yarn"
-    return GPTModel(config, spec, vocab_size=VOCAB,
+    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if mtp else None
+    return GPTModel(config, spec, vocab_size=VOCAB, mtp_block_spec=mtp_spec,
                     max_sequence_length=SEQ, position_embedding_type=position_embedding_type,
                     share_embeddings_and_output_weights=tied)
 
@@ -175,7 +179,9 @@ def _torch_loss(model, step, batch_fn=None):
         tokens, labels, mask = (torch.from_numpy(a.astype(np.int64) if a.dtype != np.float32 else a)
                                 for a in batch(step))
         position_ids, attention_mask = torch.arange(SEQ).unsqueeze(0).expand(MBS, -1), None
-    per_token = model(tokens, position_ids, attention_mask, labels=labels)          # [b, s]
+    # MTP's loss masks its tokens by loss_mask (rolled), as the torch trainer's forward_step passes it
+    extra = {"loss_mask": mask} if model.config.mtp_num_layers else {}
+    per_token = model(tokens, position_ids, attention_mask, labels=labels, **extra)          # [b, s]
     return (per_token * mask).sum() / mask.sum()
 
 

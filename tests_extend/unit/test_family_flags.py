@@ -207,3 +207,23 @@ def test_multi_latent_attention_is_refused_where_it_cannot_run_before_any_work(e
     with pytest.raises(MindSpeedConfigError) as refused:
         plan(MLA + extra, unknown_flags="trainer")
     assert refusal in str(refused.value) and "\n" not in str(refused.value)
+
+
+MTP = ["--mtp-num-layers", "1", "--untie-embeddings-and-output-weights", "--backend", "mindspore"]
+
+
+@pytest.mark.parametrize("extra, lacking", [
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1"),
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "64"], "--num-experts"),
+    (["--hidden-dropout", "0.1"], "--hidden-dropout/--attention-dropout > 0"),
+])
+def test_mtp_on_mindspore_runs_at_pp_tp_1_dense_and_refuses_the_rest_before_any_work(extra, lacking):
+    """The MindSpore trainer's MTP (test_mindspore_parity_mla_mtp.py matches Megatron-Core's) is planned at
+    PP/TP/CP 1 on dense layers without dropout; beyond that the gate refuses it in one line, naming what."""
+    from mindspeed.adaptor_core import MindSpeedConfigError, plan
+    assert "mtp" in {f.id for f in plan(MTP, unknown_flags="trainer").features}
+    with pytest.raises(MindSpeedConfigError) as refused:
+        plan(MTP + extra, unknown_flags="trainer")
+    message = str(refused.value)
+    assert f"--mtp-num-layers with {lacking}: the MindSpore trainer's MTP" in message and "\n" not in message

@@ -51,6 +51,8 @@ class GPTConfig:
     qk_layernorm: bool = False               # --qk-layernorm: per-head q/k norms (Qwen3), weights [kv_channels]
                                              # (with MLA: the compressed q's and kv's norms)
     mla: MLASizes | None = None              # --multi-latent-attention's sizes (mla_layout.py; None: plain attention)
+    mtp_num_layers: int = 0                  # --mtp-num-layers: MTP layers after the decoder (mtp.py)
+    mtp_loss_scaling_factor: float = 0.1     # --mtp-loss-scaling-factor: their loss's weight in the gradient
     position_embedding_type: str = "rope"    # or "learned_absolute" (a table added to the embedding), "none"
     max_position_embeddings: int = 0         # rows of the learned table (default: seq_length)
     hidden_dropout: float = 0.0              # after the embedding and in each bias-dropout-add (training only)
@@ -132,7 +134,8 @@ def _architecture(args, padded_vocab: int) -> dict:
                 init_method_std=args.init_method_std, add_bias_linear=bool(args.add_bias_linear),
                 add_qkv_bias=bool(args.add_qkv_bias), swiglu=bool(args.swiglu),
                 normalization=args.normalization, qk_layernorm=bool(args.qk_layernorm),
-                mla=MLASizes.from_args(args), noop_layers=noop_layer_set(args))
+                mla=MLASizes.from_args(args), noop_layers=noop_layer_set(args),
+                mtp_num_layers=args.mtp_num_layers or 0, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
 
 
 def _positions(args) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from mindspore import ops
 
-from mindspeed.checkpoint import neutral as nf
 from mindspeed.training.mindspore import rope
 from mindspeed.training.mindspore.layers import column_parallel
 
@@ -28,7 +27,7 @@ def deinterleaved(x):
 def query_key_value(model, i: int, x, positions=None):
     """q [s, b, n*q_head], k [s, b, n*q_head], v [s, b, n*v_head] of layer i (this rank's heads)."""
     m, n, backend, ps = model.cfg.mla, model.heads_local, model.backend, model.ps
-    p = lambda s: model.params[nf.layer_name(i, f"self_attention.{s}")]
+    p = lambda s: model.params[model.layer_name(i, f"self_attention.{s}")]
     if m.q_lora_rank:
         q = column_parallel(backend, ps, model.mla_norm(i, "q_layernorm", column_parallel(
             backend, ps, x, p("linear_q_down_proj.weight"))), p("linear_q_up_proj.weight"))

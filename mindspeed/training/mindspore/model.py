@@ -29,7 +29,7 @@ from mindspore import ops
 
 from mindspeed.backends.mindspore import precision
 from mindspeed.checkpoint import neutral as nf
-from mindspeed.training.mindspore import mla, param_layout, rope
+from mindspeed.training.mindspore import mla, mtp, param_layout, rope
 from mindspeed.training.mindspore.gpt_config import GPTConfig
 from mindspeed.training.mindspore.layers import (column_parallel, row_parallel, vocab_parallel_cross_entropy,
                                                  vocab_parallel_embedding)
@@ -100,6 +100,8 @@ class GPTModel:
         # pipeline parallelism: this stage's slice of the layers (Megatron's split)
         self.layers = [i for i in cfg.stage_layers(ps.pp_rank) if i not in cfg.noop_layers]
         self._slot = {layer: pos for pos, layer in enumerate(self.layers)}   # index into the dropout masks
+        # MTP's transformer layers (numbered after the decoder's; no dropout masks: refused with MTP)
+        self._slot.update({cfg.num_layers + k: len(self.layers) + k for k in range(cfg.mtp_num_layers)})
         self.moe_layers = {}
         self.expert_bias = expert_bias.for_model(cfg)     # --moe-router-enable-expert-bias: state, not parameters
 
@@ -166,8 +168,14 @@ class GPTModel:
     def loss(self, tokens, labels, loss_mask, position_ids=None, denominator=None, extras=NO_EXTRAS):
         """Mean cross-entropy over the tokens loss_mask keeps (Megatron's lm loss). With context
         parallelism, `denominator` is the kept-token count of the whole sequence, so the CP ranks'
-        losses (and gradients) sum to the full-sequence ones."""
-        return self._masked_mean(self.logits(tokens, position_ids, extras), labels, loss_mask, denominator)
+        losses (and gradients) sum to the full-sequence ones. With --mtp-num-layers the MTP layers'
+        scaled loss adds to the gradient, not to the value (mtp.py)."""
+        positions = None if position_ids is None else position_ids[0]
+        hidden = self._final_norm(self._decoder(self._embed(tokens, positions, extras), positions, extras))
+        loss = self._masked_mean(self._output(hidden), labels, loss_mask, denominator)
+        if not self.cfg.mtp_num_layers:
+            return loss
+        return loss + mtp.gradient_only_loss(self, hidden, tokens, labels, loss_mask, extras)
 
     def stage_forward(self, hidden, tokens, labels, loss_mask, chunk: int = 0, extras=NO_EXTRAS):
         """One pipeline stage's model chunk `chunk` (the stage itself without a virtual pipeline): the
@@ -247,6 +255,12 @@ class GPTModel:
         done(mlp)
         return x + self._dropped(mlp, extras, 2 + 2 * self._slot[i])
 
+    def layer_name(self, i, suffix):
+        """Layer i's parameter `suffix`: a decoder layer's, or past the decoder MTP layer i - num_layers's own."""
+        if i < self.cfg.num_layers:
+            return nf.layer_name(i, suffix)
+        return f"{mtp.layer_prefix(i - self.cfg.num_layers)}transformer_layer.{suffix}"
+
     def _part(self, name, i, fn, *args):
         if self.swap_scope is None or name not in self.swap_modules:
             return fn(*args)
@@ -254,7 +268,13 @@ class GPTModel:
             return fn(*args)
 
     def _head(self, x):
-        x = self._norm(x, "decoder.final_layernorm.weight")
+        return self._output(self._final_norm(x))
+
+    def _final_norm(self, x):
+        return self._norm(x, "decoder.final_layernorm.weight")
+
+    def _output(self, x):
+        """The (shared) output layer: normed hidden states -> this rank's vocab shard of the logits."""
         out_w = self.params["embedding.word_embeddings.weight" if self.cfg.tied_embeddings else "output_layer.weight"]
         return column_parallel(self.backend, self.ps, x, out_w)
 
@@ -276,7 +296,7 @@ class GPTModel:
         return self.kernel("rms_norm")(x, weight, self.cfg.norm_epsilon)[0]
 
     def _layer_norm(self, i, x, suffix):
-        name = nf.layer_name(i, suffix)
+        name = self.layer_name(i, suffix)
         bias = self._norm_bias(name)
         if bias is not None:
             return self._recomputed(self.cfg.recompute_norm_layers, i, self._normalize, x, self.params[name], bias)
@@ -304,13 +324,13 @@ class GPTModel:
             out = self.backend.memory.recompute(core, q, k, v)
         else:
             out = core(q, k, v)
-        return row_parallel(self.backend, self.ps, out, self.params[nf.layer_name(i, "self_attention.linear_proj.weight")],
-                            self._bias(i, "self_attention.linear_proj.bias"))
+        proj = self.params[self.layer_name(i, "self_attention.linear_proj.weight")]
+        return row_parallel(self.backend, self.ps, out, proj, self._bias(i, "self_attention.linear_proj.bias"))
 
     def _query_key_value(self, i, x, positions=None):
         """q [s, b, heads x d], k and v [s, b, groups x d] of layer i's linear_qkv, normed and rotated."""
         cfg, rotate = self.cfg, self.kernel("rope")
-        p = lambda s: self.params[nf.layer_name(i, s)]
+        p = lambda s: self.params[self.layer_name(i, s)]
         qkv = column_parallel(self.backend, self.ps, x, p("self_attention.linear_qkv.weight"),
                               self._bias(i, "self_attention.linear_qkv.bias"))
         s, b = qkv.shape[0], qkv.shape[1]
@@ -332,13 +352,13 @@ class GPTModel:
         k_layernorm); their gradients are summed over TP (optimizer.reduce_gradients)."""
         if not self.cfg.qk_layernorm:
             return q, k
-        norm = lambda x, which: self._norm(x, nf.layer_name(i, f"self_attention.{which}.weight"))
+        norm = lambda x, which: self._norm(x, self.layer_name(i, f"self_attention.{which}.weight"))
         q_norm, k_norm = nf.QK_NORMS
         return norm(q, q_norm), norm(k, k_norm)
 
     def mla_norm(self, i, which, x):
         """MLA's q_layernorm / kv_layernorm of layer i over x's last dim (--qk-layernorm; else x)."""
-        return self._norm(x, nf.layer_name(i, f"self_attention.{which}.weight")) if self.cfg.qk_layernorm else x
+        return self._norm(x, self.layer_name(i, f"self_attention.{which}.weight")) if self.cfg.qk_layernorm else x
 
     def _core_attention(self, q, k, v, i=0, extras=NO_EXTRAS):
         if self.cp is not None:      # this rank holds a shard of the sequence
@@ -360,7 +380,7 @@ class GPTModel:
             if i not in self.moe_layers:
                 self.moe_layers[i] = MoELayer(self, i)
             return precision.fp32_compute(self.moe_layers[i])(x)     # bf16 on CPU: the layer in fp32
-        p = lambda s: self.params[nf.layer_name(i, s)]
+        p = lambda s: self.params[self.layer_name(i, s)]
         h = column_parallel(self.backend, self.ps, x, p("mlp.linear_fc1.weight"), self._bias(i, "mlp.linear_fc1.bias"))
         act, done = self._recomputed(self.cfg.recompute_activation_layers, i, self._activation, h)
         out = row_parallel(self.backend, self.ps, act, p("mlp.linear_fc2.weight"), self._bias(i, "mlp.linear_fc2.bias"))
@@ -374,4 +394,4 @@ class GPTModel:
 
     def _bias(self, i, suffix):
         on = self.cfg.add_bias_linear or (self.cfg.add_qkv_bias and suffix == "self_attention.linear_qkv.bias")
-        return self.params[nf.layer_name(i, suffix)] if on else None
+        return self.params[self.layer_name(i, suffix)] if on else None

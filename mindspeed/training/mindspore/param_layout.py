@@ -48,6 +48,22 @@ def full_shapes(cfg: GPTConfig) -> dict:
         shapes["decoder.final_layernorm.bias"] = (h,)
     if not cfg.tied_embeddings:
         shapes["output_layer.weight"] = (cfg.vocab_size, h)
+    for k in range(cfg.mtp_num_layers):
+        shapes.update(_mtp_layer_shapes(cfg, k))
+    return shapes
+
+
+def _mtp_layer_shapes(cfg: GPTConfig, k: int) -> dict:
+    """MTP layer k's weights (Megatron-Core's names): its norms, eh_proj, and a decoder layer's under
+    mtp.layers.k.transformer_layer (numbered after the decoder's layers)."""
+    h, prefix = cfg.hidden_size, f"mtp.layers.{k}."
+    norms = [f"{prefix}{norm}.{part}" for norm in ("enorm", "hnorm", "final_layernorm")
+             for part in (("weight", "bias") if cfg.normalization == "LayerNorm" else ("weight",))]
+    shapes = {name: (h,) for name in norms}
+    shapes[f"{prefix}eh_proj.weight"] = (h, 2 * h)
+    decoder_prefix = nf.layer_name(cfg.num_layers + k, "")
+    shapes.update({f"{prefix}transformer_layer.{name[len(decoder_prefix):]}": shape
+                   for name, shape in _layer_shapes(cfg, cfg.num_layers + k).items()})
     return shapes
 
 
@@ -114,7 +130,7 @@ def init_full_weights(cfg: GPTConfig, seed: int) -> dict:
     scaled = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
     weights = {}
     for name, shape in cfg.full_shapes().items():
-        if name.endswith("layernorm.weight"):
+        if name.endswith(("layernorm.weight", "enorm.weight", "hnorm.weight")):      # MTP's norms too
             weights[name] = np.ones(shape, np.float32)
         elif name.endswith(".bias"):
             weights[name] = np.zeros(shape, np.float32)
