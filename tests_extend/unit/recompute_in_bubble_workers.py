@@ -70,6 +70,13 @@ def train(flags, overrides):
         opt.step()
         opt.zero_grad()
         losses.append([float(o["lm loss"]) for o in out])
+        if step == STEPS // 2:          # a validation in between, as the trainer runs one: no backward follows
+            model.eval()
+            with torch.no_grad():
+                forward_backward(forward_step_func=forward_step, data_iterator=iter([megatron_tiny.batch(-1)] * 2),
+                                 model=model, num_microbatches=2, seq_length=megatron_tiny.SEQ,
+                                 micro_batch_size=megatron_tiny.BATCH, forward_only=True)
+            model.train()
     controller = session.context.part("recompute_in_bubble")
     record = list(controller.record) if controller is not None else None
     mindspeed.unadapt()

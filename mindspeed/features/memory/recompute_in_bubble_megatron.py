@@ -31,19 +31,22 @@ class BubbleRecompute:
 
     def __init__(self):
         self.record: list[tuple[str, int]] = []     # (event, micro-batch): F, R (rebuild), G (gradient in), B
-        self.pending: list[tuple[int, list]] = []   # (micro-batch, handles) in forward order
+        self.pending: list[tuple[int, list]] = []   # (micro-batch, its handles) awaiting backward, forward order
         self.open: list | None = None               # the handles of the forward_step running now
-        self.forwards = self.backwards = 0
+        self.forwards = 0
 
     def rebuild_oldest(self) -> None:
         for microbatch, handles in self.pending:
-            if any(h.outputs is None for h in handles):
+            if any(h.waiting for h in handles):
                 for handle in handles:
                     handle.rebuild()
                 self.record.append(("R", microbatch))
                 return
 
     def forward_step(self, original, *args, **kwargs):
+        import torch
+        if not torch.is_grad_enabled():             # evaluation: no backward will follow
+            return original(*args, **kwargs)
         handles: list = []
         self.open = handles
         try:
@@ -51,19 +54,15 @@ class BubbleRecompute:
         finally:
             self.open = None
         self.record.append(("F", self.forwards))
-        if handles:
-            self.pending.append((self.forwards, handles))
+        self.pending.append((self.forwards, handles))
         self.forwards += 1
         return out
 
     def backward_step(self, original, *args, **kwargs):
-        microbatch = self.backwards
-        if self.pending and self.pending[0][0] == microbatch:
-            _, handles = self.pending.pop(0)
-            if any(h.outputs is None for h in handles):
-                self.record.append(("R", microbatch))     # no bubble before it (the last stage)
+        microbatch, handles = self.pending.pop(0)   # 1F1B: backwards in forward order
+        if any(h.waiting for h in handles):
+            self.record.append(("R", microbatch))     # no bubble before it (the last stage): in backward
         self.record.append(("B", microbatch))
-        self.backwards += 1
         return original(*args, **kwargs)
 
     def checkpoint(self, original, function, distribute_saved_activations, *args):
@@ -89,7 +88,7 @@ class BubbleRecompute:
         self.rebuild_oldest()                           # the gradient is on its way: the bubble
         for req in reqs if isinstance(reqs, list) else reqs.values():
             req.wait()
-        self.record.append(("G", self.backwards))
+        self.record.append(("G", self.pending[0][0] if self.pending else -1))
         return grad
 
 
@@ -99,10 +98,15 @@ class _Rebuild:
     def __init__(self, function):
         self.function, self.inputs, self.rng_states, self.outputs, self.detached = function, None, None, None, None
 
+    @property
+    def waiting(self) -> bool:
+        """Forward done, not rebuilt yet, backward not run yet."""
+        return self.outputs is None and self.inputs is not None
+
     def rebuild(self) -> None:
         import torch
         from megatron.core.tensor_parallel import random as mrandom
-        if self.outputs is not None:
+        if not self.waiting:
             return
         mrandom._set_checkpointing()
         with mrandom._fork_rng():
