@@ -60,11 +60,13 @@ class AdaptiveRecompute:
             s = t.untyped_storage()
             storages.setdefault(s._cdata, s)
             return t
+        hidden = args[0] if args else kwargs["hidden_states"]
+        _settle(hidden)
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = original(*args, **kwargs)
+        _settle(hidden)
         seconds = time.perf_counter() - start
-        hidden = args[0] if args else kwargs["hidden_states"]
         shared = [v for k, v in kwargs.items() if k != "hidden_states" and torch.is_tensor(v)]
         skip = {t.untyped_storage()._cdata for t in [*self.layers[index].parameters(), *shared]}
         held = sum(s.nbytes() for k, s in storages.items() if k not in skip)
@@ -95,6 +97,13 @@ class AdaptiveRecompute:
                     ",".join(map(str, sorted(self.plan.recompute))) or "none", self.plan.held_bytes / MB,
                     held / MB, in_flight, self.budget_bytes / MB,
                     "" if self.plan.fits else ": does not fit even with every layer recomputed")
+
+
+def _settle(tensor) -> None:
+    """An accelerator runs kernels asynchronously: wait for them so the layer's time is its own."""
+    import torch
+    if tensor.device.type != "cpu":
+        torch.accelerator.synchronize(tensor.device)
 
 
 def _in_flight(microbatches: int) -> int:
