@@ -1,6 +1,8 @@
-"""--schedules-method dualpipev with --mtp-num-layers 1 on the torch trainer, PP 2 (2 processes, one
-spawn for every run), fp32, no dropout, rotary positions (the MTP block's copy of the embeddings
-then holds only the word embeddings, the copy Megatron ties).
+"""--schedules-method dualpipev with --mtp-num-layers 1 on the torch trainer against PP 1, PP 2 (2
+processes, one spawn for every run), fp32, no dropout, rotary positions (the MTP block's copy of the
+embeddings then holds only the word embeddings, the copy Megatron ties). A second 20-step parity, so
+MINDSPEED_SLOW_TESTS=1 runs it (CI's share: the MTP block's place and its embedding copy are checked in
+tests_extend/distributed/test_dualpipev_fb_overlap.py's launch, DualPipeV with MTP and --moe-fb-overlap).
 
 * the MTP block sits where upstream puts it, on the V's last stage (rank 0's chunk 1, beside the
   output layer), and nowhere else;
@@ -62,11 +64,15 @@ def _all_runs(rank, world_size, tmp):
     init = os.path.join(tmp, "init")
     _train(rank, tmp, "init", ["--train-iters", "1", "--save", init])
     start = ["--train-iters", str(STEPS), "--load", init, "--finetune"]
-    return {"pp1": _train(rank, tmp, "pp1", start), "v": _train(rank, tmp, "v", start + V)}
+    import time
+    runs = {"pp1": _train(rank, tmp, "pp1", start), "v": _train(rank, tmp, "v", start + V)}
+    return dict(runs, cpu_seconds=time.process_time())      # this rank's CPU, imports included (CI budget)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    if not os.environ.get("MINDSPEED_SLOW_TESTS"):
+        pytest.skip("a second 20-step parity (2 processes, ~15 CPU-s): MINDSPEED_SLOW_TESTS=1")
     return run_distributed(_all_runs, world_size=2, args=(str(tmp_path_factory.mktemp("v_mtp")),), timeout=400,
                            daemon=False)    # checkpoint saves start a helper process
 
@@ -77,6 +83,7 @@ def test_the_mtp_block_is_on_the_vs_last_stage(runs):
 
 
 def test_the_v_with_mtp_trains_with_pp1s_losses(runs):
+    print("CPU seconds per rank:", [round(r["cpu_seconds"], 1) for r in runs])
     v, pp1 = runs[0]["v"]["losses"], runs[0]["pp1"]["losses"]
     assert len(v) == len(pp1) == STEPS
     print("relative difference", _relative(v, pp1))
