@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tests_extend.benchmarks.bench_memory import batch, build, init_one_process, mib  # noqa: E402  (after the path)
+from tests_extend.benchmarks.bench_memory import batch, build, init_one_process, mib, sgd_step  # noqa: E402  (after the path)
 
 MB = 1 << 20
 FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
@@ -35,7 +35,6 @@ def measure(flags, opts) -> dict:
     import mindspeed
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from mindspeed.features.base import TRAIN_STEP_BEGIN, TRAIN_STEP_END
-    from tests_extend.memory_meter import saved_for_backward
     mindspeed.unadapt()
     session = mindspeed.adapt(list(flags))
     model_parallel_cuda_manual_seed(123)
@@ -47,16 +46,10 @@ def measure(flags, opts) -> dict:
     losses, times, saved = [], [], 0
     for step in range(opts.steps):
         session.publish(TRAIN_STEP_BEGIN, iteration=step + 1)
-        tokens, labels, position_ids, mask = batch(opts, step)
-        start = time.process_time()     # CPU seconds: other processes' load counts less than in wall time
-        with saved_for_backward() as meter:
-            loss = model(tokens, position_ids, mask, labels=labels).float().mean()
-        saved = meter.nbytes(exclude=params)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.process_time() - start)
-        losses.append(loss.item())
+        # CPU seconds: other processes' load counts less than in wall time
+        loss, saved, seconds = sgd_step(model, params, opt, batch(opts, step), clock=time.process_time)
+        times.append(seconds)
+        losses.append(loss)
         session.publish(TRAIN_STEP_END, iteration=step + 1)
     controller = session.context.part("adaptive_recompute")
     mindspeed.unadapt()

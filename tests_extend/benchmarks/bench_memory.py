@@ -69,7 +69,7 @@ def measure(flags, opts, model_overrides) -> dict:
     import torch
     import mindspeed
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from tests_extend.memory_meter import parameter_bytes, saved_for_backward
+    from tests_extend.memory_meter import parameter_bytes
     mindspeed.unadapt()
     mindspeed.adapt(list(flags))
     model_parallel_cuda_manual_seed(123)
@@ -78,19 +78,26 @@ def measure(flags, opts, model_overrides) -> dict:
     opt = torch.optim.SGD(params, lr=0.1)
     losses, times, saved = [], [], 0
     for step in range(opts.steps):
-        tokens, labels, position_ids, mask = batch(opts, step)
-        start = time.perf_counter()
-        with saved_for_backward() as meter:
-            loss = model(tokens, position_ids, mask, labels=labels).float().mean()
-        saved = meter.nbytes(exclude=params)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        loss, saved, seconds = sgd_step(model, params, opt, batch(opts, step))
+        times.append(seconds)
+        losses.append(loss)
     mindspeed.unadapt()
     return dict(saved=saved, params=parameter_bytes(model), losses=losses,
                 step_s=statistics.median(times[1:] or times))
+
+
+def sgd_step(model, params, opt, data, clock=time.perf_counter) -> tuple:
+    """One SGD step on `data` (batch()'s tuple): (loss, bytes saved for backward, seconds by `clock`)."""
+    from tests_extend.memory_meter import saved_for_backward
+    tokens, labels, position_ids, mask = data
+    start = clock()
+    with saved_for_backward() as meter:
+        loss = model(tokens, position_ids, mask, labels=labels).float().mean()
+    saved = meter.nbytes(exclude=params)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item(), saved, clock() - start
 
 
 def mask_census(opts) -> dict:
