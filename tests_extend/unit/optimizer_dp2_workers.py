@@ -2,7 +2,7 @@
 starts a helper process): the torch trainer (Megatron-Core GPT, mock data) at data-parallel size 2 with
 
 - --optimizer-selection fused_ema_adamw under --bf16 --use-distributed-optimizer: each rank's EMA shards
-  against an fp64 (numpy) AdamW + EMA of the same shards over 20 updates; --use-ema validation (the EMA
+  against an fp64 (numpy) AdamW + EMA of the same shards over STEPS updates; --use-ema validation (the EMA
   all-gathered into the model, the weights back after); a torch_dist save resumed;
 - --quant-grads with SGD over two micro-batches per rank against fp32 gradients (the per-parameter
   scales agreed over the two ranks before the reduction)."""
@@ -16,7 +16,8 @@ import torch
 from tests_extend.unit import ema_adamw_worker as ema_kit
 from tests_extend.unit import swap_workers as kit
 
-STEPS, HALF = 20, 3
+# CI's time budget: 6 updates; the issue's 20 where MINDSPEED_SLOW_TESTS=1 (the bounds scale with them)
+STEPS, HALF = (20 if os.environ.get("MINDSPEED_SLOW_TESTS") else 6), 3
 EMA = ema_kit.EMA + ["--use-ema", "--bf16", "--use-distributed-optimizer", "--global-batch-size", "4", "--eval-iters", "2"]
 SGD = ["--optimizer", "sgd", "--global-batch-size", "8"]          # micro-batch 2: two per rank
 
