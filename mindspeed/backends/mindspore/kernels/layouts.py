@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from mindspore import ops
 
+from mindspeed.backends.attention_shapes import value_head_dim  # noqa: F401  (the kernels import it from here)
+
 LAYOUTS = ("SBH", "BSH", "BSND", "BNSD", "TND")
 
 
@@ -35,17 +37,6 @@ def head_dim_of(q, layout: str, head_num: int) -> int:
     if heads_of(q, layout, q.shape[-1]) != head_num:
         raise ValueError(f"head_num {head_num} does not match the query's {heads_of(q, layout, 1)} heads")
     return q.shape[-1]
-
-
-def value_head_dim(k, v, layout: str, head_dim: int) -> int:
-    """The head size of `v`, which may differ from q's and k's `head_dim` (multi-latent attention):
-    in the packed-H layouts v's hidden size over k's head count."""
-    if layout in ("SBH", "BSH"):
-        heads = heads_of(k, layout, head_dim)
-        if v.shape[-1] % heads:
-            raise ValueError(f"value hidden size {v.shape[-1]} is not a multiple of the {heads} key/value heads")
-        return v.shape[-1] // heads
-    return v.shape[-1]
 
 
 def to_bnsd(t, layout: str, head_dim: int):
