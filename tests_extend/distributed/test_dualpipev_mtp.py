@@ -16,15 +16,13 @@ import os
 
 import pytest
 
-from tests_extend.distributed.harness import next_rendezvous, run_distributed
-from tests_extend.distributed.test_pipeline_layers import _losses, _relative
+from tests_extend.distributed import test_pipeline_layers as pipeline_layers
+from tests_extend.distributed.harness import run_distributed
+from tests_extend.distributed.test_pipeline_layers import _relative
 
 STEPS = 20
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
-        "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr", "3e-3", "--mock-data",
-        "--seed", "7", "--hidden-dropout", "0", "--attention-dropout", "0", "--position-embedding-type", "rope",
-        "--untie-embeddings-and-output-weights", "--mtp-num-layers", "1"]
+MTP = ["--hidden-dropout", "0", "--attention-dropout", "0", "--position-embedding-type", "rope",
+       "--untie-embeddings-and-output-weights", "--mtp-num-layers", "1"]
 V = ["--pipeline-model-parallel-size", "2", "--schedules-method", "dualpipev"]
 TOLERANCE = 1e-5
 
@@ -42,22 +40,10 @@ def _copies_equal(model) -> bool:
 
 
 def _train(rank, tmp, name, flags):
-    import mindspeed
-    from mindspeed.flags.trainer_flags import parse_args
-    from mindspeed.training import pretrain
-    loss_file = os.path.join(tmp, name + ".jsonl")
-    next_rendezvous(rank, loss_file + ".port")
-    args = parse_args(TINY + flags + ["--log-loss-file", loss_file])
-    session = mindspeed.adapt(args)
-    seen, original = {}, pretrain.Trainer._build_model
-    pretrain.Trainer._build_model = lambda self: _probe(original(self), seen)
-    try:
-        pretrain.run(args, session)
-    finally:
-        pretrain.Trainer._build_model = original
-        mindspeed.unadapt()
+    """test_pipeline_layers' run (its TINY: the same sizes, seed and data) with MTP, and what the probe saw."""
+    losses, seen = pipeline_layers._train(rank, tmp, name, MTP + flags, _probe)
     seen["copies_equal"] = _copies_equal(seen.pop("model"))
-    return {"losses": _losses(loss_file) if rank == 0 else None, "seen": seen}
+    return {"losses": losses, "seen": seen}
 
 
 def _all_runs(rank, world_size, tmp):
