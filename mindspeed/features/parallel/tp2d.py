@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mindspeed.backends.base import Cap
 from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
-from mindspeed.features.host_flags import NUM_EXPERTS, host, until_given
+from mindspeed.features.host_flags import NUM_EXPERTS, until_given
 from mindspeed.features.registry import register
 
 FLAG = "--tp-2d"
@@ -33,9 +33,7 @@ class TensorParallel2D(Feature):
              Flag("--tp-x", dict(type=int, default=1, help="with --tp-2d: the grid's first axis (sequence "
                                                            "between layers); --tp-x x --tp-y = TP")),
              Flag("--tp-y", dict(type=int, default=1, help="with --tp-2d: the grid's second axis (hidden "
-                                                           "size between layers)")),
-             # the host's flags its checks read
-             NUM_EXPERTS, host("--hidden-size"), host("--ffn-hidden-size"))
+                                                           "size between layers)")))
     requires = (Cap.ALL_GATHER, Cap.REDUCE_SCATTER, Cap.ALL_TO_ALL, Cap.SUBGROUPS, Cap.CUSTOM_OP, Cap.MEGATRON_CORE)
     backends = ("torch",)
     conflicts = ("fused-rmsnorm", "ascend-coc", "dualpipev")
@@ -48,7 +46,7 @@ class TensorParallel2D(Feature):
     alternatives = "plain --tensor-model-parallel-size (1-D TP), with --sequence-parallel"
     example = (FLAG, "--tp-x", "2", "--tp-y", "1", "--tensor-model-parallel-size", "2")
     example_world = 2
-    inert_example = ("--tp-x", "2", "--tp-y", "1")
+    inert_example = ("--tp-x", "2", "--tp-y", "2")
 
     def enabled(self, args) -> bool:
         return bool(args.tp_2d) or args.tp_x != 1 or args.tp_y != 1
@@ -81,8 +79,7 @@ class TensorParallel2D(Feature):
         groups = args.num_query_groups if args.group_query_attention else heads
         _divides(args, "--num-query-groups" if groups != heads else "--num-attention-heads", groups, tp,
                  "TP (whole head groups per rank after the all-to-all over --tp-y)")
-        _divides(args, "--hidden-size", args.hidden_size, tp, "TP")
-        _divides(args, "--ffn-hidden-size", args.ffn_hidden_size, tp, "TP")
+        # hidden = heads x head size then divides by TP too; the FFN size does under plain TP already
         _divides(args, "--seq-length", args.seq_length, tp,
                  "TP (the sequence is split over --tp-x and over --tp-y)")
 
