@@ -88,11 +88,13 @@ def _mtp_on_mindspore(self, args) -> None:
         ("--tensor-model-parallel-size > 1", (args.tensor_model_parallel_size or 1) > 1),
         ("--context-parallel-size > 1", (args.context_parallel_size or 1) > 1),
         ("--num-experts", bool(args.num_experts)),
-        ("--hidden-dropout/--attention-dropout > 0", bool(args.hidden_dropout or args.attention_dropout)))
+        ("--hidden-dropout/--attention-dropout > 0", bool(args.hidden_dropout or args.attention_dropout)),
+        # its MTP layers place RoPE and a learned table at the rolled sequence positions, not per document
+        ("--reset-position-ids", bool(args.reset_position_ids)))
         if given]
     if lacking:
         raise FeatureConfigError(f"--mtp-num-layers with {', '.join(lacking)}: {MS}'s MTP runs at PP, TP and CP 1, "
-                                 f"with dense layers and no dropout; drop those, or {TORCH}")
+                                 f"with dense layers, no dropout and one position sequence per sample; drop those, or {TORCH}")
 
 
 Mtp.validate = _mtp_on_mindspore

@@ -217,6 +217,7 @@ MTP = ["--mtp-num-layers", "1", "--untie-embeddings-and-output-weights", "--back
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
     (["--num-experts", "4", "--moe-ffn-hidden-size", "64"], "--num-experts"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout/--attention-dropout > 0"),
+    (["--reset-position-ids"], "--reset-position-ids"),
 ])
 def test_mtp_on_mindspore_runs_at_pp_tp_1_dense_and_refuses_the_rest_before_any_work(extra, lacking):
     """The MindSpore trainer's MTP (test_mindspore_parity_mla_mtp.py matches Megatron-Core's) is planned at
