@@ -196,7 +196,10 @@ class Trainer:
 
     def _build_optimizer(self):
         a = self.args
-        optimizer = get_megatron_optimizer(optimizer_config(a, self.config.params_dtype), self.model)
+        settings = optimizer_config(a, self.config.params_dtype)
+        if a.use_torch_fsdp2:
+            settings = fsdp2_megatron.optimizer_config(a, settings)
+        optimizer = get_megatron_optimizer(settings, self.model)
         # what Megatron-LM's setup wires into the config for the schedules
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = optimizer.scale_loss

@@ -1,6 +1,7 @@
 """--use-torch-fsdp2 (features/parallel/fsdp2.py): Megatron-LM's refusals and upstream's YAML keys in
 process; then one 2-process spawn (fsdp2_workers.fsdp2_against_ddp): 20 fp32 updates against DDP, the
-shards each rank holds, a torch_dist save resumed under FSDP2 and loaded into the plain layout."""
+shards each rank holds, a torch_dist save resumed under FSDP2 and loaded into the plain layout; the
+same with --bf16 (FSDP2's MixedPrecisionPolicy); and one 4-process spawn (fsdp2_at_tp2): TP 2 x DP 2."""
 import os
 import subprocess
 import sys
@@ -95,6 +96,47 @@ def test_checkpoint_resumes_bit_for_bit_and_loads_into_the_plain_layout(report):
         assert rank["resumed_fsdp2"] == {"iteration": worker.SAVE_AT, "losses": continued}
         assert rank["resumed_plain"]["iteration"] == worker.SAVE_AT
         np.testing.assert_allclose(rank["resumed_plain"]["losses"], continued, rtol=1e-5)
+
+
+# bf16's unit roundoff: the relative error of rounding one fp32 value to bf16's 8-bit significand
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+
+
+def test_twenty_bf16_updates_equal_ddp_within_bf16_rounding(report):
+    """Both runs step the same fp32 main weights (DDP's Float16Optimizer, FSDP2's fp32 shards with the
+    fp32 optimizer), round them to bf16 for each forward and reduce gradients in fp32; they differ only
+    in which roundings happen (FSDP2 also rounds the norms' weights, which DDP keeps fp32) and in
+    summation order. Each such rounding moves a loss by about one unit roundoff (2^-8) relative at most;
+    at this learning rate a step does not amplify the gap, so every step's loss stays within 2^-8
+    relative of DDP's (measured: below 1e-3). At these tiny sizes the fp32 run's losses also stay
+    within it, so what the layers compute in is checked apart: bf16 logits in both runs."""
+    for rank in report:
+        ddp, fsdp2 = rank["ddp_bf16"]["losses"], rank["fsdp2_bf16"]["losses"]
+        assert len(fsdp2) == worker.STEPS and fsdp2[-1] < fsdp2[0] - 1.5
+        np.testing.assert_allclose(fsdp2, ddp, rtol=BF16_UNIT_ROUNDOFF, atol=0)
+        assert rank["fsdp2_bf16"]["logits_dtypes"] == rank["ddp_bf16"]["logits_dtypes"] == ["torch.bfloat16"]
+        assert rank["fsdp2"]["logits_dtypes"] == ["torch.float32"]
+        assert rank["fsdp2_bf16"]["params_local"] * 2 == rank["ddp_bf16"]["params_local"]
+
+
+def test_bf16_checkpoint_resumes_bit_for_bit(report):
+    for rank in report:
+        continued = rank["fsdp2_bf16"]["losses"][worker.SAVE_AT:worker.SAVE_AT + 2]
+        assert rank["resumed_fsdp2_bf16"] == {"iteration": worker.SAVE_AT, "losses": continued}
+
+
+def test_tp2_dp2_equals_ddp_and_shards_each_tp_shard_over_data_parallel(tmp_path):
+    from tests_extend.distributed.harness import run_distributed
+    report = run_distributed(worker.fsdp2_at_tp2, world_size=4, timeout=600, daemon=False)
+    print("TP 2 x DP 2: CPU seconds per rank", [round(r["cpu_seconds"], 1) for r in report])
+    for rank in report:
+        ddp, fsdp2 = rank["ddp"], rank["fsdp2"]
+        assert len(fsdp2["losses"]) == worker.TP2_STEPS
+        np.testing.assert_allclose(fsdp2["losses"], ddp["losses"], rtol=1e-5)
+        np.testing.assert_allclose(fsdp2["grad_norms"], ddp["grad_norms"], rtol=1e-5)
+        # DDP's parameters on this rank are its TP shards, whole; FSDP2 holds half of each
+        assert fsdp2["params_local"] * 2 == fsdp2["params_global"] == ddp["params_local"]
+        assert fsdp2["optimizer_state"] == ddp["optimizer_state"] // 2
 
 
 # -- the launchers (two more 2-process launches: MINDSPEED_SLOW_TESTS=1 runs them) ----------------------

@@ -95,4 +95,4 @@ class TorchFsdp2(Feature):
     def apply(self, ctx, args) -> None:
         if ctx.backend_name == "torch":
             from mindspeed.features.parallel import fsdp2_megatron
-            fsdp2_megatron.install(ctx.patcher, ctx.device)
+            fsdp2_megatron.install(ctx.patcher, ctx.device, bf16=bool(args.bf16))

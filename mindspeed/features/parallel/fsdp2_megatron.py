@@ -10,7 +10,11 @@ made to run on the run's device and with the torch this project pins, through th
   (a fresh view each call): the local tensor itself is handed back, as before;
 - the SwiGLU fc1 checkpoint factory splits a local tensor into its gate and up halves, but an FSDP2
   shard is a run of rows of [gate; up] (all gate or all up at an even data-parallel size): it is
-  saved as that run, at its place in the checkpoint's global [gate; up] layout.
+  saved as that run, at its place in the checkpoint's global [gate; up] layout;
+- with --bf16, its fully_shard gets FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 gradient
+  reduction; upstream's param_dtype / reduce_dtype): the wrapper passes none, and FSDP2 refuses a
+  parameter group of mixed dtypes (the trainer's norms keep fp32 weights). The shards stay fp32 and
+  are the optimizer's master weights (no second fp32 copy as Float16Optimizer keeps).
 
 `wrap_chunks` is how the built-in trainer wraps its model chunks (Megatron-LM's training.py does the
 same with --use-torch-fsdp2)."""
@@ -69,8 +73,20 @@ def install_device_mesh(patcher, device: str) -> None:
                     reason="torch-fsdp2: the wrapper's device mesh on the run's device, not always cuda")
 
 
-def install(patcher, device: str) -> None:
+def _mixed_precision_shard(module, **kwargs):
+    """fully_shard with bf16 compute and fp32 gradient reduce-scatter over fp32 shards."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return fully_shard(module, mp_policy=policy, **kwargs)
+
+
+def install(patcher, device: str, bf16: bool = False) -> None:
     install_device_mesh(patcher, device)
+    if bf16:
+        patcher.replace(f"{MODULE}.fully_shard", _mixed_precision_shard,
+                        reason="torch-fsdp2 --bf16: FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reduction), "
+                               "which the wrapper does not pass")
     patcher.replace(f"{MODULE}.TorchFullyShardedDataParallel.finish_grad_sync", _finish_grad_sync,
                     reason="torch-fsdp2: finalize_model_grads passes force_all_reduce, which the wrapper lacks")
     patcher.replace("megatron.core.dist_checkpointing.optimizer.to_local_if_dtensor", _local_tensor,
@@ -86,4 +102,15 @@ def wrap_chunks(args, config, chunks: list) -> list:
     from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
         TorchFullyShardedDataParallelConfig)
     ddp_config = TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+    if args.bf16:       # fp32 shards: MixedPrecisionPolicy casts them to bf16 for each layer's compute
+        chunks = [chunk.float() for chunk in chunks]
     return [TorchFullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+
+
+def optimizer_config(args, config):
+    """With --bf16 the sharded parameters are fp32 master weights: Megatron's fp32 optimizer steps them."""
+    import dataclasses
+    import torch
+    if not args.bf16:
+        return config
+    return dataclasses.replace(config, bf16=False, params_dtype=torch.float32)
