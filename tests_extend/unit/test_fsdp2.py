@@ -39,10 +39,11 @@ def _at_dp2(argv, world_size=2):
 
 @pytest.mark.parametrize("yaml_text, words", [
     ("sharding_size: 3\n", "set sharding_size: 2"),
-    ("param_dtype: bf16\n", "differs from the run's parameters (fp32)"),
+    ("param_dtype: bf16\n", "differs from the run's compute dtype (fp32)"),
     ("offload_to_cpu: true\n", "use --swap-optimizer"),
     ("recompute_modules: [a.B]\n", "--recompute-granularity"),
     ("bogus: 1\n", "bogus: not an FSDP2 option"),
+    ("reduce_dtype: bf16\n", "set reduce_dtype: fp32"),
 ])
 def test_config_keys_refused_in_one_line(tmp_path, yaml_text, words):
     path = tmp_path / "fsdp2.yaml"
@@ -58,6 +59,13 @@ def test_config_keys_mapped(tmp_path):
     args = _at_dp2(ON + ["--fsdp2-config-path", str(path)])
     feature = next(f for f in plan(args).features if f.id == "torch-fsdp2")
     assert feature.host_values(args) == {"use_torch_fsdp2": True, "torch_fsdp2_reshard_after_forward": False}
+
+
+def test_bf16_config_keys_accepted(tmp_path):
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text("param_dtype: bf16\nreduce_dtype: fp32\n")
+    args = _at_dp2(ON + ["--bf16", "--fsdp2-config-path", str(path)])
+    assert "torch-fsdp2" in [f.id for f in plan(args).features]
 
 
 def test_at_data_parallel_size_one_it_has_no_effect_and_says_so():

@@ -34,12 +34,18 @@ def _params_dtype(args) -> str:
 
 
 def _dtype_key(key: str, value, args) -> dict:
+    """param_dtype is the run's (--bf16: FSDP2's MixedPrecisionPolicy); gradients reduce in fp32 always."""
     name = DTYPE_NAMES.get(str(value).lower())
+    if key == "reduce_dtype":
+        if name != "fp32":
+            raise FeatureConfigError(f"reduce_dtype: {value}: gradients are reduce-scattered in fp32 (as DDP's "
+                                     "grad_reduce_in_fp32); set reduce_dtype: fp32")
+        return {}
     here = _params_dtype(args)
     if name != here:
         raise FeatureConfigError(
-            f"{key}: {value} differs from the run's parameters ({here}): Megatron-Core's FSDP2 wrapper computes and "
-            f"reduces in the parameters' dtype; set {key}: {here} (or change --bf16)")
+            f"param_dtype: {value} differs from the run's compute dtype ({here}); set param_dtype: {here} "
+            "(or change --bf16)")
     return {}
 
 
