@@ -25,6 +25,7 @@ FEATURE_MODULES = [
     "mindspeed.features.observability.throughput",
     "mindspeed.features.training.deterministic",
     "mindspeed.features.training.quant_states",
+    "mindspeed.features.training.quant_grads",
     "mindspeed.features.training.ema_adamw",
     "mindspeed.features.fused.features",
     "mindspeed.features.fused.alibi",

@@ -1,11 +1,11 @@
-"""--quant-states fp8 | mxfp8 and --quant-grads (upstream MindSpeed's low-precision optimizer): Adam's two
-moments held in 8 bits between updates (formats in quantized_moments.py; the Megatron-Core hook in
-quant_states_megatron.py), and the gradients in an fp16 grad buffer at per-tensor scales
-(quant_grads_megatron.py). hif8 is refused: see HIF8_REFUSAL.
+"""--quant-states fp8 | mxfp8 (upstream MindSpeed's low-precision optimizer): Adam's two moments held in
+8 bits between updates (formats in quantized_moments.py; the Megatron-Core hook in
+quant_states_megatron.py). hif8 is refused: see HIF8_REFUSAL. Its companion --quant-grads is a feature of
+its own (quant_grads.py), so that each is inert or refused on its own terms.
 """
 from __future__ import annotations
 
-from mindspeed.features.base import Feature, FeatureConfigError, Flag, switch
+from mindspeed.features.base import Feature, FeatureConfigError, Flag
 from mindspeed.features.registry import register
 
 FORMATS = ("fp8", "hif8", "mxfp8")
@@ -13,30 +13,14 @@ HIF8_REFUSAL = ("--quant-states hif8: HiFloat8 has no encoder here to match: tor
                 "MindSpore 2.10's hifloat8 has no CPU cast, and upstream encodes it with torch_npu's "
                 "HiFloat8Tensor, whose rounding an encoder written here could not be checked against; "
                 "use --quant-states fp8 or mxfp8")
-QUANT_GRADS_LIMITS = (
-    ("use_torch_fsdp2", "--quant-grads with --use-torch-fsdp2: FSDP2 reduces its own gradients, not through "
-                        "Megatron-Core's grad buffer that --quant-grads holds in fp16; drop one of them"),
-    ("sequence_parallel", "--quant-grads with --sequence-parallel: the layer norms' gradients are summed over "
-                          "tensor-parallel ranks whose per-tensor fp16 scales differ; drop one of them"),
-    ("use_precision_aware_optimizer", "--quant-grads with --use-precision-aware-optimizer: that optimizer reads "
-                                      "the grad buffer itself, unscaled; drop one of them"),
-)
-QUANT_GRADS_PP_REFUSAL = ("--quant-grads with --pipeline-model-parallel-size > 1: the tied embedding's gradients "
-                          "are summed over the first and last stages, whose per-tensor fp16 scales differ; "
-                          "drop one of them")
-
-
 @register
 class QuantStates(Feature):
     id = "quant-states"
     category = "memory"
-    description = ("Adam's moments held in 8 bits between updates (fp8: e4m3/e5m2 with per-block scales; mxfp8: OCP MX); "
-                   "--quant-grads: gradients in fp16 at per-tensor scales")
+    description = "Adam's moments held in 8 bits between updates (fp8: e4m3/e5m2 with per-block scales; mxfp8: OCP MX)"
     flags = (Flag("--quant-states", dict(choices=FORMATS, default=None, help=(
                  "hold Adam's moments in 8 bits between updates: fp8 (exp_avg e4m3, exp_avg_sq e5m2, fp32 scale "
-                 "per block of gcd(numel, 128)) or mxfp8 (OCP MX blocks of 32, E8M0 scales); hif8 is refused"))),
-             switch("--quant-grads", "hold gradients in fp16 in the grad buffer, each at its own power-of-two scale "
-                    "(upstream's --quant-grads; with --quant-states or alone)"))
+                 "per block of gcd(numel, 128)) or mxfp8 (OCP MX blocks of 32, E8M0 scales); hif8 is refused"))),)
     # upstream refuses --swap-optimizer with it; fused EMA AdamW is another optimizer (upstream's is its own
     # class) whose step hooks would run once per parameter here
     conflicts = ("swap-optimizer", "fused-ema-adamw")
@@ -50,29 +34,18 @@ class QuantStates(Feature):
     inert_example = ("--quant-states", "fp8", "--optimizer", "sgd")
 
     def enabled(self, args) -> bool:
-        return bool(args.quant_states) or bool(args.quant_grads)
+        return bool(args.quant_states)
 
     def validate(self, args) -> None:
         if args.quant_states == "hif8":
             raise FeatureConfigError(HIF8_REFUSAL)
-        if args.quant_grads:
-            for dest, refusal in QUANT_GRADS_LIMITS:
-                if getattr(args, dest, False):
-                    raise FeatureConfigError(refusal)
-            if args.pipeline_model_parallel_size > 1:
-                raise FeatureConfigError(QUANT_GRADS_PP_REFUSAL)
 
     def inert(self, args) -> str:
-        if getattr(args, "optimizer", "adam") != "adam" and not args.quant_grads:
+        if getattr(args, "optimizer", "adam") != "adam":
             return f"--quant-states with --optimizer {args.optimizer}: only Adam's moments are quantized (as upstream)"
         return ""
 
     def apply(self, ctx, args) -> None:
-        if ctx.backend_name != "torch":
-            return
-        if args.quant_states:
+        if ctx.backend_name == "torch":
             from mindspeed.features.training import quant_states_megatron
             quant_states_megatron.install(ctx.patcher, args)
-        if args.quant_grads:
-            from mindspeed.features.training import quant_grads_megatron
-            quant_grads_megatron.install(ctx.patcher)
