@@ -8,13 +8,12 @@
 * unadapt() gives Megatron its own layer methods back;
 * the built-in trainer at TP=2 with sequence parallelism: 3 steps give the same losses.
 """
-import json
-import os
 import time
 
 import pytest
 
-from tests_extend.distributed.harness import next_rendezvous, run_distributed
+from tests_extend.distributed.harness import run_distributed
+from tests_extend.distributed.trainer_run import train
 
 S, B, H, F = 12, 2, 16, 32          # sequence (6 rows per rank under SP), batch, hidden, ffn
 # chunking changes how a GEMM's sums are grouped (the weight gradients' sums over the S x B rows, the
@@ -69,7 +68,6 @@ def _body(rank, world_size, tmp):
     import mindspeed
     from mindspeed.features.parallel import coc_megatron
     from mindspeed.flags.trainer_flags import parse_args
-    from mindspeed.training.pretrain import run
     out, t0 = {}, time.monotonic()
     from megatron.core.tensor_parallel import layers
     originals = (layers.ColumnParallelLinear.__dict__["_forward_impl"], layers.RowParallelLinear.__dict__["forward"])
@@ -97,19 +95,9 @@ def _body(rank, world_size, tmp):
     from megatron.core import parallel_state
     parallel_state.destroy_model_parallel()         # the trainer builds its own groups
     for name, flags in (("off", []), ("coc", COC["chunks4"])):
-        loss_file = os.path.join(tmp, f"{name}.jsonl")
-        next_rendezvous(rank, loss_file + ".port")
-        args = parse_args(TINY + flags + ["--log-loss-file", loss_file])
         coc_megatron.CALLS.update(column=0, row=0)
-        session = mindspeed.adapt(args)
-        try:
-            run(args, session)
-        finally:
-            mindspeed.unadapt()
+        out[f"train-{name}"] = train(rank, TINY + flags, tmp, name)
         out[f"train-{name}/calls"] = dict(coc_megatron.CALLS)
-        if rank == 0:
-            with open(loss_file) as f:
-                out[f"train-{name}"] = [json.loads(line)["lm_loss"] for line in f]
     out["total-seconds"] = time.monotonic() - t0
     del torch
     return out

@@ -11,12 +11,12 @@ grid under pipeline parallelism 2 against plain TP 2 there, and the step-18 chec
 (steps 19-20 bit for bit):
     MINDSPEED_SLOW_TESTS=1 python -m pytest tests_extend/distributed/test_tp2d.py -q
 """
-import json
 import os
 
 import pytest
 
-from tests_extend.distributed.harness import next_rendezvous, run_distributed
+from tests_extend.distributed.harness import run_distributed
+from tests_extend.distributed.trainer_run import train
 
 SLOW = os.environ.get("MINDSPEED_SLOW_TESTS") == "1"
 STEPS = 20
@@ -57,28 +57,16 @@ def _checkpoint_runs(tmp):
 
 
 def _body(rank, world_size, tmp):
-    import mindspeed
-    from mindspeed.features.parallel import tp2d_megatron
-    from mindspeed.flags.trainer_flags import parse_args
-    from mindspeed.training.pretrain import run
     import time
+
+    from mindspeed.features.parallel import tp2d_megatron
     out = {}
     for name, flags in {**RUNS, **_checkpoint_runs(tmp)}.items():      # 2x2 (saving) replaces RUNS' own
         cpu = time.process_time()
-        loss_file = os.path.join(tmp, f"{name}.jsonl")
-        next_rendezvous(rank, loss_file + ".port")
-        args = parse_args(TINY + flags + ["--log-loss-file", loss_file])
         tp2d_megatron.CONVERTED.update(linear=0, norm=0, attention=0)
-        session = mindspeed.adapt(args)
-        try:
-            run(args, session)
-        finally:
-            mindspeed.unadapt()
+        out[name] = train(rank, TINY + flags, tmp, name)
         out[f"{name}/converted"] = dict(tp2d_megatron.CONVERTED)
         out[f"{name}/cpu-seconds"] = time.process_time() - cpu
-        if rank == 0:
-            with open(loss_file) as f:
-                out[name] = [json.loads(line)["lm_loss"] for line in f]
     return out
 
 
