@@ -281,3 +281,10 @@ def test_the_mindspore_refusal_holds_on_this_install():
     for dtype in (ms.float8_e4m3fn, ms.float8_e5m2, ms.hifloat8):
         with pytest.raises(TypeError, match="Unsupported data type"):
             ms.Tensor(np.ones(4, np.float32)).astype(dtype).asnumpy()
+
+
+def test_with_sgd_the_moments_flag_is_noted_inert_while_the_gradients_run():
+    """--optimizer sgd has no moments: --quant-states is logged inert in one line, --quant-grads still applies."""
+    p = plan(["--quant-states", "fp8", "--quant-grads", "--optimizer", "sgd"], unknown_flags="trainer")
+    assert "quant-grads" in {f.id for f in p.features} and "quant-states" not in {f.id for f in p.features}
+    assert [f.id for f, *_ in p.inert] == ["quant-states"]
