@@ -36,6 +36,7 @@ from mindspeed.megatron_test_skips import (listed_failure, more_ranks_needed, sk
 DOWNLOAD_MODULE = "tests.test_utils.python_scripts.download_unit_tests_dataset"
 TE_SPEC_PROVIDERS = "megatron.core.models.backends"
 LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
+DEVICE_COUNT = "torch.cuda.device_count"
 
 
 def _adapt():
@@ -79,6 +80,12 @@ def pytest_load_initial_conftests(early_config, parser, args):
         # Megatron's FSDP2 tests build TorchFullyShardedDataParallel directly (no --use-torch-fsdp2)
         from mindspeed.features.parallel.fsdp2_megatron import install_device_mesh
         install_device_mesh(state.patcher, state.plan.device)
+    if state.patcher.find(DEVICE_COUNT) is not None and local_processes() > 1:
+        # Megatron's tests take one GPU per process of the machine (test_utils' _init_distributed asserts
+        # device_count() == world size); the training shim's CPU answers one device for the process
+        state.patcher.remove(DEVICE_COUNT)
+        state.patcher.replace(DEVICE_COUNT, local_processes, reason="Megatron's unit tests under torchrun: one "
+                              "device per process of this machine (LOCAL_WORLD_SIZE), as GPUs are")
     if state.patcher.find("torch.distributed.new_group") is not None and LAZY_GLOO not in os.environ:
         state.patcher.setenv(LAZY_GLOO, "1", reason="gloo stands in for nccl: connect a group's peers on its "
                              "first collective, as NCCL does, not each of the groups every test makes")
@@ -98,6 +105,11 @@ def pytest_load_initial_conftests(early_config, parser, args):
     if DOWNLOAD_MODULE not in sys.modules:
         state.patcher.provide_module(DOWNLOAD_MODULE, _offline_download_module(),
                                      reason="Megatron's conftest must not reach for the network")
+
+
+def local_processes() -> int:
+    """The processes torchrun started on this machine (1 outside torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _no_nccl_version() -> tuple:

@@ -14,7 +14,7 @@ import tarfile
 import pytest
 
 from mindspeed.files import safe_extract
-from mindspeed.megatron_test_skips import RANKS, SKIPS, TOO_LARGE
+from mindspeed.megatron_test_skips import CUDA_ONLY, RANKS, SKIPS, TOO_LARGE
 from mindspeed.net import free_port
 from tests_extend.system.megatron_lm_kit import ROOT, snapshot, snapshot_dir
 
@@ -294,7 +294,7 @@ def test_every_skip_list_entry_names_an_existing_test_and_says_why(tmp_path):
     with tarfile.open(_tests_tarball()) as archive:
         names = set(archive.getnames())
     safe_extract(_tests_tarball(), str(tmp_path))
-    for test in list(SKIPS) + [name.split("[", 1)[0] for name in (*RANKS, *TOO_LARGE)]:
+    for test in list(SKIPS) + list(CUDA_ONLY) + [name.split("[", 1)[0] for name in (*RANKS, *TOO_LARGE)]:
         path, _, name = test.partition("::")
         assert path in names, f"{test}: no such file in {TESTS_TARBALL}"
         assert name in _definitions(os.path.join(tmp_path, path)), f"{test}: no such test"
@@ -302,4 +302,4 @@ def test_every_skip_list_entry_names_an_existing_test_and_says_why(tmp_path):
         assert "user" in reason.text and len(reason.text) > 60, f"{test}: the reason must say what a user loses"
         assert reason.signature and all(reason.signature), f"{test}: the reason must name the failure it explains"
     assert all(need > 1 for need in RANKS.values())
-    assert all("user" in text or "not run there" in text for text in TOO_LARGE.values())
+    assert all("user" in text or "not run there" in text for text in (*TOO_LARGE.values(), *CUDA_ONLY.values()))

@@ -138,6 +138,11 @@ def test_a_test_needing_eight_ranks_is_not_run_with_fewer():
     assert skip_before_running(accumulation + "[True-True]", 2) is None
 
 
+def test_a_cuda_only_test_that_would_hold_the_other_ranks_is_not_run():
+    reason = skip_before_running("tests/unit_tests/test_utils.py::test_straggler_detector", 2)
+    assert reason.startswith("MindSpeed skip list:") and "--log-straggler" in reason
+
+
 def test_a_test_too_large_for_a_cpu_run_is_not_run():
     large = ("tests/unit_tests/transformer/test_transformer_block_custom_pgs.py::TestTransformerBlockWithProcessGroups"
              "::test_params_and_grads_match_transformer_block[1-1-1-1]")
