@@ -4,25 +4,9 @@ Adam takes Megatron's `lr=None` and a fresh distributed optimizer's state dict, 
 profiler ranges, and `.cuda()` of an expanded tensor gives each element its own memory."""
 import pytest
 import torch
-import torch.distributed as dist
 
 import mindspeed
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-
-@pytest.fixture
-def adapted():
-    state = mindspeed.adapt([])
-    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(123)
-    try:
-        yield state
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        mindspeed.unadapt()
+from tests_extend.unit.test_te_spec_standin import adapted  # noqa: F401  (adapted, one process group, TP 1)
 
 
 def test_clip_builds_its_default_norm_without_te_and_normalises_with_it(adapted):
