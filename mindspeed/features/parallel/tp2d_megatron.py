@@ -157,9 +157,15 @@ def convert_layer(grid: Grid, layer, config) -> None:
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     if not isinstance(layer.self_attention, SelfAttention) or not isinstance(layer.mlp, MLP):
         raise NotImplementedError(f"--tp-2d converts Megatron's SelfAttention and dense MLP; this layer has "
                                   f"{type(layer.self_attention).__name__} and {type(layer.mlp).__name__}")
+    kinds = [type(m) for m in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1, layer.self_attention.linear_proj,
+                               layer.mlp.linear_fc2)]
+    if kinds != [ColumnParallelLinear] * 2 + [RowParallelLinear] * 2:     # e.g. a norm fused into the linear
+        raise NotImplementedError(f"--tp-2d converts Megatron's local Column/RowParallelLinear; this layer has "
+                                  f"{', '.join(k.__name__ for k in kinds)}")
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if not isinstance(getattr(layer, name), IdentityOp):
             norm_2d(grid, getattr(layer, name), config)
