@@ -154,11 +154,14 @@ SLOW = pytest.mark.skipif(not os.environ.get("MINDSPEED_SLOW_TESTS"),
 
 
 @SLOW
-def test_megatron_lm_pretrain_gpt_trains_with_it(tmp_path_factory):
+@pytest.mark.parametrize("dtype", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_megatron_lm_pretrain_gpt_trains_with_it(tmp_path_factory, dtype):
     from tests_extend.system import megatron_lm_kit as kit
     checkout = kit.checkout_or_skip("0.16.1", tmp_path_factory)
-    # Megatron-LM's own rule for --use-torch-fsdp2: gradient accumulation fusion (its default) off
-    result = kit.launch(checkout, 2, ON + ["--no-gradient-accumulation-fusion"], {"MOCK_DATA": "1", "TRAIN_ITERS": "4"})
+    # Megatron-LM's own rule for --use-torch-fsdp2: gradient accumulation fusion (its default) off; with
+    # --bf16 its Float16Module makes every parameter bf16 before the wrapper (with the hook's policy) shards it
+    result = kit.launch(checkout, 2, ON + ["--no-gradient-accumulation-fusion"] + dtype,
+                        {"MOCK_DATA": "1", "TRAIN_ITERS": "4"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch-fsdp2" in kit.mindspeed_features(result.stdout)
     assert sorted(kit.losses(result.stdout)) == [1, 2, 3, 4]
