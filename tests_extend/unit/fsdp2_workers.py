@@ -45,7 +45,15 @@ def _run(flags, steps, root=None, world_size=2):
         if root and step == SAVE_AT:
             from mindspeed.checkpoint import torch_dist
             torch_dist.save_checkpoint(root, step, tr.model, tr.optimizer, tr.scheduler, step * 4)
-    return {"losses": losses, "grad_norms": norms, "logits_dtypes": sorted(logits), **_numels(tr)}
+    return {"losses": losses, "grad_norms": norms, "logits_dtypes": sorted(logits), **_numels(tr),
+            "reduce_dtypes": _reduce_dtypes(tr)}
+
+
+def _reduce_dtypes(tr) -> list:
+    """The dtypes each FSDP2 layer reduce-scatters its gradients in (its MixedPrecisionPolicy's)."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for chunk in tr.model for m in chunk.modules()
+              if hasattr(m, "_get_fsdp_state")]
+    return sorted({str(g.mp_policy.reduce_dtype) for g in groups if g is not None})
 
 
 def _resumed(flags, root, steps=2):

@@ -125,6 +125,7 @@ def test_twenty_bf16_updates_equal_ddp_within_bf16_rounding(report):
         np.testing.assert_allclose(fsdp2, ddp, rtol=BF16_UNIT_ROUNDOFF, atol=0)
         assert rank["fsdp2_bf16"]["logits_dtypes"] == rank["ddp_bf16"]["logits_dtypes"] == ["torch.bfloat16"]
         assert rank["fsdp2"]["logits_dtypes"] == ["torch.float32"]
+        assert rank["fsdp2_bf16"]["reduce_dtypes"] == ["torch.float32"]      # as DDP's grad_reduce_in_fp32
         assert rank["fsdp2_bf16"]["params_local"] * 2 == rank["ddp_bf16"]["params_local"]
 
 
