@@ -18,7 +18,7 @@ BASE = ["--global-batch-size", "4", "--untie-embeddings-and-output-weights"]
 FSDP2 = ["--use-torch-fsdp2"]
 BF16 = ["--bf16"]
 TP2 = ["--tensor-model-parallel-size", "2"]
-TP2_STEPS = 4
+TP2_STEPS, TP2_SAVE_AT = 4, 2
 
 
 def _numels(tr) -> dict:
@@ -33,7 +33,7 @@ def _numels(tr) -> dict:
             "dtensor_params": sum(type(p).__name__ == "DTensor" for p in params), "params": len(params)}
 
 
-def _run(flags, steps, root=None, world_size=2):
+def _run(flags, steps, root=None, world_size=2, save_at=SAVE_AT):
     args, tr = kit.trainer_for(BASE + flags, world_size=world_size)
     it = kit.batches(args, tr)
     losses, norms, logits = [], [], set()
@@ -42,7 +42,7 @@ def _run(flags, steps, root=None, world_size=2):
         loss, norm, _ = tr.train_step(it)
         losses.append(loss)
         norms.append(float(norm))
-        if root and step == SAVE_AT:
+        if root and step == save_at:
             from mindspeed.checkpoint import torch_dist
             torch_dist.save_checkpoint(root, step, tr.model, tr.optimizer, tr.scheduler, step * 4)
     return {"losses": losses, "grad_norms": norms, "logits_dtypes": sorted(logits), **_numels(tr),
@@ -56,9 +56,9 @@ def _reduce_dtypes(tr) -> list:
     return sorted({str(g.mp_policy.reduce_dtype) for g in groups if g is not None})
 
 
-def _resumed(flags, root, steps=2):
+def _resumed(flags, root, steps=2, world_size=2):
     from mindspeed.training import pretrain
-    args, tr = kit.trainer_for(BASE + flags + ["--load", root], world_size=2)
+    args, tr = kit.trainer_for(BASE + flags + ["--load", root], world_size=world_size)
     iteration, consumed = pretrain.resume(args, tr, kit._Log())
     return {"iteration": iteration, "losses": kit.train(args, tr, steps, consumed)}
 
@@ -88,11 +88,14 @@ def fsdp2_against_ddp(rank, world_size, root):
     return out
 
 
-def fsdp2_at_tp2(rank, world_size):
-    """TP 2 x DP 2: Megatron-Core's wrapper shards each TP shard over its data-parallel group."""
+def fsdp2_at_tp2(rank, world_size, root):
+    """TP 2 x DP 2: Megatron-Core's wrapper shards each TP shard over its data-parallel group; a save
+    after TP2_SAVE_AT updates resumed under FSDP2 and loaded into the plain layout (both TP 2)."""
     import mindspeed
     _init(rank, world_size, TP2)
     out = {"ddp": _run(TP2, TP2_STEPS, world_size=world_size),
-           "fsdp2": _run(TP2 + FSDP2, TP2_STEPS, world_size=world_size)}
+           "fsdp2": _run(TP2 + FSDP2, TP2_STEPS, root, world_size, save_at=TP2_SAVE_AT)}
+    out["resumed_fsdp2"] = _resumed(TP2 + FSDP2, root, world_size=world_size)
+    out["resumed_plain"] = _resumed(TP2, root, world_size=world_size)
     mindspeed.unadapt()
     return dict(out, cpu_seconds=time.process_time())

@@ -1,7 +1,8 @@
 """--use-torch-fsdp2 (features/parallel/fsdp2.py): Megatron-LM's refusals and upstream's YAML keys in
 process; then one 2-process spawn (fsdp2_workers.fsdp2_against_ddp): 20 fp32 updates against DDP, the
 shards each rank holds, a torch_dist save resumed under FSDP2 and loaded into the plain layout; the
-same with --bf16 (FSDP2's MixedPrecisionPolicy); and one 4-process spawn (fsdp2_at_tp2): TP 2 x DP 2."""
+same with --bf16 (FSDP2's MixedPrecisionPolicy); and one 4-process spawn (fsdp2_at_tp2): TP 2 x DP 2 against DDP, its save
+resumed under FSDP2 and loaded into plain TP 2."""
 import os
 import subprocess
 import sys
@@ -135,9 +136,9 @@ def test_bf16_checkpoint_resumes_bit_for_bit(report):
         assert rank["resumed_fsdp2_bf16"] == {"iteration": worker.SAVE_AT, "losses": continued}
 
 
-def test_tp2_dp2_equals_ddp_and_shards_each_tp_shard_over_data_parallel(tmp_path):
+def test_tp2_dp2_equals_ddp_shards_each_tp_shard_and_resumes(tmp_path):
     from tests_extend.distributed.harness import run_distributed
-    report = run_distributed(worker.fsdp2_at_tp2, world_size=4, timeout=600, daemon=False)
+    report = run_distributed(worker.fsdp2_at_tp2, world_size=4, args=(str(tmp_path),), timeout=600, daemon=False)
     print("TP 2 x DP 2: CPU seconds per rank", [round(r["cpu_seconds"], 1) for r in report])
     for rank in report:
         ddp, fsdp2 = rank["ddp"], rank["fsdp2"]
@@ -147,6 +148,9 @@ def test_tp2_dp2_equals_ddp_and_shards_each_tp_shard_over_data_parallel(tmp_path
         # DDP's parameters on this rank are its TP shards, whole; FSDP2 holds half of each
         assert fsdp2["params_local"] * 2 == fsdp2["params_global"] == ddp["params_local"]
         assert fsdp2["optimizer_state"] == ddp["optimizer_state"] // 2
+        continued = fsdp2["losses"][worker.TP2_SAVE_AT:worker.TP2_SAVE_AT + 2]
+        assert rank["resumed_fsdp2"] == {"iteration": worker.TP2_SAVE_AT, "losses": continued}
+        np.testing.assert_allclose(rank["resumed_plain"]["losses"], continued, rtol=1e-5)
 
 
 # -- the launchers (two more 2-process launches: MINDSPEED_SLOW_TESTS=1 runs them) ----------------------
