@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
+from typing import Callable
+
 from mindspeed import compile_cache, vec_isa_memo
 from mindspeed.backends import active_backend, reset_backend, set_backend
 from mindspeed.backends.mindspore.device_select import select_device as ms_select
@@ -134,6 +137,50 @@ def apply_features(ctx: ApplyContext, p: Plan) -> None:
     except Exception:
         ctx.patcher.remove_all()
         raise
+
+
+@dataclass
+class AppliedFeatures:
+    """What one plan's features added to the process (their patches, parts and subscriptions), so a
+    later plan can replace them: Megatron-Core's tests run Megatron-LM's parse_args/validate_args
+    once per test in one process."""
+    args: dict               # the plan's flags as applied
+    patches: list            # the patcher's records the features added, oldest first
+    parts: dict              # the context's parts and subscribers before the features ran
+    subscribers: dict
+
+    def same_plan(self, p: Plan) -> bool:
+        try:
+            return bool(self.args == vars(p.args))
+        except Exception:    # a value whose == does not answer a bool (an array): treat as changed
+            return False
+
+    def undo(self, ctx: ApplyContext) -> None:
+        for record in reversed(self.patches):     # newest first, as remove_all
+            ctx.patcher.remove(record.target)
+        ctx.parts.clear()
+        ctx.parts.update(self.parts)
+        ctx.subscribers.clear()
+        ctx.subscribers.update(self.subscribers)
+
+
+def apply_features_again(ctx: ApplyContext, p: Plan, previous: AppliedFeatures | None,
+                         then: Callable[[], None] | None = None) -> AppliedFeatures:
+    """apply_features for a host that may plan again in one process: the plan `previous` applied is
+    kept as it is (Megatron's initialize is idempotent for the same flags); another plan first undoes
+    `previous`'s features, then applies its own. then: the host's own patches that go with them."""
+    if previous is not None:
+        if previous.same_plan(p):
+            return previous
+        previous.undo(ctx)
+    before = ctx.patcher.applied()
+    parts = {name: list(v) for name, v in ctx.parts.items()}
+    subscribers = {event: list(v) for event, v in ctx.subscribers.items()}
+    apply_features(ctx, p)
+    if then is not None:
+        then()
+    added = [r for r in ctx.patcher.applied() if all(r is not b for b in before)]
+    return AppliedFeatures(dict(vars(p.args)), added, parts, subscribers)
 
 
 def apply_plan(p: Plan, patcher: PatchManager = GLOBAL_PATCHES, specs_from_session: bool = False) -> Session:

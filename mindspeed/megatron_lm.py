@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 
-from mindspeed.adaptor_core import (MindSpeedConfigError, _msadapter_active, activate_backend, apply_features,
+from mindspeed.adaptor_core import (MindSpeedConfigError, _msadapter_active, activate_backend, apply_features_again,
                                     plan, resolve_device, set_host_flags, unadapt)
 from mindspeed.features.base import FeatureConfigError
 from mindspeed.features.registry import all_features
@@ -100,6 +100,7 @@ class MegatronLMHooks:
         self.convert_hf = convert_hf     # (args, log) -> None: --load's Hugging Face model converted, args.load moved
         self.family = None          # megatron_lm_family.ParsedFamily of the last parse
         self.family_notes = []
+        self.applied = None         # adaptor_core.AppliedFeatures of the last validate_args
 
     # -- parse_args ----------------------------------------------------------------------------
     def wrap_parse_args(self, original):
@@ -217,9 +218,11 @@ class MegatronLMHooks:
         if (p.backend, p.device) != (active.backend, active.device):
             self._refuse(f"--backend/--device give {p.backend}/{p.device} but the adaptor activated "
                          f"{active.backend}/{active.device} at import; pass them on the command line")
-        apply_features(self.session.context, p)
-        if args.is_instruction_dataset:
-            megatron_lm_data.install(self.session)
+        # Megatron-Core's tests validate args once per test in one process: the same flags keep
+        # what is applied, other flags replace the last plan's features
+        self.applied = apply_features_again(
+            self.session.context, p, self.applied,
+            then=(lambda: megatron_lm_data.install(self.session)) if args.is_instruction_dataset else None)
         set_host_flags(p, args)      # after Megatron's checks (its --deterministic-mode asserts NCCL_ALGO)
         self.session.plan = p
         megatron_lm_data.after_plan(args, self.session)
