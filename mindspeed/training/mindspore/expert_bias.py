@@ -7,22 +7,24 @@ only (the probabilities stay the unbiased scores, moe.route). The tokens each ex
 training forwards are counted per layer; after the step's backward the counts are summed over the TP, CP
 and DP ranks, and every bias moves by `rate` towards balance: bias += sign(mean count - count) x rate.
 The biases are state, not parameters (no gradient, no optimizer): checkpoints hold them under Megatron's
-name, decoder.layers.<i>.mlp.router.expert_bias."""
+name, decoder.layers.<i>.mlp.router.expert_bias (an MTP layer's: mtp.layers.<k>.transformer_layer.mlp.router.expert_bias,
+counted and moved as the decoder's, as Megatron's finalize_model_grads finds every router with a bias)."""
 from __future__ import annotations
 
 import numpy as np
 
-from mindspeed.checkpoint import neutral as nf
+from mindspeed.training.mindspore import mtp
 
 BIAS_SUFFIX = "mlp.router.expert_bias"
 
 
 class ExpertBias:
-    """The biases and token counts of the MoE layers `layers` (global indices; every MoE layer of the
-    model, so every pipeline stage names the same checkpoint tensors)."""
+    """The biases and token counts of the MoE layers `names` (global index -> checkpoint name of its bias;
+    every MoE layer of the model, so every pipeline stage names the same checkpoint tensors)."""
 
-    def __init__(self, layers, experts: int, rate: float):
-        self.layers, self.experts, self.rate = list(layers), experts, np.float32(rate)
+    def __init__(self, names: dict, experts: int, rate: float):
+        self.names, self.experts, self.rate = dict(names), experts, np.float32(rate)
+        self.layers = list(self.names)
         self.bias = {i: np.zeros(experts, np.float32) for i in self.layers}
         self._counted = {i: np.zeros(experts, np.float32) for i in self.layers}
         self._last = {}
@@ -55,13 +57,13 @@ class ExpertBias:
 
     def arrays(self) -> dict:
         """The biases by checkpoint name."""
-        return {nf.layer_name(i, BIAS_SUFFIX): self.bias[i].copy() for i in self.layers}
+        return {self.names[i]: self.bias[i].copy() for i in self.layers}
 
     def load(self, full: dict) -> None:
         """Take the biases from whole checkpoint tensors; a checkpoint without them (saved without
         the expert bias) starts them at zero, as Megatron's buffer starts."""
         for i in self.layers:
-            saved = full.get(nf.layer_name(i, BIAS_SUFFIX))
+            saved = full.get(self.names[i])
             self.bias[i] = np.zeros(self.experts, np.float32) if saved is None else np.asarray(saved, np.float32)
 
 
@@ -69,8 +71,8 @@ def for_model(cfg):
     """The model's ExpertBias, or None without --moe-router-enable-expert-bias."""
     if not (cfg.num_experts and cfg.moe_router.expert_bias):
         return None
-    return ExpertBias([i for i in range(cfg.num_layers) if cfg.is_moe(i)], cfg.num_experts,
-                      cfg.moe_router.bias_update_rate)
+    return ExpertBias({i: mtp.layer_param_name(cfg.num_layers, i, BIAS_SUFFIX) for i in cfg.moe_layers()},
+                      cfg.num_experts, cfg.moe_router.bias_update_rate)
 
 
 def count_groups(ps) -> list:

@@ -111,8 +111,13 @@ class GPTConfig:
         return [i for i in range(self.num_layers) if i not in self.noop_layers]
 
     def is_moe(self, i: int) -> bool:
-        """Whether layer i (global index)'s MLP is an MoE layer."""
-        return bool(self.num_experts) and i not in self.dense_layers
+        """Whether layer i (global index)'s MLP is an MoE layer. An MTP layer (i >= num_layers) is
+        the decoder's last layer's kind (Megatron-Core's get_gpt_mtp_block_spec takes its spec)."""
+        return bool(self.num_experts) and min(i, self.num_layers - 1) not in self.dense_layers
+
+    def moe_layers(self) -> list[int]:
+        """The global indices of the MoE layers: the decoder's, then the MTP layers' (mtp.py)."""
+        return [i for i in range(self.num_layers + self.mtp_num_layers) if self.is_moe(i)]
 
     @property
     def rope_head_dim(self) -> int:

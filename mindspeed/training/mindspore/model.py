@@ -257,9 +257,7 @@ class GPTModel:
 
     def layer_name(self, i, suffix):
         """Layer i's parameter `suffix`: a decoder layer's, or past the decoder MTP layer i - num_layers's own."""
-        if i < self.cfg.num_layers:
-            return nf.layer_name(i, suffix)
-        return f"{mtp.layer_prefix(i - self.cfg.num_layers)}transformer_layer.{suffix}"
+        return mtp.layer_param_name(self.cfg.num_layers, i, suffix)
 
     def _part(self, name, i, fn, *args):
         if self.swap_scope is None or name not in self.swap_modules:

@@ -146,7 +146,8 @@ def attach_aux_gradient(autograd, probs, aux_loss):
 
 
 class MoELayer:
-    """The MoE MLP of decoder layer `i` of `model` (a GPTModel: params, config, backend, ps)."""
+    """The MoE MLP of layer `i` of `model` (a GPTModel: params, config, backend, ps): a decoder layer, or past
+    the decoder an MTP layer (mtp.py), its weights under model.layer_name."""
 
     def __init__(self, model, i: int):
         self.model, self.i = model, i
@@ -163,10 +164,10 @@ class MoELayer:
         self.schedule: list[str] = []
 
     def _p(self, suffix):
-        return self.model.params[nf.layer_name(self.i, suffix)]
+        return self.model.params[self.model.layer_name(self.i, suffix)]
 
-    def _expert_weight(self, e, suffix):
-        return self.model.params[nf.expert_name(self.i, e, suffix)]
+    def _expert_weight(self, e, suffix):      # an MTP layer's experts under its own names (model.layer_name)
+        return self.model.params[self.model.layer_name(self.i, f"{nf.EXPERTS}{e}.{suffix}")]
 
     def _expert_mlp(self, e, x, probs):
         h = self.model._activation(linear(x, self._expert_weight(e, "linear_fc1.weight")))

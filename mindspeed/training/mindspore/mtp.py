@@ -16,11 +16,20 @@ import numpy as np
 import mindspore as ms
 from mindspore import ops
 
+from mindspeed.checkpoint import neutral as nf
 from mindspeed.training.mindspore.layers import column_parallel
 
 
 def layer_prefix(k: int) -> str:
     return f"mtp.layers.{k}."
+
+
+def layer_param_name(num_layers: int, i: int, suffix: str) -> str:
+    """Transformer layer i's parameter `suffix`: a decoder layer's, or past the decoder (i >= num_layers)
+    MTP layer i - num_layers's own (mtp.layers.k.transformer_layer.*)."""
+    if i < num_layers:
+        return nf.layer_name(i, suffix)
+    return f"{layer_prefix(i - num_layers)}transformer_layer.{suffix}"
 
 
 def rolled(x):
