@@ -58,6 +58,10 @@ def batch(step: int, dp_rank: int):
 # --first-k-dense-replace 1: layer 0 dense (the plain MLP, --ffn-hidden-size), layer 1 MoE; Megatron-Core's
 # moe_layer_freq pattern for it
 DENSE_FIRST, DENSE_FIRST_PATTERN = ("--first-k-dense-replace", "1"), [0, 1]
+# one MTP layer (an MoE layer, as the decoder's last), DeepSeek-V3's scaling factor; as the trainer's flags and the
+# TransformerConfig fields
+MTP_FLAGS = ("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3")
+MTP_FIELDS = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
 
 
 def write_init(path: str, shared: bool, seed: int = 7, bf16: bool = False, extra: tuple = ()) -> None:
@@ -136,11 +140,14 @@ def moe_schedule(model) -> list:
 
 
 # -- torch side (inside the gloo harness) ----------------------------------------------------------
-def build_torch_model(ep: int, shared: bool, tp: int = 1, layer_freq=1, router: dict | None = None):
+def build_torch_model(ep: int, shared: bool, tp: int = 1, layer_freq=1, router: dict | None = None,
+                      mtp: dict | None = None):
     """layer_freq: Megatron-Core's moe_layer_freq (a 0/1 list: dense layers among the MoE ones, its
-    decoder block spec); router: more TransformerConfig router fields (ROUTER_FIELDS)."""
+    decoder block spec); router: more TransformerConfig router fields (ROUTER_FIELDS); mtp: MTP_FIELDS,
+    Megatron-Core's MTP block, whose layer follows the decoder's (an MoE layer here)."""
     import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                          get_gpt_mtp_block_spec)
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
     config = TransformerConfig(num_layers=mp.LAYERS, hidden_size=mp.HIDDEN, num_attention_heads=mp.HEADS,
@@ -153,10 +160,10 @@ def build_torch_model(ep: int, shared: bool, tp: int = 1, layer_freq=1, router: 
                                expert_model_parallel_size=ep, tensor_model_parallel_size=tp,
                                sequence_parallel=tp > 1,
                                moe_shared_expert_intermediate_size=SHARED if shared else None,
-                               moe_layer_freq=layer_freq, **(router or {}))
+                               moe_layer_freq=layer_freq, **(router or {}), **(mtp or {}))
     spec = (get_gpt_layer_local_spec(num_experts=EXPERTS, normalization="RMSNorm") if layer_freq == 1 else
             get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"))
-    return GPTModel(config, spec,
+    return GPTModel(config, spec, mtp_block_spec=get_gpt_mtp_block_spec(config, spec, False) if mtp else None,
                     vocab_size=mp.VOCAB, max_sequence_length=mp.SEQ, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False)
 
@@ -193,7 +200,9 @@ def _loss(model, step, dp_rank):
     tokens, labels, mask = (torch.from_numpy(a.astype(np.int64) if a.dtype != np.float32 else a)
                             for a in batch(step, dp_rank))
     position_ids = torch.arange(mp.SEQ).unsqueeze(0).expand(mp.MBS, -1)
-    per_token = model(tokens, position_ids, None, labels=labels)
+    # MTP's loss masks its tokens by loss_mask (rolled), as the torch trainer's forward_step passes it
+    per_token = model(tokens, position_ids, None, labels=labels,
+                      **({"loss_mask": mask} if model.config.mtp_num_layers else {}))
     return (per_token * mask).sum() / mask.sum()
 
 
@@ -203,7 +212,7 @@ def torch_layouts(rank, world_size, layouts):
 
 
 def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=mp.STEPS, save_dir=None, tp=1,
-                bf16=False, layer_freq=1, router=None, expert_tp=False):
+                bf16=False, layer_freq=1, router=None, expert_tp=False, mtp=None):
     """Harness body: train; evaluate the result; with save_dir (EP=1) save it as a neutral
     checkpoint; with other_ckpt, load that one into a fresh model and evaluate it too. tp > 1:
     sequence parallel, with MindSpeed's --moe-tp-extend-ep hook (the experts over TP x EP). bf16:
@@ -224,7 +233,8 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
     edp_group, dp_group = ps.get_expert_data_parallel_group(), ps.get_data_parallel_group()
     tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     spread = ps.get_expert_model_parallel_world_size()       # ep, or ep x tp extended
-    model = build_torch_model(ep, shared, tp, layer_freq, router)
+    _fresh_trackers()
+    model = build_torch_model(ep, shared, tp, layer_freq, router, mtp)
     load_into_torch(model, init_ckpt, ep_rank, spread, tp_rank, tp, expert_tp)
     params = list(model.named_parameters())
     forward, updated = model, [p for _, p in params]
@@ -286,13 +296,21 @@ def torch_train(rank, world_size, ep, shared, init_ckpt, other_ckpt=None, steps=
         nf.save(save_dir, steps, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
                                   if torch.is_tensor(v) and v.is_floating_point()}, meta={"backend": "torch"})
     if other_ckpt:      # the MindSpore run's final checkpoint, loaded here and evaluated
-        fresh = build_torch_model(ep, shared, tp, layer_freq, router)
+        fresh = build_torch_model(ep, shared, tp, layer_freq, router, mtp)
         load_into_torch(fresh, other_ckpt, ep_rank, spread, tp_rank, tp, expert_tp)
         result["eval_loss_of_other"] = _eval(fresh, dp_rank, dp_group, dp)
     result["experts"] = sorted({int(n.split(EXPERT_KEY)[1].split(".")[0]) + ep_rank * (EXPERTS // spread)
                                 for n, _ in params if EXPERT_KEY in n})
     mindspeed.unadapt()
     return result
+
+
+def _fresh_trackers() -> None:
+    """Megatron-Core's logging buffers, sized by the first model's layers (an MTP run adds layers)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    get_moe_layer_wise_logging_tracker().clear()
+    MTPLossLoggingHelper.tracker.clear()
 
 
 def _update_expert_bias(model) -> None:

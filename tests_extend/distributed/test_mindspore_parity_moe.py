@@ -18,7 +18,8 @@ losses beyond fp32's bound TOL. --use-distributed-optimizer at EP=2 (the dense s
 the experts' over expert-DP) gives Megatron-Core's losses and resumes from its checkpoint (same launch).
 Megatron-Core's router options at EP=1 (noaux_tc's sigmoid scores with the per-step expert bias, group-limited
 top-k, scaled weights, --seq-aux; in the EP=1 gloo spawn): its losses and grad norms over 20 steps, the same
-biases, and each side's checkpoint evaluates the same on the other."""
+biases, and each side's checkpoint evaluates the same on the other; with one MTP layer too (issue 55: an MoE
+layer, as Megatron-Core's follows the decoder's), over 3 steps (20 with MINDSPEED_SLOW_TESTS=1)."""
 import os
 
 import numpy as np
@@ -42,8 +43,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindspore_par
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_parity")
     paths = {k: str(root / k) for k in ("init_shared", "init", "init_bf16", "torch_final", "ms_final", "ms_final_tp",
-                                        "ms_router", "torch_router", "ms_final_pp")}
+                                        "ms_router", "torch_router", "ms_final_pp", "init_mtp", "torch_mtp")}
     pm.write_init(paths["init_shared"], shared=True)
+    pm.write_init(paths["init_mtp"], shared=True, extra=pm.MTP_FLAGS)
     pm.write_init(paths["init"], shared=False)
     pm.write_init(paths["init_bf16"], shared=False, bf16=True)
     paths["root"] = root
@@ -52,11 +54,14 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def torch_ep1_runs(ckpts, ms_router):
-    """One spawn: Megatron-Core at EP=1 with shared experts, and with the router options (ROUTER_FIELDS)."""
+    """One spawn: Megatron-Core at EP=1 with shared experts, with the router options (ROUTER_FIELDS), and with
+    them and an MTP layer (MTP_FIELDS)."""
     return run_distributed(pm.torch_layouts, world_size=1, timeout=400, args=(
         [((1, True, ckpts["init_shared"], None, pm.mp.STEPS, ckpts["torch_final"]), {}),
          ((1, True, ckpts["init_shared"], ckpts["ms_router"], pm.mp.STEPS, ckpts["torch_router"]),
-          {"router": pm.ROUTER_FIELDS})],))[0]
+          {"router": pm.ROUTER_FIELDS}),
+         ((1, True, ckpts["init_mtp"], None, MTP_STEPS, ckpts["torch_mtp"]),
+          {"router": pm.ROUTER_FIELDS, "mtp": pm.MTP_FIELDS})],))[0]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +83,7 @@ def test_router_options_at_ep1_match_megatron(ckpts, ms_router, torch_ep1_runs):
     on the other side; the plain router's losses differ."""
     from mindspeed.backends.mindspore.backend import MindSporeBackend
     from mindspeed.checkpoint import neutral as nf
-    plain, t = torch_ep1_runs
+    plain, t = torch_ep1_runs[:2]
     np.testing.assert_allclose(ms_router["losses"], t["losses"], atol=TOL, rtol=0)
     np.testing.assert_allclose(ms_router["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
     assert t["eval_loss_of_other"] == pytest.approx(ms_router["eval_loss"], abs=TOL)
@@ -90,6 +95,38 @@ def test_router_options_at_ep1_match_megatron(ckpts, ms_router, torch_ep1_runs):
         np.testing.assert_allclose(ours[name], theirs[name], atol=1e-6, rtol=0)
         assert np.abs(ours[name]).max() > pm.BIAS_RATE / 2
     other = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["torch_router"], steps=0, extra=pm.ROUTER_FLAGS)
+    assert other["eval_loss"] == pytest.approx(t["eval_loss"], abs=TOL)
+
+
+# issue 55: MTP's MoE layer over a few steps; MINDSPEED_SLOW_TESTS=1: 20 (the router case's length)
+MTP_STEPS = pm.mp.STEPS if os.environ.get("MINDSPEED_SLOW_TESTS") else 3
+
+
+def test_mtp_layer_is_moe_as_megatron_core_makes_it(ckpts, torch_ep1_runs, tmp_path):
+    """One MTP layer on the MoE model with the router options (noaux_tc's sigmoid scores and expert bias,
+    --seq-aux, shared experts) at EP 1: Megatron-Core's MTP layer follows the decoder's last layer, so it is an
+    MoE layer (mtp.layers.0.transformer_layer.mlp.router/experts/shared_experts); its aux loss's gradient and
+    its routed tokens (the expert bias's counts) enter as Megatron-Core's do: the losses within TOL and the
+    gradient norms over MTP_STEPS fp32 steps, the same three biases (the MTP layer's under Megatron's name),
+    and torch's trained weights evaluate the same in MindSpore."""
+    from mindspeed.backends.mindspore.backend import MindSporeBackend
+    from mindspeed.checkpoint import neutral as nf
+    t = torch_ep1_runs[2]
+    flags = pm.ROUTER_FLAGS + pm.MTP_FLAGS
+    ms = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["init_mtp"], save_dir=str(tmp_path / "ms_mtp"),
+                     steps=MTP_STEPS, extra=flags)
+    np.testing.assert_allclose(ms["losses"], t["losses"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(ms["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
+    prefix = "mtp.layers.0.transformer_layer.mlp."
+    assert {prefix + "router.weight", prefix + "shared_experts.linear_fc1.weight",
+            prefix + "experts.local_experts.3.linear_fc2.weight"} <= set(ms["params"])
+    (theirs, _, _), (ours, _, _) = nf.load(ckpts["torch_mtp"]), nf.load(str(tmp_path / "ms_mtp"))
+    biases = sorted(n for n in theirs if n.endswith("mlp.router.expert_bias"))
+    assert biases == sorted(n for n in ours if n.endswith("mlp.router.expert_bias"))
+    assert prefix + "router.expert_bias" in biases and len(biases) == pm.mp.LAYERS + 1
+    for name in biases:
+        np.testing.assert_allclose(ours[name], theirs[name], atol=1e-6, rtol=0)
+    other = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["torch_mtp"], steps=0, extra=flags)
     assert other["eval_loss"] == pytest.approx(t["eval_loss"], abs=TOL)
 
 
