@@ -98,3 +98,21 @@ def test_cuda_of_an_expanded_tensor_gives_each_element_its_own_memory(adapted):
     assert moved[:, 1].tolist() == [1, 7]
     dense = torch.ones(3)
     assert dense.cuda() is dense                           # no copy where nothing is shared
+
+
+def test_the_cuda_device_named_by_current_device_is_the_cpu(adapted):
+    # Megatron-FSDP's adapter: torch.device(f"cuda:{torch.cuda.current_device()}") ("Invalid device string")
+    device = torch.device(f"cuda:{torch.cuda.current_device()}")
+    assert device == torch.device("cpu")
+    assert torch.zeros(2, device=device).device.type == "cpu"
+
+
+def test_megatron_fsdp_scales_gradients_before_a_gloo_sum_instead_of_premul_sum(adapted):
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.distributed_data_parallel_config import (
+        DistributedDataParallelConfig)
+    config = DistributedDataParallelConfig(gradient_reduce_div_fusion=True)
+    grad = torch.full((4,), 3.0)
+    op = buffers.gradient_reduce_preprocessing(grad, 0.5, config)
+    torch.distributed.all_reduce(grad, op=op)     # gloo: "Cannot use ReduceOp.PREMUL_SUM with Gloo"
+    assert grad.tolist() == [1.5] * 4 and config.gradient_reduce_div_fusion

@@ -30,6 +30,7 @@ from mindspeed.backends.torch.one_rank_collectives import apply_one_rank_all_red
 from mindspeed.backends.torch.one_rank_cross_entropy import apply_one_rank_cross_entropy
 from mindspeed.backends.torch.one_rank_regions import apply_one_rank_regions
 from mindspeed.backends.torch.stacked_all_gather import apply_stacked_all_gather
+from mindspeed.backends.torch.premul_sum_gloo import apply_premul_sum_on_gloo
 from mindspeed.backends.torch.process_groups import wrap_destroy_model_parallel
 from mindspeed.backends.torch.sync_save_queue import apply_in_process_results_queue
 
@@ -90,6 +91,10 @@ def _current_device():
     return "cpu"
 
 
+# what Megatron's f"cuda:{torch.cuda.current_device()}" spells with the shim's current device
+_CURRENT_CUDA_DEVICE = f"cuda:{_current_device()}"
+
+
 def _manual_seed(seed):
     # the cpu generator plays the role of the cuda default generator
     # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly)
@@ -124,6 +129,9 @@ class CudaToCpuMode(TorchFunctionMode):
             CudaToCpuMode.rewrites += 1
         if device_kwarg_to_cpu(kwargs):
             CudaToCpuMode.rewrites += 1
+        if func is torch.device and args == (_CURRENT_CUDA_DEVICE,):
+            CudaToCpuMode.rewrites += 1      # Megatron-FSDP's torch.device(f"cuda:{current_device()}")
+            return torch.device("cpu")
         if func in (torch.Tensor.to,) and args and len(args) > 1 and names_cuda(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
             CudaToCpuMode.rewrites += 1
@@ -319,6 +327,7 @@ def apply_cpu_shim(patcher) -> None:
     apply_profiler_nvtx(patcher)
     apply_one_rank_all_reduce(patcher)
     apply_stacked_all_gather(patcher)
+    apply_premul_sum_on_gloo(patcher)
     apply_one_rank_regions(patcher)
     apply_one_rank_cross_entropy(patcher)
     apply_cpu_torch_views(patcher)
