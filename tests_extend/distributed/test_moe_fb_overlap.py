@@ -5,6 +5,8 @@ dropout, 2 MoE layers, 2 micro-batches a step:
 * the all-to-all nodes really ran on the side stream's worker thread, beside the other micro-batch's
   compute: every MoE layer's dispatch and combine, forward and backward, every step, and part of
   their time under the host thread's compute (recorded intervals); without the flag nothing ran there;
+* with DeepSeek-V3's full recompute flags (RECOMPUTE) the overlap gives its own losses bit for bit, each
+  layer's attention and experts computed again in the backward and no all-to-all run twice;
 * unadapt() gives back every object the hook patched;
 * the run's step-10 checkpoint resumes under the flag bit for bit, and loads without the flag
   (the plain schedule), training on within 1e-5.
@@ -25,12 +27,18 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr", "3e-3", "--mock-data",
         "--seed", "7", "--num-experts", "4", "--moe-token-dispatcher-type", "alltoall",
-        "--hidden-dropout", "0", "--attention-dropout", "0"]
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        # DeepSeek-V3's router: what it counts per step (tokens per expert, the aux loss) a recompute must not
+        # count twice
+        "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid", "--norm-topk-prob",
+        "--moe-aux-loss-coeff", "1e-2"]
 EP2 = ["--expert-model-parallel-size", "2"]
 ON = ["--moe-fb-overlap"]
 # fp32: the combined schedule cuts each layer's autograd graph at the node boundaries, so a tensor read
 # by two nodes (the residual stream) has its gradient summed in another order than one backward sums it
 TOLERANCE = 1e-5
+# MindSpeed-LLM's DeepSeek-V3 recipe's recompute flags (fb_overlap_recompute.py)
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 COMM_NODES = {f"moe_{kind}.{phase}" for kind in ("dispatch", "combine") for phase in ("forward", "backward")}
 
 
@@ -48,9 +56,11 @@ def _train(rank, tmp, name, flags, layout=EP2, base=TINY):
     session = mindspeed.adapt(args)
     side = session.backend.device.side_stream()
     side.recording, side.intervals[:] = True, []
+    counted = _counting_forwards()
     try:
         pretrain.run(args, session)
     finally:
+        counted.restore()
         mindspeed.unadapt()
         side.recording = False
     from mindspeed.backends.torch.side_stream import hidden_seconds
@@ -58,7 +68,39 @@ def _train(rank, tmp, name, flags, layout=EP2, base=TINY):
     losses = [json.loads(line)["lm_loss"] for line in open(loss_file)] if rank == 0 else None
     return {"losses": losses, "restored": _patched_originals() == originals, "comm": sorted({i[0] for i in comm}), "comm_count": len(comm),
             "host_thread": threading.get_ident() in {i[3] for i in comm}, "hidden": hidden_seconds(side.intervals, COMM_NODES),
-            "comm_seconds": sum(i[2] - i[1] for i in comm)}
+            "comm_seconds": sum(i[2] - i[1] for i in comm), "forwards": counted.calls,
+            "tokens_per_step": counted.tokens}
+
+
+class _counting_forwards:
+    """How often the layers' attention and expert computations ran (forward and recomputed), and the
+    tokens per expert each step's expert-bias update was given: the real functions, counted."""
+    NAMES = ("_forward_attention", "routed_experts_compute")
+
+    def __init__(self):
+        import importlib
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+        finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package
+        # exports a function of that name
+        self.owners = dict(zip(self.NAMES + ("get_updated_expert_bias",), (TransformerLayer, MoELayer, finalize)))
+        self.calls, self.tokens = dict.fromkeys(self.NAMES, 0), []
+        for name, owner in self.owners.items():
+            setattr(owner, name, self._counted(name, getattr(owner, name)))
+
+    def _counted(self, name, function):
+        def counted(*args, **kwargs):
+            if name in self.calls:
+                self.calls[name] += 1
+            else:
+                self.tokens.append(args[0].sum().item())
+            return function(*args, **kwargs)
+        counted.original = function
+        return counted
+
+    def restore(self):
+        for name, owner in self.owners.items():
+            setattr(owner, name, getattr(owner, name).original)
 
 
 def _patched_originals():
@@ -80,6 +122,7 @@ def _all_runs(rank, world_size, tmp):
     import time
     runs = {"plain": _train(rank, tmp, "plain", steps),
             "fb": _train(rank, tmp, "fb", steps + ON + ["--save", saved, "--save-interval", str(STEPS // 2)]),
+            "fb-recompute": _train(rank, tmp, "fb-recompute", steps + ON + RECOMPUTE),
             "fb-resumed": _train(rank, tmp, "fb-resumed", resume + ON),
             "fb-to-plain": _train(rank, tmp, "fb-to-plain", resume)}
     return dict(runs, cpu_seconds=time.process_time())      # this rank's CPU, imports included (CI budget)
@@ -109,6 +152,21 @@ def test_all_to_alls_ran_on_the_side_stream_under_compute(runs):
         assert 0 < fb["hidden"] <= fb["comm_seconds"]
         assert runs[rank]["plain"]["comm_count"] == 0 and runs[rank]["plain"]["hidden"] == 0
         assert fb["restored"]        # unadapt() gave Megatron and torch their own objects back
+
+
+def test_full_recompute_gives_the_overlap_losses_bit_for_bit(runs):
+    # recomputation repeats each compute node's arithmetic: the same losses, not within a tolerance
+    assert runs[0]["fb-recompute"]["losses"] == runs[0]["fb"]["losses"]
+    for rank in (0, 1):      # the all-to-alls still ran on the side stream, once per node: none recomputed
+        assert runs[rank]["fb-recompute"]["comm"] == sorted(COMM_NODES)
+        assert runs[rank]["fb-recompute"]["comm_count"] == runs[rank]["fb"]["comm_count"]
+        # every layer's attention and experts ran twice a micro-batch: forward, and again in the backward
+        forwards = runs[rank]["fb"]["forwards"]
+        assert forwards == dict.fromkeys(forwards, STEPS * 2 * 2)
+        assert runs[rank]["fb-recompute"]["forwards"] == dict.fromkeys(forwards, 2 * STEPS * 2 * 2)
+        # ... but the router counted each token once (the expert-bias update), as without recompute
+        assert len(runs[rank]["fb"]["tokens_per_step"]) == STEPS
+        assert runs[rank]["fb-recompute"]["tokens_per_step"] == runs[rank]["fb"]["tokens_per_step"]
 
 
 def test_checkpoint_resumes_bit_for_bit_and_loads_without_the_flag(runs):

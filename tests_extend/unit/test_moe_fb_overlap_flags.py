@@ -18,8 +18,6 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
     (FB + PP2, "--moe-fb-overlap at --pipeline-model-parallel-size 2 needs the interleaved schedule "
                "(--num-layers-per-virtual-pipeline-stage) or --schedules-method dualpipev"),
     (FB + ["--moe-token-dispatcher-type", "allgather"], "needs --moe-token-dispatcher-type alltoall (got allgather"),
-    (FB + ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-     "does not run with recomputation"),
     (FB + ["--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"],
      "does not combine with --moe-shared-expert-overlap"),
     (FB + ["--mtp-num-layers", "1"], "at most one MTP layer, and that one only at --pipeline-model-parallel-size > 1"),
@@ -40,11 +38,25 @@ def test_combinations_it_cannot_honour_are_refused(argv, message):
     FB,
     ["--overlap-moe-expert-parallel-comm"] + MOE + EP2,                          # Megatron-Core 0.16's own name
     FB + ["--delay-wgrad-compute"],
+    # DeepSeek-V3's recipe: each layer's compute nodes recompute in their backward (fb_overlap_recompute.py)
+    FB + ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
     FB + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"],                 # the interleaved schedule
     FB + PP2 + ["--schedules-method", "dualpipev", "--untie-embeddings-and-output-weights"],   # the V's F-B slots
 ])
 def test_good_combinations_plan(argv):
     assert "moe-fb-overlap" in {f.id for f in plan(argv).features}
+
+
+def test_full_recompute_follows_megatrons_layer_choice():
+    from types import SimpleNamespace
+
+    from mindspeed.features.moe.fb_overlap_recompute import recomputed
+    block = SimpleNamespace(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert [recomputed(block, i, decoder=True) for i in range(4)] == [True, True, False, False]
+    assert recomputed(block, 3, decoder=False)          # MTP layers: as Megatron's MTP block, all of them
+    uniform = SimpleNamespace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    assert all(recomputed(uniform, i, decoder=True) for i in range(4))
+    assert not recomputed(SimpleNamespace(recompute_granularity="selective"), 0, decoder=True)
 
 
 def test_at_expert_parallel_size_1_it_is_noted_and_off():

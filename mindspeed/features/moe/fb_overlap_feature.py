@@ -90,6 +90,8 @@ class MoeFbOverlap(Feature):
         if ctx.backend_name == "torch":
             from mindspeed.features.moe import fb_overlap
             fb_overlap.install(ctx.patcher, ctx.backend, delay_wgrad=bool(args.delay_wgrad_compute))
+            from mindspeed.features.moe import fb_overlap_recompute
+            fb_overlap_recompute.install(ctx.patcher, args)
 
 
 def _layout_refusals(args):
@@ -104,9 +106,7 @@ def _layout_refusals(args):
     kind = _dispatcher(args)
     yield (f"needs --moe-token-dispatcher-type alltoall (got {kind}: the allgather dispatcher has no all-to-all "
            "to overlap, flex needs DeepEP)" if kind != "alltoall" else "")
-    yield ("does not run with recomputation (Megatron-Core's combined 1F1B refuses --recompute-granularity full "
-           "and --recompute-method): drop them" if args.recompute_granularity == "full" or args.recompute_method
-           else "")
+    # --recompute-granularity full: each layer's compute nodes recompute in their backward (fb_overlap_recompute.py)
     yield ("does not combine with --moe-shared-expert-overlap (the schedule overlaps the shared experts itself): "
            "drop it" if args.moe_shared_expert_overlap else "")
     # (--moe-permutation-async-comm is off under the overlap, with one line: features.py)
