@@ -154,6 +154,8 @@ CUDA_ONLY: dict[str, str] = {
 _SHARD_FACTOR = "ata parallel size should be divisible by partial DistOpt shard factor"
 # HyperCommGrid's "Grid shape [2, 1, 1, 4] is over sized with world size 1 and rank offset 0"
 _GRID = re.compile(r"Grid shape \[([\d, ]+)\] is over sized with world size (\d+)")
+# torch's DeviceMesh: "Mesh should not be bigger than default world size 1, but found 8 ranks!"
+_MESH = re.compile(r"Mesh should not be bigger than default world size (\d+), but found (\d+) ranks")
 # gloo's "ProcessGroupGloo::broadcast: invalid root rank: 6" (a test's source rank, for 8 GPUs)
 _ROOT = re.compile(r"ProcessGroupGloo::\w+: invalid root rank: (\d+)")
 # parallel_state's "world_size (1) is not divisible by 8" and "... by <name> size (8)"; the hybrid
@@ -192,6 +194,9 @@ def more_ranks_needed(message: str, world_size: int) -> str | None:
     grid = _GRID.search(message)          # HyperCommGrid: its shape's product is the ranks it spans
     if grid is not None and int(grid.group(2)) == world_size:
         return ranks_advice(math.prod(int(n) for n in grid.group(1).split(",")), world_size)
+    mesh = _MESH.search(message)          # a DeviceMesh over more ranks (Megatron-FSDP's fully_shard tests)
+    if mesh is not None and int(mesh.group(1)) == world_size:
+        return ranks_advice(int(mesh.group(2)), world_size)
     return None
 
 

@@ -102,6 +102,9 @@ def test_a_test_needing_more_ranks_is_told_how_to_run():
     grid = "RuntimeError: Grid shape [2, 1, 1, 4] is over sized with world size 1 and rank offset 0"
     assert "torchrun --nproc_per_node 8" in more_ranks_needed(grid, 1)
     assert more_ranks_needed(grid, 2) is None
+    mesh = "RuntimeError: Mesh should not be bigger than default world size 1, but found 8 ranks!"
+    assert "torchrun --nproc_per_node 8" in more_ranks_needed(mesh, 1)
+    assert more_ranks_needed(mesh, 2) is None
     # gloo's broadcast from a rank the world lacks (dist_checkpointing/test_fp8.py's source rank 6)
     root = "RuntimeError: ProcessGroupGloo::broadcast: invalid root rank: 6"
     assert more_ranks_needed(root, 1).startswith("needs at least 7 processes (a collective from rank 6)")

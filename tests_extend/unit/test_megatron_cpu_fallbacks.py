@@ -116,3 +116,10 @@ def test_megatron_fsdp_scales_gradients_before_a_gloo_sum_instead_of_premul_sum(
     op = buffers.gradient_reduce_preprocessing(grad, 0.5, config)
     torch.distributed.all_reduce(grad, op=op)     # gloo: "Cannot use ReduceOp.PREMUL_SUM with Gloo"
     assert grad.tolist() == [1.5] * 4 and config.gradient_reduce_div_fusion
+
+
+def test_megatron_fsdp_builds_its_default_device_mesh_on_the_cpu(adapted):
+    import importlib      # the package's `fully_shard` attribute is the function, not this module
+    fully_shard = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard")
+    mesh = fully_shard.init_device_mesh(device_type="cuda", mesh_shape=(1, 1), mesh_dim_names=("fsdp", "tp"))
+    assert mesh.device_type == "cpu"      # DTensor.from_local moves shards to the mesh's device type

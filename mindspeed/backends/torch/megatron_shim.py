@@ -30,7 +30,7 @@ from mindspeed.backends.torch.one_rank_collectives import apply_one_rank_all_red
 from mindspeed.backends.torch.one_rank_cross_entropy import apply_one_rank_cross_entropy
 from mindspeed.backends.torch.one_rank_regions import apply_one_rank_regions
 from mindspeed.backends.torch.stacked_all_gather import apply_stacked_all_gather
-from mindspeed.backends.torch.premul_sum_gloo import apply_premul_sum_on_gloo
+from mindspeed.backends.torch.megatron_fsdp_cpu import apply_megatron_fsdp_on_cpu
 from mindspeed.backends.torch.process_groups import wrap_destroy_model_parallel
 from mindspeed.backends.torch.sync_save_queue import apply_in_process_results_queue
 
@@ -327,7 +327,7 @@ def apply_cpu_shim(patcher) -> None:
     apply_profiler_nvtx(patcher)
     apply_one_rank_all_reduce(patcher)
     apply_stacked_all_gather(patcher)
-    apply_premul_sum_on_gloo(patcher)
+    apply_megatron_fsdp_on_cpu(patcher)
     apply_one_rank_regions(patcher)
     apply_one_rank_cross_entropy(patcher)
     apply_cpu_torch_views(patcher)
