@@ -34,20 +34,17 @@ PARALLEL = {"llama3": {"--tensor-model-parallel-size": 2}, "llama31": {"--tensor
             "deepseek3": {"--expert-model-parallel-size": 2}, "deepseek3_2_1_0": {"--expert-model-parallel-size": 2}}
 # options of a recipe the built-in trainer refuses in this shrunk layout (in one line, naming what to do
 # instead): DualPipeV needs PP >= 2 (2 processes keep the recipe's EP; the V's own layout below), and
-# --moe-fb-overlap does not run with the recipe's full recomputation; CoC's fused kernel is Ascend's.
+# so does --moe-fb-overlap with the recipe's MTP layer; CoC's fused kernel is Ascend's.
 # `shrink(..., runnable=True)` leaves them out so the rest of the recipe trains
 NOT_YET = {"--schedules-method": "DualPipeV (at PP >= 2: shrink(..., v=True))",
-           "--moe-fb-overlap": "MoE forward/backward overlap (not with --recompute-granularity full)",
+           "--moe-fb-overlap": "MoE forward/backward overlap (with an MTP layer at PP >= 2: shrink(..., v=True))",
            "--coc-fused-kernel": "CoC's fused kernel (Ascend's)"}
 # the V's layout (v=True): the recipe with its --schedules-method dualpipev --moe-fb-overlap at PP 2 x EP 2,
-# 4 processes, 8 samples a step (the V needs 2 x PP - 1 micro-batches per data-parallel rank); left out:
-# the full recomputation Megatron-Core's combined step cannot run (refused beside --moe-fb-overlap in one line)
+# 4 processes, 8 samples a step (the V needs 2 x PP - 1 micro-batches per data-parallel rank), with its full
+# recomputation (the combined step's compute nodes recompute: features/moe/fb_overlap_recompute.py)
 V_LAYOUT = {"--pipeline-model-parallel-size": 2, "--expert-model-parallel-size": 2}
 V_SIZES = {"--global-batch-size": 8}
-V_NOT_YET = {"--recompute-granularity": "full recomputation under --moe-fb-overlap",
-             "--recompute-method": "full recomputation under --moe-fb-overlap",
-             "--recompute-num-layers": "full recomputation under --moe-fb-overlap",
-             "--coc-fused-kernel": NOT_YET["--coc-fused-kernel"]}
+V_NOT_YET = {"--coc-fused-kernel": NOT_YET["--coc-fused-kernel"]}
 # options that need a Hugging Face model at --load, which the runs here do not have: left out of the runnable
 # form too (the torch trainer converts it then: tests_extend/unit/test_convert_legacy.py)
 NEEDS_HF_MODEL = {"--enable-hf2mg-convert": "the run converts the Hugging Face model --load names"}
