@@ -80,22 +80,20 @@ Mtp = option(
 
 def _mtp_on_mindspore(self, args) -> None:
     """What the MindSpore trainer's MTP (training/mindspore/mtp.py: PP, TP and CP 1, no dropout; its
-    layer MoE when the decoder's last is, at EP 1) does not do, refused in one line."""
+    layer MoE when the decoder's last is, at any EP size) does not do, refused in one line."""
     if args.backend != "mindspore" or not self.enabled(args):
         return
     lacking = [what for what, given in (
         ("--pipeline-model-parallel-size > 1", (args.pipeline_model_parallel_size or 1) > 1),
         ("--tensor-model-parallel-size > 1", (args.tensor_model_parallel_size or 1) > 1),
         ("--context-parallel-size > 1", (args.context_parallel_size or 1) > 1),
-        # MTP's MoE layer is checked against Megatron-Core at EP 1 only (test_mindspore_parity_moe.py)
-        ("--expert-model-parallel-size > 1", bool(args.num_experts) and (args.expert_model_parallel_size or 1) > 1),
         ("--hidden-dropout/--attention-dropout > 0", bool(args.hidden_dropout or args.attention_dropout)),
         # its MTP layers place RoPE and a learned table at the rolled sequence positions, not per document
         ("--reset-position-ids", bool(args.reset_position_ids)))
         if given]
     if lacking:
         raise FeatureConfigError(f"--mtp-num-layers with {', '.join(lacking)}: {MS}'s MTP runs at PP, TP and CP 1, "
-                                 f"with MoE layers at EP 1, no dropout and one position sequence per sample; drop those, or {TORCH}")
+                                 f"with dense or MoE layers, no dropout and one position sequence per sample; drop those, or {TORCH}")
 
 
 Mtp.validate = _mtp_on_mindspore

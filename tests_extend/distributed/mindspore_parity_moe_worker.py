@@ -8,9 +8,10 @@ from a bf16-representable checkpoint; then EP=2 with --use-distributed-optimizer
 ZERO_STEPS steps and resumed from there for ZERO_STEPS more, and TP=2 extended with it; then EP=2 with
 the allgather dispatcher for 3 steps; then PP=2
 (each stage one MoE layer, shared experts) for PP_STEPS steps from the shared-experts checkpoint, saved
-to SAVE_DIR_PP.
+to SAVE_DIR_PP; then EP=2 with one MTP layer (an MoE layer) and DeepSeek-V3's router for MTP_EP2_STEPS
+steps from MTP_INIT_CKPT.
 Usage: msrun ... mindspore_parity_moe_worker.py OUT_DIR INIT_CKPT SAVE_DIR SAVE_DIR_TP BF16_INIT_CKPT
-       SHARED_INIT_CKPT SAVE_DIR_PP"""
+       SHARED_INIT_CKPT SAVE_DIR_PP MTP_INIT_CKPT"""
 import os
 import sys
 import traceback
@@ -28,6 +29,8 @@ ZERO_STEPS = 3
 PP_STEPS = 4
 # MoE at TP=2 without --moe-tp-extend-ep (every expert split over TP, mixtral's layout): steps, and where it saves
 TP_SHARDED_STEPS, TP_SHARDED_CKPT = 4, "ckpt_tp_sharded"
+# MTP's MoE layer at EP=2 (issue 55): the emulated all-to-all carries its tokens as the decoder's
+MTP_EP2_STEPS = 2
 
 
 def zero_runs(backend, out_dir, init_ckpt) -> dict:
@@ -42,9 +45,10 @@ def zero_runs(backend, out_dir, init_ckpt) -> dict:
             "tp2_extend_zero": ms_train(backend, 1, False, init_ckpt, steps=ZERO_STEPS, tp=2, extra=zero)}
 
 
-def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt, shared_init_ckpt, save_dir_pp):
+def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt, shared_init_ckpt, save_dir_pp, mtp_init_ckpt):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
-    from tests_extend.distributed.mindspore_parity_moe import COMM_FLAGS, MIXTRAL_FLAGS, ms_train
+    from tests_extend.distributed.mindspore_parity_moe import (COMM_FLAGS, MIXTRAL_FLAGS, MTP_FLAGS, ROUTER_FLAGS,
+                                                               ms_train)
     backend = MindSporeBackend("cpu")
     rank = backend.comm.rank()
     try:
@@ -63,11 +67,13 @@ def main(out_dir, init_ckpt, save_dir, save_dir_tp, bf16_init_ckpt, shared_init_
                                                           extra=("--bf16",)),
                                      **zero_runs(backend, out_dir, init_ckpt),
                                      "pp2": ms_train(backend, 1, True, shared_init_ckpt, save_dir=save_dir_pp,
-                                                     steps=PP_STEPS, pp=2)})
+                                                     steps=PP_STEPS, pp=2),
+                                     "ep2_mtp": ms_train(backend, 2, True, mtp_init_ckpt, steps=MTP_EP2_STEPS,
+                                                         extra=ROUTER_FLAGS + MTP_FLAGS)})
     except Exception:
         write_result(out_dir, rank, {"ok": False, "error": traceback.format_exc()})
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:8])
+    main(*sys.argv[1:9])
     end_worker()

@@ -130,6 +130,20 @@ def test_mtp_layer_is_moe_as_megatron_core_makes_it(ckpts, torch_ep1_runs, tmp_p
     assert other["eval_loss"] == pytest.approx(t["eval_loss"], abs=TOL)
 
 
+def test_mtp_moe_layer_at_ep2_matches_megatron_core(two_processes):
+    """The same MTP case at EP=2 on 2 processes (DP=2, each rank its batches; the MTP layer's tokens
+    exchanged between the ranks' experts by the emulated all-to-all, its expert-bias counts summed over DP):
+    Megatron-Core's losses and gradient norms over MTP_EP2_STEPS fp32 steps."""
+    ms, torch_runs = two_processes
+    for rank in range(2):
+        run, t = ms[rank]["ep2_mtp"], torch_runs[rank][5]
+        assert len(run["losses"]) == len(t["losses"]) >= 2
+        np.testing.assert_allclose(run["losses"], t["losses"], atol=TOL, rtol=0)
+        np.testing.assert_allclose(run["grad_norms"], t["grad_norms"], rtol=NORM_RTOL)
+        assert _held_experts(run) == {2 * rank, 2 * rank + 1}
+        assert "mtp.layers.0.transformer_layer.mlp.experts.local_experts.%d.linear_fc1.weight" % (2 * rank) in run["params"]
+
+
 def test_ep1_with_shared_experts_matches_megatron(ckpts, torch_ep1):
     from mindspeed.backends.mindspore.backend import MindSporeBackend
     ms = pm.ms_train(MindSporeBackend("cpu"), 1, True, ckpts["init_shared"])
@@ -158,11 +172,13 @@ def two_processes(ckpts):
     """One msrun launch (EP=2, its communication features and the allgather dispatcher, TP=2 extended, TP=2 with
     every expert split over TP, EP=2 in bf16, PP=2) and one gloo spawn (Megatron-Core at EP=2, at TP=2 extended,
     at EP=2 in bf16 and fp32 from the bf16 weights, at TP=2 with expert_tensor_parallel_size 2)."""
-    from tests_extend.distributed.mindspore_parity_moe_worker import BF16_STEPS, TP_SHARDED_CKPT, TP_SHARDED_STEPS
+    from tests_extend.distributed.mindspore_parity_moe_worker import (BF16_STEPS, MTP_EP2_STEPS, TP_SHARDED_CKPT,
+                                                                      TP_SHARDED_STEPS)
     out = ckpts["root"] / "msrun"
     out.mkdir()
     ms = run_msrun(WORKER, [str(out), ckpts["init"], ckpts["ms_final"], ckpts["ms_final_tp"], ckpts["init_bf16"],
-                            ckpts["init_shared"], ckpts["ms_final_pp"]], str(out), workers=2, timeout=600)
+                            ckpts["init_shared"], ckpts["ms_final_pp"], ckpts["init_mtp"]], str(out), workers=2,
+                 timeout=600)
     for rank in range(2):
         assert ms[rank]["ok"], ms[rank].get("error")
     torch_runs = run_distributed(pm.torch_layouts, world_size=2, args=(
@@ -170,7 +186,8 @@ def two_processes(ckpts):
          ((1, False, ckpts["init"], ckpts["ms_final_tp"]), {"tp": 2}),
          ((2, False, ckpts["init_bf16"]), {"steps": BF16_STEPS, "bf16": True}),
          ((2, False, ckpts["init_bf16"]), {"steps": BF16_STEPS}),
-         ((1, False, ckpts["init"], str(out / TP_SHARDED_CKPT), TP_SHARDED_STEPS), {"tp": 2, "expert_tp": True})],),
+         ((1, False, ckpts["init"], str(out / TP_SHARDED_CKPT), TP_SHARDED_STEPS), {"tp": 2, "expert_tp": True}),
+         ((2, True, ckpts["init_mtp"], None, MTP_EP2_STEPS), {"router": pm.ROUTER_FIELDS, "mtp": pm.MTP_FIELDS})],),
         timeout=400)
     return ms, torch_runs
 

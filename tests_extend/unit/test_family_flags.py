@@ -215,18 +215,18 @@ MTP = ["--mtp-num-layers", "1", "--untie-embeddings-and-output-weights", "--back
 @pytest.mark.parametrize("extra, lacking", [
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
-    (["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--expert-model-parallel-size", "2"],
-     "--expert-model-parallel-size > 1"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout/--attention-dropout > 0"),
     (["--reset-position-ids"], "--reset-position-ids"),
 ])
-def test_mtp_on_mindspore_runs_at_pp_tp_1_and_moe_at_ep_1_and_refuses_the_rest_before_any_work(extra, lacking):
+def test_mtp_on_mindspore_runs_at_pp_tp_1_with_moe_and_refuses_the_rest_before_any_work(extra, lacking):
     """The MindSpore trainer's MTP (test_mindspore_parity_mla_mtp.py and, with MoE layers,
     test_mindspore_parity_moe.py match Megatron-Core's) is planned at PP/TP/CP 1 without dropout, on dense
-    layers or MoE ones at EP 1; beyond that the gate refuses it in one line, naming what."""
+    layers or MoE ones (EP 1 and 2 checked); beyond that the gate refuses it in one line, naming what."""
     from mindspeed.adaptor_core import MindSpeedConfigError, plan
     assert "mtp" in {f.id for f in plan(MTP, unknown_flags="trainer").features}
-    assert "mtp" in {f.id for f in plan(MTP + ["--num-experts", "4", "--moe-ffn-hidden-size", "64"],
+    moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "64"]
+    assert "mtp" in {f.id for f in plan(MTP + moe, unknown_flags="trainer").features}
+    assert "mtp" in {f.id for f in plan(MTP + moe + ["--expert-model-parallel-size", "2"],
                                         unknown_flags="trainer").features}
     with pytest.raises(MindSpeedConfigError) as refused:
         plan(MTP + extra, unknown_flags="trainer")
