@@ -12,10 +12,13 @@ layer's residual hand-offs): by the time it runs, another micro-batch's forward 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import Counter
 
 WHY = "--recompute-granularity full under --moe-fb-overlap: each layer's compute nodes recompute in their backward"
 CHUNK_PLAN = "megatron.core.models.common.model_chunk_schedule_plan.TransformerModelChunkSchedulePlan"
 RECOMPUTED_NODES = ("attn", "mlp")       # the compute-stream nodes; the all-to-all nodes keep their outputs
+COMM_NODES = ("moe_dispatch", "moe_combine")
 log = logging.getLogger("mindspeed")
 
 
@@ -25,8 +28,8 @@ class SeenState:
     added to (the router's tokens per expert, the aux-loss log) keep their values: Megatron's own full
     recompute counts a layer once too (its first pass runs without grad, which the router skips)."""
 
-    def __init__(self, objects, counters):
-        self.objects, self.counters = objects, counters
+    def __init__(self, objects, counters, quiet):
+        self.objects, self.counters, self.quiet = objects, counters, quiet
         self.seen = [dict(vars(obj)) for obj in objects]
         self.present = self.counted = None
 
@@ -37,6 +40,7 @@ class SeenState:
             vars(obj).update(state)
 
     def __enter__(self):
+        self.quiet()
         self.present = [dict(vars(obj)) for obj in self.objects]
         self.counted = [(tensor, tensor.clone()) for tensor in self.counters()]
         self._load(self.objects, self.seen)
@@ -71,7 +75,39 @@ def _counters(layer):
     return tensors
 
 
-def recompute_node(node, layer) -> None:
+class CommInFlight:
+    """The MoE layers whose dispatch or combine forward is under way (on the side stream: fb_overlap.py):
+    they read the token dispatcher's state, which a recomputation of the same layer (the other
+    micro-batch's backward, at the middle layer of the combined step's pair) swaps, so it waits for them."""
+
+    def __init__(self):
+        self.layers, self.changed = Counter(), threading.Condition()
+
+    def track(self, node, layer) -> None:
+        submit, run = node.forward, node.forward_func
+
+        def forward(*args):                   # the host thread, before the node goes to the side stream
+            with self.changed:
+                self.layers[id(layer)] += 1
+            return submit(*args)
+
+        def forward_func(*args):              # where it runs
+            try:
+                return run(*args)
+            finally:
+                with self.changed:
+                    self.layers[id(layer)] -= 1
+                    self.changed.notify_all()
+        node.forward, node.forward_func = forward, forward_func
+
+    def quiet(self, layer):
+        def wait():
+            with self.changed:
+                self.changed.wait_for(lambda: not self.layers[id(layer)])
+        return wait
+
+
+def recompute_node(node, layer, in_flight: CommInFlight) -> None:
     """node's forward under a checkpoint; its inputs are kept (they are what the recomputation starts from)."""
     from contextlib import nullcontext
 
@@ -79,7 +115,8 @@ def recompute_node(node, layer) -> None:
     forward = node.forward_func
 
     def recomputed_forward(*inputs):
-        contexts = lambda: (nullcontext(), SeenState(_state_objects(node, layer), _counters(layer)))  # noqa: E731
+        contexts = lambda: (nullcontext(), SeenState(_state_objects(node, layer), _counters(layer),  # noqa: E731
+                                                     in_flight.quiet(layer)))
         return checkpoint(forward, *inputs, use_reentrant=False, context_fn=contexts)
     node.forward_func = recomputed_forward
     node.free_input = False
@@ -93,7 +130,7 @@ def recomputed(config, index: int, decoder: bool) -> bool:
     return not decoder or config.recompute_method != "block" or index < (config.recompute_num_layers or 0)
 
 
-def _build_layers(original):
+def _build_layers(original, in_flight: CommInFlight):
     def _build_layer_schedule_plan(self, module, comp_stream, comm_stream):
         first = len(self._transformer_layers)
         original(self, module, comp_stream, comm_stream)
@@ -103,7 +140,9 @@ def _build_layers(original):
         for index, plan in enumerate(self._transformer_layers[first:]):
             if recomputed(plan.layer.config, index, decoder):
                 for name in RECOMPUTED_NODES:
-                    recompute_node(getattr(plan, name), plan.layer)
+                    recompute_node(getattr(plan, name), plan.layer, in_flight)
+                for name in COMM_NODES if _moe_layer(plan.layer) is not None else ():
+                    in_flight.track(getattr(plan, name), plan.layer)
     return _build_layer_schedule_plan
 
 
@@ -114,4 +153,6 @@ def install(patcher, args) -> None:
         log.info("MindSpeed: --recompute-num-layers %s under --moe-fb-overlap: the combined step recomputes "
                  "each layer on its own (its nodes), not %s layers as one group", args.recompute_num_layers,
                  args.recompute_num_layers)
-    patcher.wrap(f"{CHUNK_PLAN}._build_layer_schedule_plan", _build_layers, reason=WHY)
+    in_flight = CommInFlight()
+    patcher.wrap(f"{CHUNK_PLAN}._build_layer_schedule_plan", lambda original: _build_layers(original, in_flight),
+                 reason=WHY)
