@@ -8,7 +8,8 @@ weights and batches, |loss diff| <= 1e-4 per step, gradient norms within 1e-4 re
   self_attention.linear_q_down_proj.weight, mtp.layers.0.eh_proj.weight, ...), gives MindSpore's evaluation loss;
 - MLA with the uncompressed query (linear_q_proj), plain RoPE and no norms; two MTP layers on the GQA model
   (each a few steps, PyNative).
-The gate's refusals (MLA at TP > 1; MTP beyond PP/TP/CP 1, dense, no dropout): unit/test_family_flags.py."""
+The gate's refusals (MLA at TP > 1; MTP beyond PP/TP/CP 1, with dropout): unit/test_family_flags.py; MTP with
+MoE layers: test_mindspore_parity_moe.py -k mtp."""
 import numpy as np
 import pytest
 
