@@ -30,7 +30,8 @@ class FusedEmaAdamW(Feature):
                  "EMA decay d; update t uses min(d, (1 + t) / (10 + t)) (upstream's warm-up)"))),
              switch("--use-ema", "validation and evaluation run with the EMA weights (needs "
                                  "--optimizer-selection fused_ema_adamw)"),
-             host("--optimizer", "adam"), host("--use-distributed-optimizer", False), host("--ckpt-format", "torch_dist"))
+             host("--optimizer", "adam"), host("--use-distributed-optimizer", False))
+    # --ckpt-format is read too: its default is megatron_defaults.HOST_FLAG_DEFAULTS' (defined once)
     requires = (Cap.MEGATRON_CORE,)
     backends = ("torch",)
     # upstream refuses it too: the bf16 parameters would be the masters' high halves, the EMA a third copy
